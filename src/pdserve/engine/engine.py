@@ -1,0 +1,241 @@
+"""The engine: one model, one KV pool, one scheduler; `step()` is schedule, run, update.
+
+Roles (config.role):
+- COLLOCATED: prefill and decode.
+- PREFILL: a request stops after token 0 unless that token already finishes it. Its blocks
+  stay held (state PREFILLED) and its output carries `kv_block_ids`, until `release()`.
+- DECODE: also takes `add_remote_request()`: blocks for the prompt are reserved (queued until
+  the pool has room; `reserved_blocks()` says when), filled from outside, and the request joins
+  the decode batch at `kv_ready()` with the token 0 that the prefill side sampled.
+
+Every request ends with all its blocks back in the pool: finished and aborted requests free
+theirs at once, preempted ones are recomputed, PREFILLED ones at `release()`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+import torch
+
+from pdserve.config import EngineConfig, Role
+from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.kv_cache import KVCache
+from pdserve.engine.model.config import ModelConfig
+from pdserve.engine.model.hub import load_tokenizer, resolve_model
+from pdserve.engine.model.loader import eos_token_ids, load_model
+from pdserve.engine.output_processor import OutputProcessor
+from pdserve.engine.outputs import RequestOutput
+from pdserve.engine.request import Request, RequestState
+from pdserve.engine.runner import ModelRunner
+from pdserve.engine.sampler import Sampler
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.scheduler import Scheduler
+
+DEFAULT_CHUNK_TOKENS = 512
+
+
+class Engine:
+    def __init__(self, config: EngineConfig) -> None:
+        path = resolve_model(config.model)
+        self.model_config = ModelConfig.from_folder(path)
+        self.config = config = _resolve(config, self.model_config)
+        self.tokenizer = load_tokenizer(path)
+        self.model = load_model(path, self.model_config, config.torch_dtype, config.device,
+                                config.max_model_len)
+        self.kv_cache = KVCache(self.model_config, _num_blocks(config, self.model_config),
+                                config.block_size, config.torch_dtype, config.device)
+        self.block_manager = BlockManager(self.kv_cache.num_blocks, config.block_size,
+                                          config.enable_prefix_caching)
+        self.scheduler = Scheduler(config, self.block_manager)
+        self.runner = ModelRunner(self.model, self.kv_cache, config.device)
+        self.sampler = Sampler(config.seed)
+        self.outputs = OutputProcessor(self.tokenizer, eos_token_ids(path, self.tokenizer),
+                                       config.max_model_len)
+        self.requests: dict[str, Request] = {}
+        self._pending: list[RequestOutput] = []  # outputs produced outside step()
+        self._ids = itertools.count()
+
+    # -- requests ------------------------------------------------------------------------------
+
+    def add_request(
+        self, prompt: str | list[int], params: SamplingParams | None = None,
+        request_id: str | None = None,
+    ) -> str:
+        req = self._new_request(prompt, params, request_id, remote_prefill=False)
+        self.scheduler.add(req)
+        return req.request_id
+
+    def add_remote_request(
+        self, prompt_token_ids: list[int], params: SamplingParams | None = None,
+        request_id: str | None = None,
+    ) -> str:
+        """Decode role: queue a request whose prompt KV will be written into its blocks."""
+        if self.config.role != Role.DECODE:
+            raise ValueError("add_remote_request() needs an engine in the decode role")
+        req = self._new_request(prompt_token_ids, params, request_id, remote_prefill=True)
+        self.scheduler.add(req)
+        self.scheduler.reserve_remote()
+        return req.request_id
+
+    def reserved_blocks(self, request_id: str) -> list[int] | None:
+        """The blocks reserved for a remote request's prompt KV, or None while it waits."""
+        req = self._get(request_id)
+        if req.state != RequestState.WAITING_FOR_KV:
+            raise ValueError(f"request {request_id} is not waiting for KV")
+        return list(req.block_ids) or None
+
+    def kv_ready(
+        self, request_id: str, first_token: int, logprob: float | None = None,
+        top_logprobs: dict[int, float] | None = None,
+    ) -> None:
+        """The reserved blocks hold the prompt's verified KV; decoding continues from token 0."""
+        req = self._get(request_id)
+        if req.state != RequestState.WAITING_FOR_KV or not req.block_ids:
+            raise ValueError(f"request {request_id} has no reserved blocks waiting for KV")
+        if not 0 <= first_token < self.model_config.vocab_size:
+            raise ValueError(f"first_token {first_token} is outside the vocabulary")
+        req.num_computed_tokens = req.num_prompt_tokens
+        self.block_manager.commit_computed(req)
+        finished = self.outputs.append_token(req, first_token, logprob, top_logprobs)
+        self.scheduler.kv_ready(req)
+        if finished is not None:
+            self._finish(req, finished)
+            self._pending.append(self.outputs.make_output(req))
+
+    def abort(self, request_id: str) -> None:
+        """End a request now and free its blocks. For a reserved remote request the caller
+        guarantees that no writer can still write into them."""
+        req = self.requests.get(request_id)
+        if req is None:
+            return
+        self.scheduler.remove(req)
+        self._finish(req, RequestState.FINISHED_ABORTED)
+        self._pending.append(self.outputs.make_output(req))
+
+    def release(self, request_id: str) -> None:
+        """Prefill role: the KV of a PREFILLED request has been handed over; free its blocks."""
+        req = self._get(request_id)
+        if req.state != RequestState.PREFILLED:
+            raise ValueError(f"request {request_id} is not prefilled and holding blocks")
+        self.block_manager.free(req)
+        del self.requests[request_id]
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_work() or bool(self._pending)
+
+    # -- the loop ------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        batch = self.scheduler.schedule()
+        outputs, self._pending = self._pending, []
+        if not batch.requests:
+            return outputs
+        logits, sampling = self.runner.run(batch)
+        sampled = self.sampler(logits, [r.params for r in sampling],
+                               [r.num_output_tokens for r in sampling]) if sampling else None
+        for req, n in zip(batch.requests, batch.num_new_tokens, strict=True):
+            req.num_computed_tokens += n
+            self.block_manager.commit_computed(req)
+        for i, req in enumerate(sampling):
+            outputs.append(self._update(req, sampled.token_ids[i], sampled.logprobs[i],
+                                        sampled.top_logprobs[i]))
+        return outputs
+
+    def _update(self, req: Request, token: int, logprob, top) -> RequestOutput:
+        finished = self.outputs.append_token(req, token, logprob, top)
+        if finished is not None:
+            self._finish(req, finished)
+            return self.outputs.make_output(req)
+        if self.config.role == Role.PREFILL:
+            self.scheduler.running.remove(req)
+            req.state = RequestState.PREFILLED
+            return self.outputs.make_output(req, kv_block_ids=list(req.block_ids))
+        return self.outputs.make_output(req)
+
+    def _finish(self, req: Request, state: RequestState) -> None:
+        if req in self.scheduler.running:
+            self.scheduler.running.remove(req)
+        self.block_manager.free(req)
+        req.state = state
+        del self.requests[req.request_id]
+
+    # -- validation ----------------------------------------------------------------------------
+
+    def _new_request(self, prompt, params, request_id, remote_prefill: bool) -> Request:
+        params = params if params is not None else SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
+        request_id = str(next(self._ids)) if request_id is None else request_id
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        token_ids, text = self._tokenize(prompt)
+        req = Request(request_id, token_ids, len(token_ids), params, remote_prefill=remote_prefill)
+        if self.block_manager.blocks_needed(len(token_ids) + 1) > self.block_manager.num_blocks:
+            raise ValueError(f"prompt of {len(token_ids)} tokens needs more KV blocks than the "
+                             f"pool has ({self.block_manager.num_blocks}); raise the KV memory")
+        self.requests[request_id] = req
+        self.outputs.add(req, text)
+        return req
+
+    def _tokenize(self, prompt: str | list[int]) -> tuple[list[int], str | None]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt is empty; give at least one character or token")
+            token_ids, text = self.tokenizer.encode(prompt), prompt
+        elif isinstance(prompt, list | tuple):
+            token_ids, text = list(prompt), None
+            bad = [t for t in token_ids if not isinstance(t, int) or isinstance(t, bool)
+                   or not 0 <= t < self.model_config.vocab_size]
+            if bad:
+                raise ValueError(f"prompt token ids must be ints in [0, "
+                                 f"{self.model_config.vocab_size}); got {bad[:5]}")
+        else:
+            raise ValueError(f"prompt must be a str or a list of token ids, got "
+                             f"{type(prompt).__name__}")
+        if not token_ids:
+            raise ValueError("prompt is empty; give at least one token")
+        if len(token_ids) >= self.config.max_model_len:
+            raise ValueError(f"prompt has {len(token_ids)} tokens but the context is "
+                             f"{self.config.max_model_len} (max_model_len), which must also "
+                             f"leave room for one new token; shorten the prompt")
+        return token_ids, text
+
+    def _get(self, request_id: str) -> Request:
+        req = self.requests.get(request_id)
+        if req is None:
+            raise ValueError(f"unknown request id {request_id!r}")
+        return req
+
+
+def _resolve(config: EngineConfig, model: ModelConfig) -> EngineConfig:
+    """Fill in defaults that depend on the model; refuse settings that could never run."""
+    max_len = config.max_model_len or model.max_context
+    if max_len > model.max_context:
+        raise ValueError(f"max_model_len {max_len} exceeds the model's context "
+                         f"{model.max_context}")
+    budget = config.max_num_batched_tokens
+    if budget is None:
+        budget = DEFAULT_CHUNK_TOKENS if config.enable_chunked_prefill else max_len
+    if not config.enable_chunked_prefill and budget < max_len:
+        raise ValueError(f"max_num_batched_tokens ({budget}) is below max_model_len "
+                         f"({max_len}): long prompts could never run; enable chunked prefill "
+                         f"or raise the budget")
+    if config.device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device {config.device!r} requested but CUDA is not available")
+    return dataclasses.replace(config, max_model_len=max_len, max_num_batched_tokens=budget)
+
+
+def _num_blocks(config: EngineConfig, model: ModelConfig) -> int:
+    if config.num_kv_blocks is not None:
+        n = config.num_kv_blocks
+    else:
+        n = config.kv_cache_bytes // KVCache.bytes_per_block(model, config.block_size,
+                                                             config.torch_dtype)
+    need = -(-config.max_model_len // config.block_size)
+    if n < need:
+        raise ValueError(f"the KV pool has {n} blocks but one sequence of max_model_len "
+                         f"({config.max_model_len}) needs {need}; give more KV memory or "
+                         f"lower max_model_len")
+    return n

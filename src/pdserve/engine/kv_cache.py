@@ -1,0 +1,58 @@
+"""The paged KV pool of one engine.
+
+Layout: one tensor [num_blocks, num_layers, 2 (K, V), block_size, kv_heads, head_dim]. A block
+id addresses the same token slots in every layer, and one block is one contiguous region
+holding every layer's K and V: moving a request's KV is one region per block, the fewest
+descriptors a transfer can have (NIXL moves few large regions much faster than many small
+ones, DESIGN.md s5). A (block, layer) slice is still contiguous for layer-wise streaming.
+Attention reads a layer through a strided view, gathering blocks by id.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pdserve.engine.model.config import ModelConfig
+
+
+class KVCache:
+    def __init__(
+        self,
+        model: ModelConfig,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.num_layers = model.num_layers
+        # [num_blocks, layers, 2, block_size, kv_heads, head_dim]
+        self.data = torch.zeros(
+            num_blocks, model.num_layers, 2, block_size, model.num_kv_heads, model.head_dim,
+            dtype=dtype, device=device,
+        )
+        # per layer: K and V views of [num_blocks, block_size, kv_heads, head_dim]
+        self.layers = [(self.data[:, i, 0], self.data[:, i, 1]) for i in range(self.num_layers)]
+
+    @staticmethod
+    def bytes_per_block(model: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+        return block_size * model.kv_bytes_per_token(torch.finfo(dtype).bits // 8)
+
+    @property
+    def block_nbytes(self) -> int:
+        return self.data[0].numel() * self.data.element_size()
+
+    def block(self, block_id: int) -> torch.Tensor:
+        """One block's KV for every layer: [layers, 2, block_size, kv_heads, head_dim]."""
+        return self.data[block_id]
+
+    def copy_blocks_from(self, src: KVCache, src_ids: list[int], dst_ids: list[int]) -> None:
+        """In-process hand-over: block src_ids[i] of `src` into block dst_ids[i] of this pool."""
+        if len(src_ids) != len(dst_ids):
+            raise ValueError(f"{len(src_ids)} source blocks but {len(dst_ids)} destinations")
+        if src.data.shape[1:] != self.data.shape[1:] or src.data.dtype != self.data.dtype:
+            raise ValueError("KV pools differ in layout or dtype; blocks cannot be copied")
+        idx_src = torch.tensor(src_ids, dtype=torch.long, device=src.data.device)
+        idx_dst = torch.tensor(dst_ids, dtype=torch.long, device=self.data.device)
+        self.data[idx_dst] = src.data[idx_src].to(self.data.device)

@@ -1,0 +1,136 @@
+"""Llama-family decoder (Llama, Qwen2, Mistral): GQA, RoPE, RMSNorm, SwiGLU.
+
+Parameter names follow Hugging Face except that q/k/v and gate/up projections are fused into
+`qkv_proj` and `gate_up_proj` (fewer, larger matmuls per layer); `load_hf_weights` fuses them.
+Norms compute in fp32 and cast back, exactly as HF does, so fp32 runs match HF to rounding.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pdserve.engine.kv_cache import KVCache
+from pdserve.engine.model.attention import AttentionMetadata, paged_attention
+from pdserve.engine.model.config import ModelConfig
+from pdserve.engine.model.rope import RotaryEmbedding
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x [T, dim]; y = w * x / sqrt(mean(x^2) + eps)  (Zhang & Sennrich 2019)
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.h, self.kvh, self.d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        out = (self.h + 2 * self.kvh) * self.d
+        self.qkv_proj = nn.Linear(cfg.hidden_size, out, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.h * self.d, cfg.hidden_size, bias=False)
+        self.scale = self.d**-0.5
+
+    def forward(self, x, positions, rope: RotaryEmbedding, kv: tuple, meta: AttentionMetadata):
+        t = x.shape[0]
+        qkv = self.qkv_proj(x)  # [T, (H + 2 KVH) D]
+        q, k, v = qkv.split([self.h * self.d, self.kvh * self.d, self.kvh * self.d], dim=-1)
+        q, k = rope(positions, q.view(t, self.h, self.d), k.view(t, self.kvh, self.d))
+        o = paged_attention(q, k, v.view(t, self.kvh, self.d), *kv, meta, self.scale)
+        return self.o_proj(o.reshape(t, self.h * self.d))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.inter = cfg.intermediate_size
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * self.inter, bias=False)
+        self.down_proj = nn.Linear(self.inter, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)  # [T, I] each
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, positions, rope, kv, meta):
+        x = x + self.self_attn(self.input_layernorm(x), positions, rope, kv, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.rope = rope
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)  # [T, hidden]
+        for layer, kv in zip(self.layers, kv_cache.layers, strict=True):
+            x = layer(x, positions, self.rope, kv, meta)
+        return self.norm(x)  # [T, hidden]
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)  # [N, vocab]
+
+    def load_hf_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        """Copy a HF state dict in, fusing q/k/v and gate/up; any missing tensor is an error."""
+        fused = _fuse(weights, self.cfg)
+        own = self.state_dict()
+        missing = [k for k in own if k not in fused]
+        if missing:
+            raise ValueError(f"weights are missing {len(missing)} tensors, e.g. {missing[:3]}")
+        for name, param in own.items():
+            src = fused[name]
+            if src.shape != param.shape:
+                raise ValueError(f"weight {name}: shape {tuple(src.shape)}, "
+                                 f"model expects {tuple(param.shape)}")
+            with torch.no_grad():
+                param.copy_(src)
+
+
+def _fuse(w: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    out = {k.removeprefix("model."): v for k, v in w.items()}
+    for i in range(cfg.num_layers):
+        a, m = f"layers.{i}.self_attn.", f"layers.{i}.mlp."
+        for kind in ("weight", "bias"):
+            parts = [out.pop(f"{a}{p}_proj.{kind}", None) for p in "qkv"]
+            if all(p is not None for p in parts):
+                out[f"{a}qkv_proj.{kind}"] = torch.cat(parts, dim=0)
+        gate, up = out.pop(f"{m}gate_proj.weight", None), out.pop(f"{m}up_proj.weight", None)
+        if gate is not None and up is not None:
+            out[f"{m}gate_up_proj.weight"] = torch.cat([gate, up], dim=0)
+    if "lm_head.weight" in w:
+        out["lm_head.weight"] = w["lm_head.weight"]
+    elif cfg.tie_word_embeddings:
+        out["lm_head.weight"] = out["embed_tokens.weight"]
+    return out

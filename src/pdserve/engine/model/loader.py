@@ -1,0 +1,42 @@
+"""Builds a model on its device in its dtype and fills it from a Hugging Face folder."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from pdserve.engine.model.config import ModelConfig
+from pdserve.engine.model.hub import load_weights
+from pdserve.engine.model.llama import LlamaForCausalLM
+from pdserve.engine.model.rope import RotaryEmbedding
+
+
+def load_model(
+    path: Path, cfg: ModelConfig, dtype: torch.dtype, device: str, max_positions: int
+) -> LlamaForCausalLM:
+    rope = RotaryEmbedding(cfg, max_positions, device)
+    with torch.device("meta"):  # no time spent initialising weights that are overwritten
+        model = LlamaForCausalLM(cfg, rope)
+    model.to_empty(device=device)
+    model.to(dtype)
+    if cfg.tie_word_embeddings:  # to_empty() makes new parameters: tie them again
+        model.lm_head.weight = model.embed_tokens.weight
+    model.load_hf_weights(load_weights(path, dtype))
+    return model.eval()
+
+
+def eos_token_ids(path: Path, tokenizer) -> tuple[int, ...]:
+    """Every id that ends generation: config.json's, generation_config.json's, the tokenizer's.
+
+    Instruct models often name the chat turn end (e.g. <|im_end|>) only in one of them.
+    """
+    ids: list[int] = list(ModelConfig.from_folder(path).eos_token_ids)
+    gen = Path(path) / "generation_config.json"
+    if gen.is_file():
+        eos = json.loads(gen.read_text()).get("eos_token_id")
+        ids += eos if isinstance(eos, list) else ([eos] if eos is not None else [])
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.append(tokenizer.eos_token_id)
+    return tuple(dict.fromkeys(int(i) for i in ids))

@@ -1,0 +1,57 @@
+"""Rotary position embedding, computed the way Hugging Face Llama computes it.
+
+inv_freq[i] = theta^(-2i/d) (RoFormer, Su et al. 2021); the "llama3" variant rescales long
+wavelengths (Llama 3.1 report; transformers `_compute_llama3_parameters`). cos/sin tables are
+built once in fp32 with the same operations as HF so fp32 results match bit for bit.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from pdserve.engine.model.config import ModelConfig
+
+
+def inv_frequencies(cfg: ModelConfig) -> torch.Tensor:
+    d = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    scaling = cfg.rope_scaling or {}
+    if scaling.get("rope_type", scaling.get("type", "default")) == "llama3":
+        inv_freq = _llama3_scale(inv_freq, scaling)
+    return inv_freq  # [d/2]
+
+
+def _llama3_scale(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
+    factor, low, high = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
+    old_len = s["original_max_position_embeddings"]
+    low_wavelen, high_wavelen = old_len / low, old_len / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+class RotaryEmbedding:
+    def __init__(self, cfg: ModelConfig, max_positions: int, device: torch.device | str) -> None:
+        inv_freq = inv_frequencies(cfg).to(device)
+        pos = torch.arange(max_positions, device=device).float()
+        freqs = pos[:, None] * inv_freq[None, :]  # [P, d/2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [P, d]
+        self.cos, self.sin = emb.cos(), emb.sin()  # fp32 [P, d]
+
+    def __call__(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # positions [T]; q [T, H, D]; k [T, KVH, D]
+        cos = self.cos[positions].to(q.dtype)[:, None, :]  # [T, 1, D]
+        sin = self.sin[positions].to(q.dtype)[:, None, :]
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)

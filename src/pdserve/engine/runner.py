@@ -1,0 +1,92 @@
+"""Turns a scheduled batch into model inputs, runs the model, returns the rows to sample.
+
+Rows are laid out prefills first (each request's new tokens contiguous), then one row per
+decoding request, so attention can batch every decode at once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pdserve.engine.kv_cache import KVCache
+from pdserve.engine.model.attention import AttentionMetadata, PrefillSeq
+from pdserve.engine.model.llama import LlamaForCausalLM
+from pdserve.engine.request import Request
+from pdserve.engine.scheduler import SchedulerOutput
+
+
+@dataclass
+class ModelInputs:
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    meta: AttentionMetadata
+    sample_rows: list[int]  # row of each sampling request's last token
+    sampling: list[Request]  # requests that sample a token this step, aligned with sample_rows
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, device: str) -> None:
+        self.model = model
+        self.kv_cache = kv_cache
+        self.device = device
+        self.block_size = kv_cache.block_size
+
+    def run(self, batch: SchedulerOutput) -> tuple[torch.Tensor, list[Request]]:
+        """Compute the batch; return logits [N, vocab] for the N requests that sample."""
+        inputs = self.prepare(batch)
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.meta)
+        if not inputs.sampling:
+            return hidden.new_empty(0, self.model.cfg.vocab_size), []
+        rows = torch.tensor(inputs.sample_rows, device=hidden.device)
+        return self.model.compute_logits(hidden[rows]), inputs.sampling
+
+    def prepare(self, batch: SchedulerOutput) -> ModelInputs:
+        pairs = list(zip(batch.requests, batch.num_new_tokens, strict=True))
+        prefills = [(r, n) for r, n in pairs if n > 1]
+        decodes = [(r, n) for r, n in pairs if n == 1]
+        ids: list[int] = []
+        pos: list[int] = []
+        seqs: list[PrefillSeq] = []
+        sample_rows: list[int] = []
+        sampling: list[Request] = []
+        for req, n in prefills + decodes:
+            start = req.num_computed_tokens
+            if n > 1:
+                seqs.append(PrefillSeq(len(ids), n, start + n, self._long(req.block_ids)))
+            ids.extend(req.token_ids[start : start + n])
+            pos.extend(range(start, start + n))
+            if start + n == req.num_tokens:
+                sample_rows.append(len(ids) - 1)
+                sampling.append(req)
+        positions = self._long(pos)
+        meta = AttentionMetadata(
+            slot_blocks=self._slot_blocks(prefills + decodes, positions),
+            slot_offsets=positions % self.block_size,
+            prefills=seqs,
+            decode_start=len(ids) - len(decodes),
+            decode_block_tables=self._block_table([r for r, _ in decodes]) if decodes else None,
+            decode_context_lens=(self._long([r.num_computed_tokens + 1 for r, _ in decodes])
+                                 if decodes else None),
+        )
+        return ModelInputs(self._long(ids), positions, meta, sample_rows, sampling)
+
+    def _slot_blocks(self, pairs: list[tuple[Request, int]], positions: torch.Tensor):
+        blocks: list[int] = []
+        for req, n in pairs:
+            start = req.num_computed_tokens
+            first, last = start // self.block_size, (start + n - 1) // self.block_size
+            for b in range(first, last + 1):
+                lo = max(start, b * self.block_size)
+                hi = min(start + n, (b + 1) * self.block_size)
+                blocks.extend([req.block_ids[b]] * (hi - lo))
+        return self._long(blocks)
+
+    def _block_table(self, reqs: list[Request]) -> torch.Tensor:
+        width = max((r.num_computed_tokens + self.block_size) // self.block_size for r in reqs)
+        rows = [r.block_ids[:width] + [0] * (width - len(r.block_ids[:width])) for r in reqs]
+        return self._long(rows)
+
+    def _long(self, values: list) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long, device=self.device)

@@ -1,0 +1,246 @@
+"""Turns a batch of next-token logits into token ids (and optional logprobs).
+
+Invariants:
+- Greedy rows (`SamplingParams.greedy`) take `torch.argmax` of the raw logits: the first
+  maximal index.
+- Sampled rows apply, in order: temperature scaling, top-k, top-p, then the exponential race
+  `argmax(probs / E)` with `E ~ Exp(1)` i.i.d. per vocabulary entry, which draws exactly from
+  the filtered distribution. Ties at a top-k or top-p cutoff are all kept.
+- Path independence: a row whose `SamplingParams.seed` is set draws its noise from a fresh
+  generator seeded with `mix_seed(seed, position)`, so the token at output position `p` depends
+  only on that row's logits, params and `p`: not on the batch, the row's index in it, other
+  rows, earlier positions or the engine that samples it (on the same device type).
+- Unseeded rows draw from the sampler's own generator (one per device, seeded at construction).
+- Logprobs are `log_softmax` of the raw logits (before temperature and filtering), in fp32.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pdserve.engine.sampling_params import SamplingParams
+
+_MASK64 = (1 << 64) - 1
+_GOLDEN64 = 0x9E3779B97F4A7C15
+# Candidate pools for top-p, smallest first: a row whose nucleus fits in the top this-many
+# tokens avoids sorting its whole vocabulary.
+_TOP_P_POOLS = (1024, 8192)
+
+
+@dataclass
+class SamplerOutput:
+    """One entry per batch row, in batch order.
+
+    `logprobs[i]` is set when `params[i].logprobs is not None`; `top_logprobs[i]` (token id ->
+    logprob, most likely first, `params[i].logprobs` entries) when `params[i].logprobs > 0`.
+    """
+
+    token_ids: list[int]
+    logprobs: list[float | None]
+    top_logprobs: list[dict[int, float] | None]
+
+
+def mix_seed(seed: int, position: int) -> int:
+    """A 63-bit generator seed from (request seed, output position): splitmix64 finalizer."""
+    x = ((seed & _MASK64) ^ ((position + 1) * _GOLDEN64)) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (x ^ (x >> 31)) >> 1
+
+
+def apply_top_k(scaled: torch.Tensor, top_k: torch.Tensor) -> None:
+    """Set to -inf, in place, every logit below its row's k-th largest (k = 0: keep all).
+
+    scaled: [S, V] fp32; top_k: [S] int64 with 0 <= k.
+    """
+    vocab = scaled.shape[1]
+    k = top_k.clamp(max=vocab)
+    rows = (k > 0) & (k < vocab)  # [S]
+    if not bool(rows.any()):
+        return
+    sub = scaled[rows]  # [R, V]
+    k_sub = k[rows]  # [R]
+    kth = sub.topk(int(k_sub.max()), dim=-1).values.gather(1, (k_sub - 1)[:, None])  # [R, 1]
+    scaled[rows] = sub.masked_fill(sub < kth, float("-inf"))
+
+
+def _nucleus_threshold(
+    sorted_probs: torch.Tensor, top_p: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Smallest kept probability per row: the set ending where the cumulative sum reaches top_p.
+
+    sorted_probs: [R, M] descending; top_p: [R]. Returns the threshold [R, 1] (always keeping
+    the first token) and [R] bool: whether the cumulative sum reached top_p within the M tokens.
+    """
+    cum = sorted_probs.cumsum(dim=-1)  # [R, M]
+    kept = ((cum - sorted_probs) < top_p[:, None]).sum(dim=-1).clamp(min=1)  # [R]
+    return sorted_probs.gather(1, (kept - 1)[:, None]), cum[:, -1] >= top_p
+
+
+def apply_top_p(probs: torch.Tensor, top_p: torch.Tensor) -> None:
+    """Zero, in place, every probability outside its row's nucleus (top_p = 1: keep all).
+
+    probs: [S, V] fp32 rows summing to 1; top_p: [S] in (0, 1]. The nucleus is searched in the
+    top `_TOP_P_POOLS[0]` tokens first (a partial top-k, far cheaper than a sort); rows whose
+    nucleus reaches past a pool retry with the next, larger one, and finally the whole row.
+    """
+    rows = (top_p < 1.0).nonzero().flatten()  # [R]
+    if rows.numel() == 0:
+        return
+    sub, p_sub = probs[rows], top_p[rows]  # [R, V], [R]
+    thr = torch.empty((len(rows), 1), device=probs.device)  # [R, 1]
+    pending = torch.arange(len(rows), device=probs.device)  # rows of sub still unresolved
+    for pool_size in (*_TOP_P_POOLS, sub.shape[1]):
+        size = min(pool_size, sub.shape[1])
+        pool = sub[pending].topk(size, dim=-1).values  # [P, size] descending
+        found, resolved = _nucleus_threshold(pool, p_sub[pending])  # [P, 1], [P]
+        if size == sub.shape[1]:  # the whole row: fp32 rounding may leave the sum below top_p
+            resolved.fill_(True)
+        thr[pending[resolved]] = found[resolved]
+        pending = pending[~resolved]
+        if pending.numel() == 0:
+            break
+    probs[rows] = sub.masked_fill(sub < thr, 0.0)
+
+
+def first_argmax(x: torch.Tensor) -> torch.Tensor:
+    """[B, V] -> [B]: index of the first maximum per row, as `torch.argmax` (faster on CPU)."""
+    return x.max(dim=-1).indices
+
+
+class Sampler:
+    """Stateless apart from the generators that feed unseeded rows."""
+
+    def __init__(self, seed: int = 0) -> None:
+        if not isinstance(seed, int) or isinstance(seed, bool):
+            raise ValueError(f"Sampler seed must be an int, got {seed!r}")
+        self._seed = seed
+        self._generators: dict[torch.device, torch.Generator] = {}
+
+    def __call__(
+        self, logits: torch.Tensor, params: list[SamplingParams], positions: list[int]
+    ) -> SamplerOutput:
+        """logits: [B, V] any float dtype; positions[i]: output index of the token sampled."""
+        _check_inputs(logits, params, positions)
+        greedy = [p.greedy for p in params]
+        if all(greedy):
+            tokens = first_argmax(logits)  # [B]
+        else:
+            tokens = self._sample_mixed(logits, params, positions, greedy)
+        token_list: list[int] = tokens.tolist()
+        logprobs, top = _gather_logprobs(logits, params, tokens)
+        return SamplerOutput(token_ids=token_list, logprobs=logprobs, top_logprobs=top)
+
+    def _sample_mixed(
+        self,
+        logits: torch.Tensor,
+        params: list[SamplingParams],
+        positions: list[int],
+        greedy: list[bool],
+    ) -> torch.Tensor:
+        sampled = [i for i, g in enumerate(greedy) if not g]
+        if len(sampled) == len(params):
+            return self._sample(logits, params, positions)
+        tokens = first_argmax(logits)  # [B]
+        idx = torch.tensor(sampled, device=logits.device)
+        sub_tokens = self._sample(
+            logits.index_select(0, idx),
+            [params[i] for i in sampled],
+            [positions[i] for i in sampled],
+        )
+        return tokens.index_copy(0, idx, sub_tokens)
+
+    def _sample(
+        self, logits: torch.Tensor, params: list[SamplingParams], positions: list[int]
+    ) -> torch.Tensor:
+        """Sample every row of logits [S, V] (no greedy rows); returns [S] int64."""
+        dev = logits.device
+        temps = torch.tensor([p.temperature for p in params], device=dev)  # [S]
+        scaled = logits.float() / temps[:, None]  # [S, V]
+        apply_top_k(scaled, torch.tensor([p.effective_top_k for p in params], device=dev))
+        probs = scaled.softmax(dim=-1)  # [S, V]
+        apply_top_p(probs, torch.tensor([p.top_p for p in params], device=dev))
+        log_u = self._log_uniform(probs.shape, params, positions, dev)  # [S, V]
+        # Exponential race: E = -log(U) ~ Exp(1) and the winner maximizes probs / E, i.e.
+        # minimizes probs / log(U). U = 0 gives -0.0, which never wins.
+        return probs.div_(log_u).min(dim=-1).indices
+
+    def _log_uniform(
+        self,
+        shape: torch.Size,
+        params: list[SamplingParams],
+        positions: list[int],
+        device: torch.device,
+    ) -> torch.Tensor:
+        """[S, V] of log(U), U ~ U[0, 1): all < 0 (-inf where U = 0)."""
+        uniform = torch.empty(shape, device=device)  # [S, V]
+        if any(p.seed is None for p in params):
+            self._fill_unseeded(uniform, params, device)
+        for i, p in enumerate(params):
+            if p.seed is not None:
+                gen = torch.Generator(device=device)
+                gen.manual_seed(mix_seed(p.seed, positions[i]))
+                uniform[i].uniform_(generator=gen)
+        return uniform.log_()
+
+    def _fill_unseeded(
+        self, uniform: torch.Tensor, params: list[SamplingParams], device: torch.device
+    ) -> None:
+        gen = self._generator(device)
+        if all(p.seed is None for p in params):
+            uniform.uniform_(generator=gen)
+            return
+        idx = torch.tensor([i for i, p in enumerate(params) if p.seed is None], device=device)
+        draws = torch.empty((len(idx), uniform.shape[1]), device=device).uniform_(generator=gen)
+        uniform.index_copy_(0, idx, draws)
+
+    def _generator(self, device: torch.device) -> torch.Generator:
+        gen = self._generators.get(device)
+        if gen is None:
+            gen = torch.Generator(device=device)
+            gen.manual_seed(self._seed & _MASK64)
+            self._generators[device] = gen
+        return gen
+
+
+def _check_inputs(logits: torch.Tensor, params: list[SamplingParams], positions: list[int]) -> None:
+    if logits.dim() != 2 or not logits.is_floating_point():
+        raise ValueError(
+            f"logits must be a float [batch, vocab] tensor, "
+            f"got {logits.dtype} {tuple(logits.shape)}"
+        )
+    if not len(params) == len(positions) == logits.shape[0]:
+        raise ValueError(
+            f"need one SamplingParams and one position per logits row: {logits.shape[0]} rows, "
+            f"{len(params)} params, {len(positions)} positions"
+        )
+    if any(p < 0 for p in positions):
+        raise ValueError(f"positions must be >= 0 (0 = first generated token), got {positions}")
+
+
+def _gather_logprobs(
+    logits: torch.Tensor, params: list[SamplingParams], tokens: torch.Tensor
+) -> tuple[list[float | None], list[dict[int, float] | None]]:
+    """Chosen-token and top-k logprobs of the raw distribution, for rows that asked."""
+    chosen: list[float | None] = [None] * len(params)
+    top: list[dict[int, float] | None] = [None] * len(params)
+    rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+    if not rows:
+        return chosen, top
+    idx = torch.tensor(rows, device=logits.device)
+    lp = logits.index_select(0, idx).float().log_softmax(dim=-1)  # [R, V]
+    picked = lp.gather(1, tokens.index_select(0, idx)[:, None]).squeeze(1).tolist()  # [R]
+    for j, i in enumerate(rows):
+        chosen[i] = picked[j]
+    max_k = max(params[i].logprobs or 0 for i in rows)
+    if max_k == 0:
+        return chosen, top
+    top_vals, top_ids = lp.topk(min(max_k, lp.shape[1]), dim=-1)  # [R, K]
+    vals, ids = top_vals.tolist(), top_ids.tolist()
+    for j, i in enumerate(rows):
+        k = params[i].logprobs or 0
+        if k:
+            top[i] = dict(zip(ids[j][:k], vals[j][:k], strict=True))
+    return chosen, top

@@ -1,0 +1,139 @@
+"""Continuous batching under a token budget, with chunked prefill and preemption.
+
+Each step every scheduled request computes tokens [num_computed, num_computed + n) of its
+`token_ids`: a whole prompt (prefill), a chunk of it (chunked prefill), every token again after
+a preemption (recompute), or the one newest token (decode). A request whose computed count
+reaches its length samples a new token. Running requests go first, oldest first, so decodes
+are never starved by new prompts; waiting requests are admitted in arrival order while the
+budget, the sequence cap and the free blocks allow.
+
+Memory: a request is admitted only with blocks for all its current tokens, and a decode step
+needs at most one new block. When none is free the newest running request is preempted: its
+blocks are freed and it waits to be recomputed. Requests in WAITING_FOR_KV are never
+preempted: blocks that an outside writer may be filling stay theirs until they are verified or
+the writer is known to be gone.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from pdserve.config import EngineConfig
+from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.request import Request, RequestState
+
+
+@dataclass
+class SchedulerOutput:
+    """One step's work: `num_new_tokens[i]` tokens of `requests[i]` to compute."""
+
+    requests: list[Request] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+    def add(self, req: Request, n: int) -> None:
+        self.requests.append(req)
+        self.num_new_tokens.append(n)
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, block_manager: BlockManager) -> None:
+        self.config = config
+        self.bm = block_manager
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.waiting_for_kv: list[Request] = []  # decode role: reserved or queued for blocks
+        self.num_preemptions = 0  # since start, for metrics and tests
+
+    def add(self, req: Request) -> None:
+        if req.remote_prefill:
+            req.state = RequestState.WAITING_FOR_KV
+            self.waiting_for_kv.append(req)
+        else:
+            self.waiting.append(req)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        budget = self._schedule_running(out, budget)
+        if not out.preempted:
+            self._schedule_waiting(out, budget)
+        self.reserve_remote()
+        return out
+
+    def remove(self, req: Request) -> None:
+        """Take a request out of whichever queue holds it (its blocks are the caller's)."""
+        for queue in (self.running, self.waiting_for_kv):
+            if req in queue:
+                queue.remove(req)
+        if req in self.waiting:
+            self.waiting.remove(req)
+
+    def kv_ready(self, req: Request) -> None:
+        """A reserved remote request's KV is complete and verified: it joins the decode batch."""
+        self.waiting_for_kv.remove(req)
+        req.state = RequestState.RUNNING
+        self.running.append(req)
+
+    # -- internals ----------------------------------------------------------------------------
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            while not self.bm.can_append(req):
+                victim = self.running[-1]
+                self._preempt(victim, out)
+                if victim is req:
+                    break
+            else:
+                self.bm.append(req)
+                out.add(req, n)
+                budget -= n
+                i += 1
+                continue
+            break  # `req` itself was preempted: nothing after it runs either
+        return budget
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        chunked = self.config.enable_chunked_prefill
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting[0]
+            cached = len(self.bm.match_prefix(req.token_ids)) * self.bm.block_size
+            remaining = req.num_tokens - cached
+            if (remaining > budget and not chunked) or not self.bm.can_allocate(req):
+                break
+            self.bm.allocate(req)
+            self.waiting.popleft()
+            req.state = RequestState.RUNNING
+            self.running.append(req)
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            out.add(req, n)
+            budget -= n
+
+    def reserve_remote(self) -> None:
+        for req in self.waiting_for_kv:
+            if req.block_ids:
+                continue
+            if not self.bm.can_allocate(req, use_prefix_cache=False):
+                break  # first come, first served: later ones wait behind it
+            self.bm.allocate(req, use_prefix_cache=False)
+
+    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+        self.running.remove(req)
+        self.bm.free(req)
+        req.num_computed_tokens = 0
+        req.state = RequestState.WAITING
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+        out.preempted.append(req)

@@ -1,0 +1,55 @@
+"""Shared fixtures: tiny random-weight models and their Hugging Face reference outputs."""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from pdserve.testing.tiny_models import write_tiny_model
+
+torch.set_num_threads(min(2, torch.get_num_threads()))
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> Callable[..., Path]:
+    """tiny_model(arch="llama", **overrides) -> folder, written once per argument set."""
+
+    made: dict[str, Path] = {}
+
+    def make(arch: str = "llama", **overrides) -> Path:
+        key = json.dumps([arch, overrides], sort_keys=True)
+        if key not in made:
+            made[key] = write_tiny_model(tmp_path_factory.mktemp(arch), arch, **overrides)
+        return made[key]
+
+    return make
+
+
+@functools.cache
+def _hf_model(path: Path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def hf_greedy(path: Path, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """transformers' greedy continuation of `prompt`, ignoring EOS."""
+    model = _hf_model(path)
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, do_sample=False,
+            pad_token_id=None, eos_token_id=None,
+        )
+    return out[0, len(prompt):].tolist()
+
+
+def hf_logits(path: Path, prompt: list[int]) -> torch.Tensor:
+    """transformers' fp32 logits for every position of `prompt`: [len, vocab]."""
+    with torch.no_grad():
+        return _hf_model(path)(torch.tensor([prompt])).logits[0]
