@@ -46,37 +46,37 @@ class IncrementalDetokenizer:
         self._tokens: list[int] = list(prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:])
         self._prefix_offset = 0
         self._read_offset = len(self._tokens)
-        self._pieces: list[str] = []
+        self._text = ""
 
     @property
     def text(self) -> str:
         """All output text emitted so far (the concatenation of the deltas)."""
-        if len(self._pieces) > 1:
-            self._pieces = ["".join(self._pieces)]
-        return self._pieces[0] if self._pieces else ""
+        return self._text
 
     def add(self, token_id: int) -> str:
         """Append one output token; return the newly final text (possibly "")."""
         self._tokens.append(token_id)
-        prefix_text = self._decode(self._tokens[self._prefix_offset : self._read_offset])
-        new_text = self._decode(self._tokens[self._prefix_offset :])
-        if len(new_text) <= len(prefix_text) or new_text.endswith(_REPLACEMENT_CHAR):
+        emitted, window = self._window_texts()
+        if len(window) <= len(emitted) or window.endswith(_REPLACEMENT_CHAR):
             return ""
-        return self._emit(new_text[len(prefix_text) :])
+        return self._emit(window[len(emitted) :])
 
     def flush(self) -> str:
         """Emit whatever is held back (an incomplete character becomes U+FFFD); for finishing."""
         if self._read_offset == len(self._tokens):
             return ""
-        prefix_text = self._decode(self._tokens[self._prefix_offset : self._read_offset])
-        new_text = self._decode(self._tokens[self._prefix_offset :])
-        return self._emit(new_text[len(prefix_text) :])
+        emitted, window = self._window_texts()
+        return self._emit(window[len(emitted) :])
+
+    def _window_texts(self) -> tuple[str, str]:
+        """Decoded window up to the read offset (already emitted) and the whole window."""
+        window = self._tokens[self._prefix_offset :]
+        return self._decode(window[: self._read_offset - self._prefix_offset]), self._decode(window)
 
     def _emit(self, delta: str) -> str:
         self._prefix_offset = self._read_offset
         self._read_offset = len(self._tokens)
-        if delta:
-            self._pieces.append(delta)
+        self._text += delta
         return delta
 
     def _decode(self, token_ids: list[int]) -> str:

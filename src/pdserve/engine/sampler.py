@@ -42,12 +42,24 @@ class SamplerOutput:
     top_logprobs: list[dict[int, float] | None]
 
 
-def mix_seed(seed: int, position: int) -> int:
-    """A 63-bit generator seed from (request seed, output position): splitmix64 finalizer."""
-    x = ((seed & _MASK64) ^ ((position + 1) * _GOLDEN64)) & _MASK64
+def _splitmix64(x: int) -> int:
+    """A bijection on 64-bit ints whose outputs look independent for nearby inputs."""
+    x = (x + _GOLDEN64) & _MASK64
     x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
     x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return (x ^ (x >> 31)) >> 1
+    return x ^ (x >> 31)
+
+
+def mix_seed(seed: int, position: int) -> int:
+    """A 63-bit generator seed from (request seed mod 2**64, output position)."""
+    return _splitmix64((_splitmix64(seed & _MASK64) + position) & _MASK64) >> 1
+
+
+def _select_rows(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """x[rows] ([R, V]), without a copy when rows is every row in order."""
+    if rows.numel() == x.shape[0]:
+        return x
+    return x.index_select(0, rows)
 
 
 def apply_top_k(scaled: torch.Tensor, top_k: torch.Tensor) -> None:
@@ -57,13 +69,14 @@ def apply_top_k(scaled: torch.Tensor, top_k: torch.Tensor) -> None:
     """
     vocab = scaled.shape[1]
     k = top_k.clamp(max=vocab)
-    rows = (k > 0) & (k < vocab)  # [S]
-    if not bool(rows.any()):
+    rows = ((k > 0) & (k < vocab)).nonzero().flatten()  # [R]
+    if rows.numel() == 0:
         return
-    sub = scaled[rows]  # [R, V]
-    k_sub = k[rows]  # [R]
-    kth = sub.topk(int(k_sub.max()), dim=-1).values.gather(1, (k_sub - 1)[:, None])  # [R, 1]
-    scaled[rows] = sub.masked_fill(sub < kth, float("-inf"))
+    k_rows = k[rows]  # [R]
+    top = _select_rows(scaled, rows).topk(int(k_rows.max()), dim=-1).values  # [R, max k]
+    kth = torch.full((scaled.shape[0], 1), float("-inf"), device=scaled.device)  # [S, 1]
+    kth[rows] = top.gather(1, (k_rows - 1)[:, None])
+    scaled.masked_fill_(scaled < kth, float("-inf"))
 
 
 def _nucleus_threshold(
@@ -86,23 +99,22 @@ def apply_top_p(probs: torch.Tensor, top_p: torch.Tensor) -> None:
     top `_TOP_P_POOLS[0]` tokens first (a partial top-k, far cheaper than a sort); rows whose
     nucleus reaches past a pool retry with the next, larger one, and finally the whole row.
     """
-    rows = (top_p < 1.0).nonzero().flatten()  # [R]
-    if rows.numel() == 0:
+    pending = (top_p < 1.0).nonzero().flatten()  # [R] rows still without a threshold
+    if pending.numel() == 0:
         return
-    sub, p_sub = probs[rows], top_p[rows]  # [R, V], [R]
-    thr = torch.empty((len(rows), 1), device=probs.device)  # [R, 1]
-    pending = torch.arange(len(rows), device=probs.device)  # rows of sub still unresolved
-    for pool_size in (*_TOP_P_POOLS, sub.shape[1]):
-        size = min(pool_size, sub.shape[1])
-        pool = sub[pending].topk(size, dim=-1).values  # [P, size] descending
-        found, resolved = _nucleus_threshold(pool, p_sub[pending])  # [P, 1], [P]
-        if size == sub.shape[1]:  # the whole row: fp32 rounding may leave the sum below top_p
+    vocab = probs.shape[1]
+    thr = torch.zeros((probs.shape[0], 1), device=probs.device)  # [S, 1]; 0 keeps all
+    for pool_size in (*_TOP_P_POOLS, vocab):
+        size = min(pool_size, vocab)
+        pool = _select_rows(probs, pending).topk(size, dim=-1).values  # [P, size] descending
+        found, resolved = _nucleus_threshold(pool, top_p[pending])  # [P, 1], [P]
+        if size == vocab:  # the whole row: fp32 rounding may leave the sum below top_p
             resolved.fill_(True)
         thr[pending[resolved]] = found[resolved]
         pending = pending[~resolved]
         if pending.numel() == 0:
             break
-    probs[rows] = sub.masked_fill(sub < thr, 0.0)
+    probs.masked_fill_(probs < thr, 0.0)
 
 
 def first_argmax(x: torch.Tensor) -> torch.Tensor:
@@ -158,7 +170,7 @@ class Sampler:
         """Sample every row of logits [S, V] (no greedy rows); returns [S] int64."""
         dev = logits.device
         temps = torch.tensor([p.temperature for p in params], device=dev)  # [S]
-        scaled = logits.float() / temps[:, None]  # [S, V]
+        scaled = (logits / temps[:, None]).float()  # [S, V] fp32 by type promotion
         apply_top_k(scaled, torch.tensor([p.effective_top_k for p in params], device=dev))
         probs = scaled.softmax(dim=-1)  # [S, V]
         apply_top_p(probs, torch.tensor([p.top_p for p in params], device=dev))
