@@ -43,6 +43,35 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_engine(args: argparse.Namespace) -> int:
+    from pdserve.bench.engine_bench import BenchSettings, main
+
+    batches = tuple(int(b) for b in args.batches.split(","))
+    return main(BenchSettings(model=args.model, batches=batches, decode_steps=args.decode_steps,
+                              prompt_len=args.prompt_len, repeats=args.repeats), args.json)
+
+
+def _add_bench(sub) -> None:
+    bench = sub.add_parser("bench", help="benchmarks, each beside a baseline measured in the "
+                                         "same run")
+    kinds = bench.add_subparsers(dest="bench", required=True)
+    eng = kinds.add_parser(
+        "engine", help="decode and prefill tok/s vs transformers and the roofline",
+        description="Decode tok/s at several batch sizes and prefill tok/s for one long "
+                    "prompt, each beside transformers generate() in the same process and the "
+                    "roofline from this machine's measured memory bandwidth and matmul peak. "
+                    "Medians of --repeats runs.")
+    eng.add_argument("--model", default="smollm2", help="default: %(default)s")
+    eng.add_argument("--batches", default="1,8,32", help="decode batch sizes (default: "
+                                                         "%(default)s)")
+    eng.add_argument("--decode-steps", type=int, default=32, help="default: %(default)s")
+    eng.add_argument("--prompt-len", type=int, default=1000,
+                     help="prefill prompt tokens (default: %(default)s)")
+    eng.add_argument("--repeats", type=int, default=3, help="default: %(default)s")
+    eng.add_argument("--json", action="store_true", help="one JSON object per measurement")
+    eng.set_defaults(func=_bench_engine)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="pdserve", description="Disaggregated prefill/decode LLM serving.")
@@ -61,6 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--raw", action="store_true",
                      help="send the prompt as plain text, without the chat template")
     gen.set_defaults(func=_generate)
+    _add_bench(sub)
     return parser
 
 

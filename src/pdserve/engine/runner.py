@@ -54,7 +54,8 @@ class ModelRunner:
         for req, n in prefills + decodes:
             start = req.num_computed_tokens
             if n > 1:
-                seqs.append(PrefillSeq(len(ids), n, start + n, self._long(req.block_ids)))
+                seqs.append(PrefillSeq(len(ids), n, start + n, self._long(req.block_ids),
+                                       self._prefill_mask(start, n)))
             ids.extend(req.token_ids[start : start + n])
             pos.extend(range(start, start + n))
             if start + n == req.num_tokens:
@@ -66,10 +67,11 @@ class ModelRunner:
             slot_offsets=positions % self.block_size,
             prefills=seqs,
             decode_start=len(ids) - len(decodes),
-            decode_block_tables=self._block_table([r for r, _ in decodes]) if decodes else None,
-            decode_context_lens=(self._long([r.num_computed_tokens + 1 for r, _ in decodes])
-                                 if decodes else None),
+            decode_blocks=None,
+            decode_mask=None,
         )
+        if decodes:
+            meta.decode_blocks, meta.decode_mask = self._decode_tables([r for r, _ in decodes])
         return ModelInputs(self._long(ids), positions, meta, sample_rows, sampling)
 
     def _slot_blocks(self, pairs: list[tuple[Request, int]], positions: torch.Tensor):
@@ -83,10 +85,25 @@ class ModelRunner:
                 blocks.extend([req.block_ids[b]] * (hi - lo))
         return self._long(blocks)
 
-    def _block_table(self, reqs: list[Request]) -> torch.Tensor:
-        width = max((r.num_computed_tokens + self.block_size) // self.block_size for r in reqs)
-        rows = [r.block_ids[:width] + [0] * (width - len(r.block_ids[:width])) for r in reqs]
-        return self._long(rows)
+    def _prefill_mask(self, start: int, n: int) -> torch.Tensor | None:
+        """Causal mask of n queries at positions [start, start + n) over [0, start + n)."""
+        if start == 0:
+            return None  # plain causal attention over this step's K/V
+        ctx = start + n
+        q_pos = torch.arange(start, ctx, device=self.device)
+        return torch.arange(ctx, device=self.device)[None, :] <= q_pos[:, None]  # [n, ctx]
+
+    def _decode_tables(self, reqs: list[Request]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Flat padded block tables [B * W] and the mask of real positions [B, 1, 1, W * bs]."""
+        lens = [r.num_computed_tokens + 1 for r in reqs]  # context includes the new token
+        width = max(-(-n // self.block_size) for n in lens)
+        flat: list[int] = []
+        for r in reqs:
+            row = r.block_ids[:width]
+            flat += row + [0] * (width - len(row))
+        pos = torch.arange(width * self.block_size, device=self.device)
+        mask = pos[None, :] < self._long(lens)[:, None]  # [B, W * bs]
+        return self._long(flat), mask[:, None, None, :]
 
     def _long(self, values: list) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)

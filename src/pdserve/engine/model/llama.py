@@ -14,7 +14,7 @@ from torch import nn
 from pdserve.engine.kv_cache import KVCache
 from pdserve.engine.model.attention import AttentionMetadata, paged_attention
 from pdserve.engine.model.config import ModelConfig
-from pdserve.engine.model.rope import RotaryEmbedding
+from pdserve.engine.model.rope import RotaryEmbedding, apply_rope
 
 
 class RMSNorm(nn.Module):
@@ -25,9 +25,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x [T, dim]; y = w * x / sqrt(mean(x^2) + eps)  (Zhang & Sennrich 2019)
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        # fp32 inside, cast back, then the weight: HF's rounding points (bit-identical here)
+        return self.weight * F.rms_norm(x.float(), self.weight.shape, eps=self.eps).to(x.dtype)
 
 
 class Attention(nn.Module):
@@ -39,12 +38,14 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.h * self.d, cfg.hidden_size, bias=False)
         self.scale = self.d**-0.5
 
-    def forward(self, x, positions, rope: RotaryEmbedding, kv: tuple, meta: AttentionMetadata):
-        t = x.shape[0]
+    def forward(self, x, rope: tuple, kv: tuple, meta: AttentionMetadata):
+        t, qk_width = x.shape[0], (self.h + self.kvh) * self.d
         qkv = self.qkv_proj(x)  # [T, (H + 2 KVH) D]
-        q, k, v = qkv.split([self.h * self.d, self.kvh * self.d, self.kvh * self.d], dim=-1)
-        q, k = rope(positions, q.view(t, self.h, self.d), k.view(t, self.kvh, self.d))
-        o = paged_attention(q, k, v.view(t, self.kvh, self.d), *kv, meta, self.scale)
+        # q and k heads are adjacent: one rotary pass over [T, H + KVH, D]
+        qk = apply_rope(qkv[:, :qk_width].view(t, self.h + self.kvh, self.d), *rope)
+        q, k = qk.split([self.h, self.kvh], dim=1)
+        v = qkv[:, qk_width:].view(t, self.kvh, self.d)
+        o = paged_attention(q, k, v, *kv, meta, self.scale)  # [T, H, D]
         return self.o_proj(o.reshape(t, self.h * self.d))
 
 
@@ -68,8 +69,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, positions, rope, kv, meta):
-        x = x + self.self_attn(self.input_layernorm(x), positions, rope, kv, meta)
+    def forward(self, x, rope, kv, meta):
+        x = x + self.self_attn(self.input_layernorm(x), rope, kv, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -94,8 +95,9 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         x = self.embed_tokens(input_ids)  # [T, hidden]
+        rope = self.rope.tables(positions, x.dtype)  # shared by every layer
         for layer, kv in zip(self.layers, kv_cache.layers, strict=True):
-            x = layer(x, positions, self.rope, kv, meta)
+            x = layer(x, rope, kv, meta)
         return self.norm(x)  # [T, hidden]
 
     @torch.inference_mode()

@@ -10,6 +10,7 @@ import torch
 from pdserve.engine.model.config import ModelConfig
 from pdserve.engine.model.hub import load_weights
 from pdserve.engine.model.llama import LlamaForCausalLM
+from pdserve.engine.model.packed_linear import can_pack, pack_linears
 from pdserve.engine.model.rope import RotaryEmbedding
 
 
@@ -24,6 +25,8 @@ def load_model(
     if cfg.tie_word_embeddings:  # to_empty() makes new parameters: tie them again
         model.lm_head.weight = model.embed_tokens.weight
     model.load_hf_weights(load_weights(path, dtype))
+    if can_pack(device):
+        pack_linears(model)
     return model.eval()
 
 

@@ -36,22 +36,25 @@ def _llama3_scale(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
 
 
 class RotaryEmbedding:
+    """cos/sin tables for every position, built once; `tables()` picks one step's rows."""
+
     def __init__(self, cfg: ModelConfig, max_positions: int, device: torch.device | str) -> None:
         inv_freq = inv_frequencies(cfg).to(device)
         pos = torch.arange(max_positions, device=device).float()
         freqs = pos[:, None] * inv_freq[None, :]  # [P, d/2]
         emb = torch.cat((freqs, freqs), dim=-1)  # [P, d]
-        self.cos, self.sin = emb.cos(), emb.sin()  # fp32 [P, d]
+        half = cfg.head_dim // 2
+        sign = torch.cat([-torch.ones(half), torch.ones(half)]).to(device)
+        # rotate_half(x) * sin == roll(x, d/2) * (sign * sin): one roll instead of two slices,
+        # a negation and a concatenation; negation is exact, so results are bit-identical.
+        self.cos, self.sin_signed = emb.cos(), emb.sin() * sign  # fp32 [P, d]
 
-    def __call__(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        # positions [T]; q [T, H, D]; k [T, KVH, D]
-        cos = self.cos[positions].to(q.dtype)[:, None, :]  # [T, 1, D]
-        sin = self.sin[positions].to(q.dtype)[:, None, :]
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype):
+        # positions [T] -> cos, signed sin [T, 1, d] in the activation dtype (as HF casts them)
+        return (self.cos[positions].to(dtype)[:, None, :],
+                self.sin_signed[positions].to(dtype)[:, None, :])
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    # x [T, heads, d]: x * cos + rotate_half(x) * sin  (RoFormer eq. 34, HF's formulation)
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin_signed

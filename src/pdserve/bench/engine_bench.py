@@ -1,0 +1,215 @@
+"""`pdserve bench engine`: our engine beside transformers and the roofline, in one run.
+
+Every number is the median of `repeats` runs measured in this process, on this machine, now:
+- decode tok/s at batch B: B requests with short prompts are prefilled, then `decode_steps`
+  steps are timed (every request gets one token per step).
+  transformers: `generate()` for 1 + decode_steps new tokens minus `generate()` for 1 (its
+  prefill), same batch and prompt length, same dtype.
+  roofline: every step reads every weight once, so tok/s <= B x bandwidth / weight bytes, with
+  the bandwidth measured here by a large read (memory-bound decode, DESIGN.md s1).
+- prefill tok/s for one prompt of `prompt_len` tokens: one engine step; transformers: one
+  `generate()` of 1 token. roofline: peak bf16 matmul FLOP/s measured here over the FLOPs per
+  prompt token (2 x matmul parameters + attention, Kaplan et al. 2020, eq. 2.1 style count).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+import torch
+
+from pdserve.config import EngineConfig
+from pdserve.engine.engine import Engine
+from pdserve.engine.model.config import ModelConfig
+from pdserve.engine.model.hub import resolve_model
+from pdserve.engine.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class BenchRow:
+    phase: str  # "decode" | "prefill"
+    batch: int
+    prompt_tokens: int
+    pdserve_tok_s: float
+    transformers_tok_s: float
+    roofline_tok_s: float
+
+    @property
+    def vs_transformers(self) -> float:
+        return self.pdserve_tok_s / self.transformers_tok_s
+
+    @property
+    def of_roofline(self) -> float:
+        return self.pdserve_tok_s / self.roofline_tok_s
+
+
+@dataclass(frozen=True)
+class BenchSettings:
+    model: str = "smollm2"
+    batches: tuple[int, ...] = (1, 8, 32)
+    decode_prompt_len: int = 32
+    decode_steps: int = 32
+    prompt_len: int = 1000
+    repeats: int = 3
+
+    def __post_init__(self) -> None:
+        if not self.batches or min(self.batches) <= 0:
+            raise ValueError("batches must be positive integers")
+        for name in ("decode_prompt_len", "decode_steps", "prompt_len", "repeats"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+
+
+def median_seconds(fn: Callable[[], object], repeats: int) -> float:
+    fn()  # warm-up: kernel selection, allocator, page faults
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def memory_bandwidth(repeats: int = 5) -> float:
+    """Bytes/s of a 1 GiB read (torch.amax over all threads): the decode roofline's bound."""
+    x = torch.ones(256 * 2**20, dtype=torch.float32)
+    return x.numel() * x.element_size() / median_seconds(lambda: x.amax(), repeats)
+
+
+def matmul_flops(dtype: torch.dtype, repeats: int = 5) -> float:
+    """FLOP/s of a 2048^3 matmul: the prefill roofline's bound."""
+    a, b = torch.randn(2048, 2048, dtype=dtype), torch.randn(2048, 2048, dtype=dtype)
+    return 2 * 2048**3 / median_seconds(lambda: a @ b, repeats)
+
+
+def weight_bytes_per_step(cfg: ModelConfig, dtype_bytes: int) -> int:
+    """Bytes a decode step reads: every layer, the final norm and the LM head (the embedding
+    lookup reads only B rows and is left out)."""
+    h, i, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    attn = h * (cfg.num_heads + 2 * cfg.num_kv_heads) * d + cfg.num_heads * d * h
+    per_layer = attn + 3 * h * i + 2 * h
+    return (cfg.num_layers * per_layer + h + cfg.vocab_size * h) * dtype_bytes
+
+
+def prefill_flops_per_token(cfg: ModelConfig, prompt_len: int) -> float:
+    """2 x matmul weights per token, plus attention: QK^T and PV over on average half the
+    causal context, 2 x 2 x heads x head_dim x ctx/2 per layer. The LM head runs once."""
+    h, i, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    matmul = cfg.num_layers * (h * (cfg.num_heads + 2 * cfg.num_kv_heads) * d
+                               + cfg.num_heads * d * h + 3 * h * i)
+    attention = cfg.num_layers * 4 * cfg.num_heads * d * prompt_len / 2
+    return 2 * matmul + attention + 2 * cfg.vocab_size * h / prompt_len
+
+
+class _Prompts:
+    """Distinct random prompts, so no run is served by another's prefix cache."""
+
+    def __init__(self, vocab_size: int) -> None:
+        self.gen = torch.Generator().manual_seed(0)
+        self.vocab = vocab_size
+
+    def __call__(self, batch: int, length: int) -> list[list[int]]:
+        return torch.randint(100, self.vocab, (batch, length), generator=self.gen).tolist()
+
+
+def pdserve_decode(engine: Engine, prompts: _Prompts, batch: int, s: BenchSettings) -> float:
+    def run() -> float:
+        params = SamplingParams(temperature=0, max_tokens=s.decode_steps + 1, ignore_eos=True)
+        ids = [engine.add_request(p, params) for p in prompts(batch, s.decode_prompt_len)]
+        while any(engine.requests[r].num_output_tokens == 0 for r in ids):
+            engine.step()  # prefill every request first
+        t0 = time.perf_counter()
+        for _ in range(s.decode_steps):
+            engine.step()
+        elapsed = time.perf_counter() - t0
+        while engine.has_unfinished_requests():
+            engine.step()
+        return elapsed
+
+    run()  # warm-up
+    return batch * s.decode_steps / statistics.median(run() for _ in range(s.repeats))
+
+
+def pdserve_prefill(engine: Engine, prompts: _Prompts, s: BenchSettings) -> float:
+    def run() -> None:
+        engine.add_request(prompts(1, s.prompt_len)[0], SamplingParams(max_tokens=1))
+        engine.step()
+        if engine.has_unfinished_requests():
+            raise RuntimeError("the prompt did not prefill in one step")
+
+    return s.prompt_len / median_seconds(run, s.repeats)
+
+
+def hf_generate_seconds(model, ids: torch.Tensor, new_tokens: int, repeats: int) -> float:
+    mask = torch.ones_like(ids)
+
+    def run() -> None:
+        with torch.inference_mode():
+            model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens,
+                           min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+
+    return median_seconds(run, repeats)
+
+
+def hf_decode(model, prompts: _Prompts, batch: int, s: BenchSettings) -> float:
+    ids = torch.tensor(prompts(batch, s.decode_prompt_len))
+    full = hf_generate_seconds(model, ids, s.decode_steps + 1, s.repeats)
+    first = hf_generate_seconds(model, ids, 1, s.repeats)
+    return batch * s.decode_steps / max(full - first, 1e-9)
+
+
+def run_bench(s: BenchSettings, log: Callable[[str], None]) -> list[BenchRow]:
+    from transformers import AutoModelForCausalLM
+
+    path = resolve_model(s.model)
+    cfg = ModelConfig.from_folder(path)
+    log(f"loading {s.model} (bf16) into pdserve and transformers ...")
+    engine = Engine(EngineConfig(model=s.model, dtype="bfloat16",
+                                 max_model_len=max(s.prompt_len, s.decode_prompt_len) + 64 +
+                                 s.decode_steps, enable_prefix_caching=False))
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+    prompts = _Prompts(cfg.vocab_size)
+    bandwidth = memory_bandwidth()
+    flops = matmul_flops(torch.bfloat16)
+    log(f"measured: memory read {bandwidth / 1e9:.1f} GB/s, bf16 matmul "
+        f"{flops / 1e9:.0f} GFLOP/s, {torch.get_num_threads()} threads")
+    step_floor = weight_bytes_per_step(cfg, 2) / bandwidth
+    rows = []
+    for batch in s.batches:
+        log(f"decode, batch {batch} ...")
+        rows.append(BenchRow("decode", batch, s.decode_prompt_len,
+                             pdserve_decode(engine, prompts, batch, s),
+                             hf_decode(hf, prompts, batch, s), batch / step_floor))
+    log(f"prefill, {s.prompt_len}-token prompt ...")
+    hf_prefill = s.prompt_len / hf_generate_seconds(
+        hf, torch.tensor(prompts(1, s.prompt_len)), 1, s.repeats)
+    rows.append(BenchRow("prefill", 1, s.prompt_len, pdserve_prefill(engine, prompts, s),
+                         hf_prefill, flops / prefill_flops_per_token(cfg, s.prompt_len)))
+    return rows
+
+
+def format_table(rows: list[BenchRow]) -> str:
+    head = (f"{'phase':<8}{'batch':>6}{'prompt':>8}{'pdserve tok/s':>15}"
+            f"{'transformers':>14}{'x HF':>7}{'roofline':>10}{'of roofline':>13}")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        lines.append(f"{r.phase:<8}{r.batch:>6}{r.prompt_tokens:>8}{r.pdserve_tok_s:>15.1f}"
+                     f"{r.transformers_tok_s:>14.1f}{r.vs_transformers:>7.2f}"
+                     f"{r.roofline_tok_s:>10.0f}{r.of_roofline:>12.0%}")
+    return "\n".join(lines)
+
+
+def main(s: BenchSettings, as_json: bool) -> int:
+    rows = run_bench(s, lambda msg: print(msg, file=sys.stderr, flush=True))
+    if as_json:
+        for r in rows:
+            print(json.dumps(asdict(r) | {"vs_transformers": round(r.vs_transformers, 3),
+                                          "of_roofline": round(r.of_roofline, 3)}))
+    else:
+        print(format_table(rows))
+    return 0
