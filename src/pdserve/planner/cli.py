@@ -1,0 +1,112 @@
+"""`pdserve plan`: the planner's sub-command. `add_plan_parser` registers it on a subparsers
+object; its handler returns the exit status (0, or 2 after `pdserve: error: ...` on bad input).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import replace
+
+from pdserve.planner.cost import DEFAULT_MBU, DEFAULT_MFU, Efficiency
+from pdserve.planner.hardware import HARDWARE, get_hardware
+from pdserve.planner.kv_math import DTYPE_BYTES, dtype_bytes
+from pdserve.planner.model_shape import PRESETS, load_model_shape
+from pdserve.planner.plan import (
+    DEFAULT_MAX_DECODE_BATCH,
+    MEMORY_UTILIZATION,
+    Plan,
+    Workload,
+    make_plan,
+    plan_to_dict,
+    render_text,
+)
+
+_DESCRIPTION = (
+    "Should this workload run disaggregated? From a model preset or a Hugging Face config.json "
+    "(GQA or MLA), report the KV bytes per token and per request, the time to move them over "
+    "the link, the prefill time (roofline: FLOPs / (peak x MFU)), the decode step time (bytes "
+    "read / (memory bandwidth x MBU)), the prefill:decode worker ratio, and a verdict "
+    "(disaggregate, collocate or marginal) with its reason."
+)
+_EPILOG = (
+    "KV bytes/token: GQA 2 x layers x kv_heads x head_dim x bytes; MLA layers x (kv_lora_rank "
+    "+ qk_rope_head_dim) x bytes. Transfer: bytes x 8 / (Gb/s x 1e9). With --tp N, GQA KV heads "
+    "split across ranks while the MLA latent is replicated on every rank; each rank ships its "
+    "own shard over its own link. The default decode batch is the most requests whose KV fits "
+    f"beside the weights in {MEMORY_UTILIZATION:.0%} of device memory, capped at "
+    f"{DEFAULT_MAX_DECODE_BATCH}. Example: pdserve plan --model llama-3.1-70b --prompt-tokens "
+    "32768 --output-tokens 256 --link-gbps 100 --gpu H100 --tp 8"
+)
+
+
+def add_plan_parser(subparsers: argparse._SubParsersAction) -> None:
+    """Register `plan` on `subparsers` with func = the handler."""
+    p = subparsers.add_parser("plan", help="size KV transfer, prefill and decode; say whether "
+                                           "disaggregation pays", description=_DESCRIPTION,
+                              epilog=_EPILOG)
+    _add_workload_args(p)
+    _add_hardware_args(p)
+    p.add_argument("--json", action="store_true",
+                   help="print the plan as one JSON object instead of a table")
+    p.set_defaults(func=run_plan)
+
+
+def _add_workload_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True,
+                   help=f"a preset ({', '.join(PRESETS)}) or the path of a Hugging Face "
+                        "config.json (or of the folder holding it)")
+    p.add_argument("--prompt-tokens", type=int, required=True,
+                   help="prompt length in tokens (the KV that moves)")
+    p.add_argument("--output-tokens", type=int, required=True,
+                   help="generated tokens per request (token 0 comes from prefill)")
+    p.add_argument("--link-gbps", type=float, required=True,
+                   help="link speed per GPU between prefill and decode, in Gb/s (e.g. 100, 400)")
+    p.add_argument("--kv-dtype", default="bf16",
+                   help=f"KV cache format: {', '.join(DTYPE_BYTES)} (default: %(default)s)")
+    p.add_argument("--weight-dtype", default=None,
+                   help="weight format (bf16, fp16, fp8); default: the checkpoint's own (fp8 for "
+                        "deepseek-v3, else bf16)")
+    p.add_argument("--decode-batch", type=int, default=None,
+                   help="concurrent requests per decode worker (default: the most whose KV "
+                        f"fits, at most {DEFAULT_MAX_DECODE_BATCH})")
+
+
+def _add_hardware_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--gpu", default="H100",
+                   help=f"device preset, any case: {', '.join(h.upper() for h in HARDWARE)} "
+                        "(default: %(default)s)")
+    p.add_argument("--tp", type=int, default=1,
+                   help="tensor-parallel GPUs per worker, on both sides (default: %(default)s)")
+    p.add_argument("--mfu", type=float, default=DEFAULT_MFU,
+                   help="model FLOPs utilization the prefill reaches, in (0, 1] (default: "
+                        "%(default)s, an assumption: calibrate it)")
+    p.add_argument("--mbu", type=float, default=DEFAULT_MBU,
+                   help="fraction of memory bandwidth the decode reaches, in (0, 1] (default: "
+                        "%(default)s, an assumption: calibrate it)")
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    """Print the plan (table or JSON); bad input prints `pdserve: error: ...` and returns 2."""
+    try:
+        plan = _make(args)
+    except ValueError as e:
+        print(f"pdserve: error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(plan_to_dict(plan), indent=2) if args.json else render_text(plan))
+    return 0
+
+
+def _make(args: argparse.Namespace) -> Plan:
+    """Validate in order: workload numbers, device, weight format, then the model."""
+    workload = Workload(prompt_tokens=args.prompt_tokens, output_tokens=args.output_tokens,
+                        link_gbps=args.link_gbps, kv_dtype=args.kv_dtype, tp=args.tp,
+                        decode_batch=args.decode_batch,
+                        efficiency=Efficiency(mfu=args.mfu, mbu=args.mbu))
+    hardware = get_hardware(args.gpu)
+    shape = load_model_shape(args.model)
+    if args.weight_dtype is not None:
+        dtype_bytes(args.weight_dtype, "weight_dtype (--weight-dtype)")
+        shape = replace(shape, weight_dtype=args.weight_dtype)
+    return make_plan(shape, hardware, workload)
