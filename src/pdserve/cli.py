@@ -7,6 +7,7 @@ import sys
 import time
 
 from pdserve.config import DTYPES
+from pdserve.planner.cli import add_plan_parser
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -91,6 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="send the prompt as plain text, without the chat template")
     gen.set_defaults(func=_generate)
     _add_bench(sub)
+    add_plan_parser(sub)
     return parser
 
 

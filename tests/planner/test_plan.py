@@ -150,6 +150,16 @@ def test_mla_config_json_from_a_file(tmp_path):
     assert p.kv_bytes == 1_151_336_448
 
 
+def test_mixtral_style_moe_config(tmp_path):
+    cfg = {"model_type": "mixtral", "num_hidden_layers": 32, "hidden_size": 4096,
+           "intermediate_size": 14336, "num_attention_heads": 32, "num_key_value_heads": 8,
+           "vocab_size": 32000, "num_local_experts": 8, "num_experts_per_tok": 2}
+    shape = load_model_shape(str(_write(tmp_path, cfg)))
+    assert shape.params_total == pytest.approx(46.7e9, rel=0.005)  # Mixtral 8x7B model card
+    assert shape.params_active == pytest.approx(12.9e9, rel=0.005)
+    assert shape.moe.moe_layers == 32
+
+
 @pytest.mark.parametrize("field", ["num_hidden_layers", "hidden_size", "num_attention_heads",
                                    "vocab_size", "intermediate_size"])
 def test_gqa_config_missing_a_field_names_it(tmp_path, field):

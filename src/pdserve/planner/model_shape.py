@@ -212,41 +212,41 @@ class ModelShape:
 # ---- presets: the published config.json values (only the keys this reader uses) ---------------
 
 PRESETS: dict[str, dict[str, Any]] = {
-    # https://huggingface.co/meta-llama/Llama-3.1-8B/blob/main/config.json (8.03B params)
+    # https://huggingface.co/meta-llama/Llama-3.1-8B/blob/main/config.json (8.03B params;
+    # head_dim implicit: 4096 / 32 = 128)
     "llama-3.1-8b": {
         "model_type": "llama", "num_hidden_layers": 32, "hidden_size": 4096,
         "intermediate_size": 14336, "num_attention_heads": 32, "num_key_value_heads": 8,
-        "head_dim": 128, "max_position_embeddings": 131072,
-        "vocab_size": 128256, "tie_word_embeddings": False,
-        "torch_dtype": "bfloat16",
+        "vocab_size": 128256, "max_position_embeddings": 131072,
+        "tie_word_embeddings": False, "torch_dtype": "bfloat16",
     },
-    # https://huggingface.co/meta-llama/Llama-3.1-70B/blob/main/config.json (70.6B params)
+    # https://huggingface.co/meta-llama/Llama-3.1-70B/blob/main/config.json (70.6B params;
+    # head_dim implicit: 8192 / 64 = 128)
     "llama-3.1-70b": {
         "model_type": "llama", "num_hidden_layers": 80, "hidden_size": 8192,
         "intermediate_size": 28672, "num_attention_heads": 64, "num_key_value_heads": 8,
-        "head_dim": 128, "max_position_embeddings": 131072,
-        "vocab_size": 128256, "tie_word_embeddings": False,
-        "torch_dtype": "bfloat16",
+        "vocab_size": 128256, "max_position_embeddings": 131072,
+        "tie_word_embeddings": False, "torch_dtype": "bfloat16",
     },
     # https://huggingface.co/Qwen/Qwen2.5-72B-Instruct/blob/main/config.json (72.7B params;
-    # head_dim is implicit: 8192 / 64 = 128; Qwen2 has q/k/v biases)
+    # head_dim implicit: 8192 / 64 = 128; Qwen2 has q/k/v biases)
     "qwen2.5-72b": {
         "model_type": "qwen2", "num_hidden_layers": 80, "hidden_size": 8192,
         "intermediate_size": 29568, "num_attention_heads": 64, "num_key_value_heads": 8,
-        "max_position_embeddings": 32768,
-        "vocab_size": 152064, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+        "vocab_size": 152064, "max_position_embeddings": 32768,
+        "tie_word_embeddings": False, "torch_dtype": "bfloat16",
     },
     # https://huggingface.co/deepseek-ai/DeepSeek-V3/blob/main/config.json and the model card
     # (671B total, 37B activated per token; weights shipped in fp8 e4m3, 128x128 blocks)
     "deepseek-v3": {
         "model_type": "deepseek_v3", "num_hidden_layers": 61, "hidden_size": 7168,
         "intermediate_size": 18432, "moe_intermediate_size": 2048,
-        "num_attention_heads": 128, "num_key_value_heads": 128, "max_position_embeddings": 163840,
-        "vocab_size": 129280,
+        "num_attention_heads": 128, "num_key_value_heads": 128,
         "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128,
-        "qk_rope_head_dim": 64, "v_head_dim": 128, "n_routed_experts": 256,
-        "n_shared_experts": 1, "num_experts_per_tok": 8, "first_k_dense_replace": 3,
-        "moe_layer_freq": 1, "tie_word_embeddings": False,
+        "qk_rope_head_dim": 64, "v_head_dim": 128,
+        "n_routed_experts": 256, "n_shared_experts": 1, "num_experts_per_tok": 8,
+        "first_k_dense_replace": 3, "moe_layer_freq": 1,
+        "vocab_size": 129280, "max_position_embeddings": 163840, "tie_word_embeddings": False,
         "quantization_config": {"quant_method": "fp8", "fmt": "e4m3"},
     },
     # https://huggingface.co/HuggingFaceTB/SmolLM2-135M-Instruct/blob/main/config.json
@@ -254,8 +254,8 @@ PRESETS: dict[str, dict[str, Any]] = {
     "smollm2-135m": {
         "model_type": "llama", "num_hidden_layers": 30, "hidden_size": 576,
         "intermediate_size": 1536, "num_attention_heads": 9, "num_key_value_heads": 3,
-        "max_position_embeddings": 8192,
-        "vocab_size": 49152, "tie_word_embeddings": True, "torch_dtype": "bfloat16",
+        "vocab_size": 49152, "max_position_embeddings": 8192,
+        "tie_word_embeddings": True, "torch_dtype": "bfloat16",
     },
 }
 
@@ -263,16 +263,21 @@ PRESETS: dict[str, dict[str, Any]] = {
 # ---- reading a Hugging Face config.json -------------------------------------------------------
 
 
-def _get_int(cfg: dict[str, Any], key: str, source: str, default: int | None = None) -> int:
-    """cfg[key] as a positive int; ValueError naming `key` and `source` when absent or bad."""
+def _get_int(cfg: dict[str, Any], key: str, source: str, default: int | None = None,
+             minimum: int = 1) -> int:
+    """cfg[key] as an int >= minimum; ValueError naming `key` and `source` when absent or bad.
+
+    An absent (or null) key takes `default`; with no default it is an error.
+    """
     value = cfg.get(key)
     if value is None:
         if default is not None:
             return default
         raise ValueError(f"{source} is missing {key!r}: the planner needs it (a positive integer "
                          "from the model's Hugging Face config.json)")
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{source}: {key!r} must be a positive integer, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        kind = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
+        raise ValueError(f"{source}: {key!r} must be {kind}, got {value!r}")
     return value
 
 
@@ -297,7 +302,7 @@ def _mla_fields(cfg: dict[str, Any], source: str, hidden: int, heads: int) -> di
     rope = _get_int(cfg, "qk_rope_head_dim", source)
     nope = _get_int(cfg, "qk_nope_head_dim", source)
     v_dim = _get_int(cfg, "v_head_dim", source)
-    q_rank = cfg.get("q_lora_rank")
+    q_rank = _get_int(cfg, "q_lora_rank", source, default=0, minimum=0)  # null in V2-Lite
     qk_dim = nope + rope
     if q_rank:  # low-rank query: down-projection, its RMSNorm, up-projection
         q_params = hidden * q_rank + q_rank + q_rank * heads * qk_dim
@@ -310,35 +315,35 @@ def _mla_fields(cfg: dict[str, Any], source: str, hidden: int, heads: int) -> di
             "attention_params": q_params + kv_params + o_params}
 
 
-def _moe_layer_count(cfg: dict[str, Any], layers: int) -> int:
+def _moe_layer_count(cfg: dict[str, Any], source: str, layers: int) -> int:
     """Layers i with i >= first_k_dense_replace and i % moe_layer_freq == 0 (DeepSeek layout;
     Mixtral has neither key, so every layer)."""
-    first_dense = int(cfg.get("first_k_dense_replace") or 0)
-    freq = int(cfg.get("moe_layer_freq") or 1)
+    first_dense = _get_int(cfg, "first_k_dense_replace", source, default=0, minimum=0)
+    freq = _get_int(cfg, "moe_layer_freq", source, default=1)
     return sum(1 for i in range(layers) if i >= first_dense and i % freq == 0)
 
 
-def _routed_experts(cfg: dict[str, Any]) -> int:
+def _routed_experts(cfg: dict[str, Any], source: str) -> int:
+    """Routed experts per MoE layer under any of the names HF configs use; 0 for dense."""
     for key in ("n_routed_experts", "num_local_experts", "num_experts"):
-        if cfg.get(key):
-            return int(cfg[key])
+        if cfg.get(key) is not None:
+            return _get_int(cfg, key, source, minimum=0)
     return 0
 
 
 def _mlp_fields(cfg: dict[str, Any], source: str, hidden: int, layers: int) -> dict[str, Any]:
     """Dense-MLP params over all layers, plus the MoE shape when the config routes experts."""
-    experts = _routed_experts(cfg)
-    moe_layers = _moe_layer_count(cfg, layers) if experts else 0
+    experts = _routed_experts(cfg, source)
+    moe_layers = _moe_layer_count(cfg, source, layers) if experts else 0
     dense_layers = layers - moe_layers
     dense = 0
     if dense_layers:
         dense = dense_layers * 3 * hidden * _get_int(cfg, "intermediate_size", source)
     if not moe_layers:
         return {"mlp_params": dense, "moe": None}
-    inter = _get_int(cfg, "moe_intermediate_size", source,
-                     default=_get_int(cfg, "intermediate_size", source))
-    expert = 3 * hidden * inter  # one SwiGLU expert
-    shared = int(cfg.get("n_shared_experts") or 0) * expert
+    inter_key = "moe_intermediate_size" if "moe_intermediate_size" in cfg else "intermediate_size"
+    expert = 3 * hidden * _get_int(cfg, inter_key, source)  # one SwiGLU expert (Mixtral: same size)
+    shared = _get_int(cfg, "n_shared_experts", source, default=0, minimum=0) * expert
     router = experts * hidden
     moe = MoEShape(routed_experts=experts,
                    experts_per_token=_get_int(cfg, "num_experts_per_tok", source),
