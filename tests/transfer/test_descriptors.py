@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from pdserve.engine.kv_cache import KVCache
 from pdserve.engine.model.config import ModelConfig
-from pdserve.transfer import descriptors as wire
+from pdserve.transfer import descriptors
 from pdserve.transfer.checksum import slice_nbytes
 from pdserve.transfer.descriptors import (
     LAYOUT_PAGED_KV,
@@ -26,6 +26,7 @@ from pdserve.transfer.descriptors import (
     TransferDescriptor,
     decode_message,
 )
+from pdserve.transfer.wire import KIND_DESCRIPTOR, KIND_NOTICE
 
 LAYOUT = KVLayout("HuggingFaceTB/SmolLM2-135M-Instruct", "bfloat16", 16, 30, 3, 64)
 PREFILL = PeerId(0x0123456789ABCDEF, "10.0.0.1", 7100)
@@ -66,7 +67,7 @@ def descriptors(draw) -> TransferDescriptor:
     begin = draw(st.integers(0, num_layers - 1))
     end = draw(st.integers(begin + 1, num_layers))
     layout = KVLayout(draw(st.text(min_size=1, max_size=40)),
-                      draw(st.sampled_from(sorted(wire.DTYPE_BYTES))),
+                      draw(st.sampled_from(sorted(descriptors.DTYPE_BYTES))),
                       draw(st.integers(1, 256)), num_layers, draw(st.integers(1, 16)),
                       draw(st.integers(1, 512)))
     with_crc = draw(st.booleans())
@@ -126,7 +127,7 @@ def test_the_bytes_are_the_documented_format():
 
 def test_notice_format():
     data = CompletionNotice(5, PREFILL, (0xE3069283,), 42, -0.25).encode()
-    assert data[6] == wire.KIND_NOTICE
+    assert data[6] == KIND_NOTICE
     header, body = _split(data)
     assert header == {"transfer_id": "0000000000000005", "sender": PREFILL.to_json(),
                       "num_checksums": 1, "token0": 42, "token0_logprob": -0.25}
@@ -184,7 +185,7 @@ def _header_variants() -> list[tuple[str, object, str]]:
 def test_bad_headers_are_refused(name, header, match):
     _, body = _split(_descriptor(n=1, with_crc=False).encode())
     with pytest.raises(ValueError, match=match):
-        TransferDescriptor.decode(_frame(wire.KIND_DESCRIPTOR, header, body))
+        TransferDescriptor.decode(_frame(KIND_DESCRIPTOR, header, body))
 
 
 @pytest.mark.parametrize(
@@ -194,16 +195,16 @@ def test_bad_headers_are_refused(name, header, match):
 )
 def test_malformed_json_is_refused(text, match):
     with pytest.raises(ValueError, match=match):
-        CompletionNotice.decode(_frame(wire.KIND_NOTICE, text))
+        CompletionNotice.decode(_frame(KIND_NOTICE, text))
 
 
 def test_length_mismatches_between_arrays_are_refused():
     header, body = _split(_descriptor(n=4, with_crc=True).encode())
     for bad in (body[:-4], body + b"\0" * 4, body[:16]):
         with pytest.raises(ValueError, match="body"):
-            TransferDescriptor.decode(_frame(wire.KIND_DESCRIPTOR, header, bad))
+            TransferDescriptor.decode(_frame(KIND_DESCRIPTOR, header, bad))
     with pytest.raises(ValueError, match="body"):  # claims checksums it does not carry
-        TransferDescriptor.decode(_frame(wire.KIND_DESCRIPTOR, {**header, "num_blocks": 4},
+        TransferDescriptor.decode(_frame(KIND_DESCRIPTOR, {**header, "num_blocks": 4},
                                          body[: 4 * 16]))
 
 
@@ -213,7 +214,7 @@ def test_a_repeated_destination_on_the_wire_is_refused():
     dst[1] = dst[0]
     body = body[:8] + dst.tobytes() + body[16:]
     with pytest.raises(ValueError, match="dst_block_ids must not repeat"):
-        TransferDescriptor.decode(_frame(wire.KIND_DESCRIPTOR, header, body))
+        TransferDescriptor.decode(_frame(KIND_DESCRIPTOR, header, body))
 
 
 def test_notice_type_checks_on_the_wire():
@@ -223,7 +224,7 @@ def test_notice_type_checks_on_the_wire():
                        ({**header, "token0_logprob": 0.5}, "logprob"),
                        ({**header, "token0": 3, "token0_logprob": "x"}, "logprob")]:
         with pytest.raises(ValueError, match=match):
-            CompletionNotice.decode(_frame(wire.KIND_NOTICE, bad))
+            CompletionNotice.decode(_frame(KIND_NOTICE, bad))
     with pytest.raises(ValueError, match="kind"):
         CompletionNotice.decode(_descriptor().encode())
 
@@ -311,7 +312,7 @@ def test_incompatible_layouts_name_the_field(field, value):
 def test_another_pool_layout_is_one_more_name(monkeypatch):
     """A latent (MLA) pool: one plane of width head_dim per token, no K/V pair."""
     latent = "latent[block,layer,token,latent_dim]"
-    monkeypatch.setitem(wire._SLICE_SHAPES, latent, lambda lay: (lay.block_size, lay.head_dim))
+    monkeypatch.setitem(descriptors._SLICE_SHAPES, latent, lambda lay: (lay.block_size, lay.head_dim))
     mla = KVLayout("deepseek", "bfloat16", 64, 27, 1, 576, latent)
     assert mla.slice_nbytes == 64 * 576 * 2
     with pytest.raises(ValueError, match="layout is"):
@@ -339,10 +340,10 @@ def test_layout_of_a_real_cache():
 
 def test_peer_ids(monkeypatch):
     a, b = PeerId.local("10.0.0.1", 7100), PeerId.local("10.0.0.1", 7200)
-    assert a.instance_id == b.instance_id == wire.process_instance_id()
+    assert a.instance_id == b.instance_id == descriptors.process_instance_id()
     assert 0 < a.instance_id < 2**64 and PeerId.from_json(a.to_json()) == a
-    monkeypatch.setattr(wire, "_instance", wire._instance)  # restored after the test
-    monkeypatch.setattr(wire.os, "getpid", lambda: -1)  # a forked child, or a restart
+    monkeypatch.setattr(wire, "_instance", descriptors._instance)  # restored after the test
+    monkeypatch.setattr(descriptors.os, "getpid", lambda: -1)  # a forked child, or a restart
     c = PeerId.local("10.0.0.1", 7100)
     assert c != a and c.same_address(a) and c.instance_id != a.instance_id
     for kwargs, match in [({"instance_id": 0}, "instance_id"), ({"host": ""}, "host"),

@@ -22,28 +22,37 @@ bytes, missing, unknown or duplicate header keys, wrong JSON types, inconsistent
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import secrets
-import struct
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from pdserve.transfer.wire import (
+    FRAME,
+    KIND_DESCRIPTOR,
+    KIND_NOTICE,
+    PROTOCOL_VERSION,
+    U32,
+    U64,
+    as_tuple,
+    check_version,
+    exact_keys,
+    hex64,
+    pack,
+    parse_hex64,
+    read_arrays,
+    require_int,
+    require_ints,
+    require_str,
+    unpack,
+)
+
 if TYPE_CHECKING:
     from pdserve.engine.kv_cache import KVCache
 
-PROTOCOL_VERSION = 1
-SUPPORTED_VERSIONS = frozenset({1})
-MAGIC = b"PDTX"
-KIND_DESCRIPTOR = 1
-KIND_NOTICE = 2
-MAX_HEADER_BYTES = 1 << 16
-
-_FRAME = struct.Struct("<4sHBBI")
-_U32, _U64 = 1 << 32, 1 << 64
 
 # The pool layout of `engine/kv_cache.py`; a (block, layer) slice is [2, block_size, kv_heads,
 # head_dim]. A latent (MLA) pool will add its own name and slice shape here.
@@ -54,49 +63,6 @@ _SLICE_SHAPES = {
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1}
 
 
-# -- validation helpers ------------------------------------------------------------------------
-
-
-def _require_int(what: str, value: object, lo: int, hi: int) -> int:
-    """`value` as an int in [lo, hi); bools and floats are refused."""
-    if type(value) is not int:
-        raise ValueError(f"{what} must be an integer, got {type(value).__name__}")
-    if not lo <= value < hi:
-        raise ValueError(f"{what} must be in [{lo}, {hi}), got {value}")
-    return value
-
-
-def _require_str(what: str, value: object) -> str:
-    if type(value) is not str or not value:
-        raise ValueError(f"{what} must be a non-empty string, got {value!r}")
-    return value
-
-
-def _require_ints(what: str, values: tuple[int, ...], hi: int) -> None:
-    if not all(type(v) is int for v in values):
-        raise ValueError(f"{what} must hold integers only")
-    if values and (min(values) < 0 or max(values) >= hi):
-        raise ValueError(f"every entry of {what} must be in [0, {hi})")
-
-
-def _as_tuple(obj: object, name: str) -> None:
-    """Freeze a list-valued field of a frozen dataclass into a tuple."""
-    value = getattr(obj, name)
-    if not isinstance(value, tuple | list):
-        raise ValueError(f"{name} must be a tuple or list of integers, got {type(value).__name__}")
-    object.__setattr__(obj, name, tuple(value))
-
-
-def _hex64(value: int) -> str:
-    return f"{value:016x}"
-
-
-def _parse_hex64(what: str, text: object) -> int:
-    if type(text) is not str or len(text) != 16 or text.strip("0123456789abcdef"):
-        raise ValueError(f"{what} must be 16 lowercase hex digits, got {text!r}")
-    return int(text, 16)
-
-
 _instance: tuple[int, int] | None = None  # (pid, instance id)
 
 
@@ -105,7 +71,7 @@ def process_instance_id() -> int:
     child (a child is another instance even though it inherits the parent's memory)."""
     global _instance
     if _instance is None or _instance[0] != os.getpid():
-        _instance = (os.getpid(), secrets.randbelow(_U64 - 1) + 1)
+        _instance = (os.getpid(), secrets.randbelow(U64 - 1) + 1)
     return _instance[1]
 
 
@@ -129,13 +95,13 @@ class KVLayout:
     layout: str = LAYOUT_PAGED_KV
 
     def __post_init__(self) -> None:
-        _require_str("KVLayout.model_id", self.model_id)
+        require_str("KVLayout.model_id", self.model_id)
         if type(self.dtype) is not str or self.dtype not in DTYPE_BYTES:
             raise ValueError(
                 f"KVLayout.dtype {self.dtype!r} unknown; use one of {sorted(DTYPE_BYTES)}"
             )
         for name in ("block_size", "num_layers", "kv_heads", "head_dim"):
-            _require_int(f"KVLayout.{name}", getattr(self, name), 1, _U32)
+            require_int(f"KVLayout.{name}", getattr(self, name), 1, U32)
         if type(self.layout) is not str or self.layout not in _SLICE_SHAPES:
             raise ValueError(f"KVLayout.layout {self.layout!r} unknown; this build knows "
                              f"{sorted(_SLICE_SHAPES)}")
@@ -172,7 +138,7 @@ class KVLayout:
 
     @classmethod
     def from_json(cls, obj: object) -> KVLayout:
-        d = _exact_keys("layout", obj, [f.name for f in fields(cls)])
+        d = exact_keys("layout", obj, [f.name for f in fields(cls)])
         return cls(**d)
 
 
@@ -190,11 +156,11 @@ class PeerId:
     port: int
 
     def __post_init__(self) -> None:
-        _require_int("PeerId.instance_id", self.instance_id, 1, _U64)
-        _require_str("PeerId.host", self.host)
+        require_int("PeerId.instance_id", self.instance_id, 1, U64)
+        require_str("PeerId.host", self.host)
         if any(c.isspace() for c in self.host):
             raise ValueError(f"PeerId.host must not contain whitespace, got {self.host!r}")
-        _require_int("PeerId.port", self.port, 1, 65536)
+        require_int("PeerId.port", self.port, 1, 65536)
 
     @classmethod
     def local(cls, host: str, port: int) -> PeerId:
@@ -206,12 +172,12 @@ class PeerId:
         return (self.host, self.port) == (other.host, other.port)
 
     def to_json(self) -> dict[str, Any]:
-        return {"instance_id": _hex64(self.instance_id), "host": self.host, "port": self.port}
+        return {"instance_id": hex64(self.instance_id), "host": self.host, "port": self.port}
 
     @classmethod
     def from_json(cls, obj: object) -> PeerId:
-        d = _exact_keys("peer", obj, ["instance_id", "host", "port"])
-        return cls(_parse_hex64("peer.instance_id", d["instance_id"]), d["host"], d["port"])
+        d = exact_keys("peer", obj, ["instance_id", "host", "port"])
+        return cls(parse_hex64("peer.instance_id", d["instance_id"]), d["host"], d["port"])
 
 
 # -- messages ------------------------------------------------------------------------------------
@@ -239,17 +205,17 @@ class TransferDescriptor:
     protocol_version: int = PROTOCOL_VERSION
 
     def __post_init__(self) -> None:
-        _check_version(self.protocol_version)
-        _require_int("transfer_id", self.transfer_id, 0, _U64)
+        check_version(self.protocol_version)
+        require_int("transfer_id", self.transfer_id, 0, U64)
         for name in ("src_block_ids", "dst_block_ids", "dst_generations", "checksums"):
-            _as_tuple(self, name)
+            as_tuple(self, name)
         if not isinstance(self.sender, PeerId) or not isinstance(self.receiver, PeerId):
             raise ValueError("sender and receiver must be PeerId instances")
         if not isinstance(self.layout, KVLayout):
             raise ValueError("layout must be a KVLayout")
         self._check_blocks()
         self._check_layers()
-        _require_ints("checksums", self.checksums, _U32)
+        require_ints("checksums", self.checksums, U32)
         if self.checksums and len(self.checksums) != self.num_slices:
             raise ValueError(f"checksums: expected one per (block, layer) slice, "
                              f"{self.num_slices}, got {len(self.checksums)}")
@@ -263,16 +229,16 @@ class TransferDescriptor:
                 f"src_block_ids, dst_block_ids and dst_generations must have one entry per "
                 f"block; got {n}, {len(self.dst_block_ids)}, {len(self.dst_generations)}"
             )
-        _require_ints("src_block_ids", self.src_block_ids, _U32)
-        _require_ints("dst_block_ids", self.dst_block_ids, _U32)
-        _require_ints("dst_generations", self.dst_generations, _U64)
+        require_ints("src_block_ids", self.src_block_ids, U32)
+        require_ints("dst_block_ids", self.dst_block_ids, U32)
+        require_ints("dst_generations", self.dst_generations, U64)
         for name in ("src_block_ids", "dst_block_ids"):
             if len(set(getattr(self, name))) != n:
                 raise ValueError(f"{name} must not repeat a block")
 
     def _check_layers(self) -> None:
-        _require_int("layer_begin", self.layer_begin, 0, self.layout.num_layers)
-        _require_int("layer_end", self.layer_end, self.layer_begin + 1,
+        require_int("layer_begin", self.layer_begin, 0, self.layout.num_layers)
+        require_int("layer_end", self.layer_end, self.layer_begin + 1,
                      self.layout.num_layers + 1)
 
     @property
@@ -289,7 +255,7 @@ class TransferDescriptor:
 
     def encode(self) -> bytes:
         header = {
-            "transfer_id": _hex64(self.transfer_id),
+            "transfer_id": hex64(self.transfer_id),
             "sender": self.sender.to_json(),
             "receiver": self.receiver.to_json(),
             "layers": [self.layer_begin, self.layer_end],
@@ -303,27 +269,27 @@ class TransferDescriptor:
             np.asarray(self.dst_generations, dtype="<u8"),
             np.asarray(self.checksums, dtype="<u4"),
         ]
-        return _pack(KIND_DESCRIPTOR, self.protocol_version, header, arrays)
+        return pack(KIND_DESCRIPTOR, self.protocol_version, header, arrays)
 
     @classmethod
     def decode(cls, data: bytes | bytearray | memoryview) -> TransferDescriptor:
-        version, raw, body = _unpack(data, KIND_DESCRIPTOR)
-        h = _exact_keys("descriptor header", raw, [
+        version, raw, body = unpack(data, KIND_DESCRIPTOR)
+        h = exact_keys("descriptor header", raw, [
             "transfer_id", "sender", "receiver", "layers", "layout", "num_blocks",
             "has_checksums"])
-        n = _require_int("num_blocks", h["num_blocks"], 1, _U32)
+        n = require_int("num_blocks", h["num_blocks"], 1, U32)
         layers = h["layers"]
         if type(layers) is not list or len(layers) != 2:
             raise ValueError(f"layers must be [begin, end], got {layers!r}")
-        begin = _require_int("layer_begin", layers[0], 0, _U32)
-        end = _require_int("layer_end", layers[1], 0, _U32)
+        begin = require_int("layer_begin", layers[0], 0, U32)
+        end = require_int("layer_end", layers[1], 0, U32)
         if type(h["has_checksums"]) is not bool:
             raise ValueError("has_checksums must be true or false")
         num_crc = n * max(end - begin, 0) if h["has_checksums"] else 0
-        src, dst, gen, crc = _read_arrays(body, [("<u4", n), ("<u4", n), ("<u8", n),
+        src, dst, gen, crc = read_arrays(body, [("<u4", n), ("<u4", n), ("<u8", n),
                                                  ("<u4", num_crc)])
         return cls(
-            _parse_hex64("transfer_id", h["transfer_id"]), PeerId.from_json(h["sender"]),
+            parse_hex64("transfer_id", h["transfer_id"]), PeerId.from_json(h["sender"]),
             PeerId.from_json(h["receiver"]), tuple(src), tuple(dst), tuple(gen), begin, end,
             KVLayout.from_json(h["layout"]), tuple(crc), version,
         )
@@ -345,14 +311,14 @@ class CompletionNotice:
     protocol_version: int = PROTOCOL_VERSION
 
     def __post_init__(self) -> None:
-        _check_version(self.protocol_version)
-        _require_int("transfer_id", self.transfer_id, 0, _U64)
+        check_version(self.protocol_version)
+        require_int("transfer_id", self.transfer_id, 0, U64)
         if not isinstance(self.sender, PeerId):
             raise ValueError("sender must be a PeerId")
-        _as_tuple(self, "checksums")
-        _require_ints("checksums", self.checksums, _U32)
+        as_tuple(self, "checksums")
+        require_ints("checksums", self.checksums, U32)
         if self.token0 is not None:
-            _require_int("token0", self.token0, 0, _U32)
+            require_int("token0", self.token0, 0, U32)
         if self.token0_logprob is not None:
             self._check_logprob()
 
@@ -366,111 +332,30 @@ class CompletionNotice:
 
     def encode(self) -> bytes:
         header = {
-            "transfer_id": _hex64(self.transfer_id),
+            "transfer_id": hex64(self.transfer_id),
             "sender": self.sender.to_json(),
             "num_checksums": len(self.checksums),
             "token0": self.token0,
             "token0_logprob": self.token0_logprob,
         }
         arrays = [np.asarray(self.checksums, dtype="<u4")]
-        return _pack(KIND_NOTICE, self.protocol_version, header, arrays)
+        return pack(KIND_NOTICE, self.protocol_version, header, arrays)
 
     @classmethod
     def decode(cls, data: bytes | bytearray | memoryview) -> CompletionNotice:
-        version, raw, body = _unpack(data, KIND_NOTICE)
-        h = _exact_keys("notice header", raw, [
+        version, raw, body = unpack(data, KIND_NOTICE)
+        h = exact_keys("notice header", raw, [
             "transfer_id", "sender", "num_checksums", "token0", "token0_logprob"])
-        m = _require_int("num_checksums", h["num_checksums"], 0, _U32)
-        (crc,) = _read_arrays(body, [("<u4", m)])
+        m = require_int("num_checksums", h["num_checksums"], 0, U32)
+        (crc,) = read_arrays(body, [("<u4", m)])
         return cls(
-            _parse_hex64("transfer_id", h["transfer_id"]), PeerId.from_json(h["sender"]),
+            parse_hex64("transfer_id", h["transfer_id"]), PeerId.from_json(h["sender"]),
             tuple(crc), h["token0"], h["token0_logprob"], version,
         )
 
 
 def decode_message(data: bytes | bytearray | memoryview) -> TransferDescriptor | CompletionNotice:
     """Decode any transfer-plane message by the kind in its frame."""
-    if len(data) >= _FRAME.size and bytes(data[6:7]) == bytes([KIND_NOTICE]):
+    if len(data) >= FRAME.size and bytes(data[6:7]) == bytes([KIND_NOTICE]):
         return CompletionNotice.decode(data)
     return TransferDescriptor.decode(data)
-
-
-# -- framing -------------------------------------------------------------------------------------
-
-
-def _check_version(version: object) -> None:
-    if type(version) is not int or version not in SUPPORTED_VERSIONS:
-        raise ValueError(f"protocol version {version!r} is not supported; this build speaks "
-                         f"{sorted(SUPPORTED_VERSIONS)} (upgrade the older peer)")
-
-
-def _pack(kind: int, version: int, header: dict[str, Any], arrays: list[np.ndarray]) -> bytes:
-    text = json.dumps(header, separators=(",", ":"), allow_nan=False).encode()
-    text += b" " * (-(_FRAME.size + len(text)) % 8)
-    if len(text) > MAX_HEADER_BYTES:
-        raise ValueError(f"header of {len(text)} bytes exceeds {MAX_HEADER_BYTES}")
-    frame = _FRAME.pack(MAGIC, version, kind, 0, len(text))
-    return b"".join([frame, text, *(a.tobytes() for a in arrays)])
-
-
-def _unpack(data: bytes | bytearray | memoryview, kind: int) -> tuple[int, object, memoryview]:
-    """Check the frame; return (version, parsed JSON header, body bytes)."""
-    if not isinstance(data, bytes | bytearray | memoryview):
-        raise ValueError(f"expected bytes, got {type(data).__name__}")
-    try:
-        view = memoryview(data).cast("B")
-    except TypeError as e:
-        raise ValueError(f"message must be one contiguous byte buffer: {e}") from None
-    if len(view) < _FRAME.size:
-        raise ValueError(f"truncated message: {len(view)} bytes, the frame alone is {_FRAME.size}")
-    magic, version, got_kind, reserved, hlen = _FRAME.unpack_from(view)
-    if magic != MAGIC:
-        raise ValueError(f"not a pdserve transfer message (magic {bytes(magic)!r})")
-    _check_version(version)
-    if got_kind != kind or reserved != 0:
-        raise ValueError(f"expected message kind {kind}, got kind {got_kind} "
-                         f"(reserved byte {reserved})")
-    if hlen > MAX_HEADER_BYTES or _FRAME.size + hlen > len(view):
-        raise ValueError(f"truncated message: header of {hlen} bytes does not fit")
-    header_end = _FRAME.size + hlen
-    try:
-        header = json.loads(
-            bytes(view[_FRAME.size : header_end]).decode("utf-8"),
-            object_pairs_hook=_no_duplicates, parse_constant=_no_constants,
-        )
-    except RecursionError:
-        raise ValueError("JSON header nests too deeply") from None
-    return version, header, view[header_end:]
-
-
-def _read_arrays(body: memoryview, specs: list[tuple[str, int]]) -> list[list[int]]:
-    """Split the body into little-endian arrays of the given (dtype, count); exact length."""
-    expected = sum(np.dtype(dt).itemsize * count for dt, count in specs)
-    if len(body) != expected:
-        raise ValueError(f"message body is {len(body)} bytes; the header announces {expected} "
-                         "(truncated or trailing bytes)")
-    out, offset = [], 0
-    for dt, count in specs:
-        out.append(np.frombuffer(body, dtype=dt, count=count, offset=offset).tolist())
-        offset += np.dtype(dt).itemsize * count
-    return out
-
-
-def _exact_keys(what: str, obj: object, keys: list[str]) -> dict[str, Any]:
-    if not isinstance(obj, dict):
-        raise ValueError(f"{what} must be a JSON object, got {type(obj).__name__}")
-    missing, unknown = set(keys) - obj.keys(), obj.keys() - set(keys)
-    if missing or unknown:
-        raise ValueError(f"{what}: missing keys {sorted(missing)}, unknown keys {sorted(unknown)}")
-    return obj
-
-
-def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    d = dict(pairs)
-    if len(d) != len(pairs):
-        raise ValueError("JSON header repeats a key")
-    return d
-
-
-def _no_constants(name: str) -> None:
-    raise ValueError(f"JSON header holds {name}; only finite numbers are allowed")
