@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from pdserve.engine.kv_cache import KVCache
 from pdserve.engine.model.config import ModelConfig
-from pdserve.transfer import descriptors
+from pdserve.transfer import descriptors as desc_mod
 from pdserve.transfer.checksum import slice_nbytes
 from pdserve.transfer.descriptors import (
     LAYOUT_PAGED_KV,
@@ -67,7 +67,7 @@ def descriptors(draw) -> TransferDescriptor:
     begin = draw(st.integers(0, num_layers - 1))
     end = draw(st.integers(begin + 1, num_layers))
     layout = KVLayout(draw(st.text(min_size=1, max_size=40)),
-                      draw(st.sampled_from(sorted(descriptors.DTYPE_BYTES))),
+                      draw(st.sampled_from(sorted(desc_mod.DTYPE_BYTES))),
                       draw(st.integers(1, 256)), num_layers, draw(st.integers(1, 16)),
                       draw(st.integers(1, 512)))
     with_crc = draw(st.booleans())
@@ -312,7 +312,7 @@ def test_incompatible_layouts_name_the_field(field, value):
 def test_another_pool_layout_is_one_more_name(monkeypatch):
     """A latent (MLA) pool: one plane of width head_dim per token, no K/V pair."""
     latent = "latent[block,layer,token,latent_dim]"
-    monkeypatch.setitem(descriptors._SLICE_SHAPES, latent, lambda lay: (lay.block_size, lay.head_dim))
+    monkeypatch.setitem(desc_mod._SLICE_SHAPES, latent, lambda lay: (lay.block_size, lay.head_dim))
     mla = KVLayout("deepseek", "bfloat16", 64, 27, 1, 576, latent)
     assert mla.slice_nbytes == 64 * 576 * 2
     with pytest.raises(ValueError, match="layout is"):
@@ -340,10 +340,10 @@ def test_layout_of_a_real_cache():
 
 def test_peer_ids(monkeypatch):
     a, b = PeerId.local("10.0.0.1", 7100), PeerId.local("10.0.0.1", 7200)
-    assert a.instance_id == b.instance_id == descriptors.process_instance_id()
+    assert a.instance_id == b.instance_id == desc_mod.process_instance_id()
     assert 0 < a.instance_id < 2**64 and PeerId.from_json(a.to_json()) == a
-    monkeypatch.setattr(wire, "_instance", descriptors._instance)  # restored after the test
-    monkeypatch.setattr(descriptors.os, "getpid", lambda: -1)  # a forked child, or a restart
+    monkeypatch.setattr(desc_mod, "_instance", desc_mod._instance)  # restored after the test
+    monkeypatch.setattr(desc_mod.os, "getpid", lambda: -1)  # a forked child, or a restart
     c = PeerId.local("10.0.0.1", 7100)
     assert c != a and c.same_address(a) and c.instance_id != a.instance_id
     for kwargs, match in [({"instance_id": 0}, "instance_id"), ({"host": ""}, "host"),
