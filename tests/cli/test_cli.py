@@ -1,0 +1,48 @@
+"""The `pdserve` command as a user runs it: a real subprocess, its output and exit code."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+
+def _pdserve(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pdserve.cli", *args], capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def test_generate_prints_the_completion(tiny_model):
+    res = _pdserve("generate", "The capital of France is", "--model", str(tiny_model("llama")),
+                   "--max-tokens", "5", "--dtype", "float32", "--raw")
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip()
+    assert "5 tokens" in res.stderr and "finish_reason=length" in res.stderr
+
+
+def test_generate_bad_model_is_a_clear_error():
+    res = _pdserve("generate", "hi", "--model", "no-such-model")
+    assert res.returncode == 2
+    assert "pdserve: error:" in res.stderr and "smollm2" in res.stderr
+    assert "Traceback" not in res.stderr
+
+
+def test_bench_engine_json_rows(tiny_model):
+    res = _pdserve("bench", "engine", "--model", str(tiny_model("llama")), "--batches", "1,2",
+                   "--decode-steps", "2", "--prompt-len", "24", "--repeats", "1", "--json")
+    assert res.returncode == 0, res.stderr
+    rows = [json.loads(line) for line in res.stdout.splitlines()]
+    assert [(r["phase"], r["batch"]) for r in rows] == [("decode", 1), ("decode", 2),
+                                                        ("prefill", 1)]
+    for r in rows:
+        for key in ("pdserve_tok_s", "transformers_tok_s", "roofline_tok_s"):
+            assert r[key] > 0
+
+
+@pytest.mark.parametrize("args", [["--help"], ["generate", "--help"], ["bench", "engine", "--help"],
+                                  ["plan", "--help"]])
+def test_help_explains(args):
+    res = _pdserve(*args)
+    assert res.returncode == 0 and "usage: pdserve" in res.stdout
