@@ -8,6 +8,7 @@ import time
 
 from pdserve.config import DTYPES
 from pdserve.planner.cli import add_plan_parser
+from pdserve.planner.simulate_cli import add_simulate_parser
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -93,6 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=_generate)
     _add_bench(sub)
     add_plan_parser(sub)
+    add_simulate_parser(sub)
     return parser
 
 

@@ -1,0 +1,319 @@
+"""`pdserve simulate`: predicted TTFT/ITL/TPOT/E2E percentiles of one trace on a cluster laid
+out disaggregated (P prefill + D decode workers) and collocated (C workers, with and without
+chunked prefill). `add_simulate_parser` registers it on a subparsers object; its handler
+returns the exit status (0, or 2 after `pdserve: error: ...` on bad input).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pdserve.planner.calibration import (
+    BenchRows,
+    CalibrationProfile,
+    RooflineCosts,
+    StepCosts,
+    context_token_seconds,
+    fit_bench_rows,
+    load_calibration,
+)
+from pdserve.planner.cost import DEFAULT_MBU, DEFAULT_MFU, Efficiency, stored_weight_bytes_per_gpu
+from pdserve.planner.hardware import HARDWARE, Hardware, get_hardware
+from pdserve.planner.kv_math import DTYPE_BYTES, check_tp, dtype_bytes, kv_bytes_per_token_per_rank
+from pdserve.planner.model_shape import PRESETS, ModelShape, load_model_shape
+from pdserve.planner.plan import DEFAULT_MAX_DECODE_BATCH, MEMORY_UTILIZATION, PREFILL_BATCH_TOKENS
+from pdserve.planner.sim_metrics import Slo, Summary, summarize, summary_to_dict
+from pdserve.planner.simulator import (
+    DEFAULT_CHUNK_TOKENS,
+    Cluster,
+    Layout,
+    SimResult,
+    check_fits,
+    simulate,
+)
+from pdserve.planner.trace import (
+    WORKLOADS,
+    TraceRequest,
+    generate_trace,
+    make_workload,
+    read_trace_jsonl,
+)
+
+_DESCRIPTION = (
+    "Simulate serving a request trace (a workload preset with Poisson arrivals from a fixed "
+    "seed, or a JSONL file) on a disaggregated cluster and on collocated workers with and "
+    "without chunked prefill, with step costs from the same roofline as `pdserve plan` or from "
+    "a calibration measured on a real machine. Prints vLLM `bench serve` metrics: TTFT, TPOT, "
+    "ITL and E2E latency (mean, median, P90, P99), throughput and goodput."
+)
+_EPILOG = (
+    "Workloads: chat (prompt U[128,1024], output U[128,512]); rag (prompt U[3600,4400], "
+    "output U[450,550]); mixed (chat at 90% of the rate plus bursts of 6000-8000-token "
+    "prompts every 10 s); fixed (--prompt-tokens, --output-tokens). --calibrate takes a "
+    "`pdserve bench engine --json` results file (fitted) or a calibration profile JSON. "
+    "Example: pdserve simulate --model llama-3.1-70b --gpu H100 --tp 8 --prefill 4 --decode 4 "
+    "--workload rag --rate 2"
+)
+
+
+def add_simulate_parser(subparsers: argparse._SubParsersAction) -> None:
+    """Register `simulate` on `subparsers` with func = the handler."""
+    p = subparsers.add_parser("simulate", help="predict latency percentiles of disaggregated "
+                                               "vs collocated serving",
+                              description=_DESCRIPTION, epilog=_EPILOG)
+    _add_model_args(p)
+    _add_cluster_args(p)
+    _add_trace_args(p)
+    p.add_argument("--slo-ttft-ms", type=float, default=2000.0,
+                   help="goodput counts requests with TTFT at most this (default: %(default)s)")
+    p.add_argument("--slo-tpot-ms", type=float, default=100.0,
+                   help="goodput counts requests with TPOT at most this (default: %(default)s)")
+    p.add_argument("--json", action="store_true", help="print one JSON object, not a table")
+    p.set_defaults(func=run_simulate)
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None,
+                   help=f"a preset ({', '.join(PRESETS)}) or a config.json path (default: the "
+                        "calibration profile's model)")
+    p.add_argument("--gpu", default=None,
+                   help=f"device preset: {', '.join(h.upper() for h in HARDWARE)} (default: "
+                        "the calibration profile's, else H100)")
+    p.add_argument("--tp", type=int, default=None,
+                   help="GPUs per worker (default: the profile's, else 1)")
+    p.add_argument("--kv-dtype", default="bf16",
+                   help=f"KV format: {', '.join(DTYPE_BYTES)} (default: %(default)s)")
+    p.add_argument("--mfu", type=float, default=DEFAULT_MFU, help="roofline MFU "
+                   "(default: %(default)s)")
+    p.add_argument("--mbu", type=float, default=DEFAULT_MBU, help="roofline MBU "
+                   "(default: %(default)s)")
+    p.add_argument("--calibrate", default=None, metavar="FILE",
+                   help="step costs from a `pdserve bench engine --json` file or a profile JSON")
+    p.add_argument("--write-profile", default=None, metavar="FILE",
+                   help="with --calibrate: write the fitted profile JSON here")
+
+
+def _add_cluster_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--prefill", type=int, default=1, help="prefill workers (default: 1)")
+    p.add_argument("--decode", type=int, default=1, help="decode workers (default: 1)")
+    p.add_argument("--collocated", type=int, default=None,
+                   help="collocated workers (default: prefill + decode, the same GPUs)")
+    p.add_argument("--chunk", type=int, default=DEFAULT_CHUNK_TOKENS,
+                   help="prefill tokens per chunked step (default: %(default)s)")
+    p.add_argument("--layouts", default="disagg,colloc,chunked",
+                   help="which layouts to run, comma-separated (default: %(default)s)")
+    p.add_argument("--link-gbps", type=float, default=100.0,
+                   help="KV link per GPU in Gb/s (default: %(default)s)")
+    p.add_argument("--max-batch", type=int, default=DEFAULT_MAX_DECODE_BATCH,
+                   help="running requests per worker (default: %(default)s)")
+    p.add_argument("--prefill-budget", type=int, default=PREFILL_BATCH_TOKENS,
+                   help="prompt tokens per prefill step (default: %(default)s)")
+    p.add_argument("--kv-capacity-tokens", type=int, default=None,
+                   help="KV tokens per worker (default: what fits beside the weights in "
+                        f"{MEMORY_UTILIZATION * 100:.0f}%% of device memory)")
+
+
+def _add_trace_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--workload", default=None,
+                   help=f"preset: {', '.join(WORKLOADS)} (default: chat)")
+    p.add_argument("--trace", default=None, metavar="FILE",
+                   help='JSONL of {"arrival_s", "prompt_tokens", "output_tokens"} instead of '
+                        "a preset")
+    p.add_argument("--rate", type=float, default=2.0, help="req/s (default: %(default)s)")
+    p.add_argument("--duration-s", type=float, default=None,
+                   help="arrivals before this many seconds (default: 600)")
+    p.add_argument("--num-requests", type=int, default=None, help="instead of --duration-s")
+    p.add_argument("--seed", type=int, default=0, help="trace seed (default: %(default)s)")
+    p.add_argument("--prompt-tokens", type=int, default=None, help="with --workload fixed")
+    p.add_argument("--output-tokens", type=int, default=None, help="with --workload fixed")
+
+
+@dataclass(frozen=True)
+class Setup:
+    """Everything a run needs, resolved and validated from the arguments."""
+
+    shape: ModelShape
+    hardware: Hardware
+    tp: int
+    efficiency: Efficiency
+    profile: CalibrationProfile | None  # None: roofline costs
+    cluster: Cluster
+    trace: tuple[TraceRequest, ...]
+    trace_label: str
+    layouts: tuple[Layout, ...]
+    slo: Slo
+
+    @property
+    def costs(self) -> StepCosts:
+        if self.profile is not None:
+            return self.profile
+        return RooflineCosts(self.shape, self.hardware, self.tp,
+                             self.cluster.kv_bytes_per_token_rank, self.efficiency)
+
+
+def run_simulate(args: argparse.Namespace) -> int:
+    """Print the comparison (table or JSON); bad input prints `pdserve: error: ...`, returns 2."""
+    try:
+        setup = resolve(args)
+    except ValueError as e:
+        print(f"pdserve: error: {e}", file=sys.stderr)
+        return 2
+    costs = setup.costs
+    results = [(r, summarize(r.records, r.itl, setup.slo))
+               for r in (simulate(layout, setup.cluster, costs, setup.trace)
+                         for layout in setup.layouts)]
+    print(json.dumps(to_json(setup, results), indent=2) if args.json
+          else render(setup, results))
+    return 0
+
+
+def resolve(args: argparse.Namespace) -> Setup:
+    """Validate in order: calibration file, model and device, costs, cluster, trace."""
+    source = load_calibration(args.calibrate) if args.calibrate else None
+    profile = source if isinstance(source, CalibrationProfile) else None
+    model = args.model or (profile.model if profile else None)
+    if model is None:
+        raise ValueError("model (--model) is required (a calibration profile may name it)")
+    gpu = args.gpu or (profile.gpu if profile else None)
+    if gpu is None and isinstance(source, BenchRows):
+        raise ValueError("gpu (--gpu) is required with bench rows: the device they were "
+                         "measured on (e.g. cpu)")
+    tp = args.tp if args.tp is not None else (profile.tp if profile else 1)
+    check_tp(tp)
+    eff = Efficiency(mfu=args.mfu, mbu=args.mbu)
+    hw, shape = get_hardware(gpu or "H100"), load_model_shape(model)
+    dtype_bytes(args.kv_dtype, "kv_dtype (--kv-dtype)")
+    kv_rank = kv_bytes_per_token_per_rank(shape, args.kv_dtype, tp)
+    if isinstance(source, BenchRows):
+        profile = fit_bench_rows(source.rows, context_token_seconds(kv_rank, hw, eff),
+                                 source=source.source, model=model, gpu=gpu, tp=tp)
+    if args.write_profile:
+        _write_profile(profile, args.write_profile)
+    cluster = _cluster(args, shape, hw, tp, kv_rank)
+    trace, label = _trace(args)
+    check_fits(trace, cluster)
+    return Setup(shape, hw, tp, eff, profile, cluster, trace, label, _layouts(args.layouts),
+                 Slo(args.slo_ttft_ms, args.slo_tpot_ms))
+
+
+def _write_profile(profile: CalibrationProfile | None, path: str) -> None:
+    if profile is None:
+        raise ValueError("--write-profile needs --calibrate")
+    try:
+        Path(path).write_text(json.dumps(profile.to_dict(), indent=2) + "\n")
+    except OSError as e:
+        raise ValueError(f"write_profile (--write-profile) {path!r}: {e.strerror}") from e
+
+
+def _cluster(args: argparse.Namespace, shape: ModelShape, hw: Hardware, tp: int,
+             kv_rank: int) -> Cluster:
+    capacity = args.kv_capacity_tokens
+    if capacity is None:
+        free = hw.memory_bytes * MEMORY_UTILIZATION - stored_weight_bytes_per_gpu(shape, tp)
+        if free < kv_rank:
+            raise ValueError(f"{shape.name} weights leave no KV room on {hw.name} at tp {tp} "
+                             f"({MEMORY_UTILIZATION:.0%} of memory): raise --tp")
+        capacity = int(free // kv_rank)
+    collocated = args.collocated if args.collocated is not None else args.prefill + args.decode
+    return Cluster(kv_capacity_tokens=capacity, kv_bytes_per_token_rank=kv_rank,
+                   link_gbps=args.link_gbps, prefill_workers=args.prefill,
+                   decode_workers=args.decode, collocated_workers=collocated,
+                   max_batch=args.max_batch, prefill_budget_tokens=args.prefill_budget,
+                   chunk_tokens=args.chunk)
+
+
+def _trace(args: argparse.Namespace) -> tuple[tuple[TraceRequest, ...], str]:
+    if args.trace is not None:
+        if args.workload is not None:
+            raise ValueError("give --trace or --workload, not both")
+        return read_trace_jsonl(args.trace), f"file {args.trace}"
+    spec = make_workload(args.workload or "chat", args.rate, args.prompt_tokens,
+                         args.output_tokens)
+    duration = args.duration_s
+    if duration is None and args.num_requests is None:
+        duration = 600.0
+    trace = generate_trace(spec, args.seed, duration, args.num_requests)
+    return trace, f"{spec.name}, {args.rate:g} req/s Poisson (seed {args.seed})"
+
+
+def _layouts(text: str) -> tuple[Layout, ...]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    known = [str(x) for x in Layout]
+    bad = [n for n in names if n not in known]
+    if bad or not names:
+        raise ValueError(f"layouts (--layouts) must list some of {', '.join(known)}, "
+                         f"got {text!r}")
+    return tuple(dict.fromkeys(Layout(n) for n in names))
+
+
+# ---- output -------------------------------------------------------------------------------------
+
+
+def layout_label(layout: Layout, cluster: Cluster) -> str:
+    if layout is Layout.DISAGG:
+        return f"disagg {cluster.prefill_workers}P+{cluster.decode_workers}D"
+    if layout is Layout.COLLOC:
+        return f"colloc {cluster.collocated_workers}"
+    return f"chunked {cluster.collocated_workers} ({cluster.chunk_tokens})"
+
+
+def _costs_label(setup: Setup) -> str:
+    if setup.profile is not None:
+        return f"calibrated ({setup.profile.source or 'profile'})"
+    return f"roofline (MFU {setup.efficiency.mfu:g}, MBU {setup.efficiency.mbu:g})"
+
+
+def _costs_json(setup: Setup) -> dict[str, Any]:
+    if setup.profile is not None:
+        return {"kind": "calibrated", **setup.profile.to_dict()}
+    return {"kind": "roofline", "mfu": setup.efficiency.mfu, "mbu": setup.efficiency.mbu}
+
+
+def to_json(setup: Setup, results: list[tuple[SimResult, Summary]]) -> dict[str, Any]:
+    c = setup.cluster
+    return {
+        "model": setup.shape.name, "gpu": setup.hardware.name, "tp": setup.tp,
+        "link_gbps": c.link_gbps, "trace": setup.trace_label, "requests": len(setup.trace),
+        "costs": _costs_json(setup), "kv_capacity_tokens": c.kv_capacity_tokens,
+        "max_batch": c.max_batch,
+        "prefill_budget_tokens": c.prefill_budget_tokens,
+        "slo": {"ttft_ms": setup.slo.ttft_ms, "tpot_ms": setup.slo.tpot_ms},
+        "results": [{"layout": str(r.layout), "label": layout_label(r.layout, c),
+                     "busy": r.busy, **summary_to_dict(s)} for r, s in results],
+    }
+
+
+_ROWS = [("completed", "completed", "{:,}"), ("request_throughput", "requests/s", "{:.3f}"),
+         ("output_throughput", "output tokens/s", "{:,.1f}"),
+         ("request_goodput", "goodput (req/s)", "{:.3f}"), ("good_requests", "good requests",
+                                                            "{:,}")]
+_ROWS += [(f"{stat}_{metric}_ms", f"{stat} {metric.upper()} (ms)", "{:,.2f}")
+          for metric in ("ttft", "tpot", "itl", "e2el") for stat in ("mean", "median", "p90",
+                                                                      "p99")]
+
+
+def render(setup: Setup, results: list[tuple[SimResult, Summary]]) -> str:
+    """Header lines, then one row per metric and one column per layout."""
+    c, hw = setup.cluster, setup.hardware
+    lines = [f"pdserve simulate: {setup.shape.name} on {hw.name} x tp {setup.tp} per worker; "
+             f"KV link {c.link_gbps:g} Gb/s per GPU",
+             f"  trace: {setup.trace_label}, {len(setup.trace):,} requests",
+             f"  step costs: {_costs_label(setup)}",
+             f"  per worker: KV {c.kv_capacity_tokens:,} tokens; max batch {c.max_batch}; "
+             f"prefill budget {c.prefill_budget_tokens:,} tokens",
+             f"  SLO: TTFT <= {setup.slo.ttft_ms:g} ms, TPOT <= {setup.slo.tpot_ms:g} ms", ""]
+    heads = [layout_label(r.layout, c) for r, _ in results]
+    width = max(18, *(len(h) + 2 for h in heads))
+    lines.append(f"{'metric':<22}" + "".join(f"{h:>{width}}" for h in heads))
+    dicts = [summary_to_dict(s) for _, s in results]
+    for key, label, fmt in _ROWS:
+        cells = ["-" if d[key] is None else fmt.format(d[key]) for d in dicts]
+        lines.append(f"{label:<22}" + "".join(f"{x:>{width}}" for x in cells))
+    busy = ["/".join(f"{k} {v:.0%}" for k, v in r.busy.items()) for r, _ in results]
+    lines.append(f"{'busy':<22}" + "".join(f"{x:>{width}}" for x in busy))
+    return "\n".join(lines)

@@ -1,0 +1,232 @@
+"""Discrete-event simulation of serving one trace on a cluster laid out one of three ways.
+
+Layouts:
+- disagg: `prefill_workers` prefill workers and `decode_workers` decode workers. A request's
+  token 0 comes at the end of its prefill step (TTFT does not wait for the KV transfer); its
+  KV then travels for transfer_seconds(KV bytes per GPU of the prompt, link_gbps) (kv_math,
+  each rank ships its own shard at once) and it joins its decode worker's admission queue.
+- colloc: `collocated_workers` workers doing both, prefill first (decodes stall for prefills).
+- chunked: the same workers with chunked prefill of at most `chunk_tokens` prompt tokens per step.
+Worker rules are in sim_pools.py, step costs in calibration.py.
+
+Routing (ours): an arriving prompt goes to the prefill worker with the fewest queued and running
+prompt tokens; a prefilled request to the decode worker with the fewest assigned requests
+(queued, in transfer or running); a collocated request to the worker with the fewest assigned
+requests; ties go to the lowest index.
+
+The loop pops events in (time, kind, sequence) order: step ends, then KV arrivals, then request
+arrivals at equal times; idle workers start their next step only after every event of that
+time, so requests arriving together share a step. Every request runs to completion: a queue
+only delays. The model is
+deterministic: the same trace, cluster and costs give the same records.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+from pdserve.planner.calibration import StepCosts
+from pdserve.planner.kv_math import check_link, kv_bytes, transfer_seconds
+from pdserve.planner.plan import DEFAULT_MAX_DECODE_BATCH, PREFILL_BATCH_TOKENS
+from pdserve.planner.sim_metrics import ItlSamples, RequestRecord
+from pdserve.planner.sim_pools import (
+    CollocatedWorker,
+    DecodeBatch,
+    DecodeWorker,
+    PrefillWorker,
+    Worker,
+)
+from pdserve.planner.trace import TraceRequest
+
+DEFAULT_CHUNK_TOKENS = 2048  # our default prefill tokens per chunked step
+
+_STEP_END, _KV_READY, _ARRIVAL = 0, 1, 2
+
+
+class Layout(StrEnum):
+    DISAGG = "disagg"
+    COLLOC = "colloc"
+    CHUNKED = "chunked"
+
+
+def _check_count(field: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{field} must be a positive integer, got {value!r}")
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """Worker counts and per-worker limits; KV sizes in tokens and bytes per GPU."""
+
+    kv_capacity_tokens: int  # KV one worker holds (per GPU of its TP group, in tokens)
+    kv_bytes_per_token_rank: int  # KV bytes per token per GPU (what one rank ships)
+    link_gbps: float
+    prefill_workers: int = 1
+    decode_workers: int = 1
+    collocated_workers: int = 2
+    max_batch: int = DEFAULT_MAX_DECODE_BATCH
+    prefill_budget_tokens: int = PREFILL_BATCH_TOKENS
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS
+
+    def __post_init__(self) -> None:
+        for name, flag in (("kv_capacity_tokens", "--kv-capacity-tokens"),
+                           ("kv_bytes_per_token_rank", "model KV"),
+                           ("prefill_workers", "--prefill"), ("decode_workers", "--decode"),
+                           ("collocated_workers", "--collocated"), ("max_batch", "--max-batch"),
+                           ("prefill_budget_tokens", "--prefill-budget"),
+                           ("chunk_tokens", "--chunk")):
+            _check_count(f"{name} ({flag})", getattr(self, name))
+        check_link(self.link_gbps)
+
+    def transfer_seconds(self, prompt_tokens: int) -> float:
+        return transfer_seconds(kv_bytes(self.kv_bytes_per_token_rank, prompt_tokens),
+                                self.link_gbps)
+
+
+@dataclass
+class SimResult:
+    """Finished records (trace order), ITL samples and each pool's busy fraction."""
+
+    layout: Layout
+    records: list[RequestRecord]
+    itl: ItlSamples
+    busy: dict[str, float] = field(default_factory=dict)
+
+
+def check_fits(trace: Sequence[TraceRequest], cluster: Cluster) -> None:
+    """ValueError when the trace is empty or a request's KV can never fit a worker."""
+    if not trace:
+        raise ValueError("the trace holds no requests")
+    worst = max(range(len(trace)), key=lambda i: trace[i].prompt_tokens + trace[i].output_tokens)
+    need = trace[worst].prompt_tokens + trace[worst].output_tokens
+    if need > cluster.kv_capacity_tokens:
+        raise ValueError(f"request {worst} needs {need:,} tokens of KV (prompt + output) but a "
+                         f"worker holds {cluster.kv_capacity_tokens:,}: raise --tp or shorten "
+                         "the requests")
+
+
+class _Loop:
+    """One run: workers, their routing loads, the event heap."""
+
+    def __init__(self, layout: Layout, cluster: Cluster, costs: StepCosts,
+                 trace_tokens: bool) -> None:
+        self.layout, self.cluster = layout, cluster
+        self.itl = ItlSamples()
+        self.events: list[tuple[float, int, int, Any]] = []
+        self.seq = itertools.count()
+        self.to_wake: dict[Worker, None] = {}  # insertion-ordered set
+        c = cluster
+        if layout is Layout.DISAGG:
+            self.prefill = [PrefillWorker(i, costs, c.prefill_budget_tokens)
+                            for i in range(c.prefill_workers)]
+            self.decode = [DecodeWorker(i, costs, c.kv_capacity_tokens, c.max_batch,
+                                        DecodeBatch(self.itl, trace_tokens))
+                           for i in range(c.decode_workers)]
+            self.colloc: list[CollocatedWorker] = []
+        else:
+            chunk = c.chunk_tokens if layout is Layout.CHUNKED else None
+            self.prefill, self.decode = [], []
+            self.colloc = [CollocatedWorker(i, costs, c.kv_capacity_tokens, c.max_batch,
+                                            c.prefill_budget_tokens, chunk,
+                                            DecodeBatch(self.itl, trace_tokens))
+                           for i in range(c.collocated_workers)]
+        self.loads = {"prefill": [0] * len(self.prefill), "decode": [0] * len(self.decode),
+                      "colloc": [0] * len(self.colloc)}
+
+    def push(self, time: float, kind: int, payload: Any) -> None:
+        heapq.heappush(self.events, (time, kind, next(self.seq), payload))
+
+    def wake(self, worker: Worker) -> None:
+        """Ask `worker` to start a step once every event at the current time is processed."""
+        self.to_wake[worker] = None
+
+    def kick(self, worker: Worker, now: float) -> None:
+        """Start the worker's next step if it is idle and has work."""
+        if worker.busy:
+            return
+        seconds = worker.start_step(now)
+        if seconds is not None:
+            worker.busy = True
+            worker.busy_s += seconds
+            self.push(now + seconds, _STEP_END, worker)
+
+    def _least(self, role: str) -> int:
+        loads = self.loads[role]
+        return min(range(len(loads)), key=loads.__getitem__)
+
+    def arrive(self, record: RequestRecord, now: float) -> None:
+        if self.layout is Layout.DISAGG:
+            i = self._least("prefill")
+            self.loads["prefill"][i] += record.prompt_tokens
+            self.prefill[i].queue.append(record)
+            self.wake(self.prefill[i])
+        else:
+            i = self._least("colloc")
+            self.loads["colloc"][i] += 1
+            self.colloc[i].waiting.append(record)
+            self.wake(self.colloc[i])
+
+    def step_end(self, worker: Worker, now: float) -> None:
+        worker.busy = False
+        prefilled, finished = worker.finish_step(now)
+        if isinstance(worker, PrefillWorker):
+            for record in prefilled:
+                self.loads["prefill"][worker.index] -= record.prompt_tokens
+                if record.output_tokens > 1:
+                    self.send_to_decode(record, now)
+        else:
+            self.loads[worker.role][worker.index] -= len(finished)
+        self.wake(worker)
+
+    def send_to_decode(self, record: RequestRecord, now: float) -> None:
+        j = self._least("decode")
+        self.loads["decode"][j] += 1
+        self.push(now + self.cluster.transfer_seconds(record.prompt_tokens), _KV_READY,
+                  (record, j))
+
+    def kv_ready(self, record: RequestRecord, j: int, now: float) -> None:
+        self.decode[j].queue.append(record)
+        self.wake(self.decode[j])
+
+    def run(self, records: list[RequestRecord]) -> float:
+        """Process every event; returns the time of the last one."""
+        for record in records:
+            self.push(record.arrival_s, _ARRIVAL, record)
+        now = 0.0
+        while self.events:
+            now, kind, _, payload = heapq.heappop(self.events)
+            if kind == _STEP_END:
+                self.step_end(payload, now)
+            elif kind == _KV_READY:
+                self.kv_ready(payload[0], payload[1], now)
+            else:
+                self.arrive(payload, now)
+            if not self.events or self.events[0][0] > now:
+                for worker in self.to_wake:
+                    self.kick(worker, now)
+                self.to_wake.clear()
+        return now
+
+    def busy_fractions(self, span: float) -> dict[str, float]:
+        pools = {"prefill": self.prefill, "decode": self.decode, "colloc": self.colloc}
+        return {role: sum(w.busy_s for w in workers) / (len(workers) * span)
+                for role, workers in pools.items() if workers and span > 0}
+
+
+def simulate(layout: Layout | str, cluster: Cluster, costs: StepCosts,
+             trace: Sequence[TraceRequest], trace_tokens: bool = False) -> SimResult:
+    """Run `trace` on `cluster` in `layout`; `trace_tokens` keeps every token's time."""
+    layout = Layout(layout)
+    check_fits(trace, cluster)
+    records = [RequestRecord(i, r.arrival_s, r.prompt_tokens, r.output_tokens,
+                             token_times=[] if trace_tokens else None)
+               for i, r in enumerate(trace)]
+    loop = _Loop(layout, cluster, costs, trace_tokens)
+    end = loop.run(records)
+    span = end - min(r.arrival_s for r in records)
+    return SimResult(layout, records, loop.itl, loop.busy_fractions(span))

@@ -1,0 +1,201 @@
+"""Calibration: fitting `pdserve bench engine --json` rows, the profile JSON, and simulating with
+the fitted costs so that they reproduce the measured tok/s."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+
+from pdserve.planner.calibration import (
+    PROFILE_SCHEMA,
+    BenchRows,
+    CalibrationProfile,
+    Chunk,
+    fit_bench_rows,
+    load_calibration,
+    profile_from_dict,
+)
+from pdserve.planner.simulate_cli import add_simulate_parser
+from pdserve.planner.simulator import Cluster, simulate
+from pdserve.planner.trace import TraceRequest
+
+OVERHEAD, PER_SEQ, PREFILL_TOK_S = 0.020, 0.0005, 2000.0
+
+
+def bench_rows(overhead: float = OVERHEAD, per_seq: float = PER_SEQ) -> list[dict]:
+    """Rows as `pdserve bench engine --json` prints them, from a known linear machine."""
+    rows = [{"phase": "decode", "batch": b, "prompt_tokens": 32,
+             "pdserve_tok_s": b / (overhead + per_seq * b), "transformers_tok_s": 1.0,
+             "roofline_tok_s": 1e4, "vs_transformers": 1.0, "of_roofline": 0.1}
+            for b in (1, 8, 32)]
+    rows.append({"phase": "prefill", "batch": 1, "prompt_tokens": 1000,
+                 "pdserve_tok_s": PREFILL_TOK_S, "transformers_tok_s": 900.0,
+                 "roofline_tok_s": 5000.0})
+    return rows
+
+
+def write_rows(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_fit_recovers_the_linear_machine():
+    p = fit_bench_rows(bench_rows())
+    assert p.decode_overhead_s == pytest.approx(OVERHEAD, rel=1e-9)
+    assert p.decode_per_seq_s == pytest.approx(PER_SEQ, rel=1e-9)
+    assert p.prefill_overhead_s == 0 and p.prefill_per_token_s == pytest.approx(1 / 2000)
+    assert p.max_rel_error == pytest.approx(0, abs=1e-9) and p.fit_rows == 4
+
+
+def test_profile_steps_reproduce_every_row_within_one_percent():
+    rows = bench_rows()
+    for context_s in (0.0, 3e-7):  # with and without a KV-read term
+        p = fit_bench_rows(rows, context_token_s=context_s)
+        for r in rows:
+            b, n = r["batch"], r["prompt_tokens"]
+            if r["phase"] == "decode":
+                tok_s = b / p.step_seconds((), b, b * n)
+            else:
+                tok_s = b * n / p.step_seconds([Chunk(0, n, True)] * b, 0, 0)
+            assert tok_s == pytest.approx(r["pdserve_tok_s"], rel=0.01)
+
+
+def test_simulated_tok_s_reproduces_the_bench(tmp_path):
+    profile = fit_bench_rows(bench_rows())
+    cluster = Cluster(kv_capacity_tokens=10**6, kv_bytes_per_token_rank=1000, link_gbps=100,
+                      collocated_workers=1)
+    for batch in (1, 8, 32):
+        trace = [TraceRequest(0.0, 32, 33)] * batch
+        recs = simulate("colloc", cluster, profile, trace).records
+        decode_s = recs[0].finish_s - recs[0].first_token_s  # 32 steps of the whole batch
+        measured = next(r["pdserve_tok_s"] for r in bench_rows() if r.get("batch") == batch)
+        assert batch * 32 / decode_s == pytest.approx(measured, rel=0.01)
+    one = simulate("disagg", cluster, profile, [TraceRequest(0.0, 1000, 1)]).records[0]
+    assert 1000 / one.ttft_s == pytest.approx(PREFILL_TOK_S, rel=0.01)
+
+
+def test_noisy_rows_fit_by_relative_error():
+    rows = bench_rows()
+    rows[1]["pdserve_tok_s"] *= 1.02
+    p = fit_bench_rows(rows)
+    assert 0 < p.max_rel_error < 0.03
+    assert p.decode_overhead_s == pytest.approx(OVERHEAD, rel=0.1)
+
+
+def test_one_decode_batch_is_all_overhead_and_prefill_lengths_give_an_overhead():
+    rows = [bench_rows()[1],
+            {"phase": "prefill", "batch": 1, "prompt_tokens": 500, "pdserve_tok_s": 500 / 0.35},
+            {"phase": "prefill", "batch": 2, "prompt_tokens": 1000, "pdserve_tok_s": 2000 / 1.1}]
+    p = fit_bench_rows(rows)
+    assert p.decode_per_seq_s == 0
+    assert p.decode_overhead_s == pytest.approx(OVERHEAD + 8 * PER_SEQ)
+    assert p.prefill_overhead_s == pytest.approx(0.1) and p.prefill_per_token_s == pytest.approx(
+        0.0005)
+
+
+def test_a_falling_step_time_clamps_the_slope_to_zero():
+    rows = bench_rows(overhead=0.05, per_seq=-0.001)
+    p = fit_bench_rows(rows)
+    assert p.decode_per_seq_s == 0 and p.decode_overhead_s > 0
+
+
+def test_a_mixed_step_pays_one_overhead():
+    p = CalibrationProfile(decode_overhead_s=0.01, decode_per_seq_s=0.001,
+                           prefill_per_token_s=1e-4, prefill_overhead_s=0.02,
+                           decode_per_context_token_s=1e-6)
+    mixed = p.step_seconds([Chunk(0, 100, True)], 4, 1000)
+    assert mixed == pytest.approx(0.02 + 100e-4 + 4e-3 + 1e-3)
+
+
+def test_profile_json_round_trip(tmp_path):
+    p = fit_bench_rows(bench_rows(), 1e-7, source="bench", model="smollm2-135m", gpu="cpu")
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(p.to_dict()))
+    assert load_calibration(path) == p
+    minimal = {"schema": PROFILE_SCHEMA, "decode": {"overhead_s": 0.01, "per_seq_s": 0},
+               "prefill": {"per_token_s": 1e-3}}
+    assert profile_from_dict(minimal).tp == 1
+
+
+def test_bench_rows_file_is_recognised(tmp_path):
+    got = load_calibration(write_rows(tmp_path / "bench.jsonl", bench_rows()))
+    assert isinstance(got, BenchRows) and len(got.rows) == 4
+
+
+@pytest.mark.parametrize(("patch", "message"), [
+    ({"schema": "v0"}, "schema must be"),
+    ({"decode": {"overhead_s": 0.01}}, "decode is missing per_seq_s"),
+    ({"decode": {"overhead_s": -1, "per_seq_s": 0}}, r"decode\.overhead_s must be"),
+    ({"decode": {"overhead_s": 0, "per_seq_s": 0}}, "must be positive"),
+    ({"prefill": {"per_token_s": 0}}, r"prefill\.per_token_s must be positive"),
+    ({"prefill": {"per_token_s": "fast"}}, r"prefill\.per_token_s must be a finite"),
+    ({"tp": 0}, "tp must be an integer"),
+    ({"model": 7}, "model must be a string"),
+    ({"prefill": 3}, "needs 'decode' and 'prefill' objects"),
+])
+def test_bad_profiles_name_the_field(patch, message):
+    good = {"schema": PROFILE_SCHEMA, "decode": {"overhead_s": 0.01, "per_seq_s": 0.001},
+            "prefill": {"per_token_s": 1e-3}}
+    with pytest.raises(ValueError, match=message):
+        profile_from_dict(good | patch)
+
+
+@pytest.mark.parametrize(("rows", "message"), [
+    ([{"phase": "train"}], "row 1: expected a `pdserve bench engine --json` row"),
+    ([{"phase": "decode", "batch": 0, "prompt_tokens": 1, "pdserve_tok_s": 1}],
+     "row 1: batch must be a positive integer"),
+    ([{"phase": "decode", "batch": 1, "prompt_tokens": 1}], "pdserve_tok_s must be a positive"),
+    (bench_rows()[:3], "no prefill row to fit"),
+    (bench_rows()[3:], "no decode row to fit"),
+])
+def test_bad_bench_rows_raise(rows, message):
+    with pytest.raises(ValueError, match=message):
+        fit_bench_rows(rows)
+
+
+def test_bad_calibration_files(tmp_path):
+    with pytest.raises(ValueError, match=r"calibrate \(--calibrate\) .* cannot be read"):
+        load_calibration(tmp_path / "missing.jsonl")
+    (tmp_path / "bad.jsonl").write_text(json.dumps(bench_rows()[0]) + "\n{oops\n")
+    with pytest.raises(ValueError, match="line 2: not valid JSON"):
+        load_calibration(tmp_path / "bad.jsonl")
+
+
+# ---- through the CLI ----------------------------------------------------------------------------
+
+
+def run_cli(argv: list[str], capsys) -> tuple[int, str, str]:
+    parser = argparse.ArgumentParser(prog="pdserve")
+    add_simulate_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["simulate", *argv])
+    rc = args.func(args)
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def test_cli_calibrates_from_bench_rows_and_writes_a_profile(tmp_path, capsys):
+    bench = write_rows(tmp_path / "bench.jsonl", bench_rows())
+    profile = tmp_path / "profile.json"
+    rc, out, err = run_cli(["--calibrate", str(bench), "--model", "smollm2-135m", "--gpu", "cpu",
+                            "--workload", "fixed", "--prompt-tokens", "1000", "--output-tokens",
+                            "1", "--rate", "0.1", "--num-requests", "1", "--json"], capsys)
+    assert rc == 0, err
+    got = json.loads(out)
+    assert got["costs"]["kind"] == "calibrated" and got["costs"]["gpu"] == "cpu"
+    assert got["results"][0]["mean_ttft_ms"] == pytest.approx(500, rel=0.01)  # 2000 tok/s
+    rc, _, err = run_cli(["--calibrate", str(bench), "--model", "smollm2-135m", "--gpu", "cpu",
+                          "--write-profile", str(profile), "--duration-s", "5"], capsys)
+    assert rc == 0, err
+    saved = load_calibration(profile)
+    assert saved.model == "smollm2-135m" and saved.decode_per_context_token_s > 0
+    rc, out, err = run_cli(["--calibrate", str(profile), "--duration-s", "5"], capsys)
+    assert rc == 0 and "calibrated" in out and "smollm2-135m" in out
+
+
+def test_cli_bench_rows_need_the_device(tmp_path, capsys):
+    bench = write_rows(tmp_path / "bench.jsonl", bench_rows())
+    rc, out, err = run_cli(["--calibrate", str(bench), "--model", "smollm2-135m"], capsys)
+    assert rc == 2 and out == "" and "gpu (--gpu) is required" in err
