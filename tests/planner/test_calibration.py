@@ -3,7 +3,6 @@ the fitted costs so that they reproduce the measured tok/s."""
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
@@ -18,9 +17,9 @@ from pdserve.planner.calibration import (
     load_calibration,
     profile_from_dict,
 )
-from pdserve.planner.simulate_cli import add_simulate_parser
 from pdserve.planner.simulator import Cluster, simulate
 from pdserve.planner.trace import TraceRequest
+from tests.planner.cli_run import run_pdserve
 
 OVERHEAD, PER_SEQ, PREFILL_TOK_S = 0.020, 0.0005, 2000.0
 
@@ -168,12 +167,7 @@ def test_bad_calibration_files(tmp_path):
 
 
 def run_cli(argv: list[str], capsys) -> tuple[int, str, str]:
-    parser = argparse.ArgumentParser(prog="pdserve")
-    add_simulate_parser(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(["simulate", *argv])
-    rc = args.func(args)
-    out, err = capsys.readouterr()
-    return rc, out, err
+    return run_pdserve(["simulate", *argv], capsys)
 
 
 def test_cli_calibrates_from_bench_rows_and_writes_a_profile(tmp_path, capsys):

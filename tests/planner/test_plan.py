@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import re
 from pathlib import Path
 
 import pytest
 
-from pdserve.planner.cli import add_plan_parser
 from pdserve.planner.cost import Efficiency
 from pdserve.planner.hardware import HARDWARE, Hardware, get_hardware
 from pdserve.planner.model_shape import (
@@ -20,6 +18,7 @@ from pdserve.planner.model_shape import (
     load_model_shape,
 )
 from pdserve.planner.plan import Verdict, Workload, make_plan, plan_to_dict, render_text
+from tests.planner.cli_run import run_pdserve
 
 H100 = get_hardware("H100")
 REQUIRED_JSON_KEYS = {"kv_bytes_per_token", "kv_bytes", "transfer_seconds", "prefill_seconds",
@@ -34,12 +33,7 @@ def plan(model: str = "llama-3.1-70b", prompt: int = 32_768, output: int = 256,
 
 
 def run_cli(argv: list[str], capsys) -> tuple[int, str, str]:
-    parser = argparse.ArgumentParser(prog="pdserve")
-    add_plan_parser(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(["plan", *argv])
-    rc = args.func(args)
-    out, err = capsys.readouterr()
-    return rc, out, err
+    return run_pdserve(["plan", *argv], capsys)
 
 
 # ---- published figures ------------------------------------------------------------------------

@@ -3,7 +3,6 @@ KV admission, metrics, the CLI and bad input."""
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import json
 import re
@@ -25,9 +24,9 @@ from pdserve.planner.sim_metrics import (
     stats,
     summarize,
 )
-from pdserve.planner.simulate_cli import add_simulate_parser
 from pdserve.planner.simulator import Cluster, Layout, simulate
 from pdserve.planner.trace import TraceRequest, generate_trace, make_workload
+from tests.planner.cli_run import run_pdserve
 
 H100 = get_hardware("H100")
 EFF = Efficiency()
@@ -265,12 +264,7 @@ def test_bad_simulation_inputs_raise():
 
 
 def run_cli(argv: list[str], capsys) -> tuple[int, str, str]:
-    parser = argparse.ArgumentParser(prog="pdserve")
-    add_simulate_parser(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(["simulate", *argv])
-    rc = args.func(args)
-    out, err = capsys.readouterr()
-    return rc, out, err
+    return run_pdserve(["simulate", *argv], capsys)
 
 
 BIG = ["--model", "llama-3.1-70b", "--gpu", "H100", "--tp", "8", "--prefill", "4", "--decode",

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from dataclasses import replace
 
 from pdserve.planner.cost import DEFAULT_MBU, DEFAULT_MFU, Efficiency
@@ -88,12 +87,9 @@ def _add_hardware_args(p: argparse.ArgumentParser) -> None:
 
 
 def run_plan(args: argparse.Namespace) -> int:
-    """Print the plan (table or JSON); bad input prints `pdserve: error: ...` and returns 2."""
-    try:
-        plan = _make(args)
-    except ValueError as e:
-        print(f"pdserve: error: {e}", file=sys.stderr)
-        return 2
+    """Print the plan (table or JSON). Bad input raises ValueError, which `pdserve.cli.main`
+    reports as `pdserve: error: ...` with exit status 2."""
+    plan = _make(args)
     print(json.dumps(plan_to_dict(plan), indent=2) if args.json else render_text(plan))
     return 0
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -157,12 +156,9 @@ class Setup:
 
 
 def run_simulate(args: argparse.Namespace) -> int:
-    """Print the comparison (table or JSON); bad input prints `pdserve: error: ...`, returns 2."""
-    try:
-        setup = resolve(args)
-    except ValueError as e:
-        print(f"pdserve: error: {e}", file=sys.stderr)
-        return 2
+    """Print the comparison (table or JSON). Bad input raises ValueError, which
+    `pdserve.cli.main` reports as `pdserve: error: ...` with exit status 2."""
+    setup = resolve(args)
     costs = setup.costs
     results = [(r, summarize(r.records, r.itl, setup.slo))
                for r in (simulate(layout, setup.cluster, costs, setup.trace)

@@ -1,0 +1,69 @@
+"""The interface every transport implements: move KV bytes between registered pools, and
+carry small control messages.
+
+A transport is one endpoint (one worker process, `local`), shared by all of its sessions.
+Data moves are one-sided, in the two RDMA shapes: `write` pushes local blocks into a peer's
+pool, `read` pulls a peer's blocks into the local pool. A move is identified by an opaque
+handle whose `status` goes "pending" -> "done" or "error" (never back). `cancel` is the
+fence that makes block reuse safe: once it returns, the move will never touch either pool
+again (a pending move ends as "error"; a finished one keeps its status).
+
+The control channel is unordered-safe, non-blocking and lossy: `send` never blocks and may
+lose messages (a dead peer); `receive` returns what has arrived since the last call, each
+with the transport-level source peer (the authenticated origin in a real transport).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Literal, Protocol
+
+from pdserve.transfer.descriptors import PeerId
+
+if TYPE_CHECKING:
+    from pdserve.engine.kv_cache import KVCache
+
+MoveStatus = Literal["pending", "done", "error"]
+MoveHandle = int
+
+
+class Transport(Protocol):
+    """One endpoint of the transfer plane (fake, tcp, nixl)."""
+
+    @property
+    def local(self) -> PeerId:
+        """This endpoint's peer id (instance included)."""
+        ...
+
+    def register(self, pool: KVCache) -> None:
+        """Make `pool` the local KV pool that moves read from and write into."""
+        ...
+
+    def write(self, transfer_id: int, local_blocks: Sequence[int], remote_peer: PeerId,
+              remote_blocks: Sequence[int]) -> MoveHandle:
+        """Push local block i into remote block i (RDMA-WRITE shape)."""
+        ...
+
+    def read(self, transfer_id: int, local_blocks: Sequence[int], remote_peer: PeerId,
+             remote_blocks: Sequence[int]) -> MoveHandle:
+        """Pull remote block i into local block i (RDMA-READ shape)."""
+        ...
+
+    def status(self, handle: MoveHandle) -> MoveStatus:
+        ...
+
+    def cancel(self, handle: MoveHandle) -> None:
+        """Fence: after return the move never touches either pool again."""
+        ...
+
+    def send(self, peer: PeerId, message: bytes) -> None:
+        """Queue one control message to `peer`; never blocks, may be lost."""
+        ...
+
+    def receive(self) -> list[tuple[PeerId, bytes]]:
+        """Every control message that arrived since the last call; never blocks."""
+        ...
+
+    def peer_alive(self, peer: PeerId) -> bool:
+        """The transport's view of whether that exact instance is still up."""
+        ...
