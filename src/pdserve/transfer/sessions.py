@@ -1,0 +1,121 @@
+"""What the sender and receiver sessions share: a per-endpoint inbox, a peer link, a lease.
+
+`Inbox` demultiplexes one transport's control channel by transfer id: it drains
+`Transport.receive()`, decodes strictly (undecodable bytes are counted and dropped, never
+guessed at) and keeps each message until the session of its transfer id takes it. Messages
+for a transfer nobody has opened yet wait (a reservation may arrive before the prefill
+finished); `discard` drops what a closed transfer will never take.
+
+`Link` is one session's view of its peer: it sends messages and judges where an incoming one
+came from. A message is trusted only when both the transport-level source and the author
+named inside it are exactly the expected peer (instance id included). The same address with
+another instance id is a restarted peer (STALE: the session fails); anything else is FOREIGN
+(ignored).
+
+`Lease` is a deadline on an injectable clock.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import Enum
+
+from pdserve.transfer.control import ControlMessage, ControlOp, Message, decode_any, message_author
+from pdserve.transfer.descriptors import PeerId
+from pdserve.transfer.transport import Transport
+
+DEFAULT_LEASE_S = 5.0
+DEFAULT_RESEND_S = 0.5
+
+
+class Inbox:
+    """Control messages of one transport, filed by transfer id. Lifetime: the endpoint's."""
+
+    def __init__(self, transport: Transport) -> None:
+        self.transport = transport
+        self.rejected = 0  # undecodable messages dropped
+        self._by_id: defaultdict[int, list[tuple[PeerId, Message]]] = defaultdict(list)
+
+    def take(self, transfer_id: int) -> list[tuple[PeerId, Message]]:
+        """Every message for `transfer_id` received so far, in arrival order; removes them."""
+        for source, data in self.transport.receive():
+            try:
+                msg = decode_any(data)
+            except ValueError:
+                self.rejected += 1
+                continue
+            self._by_id[msg.transfer_id].append((source, msg))
+        return self._by_id.pop(transfer_id, [])
+
+    def discard(self, transfer_id: int) -> None:
+        self._by_id.pop(transfer_id, None)
+
+
+class Trust(Enum):
+    TRUSTED = "trusted"
+    STALE = "stale"  # same address, another instance: a restarted peer
+    FOREIGN = "foreign"  # another peer altogether
+
+
+@dataclass(frozen=True)
+class Link:
+    """One session's peer: who we are, who they are, and the shared inbox."""
+
+    inbox: Inbox
+    local: PeerId
+    peer: PeerId
+    transfer_id: int
+
+    def __post_init__(self) -> None:
+        if self.inbox.transport.local != self.local:
+            raise ValueError(f"the transport is {self.inbox.transport.local}, not {self.local}")
+        if self.local.same_address(self.peer):
+            raise ValueError("a session's two ends must be different peers")
+
+    @property
+    def transport(self) -> Transport:
+        return self.inbox.transport
+
+    def send(self, msg: Message) -> None:
+        self.transport.send(self.peer, msg.encode())
+
+    def control(self, op: ControlOp, reason: str = "") -> None:
+        self.send(ControlMessage(self.transfer_id, self.local, op, reason))
+
+    def take(self) -> list[tuple[Trust, Message]]:
+        return [(self.judge(src, msg), msg) for src, msg in self.inbox.take(self.transfer_id)]
+
+    def judge(self, source: PeerId, msg: Message) -> Trust:
+        author = message_author(msg)
+        if source == self.peer and author == self.peer:
+            return Trust.TRUSTED
+        if self.peer.same_address(source) or self.peer.same_address(author):
+            return Trust.STALE
+        return Trust.FOREIGN
+
+    def peer_alive(self) -> bool:
+        return self.transport.peer_alive(self.peer)
+
+    def self_alive(self) -> bool:
+        return self.transport.peer_alive(self.local)
+
+
+class Lease:
+    """A deadline `seconds` after creation on `clock`."""
+
+    def __init__(self, seconds: float, clock: Callable[[], float]) -> None:
+        if not seconds > 0:
+            raise ValueError(f"a lease lasts more than 0 seconds, got {seconds}")
+        self.clock = clock
+        self.deadline = clock() + seconds
+
+    @property
+    def expired(self) -> bool:
+        return self.clock() >= self.deadline
+
+
+class Mode(Enum):
+    PUSH = "push"  # the sender writes into the receiver's pool (RDMA-WRITE shape)
+    PULL = "pull"  # the receiver reads from the sender's pool (RDMA-READ shape)
