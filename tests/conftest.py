@@ -30,6 +30,16 @@ def tiny_model(tmp_path_factory) -> Callable[..., Path]:
     return make
 
 
+def engine_pair(path: Path, decode_blocks: int = 64):
+    """A prefill-role and a decode-role engine on the same tiny model, fp32, 256-token context."""
+    from pdserve.config import EngineConfig, Role
+    from pdserve.engine.engine import Engine
+
+    common = {"model": str(path), "dtype": "float32", "max_model_len": 256}
+    return (Engine(EngineConfig(role=Role.PREFILL, **common)),
+            Engine(EngineConfig(role=Role.DECODE, num_kv_blocks=decode_blocks, **common)))
+
+
 @functools.cache
 def _hf_model(path: Path):
     from transformers import AutoModelForCausalLM

@@ -3,18 +3,10 @@
 from __future__ import annotations
 
 from pdserve import LLM, SamplingParams
-from pdserve.config import EngineConfig, Role
 from pdserve.engine.engine import Engine
-from tests.conftest import hf_greedy
+from tests.conftest import engine_pair, hf_greedy
 
 PROMPTS = [[7], list(range(20, 77)), list(range(100, 116)), [5, 6, 7, 8, 9, 10, 11]]
-
-
-def _engines(path, decode_blocks: int = 64) -> tuple[Engine, Engine]:
-    common = {"model": str(path), "dtype": "float32", "max_model_len": 256}
-    pre = Engine(EngineConfig(role=Role.PREFILL, **common))
-    dec = Engine(EngineConfig(role=Role.DECODE, num_kv_blocks=decode_blocks, **common))
-    return pre, dec
 
 
 def _prefill_all(pre: Engine, prompts, params) -> dict:
@@ -48,7 +40,7 @@ def _run(dec: Engine) -> dict:
 def test_handover_greedy_matches_transformers(tiny_model):
     path = tiny_model("llama")
     params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
-    pre, dec = _engines(path)
+    pre, dec = engine_pair(path)
     prefilled = _prefill_all(pre, PROMPTS, params)
     for out in prefilled.values():
         assert not out.finished and out.kv_block_ids
@@ -67,7 +59,7 @@ def test_seeded_sampling_is_the_same_across_the_handover(tiny_model):
                             ignore_eos=True)
     collocated = LLM(model=str(path), dtype="float32", max_model_len=256)
     expected = collocated.generate(PROMPTS, params, use_tqdm=False)
-    pre, dec = _engines(path)
+    pre, dec = engine_pair(path)
     for out in _prefill_all(pre, PROMPTS, params).values():
         _hand_over(pre, dec, out, params)
     final = _run(dec)
@@ -78,7 +70,7 @@ def test_seeded_sampling_is_the_same_across_the_handover(tiny_model):
 
 def test_stop_on_token_zero_ends_after_prefill(tiny_model):
     path = tiny_model("llama")
-    pre, _ = _engines(path)
+    pre, _ = engine_pair(path)
     first = hf_greedy(path, PROMPTS[1], 1)[0]
     params = SamplingParams(temperature=0, max_tokens=10, stop_token_ids=[first])
     out = _prefill_all(pre, [PROMPTS[1]], params)["r0"]
@@ -92,7 +84,7 @@ def test_stop_on_token_zero_ends_after_prefill(tiny_model):
 
 def test_decode_reservation_waits_for_free_blocks(tiny_model):
     path = tiny_model("llama")
-    pre, dec = _engines(path, decode_blocks=16)
+    pre, dec = engine_pair(path, decode_blocks=16)
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     long_prompts = [list(range(10, 10 + 150)), list(range(300, 300 + 150))]  # 10 blocks each
     outs = _prefill_all(pre, long_prompts, params)
@@ -115,7 +107,7 @@ def test_decode_reservation_waits_for_free_blocks(tiny_model):
 
 def test_aborting_reserved_and_prefilled_requests_frees_both_pools(tiny_model):
     path = tiny_model("llama")
-    pre, dec = _engines(path)
+    pre, dec = engine_pair(path)
     params = SamplingParams(temperature=0, max_tokens=8)
     outs = _prefill_all(pre, PROMPTS[:2], params)
     dec.add_remote_request(outs["r0"].prompt_token_ids, params, request_id="r0")

@@ -7,7 +7,6 @@ from dataclasses import dataclass
 import pytest
 
 from pdserve import SamplingParams
-from pdserve.config import EngineConfig, Role
 from pdserve.engine.engine import Engine
 from pdserve.transfer.control import ControlMessage, ControlOp, Reservation, decode_any
 from pdserve.transfer.descriptors import CompletionNotice, KVLayout, PeerId
@@ -16,7 +15,7 @@ from pdserve.transfer.receiver import RecvSession
 from pdserve.transfer.sender import SendSession
 from pdserve.transfer.sessions import Inbox, Mode
 from pdserve.transfer.state import TransferState
-from tests.conftest import hf_greedy
+from tests.conftest import engine_pair, hf_greedy
 
 S = TransferState
 PRE = PeerId(0x1111, "10.0.0.1", 7100)
@@ -37,10 +36,7 @@ class Clock:
 
 @pytest.fixture(scope="module")
 def engines(tiny_model):
-    common = {"model": str(tiny_model("llama")), "dtype": "float32", "max_model_len": 256}
-    pre = Engine(EngineConfig(role=Role.PREFILL, **common))
-    dec = Engine(EngineConfig(role=Role.DECODE, num_kv_blocks=64, **common))
-    return pre, dec
+    return engine_pair(tiny_model("llama"))
 
 
 @dataclass

@@ -1,0 +1,535 @@
+"""`Transport` over plain TCP: whole KV blocks move between registered CPU pools, zero-copy.
+
+The frame format and socket helpers are in `tcp_frames.py`; this module holds the endpoint:
+its threads, connections, handshake, moves and their fences (life cycle on `TcpTransport`).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import socket
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from pdserve.transfer.auth import HandshakeAuth, PeerRefused
+from pdserve.transfer.descriptors import PeerId, process_instance_id
+from pdserve.transfer.tcp_frames import (
+    MAX_CONTROL_BYTES,
+    MAX_SMALL_BYTES,
+    BlockPool,
+    Frame,
+    ProtocolError,
+    drain,
+    header,
+    parse_u32s,
+    recv_exact,
+    recv_header,
+    recv_into_all,
+    send_all,
+    shut,
+    u32s,
+)
+from pdserve.transfer.tcp_peer import Job, Move, PeerSender
+from pdserve.transfer.transport import MoveHandle, MoveStatus
+
+if TYPE_CHECKING:
+    from pdserve.engine.kv_cache import KVCache
+
+log = logging.getLogger(__name__)
+
+
+class _Closing(Exception):
+    """Internal: the transport is closing."""
+
+
+@dataclass(frozen=True)
+class TcpOptions:
+    """Timeouts and limits. `cancel_wait_s` bounds how long `cancel` waits for a frame that is
+    being sent or received before it shuts that connection down; `max_queued` bounds each peer's
+    send queue (a full queue drops control messages and fails new moves)."""
+
+    dial_timeout_s: float = 1.0
+    handshake_timeout_s: float = 2.0
+    cancel_wait_s: float = 5.0
+    max_queued: int = 10_000
+
+    def __post_init__(self) -> None:
+        for name in ("dial_timeout_s", "handshake_timeout_s", "cancel_wait_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"TcpOptions.{name} must be > 0, got {getattr(self, name)}")
+        if self.max_queued < 1:
+            raise ValueError(f"TcpOptions.max_queued must be >= 1, got {self.max_queued}")
+
+
+# -- the transport -------------------------------------------------------------------------------
+
+
+class TcpTransport:
+    """One TCP endpoint of the transfer plane; implements `transport.Transport`.
+
+    Life cycle.
+    - Construction binds and listens on `local_host:port` (0: a free port) and starts one daemon
+      accept thread. `local` is this instance: `instance_id` (default: the process's) at the
+      advertised address (`advertise_port`, default: the real port; tests use it to simulate a
+      restarted peer at the same address).
+    - Incoming: each accepted connection gets one daemon reader thread. It first expects a
+      HELLO signed with the shared secret (`HandshakeAuth`); a bad signature, a replay, a
+      malformed PeerId or an instance already known dead closes the connection with a warning
+      naming the remote address. It answers a signed HELLO_ACK with `local`, then processes
+      frames strictly in order: WRITE bytes land in the pool (recv_into the block's memory, no
+      staging) before any later CONTROL frame on that connection is delivered. That order is
+      the fence the sessions rely on (data before the writer's ABORT / ABORT_ACK).
+    - Outgoing: frames to a peer instance travel on one connection this endpoint dials lazily
+      (first send / write / read), fed by that peer's `PeerSender` queue and thread, so `send`,
+      `write` and `read` never block. Dialing waits at most `dial_timeout_s`.
+    - Peer death: a reset or EOF on either connection with a peer, a failed dial or handshake,
+      a protocol error, or a HELLO / HELLO_ACK from another instance at its address (a restart)
+      marks that exact instance dead for good: `peer_alive` is False, its pending moves end in
+      "error", messages to it are dropped. A new instance at the address is a different peer.
+    - `close()` (idempotent; also on leaving a `with` block) fails every pending move, shuts
+      down every socket (waking every thread) and joins the threads briefly; afterwards
+      nothing is delivered, moves end in "error" and `peer_alive(local)` is False.
+
+    Cancel. A move not yet started never starts. A write whose frame is being sent finishes
+    that `sendmsg` first (cancel waits up to `cancel_wait_s`, then shuts the connection down):
+    the bytes then lie in order on the one connection ahead of any control message the writer
+    sends after `cancel`, so the receiver lands them before it sees, say, the ABORT. A read
+    being landed stops at the next block boundary; READ_DATA for a cancelled read is drained,
+    never written to the pool. The holder may still be reading its own source blocks for a
+    cancelled read; those bytes are discarded by the requester.
+    """
+
+    def __init__(self, local_host: str = "127.0.0.1", port: int = 0, *, secret: bytes,
+                 instance_id: int | None = None, advertise_port: int | None = None,
+                 options: TcpOptions | None = None) -> None:
+        self.options = options or TcpOptions()
+        self._auth = HandshakeAuth(secret)
+        self._listener = socket.create_server((local_host, port))
+        real_port = self._listener.getsockname()[1]
+        self._local = PeerId(instance_id or process_instance_id(), local_host,
+                             advertise_port or real_port)
+        self._lock = threading.Condition()
+        self._pool: BlockPool | None = None
+        self._moves: dict[MoveHandle, Move] = {}
+        self._handles = itertools.count(1)
+        self._senders: dict[PeerId, PeerSender] = {}
+        self._current: dict[tuple[str, int], int] = {}  # address -> newest instance seen
+        self._dead: set[PeerId] = set()
+        self._inbox: list[tuple[PeerId, bytes]] = []
+        self._conns: dict[socket.socket, PeerId | None] = {}  # accepted -> authenticated peer
+        self._threads: list[threading.Thread] = []
+        self._closed = False
+        self._spawn(self._accept_loop, f"pdserve-tcp-accept-{real_port}")
+
+    # -- Transport ---------------------------------------------------------------------------
+
+    @property
+    def local(self) -> PeerId:
+        return self._local
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def register(self, pool: KVCache) -> None:
+        self._pool = BlockPool(pool)
+
+    def write(self, transfer_id: int, local_blocks: Sequence[int], remote_peer: PeerId,
+              remote_blocks: Sequence[int]) -> MoveHandle:
+        return self._start("write", transfer_id, local_blocks, remote_peer, remote_blocks)
+
+    def read(self, transfer_id: int, local_blocks: Sequence[int], remote_peer: PeerId,
+             remote_blocks: Sequence[int]) -> MoveHandle:
+        return self._start("read", transfer_id, local_blocks, remote_peer, remote_blocks)
+
+    def status(self, handle: MoveHandle) -> MoveStatus:
+        with self._lock:
+            return self._move(handle).status
+
+    def cancel(self, handle: MoveHandle) -> None:
+        with self._lock:
+            move = self._move(handle)
+            move.cancelled = True
+            if move.status != "pending":
+                return
+            quiet = self._lock.wait_for(lambda: not move.busy, self.options.cancel_wait_s)
+            force = None if quiet else move.sock
+            self._finish(move, "error")
+        if force is not None:
+            log.warning("cancel of move %d timed out; dropping its connection", handle)
+            shut(force)
+
+    def send(self, peer: PeerId, message: bytes) -> None:
+        sender = self._sender(peer)
+        if sender is not None:
+            sender.put(("control", bytes(message)))
+
+    def receive(self) -> list[tuple[PeerId, bytes]]:
+        with self._lock:
+            out, self._inbox = self._inbox, []
+        return out
+
+    def peer_alive(self, peer: PeerId) -> bool:
+        with self._lock:
+            return self._alive(peer)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            for move in self._moves.values():
+                move.cancelled = True
+                self._finish(move, "error")
+            senders, conns = list(self._senders.values()), list(self._conns)
+            threads = [*self._threads, *(s.thread for s in senders)]
+        shut(self._listener)
+        for s in senders:
+            s.stop()
+        for c in conns:
+            shut(c)
+        for t in threads:
+            if t is not threading.current_thread():
+                t.join(timeout=1.0)
+
+    def __enter__(self) -> TcpTransport:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"TcpTransport({self._local}, closed={self._closed})"
+
+    # -- moves (caller side) -----------------------------------------------------------------
+
+    def _start(self, kind: str, tid: int, local_blocks: Sequence[int], peer: PeerId,
+               remote_blocks: Sequence[int]) -> MoveHandle:
+        if len(local_blocks) != len(remote_blocks) or not local_blocks:
+            raise ValueError("a move needs one remote block per local block, at least one")
+        if self._pool is None:
+            raise ValueError("register a pool before moving blocks")
+        if any(type(b) is not int or not 0 <= b < 1 << 32 for b in remote_blocks):
+            raise ValueError("remote block ids must be integers in [0, 2**32)")
+        try:
+            self._pool.check(list(local_blocks), f"local blocks of a {kind}")
+        except ProtocolError as e:
+            raise ValueError(str(e)) from None
+        move = Move(next(self._handles), kind, tid, peer, tuple(local_blocks),
+                    tuple(remote_blocks))
+        with self._lock:
+            self._moves[move.handle] = move
+        sender = self._sender(peer)
+        if sender is None or not sender.put(("move", move)):
+            with self._lock:
+                self._finish(move, "error")
+        return move.handle
+
+    def _move(self, handle: MoveHandle) -> Move:
+        move = self._moves.get(handle)
+        if move is None:
+            raise ValueError(f"move handle {handle} was not issued by this endpoint")
+        return move
+
+    def _finish(self, move: Move, status: MoveStatus) -> None:
+        """pending -> status, never back. Caller holds the lock."""
+        if move.status == "pending":
+            move.status = status
+            self._lock.notify_all()
+
+    def _sender(self, peer: PeerId) -> PeerSender | None:
+        """The live sender to `peer`, made on first use; None if closed or the peer is dead."""
+        with self._lock:
+            if self._closed or not self._alive(peer):
+                return None
+            if peer not in self._senders:
+                self._senders[peer] = PeerSender(self, peer)
+            return self._senders[peer]
+
+    def _alive(self, peer: PeerId) -> bool:
+        if self._closed:
+            return False
+        if peer == self._local:
+            return True
+        current = self._current.get((peer.host, peer.port), peer.instance_id)
+        return peer not in self._dead and current == peer.instance_id
+
+    # -- peer bookkeeping --------------------------------------------------------------------
+
+    def peer_died(self, peer: PeerId, why: str) -> None:
+        """Mark that instance dead for good and fail its pending moves."""
+        with self._lock:
+            if peer in self._dead or self._closed:
+                return
+            self._dead.add(peer)
+            for move in self._moves.values():
+                if move.peer == peer:
+                    move.cancelled = True
+                    self._finish(move, "error")
+            sender = self._senders.pop(peer, None)
+            conns = [c for c, p in self._conns.items() if p == peer]
+        log.warning("peer %s is dead: %s", peer, why)
+        if sender is not None:
+            sender.stop()
+        for c in conns:
+            shut(c)
+
+    def _seen(self, peer: PeerId) -> None:
+        """`peer` proved itself (HELLO / HELLO_ACK); an older instance at its address is dead."""
+        with self._lock:
+            if peer in self._dead:
+                raise PeerRefused(f"instance {peer.instance_id:016x} is known dead")
+            addr = (peer.host, peer.port)
+            old = self._current.get(addr)
+            self._current[addr] = peer.instance_id
+        if old is not None and old != peer.instance_id:
+            self.peer_died(PeerId(old, *addr), f"restarted as {peer.instance_id:016x}")
+
+    def _hello(self, ftype: Frame) -> bytes:
+        with self._lock:
+            payload = self._auth.sign(json.dumps(self._local.to_json()).encode())
+        return header(ftype, plen=len(payload)) + payload
+
+    def _verify_hello(self, sock: socket.socket, expect: Frame) -> PeerId:
+        ftype, _, _, _, plen = recv_header(sock)
+        if ftype is not expect or plen > MAX_SMALL_BYTES:
+            raise ProtocolError(f"expected {expect.name}, got {ftype.name} of {plen} bytes")
+        envelope = recv_exact(sock, plen)
+        with self._lock:
+            message = self._auth.verify(envelope)
+        try:
+            return PeerId.from_json(json.loads(message))
+        except (ValueError, TypeError) as e:
+            raise ProtocolError(f"bad PeerId in {expect.name}: {e}") from None
+
+    def dial(self, peer: PeerId) -> socket.socket:
+        """Connect and handshake; a different instance answering means `peer` restarted."""
+        sock = socket.create_connection((peer.host, peer.port), self.options.dial_timeout_s)
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock.settimeout(self.options.handshake_timeout_s)
+            sock.sendall(self._hello(Frame.HELLO))
+            got = self._verify_hello(sock, Frame.HELLO_ACK)
+            if not got.same_address(peer):
+                raise ProtocolError(f"{peer.host}:{peer.port} answered as {got}")
+            self._seen(got)
+            if got != peer:
+                raise ConnectionError(f"restarted: {got} answers at its address")
+            sock.settimeout(None)
+            return sock
+        except BaseException:
+            shut(sock)
+            raise
+
+    # -- outgoing jobs (a PeerSender thread) -------------------------------------------------
+
+    def run_job(self, sock: socket.socket, peer: PeerId, job: Job) -> None:
+        kind = job[0]
+        if kind == "control":
+            send_all(sock, [header(Frame.CONTROL, plen=len(job[1])), job[1]])
+        elif kind == "move":
+            self._send_move(sock, job[1])
+        elif kind == "read_data":
+            self._send_read_data(sock, *job[1:])
+        else:  # ("answer", frame, tid, mid, reason bytes)
+            _, ftype, tid, mid, reason = job
+            send_all(sock, [header(ftype, 0, tid, mid, len(reason)), reason])
+
+    def _claim(self, move: Move, sock: socket.socket) -> bool:
+        """Mark a not-cancelled pending move busy on `sock`; False if it must not run."""
+        with self._lock:
+            if move.cancelled or move.status != "pending":
+                return False
+            move.busy, move.sock = True, sock
+            return True
+
+    def _release(self, move: Move) -> None:
+        with self._lock:
+            move.busy = False
+            self._lock.notify_all()
+
+    def _send_move(self, sock: socket.socket, move: Move) -> None:
+        n, ids = len(move.remote_blocks), u32s(move.remote_blocks)
+        if move.kind == "read":
+            if self._claim(move, sock):
+                self._release(move)  # the request itself touches no pool
+                send_all(sock, [header(Frame.READ_REQUEST, n, move.transfer_id, move.handle,
+                                       len(ids)), ids])
+            return
+        pool = self._pool
+        assert pool is not None
+        if not self._claim(move, sock):
+            return
+        try:
+            head = header(Frame.WRITE, n, move.transfer_id, move.handle,
+                          len(ids) + n * pool.block_nbytes)
+            send_all(sock, [head, ids, *(pool.view(b) for b in move.local_blocks)])
+        finally:
+            self._release(move)
+
+    def _send_read_data(self, sock: socket.socket, tid: int, mid: int,
+                        ids: tuple[int, ...]) -> None:
+        pool = self._pool
+        if pool is None:
+            reason = b"no pool registered"
+            send_all(sock, [header(Frame.READ_ERROR, 0, tid, mid, len(reason)), reason])
+            return
+        head = header(Frame.READ_DATA, len(ids), tid, mid, len(ids) * pool.block_nbytes)
+        send_all(sock, [head, *(pool.view(b) for b in ids)])
+
+    def _answer(self, peer: PeerId, ftype: Frame, tid: int, mid: int, reason: bytes = b"") -> None:
+        sender = self._sender(peer)
+        if sender is not None:
+            sender.put(("answer", ftype, tid, mid, reason))
+
+    # -- incoming (accept thread and one reader thread per connection) -----------------------
+
+    def _spawn(self, target: Callable[..., None], name: str, *args: object) -> None:
+        t = threading.Thread(target=target, args=args, daemon=True, name=name)
+        with self._lock:
+            self._threads.append(t)
+        t.start()
+
+    def _accept_loop(self) -> None:
+        while not self._closed:
+            try:
+                conn, addr = self._listener.accept()
+            except OSError:
+                return
+            with self._lock:
+                if self._closed:
+                    shut(conn)
+                    return
+                self._conns[conn] = None
+                self._threads = [t for t in self._threads if t.is_alive()]
+            self._spawn(self._serve, f"pdserve-tcp-read-{addr[0]}:{addr[1]}", conn, addr)
+
+    def _serve(self, conn: socket.socket, addr: tuple[str, int]) -> None:
+        peer = None
+        try:
+            peer = self._greet(conn, addr)
+            with self._lock:
+                self._conns[conn] = peer
+            if peer is not None:
+                while True:
+                    self._dispatch(conn, peer, *recv_header(conn))
+        except (OSError, EOFError, ValueError) as e:
+            if peer is not None and not self._closed:
+                self.peer_died(peer, f"incoming connection ended: {e}")
+        finally:
+            shut(conn)
+            with self._lock:
+                self._conns.pop(conn, None)
+
+    def _greet(self, conn: socket.socket, addr: tuple[str, int]) -> PeerId | None:
+        """Verify the dialer's HELLO and answer HELLO_ACK; None (logged) when refused."""
+        conn.settimeout(self.options.handshake_timeout_s)
+        try:
+            peer = self._verify_hello(conn, Frame.HELLO)
+            self._seen(peer)
+        except (PeerRefused, ProtocolError, OSError, EOFError) as e:
+            log.warning("refused connection from %s:%s: %s", addr[0], addr[1], e)
+            return None
+        conn.sendall(self._hello(Frame.HELLO_ACK))
+        conn.settimeout(None)
+        return peer
+
+    def _dispatch(self, conn: socket.socket, peer: PeerId, ftype: Frame, count: int, tid: int,
+                  mid: int, plen: int) -> None:
+        if ftype is Frame.CONTROL:
+            self._on_control(conn, peer, plen)
+        elif ftype is Frame.WRITE:
+            self._on_write(conn, peer, count, tid, mid, plen)
+        elif ftype is Frame.READ_REQUEST:
+            self._on_read_request(conn, peer, count, tid, mid, plen)
+        elif ftype is Frame.READ_DATA:
+            self._on_read_data(conn, peer, count, mid, plen)
+        elif ftype in (Frame.WRITE_DONE, Frame.WRITE_ERROR, Frame.READ_ERROR):
+            self._on_answer(conn, peer, ftype, mid, plen)
+        else:
+            raise ProtocolError(f"unexpected {ftype.name} after the handshake")
+
+    def _on_control(self, conn: socket.socket, peer: PeerId, plen: int) -> None:
+        if plen > MAX_CONTROL_BYTES:
+            raise ProtocolError(f"control message of {plen} bytes exceeds {MAX_CONTROL_BYTES}")
+        data = recv_exact(conn, plen)
+        with self._lock:
+            if self._alive(peer):
+                self._inbox.append((peer, data))
+
+    def _block_frame(self, count: int, plen: int, id_bytes: int) -> BlockPool:
+        """The registered pool, if `plen` is exactly `id_bytes` + count whole blocks."""
+        pool = self._pool
+        if pool is None:
+            raise ProtocolError("blocks sent to an endpoint without a registered pool")
+        if not 1 <= count <= pool.num_blocks or plen != id_bytes + count * pool.block_nbytes:
+            raise ProtocolError(f"{count} blocks in a payload of {plen} bytes")
+        return pool
+
+    def _on_write(self, conn: socket.socket, peer: PeerId, count: int, tid: int, mid: int,
+                  plen: int) -> None:
+        if self._pool is None:  # nothing to land into: refuse the move, keep the connection
+            drain(conn, plen)
+            self._answer(peer, Frame.WRITE_ERROR, tid, mid, b"no pool registered")
+            return
+        pool = self._block_frame(count, plen, 4 * count)
+        ids = parse_u32s(recv_exact(conn, 4 * count))
+        pool.check(ids, "WRITE destination")
+        for b in ids:
+            recv_into_all(conn, pool.view(b))
+        self._answer(peer, Frame.WRITE_DONE, tid, mid)
+
+    def _on_read_request(self, conn: socket.socket, peer: PeerId, count: int, tid: int,
+                         mid: int, plen: int) -> None:
+        if self._pool is None:
+            drain(conn, plen)
+            self._answer(peer, Frame.READ_ERROR, tid, mid, b"no pool registered")
+            return
+        self._block_frame(count, plen + count * self._pool.block_nbytes, 4 * count)
+        ids = parse_u32s(recv_exact(conn, plen))
+        self._pool.check(ids, "READ_REQUEST source")
+        sender = self._sender(peer)
+        if sender is not None:
+            sender.put(("read_data", tid, mid, ids))
+
+    def _on_read_data(self, conn: socket.socket, peer: PeerId, count: int, mid: int,
+                      plen: int) -> None:
+        pool = self._block_frame(count, plen, 0)
+        move = self._own_move(peer, mid, "read")
+        if len(move.local_blocks) != count:
+            raise ProtocolError(f"READ_DATA of {count} blocks for a read of "
+                                f"{len(move.local_blocks)}")
+        for i, b in enumerate(move.local_blocks):
+            if not self._claim(move, conn):
+                drain(conn, (count - i) * pool.block_nbytes)
+                return
+            try:
+                recv_into_all(conn, pool.view(b))
+            finally:
+                self._release(move)
+        with self._lock:
+            if not move.cancelled:
+                self._finish(move, "done")
+
+    def _on_answer(self, conn: socket.socket, peer: PeerId, ftype: Frame, mid: int,
+                   plen: int) -> None:
+        if plen > MAX_SMALL_BYTES:
+            raise ProtocolError(f"{ftype.name} of {plen} bytes")
+        reason = recv_exact(conn, plen).decode("utf-8", "replace")
+        move = self._own_move(peer, mid, "read" if ftype is Frame.READ_ERROR else "write")
+        if ftype is not Frame.WRITE_DONE:
+            log.warning("%s move %d failed at %s: %s", move.kind, mid, peer, reason)
+        with self._lock:
+            if not move.cancelled:
+                self._finish(move, "done" if ftype is Frame.WRITE_DONE else "error")
+
+    def _own_move(self, peer: PeerId, mid: int, kind: str) -> Move:
+        with self._lock:
+            move = self._moves.get(mid)
+        if move is None or move.peer != peer or move.kind != kind:
+            raise ProtocolError(f"answer for move {mid}, which is not a {kind} to {peer}")
+        return move

@@ -1,0 +1,167 @@
+"""Framing and zero-copy socket I/O of the TCP transport (`tcp.py`).
+
+Every frame is a 32-byte header then `payload_len` bytes:
+
+    offset 0  u8      frame type (`Frame`)
+           1  3 bytes reserved, 0
+           4  u32 LE  count (blocks in WRITE / READ_REQUEST / READ_DATA, else 0)
+           8  u64 LE  transfer id
+          16  u64 LE  move id (the writer's or reader's handle; 0 for HELLO / CONTROL)
+          24  u64 LE  payload length
+
+    HELLO, HELLO_ACK  HandshakeAuth envelope around the JSON PeerId of the side that sends it
+    CONTROL           one wire message, delivered by `receive()` with the authenticated source
+    WRITE             u32 dst block ids[count], then count * block_nbytes raw block bytes
+    WRITE_DONE/ERROR  the receiver's answer to a WRITE (ERROR payload: UTF-8 reason)
+    READ_REQUEST      u32 src block ids[count] of the holder's pool
+    READ_DATA         count * block_nbytes raw bytes for the requester's dst blocks, in order
+    READ_ERROR        the holder cannot serve a READ_REQUEST (payload: UTF-8 reason)
+
+Anything else (unknown type, a length that is not exactly what the header implies, a block id
+out of the registered pool, an answer for a move the peer does not own) is a protocol error.
+Block bytes go out with `sendmsg` over views of the pool and come in with `recv_into` straight
+into the pool: no staging copy on either side.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import struct
+from collections.abc import Sequence
+from enum import IntEnum
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from pdserve.engine.kv_cache import KVCache
+
+HEADER = struct.Struct("<B3xIQQQ")
+MAX_CONTROL_BYTES = 1 << 20
+MAX_SMALL_BYTES = 1 << 12
+try:
+    IOV_MAX = max(16, min(os.sysconf("SC_IOV_MAX"), 1024))
+except (ValueError, OSError):
+    IOV_MAX = 1024
+
+
+class Frame(IntEnum):
+    HELLO = 1
+    HELLO_ACK = 2
+    CONTROL = 3
+    WRITE = 4
+    WRITE_DONE = 5
+    WRITE_ERROR = 6
+    READ_REQUEST = 7
+    READ_DATA = 8
+    READ_ERROR = 9
+
+
+class ProtocolError(ValueError):
+    """A peer sent something this protocol does not allow; its connection is dropped."""
+
+
+# -- sockets -------------------------------------------------------------------------------------
+
+
+def send_all(sock: socket.socket, buffers: Sequence[bytes | memoryview]) -> None:
+    """Scatter-gather send of every buffer, at most IOV_MAX per `sendmsg`, no joining copy."""
+    bufs = [memoryview(b).cast("B") for b in buffers]
+    start = 0
+    while start < len(bufs):
+        sent = sock.sendmsg(bufs[start : start + IOV_MAX])
+        while sent and sent >= len(bufs[start]):
+            sent -= len(bufs[start])
+            start += 1
+        if sent:
+            bufs[start] = bufs[start][sent:]
+        while start < len(bufs) and not len(bufs[start]):
+            start += 1
+
+
+def recv_into_all(sock: socket.socket, view: memoryview) -> None:
+    """Fill `view` from the socket; EOF before it is full raises ConnectionError."""
+    while len(view):
+        n = sock.recv_into(view)
+        if n == 0:
+            raise ConnectionError("peer closed the connection mid-frame")
+        view = view[n:]
+
+
+def recv_exact(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray(n)
+    recv_into_all(sock, memoryview(buf))
+    return bytes(buf)
+
+
+def drain(sock: socket.socket, n: int) -> None:
+    """Read and discard n bytes (a cancelled read's data)."""
+    scratch = memoryview(bytearray(min(n, 1 << 20) or 1))
+    while n:
+        chunk = scratch[: min(n, len(scratch))]
+        recv_into_all(sock, chunk)
+        n -= len(chunk)
+
+
+def header(ftype: Frame, count: int = 0, tid: int = 0, mid: int = 0, plen: int = 0) -> bytes:
+    return HEADER.pack(int(ftype), count, tid, mid, plen)
+
+
+def recv_header(sock: socket.socket) -> tuple[Frame, int, int, int, int]:
+    """(type, count, transfer id, move id, payload length); EOF at a frame boundary raises
+    EOFError, an unknown type ProtocolError."""
+    first = sock.recv(HEADER.size, socket.MSG_WAITALL)
+    if not first:
+        raise EOFError("peer closed the connection")
+    raw = first + recv_exact(sock, HEADER.size - len(first))
+    ftype, count, tid, mid, plen = HEADER.unpack(raw)
+    try:
+        return Frame(ftype), count, tid, mid, plen
+    except ValueError:
+        raise ProtocolError(f"unknown frame type {ftype}") from None
+
+
+def shut(sock: socket.socket | None) -> None:
+    """Shut down and close, ignoring errors (wakes threads blocked on the socket)."""
+    if sock is None:
+        return
+    with contextlib.suppress(OSError):
+        sock.shutdown(socket.SHUT_RDWR)
+    with contextlib.suppress(OSError):
+        sock.close()
+
+
+def u32s(ids: Sequence[int]) -> bytes:
+    return struct.pack(f"<{len(ids)}I", *ids)
+
+
+def parse_u32s(raw: bytes) -> tuple[int, ...]:
+    return struct.unpack(f"<{len(raw) // 4}I", raw)
+
+
+# -- the pool ------------------------------------------------------------------------------------
+
+
+class BlockPool:
+    """Byte views of a registered CPU `KVCache`: block b is `data[b]`, one contiguous region of
+    `block_nbytes` bytes. Views alias the pool's memory (no copies) for the pool's lifetime."""
+
+    def __init__(self, cache: KVCache) -> None:
+        data = cache.data
+        if data.device.type != "cpu" or not data.is_contiguous():
+            raise ValueError("the TCP transport moves contiguous CPU pools only")
+        self.num_blocks = data.shape[0]
+        self.block_nbytes = cache.block_nbytes
+        self._bytes = data.view(torch.uint8).reshape(self.num_blocks, -1).numpy()
+
+    def check(self, ids: Sequence[int], what: str) -> None:
+        """Raise ProtocolError unless ids are distinct, in range and at least one."""
+        if not ids or len(set(ids)) != len(ids):
+            raise ProtocolError(f"{what}: block ids must be distinct and at least one")
+        if min(ids) < 0 or max(ids) >= self.num_blocks:
+            raise ProtocolError(f"{what}: block id out of the pool's [0, {self.num_blocks})")
+
+    def view(self, block: int) -> memoryview:
+        return memoryview(self._bytes[block])

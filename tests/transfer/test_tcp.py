@@ -1,0 +1,350 @@
+"""TcpTransport: bytes in equal bytes out, sessions over TCP, auth, restarts, death, cancel."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+
+import pytest
+import torch
+
+from pdserve.engine.kv_cache import KVCache
+from pdserve.engine.model.config import ModelConfig
+from pdserve.transfer.descriptors import KVLayout, PeerId
+from pdserve.transfer.receiver import RecvSession
+from pdserve.transfer.sender import SendSession
+from pdserve.transfer.sessions import Inbox, Mode
+from pdserve.transfer.state import TransferState
+from pdserve.transfer.tcp import TcpOptions, TcpTransport
+from tests.conftest import engine_pair, hf_greedy
+from tests.transfer.test_sessions import GREEDY, PROMPTS, _drain
+
+SECRET = b"s" * 32
+MODEL = ModelConfig("LlamaForCausalLM", vocab_size=64, hidden_size=32, intermediate_size=64,
+                    num_layers=2, num_heads=4, num_kv_heads=2, head_dim=64,
+                    max_position_embeddings=128)
+BS = 16  # 32 KiB per float32 block
+OPTS = TcpOptions(dial_timeout_s=0.5, handshake_timeout_s=1.0, cancel_wait_s=2.0)
+
+
+def wait_for(cond: Callable[[], object], timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.002)
+
+
+def pool(num_blocks: int, seed: int | None = None) -> KVCache:
+    cache = KVCache(MODEL, num_blocks, BS, torch.float32)
+    if seed is not None:
+        cache.data.copy_(torch.randn(cache.data.shape,
+                                     generator=torch.Generator().manual_seed(seed)))
+    return cache
+
+
+def endpoint(cache: KVCache | None = None, **kw) -> TcpTransport:
+    tx = TcpTransport(secret=kw.pop("secret", SECRET), options=OPTS, **kw)
+    if cache is not None:
+        tx.register(cache)
+    return tx
+
+
+@pytest.fixture
+def pair() -> Iterator[tuple[TcpTransport, TcpTransport, KVCache, KVCache]]:
+    a_pool, b_pool = pool(400, seed=1), pool(400)
+    with endpoint(a_pool) as a, endpoint(b_pool) as b:
+        yield a, b, a_pool, b_pool
+
+
+def finish(tx: TcpTransport, handle: int, timeout: float = 10.0) -> str:
+    wait_for(lambda: tx.status(handle) != "pending", timeout)
+    return tx.status(handle)
+
+
+# -- bytes in, bytes out -------------------------------------------------------------------------
+
+
+def _mapping(n: int, seed: int) -> tuple[list[int], list[int]]:
+    rng = random.Random(seed)
+    return rng.sample(range(400), n), rng.sample(range(400), n)
+
+
+@pytest.mark.parametrize("n", [1, 7, 300])
+@pytest.mark.parametrize("direction", ["push", "pull"])
+def test_blocks_arrive_byte_for_byte(pair, n, direction):
+    a, b, a_pool, b_pool = pair
+    src, dst = _mapping(n, seed=n)
+    if direction == "push":
+        handle, tx = a.write(5, src, b.local, dst), a
+    else:
+        handle, tx = b.read(5, dst, a.local, src), b
+    assert finish(tx, handle) == "done"
+    assert torch.equal(b_pool.data[dst], a_pool.data[src])
+    untouched = sorted(set(range(400)) - set(dst))
+    assert not b_pool.data[untouched].any()
+
+
+def test_random_mappings_both_ways(pair):
+    a, b, a_pool, b_pool = pair
+    for seed in range(5):
+        src, dst = _mapping(random.Random(seed).randint(1, 50), seed)
+        b_pool.data.zero_()
+        assert finish(a, a.write(seed, src, b.local, dst)) == "done"
+        assert torch.equal(b_pool.data[dst], a_pool.data[src])
+        b_pool.data.zero_()
+        assert finish(b, b.read(seed, dst, a.local, src)) == "done"
+        assert torch.equal(b_pool.data[dst], a_pool.data[src])
+
+
+def test_control_messages_arrive_in_order_with_their_source(pair):
+    a, b, _, _ = pair
+    for i in range(100):
+        a.send(b.local, b"m%d" % i)
+    got: list[tuple[PeerId, bytes]] = []
+    wait_for(lambda: got.extend(b.receive()) or len(got) == 100)
+    assert got == [(a.local, b"m%d" % i) for i in range(100)]
+    assert a.peer_alive(b.local) and b.peer_alive(a.local) and a.peer_alive(a.local)
+
+
+def test_bad_arguments_are_refused(pair):
+    a, b, _, _ = pair
+    with pytest.raises(ValueError):
+        a.write(1, [1, 2], b.local, [1])
+    with pytest.raises(ValueError):
+        a.write(1, [400], b.local, [1])  # out of the local pool
+    with pytest.raises(ValueError):
+        a.status(12345)
+    with pytest.raises(ValueError):
+        TcpOptions(dial_timeout_s=0)
+
+
+def test_a_write_to_an_endpoint_without_a_pool_fails_that_move_only(pair):
+    a, _, _, _ = pair
+    with endpoint() as bare:
+        assert finish(a, a.write(1, [0, 1], bare.local, [0, 1])) == "error"
+        assert a.peer_alive(bare.local)
+        a.send(bare.local, b"still connected")
+        wait_for(lambda: bare.receive() == [(a.local, b"still connected")])
+
+
+def test_an_out_of_range_remote_block_is_a_protocol_error(pair):
+    a, b, _, _ = pair
+    assert finish(a, a.write(1, [0], b.local, [999])) == "error"
+    wait_for(lambda: not a.peer_alive(b.local) and not b.peer_alive(a.local))
+
+
+# -- sessions over TCP ---------------------------------------------------------------------------
+
+LEASE = 10.0
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_model):
+    return engine_pair(tiny_model("llama"))
+
+
+def _sessions(pre, dec, pre_tx, dec_tx, prompt, mode, tid):
+    rid = f"tcp{tid}"
+    pre.add_request(prompt, GREEDY, request_id=rid)
+    out = next(o for o in _drain(pre) if o.request_id == rid)
+    dec.add_remote_request(out.prompt_token_ids, GREEDY, request_id=rid)
+    dst = dec.reserved_blocks(rid)
+    common = {"transfer_id": tid, "layout": KVLayout.of_cache(pre.kv_cache, "tiny-llama"),
+              "mode": mode, "lease_s": LEASE, "clock": time.monotonic}
+    recv = RecvSession(dec_tx.inbox, peer=pre_tx.tx.local, cache=dec.kv_cache, dst_blocks=dst,
+                       dst_generations=[dec.block_manager.generation(b) for b in dst],
+                       generation=dec.block_manager.generation, **common)
+    send = SendSession(pre_tx.inbox, peer=dec_tx.tx.local, cache=pre.kv_cache,
+                       src_blocks=out.kv_block_ids, token0=out.outputs[0].token_ids[0], **common)
+    return rid, send, recv
+
+
+class Side:
+    def __init__(self, tx: TcpTransport) -> None:
+        self.tx, self.inbox = tx, Inbox(tx)
+
+
+@pytest.mark.parametrize("mode", [Mode.PUSH, Mode.PULL])
+def test_sessions_run_unchanged_over_tcp(engines, mode, tiny_model):
+    pre, dec = engines
+    free = (pre.block_manager.num_free_blocks, dec.block_manager.num_free_blocks)
+    with endpoint(pre.kv_cache) as ptx, endpoint(dec.kv_cache) as dtx:
+        p, d = Side(ptx), Side(dtx)
+        opened = [_sessions(pre, dec, p, d, prompt, mode, 900 + i + 10 * (mode is Mode.PULL))
+                  for i, prompt in enumerate(PROMPTS)]
+        for _, send, recv in opened:
+            def both_done(send=send, recv=recv) -> bool:
+                send.poll()
+                recv.poll()
+                return send.state.is_terminal and recv.state.is_terminal
+            wait_for(both_done, LEASE)
+            assert (send.state, recv.state) == (TransferState.DONE, TransferState.DONE)
+        finals = {}
+        for rid, _, recv in opened:
+            dec.kv_ready(rid, recv.token0)
+            if rid in pre.requests:
+                pre.release(rid)
+            finals |= {o.request_id: o for o in _drain(dec) if o.finished}
+    path = tiny_model("llama")
+    for (rid, _, _), prompt in zip(opened, PROMPTS, strict=True):
+        assert finals[rid].outputs[0].token_ids == hf_greedy(path, prompt, 16)
+    assert (pre.block_manager.num_free_blocks, dec.block_manager.num_free_blocks) == free
+
+
+# -- authentication and restarts -----------------------------------------------------------------
+
+
+def test_wrong_secret_is_refused_then_a_correct_peer_works(pair, caplog):
+    a, b, a_pool, b_pool = pair
+    caplog.set_level(logging.WARNING, logger="pdserve.transfer.tcp")
+    with endpoint(pool(400, seed=1), secret=b"x" * 32) as evil:
+        evil.send(b.local, b"forged")
+        handle = evil.write(1, [3], b.local, [3])
+        assert finish(evil, handle) == "error"
+        wait_for(lambda: "refused connection from 127.0.0.1" in caplog.text)
+        assert "signature does not match" in caplog.text
+    assert b.receive() == [] and not b_pool.data[3].any()
+    assert finish(a, a.write(2, [3], b.local, [3])) == "done"
+    assert torch.equal(b_pool.data[3], a_pool.data[3])
+
+
+def test_hello_from_a_new_instance_at_the_same_address_kills_the_old(pair):
+    a, b, _, _ = pair
+    a.send(b.local, b"hi from the old instance")
+    wait_for(lambda: b.receive())
+    assert b.peer_alive(a.local)
+    with endpoint(instance_id=a.local.instance_id + 1, advertise_port=a.local.port) as new:
+        assert new.local.same_address(a.local) and new.local != a.local
+        new.send(b.local, b"hi from the new instance")
+        got: list = []
+        wait_for(lambda: got.extend(b.receive()) or got)
+        assert got == [(new.local, b"hi from the new instance")]
+        assert not b.peer_alive(a.local) and b.peer_alive(new.local)
+        a.send(b.local, b"the old instance is not heard again")
+        time.sleep(0.2)
+        assert b.receive() == []
+
+
+def test_dialing_a_peer_whose_address_answers_as_another_instance(pair):
+    a, b, _, _ = pair
+    ghost = PeerId(b.local.instance_id + 7, b.local.host, b.local.port)
+    a.send(ghost, b"anyone?")
+    wait_for(lambda: not a.peer_alive(ghost))
+    assert a.peer_alive(b.local)
+    assert b.receive() == []  # the handshake told us it was the wrong instance: nothing sent
+
+
+def test_unreachable_peer_send_never_blocks(pair):
+    a, _, _, _ = pair
+    with endpoint() as gone:
+        dead = gone.local
+    start = time.monotonic()
+    for _ in range(100):
+        a.send(dead, b"lost")
+    handle = a.write(1, [0], dead, [0])
+    assert time.monotonic() - start < 0.1
+    assert finish(a, handle, 3.0) == "error"
+    assert not a.peer_alive(dead)
+
+
+def test_close_is_idempotent_and_fails_pending_moves():
+    tx = endpoint(pool(4))
+    unreachable = PeerId(0x77, "10.255.255.1", 9)  # dial times out: the move stays pending
+    handle = tx.write(1, [0], unreachable, [0])
+    tx.close()
+    tx.close()
+    assert tx.status(handle) == "error" and not tx.peer_alive(tx.local)
+    assert tx.receive() == []
+
+
+# -- peer death ----------------------------------------------------------------------------------
+
+CHILD = """
+import json, sys, time, torch
+from pdserve.engine.kv_cache import KVCache
+from pdserve.transfer.descriptors import PeerId
+from pdserve.engine.model.config import ModelConfig
+from pdserve.transfer.tcp import TcpTransport
+MODEL = ModelConfig("LlamaForCausalLM", vocab_size=64, hidden_size=32, intermediate_size=64,
+                    num_layers=2, num_heads=4, num_kv_heads=2, head_dim=64,
+                    max_position_embeddings=128)
+BS, SECRET = 16, b"s" * 32
+parent = PeerId.from_json(json.loads(sys.argv[1]))
+cache = KVCache(MODEL, 2048, BS, torch.float32)
+cache.data.fill_(1.0)
+tx = TcpTransport(secret=SECRET)
+tx.register(cache)
+print(json.dumps(tx.local.to_json()), flush=True)
+blocks = list(range(2048))
+while True:
+    h = tx.write(1, blocks, parent, blocks)
+    while tx.status(h) == "pending":
+        time.sleep(0.001)
+"""
+
+
+def test_sigkill_mid_write_fails_the_peer_and_the_parent_keeps_serving():
+    big = pool(2048)  # 64 MiB
+    with endpoint(big) as parent:
+        env = {**os.environ, "PYTHONPATH": os.getcwd()}
+        child = subprocess.Popen([sys.executable, "-c", CHILD, json.dumps(parent.local.to_json())],
+                                 stdout=subprocess.PIPE, env=env, text=True)
+        try:
+            child_peer = PeerId.from_json(json.loads(child.stdout.readline()))
+            wait_for(lambda: big.data[0, 0, 0, 0, 0, 0] == 1.0, 20.0)  # the writes are landing
+            pending_read = parent.read(2, list(range(2048)), child_peer, list(range(2048)))
+            os.kill(child.pid, signal.SIGKILL)
+            start = time.monotonic()
+            wait_for(lambda: not parent.peer_alive(child_peer), 3.0)
+            assert finish(parent, pending_read, 3.0) in ("error", "done")
+            assert time.monotonic() - start < 3.0
+        finally:
+            child.kill()
+            child.wait()
+        with endpoint(pool(4, seed=3)) as other:
+            other.send(parent.local, b"still serving")
+            assert finish(other, other.write(3, [1], parent.local, [5])) == "done"
+            wait_for(lambda: (other.local, b"still serving") in parent.receive())
+
+
+# -- the cancel fence ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("delay", [0.0, 0.002, 0.01])
+def test_cancel_then_control_delivers_after_the_write_landed_or_not_at_all(delay):
+    src, dst = pool(2048, seed=2), pool(2048)
+    first, second = list(range(1024)), list(range(1024, 2048))
+    with endpoint(src) as w, endpoint(dst) as r:
+        w.send(r.local, b"connect")
+        wait_for(lambda: r.receive())
+        ahead = w.write(8, first, r.local, first)
+        queued = w.write(9, second, r.local, second)  # behind `ahead` on the one connection
+        time.sleep(delay)
+        w.cancel(queued)
+        w.cancel(ahead)
+        w.send(r.local, b"abort")
+        wait_for(lambda: r.receive() == [(w.local, b"abort")])
+        for blocks in (first, second):
+            landed = torch.equal(dst.data[blocks], src.data[blocks])
+            assert landed or not dst.data[blocks].any(), "the control message overtook a write"
+        w.cancel(queued)  # cancelling again changes nothing
+        assert {w.status(ahead), w.status(queued)} <= {"error", "done"}
+
+
+def test_cancel_of_a_read_never_lands_afterwards(pair):
+    a, b, _, b_pool = pair
+    blocks = list(range(300))
+    handle = b.read(4, blocks, a.local, blocks)
+    b.cancel(handle)
+    if b.status(handle) == "error":
+        snapshot = b_pool.data.clone()
+        time.sleep(0.3)  # any READ_DATA still in flight is drained, not landed
+        assert torch.equal(b_pool.data, snapshot)
+    assert finish(a, a.write(5, [0], b.local, [0])) == "done"  # the connection still works
