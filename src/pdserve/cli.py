@@ -53,6 +53,12 @@ def _bench_engine(args: argparse.Namespace) -> int:
                               prompt_len=args.prompt_len, repeats=args.repeats), args.json)
 
 
+def _bench_transfer(args: argparse.Namespace) -> int:
+    from pdserve.bench.transfer_bench import main
+
+    return main([int(m) for m in args.sizes.split(",")], args.repeats, args.json)
+
+
 def _add_bench(sub) -> None:
     bench = sub.add_parser("bench", help="benchmarks, each beside a baseline measured in the "
                                          "same run")
@@ -72,6 +78,18 @@ def _add_bench(sub) -> None:
     eng.add_argument("--repeats", type=int, default=3, help="default: %(default)s")
     eng.add_argument("--json", action="store_true", help="one JSON object per measurement")
     eng.set_defaults(func=_bench_engine)
+    xfer = kinds.add_parser(
+        "transfer", help="KV transfer GB/s per transport and mode vs memcpy and a raw socket",
+        description="Moves KV payloads between this process and a child process over each "
+                    "transport, push (write) and pull (read), beside memcpy and a raw loopback "
+                    "socket measured in the same run; then the fixed overhead of a whole push "
+                    "session for a 1,000-token SmolLM2-shaped prompt and the CRC32C cost. "
+                    "Medians of --repeats runs.")
+    xfer.add_argument("--sizes", default="1,4,16,64,256",
+                      help="payload sizes in MiB (default: %(default)s)")
+    xfer.add_argument("--repeats", type=int, default=3, help="default: %(default)s")
+    xfer.add_argument("--json", action="store_true", help="one JSON object per measurement")
+    xfer.set_defaults(func=_bench_transfer)
 
 
 def build_parser() -> argparse.ArgumentParser:

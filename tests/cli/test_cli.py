@@ -41,7 +41,21 @@ def test_bench_engine_json_rows(tiny_model):
             assert r[key] > 0
 
 
+def test_bench_transfer_json_rows():
+    res = _pdserve("bench", "transfer", "--sizes", "1,2", "--repeats", "1", "--json")
+    assert res.returncode == 0, res.stderr
+    rows = [json.loads(line) for line in res.stdout.splitlines()]
+    moves = [r for r in rows if "mode" in r]
+    assert [(r["transport"], r["mode"]) for r in moves] == [("tcp", "push"), ("tcp", "pull")] * 2
+    for r in moves:
+        assert r["bytes"] >= 2**20 and r["gbps"] > 0 and r["memcpy_gbps"] > 0
+        assert r["socket_gbps"] > 0
+    (overhead,) = [r for r in rows if r.get("kind") == "overhead"]
+    assert overhead["bytes"] == 63 * 368_640 and overhead["crc32c_ms"] > 0
+
+
 @pytest.mark.parametrize("args", [["--help"], ["generate", "--help"], ["bench", "engine", "--help"],
+                                  ["bench", "transfer", "--help"],
                                   ["plan", "--help"]])
 def test_help_explains(args):
     res = _pdserve(*args)

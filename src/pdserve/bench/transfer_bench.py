@@ -1,0 +1,242 @@
+"""`pdserve bench transfer`: KV payloads between two processes, beside memcpy and a raw socket.
+
+Every number is a median of `repeats`, measured in this run:
+- per transport and mode: a child process hosts a pool shaped like SmolLM2's (bf16, 16-token
+  blocks of 368,640 bytes); this process writes into it (push) or reads from it (pull), timed
+  from `write`/`read` until the move reports "done". GB/s = bytes / seconds (1e9).
+- memcpy: `numpy.copyto` of the same bytes in this process.
+- socket: a raw loopback TCP stream of the same bytes (`sendall` from a thread, `recv_into` a
+  preallocated buffer), the floor any TCP transport can reach.
+- overhead: a 1,000-token prompt's KV (63 blocks, ~23 MB) through a full push session
+  (reservation, descriptor, write, CRC32C, notice, verification) between two endpoints, minus
+  a bare write of the same blocks; and the CRC32C of those slices on its own.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import multiprocessing as mp
+import socket
+import statistics
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import torch
+
+from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.kv_cache import KVCache
+from pdserve.engine.model.config import ModelConfig
+from pdserve.transfer.checksum import slices_crc32c
+from pdserve.transfer.descriptors import KVLayout, PeerId
+from pdserve.transfer.receiver import RecvSession
+from pdserve.transfer.sender import SendSession
+from pdserve.transfer.sessions import Inbox, Mode
+from pdserve.transfer.tcp import TcpTransport
+
+# SmolLM2-135M's KV shape (30 layers x 3 KV heads x 64 head dim): 23,040 bytes a token in bf16.
+SMOLLM2 = ModelConfig("LlamaForCausalLM", vocab_size=49152, hidden_size=576,
+                      intermediate_size=1536, num_layers=30, num_heads=9, num_kv_heads=3,
+                      head_dim=64, max_position_embeddings=8192)
+BLOCK_SIZE = 16
+PROMPT_TOKENS = 1000
+SECRET = b"pdserve-bench-transfer-secret!!!"
+TRANSPORTS: dict[str, Callable[[], TcpTransport]] = {
+    "tcp": lambda: TcpTransport(secret=SECRET),
+}
+
+
+@dataclass(frozen=True)
+class TransferRow:
+    transport: str
+    mode: str  # "push" (write) | "pull" (read)
+    bytes: int
+    gbps: float
+    memcpy_gbps: float
+    socket_gbps: float
+
+
+@dataclass(frozen=True)
+class OverheadRow:
+    transport: str
+    prompt_tokens: int
+    bytes: int
+    session_ms: float
+    bare_write_ms: float
+    overhead_ms: float
+    crc32c_ms: float
+
+
+def _pool(num_blocks: int) -> KVCache:
+    cache = KVCache(SMOLLM2, num_blocks, BLOCK_SIZE, torch.bfloat16)
+    cache.data.view(torch.int16).random_(generator=torch.Generator().manual_seed(0))
+    return cache
+
+
+def _host(conn, transport: str, num_blocks: int) -> None:
+    """Child process: host a pool until told to stop; report our PeerId first."""
+    tx = TRANSPORTS[transport]()
+    tx.register(_pool(num_blocks))
+    conn.send(tx.local.to_json())
+    conn.recv()  # any message: stop
+    tx.close()
+
+
+def _median_seconds(fn: Callable[[], None], repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _wait(tx: TcpTransport, handle: int) -> None:
+    while (status := tx.status(handle)) == "pending":
+        time.sleep(0.0002)
+    if status != "done":
+        raise RuntimeError(f"the benchmark move ended {status!r}")
+
+
+def memcpy_gbps(nbytes: int, repeats: int) -> float:
+    src, dst = np.ones(nbytes, dtype=np.uint8), np.empty(nbytes, dtype=np.uint8)
+    return nbytes / _median_seconds(lambda: np.copyto(dst, src), repeats) / 1e9
+
+
+def socket_gbps(nbytes: int, repeats: int) -> float:
+    """A raw loopback stream: one thread sends, this one receives into a fixed buffer."""
+    payload, sink = memoryview(bytearray(nbytes)), memoryview(bytearray(nbytes))
+    server = socket.create_server(("127.0.0.1", 0))
+    client = socket.create_connection(server.getsockname())
+    conn, _ = server.accept()
+
+    def once() -> None:
+        sender = threading.Thread(target=client.sendall, args=(payload,))
+        sender.start()
+        view = sink
+        while len(view):
+            view = view[conn.recv_into(view):]
+        sender.join()
+
+    try:
+        return nbytes / _median_seconds(once, repeats) / 1e9
+    finally:
+        for s in (client, conn, server):
+            s.close()
+
+
+def move_gbps(transport: str, sizes_mib: list[int], repeats: int) -> list[tuple[str, int, float]]:
+    """(mode, bytes, GB/s) for each size, moving between this process and a child."""
+    nbytes = max(sizes_mib) * 2**20
+    blocks = -(-nbytes // _pool(1).block_nbytes)
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_host, args=(child, transport, blocks), daemon=True)
+    proc.start()
+    tx = TRANSPORTS[transport]()
+    try:
+        local = _pool(blocks)
+        tx.register(local)
+        peer = PeerId.from_json(parent.recv())
+        out = []
+        for mib in sizes_mib:
+            n = -(-mib * 2**20 // local.block_nbytes)
+            ids = list(range(n))
+            for mode, verb in (("push", tx.write), ("pull", tx.read)):
+                secs = _median_seconds(lambda verb=verb, ids=ids: _wait(
+                    tx, verb(1, ids, peer, ids)), repeats)
+                out.append((mode, n * local.block_nbytes, n * local.block_nbytes / secs / 1e9))
+        return out
+    finally:
+        parent.send("stop")
+        proc.join(10)
+        tx.close()
+
+
+def session_overhead(transport: str, repeats: int) -> OverheadRow:
+    """A 1,000-token prompt through a push session vs a bare write, both endpoints here."""
+    n = -(-PROMPT_TOKENS // BLOCK_SIZE)
+    pre_pool, dec_pool = _pool(n), _pool(n)
+    bm = BlockManager(n, BLOCK_SIZE, enable_prefix_caching=False)
+    layout = KVLayout.of_cache(pre_pool, "smollm2-shape")
+    ids = list(range(n))
+    tids = iter(range(1, 10**9))
+    pre, dec = TRANSPORTS[transport](), TRANSPORTS[transport]()
+    try:
+        pre.register(pre_pool)
+        dec.register(dec_pool)
+        pre_in, dec_in = Inbox(pre), Inbox(dec)
+
+        def session() -> None:
+            tid = next(tids)
+            recv = RecvSession(dec_in, transfer_id=tid, peer=pre.local, cache=dec_pool,
+                               layout=layout, dst_blocks=ids, dst_generations=[0] * n,
+                               generation=bm.generation)
+            send = SendSession(pre_in, transfer_id=tid, peer=dec.local, cache=pre_pool,
+                               layout=layout, src_blocks=ids, token0=1, mode=Mode.PUSH)
+            while not (send.state.is_terminal and recv.state.is_terminal):
+                recv.poll()
+                send.poll()
+                time.sleep(0.0002)
+            if not recv.state.name == send.state.name == "DONE":
+                raise RuntimeError(f"benchmark session ended {send.reason or recv.reason}")
+
+        session_s = _median_seconds(session, repeats)
+        bare_s = _median_seconds(lambda: _wait(pre, pre.write(next(tids), ids, dec.local, ids)),
+                                 repeats)
+        crc_s = _median_seconds(
+            lambda: slices_crc32c(pre_pool.data, ids, range(SMOLLM2.num_layers)), repeats)
+    finally:
+        pre.close()
+        dec.close()
+    return OverheadRow(transport, PROMPT_TOKENS, n * pre_pool.block_nbytes, session_s * 1e3,
+                       bare_s * 1e3, (session_s - bare_s) * 1e3, crc_s * 1e3)
+
+
+def run(sizes_mib: list[int], repeats: int, log: Callable[[str], None]):
+    rows: list[TransferRow] = []
+    overheads: list[OverheadRow] = []
+    baselines = {}
+    for mib in sizes_mib:
+        nbytes = mib * 2**20
+        log(f"baselines, {mib} MiB ...")
+        baselines[mib] = (memcpy_gbps(nbytes, repeats), socket_gbps(nbytes, repeats))
+    for name in TRANSPORTS:
+        log(f"{name}: moves between two processes ...")
+        for (mode, nbytes, gbps), mib in zip(
+                move_gbps(name, sizes_mib, repeats), [m for m in sizes_mib for _ in (0, 1)],
+                strict=True):
+            rows.append(TransferRow(name, mode, nbytes, gbps, *baselines[mib]))
+        log(f"{name}: session overhead for a {PROMPT_TOKENS}-token prompt ...")
+        overheads.append(session_overhead(name, repeats))
+    return rows, overheads
+
+
+def main(sizes_mib: list[int], repeats: int, as_json: bool) -> int:
+    if not sizes_mib or min(sizes_mib) <= 0 or repeats <= 0:
+        raise ValueError("sizes (MiB) and repeats must be positive")
+    # closing the endpoints makes each report the other dead: expected here, not worth a warning
+    logging.getLogger("pdserve.transfer").setLevel(logging.ERROR)
+    rows, overheads = run(sizes_mib, repeats, lambda m: print(m, file=sys.stderr, flush=True))
+    if as_json:
+        for r in rows:
+            print(json.dumps(asdict(r)))
+        for o in overheads:
+            print(json.dumps({"kind": "overhead"} | asdict(o)))
+        return 0
+    print(f"{'transport':<10}{'mode':<6}{'MiB':>8}{'GB/s':>8}{'memcpy':>8}{'socket':>8}"
+          f"{'of socket':>11}")
+    for r in rows:
+        print(f"{r.transport:<10}{r.mode:<6}{r.bytes / 2**20:>8.1f}{r.gbps:>8.2f}"
+              f"{r.memcpy_gbps:>8.2f}{r.socket_gbps:>8.2f}{r.gbps / r.socket_gbps:>10.0%}")
+    for o in overheads:
+        print(f"\n{o.transport}: {o.prompt_tokens}-token prompt ({o.bytes / 1e6:.1f} MB): push "
+              f"session {o.session_ms:.1f} ms, bare write {o.bare_write_ms:.1f} ms, overhead "
+              f"{o.overhead_ms:.1f} ms; CRC32C {o.crc32c_ms:.2f} ms "
+              f"({o.crc32c_ms / o.session_ms:.0%} of the session)")
+    return 0

@@ -1,0 +1,74 @@
+"""One NIXL move and the fence that quiets it (`NixlTransport.cancel` / `close`)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from pdserve.transfer.descriptors import PeerId
+from pdserve.transfer.transport import MoveHandle, MoveStatus
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class NixlMove:
+    """One write or read. Guarded by the transport's lock.
+
+    `xfer` is the NIXL request while NIXL may still touch memory for it (posted and not yet
+    confirmed finished or aborted); None before posting and after it is released. `status` is
+    what `Transport.status` reports and can be terminal while `xfer` is still set (a dead peer's
+    move is reported "error" before NIXL lets go); only `quiesce` clears `xfer` for a posted
+    move, and that is the fence."""
+
+    handle: MoveHandle
+    kind: str  # "write" | "read"
+    peer: PeerId
+    local_blocks: tuple[int, ...]
+    remote_blocks: tuple[int, ...]
+    created: float
+    status: MoveStatus = "pending"
+    cancelled: bool = False
+    xfer: Any = field(default=None, repr=False)
+    dead_since: float | None = None
+
+    def finish(self, status: MoveStatus) -> None:
+        """pending -> status, never back."""
+        if self.status == "pending":
+            self.status = status
+
+
+def release(agent: Any, move: NixlMove) -> bool:
+    """Release the move's NIXL request (NIXL aborts it if still active); True when freed."""
+    if move.xfer is None:
+        return True
+    try:
+        agent.release_xfer_handle(move.xfer)
+    except Exception as e:  # NIXL raises when it cannot cancel an active request
+        log.debug("release of move %d refused: %s", move.handle, e)
+        return False
+    move.xfer = None
+    return True
+
+
+def poll(agent: Any, move: NixlMove) -> str:
+    """NIXL's view of a posted move: "DONE", "PROC" or "ERR" (an exception counts as ERR)."""
+    try:
+        return agent.check_xfer_state(move.xfer)
+    except Exception as e:
+        log.warning("checking move %d failed: %s", move.handle, e)
+        return "ERR"
+
+
+def quiesce(agent: Any, move: NixlMove, wait_s: float) -> bool:
+    """Wait up to `wait_s` for NIXL to report the move DONE or ERR, then release it; past the
+    wait, ask NIXL to abort it by releasing. True once NIXL holds no request for the move (it
+    will never touch memory for it again); False if NIXL refused to let it go."""
+    deadline = time.monotonic() + wait_s
+    while move.xfer is not None and time.monotonic() < deadline:
+        if poll(agent, move) != "PROC":
+            return release(agent, move)
+        time.sleep(0.0005)
+    return release(agent, move)
