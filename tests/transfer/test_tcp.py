@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import random
 import signal
 import subprocess
 import sys
@@ -17,14 +16,8 @@ import torch
 
 from pdserve.engine.kv_cache import KVCache
 from pdserve.engine.model.config import ModelConfig
-from pdserve.transfer.descriptors import KVLayout, PeerId
-from pdserve.transfer.receiver import RecvSession
-from pdserve.transfer.sender import SendSession
-from pdserve.transfer.sessions import Inbox, Mode
-from pdserve.transfer.state import TransferState
+from pdserve.transfer.descriptors import PeerId
 from pdserve.transfer.tcp import TcpOptions, TcpTransport
-from tests.conftest import engine_pair, hf_greedy
-from tests.transfer.test_sessions import GREEDY, PROMPTS, _drain
 
 SECRET = b"s" * 32
 MODEL = ModelConfig("LlamaForCausalLM", vocab_size=64, hidden_size=32, intermediate_size=64,
@@ -68,49 +61,7 @@ def finish(tx: TcpTransport, handle: int, timeout: float = 10.0) -> str:
     return tx.status(handle)
 
 
-# -- bytes in, bytes out -------------------------------------------------------------------------
-
-
-def _mapping(n: int, seed: int) -> tuple[list[int], list[int]]:
-    rng = random.Random(seed)
-    return rng.sample(range(400), n), rng.sample(range(400), n)
-
-
-@pytest.mark.parametrize("n", [1, 7, 300])
-@pytest.mark.parametrize("direction", ["push", "pull"])
-def test_blocks_arrive_byte_for_byte(pair, n, direction):
-    a, b, a_pool, b_pool = pair
-    src, dst = _mapping(n, seed=n)
-    if direction == "push":
-        handle, tx = a.write(5, src, b.local, dst), a
-    else:
-        handle, tx = b.read(5, dst, a.local, src), b
-    assert finish(tx, handle) == "done"
-    assert torch.equal(b_pool.data[dst], a_pool.data[src])
-    untouched = sorted(set(range(400)) - set(dst))
-    assert not b_pool.data[untouched].any()
-
-
-def test_random_mappings_both_ways(pair):
-    a, b, a_pool, b_pool = pair
-    for seed in range(5):
-        src, dst = _mapping(random.Random(seed).randint(1, 50), seed)
-        b_pool.data.zero_()
-        assert finish(a, a.write(seed, src, b.local, dst)) == "done"
-        assert torch.equal(b_pool.data[dst], a_pool.data[src])
-        b_pool.data.zero_()
-        assert finish(b, b.read(seed, dst, a.local, src)) == "done"
-        assert torch.equal(b_pool.data[dst], a_pool.data[src])
-
-
-def test_control_messages_arrive_in_order_with_their_source(pair):
-    a, b, _, _ = pair
-    for i in range(100):
-        a.send(b.local, b"m%d" % i)
-    got: list[tuple[PeerId, bytes]] = []
-    wait_for(lambda: got.extend(b.receive()) or len(got) == 100)
-    assert got == [(a.local, b"m%d" % i) for i in range(100)]
-    assert a.peer_alive(b.local) and b.peer_alive(a.local) and a.peer_alive(a.local)
+# -- moves and control (the shared suite is test_conformance.py) ---------------------------------
 
 
 def test_bad_arguments_are_refused(pair):
@@ -138,64 +89,6 @@ def test_an_out_of_range_remote_block_is_a_protocol_error(pair):
     a, b, _, _ = pair
     assert finish(a, a.write(1, [0], b.local, [999])) == "error"
     wait_for(lambda: not a.peer_alive(b.local) and not b.peer_alive(a.local))
-
-
-# -- sessions over TCP ---------------------------------------------------------------------------
-
-LEASE = 10.0
-
-
-@pytest.fixture(scope="module")
-def engines(tiny_model):
-    return engine_pair(tiny_model("llama"))
-
-
-def _sessions(pre, dec, pre_tx, dec_tx, prompt, mode, tid):
-    rid = f"tcp{tid}"
-    pre.add_request(prompt, GREEDY, request_id=rid)
-    out = next(o for o in _drain(pre) if o.request_id == rid)
-    dec.add_remote_request(out.prompt_token_ids, GREEDY, request_id=rid)
-    dst = dec.reserved_blocks(rid)
-    common = {"transfer_id": tid, "layout": KVLayout.of_cache(pre.kv_cache, "tiny-llama"),
-              "mode": mode, "lease_s": LEASE, "clock": time.monotonic}
-    recv = RecvSession(dec_tx.inbox, peer=pre_tx.tx.local, cache=dec.kv_cache, dst_blocks=dst,
-                       dst_generations=[dec.block_manager.generation(b) for b in dst],
-                       generation=dec.block_manager.generation, **common)
-    send = SendSession(pre_tx.inbox, peer=dec_tx.tx.local, cache=pre.kv_cache,
-                       src_blocks=out.kv_block_ids, token0=out.outputs[0].token_ids[0], **common)
-    return rid, send, recv
-
-
-class Side:
-    def __init__(self, tx: TcpTransport) -> None:
-        self.tx, self.inbox = tx, Inbox(tx)
-
-
-@pytest.mark.parametrize("mode", [Mode.PUSH, Mode.PULL])
-def test_sessions_run_unchanged_over_tcp(engines, mode, tiny_model):
-    pre, dec = engines
-    free = (pre.block_manager.num_free_blocks, dec.block_manager.num_free_blocks)
-    with endpoint(pre.kv_cache) as ptx, endpoint(dec.kv_cache) as dtx:
-        p, d = Side(ptx), Side(dtx)
-        opened = [_sessions(pre, dec, p, d, prompt, mode, 900 + i + 10 * (mode is Mode.PULL))
-                  for i, prompt in enumerate(PROMPTS)]
-        for _, send, recv in opened:
-            def both_done(send=send, recv=recv) -> bool:
-                send.poll()
-                recv.poll()
-                return send.state.is_terminal and recv.state.is_terminal
-            wait_for(both_done, LEASE)
-            assert (send.state, recv.state) == (TransferState.DONE, TransferState.DONE)
-        finals = {}
-        for rid, _, recv in opened:
-            dec.kv_ready(rid, recv.token0)
-            if rid in pre.requests:
-                pre.release(rid)
-            finals |= {o.request_id: o for o in _drain(dec) if o.finished}
-    path = tiny_model("llama")
-    for (rid, _, _), prompt in zip(opened, PROMPTS, strict=True):
-        assert finals[rid].outputs[0].token_ids == hf_greedy(path, prompt, 16)
-    assert (pre.block_manager.num_free_blocks, dec.block_manager.num_free_blocks) == free
 
 
 # -- authentication and restarts -----------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""One NIXL move and the fence that quiets it (`NixlTransport.cancel` / `close`)."""
+"""One NIXL move, the fence that quiets it (`NixlTransport.cancel` / `close`), and the
+timeouts that bound both."""
 
 from __future__ import annotations
 
@@ -8,9 +9,28 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pdserve.transfer.descriptors import PeerId
+from pdserve.transfer.tcp import TcpOptions
 from pdserve.transfer.transport import MoveHandle, MoveStatus
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class NixlOptions:
+    """`cancel_wait_s`: how long `cancel` waits for NIXL to report a move finished before it
+    asks NIXL to abort it. `meta_timeout_s`: how long a move waits for the peer's metadata
+    (a peer without a registered pool never sends any). `dead_grace_s`: how long a move to a
+    peer the TCP channel reports dead may stay pending before it is reported "error"."""
+
+    cancel_wait_s: float = 5.0
+    meta_timeout_s: float = 5.0
+    dead_grace_s: float = 0.5
+    tcp: TcpOptions = field(default_factory=TcpOptions)
+
+    def __post_init__(self) -> None:
+        for name in ("cancel_wait_s", "meta_timeout_s", "dead_grace_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"NixlOptions.{name} must be > 0, got {getattr(self, name)}")
 
 
 @dataclass(eq=False)
