@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from pdserve.bench.timing import median_seconds
 from pdserve.config import EngineConfig
 from pdserve.engine.engine import Engine
 from pdserve.engine.model.config import ModelConfig
@@ -63,16 +64,6 @@ class BenchSettings:
         for name in ("decode_prompt_len", "decode_steps", "prompt_len", "repeats"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-
-
-def median_seconds(fn: Callable[[], object], repeats: int) -> float:
-    fn()  # warm-up: kernel selection, allocator, page faults
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def memory_bandwidth(repeats: int = 5) -> float:

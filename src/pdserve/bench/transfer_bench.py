@@ -18,7 +18,6 @@ import json
 import logging
 import multiprocessing as mp
 import socket
-import statistics
 import sys
 import threading
 import time
@@ -28,6 +27,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import torch
 
+from pdserve.bench.timing import median_seconds
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.kv_cache import KVCache
 from pdserve.engine.model.config import ModelConfig
@@ -86,16 +86,6 @@ def _host(conn, transport: str, num_blocks: int) -> None:
     tx.close()
 
 
-def _median_seconds(fn: Callable[[], None], repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
 def _wait(tx: TcpTransport, handle: int) -> None:
     while (status := tx.status(handle)) == "pending":
         time.sleep(0.0002)
@@ -105,7 +95,7 @@ def _wait(tx: TcpTransport, handle: int) -> None:
 
 def memcpy_gbps(nbytes: int, repeats: int) -> float:
     src, dst = np.ones(nbytes, dtype=np.uint8), np.empty(nbytes, dtype=np.uint8)
-    return nbytes / _median_seconds(lambda: np.copyto(dst, src), repeats) / 1e9
+    return nbytes / median_seconds(lambda: np.copyto(dst, src), repeats) / 1e9
 
 
 def socket_gbps(nbytes: int, repeats: int) -> float:
@@ -124,7 +114,7 @@ def socket_gbps(nbytes: int, repeats: int) -> float:
         sender.join()
 
     try:
-        return nbytes / _median_seconds(once, repeats) / 1e9
+        return nbytes / median_seconds(once, repeats) / 1e9
     finally:
         for s in (client, conn, server):
             s.close()
@@ -148,7 +138,7 @@ def move_gbps(transport: str, sizes_mib: list[int], repeats: int) -> list[tuple[
             n = -(-mib * 2**20 // local.block_nbytes)
             ids = list(range(n))
             for mode, verb in (("push", tx.write), ("pull", tx.read)):
-                secs = _median_seconds(lambda verb=verb, ids=ids: _wait(
+                secs = median_seconds(lambda verb=verb, ids=ids: _wait(
                     tx, verb(1, ids, peer, ids)), repeats)
                 out.append((mode, n * local.block_nbytes, n * local.block_nbytes / secs / 1e9))
         return out
@@ -186,10 +176,10 @@ def session_overhead(transport: str, repeats: int) -> OverheadRow:
             if not recv.state.name == send.state.name == "DONE":
                 raise RuntimeError(f"benchmark session ended {send.reason or recv.reason}")
 
-        session_s = _median_seconds(session, repeats)
-        bare_s = _median_seconds(lambda: _wait(pre, pre.write(next(tids), ids, dec.local, ids)),
+        session_s = median_seconds(session, repeats)
+        bare_s = median_seconds(lambda: _wait(pre, pre.write(next(tids), ids, dec.local, ids)),
                                  repeats)
-        crc_s = _median_seconds(
+        crc_s = median_seconds(
             lambda: slices_crc32c(pre_pool.data, ids, range(SMOLLM2.num_layers)), repeats)
     finally:
         pre.close()
