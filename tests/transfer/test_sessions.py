@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import pytest
@@ -83,7 +84,8 @@ def w(engines) -> World:
 _ids = iter(range(1, 1 << 20))
 
 
-def open_transfer(w: World, prompt: list[int], mode: Mode, params=GREEDY) -> Transfer:
+def open_transfer(w: World, prompt: list[int], mode: Mode, params=GREEDY,
+                  recv_layout: KVLayout | None = None) -> Transfer:
     tid = next(_ids)
     rid = f"t{tid}"
     w.pre.add_request(prompt, params, request_id=rid)
@@ -95,7 +97,7 @@ def open_transfer(w: World, prompt: list[int], mode: Mode, params=GREEDY) -> Tra
               "clock": w.clock}
     recv = RecvSession(w.dec_inbox, peer=PRE, cache=w.dec.kv_cache, dst_blocks=dst,
                        dst_generations=gens, generation=w.dec.block_manager.generation,
-                       **common)
+                       **(common | {"layout": recv_layout or w.layout}))
     token0 = out.outputs[0].token_ids[0]
     send = SendSession(w.pre_inbox, peer=DEC, cache=w.pre.kv_cache,
                        src_blocks=out.kv_block_ids, token0=token0, **common)
@@ -174,6 +176,17 @@ def test_duplicate_notice_after_done_changes_nothing(w):
 
 
 # -- faults ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("field", ["model_id", "block_size"])
+def test_an_incompatible_peer_is_refused_with_the_field_named(w, field):
+    other = dataclasses.replace(w.layout, **{field: {"model_id": "another-model",
+                                                     "block_size": 32}[field]})
+    t = open_transfer(w, PROMPTS[1], Mode.PUSH, recv_layout=other)
+    took = pump(w, t)
+    assert field in t.send.reason
+    assert_failed_within_lease(w, t, took)
+    assert took < LEASE / 2  # refused at the handshake, not left to the lease
 
 
 @pytest.mark.parametrize("mode", MODES)
