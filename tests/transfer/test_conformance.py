@@ -20,7 +20,7 @@ from pdserve.transfer.transport import Transport
 from tests.conftest import engine_pair
 from tests.transfer.session_driver import check_sessions_end_to_end
 from tests.transfer.test_tcp import OPTS as TCP_OPTS
-from tests.transfer.test_tcp import SECRET, pool, wait_for
+from tests.transfer.test_tcp import SECRET, finish, mapping, pool, wait_for
 
 POOL_BLOCKS = 400
 
@@ -62,31 +62,16 @@ def make(request) -> Iterator[Callable[[KVCache], Transport]]:
         yield endpoint
 
 
-def _finish(tx: Transport, handle: int, other: Transport) -> str:
-    """Poll until the move ends; the other endpoint is pumped too (it may answer metadata)."""
-    def ended() -> bool:
-        other.receive()
-        return tx.status(handle) != "pending"
-
-    wait_for(ended, 10.0)
-    return tx.status(handle)
-
-
-def _mapping(n: int, seed: int) -> tuple[list[int], list[int]]:
-    rng = random.Random(seed)
-    return rng.sample(range(POOL_BLOCKS), n), rng.sample(range(POOL_BLOCKS), n)
-
-
 @pytest.mark.parametrize("n", [1, 7, 300])
 @pytest.mark.parametrize("direction", ["push", "pull"])
 def test_blocks_arrive_byte_for_byte(make, n, direction):
     a_pool, b_pool = pool(POOL_BLOCKS, seed=1), pool(POOL_BLOCKS)
     a, b = make(a_pool), make(b_pool)
-    src, dst = _mapping(n, seed=n)
+    src, dst = mapping(n, seed=n, blocks=POOL_BLOCKS)
     if direction == "push":
-        assert _finish(a, a.write(5, src, b.local, dst), b) == "done"
+        assert finish(a, a.write(5, src, b.local, dst), b) == "done"
     else:
-        assert _finish(b, b.read(5, dst, a.local, src), a) == "done"
+        assert finish(b, b.read(5, dst, a.local, src), a) == "done"
     assert torch.equal(b_pool.data[dst], a_pool.data[src])
     untouched = sorted(set(range(POOL_BLOCKS)) - set(dst))
     assert not b_pool.data[untouched].any()
@@ -96,12 +81,12 @@ def test_random_mappings_both_ways(make):
     a_pool, b_pool = pool(POOL_BLOCKS, seed=2), pool(POOL_BLOCKS)
     a, b = make(a_pool), make(b_pool)
     for seed in range(5):
-        src, dst = _mapping(random.Random(seed).randint(1, 50), seed)
+        src, dst = mapping(random.Random(seed).randint(1, 50), seed, POOL_BLOCKS)
         b_pool.data.zero_()
-        assert _finish(a, a.write(seed, src, b.local, dst), b) == "done"
+        assert finish(a, a.write(seed, src, b.local, dst), b) == "done"
         assert torch.equal(b_pool.data[dst], a_pool.data[src])
         b_pool.data.zero_()
-        assert _finish(b, b.read(seed, dst, a.local, src), a) == "done"
+        assert finish(b, b.read(seed, dst, a.local, src), a) == "done"
         assert torch.equal(b_pool.data[dst], a_pool.data[src])
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import subprocess
 import sys
 import time
@@ -21,7 +20,7 @@ from pdserve.transfer.nixl import NixlOptions, NixlTransport
 from pdserve.transfer.nixl_meta import MAGIC, PoolRegion, decode_meta, encode_meta
 from pdserve.transfer.nixl_move import NixlMove, quiesce
 from pdserve.transfer.tcp import TcpOptions
-from tests.transfer.test_tcp import BS, MODEL, SECRET, pool, wait_for
+from tests.transfer.test_tcp import BS, MODEL, SECRET, finish, mapping, pool, wait_for
 
 OPTS = NixlOptions(cancel_wait_s=2.0, meta_timeout_s=1.0, dead_grace_s=0.3,
                    tcp=TcpOptions(dial_timeout_s=0.5, handshake_timeout_s=1.0))
@@ -39,21 +38,6 @@ def pair() -> Iterator[tuple[NixlTransport, NixlTransport, KVCache, KVCache]]:
     a_pool, b_pool = pool(400, seed=1), pool(400)
     with endpoint(a_pool) as a, endpoint(b_pool) as b:
         yield a, b, a_pool, b_pool
-
-
-def finish(tx: NixlTransport, handle: int, *others: NixlTransport, timeout: float = 10.0) -> str:
-    """Poll until the move ends; `others` are pumped too (they answer metadata)."""
-    def ended() -> bool:
-        for o in others:
-            o.receive()
-        return tx.status(handle) != "pending"
-    wait_for(ended, timeout)
-    return tx.status(handle)
-
-
-def _mapping(n: int, seed: int) -> tuple[list[int], list[int]]:
-    rng = random.Random(seed)
-    return rng.sample(range(400), n), rng.sample(range(400), n)
 
 
 # -- metadata and moves (the shared suite is test_conformance.py) -------------------------------
@@ -198,7 +182,7 @@ def test_two_processes_write_and_read():
         peer = PeerId.from_json(json.loads(line[5:]))
         theirs, mine = pool(400, seed=11), pool(400, seed=12)
         with endpoint(mine) as tx:
-            src, dst = _mapping(300, seed=5)
+            src, dst = mapping(300, seed=5)
             assert finish(tx, tx.read(1, dst, peer, src)) == "done"
             assert torch.equal(mine.data[dst], theirs.data[src])
             assert finish(tx, tx.write(2, [1, 2], peer, [3, 4])) == "done"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -18,6 +19,7 @@ from pdserve.engine.kv_cache import KVCache
 from pdserve.engine.model.config import ModelConfig
 from pdserve.transfer.descriptors import PeerId
 from pdserve.transfer.tcp import TcpOptions, TcpTransport
+from pdserve.transfer.transport import Transport
 
 SECRET = b"s" * 32
 MODEL = ModelConfig("LlamaForCausalLM", vocab_size=64, hidden_size=32, intermediate_size=64,
@@ -56,9 +58,20 @@ def pair() -> Iterator[tuple[TcpTransport, TcpTransport, KVCache, KVCache]]:
         yield a, b, a_pool, b_pool
 
 
-def finish(tx: TcpTransport, handle: int, timeout: float = 10.0) -> str:
-    wait_for(lambda: tx.status(handle) != "pending", timeout)
+def finish(tx: Transport, handle: int, *others: Transport, timeout: float = 10.0) -> str:
+    """Poll until the move ends; `others` are pumped too (a NIXL peer answers metadata)."""
+    def ended() -> bool:
+        for o in others:
+            o.receive()
+        return tx.status(handle) != "pending"
+    wait_for(ended, timeout)
     return tx.status(handle)
+
+
+def mapping(n: int, seed: int, blocks: int = 400) -> tuple[list[int], list[int]]:
+    """Random distinct source and destination blocks, n of each, from a pool of `blocks`."""
+    rng = random.Random(seed)
+    return rng.sample(range(blocks), n), rng.sample(range(blocks), n)
 
 
 # -- moves and control (the shared suite is test_conformance.py) ---------------------------------
@@ -143,7 +156,7 @@ def test_unreachable_peer_send_never_blocks(pair):
         a.send(dead, b"lost")
     handle = a.write(1, [0], dead, [0])
     assert time.monotonic() - start < 0.1
-    assert finish(a, handle, 3.0) == "error"
+    assert finish(a, handle, timeout=3.0) == "error"
     assert not a.peer_alive(dead)
 
 
@@ -196,7 +209,7 @@ def test_sigkill_mid_write_fails_the_peer_and_the_parent_keeps_serving():
             os.kill(child.pid, signal.SIGKILL)
             start = time.monotonic()
             wait_for(lambda: not parent.peer_alive(child_peer), 3.0)
-            assert finish(parent, pending_read, 3.0) in ("error", "done")
+            assert finish(parent, pending_read, timeout=3.0) in ("error", "done")
             assert time.monotonic() - start < 3.0
         finally:
             child.kill()
