@@ -4,6 +4,8 @@ Roles (config.role):
 - COLLOCATED: prefill and decode.
 - PREFILL: a request stops after token 0 unless that token already finishes it. Its blocks
   stay held (state PREFILLED) and its output carries `kv_block_ids`, until `release()`.
+  That is the default of `add_request(hand_over=None)` in this role; any role can hand a
+  single request over (`hand_over=True`) or run one whole (`hand_over=False`).
 - DECODE: also takes `add_remote_request()`: blocks for the prompt are reserved (queued until
   the pool has room; `reserved_blocks()` says when), filled from outside, and the request joins
   the decode batch at `kv_ready()` with the token 0 that the prefill side sampled.
@@ -61,9 +63,10 @@ class Engine:
 
     def add_request(
         self, prompt: str | list[int], params: SamplingParams | None = None,
-        request_id: str | None = None,
+        request_id: str | None = None, hand_over: bool | None = None,
     ) -> str:
         req = self._new_request(prompt, params, request_id, remote_prefill=False)
+        req.hand_over = self.config.role == Role.PREFILL if hand_over is None else hand_over
         self.scheduler.add(req)
         return req.request_id
 
@@ -148,7 +151,7 @@ class Engine:
         if finished is not None:
             self._finish(req, finished)
             return self.outputs.make_output(req)
-        if self.config.role == Role.PREFILL:
+        if req.hand_over:
             self.scheduler.running.remove(req)
             req.state = RequestState.PREFILLED
             return self.outputs.make_output(req, kv_block_ids=list(req.block_ids))

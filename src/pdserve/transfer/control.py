@@ -42,6 +42,9 @@ from pdserve.transfer.wire import (
 KIND_RESERVATION = 3
 KIND_CONTROL = 4
 MAX_REASON_CHARS = 1024
+# The ABORT reason a sender gives when token 0 already ended the request: there is nothing to
+# move, and the receiver should end its leg rather than recompute.
+FINISHED_AT_TOKEN0 = "the request finished at token 0; no KV will be sent"
 
 
 class ControlOp(StrEnum):

@@ -6,7 +6,13 @@ import time
 from collections.abc import Callable, Sequence
 
 from pdserve.engine.kv_cache import KVCache
-from pdserve.transfer.control import MAX_REASON_CHARS, ControlMessage, ControlOp, Reservation
+from pdserve.transfer.control import (
+    FINISHED_AT_TOKEN0,
+    MAX_REASON_CHARS,
+    ControlMessage,
+    ControlOp,
+    Reservation,
+)
 from pdserve.transfer.descriptors import CompletionNotice, KVLayout, PeerId, TransferDescriptor
 from pdserve.transfer.sessions import (
     DEFAULT_LEASE_S,
@@ -66,6 +72,7 @@ class RecvSession:
         self._read: MoveHandle | None = None
         self._writer_quiet = True  # nobody knows where to write yet
         self._abort_sent_at: float | None = None
+        self.sender_finished = False  # the sender said token 0 ended the request (no KV comes)
 
     @property
     def transfer_id(self) -> int:
@@ -130,6 +137,7 @@ class RecvSession:
         if msg.op in (ControlOp.ABORT, ControlOp.ABORT_ACK):
             self._writer_quiet = True  # a sender fences its write before either
         if msg.op is ControlOp.ABORT:
+            self.sender_finished = msg.reason == FINISHED_AT_TOKEN0 and not self.state.is_terminal
             self._fail(f"the sender aborted: {msg.reason}", tell=False)
 
     def _on_descriptor(self, d: TransferDescriptor) -> None:

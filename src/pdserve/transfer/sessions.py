@@ -40,6 +40,20 @@ class Inbox:
 
     def take(self, transfer_id: int) -> list[tuple[PeerId, Message]]:
         """Every message for `transfer_id` received so far, in arrival order; removes them."""
+        self._drain()
+        return self._by_id.pop(transfer_id, [])
+
+    def peek(self, transfer_id: int) -> list[tuple[PeerId, Message]]:
+        """The messages `take` would return, left in place."""
+        self._drain()
+        return list(self._by_id.get(transfer_id, []))
+
+    def waiting_ids(self) -> list[int]:
+        """Transfer ids with messages that no session has taken yet."""
+        self._drain()
+        return list(self._by_id)
+
+    def _drain(self) -> None:
         for source, data in self.transport.receive():
             try:
                 msg = decode_any(data)
@@ -47,7 +61,6 @@ class Inbox:
                 self.rejected += 1
                 continue
             self._by_id[msg.transfer_id].append((source, msg))
-        return self._by_id.pop(transfer_id, [])
 
     def discard(self, transfer_id: int) -> None:
         self._by_id.pop(transfer_id, None)
