@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP protocol: request parsing, response shapes, errors (no server)."""

@@ -1,0 +1,116 @@
+"""The internal protocol between the router and a worker: one leg of a request.
+
+A leg is `POST /internal/legs` with a `LegRequest` JSON body; the answer is a stream of
+`TokenEvent` JSON lines (NDJSON), the last one `final`. Leg kinds:
+- LOCAL: the worker runs the whole request (collocated, or a short prompt on decode).
+- PREFILL: compute the prompt, sample token 0, send it as the one event, and move the KV to
+  the decode worker `peer` under `transfer_id` (in the background, after the stream ended).
+- DECODE: reserve blocks, take the KV from the prefill worker `peer`, continue from token 0.
+  If the transfer fails, the worker recomputes the prompt itself (same seed, same tokens).
+
+Events carry absolute positions (`index` of the first token, `text_offset` of the text), so the
+router can merge the prefill and decode streams of one request and drop what it has already
+sent (the decode stream repeats token 0).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from enum import StrEnum
+from typing import Any
+
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.transfer.descriptors import PeerId
+from pdserve.transfer.wire import hex64, parse_hex64
+
+
+class LegKind(StrEnum):
+    LOCAL = "local"
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+@dataclass(frozen=True)
+class LegRequest:
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    params: SamplingParams
+    kind: LegKind = LegKind.LOCAL
+    transfer_id: int | None = None
+    peer: PeerId | None = None  # the other worker's transfer endpoint
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.request_id, str) or not self.request_id:
+            raise ValueError("a leg needs a non-empty string request_id")
+        object.__setattr__(self, "kind", LegKind(self.kind))
+        remote = self.kind is not LegKind.LOCAL
+        if remote != (self.transfer_id is not None) or remote != (self.peer is not None):
+            raise ValueError(f"a {self.kind.value} leg needs transfer_id and peer exactly when "
+                             "it is a prefill or decode leg")
+
+    def to_json(self) -> dict[str, Any]:
+        params = asdict(self.params)
+        params["stop"], params["stop_token_ids"] = list(params["stop"]), list(
+            params["stop_token_ids"])
+        return {
+            "request_id": self.request_id,
+            "prompt_token_ids": list(self.prompt_token_ids),
+            "params": params,
+            "kind": self.kind.value,
+            "transfer_id": None if self.transfer_id is None else hex64(self.transfer_id),
+            "peer": None if self.peer is None else self.peer.to_json(),
+        }
+
+    @classmethod
+    def from_json(cls, obj: Any) -> LegRequest:
+        """Raises ValueError naming what is wrong."""
+        if not isinstance(obj, dict):
+            raise ValueError("a leg request is a JSON object")
+        try:
+            params = SamplingParams(**obj["params"])
+            tid = obj.get("transfer_id")
+            peer = obj.get("peer")
+            ids = obj["prompt_token_ids"]
+            if not isinstance(ids, list) or not all(type(t) is int for t in ids):
+                raise ValueError("prompt_token_ids must be a list of ints")
+            return cls(obj["request_id"], tuple(ids), params, LegKind(obj.get("kind", "local")),
+                       None if tid is None else parse_hex64("transfer_id", tid),
+                       None if peer is None else PeerId.from_json(peer))
+        except (KeyError, TypeError) as e:
+            raise ValueError(f"malformed leg request: {e!r}") from e
+
+
+@dataclass
+class TokenEvent:
+    """New tokens of one leg: output tokens [index, index + len(token_ids)), and text
+    [text_offset, text_offset + len(text)) of the output text."""
+
+    index: int
+    token_ids: list[int]
+    text_offset: int
+    text: str
+    logprobs: list[float | None] | None = None
+    top_logprobs: list[dict[int, float] | None] | None = None
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: str | int | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    final: bool = False  # the last event of this leg
+    error: str | None = None  # the leg failed (final)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_line(self) -> bytes:
+        d = asdict(self)
+        if d["top_logprobs"] is not None:
+            d["top_logprobs"] = [None if t is None else {str(k): v for k, v in t.items()}
+                                 for t in d["top_logprobs"]]
+        return json.dumps(d, separators=(",", ":")).encode() + b"\n"
+
+    @classmethod
+    def from_line(cls, line: bytes) -> TokenEvent:
+        d = json.loads(line)
+        if d.get("top_logprobs") is not None:
+            d["top_logprobs"] = [None if t is None else {int(k): v for k, v in t.items()}
+                                 for t in d["top_logprobs"]]
+        return cls(**d)

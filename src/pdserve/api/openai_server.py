@@ -1,0 +1,241 @@
+"""The OpenAI-compatible endpoints, shared by the router and every worker.
+
+`/v1/completions` and `/v1/chat/completions` validate the body (`protocol.py`), tokenize or
+render the chat template, fit `max_tokens` to the context, and run the request through a
+`generate` function: the worker's own engine, or the router's dispatcher. Its token events
+become OpenAI responses: one JSON object, or Server-Sent Events (a role chunk first for chat,
+a chunk per engine step, the finish_reason on the last, a usage chunk when
+`stream_options.include_usage`, then `[DONE]`).
+
+Errors: bad input is a 4xx with OpenAI's error JSON before anything else is sent; a failure
+after the stream started ends it with an error event and `[DONE]`. The response headers are
+sent with the first token, so a request that fails before producing one still gets a proper
+status. A client that goes away cancels the handler, which closes `generate` (the legs are
+cancelled through it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+
+from pdserve.api import responses as R
+from pdserve.api.assembler import Delta, StreamAssembler
+from pdserve.api.errors import ApiError
+from pdserve.api.legs import TokenEvent
+from pdserve.api.protocol import (
+    GenerateRequest,
+    parse_chat,
+    parse_completion,
+    parse_json,
+    render_chat,
+)
+from pdserve.engine.sampling_params import SamplingParams
+
+log = logging.getLogger("pdserve.api")
+
+GenerateFn = Callable[[str, list[int], SamplingParams], AsyncIterator[TokenEvent]]
+SERVER_ERROR = "server_error"
+
+
+class GenerateError(Exception):
+    """Raised by a generate function: the request failed with this HTTP status."""
+
+    def __init__(self, message: str, status: int = 500) -> None:
+        super().__init__(message)
+        self.status = status
+
+    def api_error(self) -> ApiError:
+        kind = "invalid_request_error" if 400 <= self.status < 500 else SERVER_ERROR
+        return ApiError(self.status, str(self), type=kind)
+
+
+@dataclass
+class OpenAIServer:
+    served_model: str
+    tokenizer: Any
+    max_model_len: Callable[[], int | None]  # None: not known yet (no worker ready)
+    generate: GenerateFn
+    metrics: Any = None  # has ttft, itl, e2e histograms and a responses counter, or None
+
+    def add_routes(self, app: web.Application) -> None:
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.chat)
+        app.router.add_get("/v1/models", self.models)
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response(R.models_response(self.served_model, int(time.time()),
+                                                   self.max_model_len() or 0))
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._handle(request, "completion")
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._handle(request, "chat")
+
+    async def _handle(self, request: web.Request, kind: str) -> web.StreamResponse:
+        t0 = time.perf_counter()
+        try:
+            req, prompt, params = self._prepare(await request.read(), kind)
+        except ApiError as e:
+            return self._error(e)
+        request_id = R.new_request_id(kind)
+        log.info("request %s: %s, %d prompt tokens, max_tokens %d%s", request_id, kind,
+                 len(prompt), params.max_tokens, ", streaming" if req.stream else "")
+        run = _Run(self, req, request_id, len(prompt), t0)
+        events = self.generate(request_id, prompt, params)
+        async with contextlib.aclosing(events):
+            try:
+                if req.stream:
+                    return await run.stream(request, events)
+                return await run.collect(events)
+            except GenerateError as e:
+                if run.response is None:
+                    return self._error(e.api_error())
+                await run.end_with_error(e.api_error())
+                return run.response
+            except ValueError as e:
+                log.exception("request %s: inconsistent token events", request_id)
+                if run.response is None:
+                    return self._error(ApiError(500, str(e), type=SERVER_ERROR))
+                await run.end_with_error(ApiError(500, str(e), type=SERVER_ERROR))
+                return run.response
+
+    def _prepare(self, raw: bytes, kind: str) -> tuple[GenerateRequest, list[int], SamplingParams]:
+        body = parse_json(raw)
+        if kind == "chat":
+            req = parse_chat(body, self.served_model)
+            prompt = render_chat(self.tokenizer, req.prompt)
+        else:
+            req = parse_completion(body, self.served_model)
+            prompt = req.prompt if isinstance(req.prompt, list) else \
+                self.tokenizer.encode(req.prompt)
+        max_len = self.max_model_len()
+        if max_len is None:
+            raise ApiError(503, "no worker is ready yet; retry shortly", type=SERVER_ERROR)
+        return req, list(prompt), req.params_for_context(len(prompt), max_len)
+
+    def _error(self, e: ApiError) -> web.Response:
+        if self.metrics is not None:
+            self.metrics.responses.inc(status=str(e.status))
+        return web.json_response(e.body(), status=e.status)
+
+    def token_strings(self, ids: list[int]) -> list[str]:
+        return [self.tokenizer.decode([t]) for t in ids]
+
+
+class _Run:
+    """One request's response, streamed or collected."""
+
+    def __init__(self, server: OpenAIServer, req: GenerateRequest, request_id: str,
+                 prompt_tokens: int, t0: float) -> None:
+        self.server, self.req, self.request_id = server, req, request_id
+        self.prompt_tokens, self.t0 = prompt_tokens, t0
+        self.created = int(time.time())
+        self.out = StreamAssembler()
+        self.response: web.StreamResponse | None = None
+        self._last_token_at: float | None = None
+
+    async def collect(self, events: AsyncIterator[TokenEvent]) -> web.Response:
+        async for event in events:
+            self._check(event)
+            self._timing(self.out.add(event))
+            if event.final:
+                break
+        r, out = self.req, self.out
+        lp = self._logprobs(Delta(out.token_ids, out.text, out.logprobs, out.top_logprobs), 0)
+        args = (self.request_id, r.model, self.created, out.text, out.finish_reason or "abort",
+                self._usage(), lp)
+        body = R.chat_response(*args) if r.kind == "chat" else R.completion_response(*args)
+        self._done(200)
+        return web.json_response(body)
+
+    async def stream(self, request: web.Request, events: AsyncIterator[TokenEvent]
+                     ) -> web.StreamResponse:
+        async for event in events:
+            self._check(event)
+            text_before = len(self.out.text)
+            delta = self.out.add(event)
+            self._timing(delta)
+            if self.response is None:
+                await self._open(request)
+            if delta.token_ids or delta.text or event.finish_reason is not None:
+                await self.response.write(R.sse_event(self._chunk(delta, text_before, event)))
+            if event.final:
+                break
+        if self.response is None:
+            await self._open(request)
+        if self.req.include_usage:
+            await self.response.write(R.sse_event(R.usage_chunk(
+                self.req.kind, self.request_id, self.req.model, self.created, self._usage())))
+        await self.response.write(R.SSE_DONE)
+        await self.response.write_eof()
+        self._done(200)
+        return self.response
+
+    async def end_with_error(self, error: ApiError) -> None:
+        log.warning("request %s ends with an error: %s", self.request_id, error.message)
+        with contextlib.suppress(ConnectionError):
+            await self.response.write(R.sse_error(error))
+            await self.response.write(R.SSE_DONE)
+            await self.response.write_eof()
+        self._done(500)
+
+    async def _open(self, request: web.Request) -> None:
+        self.response = web.StreamResponse(headers={
+            "Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+            "X-Request-Id": self.request_id})
+        await self.response.prepare(request)
+        if self.req.kind == "chat":
+            await self.response.write(R.sse_event(R.chat_chunk(
+                self.request_id, self.req.model, self.created, R.role_delta(), None)))
+
+    def _chunk(self, delta: Delta, text_before: int, event: TokenEvent) -> dict[str, Any]:
+        r, finish = self.req, (self.out.finish_reason if event.finish_reason else None)
+        lp = self._logprobs(delta, text_before) if delta.token_ids else None
+        if r.kind == "chat":
+            return R.chat_chunk(self.request_id, r.model, self.created, {"content": delta.text},
+                                finish, lp)
+        return R.completion_chunk(self.request_id, r.model, self.created, delta.text, finish, lp)
+
+    def _logprobs(self, delta: Delta, text_offset: int) -> dict[str, Any] | None:
+        if self.req.logprobs is None or delta.logprobs is None:
+            return None
+        tokens = self.server.token_strings(delta.token_ids)
+        lps = [lp if lp is not None else float("-inf") for lp in delta.logprobs]
+        tops = None
+        if self.req.logprobs > 0 and delta.top_logprobs is not None:
+            tops = [{self.server.tokenizer.decode([t]): v for t, v in (top or {}).items()}
+                    for top in delta.top_logprobs]
+        if self.req.kind == "chat":
+            return R.chat_logprobs(tokens, lps, tops)
+        return R.completion_logprobs(tokens, lps, tops, text_offset)
+
+    def _usage(self) -> dict[str, Any]:
+        return R.usage(self.prompt_tokens, len(self.out.token_ids))
+
+    def _check(self, event: TokenEvent) -> None:
+        if event.error is not None:
+            raise GenerateError(event.error)
+
+    def _timing(self, delta: Delta) -> None:
+        m = self.server.metrics
+        if m is None or not delta.token_ids:
+            return
+        now = time.perf_counter()
+        if self._last_token_at is None:
+            m.ttft.observe(now - self.t0)
+        else:
+            m.itl.observe((now - self._last_token_at) / len(delta.token_ids))
+        self._last_token_at = now
+
+    def _done(self, status: int) -> None:
+        if self.server.metrics is not None:
+            self.server.metrics.responses.inc(status=str(status))
+            self.server.metrics.e2e.observe(time.perf_counter() - self.t0)
