@@ -1,0 +1,352 @@
+"""The worker's engine thread: every engine and transfer call happens here, nowhere else.
+
+Life cycle of a leg (see `api/legs.py` for the kinds):
+- LOCAL: `add_request`; token events until finished.
+- PREFILL: `add_request(hand_over=True)`, the transfer id `expect`ed. At token 0: if token 0
+  ended the request, a final event and the decode side is told (`close_finished`); else a
+  final event carrying token 0, a `SendSession` to the decode peer, and `Engine.release` once
+  the session says the blocks are reusable.
+- DECODE: `add_remote_request` (queued until the pool has room: admission control); once
+  blocks are reserved, a `RecvSession`; on DONE `kv_ready(token0)` and token events until
+  finished. On a failed transfer (once no writer can touch the blocks) the reserved request
+  is aborted and the prompt is recomputed locally under a new engine id, unless the prefill
+  side said token 0 already ended the request.
+- cancel (client gone): an open session is aborted and its blocks freed when reusable; a
+  queued request is aborted at once and the peer told, so it never waits out a lease.
+
+Invariant: a leg's blocks return to the pool on every path: finish, cancel, transfer failure,
+peer death (the sessions' leases bound every wait).
+
+Threading: `submit` and `cancel` are called from the HTTP thread and only enqueue commands;
+results go back through `loop.call_soon_threadsafe`, batched once per iteration.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from enum import IntEnum
+
+from pdserve.api.legs import LegKind, LegRequest, TokenEvent
+from pdserve.engine.engine import Engine
+from pdserve.engine.outputs import RequestOutput
+from pdserve.workers.transfer_hub import (
+    PeerClosed,
+    RecvDone,
+    RecvFailed,
+    SendEnded,
+    TransferHub,
+)
+from pdserve.workers.worker_metrics import WorkerMetrics
+
+log = logging.getLogger("pdserve.worker")
+
+IDLE_WAIT_S = 0.05  # nothing to do: wait this long for a command
+POLL_WAIT_S = 0.001  # transfers in flight, nothing to compute
+
+
+class Phase(IntEnum):
+    QUEUED = 0  # in the engine, before token 0 (or before the reservation, on decode)
+    TRANSFERRING = 1  # a session is open
+    RUNNING = 2  # decoding (decode leg after kv_ready, or a local leg)
+    DONE = 3
+
+
+@dataclass
+class Accepted:
+    """The first item of every leg's queue when the engine took it."""
+
+
+@dataclass(eq=False)
+class _Leg:
+    req: LegRequest
+    sink: asyncio.Queue
+    engine_id: str
+    phase: Phase = Phase.QUEUED
+    cancelled: bool = False
+    arrived: float = field(default_factory=time.perf_counter)
+    last_token_at: float | None = None
+
+
+class EngineLoop:
+    def __init__(self, engine: Engine, hub: TransferHub | None, metrics: WorkerMetrics) -> None:
+        self.engine, self.hub, self.metrics = engine, hub, metrics
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._legs: dict[str, _Leg] = {}  # engine request id -> leg
+        self._by_tid: dict[int, _Leg] = {}
+        self._out: list[tuple[asyncio.Queue, object]] = []
+        self._aio: asyncio.AbstractEventLoop | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+
+    # -- the HTTP thread's side ----------------------------------------------------------------
+
+    def start(self, aio: asyncio.AbstractEventLoop) -> None:
+        self._aio = aio
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._commands.put(None)
+        self._thread.join(timeout=10)
+
+    def submit(self, req: LegRequest) -> asyncio.Queue:
+        """The leg's queue: `Accepted` or a final error `TokenEvent` first, then events."""
+        sink: asyncio.Queue = asyncio.Queue()
+        self._commands.put(("submit", req, sink))
+        return sink
+
+    def cancel(self, request_id: str) -> None:
+        self._commands.put(("cancel", request_id, None))
+
+    @property
+    def num_legs(self) -> int:
+        return len(self._legs)
+
+    # -- the engine thread ---------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self._iterate()
+            except Exception:  # a bug: fail every leg rather than hang them
+                log.exception("engine loop iteration failed; failing every leg")
+                self._fail_all("internal error in the engine loop")
+            self._flush()
+
+    def _iterate(self) -> None:
+        self._take_commands()
+        if self.hub is not None:
+            for event in self.hub.poll():
+                self._on_transfer(event)
+        self._open_reservations()
+        if self.engine.has_unfinished_requests():
+            t0 = time.perf_counter()
+            outputs = self.engine.step()
+            self.metrics.observe_step(time.perf_counter() - t0)
+            for out in outputs:
+                self._on_output(out)
+
+    def _busy(self) -> bool:
+        return self.engine.has_unfinished_requests() or bool(self.hub and self.hub.active)
+
+    def _take_commands(self) -> None:
+        timeout = None if self._busy() else IDLE_WAIT_S
+        if self._busy() and not self.engine.scheduler.running and not self.engine.scheduler.waiting:
+            timeout = POLL_WAIT_S  # only transfers (or KV waits): don't spin
+        while True:
+            try:
+                cmd = self._commands.get(timeout=timeout) if timeout else \
+                    self._commands.get_nowait()
+            except queue.Empty:
+                return
+            timeout = None
+            if cmd is None:
+                return
+            op, arg, sink = cmd
+            if op == "submit":
+                self._submit(arg, sink)
+            else:
+                self._cancel(arg)
+
+    def _submit(self, req: LegRequest, sink: asyncio.Queue) -> None:
+        if any(leg.req.request_id == req.request_id for leg in self._legs.values()):
+            self._emit(sink, _error(f"request id {req.request_id!r} is already running here"))
+            return
+        try:
+            self._add_to_engine(req, req.request_id)
+        except ValueError as e:
+            self._emit(sink, _error(str(e)))
+            return
+        leg = _Leg(req, sink, req.request_id)
+        self._legs[leg.engine_id] = leg
+        if req.transfer_id is not None:
+            self._by_tid[req.transfer_id] = leg
+            self.hub.expect(req.transfer_id)
+        self._emit(sink, Accepted())
+        self.metrics.legs.inc(kind=req.kind.value)
+
+    def _add_to_engine(self, req: LegRequest, engine_id: str) -> None:
+        ids = list(req.prompt_token_ids)
+        if req.kind is LegKind.DECODE:
+            if self.hub is None:
+                raise ValueError("this worker has no transfer endpoint; it cannot take a "
+                                 "decode leg")
+            self.engine.add_remote_request(ids, req.params, request_id=engine_id)
+        else:
+            if req.kind is LegKind.PREFILL and self.hub is None:
+                raise ValueError("this worker has no transfer endpoint; it cannot take a "
+                                 "prefill leg")
+            self.engine.add_request(ids, req.params, request_id=engine_id,
+                                    hand_over=req.kind is LegKind.PREFILL)
+
+    def _cancel(self, request_id: str) -> None:
+        leg = next((g for g in self._legs.values() if g.req.request_id == request_id), None)
+        if leg is None or leg.cancelled:
+            return
+        leg.cancelled = True
+        tid = leg.req.transfer_id
+        if leg.phase is Phase.TRANSFERRING:
+            self.hub.abort(tid, "the client went away")  # blocks freed once reusable
+            return
+        self._drop(leg)
+        self.engine.abort(leg.engine_id)
+        if tid is not None and leg.phase is Phase.QUEUED:
+            self.hub.close(tid, leg.req.peer, "the request was cancelled")
+        self.metrics.cancelled.inc()
+
+    # -- transfers -----------------------------------------------------------------------------
+
+    def _open_reservations(self) -> None:
+        if self.engine.scheduler.waiting_for_kv:
+            self.engine.scheduler.reserve_remote()  # blocks may have been freed since
+        for leg in list(self._by_tid.values()):
+            if leg.req.kind is not LegKind.DECODE or leg.phase is not Phase.QUEUED:
+                continue
+            if leg.engine_id != leg.req.request_id:
+                continue  # recomputing locally
+            blocks = self.engine.reserved_blocks(leg.engine_id)
+            if blocks is not None:
+                self.hub.open_recv(leg.req.transfer_id, leg.req.peer, blocks)
+                leg.phase = Phase.TRANSFERRING
+
+    def _on_transfer(self, event) -> None:
+        leg = self._by_tid.get(event.transfer_id)
+        if leg is None:
+            return
+        if isinstance(event, SendEnded):
+            self.engine.release(leg.engine_id)
+            self._forget(leg)
+            self.metrics.observe_transfer(event.ok, event.seconds, event.nbytes, "send")
+        elif isinstance(event, RecvDone):
+            self.metrics.observe_transfer(True, event.seconds, event.nbytes, "recv")
+            if leg.cancelled:
+                self.engine.abort(leg.engine_id)
+                self._forget(leg)
+            else:
+                leg.phase = Phase.RUNNING
+                self.engine.kv_ready(leg.engine_id, event.token0, event.token0_logprob)
+        elif isinstance(event, RecvFailed):
+            self.metrics.observe_transfer(False, 0.0, 0, "recv")
+            self.engine.abort(leg.engine_id)
+            self._after_failed_transfer(leg, event.reason, event.sender_finished)
+        elif isinstance(event, PeerClosed):
+            self.engine.abort(leg.engine_id)
+            if leg.req.kind is LegKind.PREFILL:
+                self._end(leg, _error(f"the decode side closed the transfer: {event.reason}"))
+            else:
+                self._after_failed_transfer(leg, event.reason, event.finished)
+
+    def _after_failed_transfer(self, leg: _Leg, reason: str, sender_finished: bool) -> None:
+        """Decode leg: end it (cancelled, or token 0 finished it at the prefill) or recompute."""
+        if leg.cancelled or sender_finished:
+            event = _error("the prefill side ended the request at token 0"
+                           if sender_finished else "cancelled")
+            event.extra["prefill_finished"] = sender_finished
+            self._end(leg, event)
+            return
+        log.warning("request %s: KV transfer failed (%s); recomputing the prompt locally",
+                    leg.req.request_id, reason)
+        self.metrics.recomputes.inc()
+        del self._legs[leg.engine_id]
+        leg.engine_id = f"{leg.req.request_id}/recompute"
+        leg.phase = Phase.RUNNING
+        self._legs[leg.engine_id] = leg
+        try:
+            self._add_to_engine(LegRequest(leg.req.request_id, leg.req.prompt_token_ids,
+                                           leg.req.params), leg.engine_id)
+        except ValueError as e:
+            self._end(leg, _error(f"local recompute failed: {e}"))
+
+    # -- engine outputs ------------------------------------------------------------------------
+
+    def _on_output(self, out: RequestOutput) -> None:
+        leg = self._legs.get(out.request_id)
+        if leg is None or leg.cancelled:
+            return
+        event = self._token_event(leg, out)
+        if out.kv_block_ids is not None:  # prefill: token 0 sampled, blocks held
+            event.final = True
+            self._emit(leg.sink, event)
+            self._hand_over(leg, out)
+        elif out.finished:
+            if leg.req.kind is LegKind.PREFILL:
+                self.hub.close_finished(leg.req.transfer_id, leg.req.peer)
+            self.metrics.observe_finished(leg.arrived, out)
+            event.final = True
+            self._end(leg, event)
+        else:
+            if leg.req.kind is LegKind.LOCAL:
+                leg.phase = Phase.RUNNING
+            self._emit(leg.sink, event)
+
+    def _hand_over(self, leg: _Leg, out: RequestOutput) -> None:
+        tid = leg.req.transfer_id
+        self._drop(leg, keep_tid=True)
+        if self.hub.is_closed(tid):  # the decode side gave up while we computed
+            self.engine.release(leg.engine_id)
+            self._forget(leg)
+            return
+        c = out.outputs[0]
+        self.hub.open_send(tid, leg.req.peer, out.kv_block_ids, c.token_ids[0],
+                           c.logprobs[0] if c.logprobs else None)
+        leg.phase = Phase.TRANSFERRING
+
+    def _token_event(self, leg: _Leg, out: RequestOutput) -> TokenEvent:
+        c = out.outputs[0]
+        n_new = len(c.new_token_ids)
+        now = time.perf_counter()
+        if n_new:
+            self.metrics.observe_tokens(leg.arrived, leg.last_token_at, now, n_new)
+            leg.last_token_at = now
+        first = len(c.token_ids) - n_new
+        return TokenEvent(
+            index=first, token_ids=list(c.new_token_ids),
+            text_offset=len(c.text) - len(c.new_text), text=c.new_text,
+            logprobs=c.logprobs[first:] if c.logprobs is not None else None,
+            top_logprobs=c.top_logprobs[first:] if c.top_logprobs is not None else None,
+            finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+            prompt_tokens=len(out.prompt_token_ids), cached_tokens=out.num_cached_tokens)
+
+    # -- bookkeeping ---------------------------------------------------------------------------
+
+    def _end(self, leg: _Leg, event: TokenEvent) -> None:
+        event.final = True
+        self._emit(leg.sink, event)
+        self._forget(leg)
+
+    def _drop(self, leg: _Leg, keep_tid: bool = False) -> None:
+        """The leg no longer streams; with keep_tid its transfer is still tracked."""
+        self._legs.pop(leg.engine_id, None)
+        if not keep_tid and leg.req.transfer_id is not None:
+            self._by_tid.pop(leg.req.transfer_id, None)
+
+    def _forget(self, leg: _Leg) -> None:
+        leg.phase = Phase.DONE
+        self._drop(leg)
+
+    def _fail_all(self, reason: str) -> None:
+        for leg in list(self._legs.values()):
+            self.engine.abort(leg.engine_id)
+            self._end(leg, _error(reason))
+
+    def _emit(self, sink: asyncio.Queue, item: object) -> None:
+        self._out.append((sink, item))
+
+    def _flush(self) -> None:
+        if self._out and self._aio is not None:
+            batch, self._out = self._out, []
+            self._aio.call_soon_threadsafe(_deliver, batch)
+
+
+def _deliver(batch: list[tuple[asyncio.Queue, object]]) -> None:
+    for sink, item in batch:
+        sink.put_nowait(item)
+
+
+def _error(message: str) -> TokenEvent:
+    return TokenEvent(index=0, token_ids=[], text_offset=0, text="", final=True, error=message)

@@ -1,0 +1,224 @@
+"""A worker process: HTTP server, engine thread, KV transfer endpoint.
+
+Life cycle.
+1. Pin to `--cpus` (compute threads = number of cores) and start the HTTP server at once:
+   `/health` answers 503 while the model loads, so a supervisor can tell "loading" from
+   "dead".
+2. Load the engine, open the transport (prefill and decode roles), register the KV pool,
+   start the engine thread; `/health` turns 200 and reports the transfer endpoint (`peer`)
+   and the load the router routes on.
+3. Serve: the OpenAI endpoints run LOCAL legs; `POST /internal/legs` runs the router's legs
+   and streams their token events as NDJSON. A client that disconnects cancels its leg.
+4. SIGTERM / SIGINT: stop accepting, stop the engine thread, close the transport, exit.
+   Blocks held by unfinished legs die with the process; the peers see the transport close
+   and free their side.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import time
+from typing import Any
+
+import torch
+from aiohttp import web
+
+from pdserve.api.errors import ApiError
+from pdserve.api.legs import LegRequest, TokenEvent
+from pdserve.api.openai_server import GenerateError, OpenAIServer
+from pdserve.engine.engine import Engine
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.metrics import CONTENT_TYPE
+from pdserve.transfer.descriptors import KVLayout
+from pdserve.workers.engine_loop import Accepted, EngineLoop
+from pdserve.workers.settings import TransportName, WorkerSettings
+from pdserve.workers.transfer_hub import TransferHub
+from pdserve.workers.worker_metrics import WorkerMetrics
+
+log = logging.getLogger("pdserve.worker")
+
+
+class Worker:
+    def __init__(self, settings: WorkerSettings) -> None:
+        self.settings = settings
+        self.metrics = WorkerMetrics(settings.role.value)
+        self.engine: Engine | None = None
+        self.loop: EngineLoop | None = None
+        self.transport: Any = None
+        self.api = OpenAIServer(settings.served_model_name, None, self._max_model_len,
+                                self._generate_local)
+        self.load_seconds: float | None = None
+
+    # -- start and stop ------------------------------------------------------------------------
+
+    def load(self, aio: asyncio.AbstractEventLoop) -> None:
+        """Runs in a thread while the HTTP server already answers /health with 503."""
+        t0 = time.perf_counter()
+        s = self.settings
+        self.engine = Engine(s.engine)
+        hub = None
+        if s.needs_transport:
+            self.transport = _open_transport(s)
+            self.transport.register(self.engine.kv_cache)
+            layout = KVLayout.of_cache(self.engine.kv_cache, s.served_model_name)
+            hub = TransferHub(self.transport, self.engine.kv_cache, layout,
+                              self.engine.block_manager.generation, s.kv_lease_s)
+        self.loop = EngineLoop(self.engine, hub, self.metrics)
+        self.metrics.bind_engine(self.engine, lambda: self.loop.num_legs)
+        self.api.tokenizer = self.engine.tokenizer
+        self.loop.start(aio)
+        self.load_seconds = time.perf_counter() - t0
+        peer = f", KV endpoint {self.transport.local.host}:{self.transport.local.port}" \
+            if self.transport else ""
+        log.info("%s worker ready in %.1f s (model %s%s)", s.role.value, self.load_seconds,
+                 s.served_model_name, peer)
+
+    def close(self) -> None:
+        if self.loop is not None:
+            self.loop.stop()
+        if self.transport is not None:
+            self.transport.close()
+
+    @property
+    def ready(self) -> bool:
+        return self.loop is not None
+
+    def _max_model_len(self) -> int | None:
+        return self.engine.config.max_model_len if self.engine else None
+
+    # -- HTTP ----------------------------------------------------------------------------------
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=64 * 2**20)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/metrics", self.metrics_text)
+        app.router.add_post("/internal/legs", self.legs)
+        self.api.add_routes(app)
+        app.middlewares.append(_not_ready_guard(self))
+        return app
+
+    async def health(self, request: web.Request) -> web.Response:
+        if not self.ready:
+            return web.json_response({"status": "loading"}, status=503)
+        return web.json_response(self.info())
+
+    def info(self) -> dict[str, Any]:
+        e, bm = self.engine, self.engine.block_manager
+        return {
+            "status": "ok", "role": self.settings.role.value,
+            "model": self.settings.served_model_name, "max_model_len": e.config.max_model_len,
+            "block_size": e.config.block_size,
+            "peer": self.transport.local.to_json() if self.transport else None,
+            "kv_blocks_total": bm.num_blocks, "kv_blocks_used": bm.num_used_blocks,
+            "running": len(e.scheduler.running), "waiting": len(e.scheduler.waiting),
+            "waiting_for_kv": len(e.scheduler.waiting_for_kv), "legs": self.loop.num_legs,
+            "load_seconds": self.load_seconds, "pid": os.getpid(),
+        }
+
+    async def metrics_text(self, request: web.Request) -> web.Response:
+        return web.Response(body=self.metrics.registry.render().encode(),
+                            headers={"Content-Type": CONTENT_TYPE})
+
+    async def legs(self, request: web.Request) -> web.StreamResponse:
+        try:
+            leg = LegRequest.from_json(await request.json())
+        except ValueError as e:
+            return web.json_response(ApiError(400, f"bad leg request: {e}").body(), status=400)
+        sink = self.loop.submit(leg)
+        first = await sink.get()
+        if not isinstance(first, Accepted):
+            return web.json_response(ApiError(400, first.error).body(), status=400)
+        log.info("request %s: %s leg accepted (%d prompt tokens)", leg.request_id,
+                 leg.kind.value, len(leg.prompt_token_ids))
+        resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
+        finished = False
+        try:
+            await resp.prepare(request)
+            while not finished:
+                events = [await sink.get()]
+                while not sink.empty():
+                    events.append(sink.get_nowait())
+                finished = any(e.final for e in events)
+                await resp.write(b"".join(e.to_line() for e in events))
+            await resp.write_eof()
+        finally:
+            if not finished:
+                log.info("request %s: %s leg cancelled (the router went away)",
+                         leg.request_id, leg.kind.value)
+                self.loop.cancel(leg.request_id)
+        return resp
+
+    async def _generate_local(self, request_id: str, prompt: list[int],
+                              params: SamplingParams):
+        sink = self.loop.submit(LegRequest(request_id, tuple(prompt), params))
+        first = await sink.get()
+        if not isinstance(first, Accepted):
+            raise GenerateError(first.error, status=400)
+        finished = False
+        try:
+            while not finished:
+                event: TokenEvent = await sink.get()
+                finished = event.final
+                yield event
+        finally:
+            if not finished:
+                self.loop.cancel(request_id)
+
+
+def _not_ready_guard(worker: Worker):
+    @web.middleware
+    async def guard(request: web.Request, handler):
+        if not worker.ready and request.path not in ("/health", "/metrics"):
+            return web.json_response(ApiError(503, "the model is still loading").body(),
+                                     status=503)
+        return await handler(request)
+
+    return guard
+
+
+def _open_transport(s: WorkerSettings):
+    if s.transport is TransportName.NIXL:
+        from pdserve.transfer.nixl import NixlTransport
+
+        return NixlTransport(s.kv_host, s.kv_port, secret=s.secret)
+    from pdserve.transfer.tcp import TcpTransport
+
+    return TcpTransport(s.kv_host, s.kv_port, secret=s.secret)
+
+
+def pin_cpus(cpus: tuple[int, ...] | None) -> None:
+    if cpus is not None:
+        os.sched_setaffinity(0, set(cpus))
+        torch.set_num_threads(len(cpus))
+
+
+async def serve(settings: WorkerSettings) -> None:
+    """Run one worker until SIGTERM or SIGINT."""
+    pin_cpus(settings.cpus)
+    worker = Worker(settings)
+    runner = web.AppRunner(worker.app(), handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, settings.host, settings.port)
+    await site.start()
+    log.info("%s worker listening on http://%s:%d (loading %s)", settings.role.value,
+             settings.host, settings.port, settings.engine.model)
+    aio = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        aio.add_signal_handler(sig, stop.set)
+    loading = asyncio.ensure_future(asyncio.to_thread(worker.load, aio))
+    try:
+        done, _ = await asyncio.wait({loading, asyncio.ensure_future(stop.wait())},
+                                     return_when=asyncio.FIRST_COMPLETED)
+        if loading in done:
+            loading.result()  # raises a load error (bad model folder...)
+            await stop.wait()
+    finally:
+        log.info("worker stopping")
+        with contextlib.suppress(Exception):
+            await runner.cleanup()
+        worker.close()

@@ -1,0 +1,139 @@
+"""`pdserve worker` settings: one frozen dataclass, validated, built from the command line."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+from dataclasses import dataclass
+from enum import StrEnum
+from pathlib import Path
+
+from pdserve.config import DTYPES, EngineConfig, Role
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
+
+
+class TransportName(StrEnum):
+    TCP = "tcp"
+    NIXL = "nixl"
+
+
+def parse_size(text: str) -> int:
+    """Bytes from "512MiB", "2G", "1048576" (binary units, whatever the spelling)."""
+    m = _SIZE.match(str(text))
+    if not m:
+        raise ValueError(f"cannot read {text!r} as a size; write e.g. 512MiB, 2GiB or bytes")
+    unit = (m.group(2) or "").lower()[:1]
+    return int(float(m.group(1)) * _UNITS[unit])
+
+
+@dataclass(frozen=True)
+class WorkerSettings:
+    role: Role
+    engine: EngineConfig
+    served_model_name: str
+    host: str = "127.0.0.1"
+    port: int = 8001
+    kv_host: str = "127.0.0.1"
+    kv_port: int = 0  # 0: any free port
+    transport: TransportName = TransportName.TCP
+    secret: bytes | None = None
+    cpus: tuple[int, ...] | None = None
+    kv_lease_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "role", Role(self.role))
+        object.__setattr__(self, "transport", TransportName(self.transport))
+        if self.role != Role.COLLOCATED and not self.secret:
+            raise ValueError(f"a {self.role} worker moves KV and needs the shared transfer "
+                             f"secret: give --secret-file (the same file for every worker)")
+        if not 0 < self.port < 65536 or not 0 <= self.kv_port < 65536:
+            raise ValueError("ports must be in 1-65535 (kv port 0: any free port)")
+        if self.cpus is not None:
+            allowed = os.sched_getaffinity(0)
+            if not self.cpus or not set(self.cpus) <= allowed:
+                raise ValueError(f"--cpus {list(self.cpus)} must be a non-empty subset of the "
+                                 f"cores this process may use: {sorted(allowed)}")
+        if not self.kv_lease_s > 0:
+            raise ValueError("--kv-lease must be > 0 seconds")
+
+    @property
+    def needs_transport(self) -> bool:
+        return self.role != Role.COLLOCATED
+
+
+def add_worker_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--role", choices=[r.value for r in Role], default="collocated",
+                   help="prefill: computes prompts and ships their KV; decode: takes KV and "
+                        "generates (and runs short prompts itself); collocated: both "
+                        "(default: %(default)s)")
+    p.add_argument("--model", default="smollm2",
+                   help="'smollm2' or a Hugging Face model folder (default: %(default)s)")
+    p.add_argument("--served-model-name", default=None,
+                   help="the name clients use in 'model' (default: --model as given)")
+    p.add_argument("--dtype", default="bfloat16", choices=list(DTYPES),
+                   help="default: %(default)s")
+    p.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default: %(default)s)")
+    p.add_argument("--host", default="127.0.0.1", help="HTTP address (default: %(default)s)")
+    p.add_argument("--port", type=int, default=8001, help="HTTP port (default: %(default)s)")
+    p.add_argument("--kv-host", default=None,
+                   help="address of the KV transfer endpoint (default: --host)")
+    p.add_argument("--kv-port", type=int, default=0,
+                   help="KV transfer port (default: any free port; the router learns it from "
+                        "/health)")
+    p.add_argument("--transport", choices=[t.value for t in TransportName], default="tcp",
+                   help="KV transfer plane: tcp (no dependencies) or nixl (UCX; needs "
+                        "nixl-cu12) (default: %(default)s)")
+    p.add_argument("--secret-file", type=Path, default=None,
+                   help="file holding the shared secret that authenticates KV transfer "
+                        "handshakes; required for prefill and decode workers")
+    p.add_argument("--cpus", default=None,
+                   help="pin this worker to these cores, e.g. '0' or '0,1' (compute threads = "
+                        "number of cores; default: no pinning, all cores)")
+    p.add_argument("--kv-cache-memory", default="512MiB",
+                   help="KV pool size, e.g. 512MiB or 2GiB (default: %(default)s)")
+    p.add_argument("--num-kv-blocks", type=int, default=None,
+                   help="KV pool size in blocks (overrides --kv-cache-memory)")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="longest prompt + output (default: the model's context)")
+    p.add_argument("--max-num-seqs", type=int, default=64,
+                   help="most requests in one batch (default: %(default)s)")
+    p.add_argument("--enable-chunked-prefill", action="store_true",
+                   help="split long prompts into chunks of --max-num-batched-tokens that share "
+                        "steps with decodes")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="tokens per engine step (default: 512 with chunked prefill, else the "
+                        "context)")
+    p.add_argument("--kv-lease", type=float, default=10.0,
+                   help="seconds a KV reservation or a held prefill may wait for the other "
+                        "side before it is freed (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="engine seed (default: %(default)s)")
+
+
+def settings_from_args(args: argparse.Namespace) -> WorkerSettings:
+    secret = None
+    if args.secret_file is not None:
+        try:
+            secret = args.secret_file.read_bytes().strip()
+        except OSError as e:
+            raise ValueError(f"cannot read --secret-file {args.secret_file}: {e}") from e
+    cpus = None
+    if args.cpus:
+        try:
+            cpus = tuple(int(c) for c in args.cpus.split(","))
+        except ValueError:
+            raise ValueError(f"--cpus wants core numbers like 0 or 0,1; got {args.cpus!r}") \
+                from None
+    engine = EngineConfig(
+        model=args.model, dtype=args.dtype, device=args.device, role=Role(args.role),
+        num_kv_blocks=args.num_kv_blocks, kv_cache_bytes=parse_size(args.kv_cache_memory),
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len, enable_chunked_prefill=args.enable_chunked_prefill,
+        seed=args.seed)
+    return WorkerSettings(
+        role=Role(args.role), engine=engine, served_model_name=args.served_model_name or
+        args.model, host=args.host, port=args.port, kv_host=args.kv_host or args.host,
+        kv_port=args.kv_port, transport=args.transport, secret=secret, cpus=cpus,
+        kv_lease_s=args.kv_lease)

@@ -1,0 +1,221 @@
+"""All the KV transfers of one worker: its sessions, and the messages no session owns.
+
+Life cycle of a transfer id here. A leg announces it with `expect(tid)` before any session
+exists (the prefill is still computing, or the decode pool has no room yet). Then exactly one
+of: `open_send` / `open_recv` (a session runs until terminal; `poll` reports it once), or
+`close(tid, peer, reason)` (this side will never move KV for it: token 0 ended the request,
+or the leg was cancelled; the peer is told with an ABORT). Either way the id then stays
+"closed" for `CLOSED_MEMORY_S`: any late message for it is answered (an ABORT gets ABORT_ACK,
+anything else an ABORT), so a peer never waits out its lease for a transfer that is gone.
+
+Messages for an id that was neither expected nor closed wait in the inbox (a reservation may
+arrive before the prefill finished); an ABORT among them closes the id and is reported as
+`PeerClosed` when the id is expected, so the leg waiting for it ends at once. Unclaimed
+messages are dropped after the lease.
+
+Threading: one thread (the engine loop) calls every method.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from pdserve.engine.kv_cache import KVCache
+from pdserve.transfer.control import (
+    FINISHED_AT_TOKEN0,
+    MAX_REASON_CHARS,
+    ControlMessage,
+    ControlOp,
+)
+from pdserve.transfer.descriptors import KVLayout, PeerId
+from pdserve.transfer.receiver import RecvSession
+from pdserve.transfer.sender import SendSession
+from pdserve.transfer.sessions import Inbox, Mode
+from pdserve.transfer.state import TransferState
+from pdserve.transfer.transport import Transport
+
+CLOSED_MEMORY_S = 120.0
+
+
+@dataclass(frozen=True)
+class RecvDone:
+    """The KV is in the reserved blocks and verified; decode continues from token 0."""
+
+    transfer_id: int
+    token0: int
+    token0_logprob: float | None
+    seconds: float
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class RecvFailed:
+    """The transfer failed and no writer can touch the reserved blocks any more."""
+
+    transfer_id: int
+    reason: str
+    sender_finished: bool  # token 0 ended the request at the sender: end the leg, no recompute
+
+
+@dataclass(frozen=True)
+class SendEnded:
+    """The sender's blocks are no longer needed by anyone (DONE or fenced after FAILED)."""
+
+    transfer_id: int
+    ok: bool
+    reason: str | None
+    seconds: float
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class PeerClosed:
+    """The peer aborted an expected transfer before this side opened a session for it."""
+
+    transfer_id: int
+    reason: str
+    finished: bool  # the peer's token 0 ended the request
+
+
+HubEvent = RecvDone | RecvFailed | SendEnded | PeerClosed
+
+
+class TransferHub:
+    def __init__(self, transport: Transport, cache: KVCache, layout: KVLayout,
+                 generation: Callable[[int], int], lease_s: float, mode: Mode = Mode.PUSH,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.transport, self.cache, self.layout = transport, cache, layout
+        self._inbox = Inbox(transport)
+        self._generation, self._lease_s, self._mode, self._clock = generation, lease_s, mode, clock
+        self._sends: dict[int, tuple[SendSession, float, int]] = {}
+        self._recvs: dict[int, tuple[RecvSession, float, int]] = {}
+        self._expected: set[int] = set()
+        self._closed: dict[int, float] = {}  # transfer id -> when it closed
+        self._unclaimed_since: dict[int, float] = {}
+
+    @property
+    def local(self) -> PeerId:
+        return self.transport.local
+
+    @property
+    def active(self) -> int:
+        return len(self._sends) + len(self._recvs)
+
+    def is_closed(self, transfer_id: int) -> bool:
+        return transfer_id in self._closed
+
+    def expect(self, transfer_id: int) -> None:
+        self._expected.add(transfer_id)
+
+    def open_send(self, transfer_id: int, peer: PeerId, src_blocks: Sequence[int], token0: int,
+                  logprob: float | None) -> None:
+        self._expected.discard(transfer_id)
+        session = SendSession(self._inbox, transfer_id=transfer_id, peer=peer, cache=self.cache,
+                              layout=self.layout, src_blocks=src_blocks, token0=token0,
+                              token0_logprob=logprob, mode=self._mode, lease_s=self._lease_s,
+                              clock=self._clock)
+        self._sends[transfer_id] = (session, self._clock(), self._nbytes(len(src_blocks)))
+
+    def open_recv(self, transfer_id: int, peer: PeerId, dst_blocks: Sequence[int]) -> None:
+        self._expected.discard(transfer_id)
+        session = RecvSession(
+            self._inbox, transfer_id=transfer_id, peer=peer, cache=self.cache,
+            layout=self.layout, dst_blocks=dst_blocks,
+            dst_generations=[self._generation(b) for b in dst_blocks],
+            generation=self._generation, mode=self._mode, lease_s=self._lease_s,
+            clock=self._clock)
+        self._recvs[transfer_id] = (session, self._clock(), self._nbytes(len(dst_blocks)))
+
+    def abort(self, transfer_id: int, reason: str) -> None:
+        """Fail an open session (it keeps being polled until its blocks are free)."""
+        if transfer_id in self._sends:
+            self._sends[transfer_id][0].abort(reason)
+        elif transfer_id in self._recvs:
+            self._recvs[transfer_id][0].abort(reason)
+
+    def close(self, transfer_id: int, peer: PeerId | None, reason: str) -> None:
+        """This side will never open a session for `transfer_id`; tell `peer`."""
+        self._expected.discard(transfer_id)
+        self._closed[transfer_id] = self._clock()
+        if peer is not None:
+            self._send(peer, transfer_id, ControlOp.ABORT, reason)
+
+    def close_finished(self, transfer_id: int, peer: PeerId) -> None:
+        self.close(transfer_id, peer, FINISHED_AT_TOKEN0)
+
+    def poll(self) -> list[HubEvent]:
+        events: list[HubEvent] = []
+        for tid, (session, t0, nbytes) in list(self._sends.items()):
+            session.poll()
+            if session.blocks_reusable:
+                del self._sends[tid]
+                self._closed[tid] = self._clock()
+                events.append(SendEnded(tid, session.state is TransferState.DONE,
+                                        session.reason, self._clock() - t0, nbytes))
+        for tid, (session, t0, nbytes) in list(self._recvs.items()):
+            session.poll()
+            if session.state is TransferState.DONE:
+                events.append(RecvDone(tid, session.token0, session.token0_logprob,
+                                       self._clock() - t0, nbytes))
+            elif session.blocks_reusable:
+                events.append(RecvFailed(tid, session.reason or "failed",
+                                         session.sender_finished))
+            else:
+                continue
+            del self._recvs[tid]
+            self._closed[tid] = self._clock()
+        events += self._handle_unclaimed()
+        self._forget_old()
+        return events
+
+    # -- messages no session owns ------------------------------------------------------------
+
+    def _handle_unclaimed(self) -> list[HubEvent]:
+        events: list[HubEvent] = []
+        for tid in self._inbox.waiting_ids():
+            if tid in self._sends or tid in self._recvs:
+                continue
+            if tid in self._closed:
+                for source, msg in self._inbox.take(tid):
+                    self._answer_closed(tid, source, msg)
+                continue
+            aborts = [m for _, m in self._inbox.peek(tid)
+                      if isinstance(m, ControlMessage) and m.op is ControlOp.ABORT]
+            if aborts:
+                for source, _ in self._inbox.take(tid):
+                    self._send(source, tid, ControlOp.ABORT_ACK)  # we will never write
+                self._closed[tid] = self._clock()
+                if tid in self._expected:
+                    self._expected.discard(tid)
+                    reason = aborts[0].reason
+                    events.append(PeerClosed(tid, reason, reason == FINISHED_AT_TOKEN0))
+            else:
+                self._unclaimed_since.setdefault(tid, self._clock())
+        return events
+
+    def _answer_closed(self, tid: int, source: PeerId, msg: object) -> None:
+        if isinstance(msg, ControlMessage) and msg.op is ControlOp.ABORT:
+            self._send(source, tid, ControlOp.ABORT_ACK)
+        elif not (isinstance(msg, ControlMessage) and msg.op is ControlOp.ABORT_ACK):
+            self._send(source, tid, ControlOp.ABORT, "the transfer is closed at this peer")
+
+    def _forget_old(self) -> None:
+        now = self._clock()
+        for tid, since in list(self._unclaimed_since.items()):
+            if tid not in self._expected and now - since > self._lease_s:
+                self._inbox.discard(tid)
+                del self._unclaimed_since[tid]
+            elif tid in self._sends or tid in self._recvs or tid in self._closed:
+                del self._unclaimed_since[tid]
+        for tid, since in list(self._closed.items()):
+            if now - since > CLOSED_MEMORY_S:
+                del self._closed[tid]
+
+    def _send(self, peer: PeerId, tid: int, op: ControlOp, reason: str = "") -> None:
+        msg = ControlMessage(tid, self.transport.local, op, reason[:MAX_REASON_CHARS])
+        self.transport.send(peer, msg.encode())
+
+    def _nbytes(self, num_blocks: int) -> int:
+        return num_blocks * self.layout.num_layers * self.layout.slice_nbytes

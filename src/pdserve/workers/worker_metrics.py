@@ -1,0 +1,84 @@
+"""A worker's Prometheus metrics (vLLM's meanings, `pdserve_` names)."""
+
+from __future__ import annotations
+
+import time
+
+from pdserve.engine.engine import Engine
+from pdserve.engine.outputs import RequestOutput
+from pdserve.metrics import Registry
+
+_SIZE_BUCKETS = (2**12, 2**14, 2**16, 2**18, 2**20, 2**22, 2**24, 2**26, 2**28)
+
+
+class WorkerMetrics:
+    def __init__(self, role: str) -> None:
+        self.registry = r = Registry()
+        self.role = role
+        self.legs = r.counter("pdserve_legs_total", "Legs accepted, by kind.", ["kind"])
+        self.requests = r.counter("pdserve_request_success_total",
+                                  "Finished requests, by finish reason.", ["finish_reason"])
+        self.cancelled = r.counter("pdserve_requests_cancelled_total",
+                                   "Legs cancelled because the client or router went away.")
+        self.recomputes = r.counter("pdserve_kv_recomputes_total",
+                                    "Decode legs whose KV transfer failed and that recomputed "
+                                    "the prompt locally.")
+        self.prompt_tokens = r.counter("pdserve_prompt_tokens_total", "Prompt tokens finished.")
+        self.generation_tokens = r.counter("pdserve_generation_tokens_total",
+                                           "Output tokens produced.")
+        self.ttft = r.histogram("pdserve_time_to_first_token_seconds",
+                                "From a leg's arrival to its first output token.")
+        self.itl = r.histogram("pdserve_inter_token_latency_seconds",
+                               "Between consecutive output tokens of one leg.")
+        self.e2e = r.histogram("pdserve_e2e_request_latency_seconds",
+                               "From a leg's arrival to its last token.")
+        self.step = r.histogram("pdserve_engine_step_seconds", "One engine step.")
+        self.transfer_bytes = r.counter("pdserve_transfer_bytes_total",
+                                        "KV bytes moved by finished transfers.", ["direction"])
+        self.transfer_seconds = r.histogram("pdserve_transfer_seconds",
+                                            "From session open to its end, successful "
+                                            "transfers.", ["direction"])
+        self.transfer_failures = r.counter("pdserve_transfer_failures_total",
+                                           "Transfers that failed.", ["direction"])
+        self.transfer_size = r.histogram("pdserve_transfer_size_bytes", "KV bytes per transfer.",
+                                         ["direction"], buckets=_SIZE_BUCKETS)
+
+    def bind_engine(self, engine: Engine, num_legs) -> None:
+        """Gauges read from the engine at scrape time."""
+        r, bm, sched = self.registry, engine.block_manager, engine.scheduler
+        r.gauge("pdserve_kv_blocks_used", "KV blocks held by requests.",
+                fn=lambda: bm.num_used_blocks)
+        r.gauge("pdserve_kv_blocks_total", "KV blocks in the pool.", fn=lambda: bm.num_blocks)
+        r.gauge("pdserve_kv_cache_usage_perc", "Fraction of KV blocks held (0-1).",
+                fn=lambda: bm.num_used_blocks / bm.num_blocks)
+        r.gauge("pdserve_num_requests_running", "Requests in the running batch.",
+                fn=lambda: len(sched.running))
+        r.gauge("pdserve_num_requests_waiting", "Requests queued for prefill.",
+                fn=lambda: len(sched.waiting))
+        r.gauge("pdserve_num_requests_waiting_for_kv",
+                "Decode requests reserved or queued for blocks, waiting for their KV.",
+                fn=lambda: len(sched.waiting_for_kv))
+        r.gauge("pdserve_num_legs", "Legs streaming or transferring.", fn=num_legs)
+
+    def observe_step(self, seconds: float) -> None:
+        self.step.observe(seconds)
+
+    def observe_tokens(self, arrived: float, last: float | None, now: float, n: int) -> None:
+        if last is None:
+            self.ttft.observe(now - arrived)
+        else:
+            self.itl.observe(now - last)
+        self.generation_tokens.inc(n)
+
+    def observe_finished(self, arrived: float, out: RequestOutput) -> None:
+        self.e2e.observe(time.perf_counter() - arrived)
+        self.requests.inc(finish_reason=out.outputs[0].finish_reason or "abort")
+        self.prompt_tokens.inc(len(out.prompt_token_ids))
+
+    def observe_transfer(self, ok: bool, seconds: float, nbytes: int, direction: str) -> None:
+        if not ok:
+            self.transfer_failures.inc(direction=direction)
+            return
+        self.transfer_bytes.inc(nbytes, direction=direction)
+        self.transfer_seconds.observe(seconds, direction=direction)
+        self.transfer_size.observe(nbytes, direction=direction)
