@@ -1,0 +1,38 @@
+"""The router's Prometheus metrics: what the client saw, end to end."""
+
+from __future__ import annotations
+
+from pdserve.metrics import Registry
+from pdserve.router.worker_pool import WorkerPool
+
+
+class RouterMetrics:
+    def __init__(self) -> None:
+        self.registry = r = Registry()
+        self.requests = r.counter("pdserve_router_requests_total",
+                                  "Requests routed, by path (local or disaggregated).", ["path"])
+        self.responses = r.counter("pdserve_router_responses_total",
+                                   "Responses by HTTP status (a stream that ended with an error "
+                                   "event counts as 500).", ["status"])
+        self.retries = r.counter("pdserve_router_retries_total",
+                                 "Legs that failed and were retried or recomputed, by reason.",
+                                 ["reason"])
+        self.ttft = r.histogram("pdserve_router_time_to_first_token_seconds",
+                                "From request arrival to the first token sent to the client.")
+        self.itl = r.histogram("pdserve_router_inter_token_latency_seconds",
+                               "Between consecutive tokens sent to the client.")
+        self.e2e = r.histogram("pdserve_router_e2e_request_latency_seconds",
+                               "From request arrival to the last byte sent.")
+
+    def bind_pool(self, pool: WorkerPool) -> None:
+        g = self.registry.gauge("pdserve_router_worker_healthy", "1 if the worker answers "
+                                "/health.", ["worker", "role"])
+        inflight = self.registry.gauge("pdserve_router_worker_inflight_legs",
+                                       "Legs in flight per worker.", ["worker", "role"])
+        self._pool, self._healthy, self._inflight = pool, g, inflight
+
+    def refresh(self) -> None:
+        """Copy per-worker state into the gauges (called before rendering)."""
+        for w in self._pool.workers:
+            self._healthy.set(1.0 if w.healthy else 0.0, worker=w.url, role=w.role)
+            self._inflight.set(w.inflight, worker=w.url, role=w.role)
