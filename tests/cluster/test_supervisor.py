@@ -1,0 +1,174 @@
+"""Supervisor against fake children: start, health, failures with their output, stop, signals."""
+
+from __future__ import annotations
+
+import io
+import json
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from pdserve.cluster.supervisor import ClusterError, ProcessSpec, Supervisor
+from tests.cluster.helpers import fake_spec, gone_soon, running
+
+DRIVER = Path(__file__).with_name("drive_supervisor.py")
+
+
+def _wait_for(predicate, within_s: float = 5.0) -> None:
+    deadline = time.monotonic() + within_s
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.02)
+
+
+def test_spec_validation() -> None:
+    with pytest.raises(ValueError, match="name"):
+        ProcessSpec("", ("true",), "http://x/health")
+    with pytest.raises(ValueError, match="argv"):
+        ProcessSpec("a", (), "http://x/health")
+    with pytest.raises(ValueError, match="health_url"):
+        ProcessSpec("a", ("true",), "x/health")
+
+
+def test_all_healthy_then_stop_leaves_nothing() -> None:
+    log = io.StringIO()
+    sup = Supervisor(log)
+    sup.start([fake_spec("a", "--lines", "2"), fake_spec("b", "--delay", "0.3")], 10)
+    assert all(running(pid) for pid in sup.pids)
+    sup.stop()
+    assert not any(running(pid) or Path(f"/proc/{pid}").exists() for pid in sup.pids)
+    sup.stop()  # idempotent
+    text = log.getvalue()
+    assert "waiting for a, b ..." in text
+    assert "[a] line 1" in text and "b is healthy (ready in" in text
+    assert text.count("stopping...") == 1 and text.rstrip().endswith("stopped")
+    with pytest.raises(ClusterError, match="stopped"):
+        sup.start([fake_spec("c")], 1)
+
+
+def test_early_exit_names_child_code_and_last_lines() -> None:
+    sup = Supervisor(io.StringIO())
+    with pytest.raises(ClusterError) as info:
+        sup.start([fake_spec("slow", "--delay", "30"),
+                   fake_spec("bad", "--lines", "30", "--exit-code", "3")], 10)
+    message = str(info.value)
+    assert "bad exited with code 3 before it was healthy" in message
+    assert "line 29" in message and "line 10" in message and "line 9\n" not in message
+    assert not any(running(pid) for pid in sup.pids)
+
+
+def test_sigterm_ignored_means_sigkill_after_grace_and_group_killed() -> None:
+    log = io.StringIO()
+    sup = Supervisor(log)
+    sup.start([fake_spec("stubborn", "--ignore-term", "--grandchild")], 10)
+    _wait_for(lambda: "grandchild" in log.getvalue())
+    grandchild = int(log.getvalue().split("[stubborn] grandchild ")[1].split()[0])
+    t0 = time.monotonic()
+    sup.stop(grace_s=0.5)
+    assert 0.5 <= time.monotonic() - t0 < 5
+    assert not running(sup.pids[0])
+    assert gone_soon(grandchild)
+
+
+def test_timeout_is_bounded_and_names_the_child() -> None:
+    sup = Supervisor(io.StringIO(), grace_s=2)
+    t0 = time.monotonic()
+    with pytest.raises(ClusterError, match=r"not healthy in time: late") as info:
+        sup.start([fake_spec("late", "--lines", "1", "--delay", "30")], 0.5)
+    assert time.monotonic() - t0 < 5
+    assert "late (still running, stopped)" in str(info.value)
+    assert "line 0" in str(info.value)
+    assert not any(running(pid) for pid in sup.pids)
+
+
+def test_missing_program_is_a_cluster_error() -> None:
+    sup = Supervisor(io.StringIO())
+    with pytest.raises(ClusterError, match="cannot start nope"):
+        sup.start([ProcessSpec("nope", ("/nonexistent/prog",), "http://127.0.0.1:1/h")], 1)
+
+
+def test_duplicate_names_rejected() -> None:
+    sup = Supervisor(io.StringIO())
+    with pytest.raises(ValueError, match="unique"):
+        sup.start([ProcessSpec("a", ("true",), "http://x/h")] * 2, 1)
+
+
+def test_wait_reports_a_dead_child_and_returns_nonzero() -> None:
+    log = io.StringIO()
+    sup = Supervisor(log)
+    sup.start([fake_spec("ok"), fake_spec("dies", "--die-after", "0.3")], 10)
+    try:
+        assert sup.wait() == 1
+    finally:
+        sup.stop()
+    assert "dies exited unexpectedly with code 3" in log.getvalue()
+
+
+def test_wait_returns_zero_after_request_stop() -> None:
+    sup = Supervisor(io.StringIO())
+    sup.request_stop(signal.SIGTERM)
+    assert sup.wait() == 0
+
+
+def _lines(proc: subprocess.Popen[str]) -> queue.Queue[str]:
+    lines: queue.Queue[str] = queue.Queue()
+
+    def pump() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.put(line.rstrip("\n"))
+
+    threading.Thread(target=pump, daemon=True).start()
+    return lines
+
+
+def _read_until(lines: queue.Queue[str], marker: str, within_s: float = 10) -> list[str]:
+    """Lines read up to and including the first that contains `marker`."""
+    seen: list[str] = []
+    deadline = time.monotonic() + within_s
+    while not seen or marker not in seen[-1]:
+        seen.append(lines.get(timeout=max(deadline - time.monotonic(), 0.01)))
+    return seen
+
+
+def _drive(*specs: ProcessSpec) -> subprocess.Popen[str]:
+    payload = json.dumps([[s.name, s.argv, s.health_url] for s in specs])
+    return subprocess.Popen([sys.executable, str(DRIVER), payload], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+
+
+def test_sigterm_to_the_supervisor_stops_every_child() -> None:
+    proc = _drive(fake_spec("w", "--ignore-term"), fake_spec("r"))
+    try:
+        lines = _lines(proc)
+        seen = _read_until(lines, "READY")
+        pids = [int(line.split()[-1]) for line in seen if "] pid " in line]
+        assert len(pids) == 2 and all(running(pid) for pid in pids)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=10) == 0
+        seen = _read_until(lines, "handlers restored")
+    finally:
+        proc.kill()
+    assert "stopping..." in seen and "stopped" in seen
+    assert not any(running(pid) for pid in pids)
+
+
+def test_ctrl_c_during_start_up_stops_and_exits_130() -> None:
+    proc = _drive(fake_spec("w", "--delay", "30"), fake_spec("r"))
+    try:
+        lines = _lines(proc)
+        seen = _read_until(lines, "[w] pid ")
+        pid = int(seen[-1].split()[-1])
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=10) == 128 + signal.SIGINT
+        seen += _read_until(lines, "handlers restored")
+    finally:
+        proc.kill()
+    assert "READY" not in seen and "stopped" in seen
+    assert not running(pid)

@@ -1,0 +1,166 @@
+"""`pdserve up`: options, the process plan (ports, cores, argv), the secret file, run_up."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import stat
+import sys
+from pathlib import Path
+
+import pytest
+
+from pdserve.cluster import up
+from pdserve.cluster.layout import UpConfig, parse_cpus, plan_processes, worker_counts
+from pdserve.cluster.secret import remove_secret, write_secret
+from pdserve.cluster.supervisor import ProcessSpec
+from tests.cluster.helpers import fake_spec
+
+SECRET = Path("/run/secret")
+PY = sys.executable
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="pdserve")
+    up.add_up_parser(parser.add_subparsers(dest="command", required=True))
+    return parser.parse_args(["up", *argv])
+
+
+def _option(spec: ProcessSpec, name: str) -> list[str]:
+    """The values after `name` in spec.argv, up to the next option."""
+    rest = spec.argv[spec.argv.index(name) + 1:]
+    return list(rest[:next((i for i, a in enumerate(rest) if a.startswith("--")), len(rest))])
+
+
+def test_default_layout_is_one_prefill_one_decode_then_router() -> None:
+    args = _args()
+    config = UpConfig.from_args(args)
+    assert (config.num_prefill, config.num_decode, config.num_collocated) == (1, 1, 0)
+    assert config.cpus == tuple(sorted(os.sched_getaffinity(0)))
+    assert args.func is up.run_up
+    prefill, decode, router = plan_processes(UpConfig(cpus=(0, 1)), SECRET)
+    assert prefill.argv == (
+        PY, "-m", "pdserve.cli", "worker", "--role", "prefill", "--model", "smollm2",
+        "--dtype", "bfloat16", "--host", "127.0.0.1", "--port", "8001", "--kv-port", "8101",
+        "--transport", "tcp", "--secret-file", "/run/secret", "--cpus", "0",
+        "--kv-cache-memory", "512MiB")
+    assert (prefill.name, prefill.health_url) == ("prefill-0", "http://127.0.0.1:8001/health")
+    assert (decode.name, decode.health_url) == ("decode-0", "http://127.0.0.1:8002/health")
+    assert _option(decode, "--kv-port") == ["8102"] and _option(decode, "--cpus") == ["1"]
+    assert router.argv == (
+        PY, "-m", "pdserve.cli", "router", "--host", "127.0.0.1", "--port", "8000",
+        "--model", "smollm2", "--policy", "least_loaded", "--local-prefill-threshold", "256",
+        "--prefill", "http://127.0.0.1:8001", "--decode", "http://127.0.0.1:8002")
+    assert router.health_url == "http://127.0.0.1:8000/health"
+
+
+def test_collocated_layout() -> None:
+    config = UpConfig(num_prefill=0, num_decode=0, num_collocated=2, max_model_len=512,
+                      port=9000, cpus=(3,))
+    *workers, router = plan_processes(config, SECRET)
+    assert [w.name for w in workers] == ["collocated-0", "collocated-1"]
+    assert [_option(w, "--role") for w in workers] == [["collocated"]] * 2
+    assert [_option(w, "--cpus") for w in workers] == [["3"]] * 2
+    assert _option(workers[1], "--max-model-len") == ["512"]
+    assert _option(router, "--collocated") == ["http://127.0.0.1:9001", "http://127.0.0.1:9002"]
+    assert "--prefill" not in router.argv and "--decode" not in router.argv
+
+
+def test_three_prefill_two_decode_on_two_cores() -> None:
+    config = UpConfig(num_prefill=3, num_decode=2, cpus=(0, 1), transport="nixl",
+                      policy="prefix", host="0.0.0.0")
+    *workers, router = plan_processes(config, SECRET)
+    assert [w.name for w in workers] == ["prefill-0", "prefill-1", "prefill-2", "decode-0",
+                                         "decode-1"]
+    assert [_option(w, "--cpus")[0] for w in workers] == ["0", "1", "0", "1", "0"]
+    assert [_option(w, "--port")[0] for w in workers] == ["8001", "8002", "8003", "8004", "8005"]
+    assert [_option(w, "--kv-port")[0] for w in workers] == ["8101", "8102", "8103", "8104",
+                                                              "8105"]
+    assert all(_option(w, "--host") == ["0.0.0.0"] for w in workers)
+    assert _option(router, "--prefill") == [f"http://127.0.0.1:{p}" for p in (8001, 8002, 8003)]
+    assert _option(router, "--decode") == ["http://127.0.0.1:8004", "http://127.0.0.1:8005"]
+    assert _option(router, "--policy") == ["prefix"]
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--collocated", "2", "--prefill", "1"], "excludes"),
+    (["--collocated", "0"], "collocated"),
+    (["--prefill", "0"], "prefill >= 1"),
+    (["--prefill", "2", "--decode", "0"], "decode >= 1"),
+    (["--prefill", "101"], "at most 100"),
+    (["--port", "65500"], "does not fit"),
+    (["--cpus", "a,b"], "core numbers"),
+    (["--cpus", "3-1"], "empty core range"),
+    (["--cpus", "99999"], "not available"),
+    (["--kv-cache-memory", "lots"], "size"),
+    (["--max-model-len", "0"], "max_model_len"),
+    (["--ready-timeout", "0"], "timeout"),
+])
+def test_bad_options_raise_value_error(argv: list[str], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        UpConfig.from_args(_args(*argv))
+
+
+def test_counts_and_cpu_lists() -> None:
+    assert worker_counts(None, 2, None) == (1, 2, 0)
+    assert worker_counts(3, None, None) == (3, 1, 0)
+    assert worker_counts(None, None, 4) == (0, 0, 4)
+    assert parse_cpus("4-6,0,5") == (4, 5, 6, 0)
+
+
+def test_secret_file_is_private_random_and_removed() -> None:
+    first, second = write_secret(), write_secret()
+    try:
+        assert stat.S_IMODE(first.stat().st_mode) == 0o600
+        assert stat.S_IMODE(first.parent.stat().st_mode) == 0o700
+        text = first.read_text()
+        assert len(text) == 64 and int(text, 16) >= 0 and text != second.read_text()
+    finally:
+        remove_secret(first)
+        remove_secret(second)
+    assert not first.exists() and not first.parent.exists()
+    remove_secret(first)  # idempotent
+
+
+def test_help_explains_layout(capsys) -> None:
+    with pytest.raises(SystemExit):
+        _args("--help")
+    text = " ".join(capsys.readouterr().out.split())
+    for phrase in ("PORT+1+i", "PORT+101+i", "one prefill and one decode worker", "0600",
+                   "--collocated", "--local-prefill-threshold", "--ready-timeout"):
+        assert phrase in text
+
+
+def _fake_plan(monkeypatch, worker: ProcessSpec, router: ProcessSpec) -> list[Path]:
+    secrets: list[Path] = []
+
+    def plan(config: UpConfig, secret_file: Path) -> list[ProcessSpec]:
+        secrets.append(secret_file)
+        assert secret_file.exists()
+        return [worker, router]
+
+    monkeypatch.setattr(up, "plan_processes", plan)
+    return secrets
+
+
+def test_run_up_announces_then_reports_a_dead_router(monkeypatch, capsys) -> None:
+    secrets = _fake_plan(monkeypatch, fake_spec("prefill-0"),
+                         fake_spec("router", "--die-after", "0.3"))
+    assert up.run_up(_args("--cpus", str(min(os.sched_getaffinity(0))))) == 1
+    out, err = capsys.readouterr()
+    assert ("pdserve is ready: http://127.0.0.1:8000/v1 (model smollm2; 1 prefill, 1 decode "
+            "workers over tcp)") in out
+    assert "curl http://127.0.0.1:8000/v1/chat/completions" in out
+    assert "router exited unexpectedly with code 3" in err
+    assert "stopping..." in err and "stopped" in err
+    assert not secrets[0].exists()
+
+
+def test_run_up_reports_a_worker_that_fails(monkeypatch, capsys) -> None:
+    secrets = _fake_plan(monkeypatch, fake_spec("prefill-0", "--lines", "1", "--exit-code", "2"),
+                         fake_spec("router"))
+    assert up.run_up(_args("--collocated", "1", "--ready-timeout", "10")) == 1
+    err = capsys.readouterr().err
+    assert "pdserve: error: prefill-0 exited with code 2 before it was healthy" in err
+    assert "line 0" in err and "[router]" not in err
+    assert not secrets[0].exists()
