@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
+import logging
 import sys
 import time
 
+from pdserve.cluster.up import add_up_parser
 from pdserve.config import DTYPES
 from pdserve.planner.cli import add_plan_parser
 from pdserve.planner.simulate_cli import add_simulate_parser
@@ -59,6 +62,59 @@ def _bench_transfer(args: argparse.Namespace) -> int:
     return main([int(m) for m in args.sizes.split(",")], args.repeats, args.json)
 
 
+def _bench_router(args: argparse.Namespace) -> int:
+    from pdserve.bench.router_bench import RouterBenchSettings, main
+
+    levels = tuple(int(c) for c in args.concurrency.split(","))
+    return main(RouterBenchSettings(model=args.model, concurrency=levels, requests=args.requests,
+                                    max_tokens=args.max_tokens, repeats=args.repeats), args.json)
+
+
+def _setup_logging(name: str) -> None:
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format=f"%(asctime)s {name} %(levelname)s %(message)s")
+
+
+def _worker(args: argparse.Namespace) -> int:
+    from pdserve.workers.server import serve
+    from pdserve.workers.settings import settings_from_args
+
+    settings = settings_from_args(args)
+    _setup_logging(f"{settings.role.value}:{settings.port}")
+    asyncio.run(serve(settings))
+    return 0
+
+
+def _router(args: argparse.Namespace) -> int:
+    from pdserve.router.app import serve, settings_from_args
+
+    settings = settings_from_args(args)
+    _setup_logging(f"router:{settings.port}")
+    asyncio.run(serve(settings))
+    return 0
+
+
+def _add_serving(sub) -> None:
+    from pdserve.router.app import add_router_args
+    from pdserve.workers.settings import add_worker_args
+
+    worker = sub.add_parser(
+        "worker", help="one engine behind an OpenAI-compatible HTTP server",
+        description="A prefill, decode or collocated worker: a complete OpenAI-compatible "
+                    "server on its own (/v1/completions, /v1/chat/completions, /v1/models, "
+                    "/health, /metrics), plus the internal /internal/legs endpoint the router "
+                    "drives. Prefill and decode workers move KV over the transfer plane.")
+    add_worker_args(worker)
+    worker.set_defaults(func=_worker)
+    router = sub.add_parser(
+        "router", help="the OpenAI-compatible front door over prefill/decode workers",
+        description="Tokenizes, picks the path (whole on a decode or collocated worker when the "
+                    "uncached prompt is short, else split into a prefill and a decode leg sent "
+                    "at once) and streams one consistent token stream back.")
+    add_router_args(router)
+    router.set_defaults(func=_router)
+
+
 def _add_bench(sub) -> None:
     bench = sub.add_parser("bench", help="benchmarks, each beside a baseline measured in the "
                                          "same run")
@@ -90,6 +146,22 @@ def _add_bench(sub) -> None:
     xfer.add_argument("--repeats", type=int, default=3, help="default: %(default)s")
     xfer.add_argument("--json", action="store_true", help="one JSON object per measurement")
     xfer.set_defaults(func=_bench_transfer)
+    rt = kinds.add_parser(
+        "router", help="latency and CPU the router adds, vs the worker addressed directly",
+        description="Starts `pdserve up --collocated 1` (worker pinned to one core) and sends "
+                    "the same streamed completions to the worker's own endpoint and through "
+                    "the router, alternating: added P50 latency per request, and router CPU "
+                    "per relayed token against the decode step time, at each concurrency. "
+                    "Medians of --repeats runs; run it on an idle machine.")
+    rt.add_argument("--model", default="smollm2", help="default: %(default)s")
+    rt.add_argument("--concurrency", default="1,64",
+                    help="concurrent streams (default: %(default)s)")
+    rt.add_argument("--requests", type=int, default=64,
+                    help="requests per run (default: %(default)s)")
+    rt.add_argument("--max-tokens", type=int, default=16, help="default: %(default)s")
+    rt.add_argument("--repeats", type=int, default=3, help="default: %(default)s")
+    rt.add_argument("--json", action="store_true", help="one JSON object per level")
+    rt.set_defaults(func=_bench_router)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -110,6 +182,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--raw", action="store_true",
                      help="send the prompt as plain text, without the chat template")
     gen.set_defaults(func=_generate)
+    _add_serving(sub)
+    add_up_parser(sub)
     _add_bench(sub)
     add_plan_parser(sub)
     add_simulate_parser(sub)

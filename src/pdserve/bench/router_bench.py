@@ -1,0 +1,181 @@
+"""`pdserve bench router`: what the router adds, measured against the same worker addressed
+directly, in the same run.
+
+One `pdserve up --collocated 1` (the worker pinned to one core, the router on the other). For
+each concurrency level, closed-loop streaming clients send the same completion requests to
+the worker's own OpenAI endpoint and to the router, alternating, `repeats` times each:
+- added latency: median end-to-end (and time-to-first-token) via the router minus direct;
+- router CPU per relayed token: the router process's user+system CPU time over the run
+  (/proc/PID/stat) divided by the tokens it streamed, against the worker's mean decode step
+  in the same run (its `pdserve_engine_step_seconds` sum and count).
+Medians over repeats; the machine should be otherwise idle.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import statistics
+import time
+from dataclasses import dataclass
+
+import aiohttp
+
+from pdserve.cluster.up_process import UpProcess
+
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+@dataclass(frozen=True)
+class RouterBenchSettings:
+    model: str = "smollm2"
+    concurrency: tuple[int, ...] = (1, 64)
+    requests: int = 64  # per run and level (at least the concurrency)
+    max_tokens: int = 16
+    prompt_words: int = 32
+    repeats: int = 3
+
+    def __post_init__(self) -> None:
+        if not self.concurrency or min(self.concurrency) < 1:
+            raise ValueError("concurrency levels must be >= 1")
+        for name in ("requests", "max_tokens", "prompt_words", "repeats"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+
+
+@dataclass
+class RunStats:
+    e2e: list[float]
+    ttft: list[float]
+    tokens: int
+    wall_s: float
+
+
+async def _one(session: aiohttp.ClientSession, url: str, body: dict, stats: RunStats) -> None:
+    t0 = time.perf_counter()
+    first = None
+    async with session.post(url + "/completions", json=body) as resp:
+        resp.raise_for_status()
+        async for line in resp.content:
+            if line.startswith(b"data: {"):
+                chunk = json.loads(line[6:])
+                if chunk["choices"] and chunk["choices"][0]["text"] is not None:
+                    stats.tokens += 1
+                    first = first or time.perf_counter()
+    stats.e2e.append(time.perf_counter() - t0)
+    stats.ttft.append((first or time.perf_counter()) - t0)
+
+
+async def _load(url: str, model: str, s: RouterBenchSettings, concurrency: int) -> RunStats:
+    body = {"model": model, "prompt": "word " * s.prompt_words, "max_tokens": s.max_tokens,
+            "temperature": 0, "ignore_eos": True, "stream": True}
+    stats = RunStats([], [], 0, 0.0)
+    todo = iter(range(max(s.requests, concurrency)))
+
+    async def client(session: aiohttp.ClientSession) -> None:
+        for _ in todo:
+            await _one(session, url, body, stats)
+
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=connector) as session:
+        t0 = time.perf_counter()
+        await asyncio.gather(*(client(session) for _ in range(concurrency)))
+        stats.wall_s = time.perf_counter() - t0
+    return stats
+
+
+def _cpu_seconds(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / CLK_TCK  # utime, stime (proc(5) 14, 15)
+
+
+def _step_totals(worker_url: str) -> tuple[float, float]:
+    import urllib.request
+
+    total = count = 0.0
+    with urllib.request.urlopen(worker_url + "/metrics", timeout=5) as r:
+        for line in r.read().decode().splitlines():
+            if line.startswith("pdserve_engine_step_seconds_sum "):
+                total = float(line.split()[1])
+            elif line.startswith("pdserve_engine_step_seconds_count "):
+                count = float(line.split()[1])
+    return total, count
+
+
+def _router_pid(up: UpProcess) -> int:
+    for pid in up.pids():
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+        except OSError:
+            continue
+        if b"router" in argv and b"pdserve.cli" in argv:
+            return pid
+    raise RuntimeError("cannot find the router process of pdserve up")
+
+
+def measure(s: RouterBenchSettings) -> list[dict]:
+    cores = sorted(os.sched_getaffinity(0))
+    up = UpProcess(s.model, "--collocated", "1", "--cpus", str(cores[0]))
+    try:
+        worker, router = up.worker_url(0), up.url.removesuffix("/v1")
+        router_pid = _router_pid(up)
+        asyncio.run(_load(router + "/v1", s.model, s, 4))  # warm-up both paths
+        rows = []
+        for c in s.concurrency:
+            runs: dict[str, list[RunStats]] = {"direct": [], "router": []}
+            cpu_per_token, step_means = [], []
+            for _ in range(s.repeats):
+                runs["direct"].append(asyncio.run(_load(worker + "/v1", s.model, s, c)))
+                cpu0, steps0 = _cpu_seconds(router_pid), _step_totals(worker)
+                run = asyncio.run(_load(router + "/v1", s.model, s, c))
+                cpu1, steps1 = _cpu_seconds(router_pid), _step_totals(worker)
+                runs["router"].append(run)
+                cpu_per_token.append((cpu1 - cpu0) / max(run.tokens, 1))
+                step_means.append((steps1[0] - steps0[0]) / max(steps1[1] - steps0[1], 1))
+            rows.append(_row(c, runs, cpu_per_token, step_means))
+        return rows
+    finally:
+        up.stop()
+
+
+def _row(c: int, runs: dict[str, list[RunStats]], cpu_per_token: list[float],
+         step_means: list[float]) -> dict:
+    def med(path: str, attr: str) -> float:
+        return statistics.median(statistics.median(getattr(r, attr)) for r in runs[path])
+
+    step = statistics.median(step_means)
+    cpu = statistics.median(cpu_per_token)
+    return {
+        "concurrency": c,
+        "direct_e2e_p50_ms": 1e3 * med("direct", "e2e"),
+        "router_e2e_p50_ms": 1e3 * med("router", "e2e"),
+        "added_e2e_p50_ms": 1e3 * (med("router", "e2e") - med("direct", "e2e")),
+        "direct_ttft_p50_ms": 1e3 * med("direct", "ttft"),
+        "router_ttft_p50_ms": 1e3 * med("router", "ttft"),
+        "added_ttft_p50_ms": 1e3 * (med("router", "ttft") - med("direct", "ttft")),
+        "router_cpu_us_per_token": 1e6 * cpu,
+        "decode_step_ms": 1e3 * step,
+        "router_cpu_per_token_over_step": cpu / step if step else float("nan"),
+    }
+
+
+def main(s: RouterBenchSettings, as_json: bool) -> int:
+    print(f"pdserve bench router: {s.model}, {s.requests} streamed requests of "
+          f"{s.max_tokens} tokens per run, concurrency {list(s.concurrency)}, medians of "
+          f"{s.repeats} runs, worker pinned to one core", flush=True)
+    rows = measure(s)
+    if as_json:
+        for row in rows:
+            print(json.dumps(row))
+        return 0
+    print(f"{'streams':>7} {'direct e2e':>11} {'router e2e':>11} {'added':>9} "
+          f"{'added TTFT':>11} {'router CPU/tok':>15} {'decode step':>12} {'CPU/tok / step':>15}")
+    for r in rows:
+        print(f"{r['concurrency']:>7} {r['direct_e2e_p50_ms']:>9.2f}ms "
+              f"{r['router_e2e_p50_ms']:>9.2f}ms {r['added_e2e_p50_ms']:>7.2f}ms "
+              f"{r['added_ttft_p50_ms']:>9.2f}ms {r['router_cpu_us_per_token']:>12.1f} us "
+              f"{r['decode_step_ms']:>10.2f}ms {100 * r['router_cpu_per_token_over_step']:>14.2f}%")
+    return 0

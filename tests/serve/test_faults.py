@@ -1,0 +1,175 @@
+"""Faults through real processes: a stop on token 0, clients that go away mid-stream and
+mid-transfer, a prefill worker killed with SIGKILL under load. Each ends in bounded time with
+every KV block back in its pool."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+import urllib.request
+
+import openai
+import pytest
+
+from tests.serve.cluster import Cluster
+from tests.serve.conftest import LOCAL_THRESHOLD
+from tests.serve.test_serving import client, prompts
+
+PREFILL, DECODE = 0, 1
+LONG = prompts()[5]  # 300 tokens: split into prefill and decode legs
+assert len(LONG) > LOCAL_THRESHOLD
+
+
+def metric(url: str, name: str) -> float:
+    with urllib.request.urlopen(url + "/metrics", timeout=5) as r:
+        for line in r.read().decode().splitlines():
+            if line.startswith(name + " "):
+                return float(line.split()[-1])
+    return 0.0
+
+
+def test_stop_on_token0_ends_after_prefill_and_frees_the_reservation(disagg_tcp: Cluster
+                                                                     ) -> None:
+    c = client(disagg_tcp)
+    first = c.completions.create(model=disagg_tcp.model, prompt=LONG, max_tokens=1,
+                                 temperature=0, logprobs=0)
+    token0_text = first.choices[0].text
+    recomputes = metric(disagg_tcp.worker_url(DECODE), "pdserve_kv_recomputes_total")
+    from pdserve import LLM, SamplingParams
+
+    llm = LLM(model=disagg_tcp.model, dtype="float32", max_model_len=512)
+    t0 = llm.generate([LONG], SamplingParams(max_tokens=1, temperature=0), use_tqdm=False)
+    token0 = t0[0].outputs[0].token_ids[0]
+    out = c.completions.create(model=disagg_tcp.model, prompt=LONG, max_tokens=50,
+                               temperature=0, extra_body={"stop_token_ids": [token0]})
+    assert out.choices[0].finish_reason == "stop"
+    assert out.usage.completion_tokens == 1
+    assert token0_text is not None
+    disagg_tcp.wait_blocks_free([PREFILL, DECODE], timeout=3.0)  # the lease is 10 s
+    assert metric(disagg_tcp.worker_url(DECODE), "pdserve_kv_recomputes_total") == recomputes
+
+
+def test_client_gone_mid_stream_frees_both_sides(disagg_tcp: Cluster) -> None:
+    stream = client(disagg_tcp).completions.create(
+        model=disagg_tcp.model, prompt=LONG, max_tokens=200, temperature=0, stream=True,
+        extra_body={"ignore_eos": True})
+    got = [next(stream) for _ in range(3)]
+    assert all(ch.choices for ch in got)
+    stream.close()
+    disagg_tcp.wait_blocks_free([PREFILL, DECODE])
+    deadline = time.monotonic() + 5
+    while metric(disagg_tcp.worker_url(DECODE), "pdserve_requests_cancelled_total") < 1:
+        assert time.monotonic() < deadline, "the decode worker never saw the cancel"
+        time.sleep(0.1)
+
+
+def test_client_gone_mid_transfer_frees_both_sides(disagg_tcp: Cluster) -> None:
+    c = openai.OpenAI(base_url=disagg_tcp.url, api_key="unused", max_retries=0, timeout=0.02)
+    for _ in range(6):
+        with pytest.raises(openai.APITimeoutError):
+            c.completions.create(model=disagg_tcp.model, prompt=LONG, max_tokens=200,
+                                 temperature=0, extra_body={"ignore_eos": True})
+    disagg_tcp.wait_blocks_free([PREFILL, DECODE])
+    ok = client(disagg_tcp).completions.create(model=disagg_tcp.model, prompt=LONG,
+                                               max_tokens=4, temperature=0)
+    assert ok.usage.completion_tokens == 4
+
+
+@pytest.fixture
+def kill_cluster(request, tiny_model) -> Cluster:
+    cluster = Cluster(tiny_model(), "--local-prefill-threshold", str(LOCAL_THRESHOLD))
+    request.addfinalizer(cluster.stop)
+    return cluster
+
+
+def test_prefill_killed_under_load_every_request_ends_and_decode_frees(kill_cluster: Cluster
+                                                                       ) -> None:
+    """SIGKILL the prefill worker while requests stream: each one completes (the decode worker
+    recomputes what it could not receive) or ends with an error, within a bound; afterwards
+    the decode pool holds no block and new requests are still served."""
+    cluster = kill_cluster
+    outcomes: list[tuple[str, float]] = []
+    lock = threading.Lock()
+    killed_at: list[float] = []
+
+    def one(i: int) -> None:
+        try:
+            stream = client(cluster).completions.create(
+                model=cluster.model, prompt=prompts()[3 + i % 3], max_tokens=120,
+                temperature=0, stream=True, extra_body={"ignore_eos": True})
+            n = sum(1 for ch in stream if ch.choices and ch.choices[0].text is not None)
+            result = "completed" if n > 0 else "empty"
+        except openai.APIError as e:
+            result = f"error: {e}"
+        with lock:
+            outcomes.append((result, time.monotonic()))
+
+    pid = cluster.health(PREFILL)["pid"]
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(12)]
+    for i, t in enumerate(threads):
+        t.start()
+        time.sleep(0.03)
+        if i == 5:
+            os.kill(pid, signal.SIGKILL)
+            killed_at.append(time.monotonic())
+    for t in threads:
+        t.join(60)
+    assert not any(t.is_alive() for t in threads), "a request hung after the prefill died"
+    assert len(outcomes) == 12
+    assert all(r == "completed" or r.startswith("error") for r, _ in outcomes), outcomes
+    assert max(when for _, when in outcomes) - killed_at[0] < 30
+    cluster.wait_blocks_free([DECODE])
+    after = client(cluster).completions.create(model=cluster.model, prompt=LONG, max_tokens=4,
+                                               temperature=0)
+    assert after.usage.completion_tokens == 4
+    cluster.wait_blocks_free([DECODE])
+
+
+def test_a_restarted_prefill_worker_is_a_new_peer_at_the_old_address(kill_cluster: Cluster
+                                                                      ) -> None:
+    """`pdserve up` restarts a killed worker at the same ports; the router and the decode
+    worker take the new instance (new instance id) and long prompts split again."""
+    cluster = kill_cluster
+    before = cluster.health(PREFILL)
+    os.kill(before["pid"], signal.SIGKILL)
+    deadline = time.monotonic() + 60
+    while True:
+        assert time.monotonic() < deadline, "the prefill worker was not restarted"
+        try:
+            now = cluster.health(PREFILL)
+            if now["pid"] != before["pid"]:
+                break
+        except OSError:
+            pass
+        time.sleep(0.2)
+    assert now["peer"]["instance_id"] != before["peer"]["instance_id"]
+    assert now["peer"]["port"] == before["peer"]["port"]
+    router = cluster.url.removesuffix("/v1")
+    time.sleep(1.5)  # one router health round
+    split = metric(router, 'pdserve_router_requests_total{path="disaggregated"}')
+    out = client(cluster).completions.create(model=cluster.model, prompt=LONG, max_tokens=8,
+                                             temperature=0, extra_body={"ignore_eos": True})
+    assert out.usage.completion_tokens == 8
+    assert metric(router, 'pdserve_router_requests_total{path="disaggregated"}') == split + 1
+    assert metric(cluster.worker_url(DECODE), "pdserve_kv_recomputes_total") == 0
+    cluster.wait_blocks_free([PREFILL, DECODE])
+
+
+def test_decode_killed_after_tokens_reached_the_client_ends_with_an_error_event(
+        kill_cluster: Cluster) -> None:
+    """Once tokens reached the client nothing is retried: the stream ends with an error event
+    (the official client raises), in bounded time, never a hang."""
+    cluster = kill_cluster
+    stream = client(cluster).completions.create(
+        model=cluster.model, prompt=LONG, max_tokens=400 - len(LONG) + 100, temperature=0,
+        stream=True, extra_body={"ignore_eos": True})
+    next(stream)
+    os.kill(cluster.health(DECODE)["pid"], signal.SIGKILL)
+    started = time.monotonic()
+    with pytest.raises(openai.APIError):
+        for _ in stream:
+            pass
+    assert time.monotonic() - started < 30
+    cluster.wait_blocks_free([PREFILL])

@@ -1,0 +1,146 @@
+"""Chat and completions through `pdserve up`, with the official `openai` client: the same greedy
+tokens whether collocated, disaggregated over tcp, or disaggregated over nixl."""
+
+from __future__ import annotations
+
+import functools
+import random
+from concurrent.futures import ThreadPoolExecutor
+
+import openai
+import pytest
+
+from pdserve.testing.tiny_models import tiny_tokenizer
+from tests.serve.cluster import Cluster, get_json
+from tests.serve.conftest import LOCAL_THRESHOLD
+
+MAX_TOKENS = 24
+# Token-id prompts on both sides of the local-prefill threshold: short ones run whole on the
+# decode worker, long ones are split into a prefill leg and a decode leg.
+LENGTHS = (5, LOCAL_THRESHOLD, 40, 100, 230, 300)
+CHAT = [{"role": "user", "content": "Name three colours of the rainbow, please."}]
+
+
+def prompts() -> list[list[int]]:
+    rng = random.Random(7)
+    vocab = len(tiny_tokenizer())
+    return [[rng.randrange(vocab) for _ in range(n)] for n in LENGTHS]
+
+
+@functools.cache
+def _offline_texts(model: str) -> tuple[str, ...]:
+    """The offline engine's greedy outputs (its tokens equal transformers', tests/engine)."""
+    from pdserve import LLM, SamplingParams
+
+    llm = LLM(model=model, dtype="float32", max_model_len=512)
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+    return tuple(o.outputs[0].text for o in llm.generate(prompts(), params, use_tqdm=False))
+
+
+def client(cluster: Cluster) -> openai.OpenAI:
+    return openai.OpenAI(base_url=cluster.url, api_key="unused", max_retries=0, timeout=60)
+
+
+def _complete(cluster: Cluster, prompt: list[int]) -> openai.types.Completion:
+    return client(cluster).completions.create(
+        model=cluster.model, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
+        extra_body={"ignore_eos": True})
+
+
+def test_concurrent_greedy_batch_matches_the_offline_engine(any_cluster: Cluster) -> None:
+    with ThreadPoolExecutor(len(LENGTHS)) as pool:
+        results = list(pool.map(functools.partial(_complete, any_cluster), prompts()))
+    assert [r.choices[0].text for r in results] == list(_offline_texts(any_cluster.model))
+    for r, n in zip(results, LENGTHS, strict=True):
+        assert r.usage.prompt_tokens == n
+        assert r.usage.completion_tokens == MAX_TOKENS
+        assert r.choices[0].finish_reason == "length"
+        assert r.id.startswith("cmpl-")
+
+
+def test_streamed_completion_equals_the_whole_one(any_cluster: Cluster) -> None:
+    prompt = prompts()[4]
+    stream = client(any_cluster).completions.create(
+        model=any_cluster.model, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
+        stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+    chunks = list(stream)
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == _offline_texts(any_cluster.model)[4]
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == MAX_TOKENS
+    assert len({c.id for c in chunks}) == 1
+
+
+def test_chat_streaming_and_not_agree(any_cluster: Cluster) -> None:
+    c = client(any_cluster)
+    whole = c.chat.completions.create(model=any_cluster.model, messages=CHAT, max_tokens=20,
+                                      temperature=0)
+    stream = c.chat.completions.create(model=any_cluster.model, messages=CHAT, max_tokens=20,
+                                       temperature=0, stream=True)
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    streamed = "".join(ch.choices[0].delta.content or "" for ch in chunks)
+    assert streamed == whole.choices[0].message.content
+    assert whole.choices[0].message.role == "assistant"
+    assert whole.choices[0].finish_reason == chunks[-1].choices[0].finish_reason
+    assert whole.usage.completion_tokens == (20 if whole.choices[0].finish_reason == "length"
+                                             else whole.usage.completion_tokens)
+    assert whole.id.startswith("chatcmpl-")
+
+
+def test_seeded_sampling_is_the_same_on_every_path(any_cluster: Cluster) -> None:
+    """A seeded request draws the same tokens whichever path and worker serve it."""
+    def sample() -> str:
+        return client(any_cluster).completions.create(
+            model=any_cluster.model, prompt=prompts()[3], max_tokens=16, temperature=1.0,
+            seed=1234, extra_body={"ignore_eos": True}).choices[0].text
+
+    from pdserve import LLM, SamplingParams
+
+    llm = LLM(model=any_cluster.model, dtype="float32", max_model_len=512)
+    expected = llm.generate([prompts()[3]], SamplingParams(
+        max_tokens=16, temperature=1.0, seed=1234, ignore_eos=True), use_tqdm=False)
+    assert sample() == sample() == expected[0].outputs[0].text
+
+
+def test_a_worker_alone_is_a_complete_openai_server(collocated: Cluster) -> None:
+    worker = openai.OpenAI(base_url=collocated.worker_url(0) + "/v1", api_key="unused",
+                           max_retries=0)
+    out = worker.completions.create(model=collocated.model, prompt=prompts()[2],
+                                    max_tokens=MAX_TOKENS, temperature=0,
+                                    extra_body={"ignore_eos": True})
+    assert out.choices[0].text == _offline_texts(collocated.model)[2]
+    chat = worker.chat.completions.create(model=collocated.model, messages=CHAT, max_tokens=5)
+    assert chat.usage.completion_tokens <= 5
+
+
+def test_models_and_health(disagg_tcp: Cluster) -> None:
+    models = client(disagg_tcp).models.list()
+    assert [m.id for m in models.data] == [disagg_tcp.model]
+    health = get_json(disagg_tcp.url.removesuffix("/v1") + "/health")
+    assert health["status"] == "ok"
+    assert sorted(w["role"] for w in health["workers"]) == ["decode", "prefill"]
+    prefill, decode = disagg_tcp.health(0), disagg_tcp.health(1)
+    assert (prefill["role"], decode["role"]) == ("prefill", "decode")
+    assert prefill["peer"]["port"] == disagg_tcp.port + 101
+
+
+@pytest.mark.parametrize("path", ["disaggregated", "local"])
+def test_metrics_count_both_paths_and_the_transfer(disagg_tcp: Cluster, path: str) -> None:
+    prompt = prompts()[4 if path == "disaggregated" else 0]
+    _complete(disagg_tcp, prompt)
+    import urllib.request
+
+    def scrape(url: str) -> str:
+        with urllib.request.urlopen(url + "/metrics", timeout=5) as r:
+            return r.read().decode()
+
+    router = scrape(disagg_tcp.url.removesuffix("/v1"))
+    assert f'pdserve_router_requests_total{{path="{path}"}}' in router
+    assert "pdserve_router_time_to_first_token_seconds_bucket" in router
+    decode = scrape(disagg_tcp.worker_url(1))
+    assert "pdserve_kv_blocks_used " in decode
+    assert "pdserve_inter_token_latency_seconds_count" in decode
+    recv_bytes = [line for line in decode.splitlines()
+                  if line.startswith('pdserve_transfer_bytes_total{direction="recv"}')]
+    assert recv_bytes and float(recv_bytes[0].split()[-1]) > 0
