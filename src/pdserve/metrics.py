@@ -50,7 +50,8 @@ class _Metric:
         return tuple(str(labels[n]) for n in self.label_names)
 
     def render(self) -> list[str]:
-        return [f"# HELP {self.name} {self.doc}", f"# TYPE {self.name} {self.kind}",
+        doc = self.doc.replace("\\", r"\\").replace("\n", r"\n")
+        return [f"# HELP {self.name} {doc}", f"# TYPE {self.name} {self.kind}",
                 *self._samples()]
 
     def _samples(self) -> list[str]:

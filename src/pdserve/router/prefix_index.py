@@ -26,7 +26,9 @@ class PrefixIndex:
         return n
 
     def add(self, block_hashes: Sequence[int]) -> None:
-        for h in block_hashes:
+        """Remember a prompt's blocks; past the capacity only its first blocks (a prefix that
+        can still match)."""
+        for h in block_hashes[: self.capacity]:
             self._hashes[h] = None
             self._hashes.move_to_end(h)
         while len(self._hashes) > self.capacity:

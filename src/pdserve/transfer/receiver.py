@@ -137,7 +137,8 @@ class RecvSession:
         if msg.op in (ControlOp.ABORT, ControlOp.ABORT_ACK):
             self._writer_quiet = True  # a sender fences its write before either
         if msg.op is ControlOp.ABORT:
-            self.sender_finished = msg.reason == FINISHED_AT_TOKEN0 and not self.state.is_terminal
+            if not self.state.is_terminal:  # a later ABORT never rewrites why it ended
+                self.sender_finished = msg.reason == FINISHED_AT_TOKEN0
             self._fail(f"the sender aborted: {msg.reason}", tell=False)
 
     def _on_descriptor(self, d: TransferDescriptor) -> None:

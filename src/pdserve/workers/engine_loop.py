@@ -124,6 +124,7 @@ class EngineLoop:
             for event in self.hub.poll():
                 self._on_transfer(event)
         self._open_reservations()
+        self._flush()  # acceptances and transfer outcomes go out before a long step
         if self.engine.has_unfinished_requests():
             t0 = time.perf_counter()
             outputs = self.engine.step()

@@ -94,6 +94,8 @@ class TransferHub:
         self._expected: set[int] = set()
         self._closed: dict[int, float] = {}  # transfer id -> when it closed
         self._unclaimed_since: dict[int, float] = {}
+        self._peer_aborts: dict[int, str] = {}  # closed by the peer before anyone expected it
+        self._pending: list[HubEvent] = []
 
     @property
     def local(self) -> PeerId:
@@ -107,6 +109,12 @@ class TransferHub:
         return transfer_id in self._closed
 
     def expect(self, transfer_id: int) -> None:
+        """A leg waits for `transfer_id`. If the peer already aborted it (its ABORT overtook
+        the leg), the next `poll` reports that as PeerClosed."""
+        if transfer_id in self._peer_aborts:
+            reason = self._peer_aborts.pop(transfer_id)
+            self._pending.append(PeerClosed(transfer_id, reason, reason == FINISHED_AT_TOKEN0))
+            return
         self._expected.add(transfer_id)
 
     def open_send(self, transfer_id: int, peer: PeerId, src_blocks: Sequence[int], token0: int,
@@ -146,7 +154,7 @@ class TransferHub:
         self.close(transfer_id, peer, FINISHED_AT_TOKEN0)
 
     def poll(self) -> list[HubEvent]:
-        events: list[HubEvent] = []
+        events, self._pending = self._pending, []
         for tid, (session, t0, nbytes) in list(self._sends.items()):
             session.poll()
             if session.blocks_reusable:
@@ -187,10 +195,12 @@ class TransferHub:
                 for source, _ in self._inbox.take(tid):
                     self._send(source, tid, ControlOp.ABORT_ACK)  # we will never write
                 self._closed[tid] = self._clock()
+                reason = aborts[0].reason
                 if tid in self._expected:
                     self._expected.discard(tid)
-                    reason = aborts[0].reason
                     events.append(PeerClosed(tid, reason, reason == FINISHED_AT_TOKEN0))
+                else:
+                    self._peer_aborts[tid] = reason
             else:
                 self._unclaimed_since.setdefault(tid, self._clock())
         return events
@@ -212,6 +222,7 @@ class TransferHub:
         for tid, since in list(self._closed.items()):
             if now - since > CLOSED_MEMORY_S:
                 del self._closed[tid]
+                self._peer_aborts.pop(tid, None)
 
     def _send(self, peer: PeerId, tid: int, op: ControlOp, reason: str = "") -> None:
         msg = ControlMessage(tid, self.transport.local, op, reason[:MAX_REASON_CHARS])

@@ -36,8 +36,11 @@ class WorkerMetrics:
         self.transfer_bytes = r.counter("pdserve_transfer_bytes_total",
                                         "KV bytes moved by finished transfers.", ["direction"])
         self.transfer_seconds = r.histogram("pdserve_transfer_seconds",
-                                            "From session open to its end, successful "
-                                            "transfers.", ["direction"])
+                                            "Sender side: from token 0 (session open) to the "
+                                            "receiver's ACK, successful transfers.")
+        self.kv_wait = r.histogram("pdserve_kv_wait_seconds",
+                                   "Receiver side: from the reservation to verified KV "
+                                   "(includes the prefill's queue and compute).")
         self.transfer_failures = r.counter("pdserve_transfer_failures_total",
                                            "Transfers that failed.", ["direction"])
         self.transfer_size = r.histogram("pdserve_transfer_size_bytes", "KV bytes per transfer.",
@@ -80,5 +83,8 @@ class WorkerMetrics:
             self.transfer_failures.inc(direction=direction)
             return
         self.transfer_bytes.inc(nbytes, direction=direction)
-        self.transfer_seconds.observe(seconds, direction=direction)
+        if direction == "send":
+            self.transfer_seconds.observe(seconds)
+        else:
+            self.kv_wait.observe(seconds)
         self.transfer_size.observe(nbytes, direction=direction)

@@ -1,0 +1,316 @@
+"""TransferHub: a prefill hub and a decode hub on the in-process fake fabric, on a fake clock.
+
+Every case checks what the engine loop relies on: the events each side reports (exactly), that
+a peer's close or cancel ends the other side at once rather than at the lease, and that late or
+stray messages are answered or dropped.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from pdserve.engine.kv_cache import KVCache
+from pdserve.engine.model.config import ModelConfig
+from pdserve.transfer.control import (
+    FINISHED_AT_TOKEN0,
+    ControlMessage,
+    ControlOp,
+    Reservation,
+    decode_any,
+    message_kind,
+)
+from pdserve.transfer.descriptors import KVLayout, PeerId
+from pdserve.transfer.fake import FakeFabric, FakeTransport, Fault
+from pdserve.transfer.sessions import Mode
+from pdserve.workers.transfer_hub import (
+    CLOSED_MEMORY_S,
+    HubEvent,
+    PeerClosed,
+    RecvDone,
+    RecvFailed,
+    SendEnded,
+    TransferHub,
+)
+
+MODEL = ModelConfig("LlamaForCausalLM", vocab_size=64, hidden_size=32, intermediate_size=64,
+                    num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
+                    max_position_embeddings=128)
+BS, NUM_BLOCKS = 4, 8
+PRE = PeerId(0x1111, "10.0.0.1", 7100)
+DEC = PeerId(0x2222, "10.0.0.2", 7200)
+LEASE = 2.0
+TID = 0xABCD_0000_0000_0001
+SRC, DST = [5, 1, 6], [2, 7, 3]
+TOKEN0, LOGPROB0 = 42, -0.25
+CANCELLED = "the request was cancelled"
+CLOSED_HERE = "the transfer is closed at this peer"
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@dataclass
+class World:
+    clock: Clock
+    fabric: FakeFabric
+    pre_tx: FakeTransport
+    dec_tx: FakeTransport
+    pre_cache: KVCache
+    dec_cache: KVCache
+    pre: TransferHub
+    dec: TransferHub
+
+    @property
+    def nbytes(self) -> int:
+        return len(SRC) * self.pre_cache.block_nbytes
+
+    def poll(self, rounds: int = 1) -> tuple[list[HubEvent], list[HubEvent]]:
+        """Poll decode then prefill `rounds` times without moving the clock; their events."""
+        pre_events: list[HubEvent] = []
+        dec_events: list[HubEvent] = []
+        for _ in range(rounds):
+            dec_events += self.dec.poll()
+            pre_events += self.pre.poll()
+        return pre_events, dec_events
+
+    def assert_quiet(self) -> None:
+        """No message is left in flight either way (no ABORT ping-pong)."""
+        self.poll(3)
+        assert self.pre_tx.receive() == [] and self.dec_tx.receive() == []
+
+
+def make_world(mode: Mode = Mode.PUSH) -> World:
+    clock = Clock()
+    fabric = FakeFabric(clock)
+    pre_tx, dec_tx = fabric.endpoint(PRE), fabric.endpoint(DEC)
+    pre_cache = KVCache(MODEL, NUM_BLOCKS, BS, torch.float32)
+    dec_cache = KVCache(MODEL, NUM_BLOCKS, BS, torch.float32)
+    pre_cache.data.copy_(torch.randn(pre_cache.data.shape,
+                                     generator=torch.Generator().manual_seed(0)))
+    pre_tx.register(pre_cache)
+    dec_tx.register(dec_cache)
+    layout = KVLayout.of_cache(pre_cache, "tiny")
+    generations = [3] * NUM_BLOCKS
+
+    def hub(tx: FakeTransport, cache: KVCache) -> TransferHub:
+        return TransferHub(tx, cache, layout, generations.__getitem__, LEASE, mode, clock)
+
+    return World(clock, fabric, pre_tx, dec_tx, pre_cache, dec_cache,
+                 hub(pre_tx, pre_cache), hub(dec_tx, dec_cache))
+
+
+@pytest.fixture
+def w() -> World:
+    return make_world()
+
+
+def open_recv(w: World, tid: int = TID) -> None:
+    w.dec.expect(tid)
+    w.dec.open_recv(tid, PRE, DST)
+
+
+def open_send(w: World, tid: int = TID) -> None:
+    w.pre.expect(tid)
+    w.pre.open_send(tid, DEC, SRC, TOKEN0, LOGPROB0)
+
+
+# -- the happy path --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", [Mode.PUSH, Mode.PULL])
+def test_transfer_lands_the_bytes_and_reports_once_on_each_side(mode):
+    w = make_world(mode)
+    open_recv(w)
+    open_send(w)
+    assert (w.pre.active, w.dec.active) == (1, 1)
+    pre_events, dec_events = [], []
+    for _ in range(4):
+        w.clock.now += 0.25
+        p, d = w.poll()
+        pre_events += p
+        dec_events += d
+    # round 1: reservation; descriptor and (push) write + notice or (pull) notice.
+    # round 2: the decode verifies (pull: after its read) and says ACK/RELEASE; the prefill ends.
+    assert dec_events == [RecvDone(TID, TOKEN0, LOGPROB0, 0.5, w.nbytes)]
+    assert pre_events == [SendEnded(TID, True, None, 0.5, w.nbytes)]
+    assert torch.equal(w.dec_cache.data[DST], w.pre_cache.data[SRC])
+    untouched = [b for b in range(NUM_BLOCKS) if b not in DST]
+    assert not w.dec_cache.data[untouched].any()
+    assert (w.pre.active, w.dec.active) == (0, 0)
+    assert w.pre.is_closed(TID) and w.dec.is_closed(TID)
+    w.assert_quiet()
+
+
+def test_a_reservation_that_arrives_before_the_prefill_finished_waits_for_its_session(w):
+    open_recv(w)
+    w.pre.expect(TID)
+    assert w.poll(3) == ([], [])  # the prefill is still computing: nothing to send yet
+    w.pre.open_send(TID, DEC, SRC, TOKEN0, LOGPROB0)
+    pre_events, dec_events = w.poll(2)
+    assert dec_events == [RecvDone(TID, TOKEN0, LOGPROB0, 0.0, w.nbytes)]
+    assert pre_events == [SendEnded(TID, True, None, 0.0, w.nbytes)]
+    assert torch.equal(w.dec_cache.data[DST], w.pre_cache.data[SRC])
+
+
+# -- the prefill ends the request at token 0 -------------------------------------------------------
+
+
+def test_prefill_finished_before_the_decode_opened_ends_the_expected_leg(w):
+    w.dec.expect(TID)
+    w.pre.expect(TID)
+    w.pre.close_finished(TID, DEC)
+    pre_events, dec_events = w.poll()
+    assert dec_events == [PeerClosed(TID, FINISHED_AT_TOKEN0, finished=True)]
+    assert pre_events == []  # the decode's ABORT_ACK is taken silently
+    assert w.dec.is_closed(TID) and w.pre.is_closed(TID)
+    assert w.dec.active == 0
+    w.assert_quiet()
+
+
+def test_prefill_finished_while_the_decode_session_waits_fails_it_at_once(w):
+    open_recv(w)
+    w.dec.poll()  # the reservation is on its way
+    w.pre.expect(TID)
+    w.pre.close_finished(TID, DEC)
+    dec_events = w.dec.poll()  # no clock movement: well before the lease
+    assert dec_events == [RecvFailed(TID, f"the sender aborted: {FINISHED_AT_TOKEN0}",
+                                     sender_finished=True)]
+    assert w.dec.active == 0
+    w.assert_quiet()
+
+
+def test_prefill_finished_with_the_closed_answer_in_the_same_batch(w):
+    open_recv(w)
+    w.dec.poll()  # the reservation is on its way
+    w.pre.expect(TID)
+    w.pre.close_finished(TID, DEC)  # ABORT(finished at token 0)
+    assert w.pre.poll() == []  # answers the late reservation: ABORT(closed at this peer)
+    dec_events = w.dec.poll()  # the decode takes both ABORTs at once
+    assert dec_events == [RecvFailed(TID, f"the sender aborted: {FINISHED_AT_TOKEN0}",
+                                     sender_finished=True)]
+
+
+# -- the decode cancels ----------------------------------------------------------------------------
+
+
+def test_decode_cancel_before_the_prefill_opened_closes_the_expected_transfer(w):
+    w.pre.expect(TID)
+    w.dec.expect(TID)
+    w.dec.close(TID, PRE, CANCELLED)
+    pre_events, dec_events = w.poll()
+    assert pre_events == [PeerClosed(TID, CANCELLED, finished=False)]
+    assert dec_events == []
+    w.assert_quiet()
+    assert w.pre.is_closed(TID)  # the prefill checks this before it opens a SendSession
+
+
+def test_decode_cancel_before_the_prefill_leg_arrived_still_closes_the_id(w):
+    w.dec.expect(TID)
+    w.dec.close(TID, PRE, CANCELLED)
+    assert w.poll() == ([], [])  # nobody expects it at the prefill: closed, nothing to report
+    assert w.pre.is_closed(TID)
+    w.pre.expect(TID)  # the prefill leg arrives after the decode's ABORT overtook it
+    assert w.pre.poll() == [PeerClosed(TID, CANCELLED, finished=False)]
+
+
+def test_finished_at_token0_that_overtakes_the_decode_leg_is_reported_on_expect(w):
+    w.pre.expect(TID)
+    w.pre.close_finished(TID, DEC)
+    assert w.dec.poll() == []  # nobody expects it at the decode yet
+    w.dec.expect(TID)
+    assert w.dec.poll() == [PeerClosed(TID, FINISHED_AT_TOKEN0, finished=True)]
+
+
+def test_decode_abort_of_an_open_session_ends_both_without_the_lease(w):
+    open_recv(w)
+    w.pre.expect(TID)
+    w.dec.poll()  # reservation sent: a writer may now write, so the decode must hear back
+    w.dec.abort(TID, "the client went away")
+    reason = "aborted by the caller: the client went away"
+    pre_events, dec_events = w.poll(2)
+    assert pre_events == [PeerClosed(TID, reason, finished=False)]
+    assert dec_events == [RecvFailed(TID, reason, sender_finished=False)]
+    w.assert_quiet()
+
+
+def test_prefill_abort_of_an_open_send_session(w):
+    open_recv(w)
+    open_send(w)
+    w.pre.abort(TID, "shutting down")
+    pre_events, dec_events = w.poll(2)
+    reason = "aborted by the caller: shutting down"
+    assert pre_events == [SendEnded(TID, False, reason, 0.0, w.nbytes)]
+    assert dec_events == [RecvFailed(TID, f"the sender aborted: {reason}", False)]
+    assert not w.dec_cache.data.any()  # no write was ever issued
+
+
+# -- late and stray messages -----------------------------------------------------------------------
+
+
+def test_late_reservation_for_a_closed_transfer_is_answered_with_abort(w):
+    w.fabric.inject(Fault("drop", target="message", message="abort", times=1))
+    w.pre.expect(TID)
+    w.pre.close_finished(TID, DEC)  # this ABORT is lost on the way
+    open_recv(w)
+    pre_events, dec_events = w.poll(2)  # no clock movement: far from the lease
+    assert pre_events == []
+    assert dec_events == [RecvFailed(TID, f"the sender aborted: {CLOSED_HERE}",
+                                     sender_finished=False)]
+    w.assert_quiet()
+
+
+def test_an_abort_for_a_closed_transfer_is_acknowledged(w):
+    w.pre.close(TID, None, CANCELLED)
+    w.dec_tx.send(PRE, ControlMessage(TID, DEC, ControlOp.ABORT, "lease expired").encode())
+    w.dec_tx.send(PRE, ControlMessage(TID, DEC, ControlOp.ABORT_ACK).encode())
+    assert w.pre.poll() == []
+    answers = [decode_any(data) for _, data in w.dec_tx.receive()]
+    assert answers == [ControlMessage(TID, PRE, ControlOp.ABORT_ACK)]  # nothing for the ACK
+
+
+def test_a_closed_id_is_forgotten_after_the_closed_memory(w):
+    w.pre.close(TID, None, CANCELLED)
+    w.clock.now += CLOSED_MEMORY_S
+    w.pre.poll()
+    assert w.pre.is_closed(TID)
+    w.clock.now += 0.5
+    w.pre.poll()
+    assert not w.pre.is_closed(TID)
+
+
+def reservation(tid: int) -> bytes:
+    """What the decode's RecvSession would send for `tid` (blocks DST, generation 3)."""
+    layout = KVLayout("tiny", "float32", BS, MODEL.num_layers, MODEL.num_kv_heads,
+                      MODEL.head_dim)
+    return Reservation(tid, DEC, DST, [3] * len(DST), 0, MODEL.num_layers, layout).encode()
+
+
+def sent_to_decode(w: World) -> list[str]:
+    return [message_kind(decode_any(data)) for _, data in w.dec_tx.receive()]
+
+
+@pytest.mark.parametrize(("expected", "wait", "kept"), [
+    (False, LEASE, True),  # not yet past the lease
+    (False, LEASE + 0.5, False),  # nobody claimed it within the lease: dropped
+    (True, 3 * LEASE, True),  # an expected id keeps its messages however long the prefill takes
+])
+def test_unclaimed_messages_are_dropped_after_the_lease_unless_expected(w, expected, wait, kept):
+    if expected:
+        w.pre.expect(TID)
+    w.dec_tx.send(PRE, reservation(TID))
+    assert w.pre.poll() == []
+    w.clock.now += wait
+    assert w.pre.poll() == []
+    assert sent_to_decode(w) == []  # a stray message is not answered
+    w.pre.open_send(TID, DEC, SRC, TOKEN0, LOGPROB0)
+    w.pre.poll()
+    # a kept reservation is served at once: descriptor, write, completion notice
+    assert sent_to_decode(w) == (["descriptor", "notice"] if kept else [])
