@@ -164,3 +164,19 @@ def test_run_up_reports_a_worker_that_fails(monkeypatch, capsys) -> None:
     assert "pdserve: error: prefill-0 exited with code 2 before it was healthy" in err
     assert "line 0" in err and "[router]" not in err
     assert not secrets[0].exists()
+
+
+def test_cores_are_split_evenly_when_there_are_enough() -> None:
+    one = plan_processes(UpConfig(num_prefill=0, num_decode=0, num_collocated=1, cpus=(0, 1)),
+                         SECRET)
+    assert _option(one[0], "--cpus") == ["0,1"]
+    four = plan_processes(UpConfig(num_prefill=1, num_decode=1, cpus=(0, 1, 2, 3, 4)), SECRET)
+    assert [_option(w, "--cpus") for w in four[:2]] == [["0,1"], ["2,3,4"]]
+
+
+def test_chunked_prefill_reaches_every_worker() -> None:
+    workers = plan_processes(UpConfig(enable_chunked_prefill=True, max_num_batched_tokens=256,
+                                      cpus=(0, 1)), SECRET)[:-1]
+    for w in workers:
+        assert "--enable-chunked-prefill" in w.argv
+        assert _option(w, "--max-num-batched-tokens") == ["256"]

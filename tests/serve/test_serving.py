@@ -144,3 +144,20 @@ def test_metrics_count_both_paths_and_the_transfer(disagg_tcp: Cluster, path: st
     recv_bytes = [line for line in decode.splitlines()
                   if line.startswith('pdserve_transfer_bytes_total{direction="recv"}')]
     assert recv_bytes and float(recv_bytes[0].split()[-1]) > 0
+
+
+def test_workers_record_their_engine_steps_for_timelines(disagg_tcp: Cluster) -> None:
+    import time
+
+    rng = random.Random(time.time())
+    prompt = [rng.randrange(len(tiny_tokenizer())) for _ in range(LENGTHS[4])]  # never cached
+    since = time.time()
+    _complete(disagg_tcp, prompt)  # prefill on worker 0, decode on worker 1
+    prefill = get_json(f"{disagg_tcp.worker_url(0)}/internal/steps?since={since}")
+    decode = get_json(f"{disagg_tcp.worker_url(1)}/internal/steps?since={since}")
+    assert prefill["fields"] == ["start", "end", "prefill_tokens", "decode_tokens",
+                                 "num_requests"]
+    assert [s[2] for s in prefill["steps"]] == [LENGTHS[4]]  # one step: the whole prompt
+    assert all(s[0] <= s[1] for s in prefill["steps"] + decode["steps"])
+    assert sum(s[3] for s in decode["steps"]) == MAX_TOKENS - 1  # token 0 came from prefill
+    assert not any(s[2] for s in decode["steps"])

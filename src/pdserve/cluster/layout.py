@@ -2,9 +2,11 @@
 
 Port layout, fixed so a user can find every process: the router listens on PORT; worker i
 (prefill workers first, then decode, or the collocated ones) serves HTTP on PORT+1+i and KV
-transfers on PORT+101+i, so at most MAX_WORKERS workers. Worker i is pinned to core
-cpus[i mod len(cpus)]: one core each, shared round robin when workers outnumber cores. The
-router is not pinned. `plan_processes` is pure: same config and secret path, same plan.
+transfers on PORT+101+i, so at most MAX_WORKERS workers. Cores (`worker_cores`): with at
+least as many cores as workers, the cores are split evenly in order (1 prefill + 1 decode on
+2 cores: one each; 1 collocated worker on 2 cores: both); with fewer, worker i gets core
+cpus[i mod len(cpus)]. The router is not pinned. `plan_processes` is pure: same config and
+secret path, same plan.
 """
 
 from __future__ import annotations
@@ -46,6 +48,8 @@ class UpConfig:
     local_prefill_threshold: int = 256
     ready_timeout_s: float = 300.0
     cpus: tuple[int, ...] = (0,)
+    enable_chunked_prefill: bool = False
+    max_num_batched_tokens: int | None = None
 
     def __post_init__(self) -> None:
         self._check_counts()
@@ -112,7 +116,9 @@ class UpConfig:
                    transport=args.transport, dtype=args.dtype,
                    kv_cache_memory=args.kv_cache_memory, max_model_len=args.max_model_len,
                    policy=args.policy, local_prefill_threshold=args.local_prefill_threshold,
-                   ready_timeout_s=args.ready_timeout, cpus=cpus)
+                   ready_timeout_s=args.ready_timeout, cpus=cpus,
+                   enable_chunked_prefill=args.enable_chunked_prefill,
+                   max_num_batched_tokens=args.max_num_batched_tokens)
 
 
 def worker_counts(prefill: int | None, decode: int | None,
@@ -155,6 +161,14 @@ def plan_processes(config: UpConfig, secret_file: Path) -> list[ProcessSpec]:
     return [*workers, _router_spec(config)]
 
 
+def worker_cores(config: UpConfig, index: int) -> tuple[int, ...]:
+    """The cores worker `index` is pinned to (see the module docstring)."""
+    c, n = len(config.cpus), config.num_workers
+    if c < n:
+        return (config.cpus[index % c],)
+    return config.cpus[index * c // n : (index + 1) * c // n]
+
+
 def worker_url(config: UpConfig, index: int) -> str:
     """Base URL of worker `index` (its health URL is this + /health)."""
     return base_url(config.host, config.port + HTTP_PORT_OFFSET + index)
@@ -167,10 +181,14 @@ def _worker_spec(config: UpConfig, index: int, role: str, secret_file: Path) -> 
             "--model", config.model, "--dtype", config.dtype, "--host", config.host,
             "--port", str(port), "--kv-port", str(config.port + KV_PORT_OFFSET + index),
             "--transport", config.transport, "--secret-file", str(secret_file),
-            "--cpus", str(config.cpus[index % len(config.cpus)]),
+            "--cpus", ",".join(map(str, worker_cores(config, index))),
             "--kv-cache-memory", config.kv_cache_memory]
     if config.max_model_len is not None:
         argv += ["--max-model-len", str(config.max_model_len)]
+    if config.enable_chunked_prefill:
+        argv += ["--enable-chunked-prefill"]
+    if config.max_num_batched_tokens is not None:
+        argv += ["--max-num-batched-tokens", str(config.max_num_batched_tokens)]
     return ProcessSpec(f"{role}-{role_index}", tuple(argv), worker_url(config, index) + "/health",
                        restart=True)
 

@@ -39,10 +39,12 @@ _EPILOG = (
     f"Ports: the router listens on PORT; worker i (prefill workers first, then decode) serves "
     f"HTTP on PORT+{HTTP_PORT_OFFSET}+i and KV transfers on PORT+{KV_PORT_OFFSET}+i, so with "
     f"the defaults prefill-0 is on 8001 (KV 8101) and decode-0 on 8002 (KV 8102); at most "
-    f"{MAX_WORKERS} workers. Cores: worker i is pinned to one core, the (i mod C)-th of the C "
-    "cores in --cpus; the router is not pinned. A random secret for the KV transfer handshake is "
-    "made for each run, passed to the workers in a private file (mode 0600) and deleted at "
-    "stop. Example: pdserve up --prefill 2 --decode 1 --cpus 0-2"
+    f"{MAX_WORKERS} workers. Cores: the C cores in --cpus are split evenly among the workers "
+    "when there are at least as many cores as workers (one collocated worker on 2 cores gets "
+    "both), else worker i gets the (i mod C)-th core; the router is not pinned. A random "
+    "secret for the KV transfer handshake is made for each run, passed to the workers in a "
+    "private file (mode 0600) and deleted at stop. "
+    "Example: pdserve up --prefill 2 --decode 1 --cpus 0-2"
 )
 
 
@@ -70,8 +72,8 @@ def _add_layout_args(p: argparse.ArgumentParser) -> None:
                    help="router port; workers use the ports after it, see below "
                         "(default: %(default)s)")
     p.add_argument("--cpus", default=None, metavar="LIST",
-                   help="cores to spread the workers over, e.g. 0,1,4-7, one core per worker, "
-                        "round robin (default: every core this process may use)")
+                   help="cores to spread the workers over, e.g. 0,1,4-7, split evenly (see "
+                        "below) (default: every core this process may use)")
     p.add_argument("--ready-timeout", type=float, default=300.0, metavar="SECONDS",
                    help="give up (and stop everything) if the workers and the router are not "
                         "all healthy within this time (default: %(default)s)")
@@ -88,6 +90,12 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                         "(default: %(default)s)")
     p.add_argument("--max-model-len", type=int, default=None, metavar="TOKENS",
                    help="longest prompt + output in tokens (default: the model's context)")
+    p.add_argument("--enable-chunked-prefill", action="store_true",
+                   help="workers split long prompts into chunks that share steps with decodes "
+                        "(the collocated baseline's usual setting)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None, metavar="TOKENS",
+                   help="tokens per engine step (default: 512 with chunked prefill, else the "
+                        "context)")
     p.add_argument("--transport", default="tcp", choices=TRANSPORTS,
                    help="how KV blocks move from prefill to decode workers "
                         "(default: %(default)s)")

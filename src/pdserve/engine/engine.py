@@ -57,6 +57,8 @@ class Engine:
                                        config.max_model_len)
         self.requests: dict[str, Request] = {}
         self._pending: list[RequestOutput] = []  # outputs produced outside step()
+        # The last step that ran a batch: (prefill tokens, decode tokens, requests).
+        self.last_batch: tuple[int, int, int] = (0, 0, 0)
         self._ids = itertools.count()
 
     # -- requests ------------------------------------------------------------------------------
@@ -135,6 +137,8 @@ class Engine:
         outputs, self._pending = self._pending, []
         if not batch.requests:
             return outputs
+        self.last_batch = (batch.num_prefill_tokens, batch.num_tokens - batch.num_prefill_tokens,
+                           len(batch.requests))
         logits, sampling = self.runner.run(batch)
         sampled = self.sampler(logits, [r.params for r in sampling],
                                [r.num_output_tokens for r in sampling]) if sampling else None

@@ -34,6 +34,7 @@ from enum import IntEnum
 from pdserve.api.legs import LegKind, LegRequest, TokenEvent
 from pdserve.engine.engine import Engine
 from pdserve.engine.outputs import RequestOutput
+from pdserve.workers.step_trace import Step, StepTrace
 from pdserve.workers.transfer_hub import (
     PeerClosed,
     RecvDone,
@@ -75,6 +76,7 @@ class _Leg:
 class EngineLoop:
     def __init__(self, engine: Engine, hub: TransferHub | None, metrics: WorkerMetrics) -> None:
         self.engine, self.hub, self.metrics = engine, hub, metrics
+        self.trace = StepTrace()
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._legs: dict[str, _Leg] = {}  # engine request id -> leg
         self._by_tid: dict[int, _Leg] = {}
@@ -126,9 +128,13 @@ class EngineLoop:
         self._open_reservations()
         self._flush()  # acceptances and transfer outcomes go out before a long step
         if self.engine.has_unfinished_requests():
-            t0 = time.perf_counter()
+            t0, wall0 = time.perf_counter(), time.time()
             outputs = self.engine.step()
-            self.metrics.observe_step(time.perf_counter() - t0)
+            seconds = time.perf_counter() - t0
+            if self.engine.last_batch[2]:
+                self.metrics.observe_step(seconds)
+                self.trace.record(Step(wall0, wall0 + seconds, *self.engine.last_batch))
+                self.engine.last_batch = (0, 0, 0)
             for out in outputs:
                 self._on_output(out)
 

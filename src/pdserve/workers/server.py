@@ -36,6 +36,7 @@ from pdserve.metrics import CONTENT_TYPE
 from pdserve.transfer.descriptors import KVLayout
 from pdserve.workers.engine_loop import Accepted, EngineLoop
 from pdserve.workers.settings import TransportName, WorkerSettings
+from pdserve.workers.step_trace import Step
 from pdserve.workers.transfer_hub import TransferHub
 from pdserve.workers.worker_metrics import WorkerMetrics
 
@@ -97,6 +98,7 @@ class Worker:
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.metrics_text)
         app.router.add_post("/internal/legs", self.legs)
+        app.router.add_get("/internal/steps", self.steps)
         self.api.add_routes(app)
         app.middlewares.append(_not_ready_guard(self))
         return app
@@ -122,6 +124,17 @@ class Worker:
     async def metrics_text(self, request: web.Request) -> web.Response:
         return web.Response(body=self.metrics.registry.render().encode(),
                             headers={"Content-Type": CONTENT_TYPE})
+
+    async def steps(self, request: web.Request) -> web.Response:
+        """Engine steps that ended after `?since=` (wall-clock seconds; default: all kept)."""
+        try:
+            since = float(request.query.get("since", "0"))
+        except ValueError:
+            return web.json_response(ApiError(400, "since must be a number of seconds").body(),
+                                     status=400)
+        steps = self.loop.trace.since(since)
+        return web.json_response({"role": self.settings.role.value,
+                                  "fields": list(Step._fields), "steps": [list(s) for s in steps]})
 
     async def legs(self, request: web.Request) -> web.StreamResponse:
         try:

@@ -1,0 +1,37 @@
+"""The worker's recent engine steps, for timelines: when each ran and what it computed.
+
+A bounded ring (the last `capacity` steps), always on: one tuple per step, recorded by the
+engine thread, read by `GET /internal/steps?since=T`. Times are wall-clock seconds
+(`time.time()`) so traces of several workers on one machine line up.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from typing import NamedTuple
+
+DEFAULT_CAPACITY = 100_000
+
+
+class Step(NamedTuple):
+    start: float
+    end: float
+    prefill_tokens: int
+    decode_tokens: int
+    num_requests: int
+
+
+class StepTrace:
+    def __init__(self, capacity: int = DEFAULT_CAPACITY) -> None:
+        self._steps: deque[Step] = deque(maxlen=capacity)
+        self._lock = threading.Lock()
+
+    def record(self, step: Step) -> None:
+        with self._lock:
+            self._steps.append(step)
+
+    def since(self, t: float) -> list[Step]:
+        """Steps that ended after wall-clock time `t`, oldest first."""
+        with self._lock:
+            return [s for s in self._steps if s.end > t]
