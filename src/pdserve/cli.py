@@ -146,6 +146,29 @@ def _add_bench(sub) -> None:
     xfer.add_argument("--repeats", type=int, default=3, help="default: %(default)s")
     xfer.add_argument("--json", action="store_true", help="one JSON object per measurement")
     xfer.set_defaults(func=_bench_transfer)
+    serve = kinds.add_parser(
+        "serve", help="replay a workload against any OpenAI-compatible server (vLLM's metrics)",
+        description="Open-loop (Poisson, --rate) or closed-loop (--concurrency) streaming "
+                    "completions with token-id prompts of exact lengths, so every server sees "
+                    "the same work; reports TTFT, TPOT, ITL and E2E (mean, median, P90, P99), "
+                    "throughput and goodput under SLOs, client side, with vLLM bench serve's "
+                    "JSON names.")
+    from pdserve.bench.serve.runner import add_bench_serve_args, run_bench_serve
+
+    add_bench_serve_args(serve)
+    serve.set_defaults(func=run_bench_serve)
+    cmp = kinds.add_parser(
+        "compare", help="collocated vs collocated-chunked vs disaggregated (and vLLM) on the "
+                        "same cores and trace",
+        description="Starts each pdserve configuration with `pdserve up` on the same cores, "
+                    "replays the same trace against each in turn (and against --external "
+                    "servers), and prints one table with every metric and its ratio to the "
+                    "first configuration; --plots draws latency CDFs and a per-worker "
+                    "timeline of engine steps.")
+    from pdserve.bench.compare import add_compare_args, run_compare_cli
+
+    add_compare_args(cmp)
+    cmp.set_defaults(func=run_compare_cli)
     rt = kinds.add_parser(
         "router", help="latency and CPU the router adds, vs the worker addressed directly",
         description="Starts `pdserve up --collocated 1` (worker pinned to one core) and sends "

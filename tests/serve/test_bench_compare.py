@@ -1,0 +1,56 @@
+"""`pdserve bench compare`: each configuration started on the same cores, one table, JSON keyed
+by configuration, pictures; and its settings refuse what cannot run."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+
+from pdserve.bench.compare import add_compare_args, format_table, settings
+from pdserve.cli import main
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    add_compare_args(p)
+    return p.parse_args(list(argv))
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (("--configs", "collocated,warp-drive"), "unknown configurations"),
+    (("--configs", "disagg", "--external", "disagg=http://x/v1"), "unique"),
+    (("--external", "no-equals-sign"), "NAME=URL"),
+    (("--cores", "99"), "--cores"),
+])
+def test_settings_refuse_what_cannot_run(argv, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        settings(_args(*argv))
+
+
+def test_table_gives_ratios_to_the_first_configuration() -> None:
+    table = format_table({"a": {"completed": 10, "p99_itl_ms": 200.0},
+                          "b": {"completed": 10, "p99_itl_ms": 50.0}})
+    row = next(line for line in table.splitlines() if line.startswith("p99_itl_ms"))
+    assert "200.00" in row and "50.00 (0.25x)" in row
+
+
+def test_compare_runs_each_configuration_and_writes_json_and_pictures(tiny_model,
+                                                                      tmp_path: Path) -> None:
+    out, plots = tmp_path / "cmp.json", tmp_path / "plots"
+    code = main(["bench", "compare", "--model", str(tiny_model()), "--configs",
+                 "collocated,disagg", "--workload", "fixed", "--input-len", "300",
+                 "--output-len", "8", "--vocab", "512", "--rate", "8", "--num-requests", "6",
+                 "--out", str(out), "--plots", str(plots)])
+    assert code == 0
+    results = json.loads(out.read_text())
+    assert list(results) == ["collocated", "disagg"]
+    for r in results.values():
+        assert r["completed"] == 6 and r["failed"] == 0 and "p99_itl_ms" in r
+    steps = json.loads(out.with_suffix(".steps.json").read_text())
+    assert set(steps["disagg"]) == {"prefill-0", "decode-0"}
+    assert any(s[2] == 300 for s in steps["disagg"]["prefill-0"])  # prompts split off
+    assert sorted(p.name for p in plots.iterdir()) == ["itl_cdf.png", "timeline.png",
+                                                       "ttft_cdf.png"]
