@@ -24,7 +24,8 @@ Fitting from `pdserve bench engine --json` rows (`fit_bench_rows`):
   c x B_i x prompt_tokens_i is fitted as overhead + per_seq x B_i.
 - a prefill row (batch b, prompt_tokens T, r) measured a step of b x T / r seconds over
   N = b x T tokens, fitted as overhead + per_token x N.
-- each fit is weighted least squares on relative error (weights 1 / t_i^2), in closed form:
+- each fit (`fit_line`) is weighted least squares on relative error (weights n_i / t_i^2,
+  n_i = 1 for a bench row, the number of steps a point stands for in step_fit.py), closed form:
   slope = (S Sxt - Sx St) / (S Sxx - Sx^2), intercept = (St - slope Sx) / S with S = sum w,
   Sx = sum w x, St = sum w t, Sxx = sum w x^2, Sxt = sum w x t. With one distinct x, decode
   takes it all as overhead (a batch-independent step) and prefill all as per-token cost. A
@@ -33,6 +34,9 @@ Fitting from `pdserve bench engine --json` rows (`fit_bench_rows`):
 - c = KV bytes per token per GPU / (memory bandwidth x MBU) of the named model and device
   (the roofline's KV read), 0 when no model is named: bench rows use short contexts and cannot
   measure it. Rows do not record decode steps, so the row context is taken as prompt_tokens.
+
+Fitting the engine steps pdserve workers record (`pdserve bench compare`'s .steps.json) is in
+step_fit.py; calibration_source.py tells the `--calibrate` file formats apart.
 
 Profile JSON (schema "pdserve.calibration-profile/1"; a `pdserve bench serve` result can be
 converted into it):
@@ -231,16 +235,19 @@ def profile_from_dict(data: dict[str, Any]) -> CalibrationProfile:
 
 
 class BenchPoint(NamedTuple):
-    """One measured step: x (batch or tokens), its seconds t, the part of t the fit explains."""
+    """One measured step: x (batch or tokens), its seconds t, the part of t the fit explains,
+    and how many measured steps it stands for (its weight, n_i in the module docstring)."""
 
     x: float
     seconds: float
     fitted_part: float
+    count: float = 1.0
 
 
-def _fit_line(points: Sequence[BenchPoint], single: str) -> tuple[float, float]:
-    """(intercept, slope) by relative-error weighted least squares (module docstring)."""
-    w = [1 / p.seconds**2 for p in points]
+def fit_line(points: Sequence[BenchPoint], single: str) -> tuple[float, float]:
+    """(intercept, slope) by relative-error weighted least squares (module docstring);
+    `single` ("intercept" or "slope") takes everything when all points share one x."""
+    w = [p.count / p.seconds**2 for p in points]
     s, sx = sum(w), sum(wi * p.x for wi, p in zip(w, points, strict=True))
     st = sum(wi * p.fitted_part for wi, p in zip(w, points, strict=True))
     sxx = sum(wi * p.x**2 for wi, p in zip(w, points, strict=True))
@@ -289,8 +296,8 @@ def fit_bench_rows(rows: Sequence[Any], context_token_s: float = 0.0, source: st
     for phase, found in points.items():
         if not found:
             raise ValueError(f"{source or 'bench results'}: no {phase} row to fit")
-    d0, d1 = _fit_line(points["decode"], single="intercept")
-    p0, p1 = _fit_line(points["prefill"], single="slope")
+    d0, d1 = fit_line(points["decode"], single="intercept")
+    p0, p1 = fit_line(points["prefill"], single="slope")
     errors = [abs(d0 + d1 * p.x - p.fitted_part) / p.seconds for p in points["decode"]]
     errors += [abs(p0 + p1 * p.x - p.seconds) / p.seconds for p in points["prefill"]]
     return CalibrationProfile(

@@ -2,13 +2,18 @@
 out disaggregated (P prefill + D decode workers) and collocated (C workers, with and without
 chunked prefill). `add_simulate_parser` registers it on a subparsers object; its handler
 returns the exit status (0, or 2 after `pdserve: error: ...` on bad input).
+
+Measured runs: --calibrate takes a worker steps file (calibration_source.py), --trace a bench
+serve/compare results file (measured_run.py), and --compare-measured RESULTS[:CONFIG] simulates
+that run's requests on its own layout and prints the simulated median TTFT and ITL beside the
+measured ones (measured_compare.py, which also says how the layout is found).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -19,11 +24,20 @@ from pdserve.planner.calibration import (
     StepCosts,
     context_token_seconds,
     fit_bench_rows,
-    load_calibration,
 )
+from pdserve.planner.calibration_source import StepsProfile, load_calibration_source
 from pdserve.planner.cost import DEFAULT_MBU, DEFAULT_MFU, Efficiency, stored_weight_bytes_per_gpu
 from pdserve.planner.hardware import HARDWARE, Hardware, get_hardware
 from pdserve.planner.kv_math import DTYPE_BYTES, check_tp, dtype_bytes, kv_bytes_per_token_per_rank
+from pdserve.planner.measured_compare import (
+    Comparison,
+    MeasuredLayout,
+    compare,
+    comparison_json,
+    measured_layout,
+    render_comparison,
+)
+from pdserve.planner.measured_run import MeasuredRun, load_measured_run, read_trace_file
 from pdserve.planner.model_shape import PRESETS, ModelShape, load_model_shape
 from pdserve.planner.plan import DEFAULT_MAX_DECODE_BATCH, MEMORY_UTILIZATION, PREFILL_BATCH_TOKENS
 from pdserve.planner.sim_metrics import Slo, Summary, summarize, summary_to_dict
@@ -35,13 +49,8 @@ from pdserve.planner.simulator import (
     check_fits,
     simulate,
 )
-from pdserve.planner.trace import (
-    WORKLOADS,
-    TraceRequest,
-    generate_trace,
-    make_workload,
-    read_trace_jsonl,
-)
+from pdserve.planner.step_fit import DECODE_TIMES
+from pdserve.planner.trace import WORKLOADS, TraceRequest, generate_trace, make_workload
 
 _DESCRIPTION = (
     "Simulate serving a request trace (a workload preset with Poisson arrivals from a fixed "
@@ -54,9 +63,11 @@ _EPILOG = (
     "Workloads: chat (prompt U[128,1024], output U[128,512]); rag (prompt U[3600,4400], "
     "output U[450,550]); mixed (chat at 90% of the rate plus bursts of 6000-8000-token "
     "prompts every 10 s); fixed (--prompt-tokens, --output-tokens). --calibrate takes a "
-    "`pdserve bench engine --json` results file (fitted) or a calibration profile JSON. "
+    "`pdserve bench engine --json` results file or a `bench compare` .steps.json (fitted) or a "
+    "calibration profile JSON. "
     "Example: pdserve simulate --model llama-3.1-70b --gpu H100 --tp 8 --prefill 4 --decode 4 "
-    "--workload rag --rate 2"
+    "--workload rag --rate 2. Predicting a measured run: pdserve simulate --model smollm2-135m "
+    "--gpu cpu --calibrate A.steps.json:disagg --compare-measured B.json:disagg"
 )
 
 
@@ -72,6 +83,11 @@ def add_simulate_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="goodput counts requests with TTFT at most this (default: %(default)s)")
     p.add_argument("--slo-tpot-ms", type=float, default=100.0,
                    help="goodput counts requests with TPOT at most this (default: %(default)s)")
+    p.add_argument("--compare-measured", default=None, metavar="RESULTS[:CONFIG]",
+                   help="a `bench serve` or `bench compare` --out file: simulate its requests "
+                        "(unless --trace/--workload) on its layout (from a bench compare "
+                        "configuration name, else --layouts) and print the simulated median "
+                        "TTFT and ITL beside the measured ones")
     p.add_argument("--json", action="store_true", help="print one JSON object, not a table")
     p.set_defaults(func=run_simulate)
 
@@ -91,38 +107,49 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    "(default: %(default)s)")
     p.add_argument("--mbu", type=float, default=DEFAULT_MBU, help="roofline MBU "
                    "(default: %(default)s)")
-    p.add_argument("--calibrate", default=None, metavar="FILE",
-                   help="step costs from a `pdserve bench engine --json` file or a profile JSON")
+    p.add_argument("--calibrate", default=None, metavar="FILE[:CONFIG]",
+                   help="step costs fitted to a `bench compare` .steps.json (:CONFIG picks one "
+                        "configuration; else every worker of every one is pooled) or a "
+                        "`pdserve bench engine --json` file, or read from a profile JSON")
+    p.add_argument("--step-time", choices=DECODE_TIMES, default="period",
+                   help="decode step time in a steps file: period (start to the worker's next "
+                        "start, which a client's ITL sees) or duration (the engine step "
+                        "alone) (default: %(default)s)")
     p.add_argument("--write-profile", default=None, metavar="FILE",
                    help="with --calibrate: write the fitted profile JSON here")
 
 
 def _add_cluster_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--prefill", type=int, default=1, help="prefill workers (default: 1)")
-    p.add_argument("--decode", type=int, default=1, help="decode workers (default: 1)")
+    measured = "; a measured pdserve configuration's with --compare-measured"
+    p.add_argument("--prefill", type=int, default=None, help="prefill workers (default: 1)")
+    p.add_argument("--decode", type=int, default=None, help="decode workers (default: 1)")
     p.add_argument("--collocated", type=int, default=None,
-                   help="collocated workers (default: prefill + decode, the same GPUs)")
-    p.add_argument("--chunk", type=int, default=DEFAULT_CHUNK_TOKENS,
-                   help="prefill tokens per chunked step (default: %(default)s)")
-    p.add_argument("--layouts", default="disagg,colloc,chunked",
-                   help="which layouts to run, comma-separated (default: %(default)s)")
+                   help=f"collocated workers (default: prefill + decode, the same GPUs{measured})")
+    p.add_argument("--chunk", type=int, default=None,
+                   help=f"prefill tokens per chunked step (default: {DEFAULT_CHUNK_TOKENS}"
+                        f"{measured})")
+    p.add_argument("--layouts", default=None,
+                   help="which layouts to run, comma-separated (default: disagg,colloc,chunked"
+                        "; the measured one with --compare-measured)")
     p.add_argument("--link-gbps", type=float, default=100.0,
                    help="KV link per GPU in Gb/s (default: %(default)s)")
-    p.add_argument("--max-batch", type=int, default=DEFAULT_MAX_DECODE_BATCH,
-                   help="running requests per worker (default: %(default)s)")
+    p.add_argument("--max-batch", type=int, default=None,
+                   help=f"running requests per worker (default: {DEFAULT_MAX_DECODE_BATCH}"
+                        f"{measured})")
     p.add_argument("--prefill-budget", type=int, default=PREFILL_BATCH_TOKENS,
                    help="prompt tokens per prefill step (default: %(default)s)")
     p.add_argument("--kv-capacity-tokens", type=int, default=None,
                    help="KV tokens per worker (default: what fits beside the weights in "
-                        f"{MEMORY_UTILIZATION * 100:.0f}%% of device memory)")
+                        f"{MEMORY_UTILIZATION * 100:.0f}%% of device memory{measured})")
 
 
 def _add_trace_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workload", default=None,
                    help=f"preset: {', '.join(WORKLOADS)} (default: chat)")
-    p.add_argument("--trace", default=None, metavar="FILE",
-                   help='JSONL of {"arrival_s", "prompt_tokens", "output_tokens"} instead of '
-                        "a preset")
+    p.add_argument("--trace", default=None, metavar="FILE[:CONFIG]",
+                   help='JSONL of {"arrival_s", "prompt_tokens", "output_tokens"}, or a bench '
+                        "serve/compare results file (its requests; :CONFIG picks one "
+                        "configuration), instead of a preset")
     p.add_argument("--rate", type=float, default=2.0, help="req/s (default: %(default)s)")
     p.add_argument("--duration-s", type=float, default=None,
                    help="arrivals before this many seconds (default: 600)")
@@ -146,6 +173,7 @@ class Setup:
     trace_label: str
     layouts: tuple[Layout, ...]
     slo: Slo
+    measured: MeasuredRun | None = None
 
     @property
     def costs(self) -> StepCosts:
@@ -163,22 +191,41 @@ def run_simulate(args: argparse.Namespace) -> int:
     results = [(r, summarize(r.records, r.itl, setup.slo))
                for r in (simulate(layout, setup.cluster, costs, setup.trace)
                          for layout in setup.layouts)]
-    print(json.dumps(to_json(setup, results), indent=2) if args.json
-          else render(setup, results))
+    against = _against_measured(setup, results)
+    if args.json:
+        out = to_json(setup, results)
+        if against is not None:
+            out["measured"] = comparison_json(against)
+        print(json.dumps(out, indent=2))
+    else:
+        text = render(setup, results)
+        print(text if against is None else f"{text}\n\n{render_comparison(against)}")
     return 0
 
 
+def _against_measured(setup: Setup, results: list[tuple[SimResult, Summary]]
+                      ) -> Comparison | None:
+    """The measured run beside its (only) simulated layout."""
+    if setup.measured is None:
+        return None
+    result, summary = results[0]
+    return compare(setup.measured, layout_label(result.layout, setup.cluster),
+                   summary_to_dict(summary))
+
+
 def resolve(args: argparse.Namespace) -> Setup:
-    """Validate in order: calibration file, model and device, costs, cluster, trace."""
-    source = load_calibration(args.calibrate) if args.calibrate else None
-    profile = source if isinstance(source, CalibrationProfile) else None
+    """Validate in order: calibration file, model and device, costs, measured run, cluster,
+    trace."""
+    source = load_calibration_source(args.calibrate, args.step_time) if args.calibrate else None
+    profile = source.profile if isinstance(source, StepsProfile) else (
+        source if isinstance(source, CalibrationProfile) else None)
     model = args.model or (profile.model if profile else None)
     if model is None:
         raise ValueError("model (--model) is required (a calibration profile may name it)")
     gpu = args.gpu or (profile.gpu if profile else None)
-    if gpu is None and isinstance(source, BenchRows):
-        raise ValueError("gpu (--gpu) is required with bench rows: the device they were "
-                         "measured on (e.g. cpu)")
+    if gpu is None and isinstance(source, BenchRows | StepsProfile):
+        raise ValueError("gpu (--gpu) is required with bench rows or worker steps: the device "
+                         "they were measured on (e.g. cpu)")
     tp = args.tp if args.tp is not None else (profile.tp if profile else 1)
     check_tp(tp)
     eff = Efficiency(mfu=args.mfu, mbu=args.mbu)
@@ -188,13 +235,20 @@ def resolve(args: argparse.Namespace) -> Setup:
     if isinstance(source, BenchRows):
         profile = fit_bench_rows(source.rows, context_token_seconds(kv_rank, hw, eff),
                                  source=source.source, model=model, gpu=gpu, tp=tp)
+    elif isinstance(source, StepsProfile):
+        profile = replace(source.profile, model=model, gpu=gpu, tp=tp)
     if args.write_profile:
         _write_profile(profile, args.write_profile)
-    cluster = _cluster(args, shape, hw, tp, kv_rank)
-    trace, label = _trace(args)
+    measured = (load_measured_run(args.compare_measured, "compare_measured (--compare-measured)")
+                if args.compare_measured else None)
+    layouts = _layouts(args.layouts)
+    how = measured_layout(measured, layouts) if measured else None
+    cluster = _cluster(args, shape, hw, tp, kv_rank, how or _FLAGS_ONLY)
+    trace, label = _trace(args, measured)
     check_fits(trace, cluster)
-    return Setup(shape, hw, tp, eff, profile, cluster, trace, label, _layouts(args.layouts),
-                 Slo(args.slo_ttft_ms, args.slo_tpot_ms))
+    return Setup(shape, hw, tp, eff, profile, cluster, trace, label,
+                 (how.layout,) if how else layouts or tuple(Layout),
+                 Slo(args.slo_ttft_ms, args.slo_tpot_ms), measured)
 
 
 def _write_profile(profile: CalibrationProfile | None, path: str) -> None:
@@ -206,28 +260,44 @@ def _write_profile(profile: CalibrationProfile | None, path: str) -> None:
         raise ValueError(f"write_profile (--write-profile) {path!r}: {e.strerror}") from e
 
 
+_FLAGS_ONLY = MeasuredLayout(Layout.DISAGG)  # no measured run: every limit from flags/defaults
+
+
+def _first(*values: int | None) -> int | None:
+    """The first value that is not None (flag, then measured configuration, then default)."""
+    return next((v for v in values if v is not None), None)
+
+
 def _cluster(args: argparse.Namespace, shape: ModelShape, hw: Hardware, tp: int,
-             kv_rank: int) -> Cluster:
+             kv_rank: int, how: MeasuredLayout) -> Cluster:
     capacity = args.kv_capacity_tokens
+    if capacity is None and how.kv_cache_bytes is not None:
+        capacity = how.kv_cache_bytes // kv_rank
     if capacity is None:
         free = hw.memory_bytes * MEMORY_UTILIZATION - stored_weight_bytes_per_gpu(shape, tp)
         if free < kv_rank:
             raise ValueError(f"{shape.name} weights leave no KV room on {hw.name} at tp {tp} "
                              f"({MEMORY_UTILIZATION:.0%} of memory): raise --tp")
         capacity = int(free // kv_rank)
-    collocated = args.collocated if args.collocated is not None else args.prefill + args.decode
+    prefill = _first(args.prefill, how.prefill_workers, 1)
+    decode = _first(args.decode, how.decode_workers, 1)
     return Cluster(kv_capacity_tokens=capacity, kv_bytes_per_token_rank=kv_rank,
-                   link_gbps=args.link_gbps, prefill_workers=args.prefill,
-                   decode_workers=args.decode, collocated_workers=collocated,
-                   max_batch=args.max_batch, prefill_budget_tokens=args.prefill_budget,
-                   chunk_tokens=args.chunk)
+                   link_gbps=args.link_gbps, prefill_workers=prefill, decode_workers=decode,
+                   collocated_workers=_first(args.collocated, how.collocated_workers,
+                                             prefill + decode),
+                   max_batch=_first(args.max_batch, how.max_batch, DEFAULT_MAX_DECODE_BATCH),
+                   prefill_budget_tokens=args.prefill_budget,
+                   chunk_tokens=_first(args.chunk, how.chunk_tokens, DEFAULT_CHUNK_TOKENS))
 
 
-def _trace(args: argparse.Namespace) -> tuple[tuple[TraceRequest, ...], str]:
+def _trace(args: argparse.Namespace, measured: MeasuredRun | None
+           ) -> tuple[tuple[TraceRequest, ...], str]:
     if args.trace is not None:
         if args.workload is not None:
             raise ValueError("give --trace or --workload, not both")
-        return read_trace_jsonl(args.trace), f"file {args.trace}"
+        return read_trace_file(args.trace)
+    if measured is not None and args.workload is None:
+        return measured.trace, f"requests of {measured.label}"
     spec = make_workload(args.workload or "chat", args.rate, args.prompt_tokens,
                          args.output_tokens)
     duration = args.duration_s
@@ -237,7 +307,10 @@ def _trace(args: argparse.Namespace) -> tuple[tuple[TraceRequest, ...], str]:
     return trace, f"{spec.name}, {args.rate:g} req/s Poisson (seed {args.seed})"
 
 
-def _layouts(text: str) -> tuple[Layout, ...]:
+def _layouts(text: str | None) -> tuple[Layout, ...] | None:
+    """The layouts --layouts names, in order without repeats; None when not given."""
+    if text is None:
+        return None
     names = [n.strip() for n in text.split(",") if n.strip()]
     known = [str(x) for x in Layout]
     bad = [n for n in names if n not in known]

@@ -1,0 +1,64 @@
+"""What `pdserve simulate --calibrate FILE[:CONFIG]` reads, told apart by the file's shape.
+
+- a calibration profile JSON (an object with "schema") -> that profile (calibration.py);
+- a steps file (step_fit.is_steps_file): `pdserve bench compare`'s cmp.steps.json,
+  {config: {worker: [[start_s, end_s, prefill_tokens, decode_tokens, num_requests], ...]}}, or
+  one configuration's {worker: [...]} -> fitted at once by step_fit.fit_step_traces. FILE:CONFIG
+  takes that configuration's workers only; FILE alone pools every worker of every configuration,
+  which is right only when all of them ran on the same hardware: bench compare's disagg splits
+  its cores between the prefill and the decode worker, so its steps are slower than those of a
+  collocated worker on all the cores. Calibrate on the configuration you simulate.
+- a bench serve or compare results file (an object with "requests", or of configurations that
+  have them) is refused: its steps are in the .steps.json beside it;
+- anything else: `pdserve bench engine --json` rows (JSONL), fitted once the model is known.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+from pdserve.planner.calibration import BenchRows, CalibrationProfile, load_calibration
+from pdserve.planner.file_spec import (
+    parse_file_spec,
+    parse_json_document,
+    read_text,
+    refuse_config,
+)
+from pdserve.planner.step_fit import fit_step_traces, is_steps_file, select_steps
+
+FLAG = "calibrate (--calibrate)"
+
+
+class StepsProfile(NamedTuple):
+    """A profile fitted to worker steps: it names no model or device; the command line does."""
+
+    profile: CalibrationProfile
+
+
+def _is_results(data: Any) -> bool:
+    if not isinstance(data, dict) or not data:
+        return False
+    return "requests" in data or all(isinstance(v, dict) and "requests" in v
+                                     for v in data.values())
+
+
+def load_calibration_source(spec_text: str, decode_time: str = "period"
+                            ) -> CalibrationProfile | BenchRows | StepsProfile:
+    """The calibration `spec_text` (FILE or FILE:CONFIG) names, by the module docstring."""
+    spec = parse_file_spec(spec_text, FLAG)
+    data = parse_json_document(read_text(spec))
+    if is_steps_file(data):
+        profile = fit_step_traces(select_steps(data, spec), decode_time,
+                                  source=f"pdserve worker steps of {spec}")
+        return StepsProfile(profile)
+    if _is_results(data):
+        raise ValueError(f"{FLAG} {spec.path} is a bench results file; calibrate on the worker "
+                         f"steps beside it ({spec.path.with_suffix('.steps.json')})")
+    refuse_config(spec, _what(data))
+    return load_calibration(spec.path)
+
+
+def _what(data: Any) -> str:
+    return "a calibration profile" if isinstance(data, dict) and "schema" in data else (
+        "a bench engine results file")
+

@@ -1,0 +1,127 @@
+"""Measured serving runs as simulator input: the results JSON of `pdserve bench serve --out` or
+`pdserve bench compare --out`, replayed as a trace and compared by its medians.
+
+Shapes, told apart by shape:
+- a serve result: an object with "requests", a list of {start_s, prompt_tokens, output_tokens,
+  ok, ...} (bench/serve/metrics.py request_json), beside vLLM's metric keys (median_ttft_ms,
+  median_itl_ms, ...);
+- a compare result: an object of configuration name -> serve result. FILE:CONFIG picks one; a
+  file holding a single configuration needs no :CONFIG.
+
+Trace: every request, ok or not (the server saw them all), as arrival_s = start_s (seconds
+from the run's first send), prompt_tokens, output_tokens, sorted by arrival (stable). A request
+that failed before its first token reports output_tokens 0; it is replayed as a one-token
+request (it still queued and most likely prefilled; the result does not keep the max_tokens it
+asked for).
+Measured medians cover the successful requests only (bench serve's metrics); a run with none
+has None there.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from pdserve.planner.file_spec import (
+    FileSpec,
+    parse_file_spec,
+    parse_json_document,
+    pick_config,
+    read_text,
+    refuse_config,
+)
+from pdserve.planner.trace import TraceRequest, read_trace_jsonl
+
+METRICS = ("median_ttft_ms", "median_itl_ms")
+
+
+def is_serve_result(data: Any) -> bool:
+    return isinstance(data, dict) and isinstance(data.get("requests"), list)
+
+
+def is_compare_result(data: Any) -> bool:
+    return (isinstance(data, dict) and bool(data)
+            and all(is_serve_result(v) for v in data.values()))
+
+
+@dataclass(frozen=True)
+class MeasuredRun:
+    """One measured run: where it came from, its requests as a trace, its measured medians (ms)
+    by vLLM key (METRICS), and how many requests succeeded and failed."""
+
+    label: str
+    config: str | None
+    trace: tuple[TraceRequest, ...]
+    medians_ms: dict[str, float | None]
+    completed: int
+    failed: int
+
+    def __post_init__(self) -> None:
+        if not self.trace:
+            raise ValueError(f"{self.label}: the run holds no requests")
+        for key, value in self.medians_ms.items():
+            if value is not None and (isinstance(value, bool)
+                                      or not isinstance(value, int | float)
+                                      or not (value >= 0 and math.isfinite(value))):
+                raise ValueError(f"{self.label}: {key} must be a finite number >= 0 or null, "
+                                 f"got {value!r}")
+
+
+def _select(data: Any, spec: FileSpec) -> tuple[str | None, dict[str, Any]]:
+    """(configuration name or None, the serve result) that `spec` names."""
+    if is_serve_result(data):
+        refuse_config(spec, "a bench serve result")
+        return None, data
+    if spec.config is not None:
+        return spec.config, pick_config(spec, data, "bench compare result")
+    if len(data) != 1:
+        raise ValueError(f"{spec.flag} {spec.path} holds configurations "
+                         f"{', '.join(map(repr, data))}: choose one as {spec.path}:CONFIG")
+    return next(iter(data.items()))
+
+
+def _request(row: Any, where: str) -> TraceRequest:
+    if not isinstance(row, dict):
+        raise ValueError(f"{where}: expected a JSON object, got {type(row).__name__}")
+    missing = [k for k in ("start_s", "prompt_tokens", "output_tokens") if k not in row]
+    if missing:
+        raise ValueError(f"{where}: missing {', '.join(missing)}")
+    out = row["output_tokens"]
+    if out == 0 and not row.get("ok", True):
+        out = 1  # failed before its first token: replayed as a one-token request
+    try:
+        return TraceRequest(row["start_s"], row["prompt_tokens"], out)
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from e
+
+
+def _run(spec: FileSpec, config: str | None, result: dict[str, Any]) -> MeasuredRun:
+    label = str(spec) if config is None or spec.config else f"{spec}:{config}"
+    rows = result["requests"]
+    trace = [_request(r, f"{label} request {i}") for i, r in enumerate(rows, start=1)]
+    ok = sum(1 for r in rows if r.get("ok", True))
+    return MeasuredRun(label, config, tuple(sorted(trace, key=lambda r: r.arrival_s)),
+                       {k: result.get(k) for k in METRICS}, ok, len(rows) - ok)
+
+
+def load_measured_run(spec_text: str, flag: str) -> MeasuredRun:
+    """The run RESULTS[:CONFIG] names; ValueError when the file is not a results file."""
+    spec = parse_file_spec(spec_text, flag)
+    data = parse_json_document(read_text(spec))
+    if not (is_serve_result(data) or is_compare_result(data)):
+        raise ValueError(f"{flag} {spec.path} is not a bench serve or compare results file "
+                         '(an object with "requests", or of configurations that have them)')
+    return _run(spec, *_select(data, spec))
+
+
+def read_trace_file(spec_text: str) -> tuple[tuple[TraceRequest, ...], str]:
+    """(trace, label) of --trace: a results file (its requests) or a JSONL trace (trace.py)."""
+    flag = "trace (--trace)"
+    spec = parse_file_spec(spec_text, flag)
+    data = parse_json_document(read_text(spec))
+    if is_serve_result(data) or is_compare_result(data):
+        run = _run(spec, *_select(data, spec))
+        return run.trace, f"requests of {run.label}"
+    refuse_config(spec, "a JSONL trace")
+    return read_trace_jsonl(spec.path), f"file {spec.path}"

@@ -1,0 +1,183 @@
+"""Measured runs: bench serve/compare results as traces, the measured layout, and
+`pdserve simulate --compare-measured` printing simulated medians beside measured ones."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from pdserve.planner.measured_compare import (
+    PDSERVE_CONFIGS,
+    MeasuredLayout,
+    compare,
+    measured_layout,
+    render_comparison,
+)
+from pdserve.planner.measured_run import MeasuredRun, load_measured_run, read_trace_file
+from pdserve.planner.simulator import Layout
+from pdserve.planner.trace import TraceRequest
+from tests.planner.cli_run import run_pdserve
+from tests.planner.step_files import (
+    D0,
+    D1,
+    P0,
+    P1,
+    disagg_workers,
+    request,
+    serve_result,
+    write_json,
+)
+
+FLAG = "compare_measured (--compare-measured)"
+SERVE = serve_result([request(2.5, 300, 40), request(0.0, 100, 20),
+                      request(1.0, 200, 0, ok=False)])
+
+
+def test_a_serve_result_becomes_a_sorted_trace_of_every_request(tmp_path):
+    run = load_measured_run(str(write_json(tmp_path / "r.json", SERVE)), FLAG)
+    assert run.trace == (TraceRequest(0.0, 100, 20), TraceRequest(1.0, 200, 1),
+                         TraceRequest(2.5, 300, 40))  # the failed one as a one-token request
+    assert (run.completed, run.failed, run.config) == (2, 1, None)
+    assert run.medians_ms == {"median_ttft_ms": 100.0, "median_itl_ms": 20.0}
+
+
+def test_compare_results_need_a_config_unless_they_hold_one(tmp_path):
+    one = write_json(tmp_path / "one.json", {"disagg": SERVE})
+    run = load_measured_run(str(one), FLAG)
+    assert (run.config, run.label) == ("disagg", f"{one}:disagg")
+    two = write_json(tmp_path / "two.json", {"disagg": SERVE, "collocated": SERVE})
+    assert load_measured_run(f"{two}:collocated", FLAG).config == "collocated"
+    with pytest.raises(ValueError, match=r"holds configurations 'disagg', 'collocated': "
+                                         r"choose one as .*two.json:CONFIG"):
+        load_measured_run(str(two), FLAG)
+    with pytest.raises(ValueError, match=r"no configuration 'vllm' .*\(it has: 'disagg', "
+                                         "'collocated'\\)"):
+        load_measured_run(f"{two}:vllm", FLAG)
+    with pytest.raises(ValueError, match="a bench serve result: it has no configurations"):
+        load_measured_run(f"{write_json(tmp_path / 'r.json', SERVE)}:disagg", FLAG)
+
+
+@pytest.mark.parametrize("data, message", [
+    ({"median_ttft_ms": 1.0}, "is not a bench serve or compare results file"),
+    ({"disagg": {"decode-0": []}}, "is not a bench serve or compare results file"),
+    (serve_result([{"start_s": 0.0, "output_tokens": 3}]), "request 1: missing prompt_tokens"),
+    (serve_result([request(0, 10, 2), request(-1.0, 10, 2)]), "request 2: arrival_s must be"),
+    (serve_result([request(0, 0, 2)]), "request 1: prompt_tokens must be an integer >= 1"),
+    (serve_result([]), "the run holds no requests"),
+    (serve_result([request(0, 10, 2)], ttft_ms=-3.0), "median_ttft_ms must be a finite"),
+])
+def test_bad_results_files_say_what_is_wrong(tmp_path, data, message):
+    with pytest.raises(ValueError, match=message):
+        load_measured_run(str(write_json(tmp_path / "r.json", data)), FLAG)
+
+
+def test_trace_reads_results_files_and_still_jsonl(tmp_path):
+    cmp = write_json(tmp_path / "cmp.json", {"disagg": SERVE, "collocated": SERVE})
+    trace, label = read_trace_file(f"{cmp}:disagg")
+    assert len(trace) == 3 and label == f"requests of {cmp}:disagg"
+    jsonl = tmp_path / "t.jsonl"
+    jsonl.write_text('{"arrival_s": 0, "prompt_tokens": 5, "output_tokens": 2}\n')
+    assert read_trace_file(str(jsonl)) == ((TraceRequest(0, 5, 2),), f"file {jsonl}")
+    with pytest.raises(ValueError, match="is a JSONL trace: it has no configurations"):
+        read_trace_file(f"{jsonl}:disagg")
+
+
+def run_of(config: str | None, ttft: float | None = 100.0, itl: float | None = 20.0):
+    return MeasuredRun("r.json", config, (TraceRequest(0, 5, 2),),
+                       {"median_ttft_ms": ttft, "median_itl_ms": itl}, 1, 0)
+
+
+def test_bench_compare_names_fix_the_layout_and_pdserve_limits():
+    disagg = measured_layout(run_of("disagg"), None)
+    assert (disagg.layout, disagg.prefill_workers, disagg.decode_workers) == (Layout.DISAGG, 1, 1)
+    assert (disagg.max_batch, disagg.chunk_tokens, disagg.kv_cache_bytes) == (64, 512, 2**29)
+    assert measured_layout(run_of("collocated"), (Layout.COLLOC,)).collocated_workers == 1
+    assert PDSERVE_CONFIGS["collocated-chunked"].layout is Layout.CHUNKED
+    with pytest.raises(ValueError, match="'collocated' is colloc; drop --layouts"):
+        measured_layout(run_of("collocated"), (Layout.CHUNKED,))
+
+
+def test_other_runs_take_exactly_one_layout_from_flags():
+    assert measured_layout(run_of("vllm"), (Layout.CHUNKED,)) == MeasuredLayout(Layout.CHUNKED)
+    for run, layouts in ((run_of("vllm"), None), (run_of(None), tuple(Layout))):
+        with pytest.raises(ValueError, match="pass --layouts with one of disagg, colloc"):
+            measured_layout(run, layouts)
+
+
+def test_relative_errors_and_the_verdict():
+    c = compare(run_of("disagg"), "disagg 1P+1D", {"median_ttft_ms": 130.0,
+                                                   "median_itl_ms": 19.0, "p99_itl_ms": 1.0})
+    assert c.error("median_ttft_ms") == pytest.approx(0.3)
+    assert c.error("median_itl_ms") == pytest.approx(-0.05)
+    assert c.worst == pytest.approx(0.3)
+    text = render_comparison(c)
+    assert "median TTFT (ms)" in text and "+30.0%" in text and "-5.0%" in text
+    assert "largest |error| 30.0%: NOT within 25%" in text
+    none = compare(run_of(None, ttft=0.0, itl=None), "x", {"median_ttft_ms": 1.0,
+                                                          "median_itl_ms": 2.0})
+    assert none.error("median_ttft_ms") is None and none.worst is None
+
+
+# ---- the command line -------------------------------------------------------------------------
+
+# One request of 1000 prompt tokens and 11 output tokens on the step_files machine: TTFT is its
+# prefill step, P0 + P1 x 1000 = 210 ms; 9 of its 10 ITL gaps are decode steps at B = 1,
+# D0 + D1 = 22 ms (the first also carries the KV transfer), so the median ITL is 22 ms.
+SIM_TTFT_MS, SIM_ITL_MS = (P0 + P1 * 1000) * 1e3, (D0 + D1) * 1e3
+
+
+@pytest.fixture
+def files(tmp_path):
+    steps = write_json(tmp_path / "a.steps.json", {"disagg": disagg_workers()})
+    one = serve_result([request(0.0, 1000, 11)], ttft_ms=231.0, itl_ms=20.0)
+    results = write_json(tmp_path / "b.json", {"disagg": one, "collocated": one})
+    return steps, results
+
+
+def simulate_cli(capsys, *args: str) -> tuple[int, str, str]:
+    return run_pdserve(["simulate", "--model", "smollm2-135m", "--gpu", "cpu", *args], capsys)
+
+
+def test_cli_calibrated_on_run_a_predicts_run_b(files, capsys):
+    steps, results = files
+    rc, out, err = simulate_cli(capsys, "--calibrate", f"{steps}:disagg",
+                                "--compare-measured", f"{results}:disagg")
+    assert rc == 0, err
+    assert f"trace: requests of {results}:disagg, 1 requests" in out
+    assert "max batch 64" in out and "KV 23,301 tokens" in out  # 512 MiB / 23,040 B
+    assert f"measured run {results}:disagg (1 ok, 0 failed) vs simulated disagg 1P+1D" in out
+    assert re.search(r"median TTFT \(ms\) +231\.00 +210\.00 +-9\.1%", out)
+    assert re.search(r"median ITL \(ms\) +20\.00 +22\.00 +\+10\.0%", out)
+    assert "largest |error| 10.0%: within 25%" in out
+
+
+def test_cli_json_carries_the_comparison(files, capsys):
+    steps, results = files
+    rc, out, _ = simulate_cli(capsys, "--calibrate", f"{steps}:disagg", "--compare-measured",
+                              f"{results}:collocated", "--json")
+    data = json.loads(out)
+    assert rc == 0 and [r["label"] for r in data["results"]] == ["colloc 1"]
+    ttft = data["measured"]["metrics"]["median_ttft_ms"]
+    assert ttft["simulated"] == pytest.approx(SIM_TTFT_MS)
+    assert ttft["rel_error"] == pytest.approx(SIM_TTFT_MS / 231 - 1)
+    assert data["costs"]["model"] == "smollm2-135m" and data["costs"]["gpu"] == "cpu"
+
+
+def test_cli_serve_result_takes_layout_and_workers_from_flags(files, tmp_path, capsys):
+    steps, _ = files
+    serve = write_json(tmp_path / "r.json", serve_result([request(0.0, 1000, 11)]))
+    rc, out, _ = simulate_cli(capsys, "--calibrate", f"{steps}:disagg", "--compare-measured",
+                              str(serve), "--layouts", "chunked", "--collocated", "1")
+    assert rc == 0 and "vs simulated chunked 1 (2048)" in out
+    rc, _, err = simulate_cli(capsys, "--calibrate", f"{steps}:disagg", "--compare-measured",
+                              str(serve))
+    assert rc == 2 and "a bench serve result does not say how it was served" in err
+
+
+def test_cli_steps_need_the_device_they_ran_on(files, capsys):
+    steps, _ = files
+    rc, _, err = run_pdserve(["simulate", "--model", "smollm2-135m", "--calibrate", str(steps),
+                              "--num-requests", "2"], capsys)
+    assert rc == 2 and "gpu (--gpu) is required with bench rows or worker steps" in err

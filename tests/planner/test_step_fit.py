@@ -1,0 +1,133 @@
+"""Fitting step costs to worker step traces: exact on a line, robust to slow outliers, mixed steps
+left out (or used, less their decode part, when there is no pure prefill step)."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdserve.planner.step_fit import Step, fit_step_traces, is_steps_file, parse_steps
+from tests.planner.step_files import (
+    BATCHES,
+    D0,
+    D1,
+    P0,
+    P1,
+    decode_steps,
+    disagg_workers,
+    prefill_steps,
+)
+
+
+def fit(workers: dict, decode_time: str = "period"):
+    parsed = {w: parse_steps(rows, w) for w, rows in workers.items()}
+    return fit_step_traces(parsed, decode_time, source="test")
+
+
+def assert_machine(p, d0=D0, d1=D1, p0=P0, p1=P1):
+    assert p.decode_overhead_s == pytest.approx(d0, rel=1e-9)
+    assert p.decode_per_seq_s == pytest.approx(d1, rel=1e-9)
+    assert p.prefill_overhead_s == pytest.approx(p0, rel=1e-9)
+    assert p.prefill_per_token_s == pytest.approx(p1, rel=1e-9)
+
+
+@pytest.mark.parametrize("decode_time", ["period", "duration"])
+def test_steps_on_a_line_are_fitted_exactly(decode_time):
+    p = fit(disagg_workers(), decode_time)
+    assert_machine(p)
+    assert p.decode_per_context_token_s == 0  # steps do not record contexts
+    assert p.fit_rows == 5 * len(BATCHES) + 3 * 4
+    assert p.max_rel_error == pytest.approx(0, abs=1e-9)
+
+
+def test_slow_outliers_are_dropped_by_the_group_medians():
+    workers = {"prefill-0": prefill_steps(slow=1), "decode-0": decode_steps(slow=2)}
+    assert_machine(fit(workers))
+
+
+def test_period_charges_the_gap_between_steps_duration_does_not():
+    workers = disagg_workers(gap=0.001)
+    assert_machine(fit(workers, "period"), d0=D0 + 0.001)
+    assert_machine(fit(workers, "duration"))
+
+
+def test_an_idle_period_after_a_step_is_an_outlier():
+    decode = decode_steps()
+    decode[7:] = [[s + 30.0, e + 30.0, *rest] for s, e, *rest in decode[7:]]  # idle 30 s
+    assert_machine(fit({"prefill-0": prefill_steps(), "decode-0": decode}))
+
+
+def test_workers_are_ordered_by_start_and_kept_apart():
+    decode = decode_steps()
+    other = decode_steps(t0=1000.005)  # interleaved in time with `decode`, another worker
+    workers = {"prefill-0": prefill_steps(), "decode-0": decode[::-1], "decode-1": other}
+    assert_machine(fit(workers))
+
+
+def test_mixed_steps_do_not_move_the_fit():
+    workers = disagg_workers()
+    workers["collocated-0"] = [[0.0, 9.0, 500, 4, 5], [10.0, 10.5, 30, 60, 61]]
+    assert_machine(fit(workers))
+
+
+def test_without_pure_prefill_steps_mixed_steps_less_their_decode_part_fit_prefill():
+    mixed, t = [], 1000.0
+    for n, b in [(100, 1), (400, 3), (1600, 2), (6000, 5), (400, 8)]:
+        d = max(P0, D0) + P1 * n + D1 * b
+        mixed.append([t, t + d, n, b, b + 1])
+        t += d
+    p = fit({"collocated-0": decode_steps() + mixed})
+    assert_machine(p, p0=max(P0, D0))
+
+
+def test_zero_length_and_empty_steps_are_skipped():
+    workers = disagg_workers()
+    workers["decode-0"] += [[5000.0, 5000.0, 0, 3, 3], [6000.0, 6001.0, 0, 0, 0]]
+    assert_machine(fit(workers, "duration"))
+
+
+@pytest.mark.parametrize("workers, message", [
+    ({"prefill-0": prefill_steps()}, "no decode-only step"),
+    ({"decode-0": decode_steps()}, "no prefill step"),
+    ({"decode-0": decode_steps(), "prefill-0": [[0, 0.5, 100, 0, 1], [1, 1.1, 6000, 0, 1]]},
+     "do not grow with their tokens"),
+])
+def test_what_cannot_be_fitted_is_named(workers, message):
+    with pytest.raises(ValueError, match=message):
+        fit(workers)
+
+
+def test_unknown_decode_time_is_refused():
+    with pytest.raises(ValueError, match="--step-time"):
+        fit(disagg_workers(), "wall")
+
+
+@pytest.mark.parametrize("row, message", [
+    ([1.0, 2.0, 0, 3], r"expected \[start_s, end_s"),
+    ("1,2,0,3,3", r"expected \[start_s, end_s"),
+    ([1.0, "2", 0, 3, 3], "end_s must be a finite number"),
+    ([1.0, float("nan"), 0, 3, 3], "end_s must be a finite number"),
+    ([1.0, 2.0, -1, 3, 3], "prefill_tokens must be an integer >= 0"),
+    ([1.0, 2.0, 0, 2.5, 3], "decode_tokens must be an integer >= 0"),
+    ([1.0, 2.0, 0, 3, True], "num_requests must be an integer >= 0"),
+    ([2.0, 1.0, 0, 3, 3], "end_s 1.0 is before start_s 2.0"),
+])
+def test_bad_step_rows_name_the_worker_and_the_step(row, message):
+    with pytest.raises(ValueError, match=f"decode-0 step 2: {message}"):
+        parse_steps([[0.0, 0.5, 0, 1, 1], row], "decode-0")
+
+
+def test_parsed_steps_keep_their_fields():
+    assert parse_steps([[1, 2.5, 7, 3, 4]], "w") == [Step(1, 2.5, 7, 3, 4)]
+
+
+@pytest.mark.parametrize("data, expected", [
+    ({"decode-0": [], "prefill-0": [[0, 1, 5, 0, 1]]}, True),
+    ({"disagg": {"decode-0": []}, "collocated": {"collocated-0": []}}, True),
+    ({}, False),
+    ({"schema": "pdserve.calibration-profile/1", "decode": {}}, False),
+    ({"phase": "decode", "batch": 1}, False),
+    ({"disagg": {"median_ttft_ms": 1.0, "requests": []}}, False),
+    ([[0, 1, 5, 0, 1]], False),
+])
+def test_steps_files_are_told_by_shape(data, expected):
+    assert is_steps_file(data) is expected
