@@ -151,6 +151,9 @@ def add_compare_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2", help="default: %(default)s")
     p.add_argument("--transport", choices=["tcp", "nixl"], default="tcp",
                    help="KV transport of the disagg configuration (default: %(default)s)")
+    p.add_argument("--local-prefill-threshold", type=int, default=None, metavar="TOKENS",
+                   help="disagg: prompts up to this many uncached tokens run whole on the "
+                        "decode worker (default: pdserve up's)")
     p.add_argument("--workload", default="mixed", choices=["chat", "rag", "mixed", "fixed"],
                    help="see `pdserve bench serve --help` (default: %(default)s)")
     loop = p.add_mutually_exclusive_group()
@@ -185,7 +188,14 @@ def settings(args: argparse.Namespace) -> CompareSettings:
     return CompareSettings(
         configs=tuple(c for c in args.configs.split(",") if c), externals=tuple(externals),
         cores=args.cores, model=args.model, workload=workload, load=load, slo=slo,
-        timeout_s=args.timeout, up_args=("--transport", args.transport))
+        timeout_s=args.timeout, up_args=_up_args(args))
+
+
+def _up_args(args: argparse.Namespace) -> tuple[str, ...]:
+    extra = ("--transport", args.transport)
+    if args.local_prefill_threshold is not None:
+        extra += ("--local-prefill-threshold", str(args.local_prefill_threshold))
+    return extra
 
 
 def run_compare_cli(args: argparse.Namespace) -> int:

@@ -20,7 +20,7 @@ from collections import deque
 from pathlib import Path
 
 READY_TIMEOUT_S = 300.0
-FREE_TIMEOUT_S = 15.0  # blocks must be back well inside the 10 s transfer lease + margin
+FREE_TIMEOUT_S = 15.0  # blocks come back at once, well inside the 30 s transfer lease
 
 
 def _free_base_port() -> int:

@@ -21,6 +21,9 @@ from pdserve.transfer.descriptors import PeerId
 log = logging.getLogger("pdserve.router")
 
 ROLES = ("prefill", "decode", "collocated")
+# A refused connection or an error status marks a worker unhealthy at once; timeouts only after
+# this many in a row (a worker in a long step on a loaded core answers late, but it answers).
+SLOW_CHECKS_TO_FAIL = 3
 
 
 @dataclass(eq=False)
@@ -31,6 +34,7 @@ class WorkerHandle:
     peer: PeerId | None = None
     info: dict[str, Any] = field(default_factory=dict)
     inflight: int = 0  # legs this router has open on the worker
+    slow_checks: int = 0  # consecutive /health checks that timed out
     prefix: PrefixIndex = field(default_factory=PrefixIndex)
 
     @property
@@ -93,8 +97,16 @@ class WorkerPool:
             timeout = aiohttp.ClientTimeout(total=self.health_timeout_s)
             async with session.get(f"{w.url}/health", timeout=timeout) as resp:
                 info = await resp.json() if resp.status == 200 else None
-        except (aiohttp.ClientError, TimeoutError, ValueError):
+        except TimeoutError:
+            w.slow_checks += 1  # busy (a long prefill step on a loaded core), maybe not dead
+            if w.slow_checks >= SLOW_CHECKS_TO_FAIL and w.healthy:
+                log.warning("worker %s did not answer /health %d times in a row", w.name,
+                            w.slow_checks)
+                w.healthy = False
+            return
+        except (aiohttp.ClientError, ValueError):
             info = None
+        w.slow_checks = 0
         if info is None:
             if w.healthy:
                 log.warning("worker %s stopped answering /health", w.name)

@@ -41,7 +41,7 @@ class WorkerSettings:
     transport: TransportName = TransportName.TCP
     secret: bytes | None = None
     cpus: tuple[int, ...] | None = None
-    kv_lease_s: float = 10.0
+    kv_lease_s: float = 30.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "role", Role(self.role))
@@ -106,7 +106,7 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="tokens per engine step (default: 512 with chunked prefill, else the "
                         "context)")
-    p.add_argument("--kv-lease", type=float, default=10.0,
+    p.add_argument("--kv-lease", type=float, default=30.0,
                    help="seconds a KV reservation or a held prefill may wait for the other "
                         "side before it is freed (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="engine seed (default: %(default)s)")
