@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import socket
+import sys
 from pathlib import Path
 
 import pytest
@@ -24,6 +26,7 @@ def _args(*argv: str) -> argparse.Namespace:
     (("--configs", "disagg", "--external", "disagg=http://x/v1"), "unique"),
     (("--external", "no-equals-sign"), "NAME=URL"),
     (("--cores", "99"), "--cores"),
+    (("--external-start", "vllm=serve.sh"), "no --external"),
 ])
 def test_settings_refuse_what_cannot_run(argv, message) -> None:
     with pytest.raises(ValueError, match=message):
@@ -37,16 +40,29 @@ def test_table_gives_ratios_to_the_first_configuration() -> None:
     assert "200.00" in row and "50.00 (0.25x)" in row
 
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def test_compare_runs_each_configuration_and_writes_json_and_pictures(tiny_model,
                                                                       tmp_path: Path) -> None:
     out, plots = tmp_path / "cmp.json", tmp_path / "plots"
+    port = _free_port()
+    worker = (f"{sys.executable} -m pdserve.cli worker --model {tiny_model()} --dtype float32 "
+              f"--port {port}")
     code = main(["bench", "compare", "--model", str(tiny_model()), "--configs",
                  "collocated,disagg", "--workload", "fixed", "--input-len", "300",
                  "--output-len", "8", "--vocab", "512", "--rate", "8", "--num-requests", "6",
+                 "--external", f"worker-alone=http://127.0.0.1:{port}/v1",
+                 "--external-start", f"worker-alone={worker}",
                  "--out", str(out), "--plots", str(plots)])
     assert code == 0
     results = json.loads(out.read_text())
-    assert list(results) == ["collocated", "disagg"]
+    assert list(results) == ["collocated", "disagg", "worker-alone"]
+    with socket.socket() as s:  # the external server was stopped after its turn
+        assert s.connect_ex(("127.0.0.1", port)) != 0
     for r in results.values():
         assert r["completed"] == 6 and r["failed"] == 0 and "p99_itl_ms" in r
     steps = json.loads(out.with_suffix(".steps.json").read_text())

@@ -12,8 +12,12 @@ NAME=URL` adds a server someone else started (vLLM, see docs/vllm.md) to the sam
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import shlex
+import signal
+import subprocess
 import sys
 import time
 import urllib.request
@@ -36,6 +40,7 @@ CONFIGS: dict[str, tuple[str, ...]] = {
     "collocated-chunked": ("--collocated", "1", "--enable-chunked-prefill"),
     "disagg": ("--prefill", "1", "--decode", "1"),
 }
+EXTERNAL_READY_S = 900.0  # vLLM compiles its model graphs at start-up
 TABLE_KEYS = ("completed", "failed", "request_throughput", "output_throughput",
               "request_goodput", "mean_ttft_ms", "median_ttft_ms", "p90_ttft_ms", "p99_ttft_ms",
               "mean_tpot_ms", "median_tpot_ms", "p99_tpot_ms", "mean_itl_ms", "median_itl_ms",
@@ -53,6 +58,8 @@ class CompareSettings:
     slo: Slo
     timeout_s: float
     up_args: tuple[str, ...] = ()
+    starts: tuple[tuple[str, str], ...] = ()  # external name -> command that serves it
+
 
     def __post_init__(self) -> None:
         unknown = [c for c in self.configs if c not in CONFIGS]
@@ -61,6 +68,9 @@ class CompareSettings:
         names = list(self.configs) + [n for n, _ in self.externals]
         if not names or len(set(names)) != len(names):
             raise ValueError(f"configuration names must be given and unique, got {names}")
+        orphans = [n for n, _ in self.starts if n not in dict(self.externals)]
+        if orphans:
+            raise ValueError(f"--external-start names {orphans} have no --external NAME=URL")
         available = len(os.sched_getaffinity(0))
         if not 1 <= self.cores <= available:
             raise ValueError(f"--cores must be in 1..{available} (the cores this process may "
@@ -109,14 +119,54 @@ def run_config(s: CompareSettings, name: str) -> tuple[dict[str, Any], dict[str,
         up.stop()
 
 
+def run_external(s: CompareSettings, name: str, url: str) -> dict[str, Any]:
+    """Bench a server at `url`; if `s.starts` has a command for `name`, start it first (alone
+    on the machine, like every pdserve configuration) and stop it afterwards."""
+    command = dict(s.starts).get(name)
+    print(f"== {name}: external server at {url}" + (f", started with: {command}" if command
+                                                      else ""), file=sys.stderr, flush=True)
+    if command is None:
+        return run_bench(url, s.model, s.workload, s.load, s.timeout_s, s.slo)
+    proc = subprocess.Popen(shlex.split(command), start_new_session=True)
+    try:
+        _wait_ready(url, proc, EXTERNAL_READY_S)
+        _warm_up(url, s.model, s.workload)
+        return run_bench(url, s.model, s.workload, s.load, s.timeout_s, s.slo)
+    finally:
+        _stop_group(proc)
+
+
+def _wait_ready(url: str, proc: subprocess.Popen, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the external server exited with code {proc.returncode}")
+        try:
+            get_json(url.rstrip("/") + "/models", timeout=2)
+            return
+        except (OSError, ValueError):
+            time.sleep(1)
+    raise RuntimeError(f"the external server at {url} was not ready in {timeout_s:.0f} s")
+
+
+def _stop_group(proc: subprocess.Popen) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(5)
+
+
 def run_compare(s: CompareSettings) -> tuple[dict[str, dict], dict[str, dict]]:
     """(results by configuration name, worker step traces by configuration name)."""
     results, traces = {}, {}
     for name in s.configs:
         results[name], traces[name] = run_config(s, name)
     for name, url in s.externals:
-        print(f"== {name}: external server at {url}", file=sys.stderr, flush=True)
-        results[name] = run_bench(url, s.model, s.workload, s.load, s.timeout_s, s.slo)
+        results[name] = run_external(s, name, url)
     return results, traces
 
 
@@ -146,6 +196,11 @@ def add_compare_args(p: argparse.ArgumentParser) -> None:
                         "(default: %(default)s)")
     p.add_argument("--external", action="append", default=[], metavar="NAME=URL",
                    help="also measure a server already running at URL (e.g. vLLM), as NAME")
+    p.add_argument("--external-start", action="append", default=[], metavar="NAME=COMMAND",
+                   help="start that external server with COMMAND at its turn (so it runs "
+                        "alone, like each pdserve configuration), wait until URL/models "
+                        "answers, stop its process group after; e.g. vllm='tools/vllm/serve.sh "
+                        "collocated --port 8200'")
     p.add_argument("--cores", type=int, default=len(os.sched_getaffinity(0)),
                    help="cores every configuration gets (default: all, %(default)s)")
     p.add_argument("--model", default="smollm2", help="default: %(default)s")
@@ -179,16 +234,22 @@ def add_compare_args(p: argparse.ArgumentParser) -> None:
 
 def settings(args: argparse.Namespace) -> CompareSettings:
     workload, load, slo = settings_from_args(args)
-    externals = []
-    for item in args.external:
-        name, sep, url = item.partition("=")
-        if not sep or not name or not url:
-            raise ValueError(f"--external wants NAME=URL, got {item!r}")
-        externals.append((name, url))
+    externals = _pairs(args.external, "--external", "NAME=URL")
+    starts = _pairs(args.external_start, "--external-start", "NAME=COMMAND")
     return CompareSettings(
         configs=tuple(c for c in args.configs.split(",") if c), externals=tuple(externals),
         cores=args.cores, model=args.model, workload=workload, load=load, slo=slo,
-        timeout_s=args.timeout, up_args=_up_args(args))
+        timeout_s=args.timeout, up_args=_up_args(args), starts=starts)
+
+
+def _pairs(items: list[str], option: str, shape: str) -> tuple[tuple[str, str], ...]:
+    pairs = []
+    for item in items:
+        name, sep, value = item.partition("=")
+        if not sep or not name or not value:
+            raise ValueError(f"{option} wants {shape}, got {item!r}")
+        pairs.append((name, value))
+    return tuple(pairs)
 
 
 def _up_args(args: argparse.Namespace) -> tuple[str, ...]:
