@@ -73,7 +73,9 @@ class NixlTransport:
         self._tcp = TcpTransport(local_host, port, secret=secret, instance_id=instance_id,
                                  advertise_port=advertise_port, options=self.options.tcp)
         self._name = agent_name(self._tcp.local)
-        self._agent = nixl_agent(self._name, nixl_agent_config(backends=["UCX"]))
+        # NIXL's progress thread spins (see NixlOptions.progress_thread).
+        self._agent = nixl_agent(self._name, nixl_agent_config(
+            enable_prog_thread=self.options.progress_thread, backends=["UCX"]))
         self._lock = threading.RLock()
         self._region: PoolRegion | None = None
         self._reg: Any = None

@@ -20,11 +20,16 @@ class NixlOptions:
     """`cancel_wait_s`: how long `cancel` waits for NIXL to report a move finished before it
     asks NIXL to abort it. `meta_timeout_s`: how long a move waits for the peer's metadata
     (a peer without a registered pool never sends any). `dead_grace_s`: how long a move to a
-    peer the TCP channel reports dead may stay pending before it is reported "error"."""
+    peer the TCP channel reports dead may stay pending before it is reported "error".
+    `progress_thread`: NIXL's own progress thread. It polls with zero delay, so each endpoint
+    holds a core near 100% even when idle; without it, UCX over TCP (this machine) does not
+    progress the target side of a write, and moves stall. On until the transport drives
+    progress itself on both sides."""
 
     cancel_wait_s: float = 5.0
     meta_timeout_s: float = 5.0
     dead_grace_s: float = 0.5
+    progress_thread: bool = True
     tcp: TcpOptions = field(default_factory=TcpOptions)
 
     def __post_init__(self) -> None:
