@@ -1,4 +1,6 @@
-"""The worker's engine thread: every engine and transfer call happens here, nowhere else.
+"""The worker's engine thread: every engine call happens here, nowhere else. Transfers are
+polled by `HubPump`'s thread (so they progress during long steps); their events are applied
+here.
 
 Life cycle of a leg (see `api/legs.py` for the kinds):
 - LOCAL: `add_request`; token events until finished.
@@ -34,14 +36,9 @@ from enum import IntEnum
 from pdserve.api.legs import LegKind, LegRequest, TokenEvent
 from pdserve.engine.engine import Engine
 from pdserve.engine.outputs import RequestOutput
+from pdserve.workers.hub_pump import HubPump
 from pdserve.workers.step_trace import Step, StepTrace
-from pdserve.workers.transfer_hub import (
-    PeerClosed,
-    RecvDone,
-    RecvFailed,
-    SendEnded,
-    TransferHub,
-)
+from pdserve.workers.transfer_hub import PeerClosed, RecvDone, RecvFailed, SendEnded
 from pdserve.workers.worker_metrics import WorkerMetrics
 
 log = logging.getLogger("pdserve.worker")
@@ -74,7 +71,7 @@ class _Leg:
 
 
 class EngineLoop:
-    def __init__(self, engine: Engine, hub: TransferHub | None, metrics: WorkerMetrics) -> None:
+    def __init__(self, engine: Engine, hub: HubPump | None, metrics: WorkerMetrics) -> None:
         self.engine, self.hub, self.metrics = engine, hub, metrics
         self.trace = StepTrace()
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
@@ -123,7 +120,7 @@ class EngineLoop:
     def _iterate(self) -> None:
         self._take_commands()
         if self.hub is not None:
-            for event in self.hub.poll():
+            for event in self.hub.take_events():
                 self._on_transfer(event)
         self._open_reservations()
         self._flush()  # acceptances and transfer outcomes go out before a long step

@@ -35,6 +35,7 @@ from pdserve.engine.sampling_params import SamplingParams
 from pdserve.metrics import CONTENT_TYPE
 from pdserve.transfer.descriptors import KVLayout
 from pdserve.workers.engine_loop import Accepted, EngineLoop
+from pdserve.workers.hub_pump import HubPump
 from pdserve.workers.settings import TransportName, WorkerSettings
 from pdserve.workers.step_trace import Step
 from pdserve.workers.transfer_hub import TransferHub
@@ -53,6 +54,7 @@ class Worker:
         self.api = OpenAIServer(settings.served_model_name, None, self._max_model_len,
                                 self._generate_local)
         self.load_seconds: float | None = None
+        self.pump: HubPump | None = None
 
     # -- start and stop ------------------------------------------------------------------------
 
@@ -66,8 +68,10 @@ class Worker:
             self.transport = _open_transport(s)
             self.transport.register(self.engine.kv_cache)
             layout = KVLayout.of_cache(self.engine.kv_cache, s.served_model_name)
-            hub = TransferHub(self.transport, self.engine.kv_cache, layout,
-                              self.engine.block_manager.generation, s.kv_lease_s)
+            hub = HubPump(TransferHub(self.transport, self.engine.kv_cache, layout,
+                                      self.engine.block_manager.generation, s.kv_lease_s))
+            hub.start()
+        self.pump = hub
         self.loop = EngineLoop(self.engine, hub, self.metrics)
         self.metrics.bind_engine(self.engine, lambda: self.loop.num_legs)
         self.api.tokenizer = self.engine.tokenizer
@@ -81,6 +85,8 @@ class Worker:
     def close(self) -> None:
         if self.loop is not None:
             self.loop.stop()
+        if self.pump is not None:
+            self.pump.stop()
         if self.transport is not None:
             self.transport.close()
 
