@@ -131,3 +131,16 @@ def test_parsed_steps_keep_their_fields():
 ])
 def test_steps_files_are_told_by_shape(data, expected):
     assert is_steps_file(data) is expected
+
+
+def test_a_stray_pure_prefill_step_does_not_price_every_prompt_token():
+    """A busy collocated worker's only pure prefill step was a 1-token prompt tail of 60 ms
+    (measured); with more mixed steps than pure ones, the mixed steps join the fit."""
+    mixed, t = [], 1000.0
+    for n, b in [(100, 1), (400, 3), (1600, 2), (6000, 5), (400, 8)]:
+        d = max(P0, D0) + P1 * n + D1 * b
+        mixed.append([t, t + d, n, b, b + 1])
+        t += d
+    stray = [[t + 1, t + 1 + max(P0, D0) + P1, 1, 0, 1]]
+    p = fit({"collocated-0": decode_steps() + mixed + stray})
+    assert_machine(p, p0=max(P0, D0))

@@ -12,8 +12,8 @@ What fits what:
 - mixed steps (both > 0, collocated serving) are left out: the model prices them as
   max(prefill overhead, decode overhead) + per_token x N + per_seq x B, so one mixed time
   mixes four unknowns through a max, and pure steps measure each side cleanly. Exception: with
-  no pure prefill step at all (a busy collocated worker always has decodes beside a new
-  prompt; chunked prefill shares every step), prefill is fitted to the mixed steps once the
+  fewer pure prefill steps than mixed ones (a busy collocated worker almost always has decodes
+  beside a new prompt; chunked prefill shares every step), the mixed steps join the fit once the
   decode line is known: t - per_seq x B = overhead' + per_token x N, where overhead' stands
   for max(prefill overhead, decode overhead), the overhead a mixed step pays.
 - steps with no tokens or no measurable length (end_s == start_s) are skipped.
@@ -161,6 +161,19 @@ def _max_rel_error(points: Sequence[BenchPoint], line: tuple[float, float]) -> f
     return max(abs(line[0] + line[1] * p.x - p.fitted_part) / p.seconds for p in points)
 
 
+def _prefill_groups(groups: _Groups, per_seq_s: float) -> dict[int, list]:
+    """Pure prefill steps, joined by the mixed ones (less their decode part) when the pure
+    ones are fewer: a busy collocated worker has a stray pure step or two (a 1-token prompt
+    tail), which alone would price every prompt token like a whole step."""
+    pure = groups.prefill
+    if sum(map(len, pure.values())) >= len(groups.mixed):
+        return pure
+    merged = {k: list(v) for k, v in _mixed_as_prefill(groups.mixed, per_seq_s).items()}
+    for k, v in pure.items():
+        merged.setdefault(k, []).extend(v)
+    return merged
+
+
 def fit_step_traces(steps: Mapping[str, Sequence[Step]], decode_time: str = "period",
                     source: str = "step traces") -> CalibrationProfile:
     """A profile fitted to worker steps (module docstring); ValueError when a side has no step
@@ -174,7 +187,7 @@ def fit_step_traces(steps: Mapping[str, Sequence[Step]], decode_time: str = "per
         raise ValueError(f"{source}: no decode-only step (prefill_tokens 0, decode_tokens > 0) "
                          "to fit the decode costs")
     d0, d1 = fit_line(decode, single="intercept")
-    prefill = _median_points(groups.prefill or _mixed_as_prefill(groups.mixed, d1))
+    prefill = _median_points(_prefill_groups(groups, d1))
     if not prefill:
         raise ValueError(f"{source}: no prefill step (prefill_tokens > 0) to fit the prefill "
                          "costs")
