@@ -334,9 +334,17 @@ class EngineLoop:
         self._drop(leg)
 
     def _fail_all(self, reason: str) -> None:
+        """After a bug: end every leg. Reserved blocks with an open session are freed only
+        when that session says no writer can touch them (the normal RecvFailed path)."""
         for leg in list(self._legs.values()):
-            self.engine.abort(leg.engine_id)
-            self._end(leg, _error(reason))
+            if leg.phase is Phase.TRANSFERRING:
+                leg.cancelled = True
+                self.hub.abort(leg.req.transfer_id, reason)
+                self._emit(leg.sink, _error(reason))
+                self._drop(leg, keep_tid=True)  # its transfer event frees the blocks
+            else:
+                self.engine.abort(leg.engine_id)
+                self._end(leg, _error(reason))
 
     def _emit(self, sink: asyncio.Queue, item: object) -> None:
         self._out.append((sink, item))

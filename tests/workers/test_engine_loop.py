@@ -1,0 +1,100 @@
+"""The worker's engine thread driven directly: local legs stream to the end, a cancel frees
+the blocks, and a failing step ends every leg with an error instead of hanging it."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from pdserve.api.legs import LegRequest, TokenEvent
+from pdserve.config import EngineConfig
+from pdserve.engine.engine import Engine
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.workers.engine_loop import Accepted, EngineLoop
+from pdserve.workers.worker_metrics import WorkerMetrics
+
+PARAMS = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture
+def engine(tiny_model) -> Engine:
+    return Engine(EngineConfig(model=str(tiny_model()), dtype="float32", max_model_len=256))
+
+
+async def _events(sink: asyncio.Queue, timeout: float = 30.0) -> list:
+    items = []
+    while True:
+        item = await asyncio.wait_for(sink.get(), timeout)
+        items.append(item)
+        if isinstance(item, TokenEvent) and item.final:
+            return items
+
+
+def _run(engine: Engine, scenario) -> None:
+    async def main() -> None:
+        loop = EngineLoop(engine, None, WorkerMetrics("collocated"))
+        loop.start(asyncio.get_running_loop())
+        try:
+            await scenario(loop)
+        finally:
+            loop.stop()
+
+    asyncio.run(main())
+
+
+def test_local_legs_stream_every_token_then_end(engine: Engine) -> None:
+    async def scenario(loop: EngineLoop) -> None:
+        sinks = [loop.submit(LegRequest(f"r{i}", tuple(range(3, 13 + i)), PARAMS))
+                 for i in range(3)]
+        for sink in sinks:
+            items = await _events(sink)
+            assert isinstance(items[0], Accepted)
+            tokens = [t for e in items[1:] for t in e.token_ids]
+            assert len(tokens) == 40 and items[-1].finish_reason == "length"
+
+    _run(engine, scenario)
+    assert engine.block_manager.num_used_blocks == 0
+
+
+def test_a_failing_step_ends_every_leg_with_an_error_and_frees_blocks(engine: Engine,
+                                                                      monkeypatch) -> None:
+    real_step = engine.step
+    calls = {"n": 0}
+
+    def flaky_step():
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("injected")
+        return real_step()
+
+    monkeypatch.setattr(engine, "step", flaky_step)
+
+    async def scenario(loop: EngineLoop) -> None:
+        sinks = [loop.submit(LegRequest(f"r{i}", tuple(range(3, 20)), PARAMS))
+                 for i in range(2)]
+        for sink in sinks:
+            items = await _events(sink)
+            assert items[-1].error == "internal error in the engine loop"
+        assert not loop.num_legs
+
+    _run(engine, scenario)
+    engine.step()  # drain the abort outputs
+    assert engine.block_manager.num_used_blocks == 0
+
+
+def test_cancel_frees_the_blocks_of_a_running_leg(engine: Engine) -> None:
+    async def scenario(loop: EngineLoop) -> None:
+        sink = loop.submit(LegRequest("r", tuple(range(3, 40)), SamplingParams(
+            max_tokens=200, temperature=0, ignore_eos=True)))
+        assert isinstance(await sink.get(), Accepted)
+        await sink.get()  # a first token: the leg runs
+        loop.cancel("r")
+        for _ in range(200):
+            await asyncio.sleep(0.01)
+            if not loop.num_legs:
+                break
+        assert not loop.num_legs
+
+    _run(engine, scenario)
+    assert engine.block_manager.num_used_blocks == 0
