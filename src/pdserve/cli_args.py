@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import re
 
 from pdserve.config import DTYPES
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -14,3 +18,12 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "Hugging Face model folder (default: %(default)s)")
     p.add_argument("--dtype", default="bfloat16", choices=list(DTYPES),
                    help="weights and KV cache dtype (default: %(default)s)")
+
+
+def parse_size(text: str) -> int:
+    """Bytes from "512MiB", "2G", "1048576" (binary units, whatever the spelling)."""
+    m = _SIZE.match(str(text))
+    if not m:
+        raise ValueError(f"cannot read {text!r} as a size; write e.g. 512MiB, 2GiB or bytes")
+    unit = (m.group(2) or "").lower()[:1]
+    return int(float(m.group(1)) * _UNITS[unit])

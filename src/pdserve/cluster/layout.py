@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from pdserve.cli_args import parse_size
 from pdserve.cluster.child import ProcessSpec
 from pdserve.config import DTYPES
 
@@ -26,7 +26,6 @@ TRANSPORTS = ("tcp", "nixl")
 HTTP_PORT_OFFSET = 1
 KV_PORT_OFFSET = 101
 MAX_WORKERS = KV_PORT_OFFSET - HTTP_PORT_OFFSET
-_SIZE = re.compile(r"^[0-9]+(\.[0-9]+)?([KMGT]i?B|B)?$")
 
 
 @dataclass(frozen=True)
@@ -87,9 +86,7 @@ class UpConfig:
                                      ("dtype", self.dtype, tuple(DTYPES))):
             if value not in choices:
                 raise ValueError(f"{name} must be one of {', '.join(choices)}, got {value!r}")
-        if not _SIZE.match(self.kv_cache_memory):
-            raise ValueError("kv cache memory must be a size like 512MiB or 2GiB, got "
-                             f"{self.kv_cache_memory!r}")
+        parse_size(self.kv_cache_memory)  # the worker parses it the same way
 
     @property
     def num_workers(self) -> int:

@@ -14,14 +14,13 @@ Life cycle.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
-import signal
 from dataclasses import dataclass, field
 
 import aiohttp
 from aiohttp import web
 
+from pdserve.api.http_site import start_site, stop_event
 from pdserve.api.openai_server import GenerateError, OpenAIServer
 from pdserve.engine.model.hub import load_tokenizer, resolve_model
 from pdserve.engine.sampling_params import SamplingParams
@@ -162,16 +161,11 @@ def settings_from_args(args: argparse.Namespace) -> RouterSettings:
 async def serve(settings: RouterSettings) -> None:
     router = Router(settings)
     await router.start()
-    runner = web.AppRunner(router.app(), handler_cancellation=True, access_log=None)
-    await runner.setup()
-    await web.TCPSite(runner, settings.host, settings.port).start()
+    runner = await start_site(router.app(), settings.host, settings.port)
     log.info("router listening on http://%s:%d/v1 (%d prefill, %d decode, %d collocated "
              "workers, policy %s)", settings.host, settings.port, len(settings.prefill),
              len(settings.decode), len(settings.collocated), settings.policy)
-    stop = asyncio.Event()
-    aio = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        aio.add_signal_handler(sig, stop.set)
+    stop = stop_event()
     try:
         await stop.wait()
     finally:

@@ -20,7 +20,6 @@ import asyncio
 import contextlib
 import logging
 import os
-import signal
 import time
 from typing import Any
 
@@ -28,6 +27,7 @@ import torch
 from aiohttp import web
 
 from pdserve.api.errors import ApiError
+from pdserve.api.http_site import start_site, stop_event
 from pdserve.api.legs import LegRequest, TokenEvent
 from pdserve.api.openai_server import GenerateError, OpenAIServer
 from pdserve.engine.engine import Engine
@@ -219,17 +219,11 @@ async def serve(settings: WorkerSettings) -> None:
     """Run one worker until SIGTERM or SIGINT."""
     pin_cpus(settings.cpus)
     worker = Worker(settings)
-    runner = web.AppRunner(worker.app(), handler_cancellation=True, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, settings.host, settings.port)
-    await site.start()
+    runner = await start_site(worker.app(), settings.host, settings.port)
     log.info("%s worker listening on http://%s:%d (loading %s)", settings.role.value,
              settings.host, settings.port, settings.engine.model)
-    aio = asyncio.get_running_loop()
-    stop = asyncio.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        aio.add_signal_handler(sig, stop.set)
-    loading = asyncio.ensure_future(asyncio.to_thread(worker.load, aio))
+    stop = stop_event()
+    loading = asyncio.ensure_future(asyncio.to_thread(worker.load, asyncio.get_running_loop()))
     try:
         done, _ = await asyncio.wait({loading, asyncio.ensure_future(stop.wait())},
                                      return_when=asyncio.FIRST_COMPLETED)

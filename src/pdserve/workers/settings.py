@@ -4,29 +4,17 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
 
+from pdserve.cli_args import parse_size
 from pdserve.config import DTYPES, EngineConfig, Role
-
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
-_UNITS = {"": 1, "b": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
 
 
 class TransportName(StrEnum):
     TCP = "tcp"
     NIXL = "nixl"
-
-
-def parse_size(text: str) -> int:
-    """Bytes from "512MiB", "2G", "1048576" (binary units, whatever the spelling)."""
-    m = _SIZE.match(str(text))
-    if not m:
-        raise ValueError(f"cannot read {text!r} as a size; write e.g. 512MiB, 2GiB or bytes")
-    unit = (m.group(2) or "").lower()[:1]
-    return int(float(m.group(1)) * _UNITS[unit])
 
 
 @dataclass(frozen=True)
