@@ -157,9 +157,8 @@ CHILD = """
 import json, sys, time, torch
 from pdserve.transfer.nixl import NixlTransport
 from tests.transfer.test_tcp import SECRET, pool
-cache = pool(400, seed=11)
 tx = NixlTransport(secret=SECRET)
-tx.register(cache)
+tx.register(pool(400, seed=11))  # no other reference: the transport must keep it alive
 print("PEER", json.dumps(tx.local.to_json()), flush=True)
 while True:
     for peer, msg in tx.receive():

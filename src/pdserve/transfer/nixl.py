@@ -107,6 +107,8 @@ class NixlTransport:
             if self._region is not None:
                 raise ValueError("a NixlTransport registers one pool, once")
             region = PoolRegion.of_cache(pool)
+            # NIXL holds only the address: keep the tensor alive as long as peers may touch it.
+            self._pool_data = pool.data
             self._reg = self._agent.register_memory(region.reg_list(), region.mem)
             self._prepped = self._agent.prep_xfer_dlist("NIXL_INIT_AGENT", region.block_descs(),
                                                         region.mem)
