@@ -4,6 +4,7 @@ their source, and the session layer end to end (push and pull) with real engines
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import random
 from collections.abc import Callable, Iterator
@@ -12,6 +13,7 @@ import pytest
 import torch
 
 from pdserve.engine.kv_cache import KVCache
+from pdserve.engine.model.config import ModelConfig
 from pdserve.transfer.descriptors import PeerId
 from pdserve.transfer.fake import FakeFabric
 from pdserve.transfer.sessions import Mode
@@ -25,8 +27,9 @@ from tests.transfer.test_tcp import SECRET, finish, mapping, pool, wait_for
 POOL_BLOCKS = 400
 
 
-def _tcp() -> Callable[[], Transport]:
-    return lambda: TcpTransport(secret=SECRET, options=TCP_OPTS)
+def _tcp(encrypt: bool = False) -> Callable[[], Transport]:
+    options = dataclasses.replace(TCP_OPTS, encrypt=encrypt)
+    return lambda: TcpTransport(secret=SECRET, options=options)
 
 
 def _nixl() -> Callable[[], Transport]:
@@ -47,10 +50,11 @@ def _fake() -> Callable[[], Transport]:
     return endpoint
 
 
-@pytest.fixture(params=["fake", "tcp", "nixl"])
+@pytest.fixture(params=["fake", "tcp", "tcp-aes", "nixl"])
 def make(request) -> Iterator[Callable[[KVCache], Transport]]:
     """make(pool) -> a transport endpoint with `pool` registered, closed after the test."""
-    factory = {"fake": _fake, "tcp": _tcp, "nixl": _nixl}[request.param]()
+    factory = {"fake": _fake, "tcp": _tcp, "tcp-aes": lambda: _tcp(encrypt=True),
+               "nixl": _nixl}[request.param]()
     with contextlib.ExitStack() as stack:
         def endpoint(cache: KVCache) -> Transport:
             tx = factory()
@@ -90,6 +94,42 @@ def test_random_mappings_both_ways(make):
         assert torch.equal(b_pool.data[dst], a_pool.data[src])
 
 
+# 512-byte blocks, so a pool of thousands stays small: 2 layers x (K, V) x 1 head x 4 x 8 fp32.
+SMALL = ModelConfig("LlamaForCausalLM", vocab_size=64, hidden_size=8, intermediate_size=16,
+                    num_layers=2, num_heads=1, num_kv_heads=1, head_dim=8,
+                    max_position_embeddings=64)
+MANY = 4096
+
+
+def _many_pool(seed: int | None = None) -> KVCache:
+    cache = KVCache(SMALL, MANY, 4, torch.float32)
+    if seed is not None:
+        cache.data.copy_(torch.randn(cache.data.shape,
+                                     generator=torch.Generator().manual_seed(seed)))
+    return cache
+
+
+@pytest.mark.parametrize("direction", ["push", "pull"])
+def test_thousands_of_blocks_under_random_mappings(make, direction):
+    """Property: for any count from 1 to the whole pool and any distinct source and destination
+    blocks, the destination blocks end equal to the sources and no other block changes."""
+    a_pool, b_pool = _many_pool(seed=3), _many_pool()
+    a, b = make(a_pool), make(b_pool)
+    rng = random.Random(direction)
+    counts = [1, MANY, *(rng.randint(2, MANY - 1) for _ in range(4))]
+    for tid, n in enumerate(counts, start=1):
+        src, dst = mapping(n, seed=tid, blocks=MANY)
+        b_pool.data.fill_(-1.0)
+        if direction == "push":
+            status = finish(a, a.write(tid, src, b.local, dst), b, timeout=30.0)
+        else:
+            status = finish(b, b.read(tid, dst, a.local, src), a, timeout=30.0)
+        assert status == "done", f"{n} blocks"
+        assert torch.equal(b_pool.data[dst], a_pool.data[src]), f"{n} blocks"
+        untouched = sorted(set(range(MANY)) - set(dst))
+        assert bool((b_pool.data[untouched] == -1.0).all()), f"{n} blocks"
+
+
 def test_control_messages_arrive_in_order_with_their_source(make):
     a, b = make(pool(4)), make(pool(4))
     for i in range(50):
@@ -108,7 +148,7 @@ def engines(tiny_model):
 @pytest.mark.parametrize("mode", [Mode.PUSH, Mode.PULL])
 def test_sessions_run_unchanged(make, engines, mode, tiny_model, request):
     pre, dec = engines
-    first_tid = 1000 + 10 * (mode is Mode.PULL) + 100 * ["fake", "tcp", "nixl"].index(
+    first_tid = 1000 + 10 * (mode is Mode.PULL) + 100 * ["fake", "tcp", "tcp-aes", "nixl"].index(
         request.node.callspec.params["make"])
     check_sessions_end_to_end(pre, dec, make(pre.kv_cache), make(dec.kv_cache), mode,
                               first_tid, tiny_model("llama"))
