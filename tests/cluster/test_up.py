@@ -95,6 +95,7 @@ def test_three_prefill_two_decode_on_two_cores() -> None:
     (["--kv-cache-memory", "lots"], "size"),
     (["--max-model-len", "0"], "max_model_len"),
     (["--ready-timeout", "0"], "timeout"),
+    (["--transport", "nixl", "--kv-encrypt"], "tcp transport only"),
 ])
 def test_bad_options_raise_value_error(argv: list[str], match: str) -> None:
     with pytest.raises(ValueError, match=match):
@@ -180,3 +181,11 @@ def test_chunked_prefill_reaches_every_worker() -> None:
     for w in workers:
         assert "--enable-chunked-prefill" in w.argv
         assert _option(w, "--max-num-batched-tokens") == ["256"]
+
+
+def test_kv_encryption_reaches_every_worker() -> None:
+    config = UpConfig.from_args(_args("--kv-encrypt", "--prefill", "2"))
+    workers = plan_processes(config, SECRET)[:-1]
+    assert len(workers) == 3 and all("--kv-encrypt" in w.argv for w in workers)
+    plain = plan_processes(UpConfig(), SECRET)[:-1]
+    assert not any("--kv-encrypt" in w.argv for w in plain)

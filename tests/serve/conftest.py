@@ -23,6 +23,11 @@ def disagg_tcp(request, tiny_model) -> Cluster:
 
 
 @pytest.fixture(scope="session")
+def disagg_tcp_sealed(request, tiny_model) -> Cluster:
+    return _cluster(request, tiny_model, "--transport", "tcp", "--kv-encrypt")
+
+
+@pytest.fixture(scope="session")
 def disagg_nixl(request, tiny_model) -> Cluster:
     return _cluster(request, tiny_model, "--transport", "nixl")
 

@@ -58,6 +58,29 @@ def test_concurrent_greedy_batch_matches_the_offline_engine(any_cluster: Cluster
         assert r.id.startswith("cmpl-")
 
 
+def test_kv_sealed_with_aes_gcm_gives_the_same_greedy_tokens(disagg_tcp_sealed: Cluster
+                                                             ) -> None:
+    with ThreadPoolExecutor(len(LENGTHS)) as pool:
+        results = list(pool.map(functools.partial(_complete, disagg_tcp_sealed), prompts()))
+    assert [r.choices[0].text for r in results] == list(_offline_texts(disagg_tcp_sealed.model))
+    decode = _scrape(disagg_tcp_sealed.worker_url(1))
+    assert _metric(decode, 'pdserve_transfer_bytes_total{direction="recv"}') > 0
+    assert "pdserve_transfer_failures_total{" not in decode  # a labelled child: none made
+
+
+def _scrape(url: str) -> str:
+    import urllib.request
+
+    with urllib.request.urlopen(url + "/metrics", timeout=5) as r:
+        return r.read().decode()
+
+
+def _metric(text: str, name: str) -> float:
+    lines = [line for line in text.splitlines() if line.startswith(name + " ")]
+    assert lines, f"{name} not in /metrics"
+    return float(lines[0].split()[-1])
+
+
 def test_streamed_completion_equals_the_whole_one(any_cluster: Cluster) -> None:
     prompt = prompts()[4]
     stream = client(any_cluster).completions.create(
@@ -129,21 +152,13 @@ def test_models_and_health(disagg_tcp: Cluster) -> None:
 def test_metrics_count_both_paths_and_the_transfer(disagg_tcp: Cluster, path: str) -> None:
     prompt = prompts()[4 if path == "disaggregated" else 0]
     _complete(disagg_tcp, prompt)
-    import urllib.request
-
-    def scrape(url: str) -> str:
-        with urllib.request.urlopen(url + "/metrics", timeout=5) as r:
-            return r.read().decode()
-
-    router = scrape(disagg_tcp.url.removesuffix("/v1"))
+    router = _scrape(disagg_tcp.url.removesuffix("/v1"))
     assert f'pdserve_router_requests_total{{path="{path}"}}' in router
     assert "pdserve_router_time_to_first_token_seconds_bucket" in router
-    decode = scrape(disagg_tcp.worker_url(1))
+    decode = _scrape(disagg_tcp.worker_url(1))
     assert "pdserve_kv_blocks_used " in decode
     assert "pdserve_inter_token_latency_seconds_count" in decode
-    recv_bytes = [line for line in decode.splitlines()
-                  if line.startswith('pdserve_transfer_bytes_total{direction="recv"}')]
-    assert recv_bytes and float(recv_bytes[0].split()[-1]) > 0
+    assert _metric(decode, 'pdserve_transfer_bytes_total{direction="recv"}') > 0
 
 
 def test_workers_record_their_engine_steps_for_timelines(disagg_tcp: Cluster) -> None:

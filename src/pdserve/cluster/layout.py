@@ -40,6 +40,7 @@ class UpConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     transport: str = "tcp"
+    kv_encrypt: bool = False
     dtype: str = "bfloat16"
     kv_cache_memory: str = "512MiB"
     max_model_len: int | None = None
@@ -87,6 +88,9 @@ class UpConfig:
             if value not in choices:
                 raise ValueError(f"{name} must be one of {', '.join(choices)}, got {value!r}")
         parse_size(self.kv_cache_memory)  # the worker parses it the same way
+        if self.kv_encrypt and self.transport != "tcp":
+            raise ValueError("--kv-encrypt seals the tcp transport only (NIXL moves KV with "
+                             "UCX, unencrypted)")
 
     @property
     def num_workers(self) -> int:
@@ -110,7 +114,7 @@ class UpConfig:
                              f"(available: {','.join(map(str, available))})")
         return cls(model=args.model, num_prefill=prefill, num_decode=decode,
                    num_collocated=collocated, host=args.host, port=args.port,
-                   transport=args.transport, dtype=args.dtype,
+                   transport=args.transport, kv_encrypt=args.kv_encrypt, dtype=args.dtype,
                    kv_cache_memory=args.kv_cache_memory, max_model_len=args.max_model_len,
                    policy=args.policy, local_prefill_threshold=args.local_prefill_threshold,
                    ready_timeout_s=args.ready_timeout, cpus=cpus,
@@ -184,6 +188,8 @@ def _worker_spec(config: UpConfig, index: int, role: str, secret_file: Path) -> 
         argv += ["--max-model-len", str(config.max_model_len)]
     if config.enable_chunked_prefill:
         argv += ["--enable-chunked-prefill"]
+    if config.kv_encrypt:
+        argv += ["--kv-encrypt"]
     if config.max_num_batched_tokens is not None:
         argv += ["--max-num-batched-tokens", str(config.max_num_batched_tokens)]
     return ProcessSpec(f"{role}-{role_index}", tuple(argv), worker_url(config, index) + "/health",

@@ -95,6 +95,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--transport", default="tcp", choices=TRANSPORTS,
                    help="how KV blocks move from prefill to decode workers "
                         "(default: %(default)s)")
+    p.add_argument("--kv-encrypt", action="store_true",
+                   help="encrypt KV transfers with AES-256-GCM (tcp transport)")
 
 
 def _add_router_args(p: argparse.ArgumentParser) -> None:
@@ -129,8 +131,9 @@ def run_up(args: argparse.Namespace) -> int:
 def _workers_phrase(config: UpConfig) -> str:
     if config.num_collocated:
         return f"{config.num_collocated} collocated workers"
+    sealed = " (AES-256-GCM)" if config.kv_encrypt else ""
     return (f"{config.num_prefill} prefill, {config.num_decode} decode workers over "
-            f"{config.transport}")
+            f"{config.transport}{sealed}")
 
 
 def _layout_line(config: UpConfig) -> str:

@@ -30,6 +30,7 @@ DEFAULT_MAX_NONCES = 100_000
 
 _MAGIC = b"PDA1"
 _DOMAIN = b"pdserve/transfer-handshake/v1\x00"
+_KEY_DOMAIN = b"pdserve/transfer-session-key/v1\x00"
 _PREFIX = struct.Struct("<4sQ16s")
 _MAC_BYTES = 32
 ENVELOPE_OVERHEAD = _PREFIX.size + _MAC_BYTES
@@ -130,6 +131,16 @@ class HandshakeAuth:
 
     def sign(self, message: bytes) -> bytes:
         return sign(self._secret, message, self._clock())
+
+    def session_key(self, *transcript: bytes) -> bytes:
+        """A 32-byte key bound to the secret and this handshake transcript:
+        HMAC-SHA256(secret, key domain || for each part: u32 LE length || part). Fresh when any
+        part carries a fresh nonce (both TCP handshake envelopes do)."""
+        h = hmac.new(self._secret, _KEY_DOMAIN, hashlib.sha256)
+        for part in transcript:
+            h.update(struct.pack("<I", len(part)))
+            h.update(part)
+        return h.digest()
 
     def verify(self, envelope: bytes | bytearray | memoryview) -> bytes:
         """The authenticated message; raises PeerRefused if forged, stale or replayed."""

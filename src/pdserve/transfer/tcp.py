@@ -23,17 +23,15 @@ from pdserve.transfer.tcp_frames import (
     BlockPool,
     Frame,
     ProtocolError,
-    drain,
     header,
     parse_u32s,
     recv_exact,
     recv_header,
-    recv_into_all,
-    send_all,
     shut,
     u32s,
 )
 from pdserve.transfer.tcp_peer import Job, Move, PeerSender
+from pdserve.transfer.tcp_wire import Wire
 from pdserve.transfer.transport import MoveHandle, MoveStatus
 
 if TYPE_CHECKING:
@@ -46,16 +44,26 @@ class _Closing(Exception):
     """Internal: the transport is closing."""
 
 
+CIPHERS = ("none", "aes-256-gcm")
+
+
 @dataclass(frozen=True)
 class TcpOptions:
     """Timeouts and limits. `cancel_wait_s` bounds how long `cancel` waits for a frame that is
     being sent or received before it shuts that connection down; `max_queued` bounds each peer's
-    send queue (a full queue drops control messages and fails new moves)."""
+    send queue (a full queue drops control messages and fails new moves). `encrypt` seals
+    every connection after its handshake with AES-256-GCM (`tcp_wire.py`); peers must agree,
+    and a handshake between a sealed and a plain endpoint is refused on both sides."""
 
     dial_timeout_s: float = 1.0
     handshake_timeout_s: float = 2.0
     cancel_wait_s: float = 5.0
     max_queued: int = 10_000
+    encrypt: bool = False
+
+    @property
+    def cipher(self) -> str:
+        return CIPHERS[self.encrypt]
 
     def __post_init__(self) -> None:
         for name in ("dial_timeout_s", "handshake_timeout_s", "cancel_wait_s"):
@@ -289,12 +297,18 @@ class TcpTransport:
         if old is not None and old != peer.instance_id:
             self.peer_died(PeerId(old, *addr), f"restarted as {peer.instance_id:016x}")
 
-    def _hello(self, ftype: Frame) -> bytes:
+    def _hello(self) -> bytes:
+        """A signed HELLO / HELLO_ACK envelope naming this instance and its cipher."""
+        message = json.dumps({"peer": self._local.to_json(), "cipher": self.options.cipher})
         with self._lock:
-            payload = self._auth.sign(json.dumps(self._local.to_json()).encode())
-        return header(ftype, plen=len(payload)) + payload
+            return self._auth.sign(message.encode())
 
-    def _verify_hello(self, sock: socket.socket, expect: Frame) -> PeerId:
+    @staticmethod
+    def _send_hello(sock: socket.socket, ftype: Frame, envelope: bytes) -> None:
+        sock.sendall(header(ftype, plen=len(envelope)) + envelope)
+
+    def _verify_hello(self, sock: socket.socket, expect: Frame) -> tuple[PeerId, str, bytes]:
+        """(the peer, its cipher, its envelope) from a signed HELLO or HELLO_ACK."""
         ftype, _, _, _, plen = recv_header(sock)
         if ftype is not expect or plen > MAX_SMALL_BYTES:
             raise ProtocolError(f"expected {expect.name}, got {ftype.name} of {plen} bytes")
@@ -302,42 +316,60 @@ class TcpTransport:
         with self._lock:
             message = self._auth.verify(envelope)
         try:
-            return PeerId.from_json(json.loads(message))
-        except (ValueError, TypeError) as e:
-            raise ProtocolError(f"bad PeerId in {expect.name}: {e}") from None
+            body = json.loads(message)
+            peer, cipher = PeerId.from_json(body["peer"]), body["cipher"]
+        except (ValueError, TypeError, KeyError) as e:
+            raise ProtocolError(f"bad {expect.name} message: {e!r}") from None
+        if cipher not in CIPHERS:
+            raise ProtocolError(f"{expect.name} names an unknown cipher {cipher!r}")
+        return peer, cipher, envelope
 
-    def dial(self, peer: PeerId) -> socket.socket:
+    def _cipher_mismatch(self, peer: PeerId, cipher: str) -> PeerRefused | None:
+        if cipher == self.options.cipher:
+            return None
+        return PeerRefused(f"{peer} uses KV cipher {cipher!r} but this endpoint uses "
+                           f"{self.options.cipher!r}; give every worker the same encryption "
+                           "setting")
+
+    def _wire(self, sock: socket.socket, hello: bytes, ack: bytes) -> Wire:
+        """The connection's frame I/O; sealed with a key from both envelopes if encrypting."""
+        return Wire(sock, self._auth.session_key(hello, ack) if self.options.encrypt else None)
+
+    def dial(self, peer: PeerId) -> Wire:
         """Connect and handshake; a different instance answering means `peer` restarted."""
         sock = socket.create_connection((peer.host, peer.port), self.options.dial_timeout_s)
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             sock.settimeout(self.options.handshake_timeout_s)
-            sock.sendall(self._hello(Frame.HELLO))
-            got = self._verify_hello(sock, Frame.HELLO_ACK)
+            hello = self._hello()
+            self._send_hello(sock, Frame.HELLO, hello)
+            got, cipher, ack = self._verify_hello(sock, Frame.HELLO_ACK)
             if not got.same_address(peer):
                 raise ProtocolError(f"{peer.host}:{peer.port} answered as {got}")
             self._seen(got)
             if got != peer:
                 raise ConnectionError(f"restarted: {got} answers at its address")
+            if (refused := self._cipher_mismatch(got, cipher)) is not None:
+                raise refused
             sock.settimeout(None)
-            return sock
+            return self._wire(sock, hello, ack)
         except BaseException:
             shut(sock)
             raise
 
     # -- outgoing jobs (a PeerSender thread) -------------------------------------------------
 
-    def run_job(self, sock: socket.socket, peer: PeerId, job: Job) -> None:
+    def run_job(self, wire: Wire, peer: PeerId, job: Job) -> None:
         kind = job[0]
         if kind == "control":
-            send_all(sock, [header(Frame.CONTROL, plen=len(job[1])), job[1]])
+            wire.send([header(Frame.CONTROL, plen=len(job[1])), job[1]])
         elif kind == "move":
-            self._send_move(sock, job[1])
+            self._send_move(wire, job[1])
         elif kind == "read_data":
-            self._send_read_data(sock, *job[1:])
+            self._send_read_data(wire, *job[1:])
         else:  # ("answer", frame, tid, mid, reason bytes)
             _, ftype, tid, mid, reason = job
-            send_all(sock, [header(ftype, 0, tid, mid, len(reason)), reason])
+            wire.send([header(ftype, 0, tid, mid, len(reason)), reason])
 
     def _claim(self, move: Move, sock: socket.socket) -> bool:
         """Mark a not-cancelled pending move busy on `sock`; False if it must not run."""
@@ -352,34 +384,33 @@ class TcpTransport:
             move.busy = False
             self._lock.notify_all()
 
-    def _send_move(self, sock: socket.socket, move: Move) -> None:
+    def _send_move(self, wire: Wire, move: Move) -> None:
         n, ids = len(move.remote_blocks), u32s(move.remote_blocks)
         if move.kind == "read":
-            if self._claim(move, sock):
+            if self._claim(move, wire.sock):
                 self._release(move)  # the request itself touches no pool
-                send_all(sock, [header(Frame.READ_REQUEST, n, move.transfer_id, move.handle,
-                                       len(ids)), ids])
+                wire.send([header(Frame.READ_REQUEST, n, move.transfer_id, move.handle,
+                                  len(ids)), ids])
             return
         pool = self._pool
         assert pool is not None
-        if not self._claim(move, sock):
+        if not self._claim(move, wire.sock):
             return
         try:
             head = header(Frame.WRITE, n, move.transfer_id, move.handle,
                           len(ids) + n * pool.block_nbytes)
-            send_all(sock, [head, ids, *(pool.view(b) for b in move.local_blocks)])
+            wire.send([head, ids, *(pool.view(b) for b in move.local_blocks)])
         finally:
             self._release(move)
 
-    def _send_read_data(self, sock: socket.socket, tid: int, mid: int,
-                        ids: tuple[int, ...]) -> None:
+    def _send_read_data(self, wire: Wire, tid: int, mid: int, ids: tuple[int, ...]) -> None:
         pool = self._pool
         if pool is None:
             reason = b"no pool registered"
-            send_all(sock, [header(Frame.READ_ERROR, 0, tid, mid, len(reason)), reason])
+            wire.send([header(Frame.READ_ERROR, 0, tid, mid, len(reason)), reason])
             return
         head = header(Frame.READ_DATA, len(ids), tid, mid, len(ids) * pool.block_nbytes)
-        send_all(sock, [head, *(pool.view(b) for b in ids)])
+        wire.send([head, *(pool.view(b) for b in ids)])
 
     def _answer(self, peer: PeerId, ftype: Frame, tid: int, mid: int, reason: bytes = b"") -> None:
         sender = self._sender(peer)
@@ -411,12 +442,13 @@ class TcpTransport:
     def _serve(self, conn: socket.socket, addr: tuple[str, int]) -> None:
         peer = None
         try:
-            peer = self._greet(conn, addr)
-            with self._lock:
-                self._conns[conn] = peer
-            if peer is not None:
+            greeted = self._greet(conn, addr)
+            if greeted is not None:
+                peer, wire = greeted
+                with self._lock:
+                    self._conns[conn] = peer
                 while True:
-                    self._dispatch(conn, peer, *recv_header(conn))
+                    self._dispatch(wire, peer, *wire.recv_header())
         except (OSError, EOFError, ValueError) as e:
             if peer is not None and not self._closed:
                 self.peer_died(peer, f"incoming connection ended: {e}")
@@ -425,38 +457,43 @@ class TcpTransport:
             with self._lock:
                 self._conns.pop(conn, None)
 
-    def _greet(self, conn: socket.socket, addr: tuple[str, int]) -> PeerId | None:
-        """Verify the dialer's HELLO and answer HELLO_ACK; None (logged) when refused."""
+    def _greet(self, conn: socket.socket, addr: tuple[str, int]) -> tuple[PeerId, Wire] | None:
+        """Verify the dialer's HELLO and answer HELLO_ACK; None (logged) when refused. A peer
+        with another cipher still gets the ACK, so that both sides can say why they refuse."""
         conn.settimeout(self.options.handshake_timeout_s)
         try:
-            peer = self._verify_hello(conn, Frame.HELLO)
+            peer, cipher, hello = self._verify_hello(conn, Frame.HELLO)
             self._seen(peer)
         except (PeerRefused, ProtocolError, OSError, EOFError) as e:
             log.warning("refused connection from %s:%s: %s", addr[0], addr[1], e)
             return None
-        conn.sendall(self._hello(Frame.HELLO_ACK))
+        ack = self._hello()
+        self._send_hello(conn, Frame.HELLO_ACK, ack)
+        if (refused := self._cipher_mismatch(peer, cipher)) is not None:
+            log.warning("refused connection from %s:%s: %s", addr[0], addr[1], refused)
+            return None
         conn.settimeout(None)
-        return peer
+        return peer, self._wire(conn, hello, ack)
 
-    def _dispatch(self, conn: socket.socket, peer: PeerId, ftype: Frame, count: int, tid: int,
+    def _dispatch(self, wire: Wire, peer: PeerId, ftype: Frame, count: int, tid: int,
                   mid: int, plen: int) -> None:
         if ftype is Frame.CONTROL:
-            self._on_control(conn, peer, plen)
+            self._on_control(wire, peer, plen)
         elif ftype is Frame.WRITE:
-            self._on_write(conn, peer, count, tid, mid, plen)
+            self._on_write(wire, peer, count, tid, mid, plen)
         elif ftype is Frame.READ_REQUEST:
-            self._on_read_request(conn, peer, count, tid, mid, plen)
+            self._on_read_request(wire, peer, count, tid, mid, plen)
         elif ftype is Frame.READ_DATA:
-            self._on_read_data(conn, peer, count, mid, plen)
+            self._on_read_data(wire, peer, count, mid, plen)
         elif ftype in (Frame.WRITE_DONE, Frame.WRITE_ERROR, Frame.READ_ERROR):
-            self._on_answer(conn, peer, ftype, mid, plen)
+            self._on_answer(wire, peer, ftype, mid, plen)
         else:
             raise ProtocolError(f"unexpected {ftype.name} after the handshake")
 
-    def _on_control(self, conn: socket.socket, peer: PeerId, plen: int) -> None:
+    def _on_control(self, wire: Wire, peer: PeerId, plen: int) -> None:
         if plen > MAX_CONTROL_BYTES:
             raise ProtocolError(f"control message of {plen} bytes exceeds {MAX_CONTROL_BYTES}")
-        data = recv_exact(conn, plen)
+        data = wire.recv_exact(plen)
         with self._lock:
             if self._alive(peer):
                 self._inbox.append((peer, data))
@@ -470,33 +507,35 @@ class TcpTransport:
             raise ProtocolError(f"{count} blocks in a payload of {plen} bytes")
         return pool
 
-    def _on_write(self, conn: socket.socket, peer: PeerId, count: int, tid: int, mid: int,
+    def _on_write(self, wire: Wire, peer: PeerId, count: int, tid: int, mid: int,
                   plen: int) -> None:
         if self._pool is None:  # nothing to land into: refuse the move, keep the connection
-            drain(conn, plen)
+            if count < 1 or (plen - 4 * count) % count or plen < 4 * count:
+                raise ProtocolError(f"WRITE of {count} blocks in a payload of {plen} bytes")
+            wire.skip([4 * count] + [(plen - 4 * count) // count] * count)
             self._answer(peer, Frame.WRITE_ERROR, tid, mid, b"no pool registered")
             return
         pool = self._block_frame(count, plen, 4 * count)
-        ids = parse_u32s(recv_exact(conn, 4 * count))
+        ids = parse_u32s(wire.recv_exact(4 * count))
         pool.check(ids, "WRITE destination")
         for b in ids:
-            recv_into_all(conn, pool.view(b))
+            wire.recv_into(pool.view(b))
         self._answer(peer, Frame.WRITE_DONE, tid, mid)
 
-    def _on_read_request(self, conn: socket.socket, peer: PeerId, count: int, tid: int,
+    def _on_read_request(self, wire: Wire, peer: PeerId, count: int, tid: int,
                          mid: int, plen: int) -> None:
         if self._pool is None:
-            drain(conn, plen)
+            wire.skip([plen])
             self._answer(peer, Frame.READ_ERROR, tid, mid, b"no pool registered")
             return
         self._block_frame(count, plen + count * self._pool.block_nbytes, 4 * count)
-        ids = parse_u32s(recv_exact(conn, plen))
+        ids = parse_u32s(wire.recv_exact(plen))
         self._pool.check(ids, "READ_REQUEST source")
         sender = self._sender(peer)
         if sender is not None:
             sender.put(("read_data", tid, mid, ids))
 
-    def _on_read_data(self, conn: socket.socket, peer: PeerId, count: int, mid: int,
+    def _on_read_data(self, wire: Wire, peer: PeerId, count: int, mid: int,
                       plen: int) -> None:
         pool = self._block_frame(count, plen, 0)
         move = self._own_move(peer, mid, "read")
@@ -504,22 +543,22 @@ class TcpTransport:
             raise ProtocolError(f"READ_DATA of {count} blocks for a read of "
                                 f"{len(move.local_blocks)}")
         for i, b in enumerate(move.local_blocks):
-            if not self._claim(move, conn):
-                drain(conn, (count - i) * pool.block_nbytes)
+            if not self._claim(move, wire.sock):
+                wire.skip([pool.block_nbytes] * (count - i))
                 return
             try:
-                recv_into_all(conn, pool.view(b))
+                wire.recv_into(pool.view(b))
             finally:
                 self._release(move)
         with self._lock:
             if not move.cancelled:
                 self._finish(move, "done")
 
-    def _on_answer(self, conn: socket.socket, peer: PeerId, ftype: Frame, mid: int,
+    def _on_answer(self, wire: Wire, peer: PeerId, ftype: Frame, mid: int,
                    plen: int) -> None:
         if plen > MAX_SMALL_BYTES:
             raise ProtocolError(f"{ftype.name} of {plen} bytes")
-        reason = recv_exact(conn, plen).decode("utf-8", "replace")
+        reason = wire.recv_exact(plen).decode("utf-8", "replace")
         move = self._own_move(peer, mid, "read" if ftype is Frame.READ_ERROR else "write")
         if ftype is not Frame.WRITE_DONE:
             log.warning("%s move %d failed at %s: %s", move.kind, mid, peer, reason)

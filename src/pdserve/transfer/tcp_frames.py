@@ -115,7 +115,11 @@ def recv_header(sock: socket.socket) -> tuple[Frame, int, int, int, int]:
     first = sock.recv(HEADER.size, socket.MSG_WAITALL)
     if not first:
         raise EOFError("peer closed the connection")
-    raw = first + recv_exact(sock, HEADER.size - len(first))
+    return parse_header(first + recv_exact(sock, HEADER.size - len(first)))
+
+
+def parse_header(raw: bytes) -> tuple[Frame, int, int, int, int]:
+    """Unpack a header; an unknown type raises ProtocolError."""
     ftype, count, tid, mid, plen = HEADER.unpack(raw)
     try:
         return Frame(ftype), count, tid, mid, plen

@@ -49,7 +49,7 @@ class PeerSender:
 
     def __init__(self, tx: TcpTransport, peer: PeerId) -> None:
         self.tx, self.peer = tx, peer
-        self.sock: socket.socket | None = None
+        self.sock: socket.socket | None = None  # the wire's socket, once dialed
         self.stopped = False
         self._jobs: queue.Queue[Job | None] = queue.Queue(tx.options.max_queued)
         self.thread = threading.Thread(target=self._run, daemon=True,
@@ -71,13 +71,14 @@ class PeerSender:
 
     def _run(self) -> None:
         try:
-            self.sock = self.tx.dial(self.peer)
+            wire = self.tx.dial(self.peer)
+            self.sock = wire.sock
             if self.stopped:
                 return
             threading.Thread(target=self._watch, daemon=True,
                              name=f"pdserve-tcp-watch-{self.peer.port}").start()
             while (job := self._jobs.get()) is not None and not self.stopped:
-                self.tx.run_job(self.sock, self.peer, job)
+                self.tx.run_job(wire, self.peer, job)
         except (OSError, EOFError, ValueError) as e:
             if not self.stopped:
                 self.tx.peer_died(self.peer, f"sending to it failed: {e}")

@@ -204,9 +204,10 @@ def _open_transport(s: WorkerSettings):
         from pdserve.transfer.nixl import NixlTransport
 
         return NixlTransport(s.kv_host, s.kv_port, secret=s.secret)
-    from pdserve.transfer.tcp import TcpTransport
+    from pdserve.transfer.tcp import TcpOptions, TcpTransport
 
-    return TcpTransport(s.kv_host, s.kv_port, secret=s.secret)
+    return TcpTransport(s.kv_host, s.kv_port, secret=s.secret,
+                        options=TcpOptions(encrypt=s.kv_encrypt))
 
 
 def pin_cpus(cpus: tuple[int, ...] | None) -> None:

@@ -30,6 +30,7 @@ class WorkerSettings:
     secret: bytes | None = None
     cpus: tuple[int, ...] | None = None
     kv_lease_s: float = 30.0
+    kv_encrypt: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "role", Role(self.role))
@@ -46,6 +47,9 @@ class WorkerSettings:
                                  f"cores this process may use: {sorted(allowed)}")
         if not self.kv_lease_s > 0:
             raise ValueError("--kv-lease must be > 0 seconds")
+        if self.kv_encrypt and self.transport is not TransportName.TCP:
+            raise ValueError("--kv-encrypt seals the tcp transport only (NIXL moves KV with "
+                             "UCX, unencrypted): use --transport tcp, or a private network")
 
     @property
     def needs_transport(self) -> bool:
@@ -77,6 +81,9 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--secret-file", type=Path, default=None,
                    help="file holding the shared secret that authenticates KV transfer "
                         "handshakes; required for prefill and decode workers")
+    p.add_argument("--kv-encrypt", action="store_true",
+                   help="encrypt KV transfers with AES-256-GCM under a key from the shared "
+                        "secret (tcp transport; every worker needs the same setting)")
     p.add_argument("--cpus", default=None,
                    help="pin this worker to these cores, e.g. '0' or '0,1' (compute threads = "
                         "number of cores; default: no pinning, all cores)")
@@ -124,4 +131,4 @@ def settings_from_args(args: argparse.Namespace) -> WorkerSettings:
         role=Role(args.role), engine=engine, served_model_name=args.served_model_name or
         args.model, host=args.host, port=args.port, kv_host=args.kv_host or args.host,
         kv_port=args.kv_port, transport=args.transport, secret=secret, cpus=cpus,
-        kv_lease_s=args.kv_lease)
+        kv_lease_s=args.kv_lease, kv_encrypt=args.kv_encrypt)
