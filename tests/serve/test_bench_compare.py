@@ -70,3 +70,29 @@ def test_compare_runs_each_configuration_and_writes_json_and_pictures(tiny_model
     assert any(s[2] == 300 for s in steps["disagg"]["prefill-0"])  # prompts split off
     assert sorted(p.name for p in plots.iterdir()) == ["itl_cdf.png", "timeline.png",
                                                        "ttft_cdf.png"]
+
+
+def test_compare_repeats_give_medians_and_keep_every_run(tiny_model, tmp_path: Path,
+                                                         capsys) -> None:
+    """--repeats 2 on a short run: a pdserve configuration and a started external server are
+    each run twice; the table and JSON give medians, the JSON also both runs."""
+    out, port = tmp_path / "rep.json", _free_port()
+    worker = (f"{sys.executable} -m pdserve.cli worker --model {tiny_model()} --dtype float32 "
+              f"--port {port}")
+    code = main(["bench", "compare", "--model", str(tiny_model()), "--configs", "collocated",
+                 "--workload", "fixed", "--input-len", "300", "--output-len", "8", "--vocab",
+                 "512", "--rate", "8", "--num-requests", "4", "--repeats", "2",
+                 "--external", f"worker-alone=http://127.0.0.1:{port}/v1",
+                 "--external-start", f"worker-alone={worker}", "--out", str(out)])
+    assert code == 0
+    assert "each value is the median of 2 runs" in capsys.readouterr().out
+    results = json.loads(out.read_text())
+    assert list(results) == ["collocated", "worker-alone"]
+    for r in results.values():
+        runs = r["repeats"]
+        assert [run["completed"] for run in runs] == [4, 4] and r["completed"] == 4
+        for key in ("p99_itl_ms", "mean_ttft_ms", "request_throughput"):
+            assert r[key] == pytest.approx((runs[0][key] + runs[1][key]) / 2)
+        assert len(r["requests"]) == 4  # the last run's
+    steps = json.loads(out.with_suffix(".steps.json").read_text())
+    assert set(steps) == {"collocated"} and steps["collocated"]["collocated-0"]

@@ -7,6 +7,22 @@ split between them), warmed up with two requests, measured with `bench serve`'s 
 stopped before the next starts. Workers keep a ring of their engine steps; the steps of the
 measured interval are fetched before the stop (for the timeline picture). `--external
 NAME=URL` adds a server someone else started (vLLM, see docs/vllm.md) to the same table.
+
+Repeats (`--repeats N`, default 1). Invariants:
+- Every configuration, pdserve's and external ones alike, replays the same trace (same seed)
+  N times, in rounds: round r runs each configuration once, in the order given (pdserve's,
+  then externals), before round r + 1 starts (A, B, C, A, B, C, ...), so slow drift of a
+  shared machine falls on every configuration alike.
+- Every run of a pdserve configuration (and of an external one with `--external-start`) is a
+  fresh start, warm-up, replay and stop: configurations must never share the cores, so a
+  cluster cannot stay up across rounds, and each repeat samples the whole procedure that a
+  single run measures.
+- The table and `--out` give, per configuration, the median over its runs of every metric
+  (`median_of_runs`; the same vLLM `bench serve` names as one run); ratios are ratios of
+  medians. `--out` keeps every run's metrics, in run order, under `repeats`.
+- The step traces (`X.steps.json`), the `requests` in `--out`, and the `--plots` pictures are
+  those of the last round.
+- With N = 1 every output is exactly that of a single run (no `repeats` key).
 """
 
 from __future__ import annotations
@@ -14,18 +30,21 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import shlex
 import signal
+import statistics
 import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pdserve.bench.serve.metrics import Slo
+from pdserve.bench.serve.metrics import MAX_ERRORS, Slo, distribution_ms
 from pdserve.bench.serve.runner import (
     Load,
     add_workload_args,
@@ -45,6 +64,11 @@ TABLE_KEYS = ("completed", "failed", "request_throughput", "output_throughput",
               "request_goodput", "mean_ttft_ms", "median_ttft_ms", "p90_ttft_ms", "p99_ttft_ms",
               "mean_tpot_ms", "median_tpot_ms", "p99_tpot_ms", "mean_itl_ms", "median_itl_ms",
               "p90_itl_ms", "p99_itl_ms", "mean_e2el_ms", "median_e2el_ms", "p99_e2el_ms")
+# The numeric keys of `compute_metrics` (all of them but `errors`): what repeats take medians of.
+METRIC_KEYS: tuple[str, ...] = (
+    "duration", "completed", "failed", "total_input_tokens", "total_output_tokens",
+    "request_throughput", "request_goodput", "output_throughput", "total_token_throughput",
+    *(key for name in ("ttft", "tpot", "itl", "e2el") for key in distribution_ms(name, [])))
 
 
 @dataclass(frozen=True)
@@ -59,9 +83,11 @@ class CompareSettings:
     timeout_s: float
     up_args: tuple[str, ...] = ()
     starts: tuple[tuple[str, str], ...] = ()  # external name -> command that serves it
-
+    repeats: int = 1  # runs of each configuration, interleaved in rounds
 
     def __post_init__(self) -> None:
+        if self.repeats < 1:
+            raise ValueError(f"--repeats must be >= 1, got {self.repeats}")
         unknown = [c for c in self.configs if c not in CONFIGS]
         if unknown:
             raise ValueError(f"unknown configurations {unknown}; choose from {list(CONFIGS)}")
@@ -75,6 +101,11 @@ class CompareSettings:
         if not 1 <= self.cores <= available:
             raise ValueError(f"--cores must be in 1..{available} (the cores this process may "
                              f"use), got {self.cores}")
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """Every configuration's name, in run order: pdserve's, then the externals."""
+        return (*self.configs, *(n for n, _ in self.externals))
 
     @property
     def cpus(self) -> str:
@@ -106,9 +137,15 @@ def _worker_steps(up: UpProcess, since: float) -> dict[str, list[list[float]]]:
         index += 1
 
 
-def run_config(s: CompareSettings, name: str) -> tuple[dict[str, Any], dict[str, list]]:
-    print(f"== {name}: pdserve up {' '.join(CONFIGS[name])} on cores {s.cpus}", file=sys.stderr,
-          flush=True)
+def _turn(s: CompareSettings, name: str, repeat: int) -> str:
+    """The name of a run in progress lines; the repeat only shows when there are several."""
+    return name if s.repeats == 1 else f"{name} (repeat {repeat + 1}/{s.repeats})"
+
+
+def run_config(s: CompareSettings, name: str,
+               repeat: int = 0) -> tuple[dict[str, Any], dict[str, list]]:
+    print(f"== {_turn(s, name, repeat)}: pdserve up {' '.join(CONFIGS[name])} on cores "
+          f"{s.cpus}", file=sys.stderr, flush=True)
     up = UpProcess(s.model, *CONFIGS[name], "--cpus", s.cpus, *s.up_args)
     try:
         _warm_up(up.url, s.model, s.workload)
@@ -119,12 +156,13 @@ def run_config(s: CompareSettings, name: str) -> tuple[dict[str, Any], dict[str,
         up.stop()
 
 
-def run_external(s: CompareSettings, name: str, url: str) -> dict[str, Any]:
+def run_external(s: CompareSettings, name: str, url: str, repeat: int = 0) -> dict[str, Any]:
     """Bench a server at `url`; if `s.starts` has a command for `name`, start it first (alone
     on the machine, like every pdserve configuration) and stop it afterwards."""
     command = dict(s.starts).get(name)
-    print(f"== {name}: external server at {url}" + (f", started with: {command}" if command
-                                                      else ""), file=sys.stderr, flush=True)
+    started = f", started with: {command}" if command else ""
+    print(f"== {_turn(s, name, repeat)}: external server at {url}{started}", file=sys.stderr,
+          flush=True)
     if command is None:
         return run_bench(url, s.model, s.workload, s.load, s.timeout_s, s.slo)
     proc = subprocess.Popen(shlex.split(command), start_new_session=True)
@@ -161,16 +199,66 @@ def _stop_group(proc: subprocess.Popen) -> None:
 
 
 def run_compare(s: CompareSettings) -> tuple[dict[str, dict], dict[str, dict]]:
-    """(results by configuration name, worker step traces by configuration name)."""
-    results, traces = {}, {}
-    for name in s.configs:
-        results[name], traces[name] = run_config(s, name)
-    for name, url in s.externals:
-        results[name] = run_external(s, name, url)
-    return results, traces
+    """(results by configuration name, worker step traces by configuration name).
+
+    `s.repeats` rounds, each running every configuration once in `s.names` order; a result is
+    `combine_repeats` of that configuration's runs, the traces are those of the last round."""
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in s.names}
+    traces: dict[str, dict] = {}
+    for repeat in range(s.repeats):
+        for name in s.configs:
+            result, traces[name] = run_config(s, name, repeat)
+            runs[name].append(result)
+        for name, url in s.externals:
+            runs[name].append(run_external(s, name, url, repeat))
+    return {name: combine_repeats(r) for name, r in runs.items()}, traces
 
 
-def format_table(results: dict[str, dict[str, Any]]) -> str:
+def median_of_runs(runs: Sequence[Mapping[str, Any]],
+                   keys: Iterable[str]) -> dict[str, int | float | None]:
+    """Per key, the median of the runs' values for it (`statistics.median`: the middle value
+    of an odd count, the mean of the two middle values of an even count, so counts such as
+    `completed` can come out as 5.5).
+
+    A value that is not a finite number (None, as for TPOT when every output was one token;
+    a missing key; NaN; a bool) is left out of that key's median rather than counted as 0,
+    so the median is over the runs that measured it; the key is None when no run did."""
+    if not runs:
+        raise ValueError("median of no runs")
+    return {key: _median(run.get(key) for run in runs) for key in keys}
+
+
+def _median(values: Iterable[object]) -> int | float | None:
+    numbers = [v for v in values
+               if isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)]
+    return statistics.median(numbers) if numbers else None
+
+
+def combine_repeats(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """One configuration's object for the table and `--out`, from its runs in run order.
+
+    One run: that run's result, unchanged. Several: the last run's result (its settings and
+    `requests`, which `--plots` draws) with each METRIC_KEYS value replaced by the median over
+    the runs (`median_of_runs`), `errors` the first MAX_ERRORS error messages of all runs in
+    run order, and `repeats` every run's METRIC_KEYS and `errors`, in run order."""
+    if not runs:
+        raise ValueError("no runs to combine")
+    if len(runs) == 1:
+        return runs[0]
+    errors = [e for run in runs for e in run.get("errors", [])][:MAX_ERRORS]
+    repeats = [{k: run[k] for k in (*METRIC_KEYS, "errors") if k in run} for run in runs]
+    return {**runs[-1], **median_of_runs(runs, METRIC_KEYS), "errors": errors,
+            "repeats": repeats}
+
+
+def every_run_completed(results: Mapping[str, Mapping[str, Any]]) -> bool:
+    """True when every run of every configuration (each repeat) completed a request."""
+    return all(run["completed"] for r in results.values() for run in r.get("repeats", [r]))
+
+
+def format_table(results: dict[str, dict[str, Any]], repeats: int = 1) -> str:
+    """Every TABLE_KEYS metric of each configuration, with its ratio to the first's; with
+    repeats > 1 the values are the medians `combine_repeats` gave, and a line says so."""
     names = list(results)
     first = names[0]
     head = f"{'metric':<22}" + "".join(f"{n:>20}" for n in names)
@@ -187,6 +275,9 @@ def format_table(results: dict[str, dict[str, Any]]) -> str:
                 cells.append(f"{v:>11.2f} ({v / base:4.2f}x)")
         lines.append(f"{key:<22}" + "".join(cells))
     lines.append(f"ratios are to {first}; latencies in ms, throughputs per second")
+    if repeats > 1:
+        lines.append(f"each value is the median of {repeats} runs (--out keeps every run under "
+                     "'repeats')")
     return "\n".join(lines)
 
 
@@ -224,9 +315,16 @@ def add_compare_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--slo-tpot-ms", type=float, default=None, help="goodput: TPOT bound")
     p.add_argument("--slo-e2e-ms", type=float, default=None, help="goodput: E2E bound")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per request")
+    p.add_argument("--repeats", type=int, default=1, metavar="N",
+                   help="replay the same trace N times against each configuration, in rounds "
+                        "(A, B, C, A, B, C, ...), each run a fresh start; the table and --out "
+                        "give the median of each metric over the runs, --out also every run's "
+                        "metrics under 'repeats'; step traces and --plots use the last round "
+                        "(default: %(default)s)")
     p.add_argument("--out", type=Path, default=None,
                    help="JSON: one object per configuration, keyed by its name, with the same "
-                        "metric names as `bench serve` (and every request's timings)")
+                        "metric names as `bench serve` (and every request's timings); its "
+                        "worker step traces go to the same name with .steps.json")
     p.add_argument("--plots", type=Path, default=None, metavar="DIR",
                    help="write ttft_cdf.png, itl_cdf.png and timeline.png here")
     p.set_defaults(url="http://127.0.0.1/v1")  # settings_from_args validates a URL
@@ -239,7 +337,7 @@ def settings(args: argparse.Namespace) -> CompareSettings:
     return CompareSettings(
         configs=tuple(c for c in args.configs.split(",") if c), externals=tuple(externals),
         cores=args.cores, model=args.model, workload=workload, load=load, slo=slo,
-        timeout_s=args.timeout, up_args=_up_args(args), starts=starts)
+        timeout_s=args.timeout, up_args=_up_args(args), starts=starts, repeats=args.repeats)
 
 
 def _pairs(items: list[str], option: str, shape: str) -> tuple[tuple[str, str], ...]:
@@ -262,7 +360,7 @@ def _up_args(args: argparse.Namespace) -> tuple[str, ...]:
 def run_compare_cli(args: argparse.Namespace) -> int:
     s = settings(args)
     results, traces = run_compare(s)
-    print(format_table(results))
+    print(format_table(results, s.repeats))
     if args.out is not None:
         args.out.write_text(json.dumps(results, indent=1) + "\n")
         args.out.with_suffix(".steps.json").write_text(json.dumps(traces) + "\n")
@@ -272,4 +370,4 @@ def run_compare_cli(args: argparse.Namespace) -> int:
         paths = latency_cdfs({n: r["requests"] for n, r in results.items()}, args.plots)
         paths.append(step_timeline(traces, args.plots / "timeline.png"))
         print("pictures: " + ", ".join(str(p) for p in paths))
-    return 0 if all(r["completed"] for r in results.values()) else 1
+    return 0 if every_run_completed(results) else 1
