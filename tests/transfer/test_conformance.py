@@ -130,6 +130,23 @@ def test_thousands_of_blocks_under_random_mappings(make, direction):
         assert bool((b_pool.data[untouched] == -1.0).all()), f"{n} blocks"
 
 
+def test_a_layer_range_write_lands_only_those_layers(make):
+    """Layer-wise streaming writes each block's layer slices in several moves; together they
+    equal one whole write, and a move never touches another layer."""
+    a_pool, b_pool = pool(POOL_BLOCKS, seed=4), pool(POOL_BLOCKS)
+    a, b = make(a_pool), make(b_pool)
+    src, dst = mapping(9, seed=4, blocks=POOL_BLOCKS)
+    b_pool.data.fill_(-1.0)
+    assert finish(a, a.write(1, src, b.local, dst, layers=range(1, 2)), b) == "done"
+    assert torch.equal(b_pool.data[dst, 1], a_pool.data[src, 1])
+    assert bool((b_pool.data[dst, 0] == -1.0).all())
+    assert finish(a, a.write(2, src, b.local, dst, layers=range(0, 1)), b) == "done"
+    assert torch.equal(b_pool.data[dst], a_pool.data[src])
+    for bad in (range(0, 0), range(1, 3), range(0, 2, 2)):
+        with pytest.raises(ValueError, match="layers"):
+            a.write(3, src, b.local, dst, layers=bad)
+
+
 def test_control_messages_arrive_in_order_with_their_source(make):
     a, b = make(pool(4)), make(pool(4))
     for i in range(50):

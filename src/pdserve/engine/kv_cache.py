@@ -47,12 +47,14 @@ class KVCache:
         """One block's KV for every layer: [layers, 2, block_size, kv_heads, head_dim]."""
         return self.data[block_id]
 
-    def copy_blocks_from(self, src: KVCache, src_ids: list[int], dst_ids: list[int]) -> None:
-        """In-process hand-over: block src_ids[i] of `src` into block dst_ids[i] of this pool."""
+    def copy_blocks_from(self, src: KVCache, src_ids: list[int], dst_ids: list[int],
+                         layers: slice = slice(None)) -> None:
+        """In-process hand-over: block src_ids[i] of `src` into block dst_ids[i] of this pool
+        (only the `layers` slices of each block when given)."""
         if len(src_ids) != len(dst_ids):
             raise ValueError(f"{len(src_ids)} source blocks but {len(dst_ids)} destinations")
         if src.data.shape[1:] != self.data.shape[1:] or src.data.dtype != self.data.dtype:
             raise ValueError("KV pools differ in layout or dtype; blocks cannot be copied")
         idx_src = torch.tensor(src_ids, dtype=torch.long, device=src.data.device)
         idx_dst = torch.tensor(dst_ids, dtype=torch.long, device=self.data.device)
-        self.data[idx_dst] = src.data[idx_src].to(self.data.device)
+        self.data[idx_dst, layers] = src.data[idx_src, layers].to(self.data.device)

@@ -27,7 +27,7 @@ import torch
 
 from pdserve.transfer.control import decode_any, message_kind
 from pdserve.transfer.descriptors import PeerId
-from pdserve.transfer.transport import MoveHandle, MoveStatus
+from pdserve.transfer.transport import MoveHandle, MoveStatus, layer_span
 
 if TYPE_CHECKING:
     from pdserve.engine.kv_cache import KVCache
@@ -77,6 +77,7 @@ class _Move:
     dst_blocks: tuple[int, ...]
     due: float | None  # None: dropped, never lands
     corrupt: bool
+    layers: slice | None = None  # None: every layer
     status: MoveStatus = "pending"
 
 
@@ -150,16 +151,18 @@ class FakeFabric:
     # -- moves ---------------------------------------------------------------------------------
 
     def start_move(self, tid: int, src: PeerId, src_blocks: Sequence[int], dst: PeerId,
-                   dst_blocks: Sequence[int]) -> MoveHandle:
+                   dst_blocks: Sequence[int], layers: range | None = None) -> MoveHandle:
         if len(src_blocks) != len(dst_blocks) or not src_blocks:
             raise ValueError("a move needs one destination per source block, at least one")
+        pool = self._pools.get(src) or self._pools.get(dst)
+        span = layer_span(layers, pool.num_layers) if pool is not None else (0, 0)
         delay = self._take_fault("delay", "data", tid)
         due = None if self._take_fault("drop", "data", tid) else (
             self.clock() + (delay.seconds if delay else 0.0))
         corrupt = self._take_fault("corrupt", "data", tid) is not None
         handle = next(self._handles)
         self._moves[handle] = _Move(tid, src, tuple(src_blocks), dst, tuple(dst_blocks), due,
-                                    corrupt)
+                                    corrupt, None if layers is None else slice(*span))
         if src in self._dead or dst in self._dead or src not in self._pools \
                 or dst not in self._pools:
             self._moves[handle].status = "error"
@@ -189,9 +192,10 @@ class FakeFabric:
         if src is None or dst is None:
             move.status = "error"
             return
-        dst.copy_blocks_from(src, list(move.src_blocks), list(move.dst_blocks))
+        layers = move.layers or slice(None)
+        dst.copy_blocks_from(src, list(move.src_blocks), list(move.dst_blocks), layers)
         if move.corrupt:
-            flat = dst.data[move.dst_blocks[0]].view(-1).view(torch.uint8)
+            flat = dst.data[move.dst_blocks[0], layers].reshape(-1).view(torch.uint8)
             flat[flat.numel() // 2] ^= 0x5A
         move.status = "done"
 
@@ -247,9 +251,9 @@ class FakeTransport:
         self._fabric.attach(self._local, pool)
 
     def write(self, transfer_id: int, local_blocks: Sequence[int], remote_peer: PeerId,
-              remote_blocks: Sequence[int]) -> MoveHandle:
+              remote_blocks: Sequence[int], layers: range | None = None) -> MoveHandle:
         return self._own(self._fabric.start_move(transfer_id, self._local, local_blocks,
-                                                 remote_peer, remote_blocks))
+                                                 remote_peer, remote_blocks, layers))
 
     def read(self, transfer_id: int, local_blocks: Sequence[int], remote_peer: PeerId,
              remote_blocks: Sequence[int]) -> MoveHandle:

@@ -18,9 +18,9 @@ from nixl_cu12 import nixl_agent, nixl_agent_config
 from pdserve.transfer.descriptors import PeerId
 from pdserve.transfer.nixl_meta import PoolRegion, agent_name, encode_meta, is_meta
 from pdserve.transfer.nixl_move import NixlMove, NixlOptions, poll, quiesce, release
-from pdserve.transfer.nixl_peers import RemoteAgents
+from pdserve.transfer.nixl_peers import Remote, RemoteAgents
 from pdserve.transfer.tcp import TcpTransport
-from pdserve.transfer.transport import MoveHandle, MoveStatus
+from pdserve.transfer.transport import MoveHandle, MoveStatus, layer_span
 
 if TYPE_CHECKING:
     from pdserve.engine.kv_cache import KVCache
@@ -117,8 +117,8 @@ class NixlTransport:
                 self._greet(peer)
 
     def write(self, transfer_id: int, local_blocks: Sequence[int], remote_peer: PeerId,
-              remote_blocks: Sequence[int]) -> MoveHandle:
-        return self._start("write", local_blocks, remote_peer, remote_blocks)
+              remote_blocks: Sequence[int], layers: range | None = None) -> MoveHandle:
+        return self._start("write", local_blocks, remote_peer, remote_blocks, layers)
 
     def read(self, transfer_id: int, local_blocks: Sequence[int], remote_peer: PeerId,
              remote_blocks: Sequence[int]) -> MoveHandle:
@@ -182,7 +182,7 @@ class NixlTransport:
     # -- moves -------------------------------------------------------------------------------
 
     def _start(self, kind: str, local_blocks: Sequence[int], peer: PeerId,
-               remote_blocks: Sequence[int]) -> MoveHandle:
+               remote_blocks: Sequence[int], layers: range | None = None) -> MoveHandle:
         if len(local_blocks) != len(remote_blocks) or not local_blocks:
             raise ValueError("a move needs one remote block per local block, at least one")
         with self._lock:
@@ -191,8 +191,10 @@ class NixlTransport:
             self._region.check(list(local_blocks), f"local blocks of a {kind}")
             if any(type(b) is not int or b < 0 for b in remote_blocks):
                 raise ValueError("remote block ids must be non-negative integers")
+            span = layer_span(layers, self._region.num_layers)
             move = NixlMove(next(self._handles), kind, peer, tuple(local_blocks),
-                            tuple(remote_blocks), time.monotonic())
+                            tuple(remote_blocks), time.monotonic(),
+                            None if layers is None else span)
             self._moves[move.handle] = move
             if self._closed or not self._tcp.peer_alive(peer):
                 move.finish("error")
@@ -228,9 +230,7 @@ class NixlTransport:
             return
         try:
             remote.region.check(list(move.remote_blocks), f"remote blocks of a {move.kind}")
-            move.xfer = self._agent.make_prepped_xfer(
-                move.kind.upper(), self._prepped, list(move.local_blocks), remote.prepped,
-                list(move.remote_blocks))
+            move.xfer = self._request(move, remote)
             if self._agent.transfer(move.xfer) == "ERR":
                 raise RuntimeError("NIXL refused to post the transfer")
         except Exception as e:  # bad ids or NIXL errors fail this move only
@@ -238,6 +238,21 @@ class NixlTransport:
             move.finish("error")
             if move.xfer is not None and not quiesce(self._agent, move, 0.0):
                 self._unconfirmed(move)
+
+    def _request(self, move: NixlMove, remote: Remote) -> Any:
+        """The NIXL request of a move: whole blocks from the prepared lists, or the layer
+        slices of each block as descriptors made for this move."""
+        if move.layers is None:
+            return self._agent.make_prepped_xfer(
+                move.kind.upper(), self._prepped, list(move.local_blocks), remote.prepped,
+                list(move.remote_blocks))
+        assert self._region is not None
+        mem = self._region.mem
+        local = self._agent.get_xfer_descs(
+            self._region.layer_descs(move.local_blocks, *move.layers), mem)
+        theirs = self._agent.get_xfer_descs(
+            remote.region.layer_descs(move.remote_blocks, *move.layers), remote.region.mem)
+        return self._agent.initialize_xfer(move.kind.upper(), local, theirs, remote.agent)
 
     def _unconfirmed(self, move: NixlMove) -> None:
         """The fence could not be confirmed: cut this endpoint off from the peer for good."""

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import struct
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
@@ -41,7 +42,8 @@ class PoolRegion:
     """A KV pool as NIXL sees it: block b is `[base + b * stride, + block_nbytes)`.
 
     Invariants: `stride >= block_nbytes > 0`, `num_blocks >= 1`, `mem` is "DRAM" (CPU) or
-    "VRAM" (CUDA, `device` = the CUDA ordinal)."""
+    "VRAM" (CUDA, `device` = the CUDA ordinal); a block holds `num_layers` contiguous layer
+    slices of `block_nbytes / num_layers` bytes each."""
 
     mem: str
     device: int
@@ -49,6 +51,7 @@ class PoolRegion:
     stride: int
     block_nbytes: int
     num_blocks: int
+    num_layers: int = 1
 
     @classmethod
     def of_cache(cls, cache: KVCache) -> PoolRegion:
@@ -58,7 +61,7 @@ class PoolRegion:
         cuda = data.device.type == "cuda"
         return cls("VRAM" if cuda else "DRAM", (data.device.index or 0) if cuda else 0,
                    data.data_ptr(), data.stride(0) * data.element_size(), cache.block_nbytes,
-                   data.shape[0])
+                   data.shape[0], data.shape[1])
 
     @property
     def span(self) -> int:
@@ -73,6 +76,15 @@ class PoolRegion:
         """One transfer descriptor per block, in block-id order."""
         return [(self.base + b * self.stride, self.block_nbytes, self.device)
                 for b in range(self.num_blocks)]
+
+    def layer_descs(self, ids: Sequence[int], first: int, end: int
+                    ) -> list[tuple[int, int, int]]:
+        """One descriptor per block of `ids`: its slices of layers [first, end)."""
+        if not 0 <= first < end <= self.num_layers:
+            raise ValueError(f"layers [{first}, {end}) outside the pool's {self.num_layers}")
+        size = self.block_nbytes // self.num_layers
+        return [(self.base + b * self.stride + first * size, (end - first) * size, self.device)
+                for b in ids]
 
     def check(self, ids: list[int] | tuple[int, ...], what: str) -> None:
         """Raise ValueError unless ids are distinct, in range and at least one."""

@@ -54,6 +54,7 @@ class NixlMove:
     local_blocks: tuple[int, ...]
     remote_blocks: tuple[int, ...]
     created: float
+    layers: tuple[int, int] | None = None  # a write's [first, end) layers; None: every layer
     status: MoveStatus = "pending"
     cancelled: bool = False
     xfer: Any = field(default=None, repr=False)

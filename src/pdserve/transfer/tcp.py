@@ -32,7 +32,7 @@ from pdserve.transfer.tcp_frames import (
 )
 from pdserve.transfer.tcp_peer import Job, Move, PeerSender
 from pdserve.transfer.tcp_wire import Wire
-from pdserve.transfer.transport import MoveHandle, MoveStatus
+from pdserve.transfer.transport import MoveHandle, MoveStatus, layer_span
 
 if TYPE_CHECKING:
     from pdserve.engine.kv_cache import KVCache
@@ -147,8 +147,9 @@ class TcpTransport:
         self._pool = BlockPool(pool)
 
     def write(self, transfer_id: int, local_blocks: Sequence[int], remote_peer: PeerId,
-              remote_blocks: Sequence[int]) -> MoveHandle:
-        return self._start("write", transfer_id, local_blocks, remote_peer, remote_blocks)
+              remote_blocks: Sequence[int], layers: range | None = None) -> MoveHandle:
+        return self._start("write", transfer_id, local_blocks, remote_peer, remote_blocks,
+                           layers)
 
     def read(self, transfer_id: int, local_blocks: Sequence[int], remote_peer: PeerId,
              remote_blocks: Sequence[int]) -> MoveHandle:
@@ -216,7 +217,7 @@ class TcpTransport:
     # -- moves (caller side) -----------------------------------------------------------------
 
     def _start(self, kind: str, tid: int, local_blocks: Sequence[int], peer: PeerId,
-               remote_blocks: Sequence[int]) -> MoveHandle:
+               remote_blocks: Sequence[int], layers: range | None = None) -> MoveHandle:
         if len(local_blocks) != len(remote_blocks) or not local_blocks:
             raise ValueError("a move needs one remote block per local block, at least one")
         if self._pool is None:
@@ -227,8 +228,9 @@ class TcpTransport:
             self._pool.check(list(local_blocks), f"local blocks of a {kind}")
         except ProtocolError as e:
             raise ValueError(str(e)) from None
+        span = layer_span(layers, self._pool.num_layers)
         move = Move(next(self._handles), kind, tid, peer, tuple(local_blocks),
-                    tuple(remote_blocks))
+                    tuple(remote_blocks), span)
         with self._lock:
             self._moves[move.handle] = move
         sender = self._sender(peer)
@@ -396,10 +398,12 @@ class TcpTransport:
         assert pool is not None
         if not self._claim(move, wire.sock):
             return
+        first, end = move.layers or (0, pool.num_layers)
+        prefix = u32s([first, end]) + ids
         try:
             head = header(Frame.WRITE, n, move.transfer_id, move.handle,
-                          len(ids) + n * pool.block_nbytes)
-            wire.send([head, ids, *(pool.view(b) for b in move.local_blocks)])
+                          len(prefix) + n * (end - first) * pool.layer_nbytes)
+            wire.send([head, prefix, *(pool.view(b, (first, end)) for b in move.local_blocks)])
         finally:
             self._release(move)
 
@@ -509,17 +513,24 @@ class TcpTransport:
 
     def _on_write(self, wire: Wire, peer: PeerId, count: int, tid: int, mid: int,
                   plen: int) -> None:
+        prefix = 8 + 4 * count
         if self._pool is None:  # nothing to land into: refuse the move, keep the connection
-            if count < 1 or (plen - 4 * count) % count or plen < 4 * count:
+            if count < 1 or plen < prefix or (plen - prefix) % count:
                 raise ProtocolError(f"WRITE of {count} blocks in a payload of {plen} bytes")
-            wire.skip([4 * count] + [(plen - 4 * count) // count] * count)
+            wire.skip([prefix] + [(plen - prefix) // count] * count)
             self._answer(peer, Frame.WRITE_ERROR, tid, mid, b"no pool registered")
             return
-        pool = self._block_frame(count, plen, 4 * count)
-        ids = parse_u32s(wire.recv_exact(4 * count))
+        pool = self._pool
+        if not 1 <= count <= pool.num_blocks or plen < prefix:
+            raise ProtocolError(f"WRITE of {count} blocks in a payload of {plen} bytes")
+        first, end, *ids = parse_u32s(wire.recv_exact(prefix))
+        pool.check_layers(first, end)
+        if plen != prefix + count * (end - first) * pool.layer_nbytes:
+            raise ProtocolError(f"WRITE of {count} blocks x layers [{first}, {end}) in a "
+                                f"payload of {plen} bytes")
         pool.check(ids, "WRITE destination")
         for b in ids:
-            wire.recv_into(pool.view(b))
+            wire.recv_into(pool.view(b, (first, end)))
         self._answer(peer, Frame.WRITE_DONE, tid, mid)
 
     def _on_read_request(self, wire: Wire, peer: PeerId, count: int, tid: int,

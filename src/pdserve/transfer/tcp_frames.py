@@ -9,9 +9,12 @@ Every frame is a 32-byte header then `payload_len` bytes:
           16  u64 LE  move id (the writer's or reader's handle; 0 for HELLO / CONTROL)
           24  u64 LE  payload length
 
-    HELLO, HELLO_ACK  HandshakeAuth envelope around the JSON PeerId of the side that sends it
+    HELLO, HELLO_ACK  HandshakeAuth envelope around the JSON {"peer": PeerId, "cipher": name}
+                      of the side that sends it
     CONTROL           one wire message, delivered by `receive()` with the authenticated source
-    WRITE             u32 dst block ids[count], then count * block_nbytes raw block bytes
+    WRITE             u32 first layer, u32 end layer, u32 dst block ids[count], then for each
+                      block its layers [first, end): count * (end - first) * layer_nbytes raw
+                      bytes (a block's layer slices are contiguous in the pool)
     WRITE_DONE/ERROR  the receiver's answer to a WRITE (ERROR payload: UTF-8 reason)
     READ_REQUEST      u32 src block ids[count] of the holder's pool
     READ_DATA         count * block_nbytes raw bytes for the requester's dst blocks, in order
@@ -156,8 +159,9 @@ class BlockPool:
         data = cache.data
         if data.device.type != "cpu" or not data.is_contiguous():
             raise ValueError("the TCP transport moves contiguous CPU pools only")
-        self.num_blocks = data.shape[0]
+        self.num_blocks, self.num_layers = data.shape[0], data.shape[1]
         self.block_nbytes = cache.block_nbytes
+        self.layer_nbytes = self.block_nbytes // self.num_layers
         self._bytes = data.view(torch.uint8).reshape(self.num_blocks, -1).numpy()
 
     def check(self, ids: Sequence[int], what: str) -> None:
@@ -167,5 +171,13 @@ class BlockPool:
         if min(ids) < 0 or max(ids) >= self.num_blocks:
             raise ProtocolError(f"{what}: block id out of the pool's [0, {self.num_blocks})")
 
-    def view(self, block: int) -> memoryview:
-        return memoryview(self._bytes[block])
+    def view(self, block: int, layers: tuple[int, int] | None = None) -> memoryview:
+        """Block `block`, or only its slices of layers [first, end)."""
+        if layers is None:
+            return memoryview(self._bytes[block])
+        first, end = layers
+        return memoryview(self._bytes[block, first * self.layer_nbytes : end * self.layer_nbytes])
+
+    def check_layers(self, first: int, end: int) -> None:
+        if not 0 <= first < end <= self.num_layers:
+            raise ProtocolError(f"layers [{first}, {end}) outside the pool's {self.num_layers}")

@@ -28,6 +28,7 @@ class Move:
     peer: PeerId
     local_blocks: tuple[int, ...]
     remote_blocks: tuple[int, ...]
+    layers: tuple[int, int] | None = None  # a write's [first, end) layers; None: every layer
     status: MoveStatus = "pending"
     cancelled: bool = False
     busy: bool = False

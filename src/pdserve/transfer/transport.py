@@ -27,6 +27,18 @@ MoveStatus = Literal["pending", "done", "error"]
 MoveHandle = int
 
 
+def layer_span(layers: range | None, num_layers: int) -> tuple[int, int]:
+    """(first, end) of a move's layers: every layer for None; ValueError unless `layers` is a
+    non-empty step-1 range inside [0, num_layers)."""
+    if layers is None:
+        return 0, num_layers
+    if not isinstance(layers, range) or layers.step != 1 or not 0 <= layers.start \
+            < layers.stop <= num_layers:
+        raise ValueError(f"layers must be a non-empty range inside [0, {num_layers}), "
+                         f"got {layers!r}")
+    return layers.start, layers.stop
+
+
 class Transport(Protocol):
     """One endpoint of the transfer plane (fake, tcp, nixl)."""
 
@@ -40,8 +52,9 @@ class Transport(Protocol):
         ...
 
     def write(self, transfer_id: int, local_blocks: Sequence[int], remote_peer: PeerId,
-              remote_blocks: Sequence[int]) -> MoveHandle:
-        """Push local block i into remote block i (RDMA-WRITE shape)."""
+              remote_blocks: Sequence[int], layers: range | None = None) -> MoveHandle:
+        """Push local block i into remote block i (RDMA-WRITE shape); only the `layers` slices
+        of each block when given (layer-wise streaming), else every layer."""
         ...
 
     def read(self, transfer_id: int, local_blocks: Sequence[int], remote_peer: PeerId,
