@@ -37,6 +37,42 @@ def _open(pre: Engine, dec: Engine, pre_in: Inbox, dec_in: Inbox, prompt, mode: 
     return rid, send, recv
 
 
+def _open_streamed(pre: Engine, dec: Engine, pre_in: Inbox, dec_in: Inbox, prompt, tid: int):
+    """Layer-wise push: the decode side reserves first; the send session opens inside the
+    prefill step at layer 0 and writes each layer as the engine reports it computed."""
+    rid = f"r{tid}"
+    dec.add_remote_request(prompt, GREEDY, request_id=rid)
+    dst = dec.reserved_blocks(rid)
+    common = {"transfer_id": tid, "layout": KVLayout.of_cache(pre.kv_cache, "tiny-llama"),
+              "mode": Mode.PUSH, "lease_s": LEASE, "clock": time.monotonic}
+    recv = RecvSession(dec_in, peer=pre_in.transport.local, cache=dec.kv_cache, dst_blocks=dst,
+                       dst_generations=[dec.block_manager.generation(b) for b in dst],
+                       generation=dec.block_manager.generation, **common)
+    recv.poll()  # sends the reservation
+    sessions: dict[str, SendSession] = {}
+
+    def on_layer(layer: int, batch) -> None:
+        req = next(r for r in batch.requests if r.request_id == rid)
+        if rid not in sessions:
+            sessions[rid] = SendSession(pre_in, peer=dec_in.transport.local, cache=pre.kv_cache,
+                                        src_blocks=req.block_ids, token0=None, **common)
+        deadline = time.monotonic() + LEASE
+        while sessions[rid].state is TransferState.WAITING_FOR_BLOCKS:
+            assert time.monotonic() < deadline, "no reservation"
+            sessions[rid].poll()
+        sessions[rid].layers_ready(layer + 1)
+
+    pre.on_layer = on_layer
+    pre.add_request(prompt, GREEDY, request_id=rid)
+    out = next(o for o in _drain(pre) if o.request_id == rid)
+    pre.on_layer = None
+    send = sessions[rid]
+    assert send.src_blocks == tuple(out.kv_block_ids)
+    assert send.writes_issued == pre.kv_cache.num_layers  # one move per layer, during compute
+    send.prefill_done(out.outputs[0].token_ids[0])
+    return rid, send, recv
+
+
 def _until_terminal(send: SendSession, recv: RecvSession) -> None:
     deadline = time.monotonic() + LEASE
     while not (send.state.is_terminal and recv.state.is_terminal):
@@ -47,12 +83,14 @@ def _until_terminal(send: SendSession, recv: RecvSession) -> None:
 
 
 def check_sessions_end_to_end(pre: Engine, dec: Engine, pre_tx: Transport, dec_tx: Transport,
-                              mode: Mode, first_tid: int, model_path) -> None:
+                              mode: Mode, first_tid: int, model_path,
+                              streamed: bool = False) -> None:
     """Every prompt of PROMPTS: both sessions DONE, decode output equal to transformers', and
-    both pools back to their starting free counts."""
+    both pools back to their starting free counts. `streamed`: layer-wise push."""
     free = (pre.block_manager.num_free_blocks, dec.block_manager.num_free_blocks)
     pre_in, dec_in = Inbox(pre_tx), Inbox(dec_tx)
-    opened = [_open(pre, dec, pre_in, dec_in, prompt, mode, first_tid + i)
+    opened = [_open_streamed(pre, dec, pre_in, dec_in, prompt, first_tid + i) if streamed
+              else _open(pre, dec, pre_in, dec_in, prompt, mode, first_tid + i)
               for i, prompt in enumerate(PROMPTS)]
     finals = {}
     for rid, send, recv in opened:

@@ -162,10 +162,11 @@ def engines(tiny_model):
     return engine_pair(tiny_model("llama"))
 
 
-@pytest.mark.parametrize("mode", [Mode.PUSH, Mode.PULL])
+@pytest.mark.parametrize("mode", ["push", "pull", "push-layerwise"])
 def test_sessions_run_unchanged(make, engines, mode, tiny_model, request):
     pre, dec = engines
-    first_tid = 1000 + 10 * (mode is Mode.PULL) + 100 * ["fake", "tcp", "tcp-aes", "nixl"].index(
-        request.node.callspec.params["make"])
-    check_sessions_end_to_end(pre, dec, make(pre.kv_cache), make(dec.kv_cache), mode,
-                              first_tid, tiny_model("llama"))
+    first_tid = 1000 + 10 * ["push", "pull", "push-layerwise"].index(mode) + 100 * [
+        "fake", "tcp", "tcp-aes", "nixl"].index(request.node.callspec.params["make"])
+    check_sessions_end_to_end(pre, dec, make(pre.kv_cache), make(dec.kv_cache),
+                              Mode.PULL if mode == "pull" else Mode.PUSH, first_tid,
+                              tiny_model("llama"), streamed=mode == "push-layerwise")

@@ -85,7 +85,9 @@ _ids = iter(range(1, 1 << 20))
 
 
 def open_transfer(w: World, prompt: list[int], mode: Mode, params=GREEDY,
-                  recv_layout: KVLayout | None = None) -> Transfer:
+                  recv_layout: KVLayout | None = None, stream: bool = False) -> Transfer:
+    """`stream`: the send session opens as if the prompt were still computing (token0 None);
+    the test reports layers with `layers_ready` and token 0 with `prefill_done`."""
     tid = next(_ids)
     rid = f"t{tid}"
     w.pre.add_request(prompt, params, request_id=rid)
@@ -100,7 +102,7 @@ def open_transfer(w: World, prompt: list[int], mode: Mode, params=GREEDY,
                        **(common | {"layout": recv_layout or w.layout}))
     token0 = out.outputs[0].token_ids[0]
     send = SendSession(w.pre_inbox, peer=DEC, cache=w.pre.kv_cache,
-                       src_blocks=out.kv_block_ids, token0=token0, **common)
+                       src_blocks=out.kv_block_ids, token0=None if stream else token0, **common)
     return Transfer(rid, send, recv, token0, dst)
 
 
@@ -162,6 +164,78 @@ def test_transfer_then_decode_matches_transformers(w, mode, tiny_model):
     path = tiny_model("llama")
     for t, prompt in zip(transfers, PROMPTS, strict=True):
         assert finals[t.rid].outputs[0].token_ids == hf_greedy(path, prompt, 16)
+
+
+def test_layerwise_push_writes_each_layer_then_notices_after_token0(w, tiny_model):
+    t = open_transfer(w, PROMPTS[0], Mode.PUSH, stream=True)
+    t.recv.poll()  # the reservation
+    t.send.layers_ready(1)  # before the reservation arrived: nothing to write yet
+    assert t.send.writes_issued == 0
+    t.send.poll()
+    assert t.send.writes_issued == 1  # layer 0, once the reservation is in
+    num_layers = w.pre.kv_cache.num_layers
+    for n in range(2, num_layers + 1):
+        t.send.layers_ready(n)
+        pump(w, t, lambda: True)
+    assert t.send.writes_issued == num_layers and t.recv.state is S.TRANSFERRING
+    for _ in range(10):
+        pump(w, t, lambda: True)
+    assert t.recv.state is S.TRANSFERRING  # no notice before token 0
+    t.send.prefill_done(t.token0)
+    pump(w, t)
+    assert t.send.state is S.DONE and t.recv.state is S.DONE and t.recv.token0 == t.token0
+    assert t.send.writes_issued == num_layers  # nothing written twice
+    final = settle(w, t)
+    assert final[t.rid].outputs[0].token_ids == hf_greedy(tiny_model("llama"), PROMPTS[0], 16)
+
+
+def test_layerwise_push_with_a_corrupt_layer_never_reaches_kv_ready(w, monkeypatch):
+    calls = []
+    monkeypatch.setattr(w.dec, "kv_ready", lambda *a, **k: calls.append(a))
+    t = open_transfer(w, PROMPTS[0], Mode.PUSH, stream=True)
+    w.fabric.inject(Fault("corrupt"))  # the first data move: layer 0
+    t.recv.poll()
+    t.send.poll()
+    t.send.layers_ready(1)
+    t.send.prefill_done(t.token0)
+    took = pump(w, t)
+    assert "CRC32C" in t.recv.reason
+    assert_failed_within_lease(w, t, took)
+    assert calls == []
+
+
+def test_receiver_abort_mid_stream_fences_every_layer_write(w):
+    t = open_transfer(w, PROMPTS[0], Mode.PUSH, stream=True)
+    w.fabric.inject(Fault("delay", seconds=3 * LEASE))
+    w.fabric.inject(Fault("delay", seconds=3 * LEASE))
+    w.dec.kv_cache.data[t.dst] = 0
+    t.recv.poll()
+    t.send.poll()
+    t.send.layers_ready(1)
+    t.send.layers_ready(2)  # two layer writes in flight, token 0 not known yet
+    assert t.send.writes_issued == 2
+    t.recv.abort("the client went away")
+    took = pump(w, t)
+    assert t.send.state is S.FAILED and t.recv.blocks_reusable
+    w.clock.now += 4 * LEASE
+    w.fabric.progress()  # past the writes' due time: fenced, they never land
+    assert (w.dec.kv_cache.data[t.dst] == 0).all()
+    assert took <= LEASE
+    settle(w, t)
+
+
+def test_a_prefill_that_never_reports_token0_fails_both_within_the_lease(w):
+    t = open_transfer(w, PROMPTS[0], Mode.PUSH, stream=True)
+    t.recv.poll()
+    t.send.poll()
+    t.send.layers_ready(w.pre.kv_cache.num_layers)  # every layer written, then silence
+    assert_failed_within_lease(w, t, pump(w, t))
+
+
+def test_streaming_is_push_only(w):
+    with pytest.raises(ValueError, match="push"):
+        SendSession(w.pre_inbox, transfer_id=1, peer=DEC, cache=w.pre.kv_cache,
+                    layout=w.layout, src_blocks=[0], token0=None, mode=Mode.PULL)
 
 
 def test_duplicate_notice_after_done_changes_nothing(w):

@@ -30,7 +30,7 @@ from pdserve.engine.model.loader import eos_token_ids, load_model
 from pdserve.engine.output_processor import OutputProcessor
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.request import Request, RequestState
-from pdserve.engine.runner import ModelRunner
+from pdserve.engine.runner import LayerHook, ModelRunner
 from pdserve.engine.sampler import Sampler
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler
@@ -59,6 +59,8 @@ class Engine:
         self._pending: list[RequestOutput] = []  # outputs produced outside step()
         # The last step that ran a batch: (prefill tokens, decode tokens, requests).
         self.last_batch: tuple[int, int, int] = (0, 0, 0)
+        # Called inside step() after each layer (ModelRunner.run): layer-wise KV streaming.
+        self.on_layer: LayerHook | None = None
         self._ids = itertools.count()
 
     # -- requests ------------------------------------------------------------------------------
@@ -139,7 +141,7 @@ class Engine:
             return outputs
         self.last_batch = (batch.num_prefill_tokens, batch.num_tokens - batch.num_prefill_tokens,
                            len(batch.requests))
-        logits, sampling = self.runner.run(batch)
+        logits, sampling = self.runner.run(batch, self.on_layer)
         sampled = self.sampler(logits, [r.params for r in sampling],
                                [r.num_output_tokens for r in sampling]) if sampling else None
         for req, n in zip(batch.requests, batch.num_new_tokens, strict=True):

@@ -6,6 +6,7 @@ decoding request, so attention can batch every decode at once.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -15,6 +16,9 @@ from pdserve.engine.model.attention import AttentionMetadata, PrefillSeq
 from pdserve.engine.model.llama import LlamaForCausalLM
 from pdserve.engine.request import Request
 from pdserve.engine.scheduler import SchedulerOutput
+
+# on_layer(i, batch): layer i's K and V of every token in `batch` are in the KV pool.
+LayerHook = Callable[[int, SchedulerOutput], None]
 
 
 @dataclass
@@ -33,10 +37,20 @@ class ModelRunner:
         self.device = device
         self.block_size = kv_cache.block_size
 
-    def run(self, batch: SchedulerOutput) -> tuple[torch.Tensor, list[Request]]:
-        """Compute the batch; return logits [N, vocab] for the N requests that sample."""
+    def run(self, batch: SchedulerOutput, on_layer: LayerHook | None = None
+            ) -> tuple[torch.Tensor, list[Request]]:
+        """Compute the batch; return logits [N, vocab] for the N requests that sample.
+        `on_layer(i, batch)` runs when layer i's KV of the batch is in the pool (on CUDA after
+        a stream sync, which costs the overlap of CPU launch and GPU compute)."""
         inputs = self.prepare(batch)
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.meta)
+        after = None
+        if on_layer is not None:
+            def after(i: int) -> None:
+                if self.kv_cache.data.is_cuda:
+                    torch.cuda.current_stream().synchronize()
+                on_layer(i, batch)
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.meta,
+                            after)
         if not inputs.sampling:
             return hidden.new_empty(0, self.model.cfg.vocab_size), []
         rows = torch.tensor(inputs.sample_rows, device=hidden.device)

@@ -28,8 +28,14 @@ class SendSession:
     FAILED from any live state: lease expiry, write error, a dead peer or endpoint, a bad
     reservation, a message from a restarted receiver instance, the receiver's ABORT, abort().
 
+    Layer-wise streaming (push): a session opened with `token0=None` while the prompt is still
+    being computed writes layers [sent, ready) of every block each time `layers_ready(ready)`
+    raises the count and the reservation is in (one move per call), and the rest at
+    `prefill_done(token0)`; the notice goes once token 0 is known and every move is done.
+    A session opened with token 0 writes every layer in one move, as before.
+
     Invariants: the state only moves forward (TransferStatus). Before FAILED the session
-    cancels (fences) its write, so an ABORT from a sender always means "I will never write
+    cancels (fences) every write, so an ABORT from a sender always means "I will never write
     again"; a FAILED session still answers a receiver's ABORT with ABORT_ACK on poll().
     Lifetime: from the prefill output (blocks held, PREFILLED) until `blocks_reusable`, when
     the caller releases the source blocks. In pull mode a reader that is still reading when a
@@ -38,20 +44,26 @@ class SendSession:
 
     def __init__(
         self, inbox: Inbox, *, transfer_id: int, peer: PeerId, cache: KVCache,
-        layout: KVLayout, src_blocks: Sequence[int], token0: int,
+        layout: KVLayout, src_blocks: Sequence[int], token0: int | None,
         token0_logprob: float | None = None, mode: Mode = Mode.PUSH,
         lease_s: float = DEFAULT_LEASE_S, clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if not src_blocks or len(set(src_blocks)) != len(src_blocks):
             raise ValueError("src_blocks must be non-empty and must not repeat a block")
+        if token0 is None and mode is not Mode.PUSH:
+            raise ValueError("layer-wise streaming (token0=None) is a push-mode feature")
         self._link = Link(inbox, inbox.transport.local, peer, transfer_id)
         self._cache, self._layout, self._mode = cache, layout, mode
         self._src = tuple(src_blocks)
-        self._token0 = CompletionNotice(transfer_id, self._link.local, (), token0, token0_logprob)
+        self._token0: CompletionNotice | None = None
         self._status = TransferStatus(S.WAITING_FOR_BLOCKS, clock)
         self._lease = Lease(lease_s, clock)
-        self._write: MoveHandle | None = None
+        self._dst: tuple[int, ...] | None = None  # push: the reserved blocks, once known
+        self._ready = self._sent = 0  # layers computed / written
+        self._writes: list[MoveHandle] = []
         self._notified = False
+        if token0 is not None:
+            self.prefill_done(token0, token0_logprob)
 
     @property
     def transfer_id(self) -> int:
@@ -66,6 +78,20 @@ class SendSession:
         return self._status.reason
 
     @property
+    def src_blocks(self) -> tuple[int, ...]:
+        return self._src
+
+    @property
+    def writes_issued(self) -> int:
+        """Moves handed to the transport so far (push: one per `layers_ready` step)."""
+        return len(self._writes)
+
+    @property
+    def prefilling(self) -> bool:
+        """Opened for layer-wise streaming and token 0 not known yet."""
+        return self._token0 is None
+
+    @property
     def blocks_reusable(self) -> bool:
         """True once terminal: the write is done or fenced, no receiver needs the blocks."""
         return self._status.is_terminal
@@ -77,6 +103,18 @@ class SendSession:
         if not self._status.is_terminal:
             self._check_progress()
         return self.state
+
+    def layers_ready(self, num_layers: int) -> None:
+        """Layers [0, num_layers) of the prompt are in `src_blocks`; write the new ones now if
+        the receiver's blocks are known."""
+        self._ready = max(self._ready, min(num_layers, self._layout.num_layers))
+        self._write_ready()
+
+    def prefill_done(self, token0: int, token0_logprob: float | None = None) -> None:
+        """Every layer is computed and token 0 sampled: the notice can follow the writes."""
+        self._token0 = CompletionNotice(self._link.transfer_id, self._link.local, (), token0,
+                                        token0_logprob)
+        self.layers_ready(self._layout.num_layers)
 
     def abort(self, reason: str) -> None:
         """Fail now (fence the write) and tell the receiver."""
@@ -114,12 +152,12 @@ class SendSession:
         self._link.send(TransferDescriptor(
             self._link.transfer_id, self._link.local, self._link.peer, self._src,
             r.dst_block_ids, r.dst_generations, r.layer_begin, r.layer_end, self._layout, sums))
+        self._status.advance(S.TRANSFERRING)
         if self._mode is Mode.PUSH:
-            self._write = self._link.transport.write(
-                self._link.transfer_id, self._src, self._link.peer, r.dst_block_ids)
+            self._dst = r.dst_block_ids
+            self._write_ready()
         else:
             self._send_notice(sums)
-        self._status.advance(S.TRANSFERRING)
 
     def _reservation_problem(self, r: Reservation) -> str | None:
         try:
@@ -139,27 +177,40 @@ class SendSession:
             self._fail("this endpoint is dead", tell=False)
         elif not self._link.peer_alive():
             self._fail(f"the receiver {self._link.peer} died", tell=False)
-        elif self._write is not None and not self._notified:
-            self._check_write()
+        elif self._writes and not self._notified:
+            self._check_writes()
         if not self._status.is_terminal and self._lease.expired:
             self._fail("the lease expired")
 
-    def _check_write(self) -> None:
-        status = self._link.transport.status(self._write)
-        if status == "error":
+    def _write_ready(self) -> None:
+        """Push: one move for the layers computed since the last one, once the receiver's
+        blocks are known (every layer at once when none was streamed)."""
+        if self._dst is None or self._status.is_terminal or self._ready <= self._sent:
+            return
+        whole = (self._sent, self._ready) == (0, self._layout.num_layers)
+        self._writes.append(self._link.transport.write(
+            self._link.transfer_id, self._src, self._link.peer, self._dst,
+            None if whole else range(self._sent, self._ready)))
+        self._sent = self._ready
+
+    def _check_writes(self) -> None:
+        statuses = [self._link.transport.status(w) for w in self._writes]
+        if "error" in statuses:
             self._fail("the write failed")
-        elif status == "done":
+        elif self._token0 is not None and self._sent == self._layout.num_layers \
+                and all(s == "done" for s in statuses):
             self._send_notice(tuple(slices_crc32c(self._cache.data, self._src,
                                                   range(self._layout.num_layers))))
 
     def _send_notice(self, checksums: tuple[int, ...]) -> None:
         t = self._token0
+        assert t is not None
         self._link.send(CompletionNotice(t.transfer_id, t.sender, checksums, t.token0,
                                          t.token0_logprob))
         self._notified = True
 
     def _fail(self, reason: str, tell: bool = True) -> None:
-        if self._write is not None:
-            self._link.transport.cancel(self._write)  # the fence comes before any ABORT
+        for write in self._writes:
+            self._link.transport.cancel(write)  # the fence comes before any ABORT
         if self._status.fail(reason) and tell:
             self._link.control(ControlOp.ABORT, reason[:MAX_REASON_CHARS])

@@ -7,6 +7,8 @@ Norms compute in fp32 and cast back, exactly as HF does, so fp32 runs match HF t
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -93,11 +95,16 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,  # [T]
         kv_cache: KVCache,
         meta: AttentionMetadata,
+        after_layer: Callable[[int], None] | None = None,
     ) -> torch.Tensor:
+        """`after_layer(i)` runs once layer i has stored this batch's K and V in `kv_cache`
+        (layer-wise KV streaming); on CUDA only the kernels are queued by then."""
         x = self.embed_tokens(input_ids)  # [T, hidden]
         rope = self.rope.tables(positions, x.dtype)  # shared by every layer
-        for layer, kv in zip(self.layers, kv_cache.layers, strict=True):
+        for i, (layer, kv) in enumerate(zip(self.layers, kv_cache.layers, strict=True)):
             x = layer(x, rope, kv, meta)
+            if after_layer is not None:
+                after_layer(i)
         return self.norm(x)  # [T, hidden]
 
     @torch.inference_mode()
