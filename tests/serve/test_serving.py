@@ -159,6 +159,9 @@ def test_metrics_count_both_paths_and_the_transfer(disagg_tcp: Cluster, path: st
     assert "pdserve_kv_blocks_used " in decode
     assert "pdserve_inter_token_latency_seconds_count" in decode
     assert _metric(decode, 'pdserve_transfer_bytes_total{direction="recv"}') > 0
+    if path == "disaggregated":  # layer-wise streaming is on by default
+        prefill = _scrape(disagg_tcp.worker_url(0))
+        assert _metric(prefill, "pdserve_kv_layers_streamed_total") > 0
 
 
 def test_workers_record_their_engine_steps_for_timelines(disagg_tcp: Cluster) -> None:

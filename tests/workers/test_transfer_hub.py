@@ -248,7 +248,7 @@ def test_prefill_abort_of_an_open_send_session(w):
     pre_events, dec_events = w.poll(2)
     reason = "aborted by the caller: shutting down"
     assert pre_events == [SendEnded(TID, False, reason, 0.0, w.nbytes)]
-    assert dec_events == [RecvFailed(TID, f"the sender aborted: {reason}", False)]
+    assert dec_events == [RecvFailed(TID, "the sender aborted: shutting down", False)]
     assert not w.dec_cache.data.any()  # no write was ever issued
 
 
@@ -314,3 +314,60 @@ def test_unclaimed_messages_are_dropped_after_the_lease_unless_expected(w, expec
     w.pre.poll()
     # a kept reservation is served at once: descriptor, write, completion notice
     assert sent_to_decode(w) == (["descriptor", "notice"] if kept else [])
+
+
+# -- layer-wise streaming (push) -------------------------------------------------------------------
+
+
+def test_streamed_layers_then_token0_land_the_bytes_and_report_once(w):
+    open_recv(w)
+    w.pre.expect(TID)
+    w.dec.poll()  # the reservation is on its way
+    w.pre.stream_layers(TID, DEC, SRC, 1)  # opens the session; layer 0 waits for the reservation
+    assert w.poll(2) == ([], [])
+    assert torch.equal(w.dec_cache.data[DST, 0], w.pre_cache.data[SRC, 0])
+    assert not w.dec_cache.data[DST, 1].any()  # layer 1 is not computed yet
+    assert w.pre.open_send(TID, DEC, SRC, TOKEN0, LOGPROB0)  # the last layer, then the notice
+    pre_events, dec_events = w.poll(2)
+    assert dec_events == [RecvDone(TID, TOKEN0, LOGPROB0, 0.0, w.nbytes)]
+    assert pre_events == [SendEnded(TID, True, None, 0.0, w.nbytes)]
+    assert torch.equal(w.dec_cache.data[DST], w.pre_cache.data[SRC])
+    w.assert_quiet()
+
+
+def test_a_streamed_session_the_decode_aborts_is_not_reported_and_open_send_says_closed(w):
+    open_recv(w)
+    w.pre.expect(TID)
+    w.dec.poll()
+    w.pre.stream_layers(TID, DEC, SRC, 1)
+    w.pre.poll()  # layer 0 written
+    w.dec.abort(TID, CANCELLED)
+    pre_events, dec_events = w.poll(2)
+    assert pre_events == []  # the engine still computes this prompt: nothing to release yet
+    assert dec_events == [RecvFailed(TID, f"aborted by the caller: {CANCELLED}", False)]
+    assert w.pre.is_closed(TID) and w.pre.active == 0
+    assert not w.pre.open_send(TID, DEC, SRC, TOKEN0, LOGPROB0)  # so the caller releases
+    w.pre.stream_layers(TID, DEC, SRC, 2)  # a later layer of a closed transfer: nothing
+    assert w.pre.active == 0
+    w.assert_quiet()
+
+
+def test_closing_a_streamed_transfer_fences_it_and_tells_the_decode(w):
+    open_recv(w)
+    w.pre.expect(TID)
+    w.dec.poll()
+    w.pre.stream_layers(TID, DEC, SRC, 1)
+    w.pre.close_finished(TID, DEC)  # token 0 ended the request after layer 0 went out
+    assert w.pre.active == 0 and w.pre.is_closed(TID)
+    pre_events, dec_events = w.poll(2)
+    assert dec_events == [RecvFailed(TID, f"the sender aborted: {FINISHED_AT_TOKEN0}",
+                                     sender_finished=True)]
+    assert pre_events == []
+    w.assert_quiet()
+
+
+def test_pull_mode_ignores_layer_streaming():
+    w = make_world(Mode.PULL)
+    w.pre.expect(TID)
+    w.pre.stream_layers(TID, DEC, SRC, 1)
+    assert w.pre.active == 0

@@ -41,6 +41,7 @@ class UpConfig:
     port: int = 8000
     transport: str = "tcp"
     kv_encrypt: bool = False
+    kv_layerwise: bool = True
     dtype: str = "bfloat16"
     kv_cache_memory: str = "512MiB"
     max_model_len: int | None = None
@@ -114,7 +115,8 @@ class UpConfig:
                              f"(available: {','.join(map(str, available))})")
         return cls(model=args.model, num_prefill=prefill, num_decode=decode,
                    num_collocated=collocated, host=args.host, port=args.port,
-                   transport=args.transport, kv_encrypt=args.kv_encrypt, dtype=args.dtype,
+                   transport=args.transport, kv_encrypt=args.kv_encrypt,
+                   kv_layerwise=args.kv_layerwise, dtype=args.dtype,
                    kv_cache_memory=args.kv_cache_memory, max_model_len=args.max_model_len,
                    policy=args.policy, local_prefill_threshold=args.local_prefill_threshold,
                    ready_timeout_s=args.ready_timeout, cpus=cpus,
@@ -190,6 +192,8 @@ def _worker_spec(config: UpConfig, index: int, role: str, secret_file: Path) -> 
         argv += ["--enable-chunked-prefill"]
     if config.kv_encrypt:
         argv += ["--kv-encrypt"]
+    if not config.kv_layerwise:
+        argv += ["--no-kv-layerwise"]
     if config.max_num_batched_tokens is not None:
         argv += ["--max-num-batched-tokens", str(config.max_num_batched_tokens)]
     return ProcessSpec(f"{role}-{role_index}", tuple(argv), worker_url(config, index) + "/health",

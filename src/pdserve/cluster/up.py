@@ -97,6 +97,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                         "(default: %(default)s)")
     p.add_argument("--kv-encrypt", action="store_true",
                    help="encrypt KV transfers with AES-256-GCM (tcp transport)")
+    p.add_argument("--kv-layerwise", action=argparse.BooleanOptionalAction, default=True,
+                   help="prefill workers write each layer's KV while the next layers compute "
+                        "(default: on)")
 
 
 def _add_router_args(p: argparse.ArgumentParser) -> None:

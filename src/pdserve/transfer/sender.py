@@ -117,8 +117,9 @@ class SendSession:
         self.layers_ready(self._layout.num_layers)
 
     def abort(self, reason: str) -> None:
-        """Fail now (fence the write) and tell the receiver."""
-        self._fail(f"aborted by the caller: {reason}")
+        """Fail now (fence every write) and tell the receiver `reason` as given (it may be
+        FINISHED_AT_TOKEN0, which the receiver reads as "the request ended at token 0")."""
+        self._fail(f"aborted by the caller: {reason}", told=reason)
 
     # -- messages ------------------------------------------------------------------------------
 
@@ -209,8 +210,8 @@ class SendSession:
                                          t.token0_logprob))
         self._notified = True
 
-    def _fail(self, reason: str, tell: bool = True) -> None:
+    def _fail(self, reason: str, tell: bool = True, told: str | None = None) -> None:
         for write in self._writes:
             self._link.transport.cancel(write)  # the fence comes before any ABORT
         if self._status.fail(reason) and tell:
-            self._link.control(ControlOp.ABORT, reason[:MAX_REASON_CHARS])
+            self._link.control(ControlOp.ABORT, (told or reason)[:MAX_REASON_CHARS])

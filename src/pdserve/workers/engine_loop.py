@@ -36,6 +36,7 @@ from enum import IntEnum
 from pdserve.api.legs import LegKind, LegRequest, TokenEvent
 from pdserve.engine.engine import Engine
 from pdserve.engine.outputs import RequestOutput
+from pdserve.engine.scheduler import SchedulerOutput
 from pdserve.workers.hub_pump import HubPump
 from pdserve.workers.step_trace import Step, StepTrace
 from pdserve.workers.transfer_hub import PeerClosed, RecvDone, RecvFailed, SendEnded
@@ -71,8 +72,11 @@ class _Leg:
 
 
 class EngineLoop:
-    def __init__(self, engine: Engine, hub: HubPump | None, metrics: WorkerMetrics) -> None:
+    def __init__(self, engine: Engine, hub: HubPump | None, metrics: WorkerMetrics,
+                 stream_layers: bool = False) -> None:
         self.engine, self.hub, self.metrics = engine, hub, metrics
+        if stream_layers and hub is not None:
+            engine.on_layer = self._stream_layer
         self.trace = StepTrace()
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._legs: dict[str, _Leg] = {}  # engine request id -> leg
@@ -198,9 +202,9 @@ class EngineLoop:
             self.hub.abort(tid, "the client went away")  # blocks freed once reusable
             return
         self._drop(leg)
-        self.engine.abort(leg.engine_id)
-        if tid is not None and leg.phase is Phase.QUEUED:
+        if tid is not None and leg.phase is Phase.QUEUED:  # fences streamed writes first
             self.hub.close(tid, leg.req.peer, "the request was cancelled")
+        self.engine.abort(leg.engine_id)
         self.metrics.cancelled.inc()
 
     # -- transfers -----------------------------------------------------------------------------
@@ -291,14 +295,25 @@ class EngineLoop:
     def _hand_over(self, leg: _Leg, out: RequestOutput) -> None:
         tid = leg.req.transfer_id
         self._drop(leg, keep_tid=True)
-        if self.hub.is_closed(tid):  # the decode side gave up while we computed
-            self.engine.release(leg.engine_id)
+        c = out.outputs[0]
+        if not self.hub.open_send(tid, leg.req.peer, out.kv_block_ids, c.token_ids[0],
+                                  c.logprobs[0] if c.logprobs else None):
+            self.engine.release(leg.engine_id)  # the decode side gave up while we computed
             self._forget(leg)
             return
-        c = out.outputs[0]
-        self.hub.open_send(tid, leg.req.peer, out.kv_block_ids, c.token_ids[0],
-                           c.logprobs[0] if c.logprobs else None)
         leg.phase = Phase.TRANSFERRING
+
+    def _stream_layer(self, layer: int, batch: SchedulerOutput) -> None:
+        """Engine hook, inside a step: layer `layer` of every prompt this step completes is
+        in the pool; hand it to the transfer (layer i on the wire while layer i+1 computes)."""
+        for req, n in zip(batch.requests, batch.num_new_tokens, strict=True):
+            if not req.hand_over or req.num_computed_tokens + n < req.num_prompt_tokens:
+                continue
+            leg = self._legs.get(req.request_id)
+            if leg is None or leg.cancelled or leg.req.transfer_id is None:
+                continue
+            self.hub.stream_layers(leg.req.transfer_id, leg.req.peer, req.block_ids, layer + 1)
+            self.metrics.layers_streamed.inc()
 
     def _token_event(self, leg: _Leg, out: RequestOutput) -> TokenEvent:
         c = out.outputs[0]

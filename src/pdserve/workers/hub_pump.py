@@ -74,10 +74,15 @@ class HubPump:
         with self._lock:
             self._hub.expect(transfer_id)
 
-    def open_send(self, transfer_id: int, peer: PeerId, src_blocks: Sequence[int], token0: int,
-                  logprob: float | None) -> None:
+    def stream_layers(self, transfer_id: int, peer: PeerId, src_blocks: Sequence[int],
+                      num_layers: int) -> None:
         with self._lock:
-            self._hub.open_send(transfer_id, peer, src_blocks, token0, logprob)
+            self._hub.stream_layers(transfer_id, peer, src_blocks, num_layers)
+
+    def open_send(self, transfer_id: int, peer: PeerId, src_blocks: Sequence[int], token0: int,
+                  logprob: float | None) -> bool:
+        with self._lock:
+            return self._hub.open_send(transfer_id, peer, src_blocks, token0, logprob)
 
     def open_recv(self, transfer_id: int, peer: PeerId, dst_blocks: Sequence[int]) -> None:
         with self._lock:

@@ -31,6 +31,7 @@ class WorkerSettings:
     cpus: tuple[int, ...] | None = None
     kv_lease_s: float = 30.0
     kv_encrypt: bool = False
+    kv_layerwise: bool = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "role", Role(self.role))
@@ -84,6 +85,9 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-encrypt", action="store_true",
                    help="encrypt KV transfers with AES-256-GCM under a key from the shared "
                         "secret (tcp transport; every worker needs the same setting)")
+    p.add_argument("--kv-layerwise", action=argparse.BooleanOptionalAction, default=True,
+                   help="prefill: write each layer's KV to the decode worker as soon as it is "
+                        "computed, while later layers compute (default: on)")
     p.add_argument("--cpus", default=None,
                    help="pin this worker to these cores, e.g. '0' or '0,1' (compute threads = "
                         "number of cores; default: no pinning, all cores)")
@@ -131,4 +135,4 @@ def settings_from_args(args: argparse.Namespace) -> WorkerSettings:
         role=Role(args.role), engine=engine, served_model_name=args.served_model_name or
         args.model, host=args.host, port=args.port, kv_host=args.kv_host or args.host,
         kv_port=args.kv_port, transport=args.transport, secret=secret, cpus=cpus,
-        kv_lease_s=args.kv_lease, kv_encrypt=args.kv_encrypt)
+        kv_lease_s=args.kv_lease, kv_encrypt=args.kv_encrypt, kv_layerwise=args.kv_layerwise)

@@ -117,8 +117,40 @@ class TransferHub:
             return
         self._expected.add(transfer_id)
 
+    def stream_layers(self, transfer_id: int, peer: PeerId, src_blocks: Sequence[int],
+                      num_layers: int) -> None:
+        """Layer-wise push: layers [0, num_layers) of a prompt still being computed are in
+        `src_blocks`. The first call opens the send session (token 0 comes with `open_send`);
+        each call writes the new layers once the receiver's reservation is in. A session that
+        ends before token 0 is not reported: the transfer is closed, and `open_send` says so.
+        Pull mode, or a transfer already closed: nothing."""
+        if self._mode is not Mode.PUSH or transfer_id in self._closed:
+            return
+        if transfer_id not in self._sends:
+            self._open_send(transfer_id, peer, src_blocks, None, None)
+        self._sends[transfer_id][0].layers_ready(num_layers)
+
     def open_send(self, transfer_id: int, peer: PeerId, src_blocks: Sequence[int], token0: int,
-                  logprob: float | None) -> None:
+                  logprob: float | None) -> bool:
+        """Send the KV of `src_blocks` and token 0 (finishing a streamed session, if one is
+        open). False when the transfer is closed (the decode side gave up, or a streamed
+        session failed): nobody will read the blocks, release them."""
+        if transfer_id in self._closed:
+            return False
+        open_ = self._sends.get(transfer_id)
+        if open_ is None:
+            self._open_send(transfer_id, peer, src_blocks, token0, logprob)
+            return True
+        session = open_[0]
+        if session.src_blocks != tuple(src_blocks):  # a bug, never expected: fail safely
+            session.abort("the prompt's blocks changed between layer streaming and token 0")
+            return False
+        session.prefill_done(token0, logprob)
+        self._sends[transfer_id] = (session, self._clock(), open_[2])  # timed from token 0
+        return True
+
+    def _open_send(self, transfer_id: int, peer: PeerId, src_blocks: Sequence[int],
+                   token0: int | None, logprob: float | None) -> None:
         self._expected.discard(transfer_id)
         session = SendSession(self._inbox, transfer_id=transfer_id, peer=peer, cache=self.cache,
                               layout=self.layout, src_blocks=src_blocks, token0=token0,
@@ -144,8 +176,13 @@ class TransferHub:
             self._recvs[transfer_id][0].abort(reason)
 
     def close(self, transfer_id: int, peer: PeerId | None, reason: str) -> None:
-        """This side will never open a session for `transfer_id`; tell `peer`."""
+        """This side will never open a session for `transfer_id`; tell `peer`. A streamed
+        session still open is aborted first (its writes fenced before its ABORT goes out)."""
         self._expected.discard(transfer_id)
+        if transfer_id in self._sends:
+            self._sends.pop(transfer_id)[0].abort(reason)
+            self._closed[transfer_id] = self._clock()
+            return
         self._closed[transfer_id] = self._clock()
         if peer is not None:
             self._send(peer, transfer_id, ControlOp.ABORT, reason)
@@ -160,8 +197,9 @@ class TransferHub:
             if session.blocks_reusable:
                 del self._sends[tid]
                 self._closed[tid] = self._clock()
-                events.append(SendEnded(tid, session.state is TransferState.DONE,
-                                        session.reason, self._clock() - t0, nbytes))
+                if not session.prefilling:  # else the engine still computes; open_send tells
+                    events.append(SendEnded(tid, session.state is TransferState.DONE,
+                                            session.reason, self._clock() - t0, nbytes))
         for tid, (session, t0, nbytes) in list(self._recvs.items()):
             session.poll()
             if session.state is TransferState.DONE:

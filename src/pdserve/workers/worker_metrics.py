@@ -41,6 +41,9 @@ class WorkerMetrics:
         self.kv_wait = r.histogram("pdserve_kv_wait_seconds",
                                    "Receiver side: from the reservation to verified KV "
                                    "(includes the prefill's queue and compute).")
+        self.layers_streamed = r.counter("pdserve_kv_layers_streamed_total",
+                                         "Prefill side: layers of a prompt handed to its "
+                                         "transfer while later layers computed.")
         self.transfer_failures = r.counter("pdserve_transfer_failures_total",
                                            "Transfers that failed.", ["direction"])
         self.transfer_size = r.histogram("pdserve_transfer_size_bytes", "KV bytes per transfer.",
