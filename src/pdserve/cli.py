@@ -58,6 +58,12 @@ def _bench_transfer(args: argparse.Namespace) -> int:
     return main([int(m) for m in args.sizes.split(",")], args.repeats, args.json)
 
 
+def _bench_layerwise(args: argparse.Namespace) -> int:
+    from pdserve.bench.layerwise_bench import main
+
+    return main(args.model, args.transport, args.prompt_tokens, args.repeats, args.json)
+
+
 def _bench_router(args: argparse.Namespace) -> int:
     from pdserve.bench.router_bench import RouterBenchSettings, main
 
@@ -142,6 +148,20 @@ def _add_bench(sub) -> None:
     xfer.add_argument("--repeats", type=int, default=3, help="default: %(default)s")
     xfer.add_argument("--json", action="store_true", help="one JSON object per measurement")
     xfer.set_defaults(func=_bench_transfer)
+    lw = kinds.add_parser(
+        "layerwise", help="what layer-wise KV streaming saves on one long prompt",
+        description="This process prefills a prompt with the real model on one core while a "
+                    "child process on another core receives its KV (reservation, checksums, "
+                    "verification), once with the KV written after token 0 and once layer by "
+                    "layer during the prefill; prints the medians of prefill time, KV ready "
+                    "after token 0 and prompt to KV ready, and the saving.")
+    lw.add_argument("--model", default="smollm2", help="default: %(default)s")
+    lw.add_argument("--transport", default="tcp", help="tcp, tcp-aes or nixl (default: "
+                                                       "%(default)s)")
+    lw.add_argument("--prompt-tokens", type=int, default=1000, help="default: %(default)s")
+    lw.add_argument("--repeats", type=int, default=5, help="default: %(default)s")
+    lw.add_argument("--json", action="store_true", help="one JSON object per mode")
+    lw.set_defaults(func=_bench_layerwise)
     serve = kinds.add_parser(
         "serve", help="replay a workload against any OpenAI-compatible server (vLLM's metrics)",
         description="Open-loop (Poisson, --rate) or closed-loop (--concurrency) streaming "
