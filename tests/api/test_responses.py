@@ -15,6 +15,7 @@ from pdserve.api.errors import bad_request
 from pdserve.api.responses import (
     LOGPROB_FLOOR,
     SSE_DONE,
+    ChunkEncoder,
     chat_chunk,
     chat_logprobs,
     chat_response,
@@ -209,3 +210,18 @@ def test_sse_error_from_message_is_a_server_error() -> None:
     body = json.loads(sse_error("engine aborted the request")[len(b"data: "):])
     assert body == {"error": {"message": "engine aborted the request", "type": "server_error",
                               "param": None, "code": None}}
+
+
+@pytest.mark.parametrize("model", [MODEL, 'a "quoted" \x00text é model'])
+@pytest.mark.parametrize("text", ["Par", "", 'é "q" \\ \n\r\t\x00text \u2028 😀'])
+def test_chunk_encoder_is_sse_event_of_the_builders(model: str, text: str) -> None:
+    lp = completion_logprobs(TOKENS[:1], LOGPROBS[:1], TOPS[:1], text_offset=3)
+    cmpl = ChunkEncoder("completion", "cmpl-1", model, CREATED)
+    for finish, logprobs in ((None, None), ("stop", None), (None, lp), ("length", lp)):
+        assert cmpl.encode(text, finish, logprobs) == sse_event(
+            completion_chunk("cmpl-1", model, CREATED, text, finish, logprobs))
+    chat_lp = chat_logprobs(TOKENS[:1], LOGPROBS[:1], TOPS[:1])
+    chat = ChunkEncoder("chat", "chatcmpl-1", model, CREATED)
+    for finish, logprobs in ((None, None), ("stop", None), (None, chat_lp)):
+        assert chat.encode(text, finish, logprobs) == sse_event(
+            chat_chunk("chatcmpl-1", model, CREATED, {"content": text}, finish, logprobs))

@@ -10,7 +10,8 @@ A leg is `POST /internal/legs` with a `LegRequest` JSON body; the answer is a st
 
 Events carry absolute positions (`index` of the first token, `text_offset` of the text), so the
 router can merge the prefill and decode streams of one request and drop what it has already
-sent (the decode stream repeats token 0).
+sent (the decode stream repeats token 0). The router reads a leg's events in `EventBatch`es:
+the events that arrived together, so that their SSE events go to the client in one write.
 """
 
 from __future__ import annotations
@@ -114,3 +115,6 @@ class TokenEvent:
             d["top_logprobs"] = [None if t is None else {int(k): v for k, v in t.items()}
                                  for t in d["top_logprobs"]]
         return cls(**d)
+
+
+EventBatch = list[TokenEvent]  # events of one stream that were ready together, in order

@@ -7,6 +7,11 @@ become OpenAI responses: one JSON object, or Server-Sent Events (a role chunk fi
 a chunk per engine step, the finish_reason on the last, a usage chunk when
 `stream_options.include_usage`, then `[DONE]`).
 
+Writes: `generate` yields events one at a time or in batches (those that were ready together);
+a batch's SSE events go out in one write, and no event waits for a later one. The headers and
+chat's role chunk go with the first token's chunk, and the last chunk, the usage chunk and
+`[DONE]` with the end of the response.
+
 Errors: bad input is a 4xx with OpenAI's error JSON before anything else is sent; a failure
 after the stream started ends it with an error event and `[DONE]`. The response headers are
 sent with the first token, so a request that fails before producing one still gets a proper
@@ -16,6 +21,7 @@ cancelled through it).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import time
@@ -28,7 +34,7 @@ from aiohttp import web
 from pdserve.api import responses as R
 from pdserve.api.assembler import Delta, StreamAssembler
 from pdserve.api.errors import ApiError
-from pdserve.api.legs import TokenEvent
+from pdserve.api.legs import EventBatch, TokenEvent
 from pdserve.api.protocol import (
     GenerateRequest,
     parse_chat,
@@ -40,7 +46,8 @@ from pdserve.engine.sampling_params import SamplingParams
 
 log = logging.getLogger("pdserve.api")
 
-GenerateFn = Callable[[str, list[int], SamplingParams], AsyncIterator[TokenEvent]]
+GenerateFn = Callable[[str, list[int], SamplingParams],
+                      AsyncIterator[TokenEvent | EventBatch]]
 SERVER_ERROR = "server_error"
 
 
@@ -84,11 +91,9 @@ class OpenAIServer:
         try:
             req, prompt, params = self._prepare(await request.read(), kind)
         except ApiError as e:
-            return self._error(e)
+            return self.error_response(e)
         request_id = R.new_request_id(kind)
-        log.info("request %s: %s, %d prompt tokens, max_tokens %d%s", request_id, kind,
-                 len(prompt), params.max_tokens, ", streaming" if req.stream else "")
-        run = _Run(self, req, request_id, len(prompt), t0)
+        run = _Run(self, req, request_id, len(prompt), params.max_tokens, t0)
         events = self.generate(request_id, prompt, params)
         async with contextlib.aclosing(events):
             try:
@@ -96,16 +101,13 @@ class OpenAIServer:
                     return await run.stream(request, events)
                 return await run.collect(events)
             except GenerateError as e:
-                if run.response is None:
-                    return self._error(e.api_error())
-                await run.end_with_error(e.api_error())
-                return run.response
+                return await run.fail(request, e.api_error())
             except ValueError as e:
                 log.exception("request %s: inconsistent token events", request_id)
-                if run.response is None:
-                    return self._error(ApiError(500, str(e), type=SERVER_ERROR))
-                await run.end_with_error(ApiError(500, str(e), type=SERVER_ERROR))
-                return run.response
+                return await run.fail(request, ApiError(500, str(e), type=SERVER_ERROR))
+            except asyncio.CancelledError:
+                log.info("request %s: cancelled (the client went away, or shutdown)", request_id)
+                raise
 
     def _prepare(self, raw: bytes, kind: str) -> tuple[GenerateRequest, list[int], SamplingParams]:
         body = parse_json(raw)
@@ -121,7 +123,8 @@ class OpenAIServer:
             raise ApiError(503, "no worker is ready yet; retry shortly", type=SERVER_ERROR)
         return req, list(prompt), req.params_for_context(len(prompt), max_len)
 
-    def _error(self, e: ApiError) -> web.Response:
+    def error_response(self, e: ApiError) -> web.Response:
+        """An error response (nothing else was sent)."""
         if self.metrics is not None:
             self.metrics.responses.inc(status=str(e.status))
         return web.json_response(e.body(), status=e.status)
@@ -131,22 +134,26 @@ class OpenAIServer:
 
 
 class _Run:
-    """One request's response, streamed or collected."""
+    """One request's response, streamed or collected.
+
+    Streaming: `_take` turns the events of a batch into SSE events (`_unsent`), `_flush` writes
+    them with one write; the response (headers, chat's role chunk) opens with the first one.
+    The request is logged once, when it ends (off the path of its tokens)."""
 
     def __init__(self, server: OpenAIServer, req: GenerateRequest, request_id: str,
-                 prompt_tokens: int, t0: float) -> None:
+                 prompt_tokens: int, max_tokens: int, t0: float) -> None:
         self.server, self.req, self.request_id = server, req, request_id
-        self.prompt_tokens, self.t0 = prompt_tokens, t0
+        self.prompt_tokens, self.max_tokens, self.t0 = prompt_tokens, max_tokens, t0
         self.created = int(time.time())
         self.out = StreamAssembler()
+        self.chunks = R.ChunkEncoder(req.kind, request_id, req.model, self.created)
         self.response: web.StreamResponse | None = None
+        self._unsent: list[bytes] = []  # SSE events not written yet
         self._last_token_at: float | None = None
 
-    async def collect(self, events: AsyncIterator[TokenEvent]) -> web.Response:
-        async for event in events:
-            self._check(event)
-            self._timing(self.out.add(event))
-            if event.final:
+    async def collect(self, events: AsyncIterator[TokenEvent | EventBatch]) -> web.Response:
+        async for item in events:
+            if self._take(item):
                 break
         r, out = self.req, self.out
         lp = self._logprobs(Delta(out.token_ids, out.text, out.logprobs, out.top_logprobs), 0)
@@ -156,53 +163,77 @@ class _Run:
         self._done(200)
         return web.json_response(body)
 
-    async def stream(self, request: web.Request, events: AsyncIterator[TokenEvent]
+    async def stream(self, request: web.Request, events: AsyncIterator[TokenEvent | EventBatch]
                      ) -> web.StreamResponse:
-        async for event in events:
+        async for item in events:
+            if self._take(item):
+                break
+            await self._flush(request)
+        if self.req.include_usage:
+            self._unsent.append(R.sse_event(R.usage_chunk(
+                self.req.kind, self.request_id, self.req.model, self.created, self._usage())))
+        self._unsent.append(R.SSE_DONE)
+        await self._flush(request, eof=True)
+        self._done(200)
+        return self.response
+
+    async def fail(self, request: web.Request, error: ApiError) -> web.StreamResponse:
+        """End with `error`: an error response if nothing was sent yet, else the events not
+        sent yet, an error event and `[DONE]`."""
+        if self.response is None and not self._unsent:
+            log.info("request %s: %s, %d prompt tokens: error %d: %s", self.request_id,
+                     self.req.kind, self.prompt_tokens, error.status, error.message)
+            return self.server.error_response(error)
+        log.warning("request %s ends with an error: %s", self.request_id, error.message)
+        self._unsent += [R.sse_error(error), R.SSE_DONE]
+        with contextlib.suppress(ConnectionError):
+            await self._flush(request, eof=True)
+        self._done(500)
+        return self.response
+
+    def _take(self, item: TokenEvent | EventBatch) -> bool:
+        """Add events that were ready together (when streaming, their SSE events to `_unsent`);
+        True once the final one is in."""
+        for event in item if isinstance(item, list) else (item,):
             self._check(event)
             text_before = len(self.out.text)
             delta = self.out.add(event)
             self._timing(delta)
-            if self.response is None:
-                await self._open(request)
-            if delta.token_ids or delta.text or event.finish_reason is not None:
-                await self.response.write(R.sse_event(self._chunk(delta, text_before, event)))
+            if self.req.stream and (delta.token_ids or delta.text or
+                                    event.finish_reason is not None):
+                self._unsent.append(self._chunk(delta, text_before, event))
             if event.final:
-                break
-        if self.response is None:
-            await self._open(request)
-        if self.req.include_usage:
-            await self.response.write(R.sse_event(R.usage_chunk(
-                self.req.kind, self.request_id, self.req.model, self.created, self._usage())))
-        await self.response.write(R.SSE_DONE)
-        await self.response.write_eof()
-        self._done(200)
-        return self.response
+                return True
+        return False
 
-    async def end_with_error(self, error: ApiError) -> None:
-        log.warning("request %s ends with an error: %s", self.request_id, error.message)
-        with contextlib.suppress(ConnectionError):
-            await self.response.write(R.sse_error(error))
-            await self.response.write(R.SSE_DONE)
-            await self.response.write_eof()
-        self._done(500)
+    async def _flush(self, request: web.Request, eof: bool = False) -> None:
+        """Write the unsent events in one write (with `eof`, the response's last)."""
+        if self.response is None:
+            if not (self._unsent or eof):
+                return
+            await self._open(request)
+        data = b"".join(self._unsent)
+        self._unsent.clear()
+        if eof:
+            await self.response.write_eof(data)
+        elif data:
+            await self.response.write(data)
 
     async def _open(self, request: web.Request) -> None:
+        """Send the headers (they go out with the first write) and queue chat's role chunk
+        before the first events."""
         self.response = web.StreamResponse(headers={
             "Content-Type": "text/event-stream", "Cache-Control": "no-cache",
             "X-Request-Id": self.request_id})
         await self.response.prepare(request)
         if self.req.kind == "chat":
-            await self.response.write(R.sse_event(R.chat_chunk(
+            self._unsent.insert(0, R.sse_event(R.chat_chunk(
                 self.request_id, self.req.model, self.created, R.role_delta(), None)))
 
-    def _chunk(self, delta: Delta, text_before: int, event: TokenEvent) -> dict[str, Any]:
-        r, finish = self.req, (self.out.finish_reason if event.finish_reason else None)
+    def _chunk(self, delta: Delta, text_before: int, event: TokenEvent) -> bytes:
+        finish = self.out.finish_reason if event.finish_reason else None
         lp = self._logprobs(delta, text_before) if delta.token_ids else None
-        if r.kind == "chat":
-            return R.chat_chunk(self.request_id, r.model, self.created, {"content": delta.text},
-                                finish, lp)
-        return R.completion_chunk(self.request_id, r.model, self.created, delta.text, finish, lp)
+        return self.chunks.encode(delta.text, finish, lp)
 
     def _logprobs(self, delta: Delta, text_offset: int) -> dict[str, Any] | None:
         if self.req.logprobs is None or delta.logprobs is None:
@@ -236,6 +267,11 @@ class _Run:
         self._last_token_at = now
 
     def _done(self, status: int) -> None:
+        seconds = time.perf_counter() - self.t0
         if self.server.metrics is not None:
             self.server.metrics.responses.inc(status=str(status))
-            self.server.metrics.e2e.observe(time.perf_counter() - self.t0)
+            self.server.metrics.e2e.observe(seconds)
+        log.info("request %s: %s, %d prompt tokens, %d of max_tokens %d%s: %s, %.1f ms",
+                 self.request_id, self.req.kind, self.prompt_tokens, len(self.out.token_ids),
+                 self.max_tokens, ", streamed" if self.req.stream else "",
+                 self.out.finish_reason or f"status {status}", 1e3 * seconds)

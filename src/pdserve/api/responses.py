@@ -10,7 +10,8 @@ Invariants:
 - `finish_reason` is passed through: "stop", "length", or None while streaming. The engine's
   "abort" is not an OpenAI value; callers end an aborted stream with `sse_error` instead.
 - An event is `b"data: " + compact JSON (UTF-8, no NaN) + b"\\n\\n"`; a stream ends with
-  `SSE_DONE`, also after an `sse_error` event (as vLLM does).
+  `SSE_DONE`, also after an `sse_error` event (as vLLM does). `ChunkEncoder` writes a stream's
+  chunks byte for byte as `sse_event` of the chunk builders does, with the envelope encoded once.
 """
 
 from __future__ import annotations
@@ -154,10 +155,41 @@ def models_response(model: str, created: int, max_model_len: int) -> Json:
 
 # ---- Server-Sent Events -----------------------------------------------------------------------
 
+_JSON = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+
 
 def sse_event(obj: Mapping[str, Any]) -> bytes:
-    text = json.dumps(obj, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
-    return b"data: " + text.encode("utf-8") + b"\n\n"
+    return b"data: " + _JSON.encode(obj).encode("utf-8") + b"\n\n"
+
+
+class ChunkEncoder:
+    """The SSE events of one stream's text chunks: `encode(text, finish_reason, logprobs)` is
+    `sse_event(completion_chunk(...))`, or for chat `sse_event(chat_chunk(..., {"content":
+    text}, ...))`, byte for byte. A plain token chunk (no finish_reason, no logprobs) encodes
+    only its text; the envelope around it was encoded once, by those same builders."""
+
+    _MARK = "\x00text"  # stands for the text while the envelope is encoded
+
+    def __init__(self, kind: Kind, request_id: str, model: str, created: int) -> None:
+        self.kind, self.request_id, self.model, self.created = kind, request_id, model, created
+        head, mark, tail = sse_event(self.chunk(self._MARK)).rpartition(
+            _JSON.encode(self._MARK).encode("utf-8"))
+        assert mark, "the text placeholder must appear in the chunk"
+        self._head, self._tail = head, tail
+
+    def chunk(self, text: str, finish_reason: str | None = None,
+              logprobs: Json | None = None) -> Json:
+        if self.kind == "chat":
+            return chat_chunk(self.request_id, self.model, self.created, {"content": text},
+                              finish_reason, logprobs)
+        return completion_chunk(self.request_id, self.model, self.created, text, finish_reason,
+                                logprobs)
+
+    def encode(self, text: str, finish_reason: str | None = None,
+               logprobs: Json | None = None) -> bytes:
+        if finish_reason is None and logprobs is None:
+            return self._head + _JSON.encode(text).encode("utf-8") + self._tail
+        return sse_event(self.chunk(text, finish_reason, logprobs))
 
 
 def sse_error(error: ApiError | str) -> bytes:

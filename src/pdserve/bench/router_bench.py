@@ -5,9 +5,9 @@ One `pdserve up --collocated 1` (the worker pinned to one core, the router on th
 each concurrency level, closed-loop streaming clients send the same completion requests to
 the worker's own OpenAI endpoint and to the router, alternating, `repeats` times each:
 - added latency: median end-to-end (and time-to-first-token) via the router minus direct;
-- router CPU per relayed token: the router process's user+system CPU time over the run
-  (/proc/PID/stat) divided by the tokens it streamed, against the worker's mean decode step
-  in the same run (its `pdserve_engine_step_seconds` sum and count).
+- router CPU per relayed token: the router process's CPU time over the run (its threads'
+  /proc schedstat, else /proc/PID/stat) divided by the tokens it streamed, against the
+  worker's mean decode step in the same run (its `pdserve_engine_step_seconds` sum and count).
 Medians over repeats; the machine should be otherwise idle.
 """
 
@@ -86,9 +86,20 @@ async def _load(url: str, model: str, s: RouterBenchSettings, concurrency: int) 
 
 
 def _cpu_seconds(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / CLK_TCK  # utime, stime (proc(5) 14, 15)
+    """CPU time of all the process's threads: nanoseconds from schedstat where the kernel has
+    it, else utime + stime in clock ticks (10 ms: coarse against a run's few ms per request)."""
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+        return sum(_schedstat_ns(pid, tid) for tid in tasks) / 1e9
+    except (OSError, ValueError, IndexError):
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / CLK_TCK  # utime, stime (proc(5) 14, 15)
+
+
+def _schedstat_ns(pid: int, tid: str) -> int:
+    with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+        return int(f.read().split()[0])  # time spent on the CPU (proc(5) schedstat)
 
 
 def _step_totals(worker_url: str) -> tuple[float, float]:

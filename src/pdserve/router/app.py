@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import argparse
 import logging
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import aiohttp
 from aiohttp import web
 
 from pdserve.api.http_site import start_site, stop_event
+from pdserve.api.legs import EventBatch
 from pdserve.api.openai_server import GenerateError, OpenAIServer
 from pdserve.engine.model.hub import load_tokenizer, resolve_model
 from pdserve.engine.sampling_params import SamplingParams
@@ -108,10 +110,11 @@ class Router:
         return web.Response(body=self.metrics.registry.render().encode(),
                             headers={"Content-Type": CONTENT_TYPE})
 
-    async def _generate(self, request_id: str, prompt: list[int], params: SamplingParams):
+    async def _generate(self, request_id: str, prompt: list[int], params: SamplingParams
+                        ) -> AsyncIterator[EventBatch]:
         try:
-            async for event in self.dispatcher.generate(request_id, prompt, params):
-                yield event
+            async for batch in self.dispatcher.generate(request_id, prompt, params):
+                yield batch
         except LegFailed as e:
             raise GenerateError(str(e), e.status if e.client_error else 502) from e
         except NoWorkers as e:

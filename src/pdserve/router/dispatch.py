@@ -15,6 +15,8 @@ as a local leg; after that, the stream ends with an error.
 
 Every request that may sample gets a seed here when it has none: a recompute or a retry then
 draws exactly the tokens the first attempt would have.
+
+Events travel in batches (those a leg delivered together), so the client gets them in one write.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from dataclasses import dataclass
 
 import aiohttp
 
-from pdserve.api.legs import LegKind, LegRequest, TokenEvent
+from pdserve.api.legs import EventBatch, LegKind, LegRequest
 from pdserve.engine.block_hash import hash_blocks
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.router.leg_client import LegFailed, stream_leg
@@ -66,9 +68,9 @@ class Dispatcher:
         self.session, self.metrics = session, metrics
 
     async def generate(self, request_id: str, prompt: Sequence[int], params: SamplingParams
-                       ) -> AsyncIterator[TokenEvent]:
-        """Token events of one request from any legs; the last one is final. Raises LegFailed
-        (its `client_error` says whose fault) or NoWorkers."""
+                       ) -> AsyncIterator[EventBatch]:
+        """Token events of one request from any legs, in batches; the last event is final.
+        Raises LegFailed (its `client_error` says whose fault) or NoWorkers."""
         if params.seed is None and not params.greedy:
             params = dataclasses.replace(params, seed=secrets.randbits(63))
         hashes = hash_blocks(prompt, self.settings.block_size)
@@ -79,13 +81,13 @@ class Dispatcher:
             if uncached > self.settings.local_prefill_threshold:
                 pre = self.policy.choose(prefill, hashes)
                 self.metrics.requests.inc(path="disaggregated")
-                async for event in self._disaggregated(request_id, prompt, params, hashes,
+                async for batch in self._disaggregated(request_id, prompt, params, hashes,
                                                        pre, dec):
-                    yield event
+                    yield batch
                 return
         self.metrics.requests.inc(path="local")
-        async for event in self._local(request_id, prompt, params, hashes, tried=()):
-            yield event
+        async for batch in self._local(request_id, prompt, params, hashes, tried=()):
+            yield batch
 
     # -- local -------------------------------------------------------------------------------
 
@@ -95,7 +97,7 @@ class Dispatcher:
 
     async def _local(self, request_id: str, prompt: Sequence[int], params: SamplingParams,
                      hashes: list[int], tried: Sequence[WorkerHandle], delivered: int = 0
-                     ) -> AsyncIterator[TokenEvent]:
+                     ) -> AsyncIterator[EventBatch]:
         candidates = self._local_candidates(tried)
         if not candidates:
             raise NoWorkers("no healthy decode or collocated worker")
@@ -104,24 +106,24 @@ class Dispatcher:
         leg = LegRequest(request_id, tuple(prompt), params)
         sent = delivered
         try:
-            async for event in self._leg(worker, leg):
-                sent = max(sent, event.index + len(event.token_ids))
-                yield event
+            async for batch in self._leg(worker, leg):
+                sent = max(sent, _end(batch))
+                yield batch
         except LegFailed as e:
             if e.client_error or sent > 0 or len(tried) >= 1:
                 raise
             self.pool.mark_failed(worker, str(e))
             self.metrics.retries.inc(reason="local leg failed")
             log.warning("request %s: %s; retrying on another worker", request_id, e)
-            async for event in self._local(request_id, prompt, params, hashes,
+            async for batch in self._local(request_id, prompt, params, hashes,
                                            (*tried, worker)):
-                yield event
+                yield batch
 
     # -- disaggregated -----------------------------------------------------------------------
 
     async def _disaggregated(self, request_id: str, prompt: Sequence[int],
                              params: SamplingParams, hashes: list[int], pre: WorkerHandle,
-                             dec: WorkerHandle) -> AsyncIterator[TokenEvent]:
+                             dec: WorkerHandle) -> AsyncIterator[EventBatch]:
         tid = secrets.randbits(64) or 1
         pre.prefix.add(hashes)
         dec.prefix.add(hashes)
@@ -140,38 +142,29 @@ class Dispatcher:
                 if item is None:
                     ended.add(name)
                     continue
-                if name == "prefill":
-                    if isinstance(item, LegFailed):
-                        if item.client_error:
-                            raise item
-                        log.warning("request %s: %s; decode recomputes", request_id, item)
-                        self.metrics.retries.inc(reason="prefill leg failed")
-                        continue
-                    if item.error is not None:
-                        continue  # the decode leg reports its own side
-                    sent = max(sent, item.index + len(item.token_ids))
-                    item.final = item.finish_reason is not None  # else decode carries on
-                    yield item
-                    if item.final:
-                        return
+                if isinstance(item, LegFailed) and name == "prefill":
+                    if item.client_error:
+                        raise item
+                    log.warning("request %s: %s; decode recomputes", request_id, item)
+                    self.metrics.retries.inc(reason="prefill leg failed")
                     continue
-                if isinstance(item, TokenEvent) and item.extra.get("prefill_finished"):
-                    continue  # the prefill leg's final event carries the end
-                if isinstance(item, LegFailed) or item.error is not None:
-                    failure = item if isinstance(item, LegFailed) else LegFailed(item.error)
+                batch, failure = (([], item) if isinstance(item, LegFailed)
+                                  else _relayed(name, item))
+                if batch:
+                    sent = max(sent, _end(batch))
+                    yield batch
+                    if batch[-1].final:
+                        return
+                if failure is not None:
                     if failure.client_error or sent > 0:
                         raise failure
                     self.pool.mark_failed(dec, str(failure))
                     self.metrics.retries.inc(reason="decode leg failed")
                     log.warning("request %s: %s; retrying as a local leg", request_id, failure)
                     tasks["prefill"].cancel()
-                    async for event in self._local(request_id, prompt, params, hashes,
-                                                   tried=(dec,)):
-                        yield event
-                    return
-                sent = max(sent, item.index + len(item.token_ids))
-                yield item
-                if item.final:
+                    async for retried in self._local(request_id, prompt, params, hashes,
+                                                     tried=(dec,)):
+                        yield retried
                     return
             raise LegFailed("both legs ended without finishing the request")
         finally:
@@ -183,12 +176,39 @@ class Dispatcher:
     async def _pump(self, name: str, worker: WorkerHandle, leg: LegRequest,
                     merged: asyncio.Queue) -> None:
         try:
-            async for event in self._leg(worker, leg):
-                merged.put_nowait((name, event))
+            async for batch in self._leg(worker, leg):
+                merged.put_nowait((name, batch))
         except LegFailed as e:
             merged.put_nowait((name, e))
         merged.put_nowait((name, None))
 
-    def _leg(self, worker: WorkerHandle, leg: LegRequest) -> AsyncIterator[TokenEvent]:
+    def _leg(self, worker: WorkerHandle, leg: LegRequest) -> AsyncIterator[EventBatch]:
         s = self.settings
         return stream_leg(self.session, worker, leg, s.connect_timeout_s, s.leg_timeout_s)
+
+
+def _end(batch: EventBatch) -> int:
+    """The output position after the batch's last token."""
+    return batch[-1].index + len(batch[-1].token_ids)
+
+
+def _relayed(leg: str, batch: EventBatch) -> tuple[EventBatch, LegFailed | None]:
+    """What of a disaggregated request's batch from `leg` goes to the client, up to the final
+    event; and the decode leg's failure, if one of its events reports it (what came before it
+    still goes). The prefill leg's error is dropped (the decode leg reports its own side), and so
+    is the decode leg's `prefill_finished` event (the prefill leg's final event ends the
+    request). Token 0 from the prefill leg ends the request only if it finished it."""
+    out: EventBatch = []
+    for event in batch:
+        if leg == "prefill":
+            if event.error is not None:
+                continue
+            event.final = event.finish_reason is not None  # else decode carries on
+        elif event.extra.get("prefill_finished"):
+            continue
+        elif event.error is not None:
+            return out, LegFailed(event.error)
+        out.append(event)
+        if event.final:
+            break
+    return out, None

@@ -1,19 +1,28 @@
 """One leg from the router's side: POST it to a worker, read its NDJSON token events.
 
+The events come in batches: every complete line that one read of the connection found, so a
+router that is behind relays several events at the cost of one (never waiting for more).
+
 Bounded: connecting takes at most `connect_s`, and a leg that stays silent for `idle_s` fails
 (the worker's own transfer leases are shorter, so a healthy worker always speaks first).
 Closing the iterator early (the client went away, or the other leg finished the request)
-closes the connection, and the worker cancels the leg.
+closes the connection, and the worker cancels the leg. After the final event the end of the
+response is read (it follows at once), so the connection goes back to the pool for the next
+leg instead of being closed.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 
 import aiohttp
 
-from pdserve.api.legs import LegRequest, TokenEvent
+from pdserve.api.legs import EventBatch, LegRequest, TokenEvent
 from pdserve.router.worker_pool import WorkerHandle
+
+END_WAIT_S = 1.0  # longest wait for a response's end after its final event
 
 
 class LegFailed(Exception):
@@ -30,7 +39,8 @@ class LegFailed(Exception):
 
 
 async def stream_leg(session: aiohttp.ClientSession, worker: WorkerHandle, leg: LegRequest,
-                     connect_s: float, idle_s: float) -> AsyncIterator[TokenEvent]:
+                     connect_s: float, idle_s: float) -> AsyncIterator[EventBatch]:
+    """The leg's events, in batches; the last batch ends with the final event."""
     timeout = aiohttp.ClientTimeout(total=None, connect=connect_s, sock_connect=connect_s,
                                     sock_read=idle_s)
     worker.inflight += 1
@@ -39,17 +49,43 @@ async def stream_leg(session: aiohttp.ClientSession, worker: WorkerHandle, leg: 
                                 timeout=timeout) as resp:
             if resp.status != 200:
                 raise LegFailed(await _error_message(resp), resp.status)
-            async for line in resp.content:
-                event = TokenEvent.from_line(line)
-                yield event
-                if event.final:
-                    return
+            rest = b""
+            async for data in resp.content.iter_any():
+                *lines, rest = (rest + data).split(b"\n")
+                batch = parse_events(lines)
+                if not batch:
+                    continue
+                if not batch[-1].final:
+                    yield batch
+                    continue
+                try:
+                    yield batch
+                finally:  # also when the caller stops here, as it does after the final event
+                    await _read_end(resp)
+                return
         raise LegFailed(f"{worker.name} closed the {leg.kind.value} leg before its end")
     except (aiohttp.ClientError, TimeoutError, ValueError) as e:
         kind = "timed out" if isinstance(e, TimeoutError) else f"failed: {e!r}"
         raise LegFailed(f"{leg.kind.value} leg on {worker.name} {kind}") from e
     finally:
         worker.inflight -= 1
+
+
+def parse_events(lines: list[bytes]) -> EventBatch:
+    """The events of complete NDJSON lines, up to the first final one."""
+    batch = []
+    for line in lines:
+        batch.append(TokenEvent.from_line(line))
+        if batch[-1].final:
+            break
+    return batch
+
+
+async def _read_end(resp: aiohttp.ClientResponse) -> None:
+    """Read what follows the final event: only the end of the chunked body."""
+    with contextlib.suppress(aiohttp.ClientError, TimeoutError):
+        async with asyncio.timeout(END_WAIT_S):
+            await resp.content.read()
 
 
 async def _error_message(resp: aiohttp.ClientResponse) -> str:
