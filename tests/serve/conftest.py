@@ -19,7 +19,8 @@ def _cluster(request, tiny_model, *args: str) -> Cluster:
 
 @pytest.fixture(scope="session")
 def disagg_tcp(request, tiny_model) -> Cluster:
-    return _cluster(request, tiny_model, "--transport", "tcp")
+    # layer-wise streaming on (auto is off on CPU): the tcp cluster serves both ways of sending
+    return _cluster(request, tiny_model, "--transport", "tcp", "--kv-layerwise", "on")
 
 
 @pytest.fixture(scope="session")

@@ -26,6 +26,19 @@ def test_kv_encryption_is_a_tcp_option(tmp_path: Path) -> None:
         _settings(tmp_path, "--role", "decode", "--transport", "nixl", "--kv-encrypt")
 
 
+def test_layerwise_streaming_is_on_for_cuda_engines_unless_set() -> None:
+    p = argparse.ArgumentParser()
+    add_worker_args(p)
+
+    def streams(*argv: str) -> bool:
+        return settings_from_args(p.parse_args(["--role", "collocated", *argv])).stream_layers
+
+    assert not streams()  # auto on CPU: sending would share the compute core
+    assert streams("--device", "cuda", "--kv-layerwise", "auto")
+    assert streams("--kv-layerwise", "on") and not streams("--device", "cuda", "--kv-layerwise",
+                                                            "off")
+
+
 @pytest.mark.parametrize(("argv", "match"), [
     (["--kv-lease", "0"], "--kv-lease"),
     (["--cpus", "a"], "core numbers"),

@@ -23,6 +23,7 @@ from pdserve.config import DTYPES
 
 POLICIES = ("round_robin", "least_loaded", "prefix")
 TRANSPORTS = ("tcp", "nixl")
+LAYERWISE = ("auto", "on", "off")  # as pdserve worker --kv-layerwise
 HTTP_PORT_OFFSET = 1
 KV_PORT_OFFSET = 101
 MAX_WORKERS = KV_PORT_OFFSET - HTTP_PORT_OFFSET
@@ -41,7 +42,7 @@ class UpConfig:
     port: int = 8000
     transport: str = "tcp"
     kv_encrypt: bool = False
-    kv_layerwise: bool = True
+    kv_layerwise: str = "auto"
     dtype: str = "bfloat16"
     kv_cache_memory: str = "512MiB"
     max_model_len: int | None = None
@@ -85,6 +86,7 @@ class UpConfig:
     def _check_choices(self) -> None:
         for name, value, choices in (("transport", self.transport, TRANSPORTS),
                                      ("policy", self.policy, POLICIES),
+                                     ("kv_layerwise", self.kv_layerwise, LAYERWISE),
                                      ("dtype", self.dtype, tuple(DTYPES))):
             if value not in choices:
                 raise ValueError(f"{name} must be one of {', '.join(choices)}, got {value!r}")
@@ -192,8 +194,7 @@ def _worker_spec(config: UpConfig, index: int, role: str, secret_file: Path) -> 
         argv += ["--enable-chunked-prefill"]
     if config.kv_encrypt:
         argv += ["--kv-encrypt"]
-    if not config.kv_layerwise:
-        argv += ["--no-kv-layerwise"]
+    argv += ["--kv-layerwise", config.kv_layerwise]
     if config.max_num_batched_tokens is not None:
         argv += ["--max-num-batched-tokens", str(config.max_num_batched_tokens)]
     return ProcessSpec(f"{role}-{role_index}", tuple(argv), worker_url(config, index) + "/health",

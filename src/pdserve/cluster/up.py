@@ -16,6 +16,7 @@ from pdserve.cli_args import add_model_args
 from pdserve.cluster.layout import (
     HTTP_PORT_OFFSET,
     KV_PORT_OFFSET,
+    LAYERWISE,
     MAX_WORKERS,
     POLICIES,
     TRANSPORTS,
@@ -97,9 +98,11 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                         "(default: %(default)s)")
     p.add_argument("--kv-encrypt", action="store_true",
                    help="encrypt KV transfers with AES-256-GCM (tcp transport)")
-    p.add_argument("--kv-layerwise", action=argparse.BooleanOptionalAction, default=True,
-                   help="prefill workers write each layer's KV while the next layers compute "
-                        "(default: on)")
+    p.add_argument("--kv-layerwise", choices=LAYERWISE, default="auto",
+                   help="prefill workers write each layer's KV while the next layers compute: "
+                        "on, off, or auto = on for CUDA engines, off on CPU, where sending "
+                        "shares the compute core and measured slower (pdserve bench "
+                        "layerwise) (default: %(default)s)")
 
 
 def _add_router_args(p: argparse.ArgumentParser) -> None:

@@ -72,7 +72,7 @@ class Worker:
                                       self.engine.block_manager.generation, s.kv_lease_s))
             hub.start()
         self.pump = hub
-        self.loop = EngineLoop(self.engine, hub, self.metrics, stream_layers=s.kv_layerwise)
+        self.loop = EngineLoop(self.engine, hub, self.metrics, stream_layers=s.stream_layers)
         self.metrics.bind_engine(self.engine, lambda: self.loop.num_legs)
         self.api.tokenizer = self.engine.tokenizer
         self.loop.start(aio)

@@ -17,6 +17,9 @@ class TransportName(StrEnum):
     NIXL = "nixl"
 
 
+LAYERWISE = ("auto", "on", "off")
+
+
 @dataclass(frozen=True)
 class WorkerSettings:
     role: Role
@@ -31,7 +34,7 @@ class WorkerSettings:
     cpus: tuple[int, ...] | None = None
     kv_lease_s: float = 30.0
     kv_encrypt: bool = False
-    kv_layerwise: bool = True
+    kv_layerwise: str = "auto"  # "on" | "off" | "auto" (on for CUDA engines)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "role", Role(self.role))
@@ -48,9 +51,21 @@ class WorkerSettings:
                                  f"cores this process may use: {sorted(allowed)}")
         if not self.kv_lease_s > 0:
             raise ValueError("--kv-lease must be > 0 seconds")
+        if self.kv_layerwise not in LAYERWISE:
+            raise ValueError(f"--kv-layerwise must be one of {', '.join(LAYERWISE)}, got "
+                             f"{self.kv_layerwise!r}")
         if self.kv_encrypt and self.transport is not TransportName.TCP:
             raise ValueError("--kv-encrypt seals the tcp transport only (NIXL moves KV with "
                              "UCX, unencrypted): use --transport tcp, or a private network")
+
+    @property
+    def stream_layers(self) -> bool:
+        """Layer-wise KV streaming: auto streams where compute has its own device (CUDA); on
+        CPU the sending shares the compute core (measured: prefill slower by more than the
+        transfer it hides, `pdserve bench layerwise`)."""
+        if self.kv_layerwise == "auto":
+            return str(self.engine.device).startswith("cuda")
+        return self.kv_layerwise == "on"
 
     @property
     def needs_transport(self) -> bool:
@@ -85,9 +100,11 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-encrypt", action="store_true",
                    help="encrypt KV transfers with AES-256-GCM under a key from the shared "
                         "secret (tcp transport; every worker needs the same setting)")
-    p.add_argument("--kv-layerwise", action=argparse.BooleanOptionalAction, default=True,
-                   help="prefill: write each layer's KV to the decode worker as soon as it is "
-                        "computed, while later layers compute (default: on)")
+    p.add_argument("--kv-layerwise", choices=LAYERWISE, default="auto",
+                   help="prefill workers write each layer's KV while the next layers compute: "
+                        "on, off, or auto = on for CUDA engines, off on CPU, where sending "
+                        "shares the compute core and measured slower (pdserve bench "
+                        "layerwise) (default: %(default)s)")
     p.add_argument("--cpus", default=None,
                    help="pin this worker to these cores, e.g. '0' or '0,1' (compute threads = "
                         "number of cores; default: no pinning, all cores)")
