@@ -8,8 +8,10 @@ from pathlib import Path
 from typing import Any
 
 D0, D1 = 0.020, 0.002  # decode overhead, per-seq seconds
+C1 = 0.00001  # decode per-context-token seconds
 P0, P1 = 0.010, 0.0002  # prefill overhead, per-token seconds
 BATCHES = (1, 2, 3, 5, 8)
+CONTEXTS = (100, 400, 1600)  # context per sequence
 TOKENS = (100, 400, 1600, 6000)
 
 
@@ -23,6 +25,23 @@ def decode_steps(d0: float = D0, d1: float = D1, repeat: int = 5, gap: float = 0
             d = (d0 + d1 * b) * (20 if r == slow else 1)
             rows.append([t, t + d, 0, b, b])
             t += d + gap
+    return rows
+
+
+def context_decode_steps(d0: float = D0, d1: float = D1, c1: float = C1, repeat: int = 5,
+                         contexts: tuple[int, ...] = CONTEXTS, spread: int = 0,
+                         t0: float = 1000.0) -> list[list[float]]:
+    """6-field decode-only steps, t = d0 + d1 B + c1 C, at every B in BATCHES and context per
+    sequence in `contexts` (C = B x (context + spread x round): `spread` tokens more per round,
+    within one quarter-octave group), `repeat` rounds back to back."""
+    rows, t = [], t0
+    for r in range(repeat):
+        for b in BATCHES:
+            for ctx in contexts:
+                c = b * (ctx + spread * r)
+                d = d0 + d1 * b + c1 * c
+                rows.append([t, t + d, 0, b, b, c])
+                t += d
     return rows
 
 

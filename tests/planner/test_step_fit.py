@@ -1,5 +1,7 @@
 """Fitting step costs to worker step traces: exact on a line, robust to slow outliers, mixed steps
-left out (or used, less their decode part, when there is no pure prefill step)."""
+left out (or used, less their decode part, when there is no pure prefill step); decode steps with
+their contexts (6 fields) fit overhead + per_seq x B + per_context_token x C with every
+coefficient >= 0, 5-field traces as before."""
 
 from __future__ import annotations
 
@@ -8,10 +10,13 @@ import pytest
 from pdserve.planner.step_fit import Step, fit_step_traces, is_steps_file, parse_steps
 from tests.planner.step_files import (
     BATCHES,
+    C1,
+    CONTEXTS,
     D0,
     D1,
     P0,
     P1,
+    context_decode_steps,
     decode_steps,
     disagg_workers,
     prefill_steps,
@@ -118,6 +123,11 @@ def test_bad_step_rows_name_the_worker_and_the_step(row, message):
 
 def test_parsed_steps_keep_their_fields():
     assert parse_steps([[1, 2.5, 7, 3, 4]], "w") == [Step(1, 2.5, 7, 3, 4)]
+    assert parse_steps([[1, 2.5, 7, 3, 4, 900]], "w") == [Step(1, 2.5, 7, 3, 4, 900)]
+
+
+def test_old_five_field_steps_have_no_context():
+    assert parse_steps([[1, 2.5, 0, 3, 3]], "w")[0].decode_context is None
 
 
 @pytest.mark.parametrize("data, expected", [
@@ -144,3 +154,96 @@ def test_a_stray_pure_prefill_step_does_not_price_every_prompt_token():
     stray = [[t + 1, t + 1 + max(P0, D0) + P1, 1, 0, 1]]
     p = fit({"collocated-0": decode_steps() + mixed + stray})
     assert_machine(p, p0=max(P0, D0))
+
+
+# ---- decode steps with their contexts (6 fields) ------------------------------------------------
+
+
+def assert_decode(p, d0=D0, d1=D1, c1=C1):
+    assert p.decode_overhead_s == pytest.approx(d0, rel=1e-9, abs=1e-12)
+    assert p.decode_per_seq_s == pytest.approx(d1, rel=1e-9, abs=1e-12)
+    assert p.decode_per_context_token_s == pytest.approx(c1, rel=1e-9, abs=1e-15)
+
+
+@pytest.mark.parametrize("decode_time", ["period", "duration"])
+@pytest.mark.parametrize("spread", [0, 1])
+def test_known_decode_costs_with_context_are_recovered_exactly(decode_time, spread):
+    """Contexts varying within a group (spread 1) stay exact: median t = model(median C)."""
+    p = fit({"prefill-0": prefill_steps(), "decode-0": context_decode_steps(spread=spread)},
+            decode_time)
+    assert_decode(p)
+    assert p.prefill_overhead_s == pytest.approx(P0) and p.prefill_per_token_s == pytest.approx(P1)
+    assert p.fit_rows == 5 * len(BATCHES) * len(CONTEXTS) + 3 * 4
+    assert p.max_rel_error == pytest.approx(0, abs=1e-9)
+
+
+def test_a_few_slow_decode_steps_do_not_move_the_context_fit():
+    decode = context_decode_steps()
+    for i in (3, 20, 41, 62):  # four descheduled steps in four groups of five
+        start, end, *rest = decode[i]
+        decode[i] = [start, start + 20 * (end - start), *rest]
+    assert_decode(fit({"prefill-0": prefill_steps(), "decode-0": decode}, "duration"))
+
+
+def test_an_idle_period_after_a_context_step_is_an_outlier():
+    decode = context_decode_steps()
+    decode[40:] = [[s + 30.0, e + 30.0, *rest] for s, e, *rest in decode[40:]]  # idle 30 s
+    assert_decode(fit({"prefill-0": prefill_steps(), "decode-0": decode}))
+
+
+def test_contexts_that_do_not_vary_apart_from_b_give_the_two_parameter_fit():
+    """One context per sequence: C = 500 B, so per_context_token cannot be told from per_seq;
+    per_seq takes it (c = 0), as with 5-field steps."""
+    decode = context_decode_steps(contexts=(500,))
+    assert_decode(fit({"prefill-0": prefill_steps(), "decode-0": decode}),
+                  d1=D1 + C1 * 500, c1=0.0)
+
+
+def test_a_negative_context_term_is_not_kept():
+    decode = context_decode_steps(c1=-0.000001)  # longer contexts a little faster: noise
+    p = fit({"prefill-0": prefill_steps(), "decode-0": decode})
+    assert p.decode_per_context_token_s == 0
+    assert p.decode_overhead_s > 0 and p.decode_per_seq_s > 0
+
+
+def test_a_single_batch_size_takes_the_rest_as_overhead():
+    decode = [row for row in context_decode_steps() if row[3] == 3]  # gaps: time steps alone
+    assert_decode(fit({"prefill-0": prefill_steps(), "decode-0": decode}, "duration"),
+                  d0=D0 + 3 * D1, d1=0.0)
+
+
+def test_a_worker_with_five_field_steps_makes_the_contexts_unknown():
+    """Old and new traces pooled: the context is not known for every step, so none is used."""
+    workers = {"prefill-0": prefill_steps(), "decode-0": decode_steps(),
+               "decode-1": context_decode_steps(c1=0.0)}
+    p = fit(workers)
+    assert_machine(p)
+    assert p.decode_per_context_token_s == 0
+
+
+def test_mixed_steps_less_their_decode_part_with_context_fit_prefill():
+    mixed, t = [], 1000.0
+    for n, b, c in [(100, 1, 300), (400, 3, 2000), (1600, 2, 700), (6000, 5, 9000),
+                    (400, 8, 1200)]:
+        d = max(P0, D0) + P1 * n + D1 * b + C1 * c
+        mixed.append([t, t + d, n, b, b + 1, c])
+        t += d
+    p = fit({"collocated-0": context_decode_steps() + mixed})
+    assert_decode(p)
+    assert p.prefill_overhead_s == pytest.approx(max(P0, D0))
+    assert p.prefill_per_token_s == pytest.approx(P1)
+
+
+@pytest.mark.parametrize("row, message", [
+    ([1.0, 2.0, 0, 3, 3, 2.5], "decode_context must be an integer >= 0"),
+    ([1.0, 2.0, 0, 3, 3, -4], "decode_context must be an integer >= 0"),
+    ([1.0, 2.0, 0, 3, 3, False], "decode_context must be an integer >= 0"),
+    ([1.0, 2.0, 0, 3, 3, "900"], "decode_context must be an integer >= 0"),
+    ([1.0, 2.0, 0, 3, 3, None], "decode_context must be an integer >= 0"),
+    ([1.0, 2.0, 0, 3, 3, 2], "decode_context 2 is below decode_tokens 3"),
+    ([1.0, 2.0, 50, 0, 1, 7], "decode_context must be 0 in a step without decode tokens"),
+    ([1.0, 2.0, 0, 3, 3, 900, 1], r"expected \[start_s, end_s"),
+])
+def test_a_bad_context_names_the_worker_and_the_step(row, message):
+    with pytest.raises(ValueError, match=f"decode-0 step 2: {message}"):
+        parse_steps([[0.0, 0.5, 0, 1, 1, 1], row], "decode-0")

@@ -159,7 +159,7 @@ def test_metrics_count_both_paths_and_the_transfer(disagg_tcp: Cluster, path: st
     assert "pdserve_kv_blocks_used " in decode
     assert "pdserve_inter_token_latency_seconds_count" in decode
     assert _metric(decode, 'pdserve_transfer_bytes_total{direction="recv"}') > 0
-    if path == "disaggregated":  # layer-wise streaming is on by default
+    if path == "disaggregated":  # this cluster streams layer-wise (--kv-layerwise on)
         prefill = _scrape(disagg_tcp.worker_url(0))
         assert _metric(prefill, "pdserve_kv_layers_streamed_total") > 0
 
@@ -174,7 +174,7 @@ def test_workers_record_their_engine_steps_for_timelines(disagg_tcp: Cluster) ->
     prefill = get_json(f"{disagg_tcp.worker_url(0)}/internal/steps?since={since}")
     decode = get_json(f"{disagg_tcp.worker_url(1)}/internal/steps?since={since}")
     assert prefill["fields"] == ["start", "end", "prefill_tokens", "decode_tokens",
-                                 "num_requests"]
+                                 "num_requests", "decode_context"]
     assert [s[2] for s in prefill["steps"]] == [LENGTHS[4]]  # one step: the whole prompt
     assert all(s[0] <= s[1] for s in prefill["steps"] + decode["steps"])
     assert sum(s[3] for s in decode["steps"]) == MAX_TOKENS - 1  # token 0 came from prefill

@@ -70,7 +70,8 @@ def _window(traces: Mapping[str, Sequence[Sequence[float]]], seconds: float
 def step_timeline(traces: Mapping[str, Mapping[str, Sequence[Sequence[float]]]], out: Path,
                   seconds: float = 4.0) -> Path:
     """`traces[config][worker]` is a list of steps [start, end, prefill_tokens, decode_tokens,
-    num_requests] (wall-clock seconds, `GET /internal/steps`); writes one PNG."""
+    num_requests, decode_context] (wall-clock seconds, `GET /internal/steps`; only the first
+    three are read, so 5-field traces of older workers draw alike); writes one PNG."""
     rows = [(cfg, worker) for cfg, workers in traces.items() for worker in workers]
     fig, ax = plt.subplots(figsize=(10, 0.7 * len(rows) + 1.5))
     labels = []

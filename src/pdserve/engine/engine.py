@@ -57,8 +57,11 @@ class Engine:
                                        config.max_model_len)
         self.requests: dict[str, Request] = {}
         self._pending: list[RequestOutput] = []  # outputs produced outside step()
-        # The last step that ran a batch: (prefill tokens, decode tokens, requests).
-        self.last_batch: tuple[int, int, int] = (0, 0, 0)
+        # The last step that ran a batch: (prefill tokens, decode tokens, requests, decode
+        # context). Decode context: the tokens the batch's decode requests (those past their
+        # prompt, as in SchedulerOutput.num_prefill_tokens) attend to, summed: per request
+        # num_computed_tokens + n = prompt + output so far, the new token included.
+        self.last_batch: tuple[int, int, int, int] = (0, 0, 0, 0)
         # Called inside step() after each layer (ModelRunner.run): layer-wise KV streaming.
         self.on_layer: LayerHook | None = None
         self._ids = itertools.count()
@@ -139,8 +142,11 @@ class Engine:
         outputs, self._pending = self._pending, []
         if not batch.requests:
             return outputs
+        context = sum(r.num_computed_tokens + n
+                      for r, n in zip(batch.requests, batch.num_new_tokens, strict=True)
+                      if r.num_computed_tokens >= r.num_prompt_tokens)
         self.last_batch = (batch.num_prefill_tokens, batch.num_tokens - batch.num_prefill_tokens,
-                           len(batch.requests))
+                           len(batch.requests), context)
         logits, sampling = self.runner.run(batch, self.on_layer)
         sampled = self.sampler(logits, [r.params for r in sampling],
                                [r.num_output_tokens for r in sampling]) if sampling else None

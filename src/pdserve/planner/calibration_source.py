@@ -2,8 +2,9 @@
 
 - a calibration profile JSON (an object with "schema") -> that profile (calibration.py);
 - a steps file (step_fit.is_steps_file): `pdserve bench compare`'s cmp.steps.json,
-  {config: {worker: [[start_s, end_s, prefill_tokens, decode_tokens, num_requests], ...]}}, or
-  one configuration's {worker: [...]} -> fitted at once by step_fit.fit_step_traces. FILE:CONFIG
+  {config: {worker: [[start_s, end_s, prefill_tokens, decode_tokens, num_requests,
+  decode_context], ...]}} (5-field steps of older traces: contexts unknown), or one
+  configuration's {worker: [...]} -> fitted at once by step_fit.fit_step_traces. FILE:CONFIG
   takes that configuration's workers only; FILE alone pools every worker of every configuration,
   which is right only when all of them ran on the same hardware: bench compare's disagg splits
   its cores between the prefill and the decode worker, so its steps are slower than those of a

@@ -135,7 +135,7 @@ class EngineLoop:
             if self.engine.last_batch[2]:
                 self.metrics.observe_step(seconds)
                 self.trace.record(Step(wall0, wall0 + seconds, *self.engine.last_batch))
-                self.engine.last_batch = (0, 0, 0)
+                self.engine.last_batch = (0, 0, 0, 0)
             for out in outputs:
                 self._on_output(out)
 

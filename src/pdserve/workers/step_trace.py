@@ -1,8 +1,13 @@
 """The worker's recent engine steps, for timelines: when each ran and what it computed.
 
 A bounded ring (the last `capacity` steps), always on: one tuple per step, recorded by the
-engine thread, read by `GET /internal/steps?since=T`. Times are wall-clock seconds
-(`time.time()`) so traces of several workers on one machine line up.
+engine thread, read by `GET /internal/steps?since=T` (its "fields" are `Step._fields`). Times are
+wall-clock seconds (`time.time()`) so traces of several workers on one machine line up.
+
+Fields after the times are Engine.last_batch's: prompt tokens computed, decode tokens, requests
+in the batch, and decode_context, the summed context of the decode requests (prompt + output
+so far, the new token included; 0 when there is no decode token). Traces written before
+decode_context existed have 5 fields; planner/step_fit.py reads both.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ class Step(NamedTuple):
     prefill_tokens: int
     decode_tokens: int
     num_requests: int
+    decode_context: int
 
 
 class StepTrace:

@@ -1,0 +1,72 @@
+"""Engine steps as the worker records them: Engine.last_batch and the trace ring carry each
+step's summed decode context (prompt + output so far, the new token included), which
+planner/step_fit.py fits."""
+
+from __future__ import annotations
+
+import asyncio
+
+from pdserve.api.legs import LegRequest, TokenEvent
+from pdserve.config import EngineConfig
+from pdserve.engine.engine import Engine
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.workers.engine_loop import EngineLoop
+from pdserve.workers.step_trace import Step, StepTrace
+from pdserve.workers.worker_metrics import WorkerMetrics
+
+PARAMS = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+
+
+def _engine(tiny_model) -> Engine:
+    return Engine(EngineConfig(model=str(tiny_model()), dtype="float32", max_model_len=256))
+
+
+def test_last_batch_sums_the_context_of_the_decode_requests(tiny_model) -> None:
+    engine = _engine(tiny_model)
+    engine.add_request(list(range(3, 13)), PARAMS)  # 10 prompt tokens
+    engine.add_request(list(range(100, 113)), PARAMS)  # 13
+    batches = []
+    while engine.has_unfinished_requests():
+        engine.step()
+        batches.append(engine.last_batch)
+    # token 0 from the prefill; token k (k >= 1) attends to prompt + k tokens
+    assert batches == [(23, 0, 2, 0), (0, 2, 2, 11 + 14), (0, 2, 2, 12 + 15),
+                       (0, 2, 2, 13 + 16)]
+
+
+def test_a_prompt_beside_decodes_adds_no_context(tiny_model) -> None:
+    engine = _engine(tiny_model)
+    engine.add_request(list(range(3, 13)), PARAMS)
+    engine.step()  # its prefill
+    engine.add_request(list(range(100, 120)), PARAMS)  # 20 new prompt tokens, beside a decode
+    engine.step()
+    assert engine.last_batch == (20, 1, 2, 11)
+
+
+def test_the_worker_trace_records_the_context_of_every_step(tiny_model) -> None:
+    engine = _engine(tiny_model)
+
+    async def main() -> list[Step]:
+        loop = EngineLoop(engine, None, WorkerMetrics("collocated"))
+        loop.start(asyncio.get_running_loop())
+        try:
+            sink = loop.submit(LegRequest("r", tuple(range(3, 13)), PARAMS))
+            while not (isinstance(item := await asyncio.wait_for(sink.get(), 30), TokenEvent)
+                       and item.final):
+                pass
+            return loop.trace.since(0)
+        finally:
+            loop.stop()
+
+    steps = asyncio.run(main())
+    assert Step._fields[-1] == "decode_context"
+    assert [s[2:] for s in steps] == [(10, 0, 1, 0), (0, 1, 1, 11), (0, 1, 1, 12),
+                                      (0, 1, 1, 13)]
+    assert all(s.start <= s.end for s in steps)
+
+
+def test_the_ring_keeps_the_newest_steps() -> None:
+    trace = StepTrace(capacity=2)
+    for i in range(3):
+        trace.record(Step(float(i), i + 0.5, 0, 1, 1, 7))
+    assert [s.start for s in trace.since(0.6)] == [1.0, 2.0]
