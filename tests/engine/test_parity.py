@@ -94,3 +94,29 @@ def test_exact_block_prompt_recomputes_its_last_token(tiny_model):
     a, b = (llm.generate([prompt], GREEDY, use_tqdm=False)[0] for _ in range(2))
     assert b.num_cached_tokens == 16
     assert a.outputs[0].token_ids == b.outputs[0].token_ids == hf_greedy(path, prompt, 48)
+
+
+def test_decodes_of_very_different_contexts_attend_in_groups_and_match_transformers(tiny_model):
+    """A long context beside short ones is attended in its own decode group (no padding of the
+    short ones to its length), with the tokens unchanged."""
+    path = tiny_model("llama", max_position_embeddings=2048)
+    llm = LLM(model=str(path), dtype="float32", max_model_len=2048)
+    runner = llm.engine.runner
+    seen: list[list[int]] = []
+    make_groups = runner._decode_groups
+
+    def spy(reqs, first_row):
+        groups = make_groups(reqs, first_row)
+        seen.append([g.mask.shape[0] for g in groups])
+        return groups
+
+    runner._decode_groups = spy
+    gen = torch.Generator().manual_seed(5)
+    lengths = (9, 40, 300, 700, 1500)
+    prompts = [torch.randint(0, 200, (n,), generator=gen).tolist() for n in lengths]
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
+                        use_tqdm=False)
+    for prompt, out in zip(prompts, outs, strict=True):
+        assert out.outputs[0].token_ids == hf_greedy(path, prompt, 16)
+    # contexts 9-40 share a group; 300, 700 and 1500 are each over twice the one before
+    assert [2, 1, 1, 1] in seen

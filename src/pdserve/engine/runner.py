@@ -12,13 +12,22 @@ from dataclasses import dataclass
 import torch
 
 from pdserve.engine.kv_cache import KVCache
-from pdserve.engine.model.attention import AttentionMetadata, PrefillSeq
+from pdserve.engine.model.attention import AttentionMetadata, DecodeGroup, PrefillSeq
 from pdserve.engine.model.llama import LlamaForCausalLM
 from pdserve.engine.request import Request
 from pdserve.engine.scheduler import SchedulerOutput
 
 # on_layer(i, batch): layer i's K and V of every token in `batch` are in the KV pool.
 LayerHook = Callable[[int, SchedulerOutput], None]
+# Decode contexts up to this many tokens never start a group of their own (their padding is
+# cheap next to one more attention call per layer).
+GROUP_MIN_TOKENS = 256
+
+
+def _new_group(first: Request, req: Request) -> bool:
+    """`req` (a longer context) starts a new decode group after the one `first` opened."""
+    ctx = req.num_computed_tokens + 1
+    return ctx > GROUP_MIN_TOKENS and ctx > 2 * (first.num_computed_tokens + 1)
 
 
 @dataclass
@@ -59,7 +68,9 @@ class ModelRunner:
     def prepare(self, batch: SchedulerOutput) -> ModelInputs:
         pairs = list(zip(batch.requests, batch.num_new_tokens, strict=True))
         prefills = [(r, n) for r, n in pairs if n > 1]
-        decodes = [(r, n) for r, n in pairs if n == 1]
+        # shortest context first, so that decode_groups are runs of consecutive rows
+        decodes = sorted(((r, n) for r, n in pairs if n == 1),
+                         key=lambda p: p[0].num_computed_tokens)
         ids: list[int] = []
         pos: list[int] = []
         seqs: list[PrefillSeq] = []
@@ -80,12 +91,8 @@ class ModelRunner:
             slot_blocks=self._slot_blocks(prefills + decodes, positions),
             slot_offsets=positions % self.block_size,
             prefills=seqs,
-            decode_start=len(ids) - len(decodes),
-            decode_blocks=None,
-            decode_mask=None,
+            decode_groups=self._decode_groups([r for r, _ in decodes], len(ids) - len(decodes)),
         )
-        if decodes:
-            meta.decode_blocks, meta.decode_mask = self._decode_tables([r for r, _ in decodes])
         return ModelInputs(self._long(ids), positions, meta, sample_rows, sampling)
 
     def _slot_blocks(self, pairs: list[tuple[Request, int]], positions: torch.Tensor):
@@ -107,7 +114,20 @@ class ModelRunner:
         q_pos = torch.arange(start, ctx, device=self.device)
         return torch.arange(ctx, device=self.device)[None, :] <= q_pos[:, None]  # [n, ctx]
 
-    def _decode_tables(self, reqs: list[Request]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _decode_groups(self, reqs: list[Request], first_row: int) -> list[DecodeGroup]:
+        """Decode requests (sorted by context) in groups attended at once: a group grows until
+        a request's context is over twice the group's first one and over GROUP_MIN_TOKENS, so
+        padding at most doubles the attention of long contexts, short ones share one group,
+        and a batch with contexts up to L has at most log2(L / GROUP_MIN_TOKENS) + 1 groups."""
+        groups: list[DecodeGroup] = []
+        start = 0
+        for i in range(1, len(reqs) + 1):
+            if i == len(reqs) or _new_group(reqs[start], reqs[i]):
+                groups.append(self._decode_tables(reqs[start:i], first_row + start))
+                start = i
+        return groups
+
+    def _decode_tables(self, reqs: list[Request], first_row: int) -> DecodeGroup:
         """Flat padded block tables [B * W] and the mask of real positions [B, 1, 1, W * bs]."""
         lens = [r.num_computed_tokens + 1 for r in reqs]  # context includes the new token
         width = max(-(-n // self.block_size) for n in lens)
@@ -117,7 +137,7 @@ class ModelRunner:
             flat += row + [0] * (width - len(row))
         pos = torch.arange(width * self.block_size, device=self.device)
         mask = pos[None, :] < self._long(lens)[:, None]  # [B, W * bs]
-        return self._long(flat), mask[:, None, None, :]
+        return DecodeGroup(first_row, self._long(flat), mask[:, None, None, :])
 
     def _long(self, values: list) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)

@@ -4,8 +4,10 @@ Each step writes the new tokens' K and V into their slots first, then attends:
 - prefill (a request computing several tokens): its query tokens against K/V of positions
   [0, context_len), taken straight from the fresh K/V when nothing was cached before, else
   gathered from its blocks; causal with the query offset.
-- decode (one token per request): the whole batch at once, every request's blocks gathered
-  into a padded [B, max_blocks * block_size] context, padding masked out.
+- decode (one token per request): in groups of similar context length (`DecodeGroup`, formed
+  by the runner), each group at once: its requests' blocks gathered into a padded
+  [B, max_blocks * block_size] context, padding masked out. One group for the whole batch
+  would make a batch of short chats beside one long prompt pay the long context B times.
 """
 
 from __future__ import annotations
@@ -26,13 +28,22 @@ class PrefillSeq:
 
 
 @dataclass
+class DecodeGroup:
+    start: int  # first row of the group's B decode tokens (one per request, consecutive)
+    blocks: torch.Tensor  # [B * max_blocks] long: the group's block tables, padded, flat
+    mask: torch.Tensor  # [B, 1, 1, max_blocks * block_size] bool: real positions
+
+    @property
+    def rows(self) -> slice:
+        return slice(self.start, self.start + self.mask.shape[0])
+
+
+@dataclass
 class AttentionMetadata:
     slot_blocks: torch.Tensor  # [T] long: block of each new token
     slot_offsets: torch.Tensor  # [T] long: offset inside that block
     prefills: list[PrefillSeq]
-    decode_start: int  # rows [decode_start, T) are decode tokens, one per request
-    decode_blocks: torch.Tensor | None  # [B * max_blocks] long: block tables, padded, flat
-    decode_mask: torch.Tensor | None  # [B, 1, 1, max_blocks * block_size] bool: real positions
+    decode_groups: list[DecodeGroup]  # cover the decode rows, which follow the prefill rows
 
 
 def paged_attention(
@@ -47,15 +58,14 @@ def paged_attention(
     # q [T, H, D]; k, v [T, KVH, D]; k_cache, v_cache [num_blocks, block_size, KVH, D]
     k_cache[meta.slot_blocks, meta.slot_offsets] = k
     v_cache[meta.slot_blocks, meta.slot_offsets] = v
-    if not meta.prefills:  # the steady decode batch: no copies
-        return _decode(q, k_cache, v_cache, meta, scale)
+    if not meta.prefills and len(meta.decode_groups) == 1:  # one steady group: no copies
+        return _decode(q, k_cache, v_cache, meta.decode_groups[0], scale)
     out = torch.empty_like(q)
     for seq in meta.prefills:
         rows = slice(seq.token_start, seq.token_start + seq.num_tokens)
         out[rows] = _prefill(q[rows], k[rows], v[rows], k_cache, v_cache, seq, scale)
-    if meta.decode_blocks is not None:
-        rows = slice(meta.decode_start, q.shape[0])
-        out[rows] = _decode(q[rows], k_cache, v_cache, meta, scale)
+    for group in meta.decode_groups:
+        out[group.rows] = _decode(q[group.rows], k_cache, v_cache, group, scale)
     return out
 
 
@@ -78,16 +88,16 @@ def _prefill(q, k, v, k_cache, v_cache, seq: PrefillSeq, scale: float) -> torch.
     return o[0].transpose(0, 1)  # [n, H, D]
 
 
-def _decode(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    b, length = q.shape[0], meta.decode_mask.shape[-1]
-    k = k_cache.index_select(0, meta.decode_blocks).view(b, length, *k_cache.shape[2:])
-    v = v_cache.index_select(0, meta.decode_blocks).view(b, length, *v_cache.shape[2:])
+def _decode(q, k_cache, v_cache, group: DecodeGroup, scale: float) -> torch.Tensor:
+    b, length = q.shape[0], group.mask.shape[-1]
+    k = k_cache.index_select(0, group.blocks).view(b, length, *k_cache.shape[2:])
+    v = v_cache.index_select(0, group.blocks).view(b, length, *v_cache.shape[2:])
     kvh = k.shape[2]  # k, v [B, L, KVH, D]
     # The G = H / KVH query heads sharing a KV head (head h uses KV head h // G, as HF's
     # repeat_kv) attend as G queries of one sequence: no K/V expansion, ~2.5x faster here.
     o = F.scaled_dot_product_attention(
         q.view(b, kvh, -1, q.shape[-1]),  # [B, KVH, G, D]
         k.transpose(1, 2), v.transpose(1, 2),  # [B, KVH, L, D]
-        attn_mask=meta.decode_mask, scale=scale,
+        attn_mask=group.mask, scale=scale,
     )  # [B, KVH, G, D]
     return o.reshape(q.shape)  # [B, H, D]
