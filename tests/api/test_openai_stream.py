@@ -23,6 +23,7 @@ from pdserve.api.legs import EventBatch, TokenEvent
 from pdserve.api.openai_server import OpenAIServer
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.testing.tiny_models import tiny_tokenizer
+from tests.http_app import serving
 
 MODEL = "tiny"
 WORDS = ["Par", "is", " is", " the", " capital"]
@@ -56,15 +57,8 @@ def serve(script: Script) -> OpenAIServer:
 async def running(server: OpenAIServer) -> AsyncIterator[str]:
     app = web.Application()
     server.add_routes(app)
-    runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=0.5)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    host, port = runner.addresses[0][:2]
-    try:
-        yield f"http://{host}:{port}/v1"
-    finally:
-        await runner.cleanup()
+    async with serving(app) as base:
+        yield base + "/v1"
 
 
 def post(script: Script, path: str, body: dict[str, Any]) -> tuple[int, bytes]:

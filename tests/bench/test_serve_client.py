@@ -31,6 +31,7 @@ from pdserve.bench.serve.runner import (
     run_bench_serve,
 )
 from pdserve.bench.serve.workloads import RequestSpec, Workload
+from tests.http_app import serving
 
 TTFT_S = 0.2
 ITL_S = 0.05
@@ -104,15 +105,8 @@ async def fake_server() -> AsyncIterator[tuple[str, Seen]]:
     app = web.Application()
     app[SEEN] = Seen()
     app.router.add_post("/v1/completions", _completions)
-    runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=0.5)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    host, port = runner.addresses[0][:2]
-    try:
-        yield f"http://{host}:{port}/v1", app[SEEN]
-    finally:
-        await runner.cleanup()
+    async with serving(app) as base:
+        yield base + "/v1", app[SEEN]
 
 
 async def _send(model: str, spec: RequestSpec = SPEC, timeout_s: float = 10.0):

@@ -20,10 +20,10 @@ from pathlib import Path
 from pdserve.cli_args import parse_size
 from pdserve.cluster.child import ProcessSpec
 from pdserve.config import DTYPES
+from pdserve.workers.settings import LAYERWISE
 
 POLICIES = ("round_robin", "least_loaded", "prefix")
 TRANSPORTS = ("tcp", "nixl")
-LAYERWISE = ("auto", "on", "off")  # as pdserve worker --kv-layerwise
 HTTP_PORT_OFFSET = 1
 KV_PORT_OFFSET = 101
 MAX_WORKERS = KV_PORT_OFFSET - HTTP_PORT_OFFSET

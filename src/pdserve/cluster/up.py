@@ -16,7 +16,6 @@ from pdserve.cli_args import add_model_args
 from pdserve.cluster.layout import (
     HTTP_PORT_OFFSET,
     KV_PORT_OFFSET,
-    LAYERWISE,
     MAX_WORKERS,
     POLICIES,
     TRANSPORTS,
@@ -26,6 +25,7 @@ from pdserve.cluster.layout import (
 )
 from pdserve.cluster.secret import remove_secret, write_secret
 from pdserve.cluster.supervisor import ClusterError, run
+from pdserve.workers.settings import LAYERWISE, LAYERWISE_HELP
 
 __all__ = ["UpConfig", "add_up_parser", "plan_processes", "run_up"]
 
@@ -98,11 +98,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                         "(default: %(default)s)")
     p.add_argument("--kv-encrypt", action="store_true",
                    help="encrypt KV transfers with AES-256-GCM (tcp transport)")
-    p.add_argument("--kv-layerwise", choices=LAYERWISE, default="auto",
-                   help="prefill workers write each layer's KV while the next layers compute: "
-                        "on, off, or auto = on for CUDA engines, off on CPU, where sending "
-                        "shares the compute core and measured slower (pdserve bench "
-                        "layerwise) (default: %(default)s)")
+    p.add_argument("--kv-layerwise", choices=LAYERWISE, default="auto", help=LAYERWISE_HELP)
 
 
 def _add_router_args(p: argparse.ArgumentParser) -> None:

@@ -18,6 +18,10 @@ class TransportName(StrEnum):
 
 
 LAYERWISE = ("auto", "on", "off")
+LAYERWISE_HELP = ("prefill workers write each layer's KV while the next layers compute: on, "
+                  "off, or auto = on for CUDA engines, off on CPU, where sending shares the "
+                  "compute core and measured slower (pdserve bench layerwise) "
+                  "(default: %(default)s)")
 
 
 @dataclass(frozen=True)
@@ -100,11 +104,7 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-encrypt", action="store_true",
                    help="encrypt KV transfers with AES-256-GCM under a key from the shared "
                         "secret (tcp transport; every worker needs the same setting)")
-    p.add_argument("--kv-layerwise", choices=LAYERWISE, default="auto",
-                   help="prefill workers write each layer's KV while the next layers compute: "
-                        "on, off, or auto = on for CUDA engines, off on CPU, where sending "
-                        "shares the compute core and measured slower (pdserve bench "
-                        "layerwise) (default: %(default)s)")
+    p.add_argument("--kv-layerwise", choices=LAYERWISE, default="auto", help=LAYERWISE_HELP)
     p.add_argument("--cpus", default=None,
                    help="pin this worker to these cores, e.g. '0' or '0,1' (compute threads = "
                         "number of cores; default: no pinning, all cores)")
