@@ -72,9 +72,9 @@ B, as before decode_context was recorded; the fitted per_seq is then per_seq +
 per_context_token x (mean context per sequence of the measured run), right only for runs whose
 contexts are like the measured one's.
 Limit: the model prices attention by the summed context (paged attention, as the simulator's
-context_sum). pdserve's CPU runner pads a decode batch to its longest context
-(engine/runner.py `_decode_tables`: B x that many KV positions gathered and attended), so a
-batch mixing one long context with short ones costs more than the fit says.
+context_sum). pdserve's runner pads each decode group to its longest context
+(engine/runner.py `_decode_groups`: a group's contexts are within 2x of each other beyond 256
+tokens), so the summed context is right to within that factor.
 Singular: the normal matrix scaled to a unit diagonal (entries M_jk / sqrt(M_jj M_kk), i.e.
 correlations of the weighted features about 0) has a pivot below 1e-9 during elimination, i.e.
 one feature is a combination of the others to within 1 - R^2 < 1e-9.
