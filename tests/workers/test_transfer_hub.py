@@ -319,11 +319,16 @@ def test_unclaimed_messages_are_dropped_after_the_lease_unless_expected(w, expec
 # -- layer-wise streaming (push) -------------------------------------------------------------------
 
 
-def test_streamed_layers_then_token0_land_the_bytes_and_report_once(w):
+def stream_layer0(w: World) -> None:
+    """Decode reserves (the reservation is on its way); the prefill streams layer 0."""
     open_recv(w)
     w.pre.expect(TID)
-    w.dec.poll()  # the reservation is on its way
-    w.pre.stream_layers(TID, DEC, SRC, 1)  # opens the session; layer 0 waits for the reservation
+    w.dec.poll()
+    w.pre.stream_layers(TID, DEC, SRC, 1)
+
+
+def test_streamed_layers_then_token0_land_the_bytes_and_report_once(w):
+    stream_layer0(w)  # opens the session; layer 0 waits for the reservation
     assert w.poll(2) == ([], [])
     assert torch.equal(w.dec_cache.data[DST, 0], w.pre_cache.data[SRC, 0])
     assert not w.dec_cache.data[DST, 1].any()  # layer 1 is not computed yet
@@ -336,10 +341,7 @@ def test_streamed_layers_then_token0_land_the_bytes_and_report_once(w):
 
 
 def test_a_streamed_session_the_decode_aborts_is_not_reported_and_open_send_says_closed(w):
-    open_recv(w)
-    w.pre.expect(TID)
-    w.dec.poll()
-    w.pre.stream_layers(TID, DEC, SRC, 1)
+    stream_layer0(w)
     w.pre.poll()  # layer 0 written
     w.dec.abort(TID, CANCELLED)
     pre_events, dec_events = w.poll(2)
@@ -353,10 +355,7 @@ def test_a_streamed_session_the_decode_aborts_is_not_reported_and_open_send_says
 
 
 def test_closing_a_streamed_transfer_fences_it_and_tells_the_decode(w):
-    open_recv(w)
-    w.pre.expect(TID)
-    w.dec.poll()
-    w.pre.stream_layers(TID, DEC, SRC, 1)
+    stream_layer0(w)
     w.pre.close_finished(TID, DEC)  # token 0 ended the request after layer 0 went out
     assert w.pre.active == 0 and w.pre.is_closed(TID)
     pre_events, dec_events = w.poll(2)
