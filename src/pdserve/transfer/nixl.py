@@ -27,6 +27,14 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+# nixl_cu12 logs INFO lines to stdout through a handler of its own ("nixl" logger, not
+# propagating). pdserve's stdout carries results (`--json`), so NIXL's records go through the
+# root logger (stderr) like ours, from WARNING up.
+_nixl_log = logging.getLogger("nixl")
+_nixl_log.handlers.clear()
+_nixl_log.propagate = True
+_nixl_log.setLevel(logging.WARNING)
+
 __all__ = ["NixlOptions", "NixlTransport"]
 
 
