@@ -158,12 +158,11 @@ class Worker:
         try:
             await resp.prepare(request)
             while not finished:
-                events = [await sink.get()]
-                while not sink.empty():
-                    events.append(sink.get_nowait())
+                events = await _ready_events(sink)
                 finished = any(e.final for e in events)
-                await resp.write(b"".join(e.to_line() for e in events))
-            await resp.write_eof()
+                data = b"".join(e.to_line() for e in events)
+                # the last events and the end of the body in one write: the router sees both
+                await (resp.write_eof(data) if finished else resp.write(data))
         finally:
             if not finished:
                 log.info("request %s: %s leg cancelled (the router went away)",
@@ -180,12 +179,20 @@ class Worker:
         finished = False
         try:
             while not finished:
-                event: TokenEvent = await sink.get()
-                finished = event.final
-                yield event
+                events = await _ready_events(sink)
+                finished = any(e.final for e in events)
+                yield events
         finally:
             if not finished:
                 self.loop.cancel(request_id)
+
+
+async def _ready_events(sink: asyncio.Queue) -> list[TokenEvent]:
+    """The next event and every one already queued behind it (sent together)."""
+    events = [await sink.get()]
+    while not sink.empty():
+        events.append(sink.get_nowait())
+    return events
 
 
 def _not_ready_guard(worker: Worker):
