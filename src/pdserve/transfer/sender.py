@@ -37,7 +37,8 @@ class SendSession:
     Invariants: the state only moves forward (TransferStatus). Before FAILED the session
     cancels (fences) every write, so an ABORT from a sender always means "I will never write
     again"; a FAILED session still answers a receiver's ABORT with ABORT_ACK on poll().
-    Lifetime: from the prefill output (blocks held, PREFILLED) until `blocks_reusable`, when
+    Lifetime: from the prefill output (blocks held, PREFILLED; streamed: from the step that
+    computes the prompt's last tokens) until `blocks_reusable`, when
     the caller releases the source blocks. In pull mode a reader that is still reading when a
     failed sender frees its blocks reads garbage, which the receiver's CRC32C check rejects.
     """
