@@ -2,21 +2,14 @@
 
 from __future__ import annotations
 
-import socket
 import sys
 import time
 from pathlib import Path
 
 from pdserve.cluster.supervisor import ProcessSpec
+from pdserve.cluster.up_process import free_port
 
 FAKE_CHILD = Path(__file__).with_name("fake_child.py")
-
-
-def free_port() -> int:
-    """A port nobody listened on a moment ago (bind to port 0, read it, close)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def fake_spec(name: str, *options: str) -> ProcessSpec:

@@ -13,6 +13,7 @@ import pytest
 
 from pdserve.bench.compare import add_compare_args, format_table, settings
 from pdserve.cli import main
+from pdserve.cluster.up_process import free_port
 
 
 def _args(*argv: str) -> argparse.Namespace:
@@ -40,16 +41,10 @@ def test_table_gives_ratios_to_the_first_configuration() -> None:
     assert "200.00" in row and "50.00 (0.25x)" in row
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_compare_runs_each_configuration_and_writes_json_and_pictures(tiny_model,
                                                                       tmp_path: Path) -> None:
     out, plots = tmp_path / "cmp.json", tmp_path / "plots"
-    port = _free_port()
+    port = free_port()
     worker = (f"{sys.executable} -m pdserve.cli worker --model {tiny_model()} --dtype float32 "
               f"--port {port}")
     code = main(["bench", "compare", "--model", str(tiny_model()), "--configs",
@@ -76,7 +71,7 @@ def test_compare_repeats_give_medians_and_keep_every_run(tiny_model, tmp_path: P
                                                          capsys) -> None:
     """--repeats 2 on a short run: a pdserve configuration and a started external server are
     each run twice; the table and JSON give medians, the JSON also both runs."""
-    out, port = tmp_path / "rep.json", _free_port()
+    out, port = tmp_path / "rep.json", free_port()
     worker = (f"{sys.executable} -m pdserve.cli worker --model {tiny_model()} --dtype float32 "
               f"--port {port}")
     code = main(["bench", "compare", "--model", str(tiny_model()), "--configs", "collocated",

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -17,29 +18,47 @@ import threading
 import time
 import urllib.request
 from collections import deque
+from collections.abc import Sequence
 from pathlib import Path
 
 READY_TIMEOUT_S = 300.0
 FREE_TIMEOUT_S = 15.0  # blocks come back at once, well inside the 30 s transfer lease
 
 
-def _free_base_port() -> int:
-    """A port P with P..P+3 and P+101..P+103 free (router, workers, KV endpoints)."""
+EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+LOWEST_BASE = 10_000
+
+
+def _ephemeral_low() -> int:
+    """The first port the kernel hands out to outgoing connections (Linux default 32768)."""
+    try:
+        return int(EPHEMERAL_RANGE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def free_port(offsets: Sequence[int] = (0,)) -> int:
+    """A port P with every P + offset free, below the kernel's ephemeral range: a port from
+    that range can be given to some outgoing connection between this check and the server's
+    bind (seen in CI: "address already in use")."""
+    rng = random.Random()
+    high = _ephemeral_low() - max(offsets) - 1
     for _ in range(200):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base > 60000:
-            continue
-        ports = [base + i for i in range(4)] + [base + 101 + i for i in range(3)]
+        base = rng.randrange(LOWEST_BASE, high) if high > LOWEST_BASE else _kernel_port()
         try:
-            for p in ports:
+            for offset in offsets:
                 with socket.socket() as s:
-                    s.bind(("127.0.0.1", p))
+                    s.bind(("127.0.0.1", base + offset))
         except OSError:
             continue
         return base
     raise RuntimeError("no free port range")
+
+
+def _kernel_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return min(s.getsockname()[1], 60000)
 
 
 def get_json(url: str, timeout: float = 5.0) -> dict:
@@ -52,7 +71,8 @@ class UpProcess:
     worker i answers at `worker_url(i)`."""
 
     def __init__(self, model: str | Path, *args: str) -> None:
-        self.port = _free_base_port()
+        # router, workers, KV endpoints (cluster/layout.py offsets 1+ and 101+)
+        self.port = free_port((0, 1, 2, 3, 101, 102, 103))
         argv = [sys.executable, "-m", "pdserve.cli", "up", "--model", str(model), "--port",
                 str(self.port), "--ready-timeout", str(READY_TIMEOUT_S), *args]
         self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
