@@ -31,7 +31,7 @@ from pdserve.planner.file_spec import (
     read_text,
     refuse_config,
 )
-from pdserve.planner.trace import TraceRequest, read_trace_jsonl
+from pdserve.planner.trace import TraceRequest, json_row, read_trace_jsonl, request_at
 
 METRICS = ("median_ttft_ms", "median_itl_ms")
 
@@ -82,18 +82,11 @@ def _select(data: Any, spec: FileSpec) -> tuple[str | None, dict[str, Any]]:
 
 
 def _request(row: Any, where: str) -> TraceRequest:
-    if not isinstance(row, dict):
-        raise ValueError(f"{where}: expected a JSON object, got {type(row).__name__}")
-    missing = [k for k in ("start_s", "prompt_tokens", "output_tokens") if k not in row]
-    if missing:
-        raise ValueError(f"{where}: missing {', '.join(missing)}")
+    row = json_row(row, where, ("start_s", "prompt_tokens", "output_tokens"))
     out = row["output_tokens"]
     if out == 0 and not row.get("ok", True):
         out = 1  # failed before its first token: replayed as a one-token request
-    try:
-        return TraceRequest(row["start_s"], row["prompt_tokens"], out)
-    except ValueError as e:
-        raise ValueError(f"{where}: {e}") from e
+    return request_at(where, row["start_s"], row["prompt_tokens"], out)
 
 
 def _run(spec: FileSpec, config: str | None, result: dict[str, Any]) -> MeasuredRun:

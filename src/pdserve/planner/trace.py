@@ -32,6 +32,7 @@ import random
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 BURST_PERIOD_S = 10.0
 BURST_SPREAD_S = 1.0
@@ -203,13 +204,25 @@ def generate_trace(spec: WorkloadSpec, seed: int = 0, duration_s: float | None =
 
 
 def _row_to_request(row: object, where: str) -> TraceRequest:
+    row = json_row(row, where, ("arrival_s", "prompt_tokens", "output_tokens"))
+    return request_at(where, row["arrival_s"], row["prompt_tokens"], row["output_tokens"])
+
+
+def json_row(row: object, where: str, keys: tuple[str, ...]) -> dict[str, Any]:
+    """`row` if it is a JSON object holding every key; ValueError naming `where` if not."""
     if not isinstance(row, dict):
         raise ValueError(f"{where}: expected a JSON object, got {type(row).__name__}")
-    missing = [k for k in ("arrival_s", "prompt_tokens", "output_tokens") if k not in row]
+    missing = [k for k in keys if k not in row]
     if missing:
         raise ValueError(f"{where}: missing {', '.join(missing)}")
+    return row
+
+
+def request_at(where: str, arrival_s: object, prompt_tokens: object,
+               output_tokens: object) -> TraceRequest:
+    """A TraceRequest whose ValueError names `where`."""
     try:
-        return TraceRequest(row["arrival_s"], row["prompt_tokens"], row["output_tokens"])
+        return TraceRequest(arrival_s, prompt_tokens, output_tokens)
     except ValueError as e:
         raise ValueError(f"{where}: {e}") from e
 
