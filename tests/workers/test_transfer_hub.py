@@ -209,7 +209,7 @@ def test_decode_cancel_before_the_prefill_opened_closes_the_expected_transfer(w)
     assert pre_events == [PeerClosed(TID, CANCELLED, finished=False)]
     assert dec_events == []
     w.assert_quiet()
-    assert w.pre.is_closed(TID)  # the prefill checks this before it opens a SendSession
+    assert w.pre.is_closed(TID)  # so the prefill's open_send at token 0 returns False
 
 
 def test_decode_cancel_before_the_prefill_leg_arrived_still_closes_the_id(w):

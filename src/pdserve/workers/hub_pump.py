@@ -66,10 +66,6 @@ class HubPump:
     def local(self) -> PeerId:
         return self._hub.local
 
-    def is_closed(self, transfer_id: int) -> bool:
-        with self._lock:
-            return self._hub.is_closed(transfer_id)
-
     def expect(self, transfer_id: int) -> None:
         with self._lock:
             self._hub.expect(transfer_id)
