@@ -3,6 +3,7 @@ leg protocol's JSON (LegRequest, TokenEvent NDJSON lines)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Any
 
@@ -207,3 +208,24 @@ def test_token_event_defaults_round_trip():
     e = ev(0, [], 0, "", error="the leg failed", final=True)
     back = TokenEvent.from_line(e.to_line())
     assert back == e and back.logprobs is None and back.top_logprobs is None
+
+
+def test_token_event_line_holds_only_what_differs_from_the_defaults():
+    line = ev(5, [1234], 20, " word").to_line()
+    assert json.loads(line) == {"index": 5, "token_ids": [1234], "text_offset": 20,
+                                "text": " word"}
+    # stop_reason 0 (a token id) is not the default None: it must travel
+    back = TokenEvent.from_line(ev(1, [0], 0, "", stop_reason=0, finish_reason="stop").to_line())
+    assert back.stop_reason == 0 and back.finish_reason == "stop"
+
+
+def test_every_optional_token_event_field_has_its_default_listed():
+    from pdserve.api.legs import _OPTIONAL_DEFAULTS
+
+    optional = {f.name: f for f in dataclasses.fields(TokenEvent)
+                if f.name not in ("index", "token_ids", "text_offset", "text")}
+    listed = dict(_OPTIONAL_DEFAULTS)
+    assert listed.keys() == optional.keys()
+    for name, f in optional.items():
+        default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+        assert listed[name] == default, name

@@ -43,7 +43,7 @@ def test_default_layout_is_one_prefill_one_decode_then_router() -> None:
         PY, "-m", "pdserve.cli", "worker", "--role", "prefill", "--model", "smollm2",
         "--dtype", "bfloat16", "--host", "127.0.0.1", "--port", "8001", "--kv-port", "8101",
         "--transport", "tcp", "--secret-file", "/run/secret", "--cpus", "0",
-        "--kv-cache-memory", "512MiB", "--kv-layerwise", "auto")
+        "--kv-cache-memory", "512MiB", "--kv-layerwise", "auto", "--kv-lease", "30.0")
     assert (prefill.name, prefill.health_url) == ("prefill-0", "http://127.0.0.1:8001/health")
     assert (decode.name, decode.health_url) == ("decode-0", "http://127.0.0.1:8002/health")
     assert _option(decode, "--kv-port") == ["8102"] and _option(decode, "--cpus") == ["1"]
@@ -196,3 +196,10 @@ def test_layerwise_streaming_setting_reaches_every_worker() -> None:
     assert all(_option(w, "--kv-layerwise") == ["on"] for w in workers)
     with pytest.raises(ValueError, match="kv_layerwise"):
         UpConfig(kv_layerwise="sometimes")
+
+
+def test_kv_lease_reaches_every_worker() -> None:
+    workers = plan_processes(UpConfig.from_args(_args("--kv-lease", "2.5")), SECRET)[:-1]
+    assert all(_option(w, "--kv-lease") == ["2.5"] for w in workers)
+    with pytest.raises(ValueError, match="--kv-lease must be > 0 seconds"):
+        UpConfig(kv_lease_s=0)

@@ -1,9 +1,11 @@
 """Faults through real processes: a stop on token 0, clients that go away mid-stream and
-mid-transfer, a prefill worker killed with SIGKILL under load. Each ends in bounded time with
-every KV block back in its pool."""
+mid-transfer, a prefill worker killed with SIGKILL under load or stalled with SIGSTOP, a
+restarted one, a decode worker killed mid-stream. Each ends in bounded time with every KV block
+back in its pool."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import threading
@@ -173,3 +175,81 @@ def test_decode_killed_after_tokens_reached_the_client_ends_with_an_error_event(
             pass
     assert time.monotonic() - started < 30
     cluster.wait_blocks_free([PREFILL])
+
+
+STALL_LEASE_S = 3.0
+
+
+@pytest.fixture
+def stall_cluster(request, tiny_model) -> Cluster:
+    cluster = Cluster(tiny_model(), "--local-prefill-threshold", str(LOCAL_THRESHOLD),
+                      "--kv-lease", str(STALL_LEASE_S))
+    request.addfinalizer(cluster.stop)
+    return cluster
+
+
+def test_a_stalled_prefill_worker_costs_a_lease_not_a_hang(stall_cluster: Cluster) -> None:
+    """SIGSTOP the prefill worker while long prompts stream: alive and connected but silent (a
+    frozen host, a long GC pause). Every request still completes: its decode worker gives up
+    on the KV after the lease and recomputes; the router stops sending prompts to a worker
+    that does not answer /health. After SIGCONT the stalled worker frees all it held (its
+    legs were closed, its transfers refused) and long prompts split again."""
+    cluster = stall_cluster
+    outcomes: list[tuple[str, float]] = []
+    lock = threading.Lock()
+
+    def one(i: int) -> None:
+        try:
+            out = client(cluster).completions.create(
+                model=cluster.model, prompt=prompts()[3 + i % 3], max_tokens=30,
+                temperature=0, extra_body={"ignore_eos": True})
+            result = f"{out.usage.completion_tokens} tokens"
+        except openai.APIError as e:
+            result = f"error: {e}"
+        with lock:
+            outcomes.append((result, time.monotonic()))
+
+    pid = cluster.health(PREFILL)["pid"]
+    recomputes = metric(cluster.worker_url(DECODE), "pdserve_kv_recomputes_total")
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(8)]
+    try:
+        for i, t in enumerate(threads):
+            t.start()
+            time.sleep(0.05)
+            if i == 1:
+                os.kill(pid, signal.SIGSTOP)
+                stopped_at = time.monotonic()
+        for t in threads:
+            t.join(60)
+        assert not any(t.is_alive() for t in threads), "a request hung on the stalled worker"
+        assert [r for r, _ in outcomes] == ["30 tokens"] * 8, outcomes
+        # the lease and the recompute; never the router's 60 s leg timeout
+        assert max(when for _, when in outcomes) - stopped_at < 3 * STALL_LEASE_S + 5
+        assert metric(cluster.worker_url(DECODE), "pdserve_kv_recomputes_total") > recomputes
+        time.sleep(1)
+        held = cluster.health(DECODE)["kv_blocks_used"]  # reserved for the stalled writer
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    # it wakes, fences its writes and says so: every block comes back on both sides
+    cluster.wait_blocks_free([PREFILL, DECODE])
+    assert held > 0
+    router = cluster.url.removesuffix("/v1")
+    deadline = time.monotonic() + 10
+    while not _healthy_in_router(router, cluster.worker_url(PREFILL)):
+        assert time.monotonic() < deadline, "the router never took the prefill worker back"
+        time.sleep(0.2)
+    split = metric(router, 'pdserve_router_requests_total{path="disaggregated"}')
+    recomputes = metric(cluster.worker_url(DECODE), "pdserve_kv_recomputes_total")
+    fresh = LONG[::-1]  # the decode worker's prefix cache holds LONG now: it would run locally
+    out = client(cluster).completions.create(model=cluster.model, prompt=fresh, max_tokens=8,
+                                             temperature=0, extra_body={"ignore_eos": True})
+    assert out.usage.completion_tokens == 8
+    assert metric(router, 'pdserve_router_requests_total{path="disaggregated"}') == split + 1
+    assert metric(cluster.worker_url(DECODE), "pdserve_kv_recomputes_total") == recomputes
+    cluster.wait_blocks_free([PREFILL, DECODE])
+
+
+def _healthy_in_router(router: str, worker_url: str) -> bool:
+    with urllib.request.urlopen(router + "/health", timeout=5) as r:
+        workers = json.loads(r.read())["workers"]
+    return any(w["url"] == worker_url and w["healthy"] for w in workers)

@@ -29,6 +29,7 @@ from pdserve.workers.transfer_hub import (
     CLOSED_MEMORY_S,
     HubEvent,
     PeerClosed,
+    RecvBlocksFree,
     RecvDone,
     RecvFailed,
     SendEnded,
@@ -237,7 +238,28 @@ def test_decode_abort_of_an_open_session_ends_both_without_the_lease(w):
     reason = "aborted by the caller: the client went away"
     pre_events, dec_events = w.poll(2)
     assert pre_events == [PeerClosed(TID, reason, finished=False)]
-    assert dec_events == [RecvFailed(TID, reason, sender_finished=False)]
+    # the failure at once; the blocks once the prefill confirmed it will never write
+    assert dec_events == [RecvFailed(TID, reason, sender_finished=False, blocks_free=False),
+                          RecvBlocksFree(TID)]
+    w.assert_quiet()
+
+
+def test_a_silent_sender_fails_the_transfer_at_the_lease_but_holds_the_blocks(w):
+    """A stalled prefill worker (alive, connected, silent) got the reservation, so it may
+    still write into the blocks: the decode leg hears of the failure at the lease and can
+    recompute elsewhere in the pool, while the reserved blocks stay held until the sender
+    wakes and confirms its fence."""
+    open_recv(w)
+    w.pre.expect(TID)
+    assert w.dec.poll() == []  # the reservation is out; the prefill hub is not polled (stalled)
+    w.clock.now += LEASE
+    assert w.dec.poll() == [RecvFailed(TID, "the lease expired", False, blocks_free=False)]
+    w.clock.now += 10 * LEASE
+    assert w.dec.poll() == [] and w.dec.active == 1  # still held, ABORT re-sent meanwhile
+    pre_events, dec_events = w.poll(2)  # the prefill wakes: reservation, then the ABORTs
+    assert pre_events == [PeerClosed(TID, "the lease expired", finished=False)]
+    assert dec_events == [RecvBlocksFree(TID)]
+    assert w.dec.active == 0
     w.assert_quiet()
 
 
@@ -346,7 +368,8 @@ def test_a_streamed_session_the_decode_aborts_is_not_reported_and_open_send_says
     w.dec.abort(TID, CANCELLED)
     pre_events, dec_events = w.poll(2)
     assert pre_events == []  # the engine still computes this prompt: nothing to release yet
-    assert dec_events == [RecvFailed(TID, f"aborted by the caller: {CANCELLED}", False)]
+    assert dec_events == [RecvFailed(TID, f"aborted by the caller: {CANCELLED}", False, False),
+                          RecvBlocksFree(TID)]
     assert w.pre.is_closed(TID) and w.pre.active == 0
     assert not w.pre.open_send(TID, DEC, SRC, TOKEN0, LOGPROB0)  # so the caller releases
     w.pre.stream_layers(TID, DEC, SRC, 2)  # a later layer of a closed transfer: nothing

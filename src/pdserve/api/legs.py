@@ -102,10 +102,18 @@ class TokenEvent:
     extra: dict[str, Any] = field(default_factory=dict)
 
     def to_line(self) -> bytes:
-        d = asdict(self)
-        if d["top_logprobs"] is not None:
+        """One JSON line holding the position fields and every other field that differs from
+        its default (most events are one token and nothing else: a short line, ~4x cheaper
+        than encoding every field)."""
+        d: dict[str, Any] = {"index": self.index, "token_ids": self.token_ids,
+                             "text_offset": self.text_offset, "text": self.text}
+        for name, default in _OPTIONAL_DEFAULTS:
+            value = getattr(self, name)
+            if value != default:
+                d[name] = value
+        if self.top_logprobs is not None:
             d["top_logprobs"] = [None if t is None else {str(k): v for k, v in t.items()}
-                                 for t in d["top_logprobs"]]
+                                 for t in self.top_logprobs]
         return json.dumps(d, separators=(",", ":")).encode() + b"\n"
 
     @classmethod
@@ -115,6 +123,12 @@ class TokenEvent:
             d["top_logprobs"] = [None if t is None else {int(k): v for k, v in t.items()}
                                  for t in d["top_logprobs"]]
         return cls(**d)
+
+
+# (field, default) of every TokenEvent field after the four that place it
+_OPTIONAL_DEFAULTS = (("logprobs", None), ("top_logprobs", None), ("finish_reason", None),
+                      ("stop_reason", None), ("prompt_tokens", 0), ("cached_tokens", 0),
+                      ("final", False), ("error", None), ("extra", {}))
 
 
 EventBatch = list[TokenEvent]  # events of one stream that were ready together, in order

@@ -43,6 +43,7 @@ class UpConfig:
     transport: str = "tcp"
     kv_encrypt: bool = False
     kv_layerwise: str = "auto"
+    kv_lease_s: float = 30.0
     dtype: str = "bfloat16"
     kv_cache_memory: str = "512MiB"
     max_model_len: int | None = None
@@ -65,6 +66,8 @@ class UpConfig:
         if self.local_prefill_threshold < 0:
             raise ValueError("local_prefill_threshold must be >= 0, got "
                              f"{self.local_prefill_threshold}")
+        if not self.kv_lease_s > 0:
+            raise ValueError(f"--kv-lease must be > 0 seconds, got {self.kv_lease_s}")
         if self.ready_timeout_s <= 0:
             raise ValueError(f"ready timeout must be positive, got {self.ready_timeout_s}")
         if not self.cpus or min(self.cpus) < 0 or len(set(self.cpus)) != len(self.cpus):
@@ -118,7 +121,7 @@ class UpConfig:
         return cls(model=args.model, num_prefill=prefill, num_decode=decode,
                    num_collocated=collocated, host=args.host, port=args.port,
                    transport=args.transport, kv_encrypt=args.kv_encrypt,
-                   kv_layerwise=args.kv_layerwise, dtype=args.dtype,
+                   kv_layerwise=args.kv_layerwise, kv_lease_s=args.kv_lease, dtype=args.dtype,
                    kv_cache_memory=args.kv_cache_memory, max_model_len=args.max_model_len,
                    policy=args.policy, local_prefill_threshold=args.local_prefill_threshold,
                    ready_timeout_s=args.ready_timeout, cpus=cpus,
@@ -194,7 +197,7 @@ def _worker_spec(config: UpConfig, index: int, role: str, secret_file: Path) -> 
         argv += ["--enable-chunked-prefill"]
     if config.kv_encrypt:
         argv += ["--kv-encrypt"]
-    argv += ["--kv-layerwise", config.kv_layerwise]
+    argv += ["--kv-layerwise", config.kv_layerwise, "--kv-lease", str(config.kv_lease_s)]
     if config.max_num_batched_tokens is not None:
         argv += ["--max-num-batched-tokens", str(config.max_num_batched_tokens)]
     return ProcessSpec(f"{role}-{role_index}", tuple(argv), worker_url(config, index) + "/health",

@@ -99,6 +99,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-encrypt", action="store_true",
                    help="encrypt KV transfers with AES-256-GCM (tcp transport)")
     p.add_argument("--kv-layerwise", choices=LAYERWISE, default="auto", help=LAYERWISE_HELP)
+    p.add_argument("--kv-lease", type=float, default=30.0, metavar="SECONDS",
+                   help="longest wait of a decode worker's KV reservation for its prefill "
+                        "worker, and of a held prefill for its decode worker, before either "
+                        "gives up (the decode worker then recomputes) (default: %(default)s)")
 
 
 def _add_router_args(p: argparse.ArgumentParser) -> None:

@@ -10,9 +10,11 @@ Life cycle of a leg (see `api/legs.py` for the kinds):
   the session says the blocks are reusable.
 - DECODE: `add_remote_request` (queued until the pool has room: admission control); once
   blocks are reserved, a `RecvSession`; on DONE `kv_ready(token0)` and token events until
-  finished. On a failed transfer (once no writer can touch the blocks) the reserved request
-  is aborted and the prompt is recomputed locally under a new engine id, unless the prefill
-  side said token 0 already ended the request.
+  finished. On a failed transfer (the lease lapsed, the peer died or aborted...) the prompt
+  is recomputed at once under a new engine id, unless the prefill side said token 0 already
+  ended the request; the reserved request is aborted (its blocks freed) once no writer can
+  touch them, which for a stalled sender (alive, silent) is when it wakes and confirms its
+  fence, or dies: the client never waits for that.
 - cancel (client gone): an open session is aborted and its blocks freed when reusable; a
   queued request is aborted at once and the peer told, so it never waits out a lease.
 
@@ -39,7 +41,13 @@ from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.scheduler import SchedulerOutput
 from pdserve.workers.hub_pump import HubPump
 from pdserve.workers.step_trace import Step, StepTrace
-from pdserve.workers.transfer_hub import PeerClosed, RecvDone, RecvFailed, SendEnded
+from pdserve.workers.transfer_hub import (
+    PeerClosed,
+    RecvBlocksFree,
+    RecvDone,
+    RecvFailed,
+    SendEnded,
+)
 from pdserve.workers.worker_metrics import WorkerMetrics
 
 log = logging.getLogger("pdserve.worker")
@@ -81,6 +89,9 @@ class EngineLoop:
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._legs: dict[str, _Leg] = {}  # engine request id -> leg
         self._by_tid: dict[int, _Leg] = {}
+        # transfer id -> engine request still holding the reserved blocks of a failed transfer
+        # whose writer is not known quiet (freed on RecvBlocksFree)
+        self._held: dict[int, str] = {}
         self._out: list[tuple[asyncio.Queue, object]] = []
         self._aio: asyncio.AbstractEventLoop | None = None
         self._stop = threading.Event()
@@ -223,6 +234,9 @@ class EngineLoop:
                 leg.phase = Phase.TRANSFERRING
 
     def _on_transfer(self, event) -> None:
+        if isinstance(event, RecvBlocksFree):  # the leg may be long gone
+            self.engine.abort(self._held.pop(event.transfer_id))
+            return
         leg = self._by_tid.get(event.transfer_id)
         if leg is None:
             return
@@ -240,7 +254,10 @@ class EngineLoop:
                 self.engine.kv_ready(leg.engine_id, event.token0, event.token0_logprob)
         elif isinstance(event, RecvFailed):
             self.metrics.observe_transfer(False, 0.0, 0, "recv")
-            self.engine.abort(leg.engine_id)
+            if event.blocks_free:
+                self.engine.abort(leg.engine_id)
+            else:  # a writer may still land bytes: hold the blocks, recompute in others
+                self._held[event.transfer_id] = leg.engine_id
             self._after_failed_transfer(leg, event.reason, event.sender_finished)
         elif isinstance(event, PeerClosed):
             self.engine.abort(leg.engine_id)

@@ -52,11 +52,22 @@ class RecvDone:
 
 @dataclass(frozen=True)
 class RecvFailed:
-    """The transfer failed and no writer can touch the reserved blocks any more."""
+    """The transfer failed: the leg recomputes (or ends) now. With `blocks_free` no writer can
+    touch the reserved blocks any more; else they stay held (a writer may still land bytes in
+    them: a stalled sender, alive but silent) until `RecvBlocksFree` for the same id."""
 
     transfer_id: int
     reason: str
     sender_finished: bool  # token 0 ended the request at the sender: end the leg, no recompute
+    blocks_free: bool = True
+
+
+@dataclass(frozen=True)
+class RecvBlocksFree:
+    """The reserved blocks of a failed transfer (`RecvFailed` without `blocks_free`) are quiet
+    now: the writer confirmed its fence, or it is known dead."""
+
+    transfer_id: int
 
 
 @dataclass(frozen=True)
@@ -79,7 +90,7 @@ class PeerClosed:
     finished: bool  # the peer's token 0 ended the request
 
 
-HubEvent = RecvDone | RecvFailed | SendEnded | PeerClosed
+HubEvent = RecvDone | RecvFailed | RecvBlocksFree | SendEnded | PeerClosed
 
 
 class TransferHub:
@@ -91,6 +102,7 @@ class TransferHub:
         self._generation, self._lease_s, self._mode, self._clock = generation, lease_s, mode, clock
         self._sends: dict[int, tuple[SendSession, float, int]] = {}
         self._recvs: dict[int, tuple[RecvSession, float, int]] = {}
+        self._failed_held: set[int] = set()  # failure reported, blocks not yet quiet
         self._expected: set[int] = set()
         self._closed: dict[int, float] = {}  # transfer id -> when it closed
         self._unclaimed_since: dict[int, float] = {}
@@ -205,11 +217,20 @@ class TransferHub:
             if session.state is TransferState.DONE:
                 events.append(RecvDone(tid, session.token0, session.token0_logprob,
                                        self._clock() - t0, nbytes))
-            elif session.blocks_reusable:
-                events.append(RecvFailed(tid, session.reason or "failed",
-                                         session.sender_finished))
-            else:
+            elif session.state is not TransferState.FAILED:
                 continue
+            elif tid in self._failed_held:
+                if not session.blocks_reusable:
+                    continue
+                self._failed_held.discard(tid)
+                events.append(RecvBlocksFree(tid))
+            else:
+                free = session.blocks_reusable
+                events.append(RecvFailed(tid, session.reason or "failed",
+                                         session.sender_finished, free))
+                if not free:  # the leg need not wait for a silent writer: report it now
+                    self._failed_held.add(tid)
+                    continue
             del self._recvs[tid]
             self._closed[tid] = self._clock()
         events += self._handle_unclaimed()
