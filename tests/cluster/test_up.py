@@ -50,7 +50,8 @@ def test_default_layout_is_one_prefill_one_decode_then_router() -> None:
     assert router.argv == (
         PY, "-m", "pdserve.cli", "router", "--host", "127.0.0.1", "--port", "8000",
         "--model", "smollm2", "--policy", "least_loaded", "--local-prefill-threshold", "256",
-        "--prefill", "http://127.0.0.1:8001", "--decode", "http://127.0.0.1:8002")
+        "--leg-timeout", "60.0", "--prefill", "http://127.0.0.1:8001",
+        "--decode", "http://127.0.0.1:8002")
     assert router.health_url == "http://127.0.0.1:8000/health"
 
 
@@ -203,3 +204,13 @@ def test_kv_lease_reaches_every_worker() -> None:
     assert all(_option(w, "--kv-lease") == ["2.5"] for w in workers)
     with pytest.raises(ValueError, match="--kv-lease must be > 0 seconds"):
         UpConfig(kv_lease_s=0)
+
+
+def test_leg_timeout_reaches_the_router() -> None:
+    config = UpConfig.from_args(_args("--leg-timeout", "4", "--kv-lease", "2"))
+    router = plan_processes(config, SECRET)[-1]
+    assert _option(router, "--leg-timeout") == ["4.0"]
+    with pytest.raises(ValueError, match="--leg-timeout must be > 0 seconds"):
+        UpConfig(leg_timeout_s=-1)
+    with pytest.raises(ValueError, match=r"--leg-timeout \(30.0 s\) must exceed --kv-lease"):
+        UpConfig(leg_timeout_s=30.0, kv_lease_s=30.0)

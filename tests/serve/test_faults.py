@@ -177,13 +177,14 @@ def test_decode_killed_after_tokens_reached_the_client_ends_with_an_error_event(
     cluster.wait_blocks_free([PREFILL])
 
 
-STALL_LEASE_S = 3.0
+STALL_LEASE_S = 2.0
+STALL_LEG_TIMEOUT_S = 5.0  # above the lease: a decode leg is silent for up to a lease
 
 
 @pytest.fixture
 def stall_cluster(request, tiny_model) -> Cluster:
     cluster = Cluster(tiny_model(), "--local-prefill-threshold", str(LOCAL_THRESHOLD),
-                      "--kv-lease", str(STALL_LEASE_S))
+                      "--kv-lease", str(STALL_LEASE_S), "--leg-timeout", str(STALL_LEG_TIMEOUT_S))
     request.addfinalizer(cluster.stop)
     return cluster
 
@@ -246,6 +247,42 @@ def test_a_stalled_prefill_worker_costs_a_lease_not_a_hang(stall_cluster: Cluste
     assert out.usage.completion_tokens == 8
     assert metric(router, 'pdserve_router_requests_total{path="disaggregated"}') == split + 1
     assert metric(cluster.worker_url(DECODE), "pdserve_kv_recomputes_total") == recomputes
+    cluster.wait_blocks_free([PREFILL, DECODE])
+
+
+def test_a_stalled_decode_worker_ends_the_stream_within_the_leg_timeout(stall_cluster: Cluster
+                                                                         ) -> None:
+    """SIGSTOP the decode worker after tokens reached the client: the stream ends with an error
+    once the leg was silent for `--leg-timeout` (not minutes); the prefill worker frees what it
+    sent within its lease while the decode worker is still stopped; after SIGCONT the decode
+    worker drops the abandoned leg and serves again."""
+    cluster = stall_cluster
+    stream = client(cluster).completions.create(
+        model=cluster.model, prompt=LONG, max_tokens=400 - len(LONG) + 100, temperature=0,
+        stream=True, extra_body={"ignore_eos": True})
+    next(stream)
+    next(stream)
+    pid = cluster.health(DECODE)["pid"]
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        with pytest.raises(openai.APIError):
+            for _ in stream:
+                pass
+        assert time.monotonic() - started < STALL_LEG_TIMEOUT_S + 5
+        cluster.wait_blocks_free([PREFILL], timeout=STALL_LEASE_S + 10)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    cluster.wait_blocks_free([PREFILL, DECODE])
+    router = cluster.url.removesuffix("/v1")
+    deadline = time.monotonic() + 10
+    while not _healthy_in_router(router, cluster.worker_url(DECODE)):
+        assert time.monotonic() < deadline, "the router never took the decode worker back"
+        time.sleep(0.2)
+    out = client(cluster).completions.create(model=cluster.model, prompt=LONG[::-1],
+                                             max_tokens=8, temperature=0,
+                                             extra_body={"ignore_eos": True})
+    assert out.usage.completion_tokens == 8
     cluster.wait_blocks_free([PREFILL, DECODE])
 
 

@@ -49,6 +49,7 @@ class UpConfig:
     max_model_len: int | None = None
     policy: str = "least_loaded"
     local_prefill_threshold: int = 256
+    leg_timeout_s: float = 60.0
     ready_timeout_s: float = 300.0
     cpus: tuple[int, ...] = (0,)
     enable_chunked_prefill: bool = False
@@ -66,8 +67,14 @@ class UpConfig:
         if self.local_prefill_threshold < 0:
             raise ValueError("local_prefill_threshold must be >= 0, got "
                              f"{self.local_prefill_threshold}")
+        if not self.leg_timeout_s > 0:
+            raise ValueError(f"--leg-timeout must be > 0 seconds, got {self.leg_timeout_s}")
         if not self.kv_lease_s > 0:
             raise ValueError(f"--kv-lease must be > 0 seconds, got {self.kv_lease_s}")
+        if self.leg_timeout_s <= self.kv_lease_s:
+            raise ValueError(f"--leg-timeout ({self.leg_timeout_s} s) must exceed --kv-lease "
+                             f"({self.kv_lease_s} s): a decode worker is silent for up to a "
+                             "lease before it recomputes a prompt whose KV never came")
         if self.ready_timeout_s <= 0:
             raise ValueError(f"ready timeout must be positive, got {self.ready_timeout_s}")
         if not self.cpus or min(self.cpus) < 0 or len(set(self.cpus)) != len(self.cpus):
@@ -124,6 +131,7 @@ class UpConfig:
                    kv_layerwise=args.kv_layerwise, kv_lease_s=args.kv_lease, dtype=args.dtype,
                    kv_cache_memory=args.kv_cache_memory, max_model_len=args.max_model_len,
                    policy=args.policy, local_prefill_threshold=args.local_prefill_threshold,
+                   leg_timeout_s=args.leg_timeout,
                    ready_timeout_s=args.ready_timeout, cpus=cpus,
                    enable_chunked_prefill=args.enable_chunked_prefill,
                    max_num_batched_tokens=args.max_num_batched_tokens)
@@ -207,7 +215,8 @@ def _worker_spec(config: UpConfig, index: int, role: str, secret_file: Path) -> 
 def _router_spec(config: UpConfig) -> ProcessSpec:
     argv = [sys.executable, "-m", "pdserve.cli", "router", "--host", config.host,
             "--port", str(config.port), "--model", config.model, "--policy", config.policy,
-            "--local-prefill-threshold", str(config.local_prefill_threshold)]
+            "--local-prefill-threshold", str(config.local_prefill_threshold),
+            "--leg-timeout", str(config.leg_timeout_s)]
     for role in ("prefill", "decode", "collocated"):
         urls = [worker_url(config, i) for i, r in enumerate(config.roles) if r == role]
         if urls:

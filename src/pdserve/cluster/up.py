@@ -113,6 +113,10 @@ def _add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--local-prefill-threshold", type=int, default=256, metavar="TOKENS",
                    help="prompts up to this many tokens are prefilled by the decode worker "
                         "itself, skipping the transfer (default: %(default)s)")
+    p.add_argument("--leg-timeout", type=float, default=60.0, metavar="SECONDS",
+                   help="longest silence of a worker on a request before the router gives up "
+                        "on it (retried elsewhere if no token reached the client yet, else the "
+                        "stream ends with an error) (default: %(default)s)")
 
 
 def run_up(args: argparse.Namespace) -> int:
