@@ -51,7 +51,9 @@ def test_request_ids() -> None:
 
 
 def test_usage() -> None:
-    assert usage(7, 3) == {"prompt_tokens": 7, "completion_tokens": 3, "total_tokens": 10}
+    assert usage(7, 3) == {"prompt_tokens": 7, "completion_tokens": 3, "total_tokens": 10,
+                           "prompt_tokens_details": {"cached_tokens": 0}}
+    assert usage(40, 1, cached_tokens=32)["prompt_tokens_details"] == {"cached_tokens": 32}
 
 
 # ---- logprobs ----------------------------------------------------------------------------------

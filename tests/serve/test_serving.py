@@ -75,6 +75,12 @@ def _scrape(url: str) -> str:
         return r.read().decode()
 
 
+def _counter(url: str, name: str) -> float:
+    """A counter's value, 0 before its first increment (the child does not exist yet)."""
+    text = _scrape(url)
+    return _metric(text, name) if f"{name} " in text else 0.0
+
+
 def _metric(text: str, name: str) -> float:
     lines = [line for line in text.splitlines() if line.startswith(name + " ")]
     assert lines, f"{name} not in /metrics"
@@ -179,3 +185,46 @@ def test_workers_record_their_engine_steps_for_timelines(disagg_tcp: Cluster) ->
     assert all(s[0] <= s[1] for s in prefill["steps"] + decode["steps"])
     assert sum(s[3] for s in decode["steps"]) == MAX_TOKENS - 1  # token 0 came from prefill
     assert not any(s[2] for s in decode["steps"])
+
+
+def test_a_repeated_long_prompt_is_served_from_the_decode_workers_prefix_cache(
+        disagg_tcp: Cluster) -> None:
+    """Prefix caching under P/D: a long prompt is split the first time (nothing cached
+    anywhere), and its KV lands in the decode worker's prefix cache. Sent again, the router
+    runs it whole on that decode worker, which computes only the uncached tail; the usage says
+    how much came from the cache, and the tokens are the same."""
+    import time
+
+    rng = random.Random(time.time())
+    prompt = [rng.randrange(len(tiny_tokenizer())) for _ in range(LENGTHS[5])]  # never cached
+    router = disagg_tcp.url.removesuffix("/v1")
+    paths = ('pdserve_router_requests_total{path="disaggregated"}',
+             'pdserve_router_requests_total{path="local"}')
+    before = [_counter(router, p) for p in paths]
+    first = _complete(disagg_tcp, prompt)
+    after_first = [_counter(router, p) for p in paths]
+    second = _complete(disagg_tcp, prompt)
+    after_second = [_counter(router, p) for p in paths]
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert after_first == [before[0] + 1, before[1]]  # split
+    assert after_second == [after_first[0], after_first[1] + 1]  # local, on the decode worker
+    full_blocks = (len(prompt) - 1) // 16 * 16  # the last token is always computed
+    assert second.usage.prompt_tokens_details.cached_tokens == full_blocks
+    assert second.choices[0].text == first.choices[0].text
+
+
+def test_one_request_id_names_the_request_in_every_process_log(disagg_tcp: Cluster) -> None:
+    """The response id is the id the router, the prefill worker and the decode worker log."""
+    import time
+
+    out = _complete(disagg_tcp, prompts()[4])  # split
+    want = {"[router]": "completion", "[prefill-0]": "prefill leg", "[decode-0]": "decode leg"}
+    deadline = time.monotonic() + 5
+    while True:
+        lines = [line for line in list(disagg_tcp.log) if f"request {out.id}:" in line]
+        found = {who for who, what in want.items()
+                 if any(line.startswith(who) and what in line for line in lines)}
+        if found == set(want):
+            return
+        assert time.monotonic() < deadline, f"{out.id} missing from {set(want) - found}: {lines}"
+        time.sleep(0.1)

@@ -249,7 +249,7 @@ class _Run:
         return R.completion_logprobs(tokens, lps, tops, text_offset)
 
     def _usage(self) -> dict[str, Any]:
-        return R.usage(self.prompt_tokens, len(self.out.token_ids))
+        return R.usage(self.prompt_tokens, len(self.out.token_ids), self.out.cached_tokens)
 
     def _check(self, event: TokenEvent) -> None:
         if event.error is not None:

@@ -42,11 +42,14 @@ def new_request_id(kind: Kind) -> str:
     return f"{_ID_PREFIX[kind]}-{uuid.uuid4().hex}"
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> Json:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> Json:
+    """OpenAI's usage object; `prompt_tokens_details.cached_tokens` is the part of the prompt
+    served from the prefix cache of the worker that computed it."""
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
 
 
