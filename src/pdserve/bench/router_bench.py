@@ -3,8 +3,12 @@ directly, in the same run.
 
 One `pdserve up --collocated 1` (the worker pinned to one core, the router on the other). For
 each concurrency level, closed-loop streaming clients send the same completion requests to
-the worker's own OpenAI endpoint and to the router, alternating, `repeats` times each:
-- added latency: median end-to-end (and time-to-first-token) via the router minus direct;
+the worker's own OpenAI endpoint and to the router, `repeats` times each:
+- added latency: at one stream, requests alternate direct / router and the added latency is
+  the median of the pairs' differences (a drift of the engine's step time, on a shared
+  machine often larger than the router's cost, cancels within a pair); at more streams, runs
+  alternate and it is the median via the router minus the median direct. End-to-end and
+  time-to-first-token alike;
 - router CPU per relayed token: the router process's CPU time over the run (its threads'
   /proc schedstat, else /proc/PID/stat) divided by the tokens it streamed, against the
   worker's mean decode step in the same run (its `pdserve_engine_step_seconds` sum and count).
@@ -127,6 +131,21 @@ def _router_pid(up: UpProcess) -> int:
     raise RuntimeError("cannot find the router process of pdserve up")
 
 
+async def _paired(direct: str, router: str, model: str, s: RouterBenchSettings
+                  ) -> tuple[RunStats, RunStats]:
+    """One stream, requests alternating direct and via the router: run i of each is pair i."""
+    one = RouterBenchSettings(s.model, (1,), 1, s.max_tokens, s.prompt_words, 1)
+    pair = (RunStats([], [], 0, 0.0), RunStats([], [], 0, 0.0))
+    for _ in range(s.requests):
+        for url, stats in zip((direct, router), pair, strict=True):
+            run = await _load(url, model, one, 1)
+            stats.e2e += run.e2e
+            stats.ttft += run.ttft
+            stats.tokens += run.tokens
+            stats.wall_s += run.wall_s
+    return pair
+
+
 def measure(s: RouterBenchSettings) -> list[dict]:
     cores = sorted(os.sched_getaffinity(0))
     up = UpProcess(s.model, "--collocated", "1", "--cpus", str(cores[0]))
@@ -139,10 +158,16 @@ def measure(s: RouterBenchSettings) -> list[dict]:
             runs: dict[str, list[RunStats]] = {"direct": [], "router": []}
             cpu_per_token, step_means = [], []
             for _ in range(s.repeats):
-                runs["direct"].append(asyncio.run(_load(worker + "/v1", s.model, s, c)))
                 cpu0, steps0 = _cpu_seconds(router_pid), _step_totals(worker)
-                run = asyncio.run(_load(router + "/v1", s.model, s, c))
+                if c == 1:
+                    direct, run = asyncio.run(_paired(worker + "/v1", router + "/v1",
+                                                      s.model, s))
+                else:
+                    direct = asyncio.run(_load(worker + "/v1", s.model, s, c))
+                    cpu0, steps0 = _cpu_seconds(router_pid), _step_totals(worker)
+                    run = asyncio.run(_load(router + "/v1", s.model, s, c))
                 cpu1, steps1 = _cpu_seconds(router_pid), _step_totals(worker)
+                runs["direct"].append(direct)
                 runs["router"].append(run)
                 cpu_per_token.append((cpu1 - cpu0) / max(run.tokens, 1))
                 step_means.append((steps1[0] - steps0[0]) / max(steps1[1] - steps0[1], 1))
@@ -157,16 +182,24 @@ def _row(c: int, runs: dict[str, list[RunStats]], cpu_per_token: list[float],
     def med(path: str, attr: str) -> float:
         return statistics.median(statistics.median(getattr(r, attr)) for r in runs[path])
 
+    def added(attr: str) -> float:
+        if c > 1:
+            return med("router", attr) - med("direct", attr)
+        return statistics.median(  # the median pair difference of each run, then of runs
+            statistics.median(a - b for a, b in zip(getattr(r, attr), getattr(d, attr),
+                                                    strict=True))
+            for r, d in zip(runs["router"], runs["direct"], strict=True))
+
     step = statistics.median(step_means)
     cpu = statistics.median(cpu_per_token)
     return {
         "concurrency": c,
         "direct_e2e_p50_ms": 1e3 * med("direct", "e2e"),
         "router_e2e_p50_ms": 1e3 * med("router", "e2e"),
-        "added_e2e_p50_ms": 1e3 * (med("router", "e2e") - med("direct", "e2e")),
+        "added_e2e_p50_ms": 1e3 * added("e2e"),
         "direct_ttft_p50_ms": 1e3 * med("direct", "ttft"),
         "router_ttft_p50_ms": 1e3 * med("router", "ttft"),
-        "added_ttft_p50_ms": 1e3 * (med("router", "ttft") - med("direct", "ttft")),
+        "added_ttft_p50_ms": 1e3 * added("ttft"),
         "router_cpu_us_per_token": 1e6 * cpu,
         "decode_step_ms": 1e3 * step,
         "router_cpu_per_token_over_step": cpu / step if step else float("nan"),
