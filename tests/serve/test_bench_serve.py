@@ -35,4 +35,7 @@ def test_bench_serve_against_pdserve_up(disagg_tcp: Cluster, tmp_path: Path, cap
     # (an incomplete UTF-8 sequence) arrives with the next one.
     assert all(1 <= len(r["itl_s"]) <= 7 for r in result["requests"])
     assert all(r["output_tokens"] == 8 for r in result["requests"])
+    # split requests (40 tokens > the threshold): TTFT is the real first token, never 0
+    assert all(0 < r["ttft_s"] < r["e2e_s"] for r in result["requests"])
+    assert result["median_ttft_ms"] > 0
     assert "Time to First Token" in capsys.readouterr().out
