@@ -65,8 +65,11 @@ def test_many_concurrent_transfers_all_land(request, transport: str) -> None:
 
     cluster: Cluster = request.getfixturevalue(transport)
     decode = cluster.worker_url(1)
+    router, split = cluster.url.removesuffix("/v1"), SPLIT_METRIC
     before = {name: _metric(decode, name) for name in RECV_FAILURE_METRICS}
-    batch = [[(t + i) % 500 for t in prompts()[3 + i % 3]] for i in range(48)]
+    split_before = _metric(router, split)
+    # shifted: none is a prompt other tests of this session-wide cluster sent (no cache hit)
+    batch = [[(t + i + 1) % 500 for t in prompts()[3 + i % 3]] for i in range(48)]
 
     def one(prompt: list[int]) -> str:
         return client(cluster).completions.create(
@@ -79,10 +82,12 @@ def test_many_concurrent_transfers_all_land(request, transport: str) -> None:
     offline = llm.generate(batch, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True),
                            use_tqdm=False)
     assert texts == [o.outputs[0].text for o in offline]
+    assert _metric(router, split) == split_before + len(batch)
     assert {name: _metric(decode, name) for name in RECV_FAILURE_METRICS} == before
     cluster.wait_blocks_free([0, 1])
 
 
+SPLIT_METRIC = 'pdserve_router_requests_total{path="disaggregated"}'
 RECV_FAILURE_METRICS = ('pdserve_transfer_failures_total{direction="recv"}',
                         "pdserve_kv_recomputes_total")
 

@@ -217,7 +217,9 @@ def test_one_request_id_names_the_request_in_every_process_log(disagg_tcp: Clust
     """The response id is the id the router, the prefill worker and the decode worker log."""
     import time
 
-    out = _complete(disagg_tcp, prompts()[4])  # split
+    rng = random.Random(time.time())
+    prompt = [rng.randrange(len(tiny_tokenizer())) for _ in range(LENGTHS[4])]  # never cached
+    out = _complete(disagg_tcp, prompt)  # split
     want = {"[router]": "completion", "[prefill-0]": "prefill leg", "[decode-0]": "decode leg"}
     deadline = time.monotonic() + 5
     while True:

@@ -235,7 +235,9 @@ class EngineLoop:
 
     def _on_transfer(self, event) -> None:
         if isinstance(event, RecvBlocksFree):  # the leg may be long gone
-            self.engine.abort(self._held.pop(event.transfer_id))
+            held = self._held.pop(event.transfer_id, None)
+            if held is not None:
+                self.engine.abort(held)
             return
         leg = self._by_tid.get(event.transfer_id)
         if leg is None:
