@@ -22,7 +22,7 @@ import json
 import os
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import aiohttp
 
@@ -134,7 +134,7 @@ def _router_pid(up: UpProcess) -> int:
 async def _paired(direct: str, router: str, model: str, s: RouterBenchSettings
                   ) -> tuple[RunStats, RunStats]:
     """One stream, requests alternating direct and via the router: run i of each is pair i."""
-    one = RouterBenchSettings(s.model, (1,), 1, s.max_tokens, s.prompt_words, 1)
+    one = replace(s, concurrency=(1,), requests=1, repeats=1)
     pair = (RunStats([], [], 0, 0.0), RunStats([], [], 0, 0.0))
     for _ in range(s.requests):
         for url, stats in zip((direct, router), pair, strict=True):
