@@ -2,7 +2,9 @@
 
 Life cycle of a transfer id here. A leg announces it with `expect(tid)` before any session
 exists (the prefill is still computing, or the decode pool has no room yet). Then exactly one
-of: `open_send` / `open_recv` (a session runs until terminal; `poll` reports it once), or
+of: `open_send` / `open_recv` (a session runs until terminal; `poll` reports it once; a
+failed receive whose writer may still write is reported at once and polled on until the
+writer is quiet, then reported again as `RecvBlocksFree`), or
 `close(tid, peer, reason)` (this side will never move KV for it: token 0 ended the request,
 or the leg was cancelled; the peer is told with an ABORT). Either way the id then stays
 "closed" for `CLOSED_MEMORY_S`: any late message for it is answered (an ABORT gets ABORT_ACK,
