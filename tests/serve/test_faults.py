@@ -227,6 +227,12 @@ def test_a_stalled_prefill_worker_costs_a_lease_not_a_hang(stall_cluster: Cluste
         # the lease and the recompute; never the router's 60 s leg timeout
         assert max(when for _, when in outcomes) - stopped_at < 3 * STALL_LEASE_S + 5
         assert metric(cluster.worker_url(DECODE), "pdserve_kv_recomputes_total") > recomputes
+        # the router took the silent prefill worker out at the first recompute, before its
+        # health checks would have (three missed checks)
+        router = cluster.url.removesuffix("/v1")
+        assert metric(router, 'pdserve_router_retries_total{reason="prefill silent, decode '
+                              'recomputed"}') >= 1
+        assert not _healthy_in_router(router, cluster.worker_url(PREFILL))
         time.sleep(1)
         held = cluster.health(DECODE)["kv_blocks_used"]  # reserved for the stalled writer
     finally:
@@ -234,7 +240,6 @@ def test_a_stalled_prefill_worker_costs_a_lease_not_a_hang(stall_cluster: Cluste
     # it wakes, fences its writes and says so: every block comes back on both sides
     cluster.wait_blocks_free([PREFILL, DECODE])
     assert held > 0
-    router = cluster.url.removesuffix("/v1")
     deadline = time.monotonic() + 10
     while not _healthy_in_router(router, cluster.worker_url(PREFILL)):
         assert time.monotonic() < deadline, "the router never took the prefill worker back"

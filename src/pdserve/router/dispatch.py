@@ -10,8 +10,10 @@ once. Token 0 comes from the prefill leg as soon as it is sampled; the decode le
 and continues (the caller drops repeated positions). If token 0 finished the request, the
 decode leg is closed at once. If the prefill leg fails, the decode worker's transfer fails
 too (peer death or lease) and it recomputes locally, so the decode leg alone completes the
-request. If the decode leg fails before any token reached the client, the request is retried
-as a local leg; after that, the stream ends with an error.
+request; if the decode leg says it recomputed while the prefill leg never spoke, the prefill
+worker is stalled or cut off and is marked unhealthy at once (its next answered health check
+brings it back). If the decode leg fails before any token reached the client, the request is
+retried as a local leg; after that, the stream ends with an error.
 
 Every request that may sample gets a seed here when it has none: a recompute or a retry then
 draws exactly the tokens the first attempt would have.
@@ -135,13 +137,16 @@ class Dispatcher:
         merged: asyncio.Queue = asyncio.Queue()
         tasks = {name: asyncio.create_task(self._pump(name, w, leg, merged))
                  for name, (w, leg) in legs.items()}
-        sent, ended = 0, set()
+        sent, ended, heard = 0, set(), set()
         try:
             while len(ended) < len(tasks):
                 name, item = await merged.get()
                 if item is None:
                     ended.add(name)
                     continue
+                heard.add(name)
+                if name == "decode" and "prefill" not in heard and _recomputed(item):
+                    self._prefill_silent(request_id, pre)
                 if isinstance(item, LegFailed) and name == "prefill":
                     if item.client_error:
                         raise item
@@ -173,6 +178,17 @@ class Dispatcher:
             with contextlib.suppress(asyncio.CancelledError):
                 await asyncio.gather(*tasks.values(), return_exceptions=True)
 
+    def _prefill_silent(self, request_id: str, pre: WorkerHandle) -> None:
+        """The decode worker gave up waiting for the KV (its lease) and recomputed, and the
+        prefill leg never spoke: the prefill worker is stalled or unreachable. New prompts stop
+        going to it now rather than after three missed health checks; the next health check
+        it answers brings it back."""
+        self.pool.mark_failed(pre, "its KV never reached the decode worker and its prefill leg "
+                                   "stayed silent")
+        self.metrics.retries.inc(reason="prefill silent, decode recomputed")
+        log.warning("request %s: %s sent no KV and no token; the decode worker recomputed",
+                    request_id, pre.name)
+
     async def _pump(self, name: str, worker: WorkerHandle, leg: LegRequest,
                     merged: asyncio.Queue) -> None:
         try:
@@ -185,6 +201,10 @@ class Dispatcher:
     def _leg(self, worker: WorkerHandle, leg: LegRequest) -> AsyncIterator[EventBatch]:
         s = self.settings
         return stream_leg(self.session, worker, leg, s.connect_timeout_s, s.leg_timeout_s)
+
+
+def _recomputed(item: EventBatch | LegFailed) -> bool:
+    return not isinstance(item, LegFailed) and any(e.extra.get("recomputed") for e in item)
 
 
 def _end(batch: EventBatch) -> int:

@@ -77,6 +77,7 @@ class _Leg:
     cancelled: bool = False
     arrived: float = field(default_factory=time.perf_counter)
     last_token_at: float | None = None
+    recomputed: bool = False  # a decode leg whose KV never came: its first event says so
 
 
 class EngineLoop:
@@ -282,6 +283,7 @@ class EngineLoop:
         del self._legs[leg.engine_id]
         leg.engine_id = f"{leg.req.request_id}/recompute"
         leg.phase = Phase.RUNNING
+        leg.recomputed = True
         self._legs[leg.engine_id] = leg
         try:
             self._add_to_engine(LegRequest(leg.req.request_id, leg.req.prompt_token_ids,
@@ -348,7 +350,8 @@ class EngineLoop:
             logprobs=c.logprobs[first:] if c.logprobs is not None else None,
             top_logprobs=c.top_logprobs[first:] if c.top_logprobs is not None else None,
             finish_reason=c.finish_reason, stop_reason=c.stop_reason,
-            prompt_tokens=len(out.prompt_token_ids), cached_tokens=out.num_cached_tokens)
+            prompt_tokens=len(out.prompt_token_ids), cached_tokens=out.num_cached_tokens,
+            extra={"recomputed": True} if leg.recomputed and first == 0 else {})
 
     # -- bookkeeping ---------------------------------------------------------------------------
 
