@@ -147,8 +147,9 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--connect-timeout", type=float, default=5.0,
                    help="seconds to connect to a worker (default: %(default)s)")
     p.add_argument("--leg-timeout", type=float, default=60.0,
-                   help="seconds a leg may stay silent before it counts as failed (default: "
-                        "%(default)s)")
+                   help="seconds a leg may stay silent before it counts as failed; keep it "
+                        "above the workers' --kv-lease, the longest a decode worker waits for "
+                        "KV before it recomputes (default: %(default)s)")
 
 
 def settings_from_args(args: argparse.Namespace) -> RouterSettings:
