@@ -158,13 +158,13 @@ def measure(s: RouterBenchSettings) -> list[dict]:
             runs: dict[str, list[RunStats]] = {"direct": [], "router": []}
             cpu_per_token, step_means = [], []
             for _ in range(s.repeats):
+                # one stream: pairs inside the measured span; more: the direct run before it
+                direct = None if c == 1 else asyncio.run(_load(worker + "/v1", s.model, s, c))
                 cpu0, steps0 = _cpu_seconds(router_pid), _step_totals(worker)
-                if c == 1:
+                if direct is None:
                     direct, run = asyncio.run(_paired(worker + "/v1", router + "/v1",
                                                       s.model, s))
                 else:
-                    direct = asyncio.run(_load(worker + "/v1", s.model, s, c))
-                    cpu0, steps0 = _cpu_seconds(router_pid), _step_totals(worker)
                     run = asyncio.run(_load(router + "/v1", s.model, s, c))
                 cpu1, steps1 = _cpu_seconds(router_pid), _step_totals(worker)
                 runs["direct"].append(direct)
