@@ -10,26 +10,19 @@ import os
 import signal
 import threading
 import time
+import urllib.error
 import urllib.request
 
 import openai
 import pytest
 
-from tests.serve.cluster import Cluster
+from tests.serve.cluster import Cluster, metric
 from tests.serve.conftest import LOCAL_THRESHOLD
 from tests.serve.test_serving import client, prompts
 
 PREFILL, DECODE = 0, 1
 LONG = prompts()[5]  # 300 tokens: split into prefill and decode legs
 assert len(LONG) > LOCAL_THRESHOLD
-
-
-def metric(url: str, name: str) -> float:
-    with urllib.request.urlopen(url + "/metrics", timeout=5) as r:
-        for line in r.read().decode().splitlines():
-            if line.startswith(name + " "):
-                return float(line.split()[-1])
-    return 0.0
 
 
 def test_stop_on_token0_ends_after_prefill_and_frees_the_reservation(disagg_tcp: Cluster
@@ -292,6 +285,11 @@ def test_a_stalled_decode_worker_ends_the_stream_within_the_leg_timeout(stall_cl
 
 
 def _healthy_in_router(router: str, worker_url: str) -> bool:
-    with urllib.request.urlopen(router + "/health", timeout=5) as r:
-        workers = json.loads(r.read())["workers"]
-    return any(w["url"] == worker_url and w["healthy"] for w in workers)
+    """Whether the router lists the worker as healthy; its /health answers 503 (with the same
+    body) while no decode worker is healthy."""
+    try:
+        with urllib.request.urlopen(router + "/health", timeout=5) as r:
+            body = r.read()
+    except urllib.error.HTTPError as e:
+        body = e.read()
+    return any(w["url"] == worker_url and w["healthy"] for w in json.loads(body)["workers"])

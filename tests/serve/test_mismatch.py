@@ -15,8 +15,9 @@ from pathlib import Path
 import openai
 
 from pdserve.cluster.up_process import free_port, get_json
+from tests.serve.cluster import metric
 from tests.serve.conftest import LOCAL_THRESHOLD
-from tests.serve.test_faults import LONG, metric
+from tests.serve.test_faults import LONG
 
 START_TIMEOUT_S = 120.0
 

@@ -6,13 +6,12 @@ back. Many transfers at once (the failures under high concurrency others report)
 from __future__ import annotations
 
 import threading
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import openai
 import pytest
 
-from tests.serve.cluster import Cluster
+from tests.serve.cluster import Cluster, metric
 from tests.serve.conftest import LOCAL_THRESHOLD
 from tests.serve.test_serving import client, prompts
 
@@ -66,8 +65,8 @@ def test_many_concurrent_transfers_all_land(request, transport: str) -> None:
     cluster: Cluster = request.getfixturevalue(transport)
     decode = cluster.worker_url(1)
     router, split = cluster.url.removesuffix("/v1"), SPLIT_METRIC
-    before = {name: _metric(decode, name) for name in RECV_FAILURE_METRICS}
-    split_before = _metric(router, split)
+    before = {name: metric(decode, name) for name in RECV_FAILURE_METRICS}
+    split_before = metric(router, split)
     # shifted: none is a prompt other tests of this session-wide cluster sent (no cache hit)
     batch = [[(t + i + 1) % 500 for t in prompts()[3 + i % 3]] for i in range(48)]
 
@@ -82,19 +81,11 @@ def test_many_concurrent_transfers_all_land(request, transport: str) -> None:
     offline = llm.generate(batch, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True),
                            use_tqdm=False)
     assert texts == [o.outputs[0].text for o in offline]
-    assert _metric(router, split) == split_before + len(batch)
-    assert {name: _metric(decode, name) for name in RECV_FAILURE_METRICS} == before
+    assert metric(router, split) == split_before + len(batch)
+    assert {name: metric(decode, name) for name in RECV_FAILURE_METRICS} == before
     cluster.wait_blocks_free([0, 1])
 
 
 SPLIT_METRIC = 'pdserve_router_requests_total{path="disaggregated"}'
 RECV_FAILURE_METRICS = ('pdserve_transfer_failures_total{direction="recv"}',
                         "pdserve_kv_recomputes_total")
-
-
-def _metric(url: str, name: str) -> float:
-    with urllib.request.urlopen(url + "/metrics", timeout=5) as r:
-        for line in r.read().decode().splitlines():
-            if line.startswith(name + " "):
-                return float(line.split()[-1])
-    return 0.0

@@ -11,7 +11,7 @@ import openai
 import pytest
 
 from pdserve.testing.tiny_models import tiny_tokenizer
-from tests.serve.cluster import Cluster, get_json
+from tests.serve.cluster import Cluster, get_json, metric
 from tests.serve.conftest import LOCAL_THRESHOLD
 
 MAX_TOKENS = 24
@@ -73,12 +73,6 @@ def _scrape(url: str) -> str:
 
     with urllib.request.urlopen(url + "/metrics", timeout=5) as r:
         return r.read().decode()
-
-
-def _counter(url: str, name: str) -> float:
-    """A counter's value, 0 before its first increment (the child does not exist yet)."""
-    text = _scrape(url)
-    return _metric(text, name) if f"{name} " in text else 0.0
 
 
 def _metric(text: str, name: str) -> float:
@@ -200,11 +194,11 @@ def test_a_repeated_long_prompt_is_served_from_the_decode_workers_prefix_cache(
     router = disagg_tcp.url.removesuffix("/v1")
     paths = ('pdserve_router_requests_total{path="disaggregated"}',
              'pdserve_router_requests_total{path="local"}')
-    before = [_counter(router, p) for p in paths]
+    before = [metric(router, p) for p in paths]
     first = _complete(disagg_tcp, prompt)
-    after_first = [_counter(router, p) for p in paths]
+    after_first = [metric(router, p) for p in paths]
     second = _complete(disagg_tcp, prompt)
-    after_second = [_counter(router, p) for p in paths]
+    after_second = [metric(router, p) for p in paths]
     assert first.usage.prompt_tokens_details.cached_tokens == 0
     assert after_first == [before[0] + 1, before[1]]  # split
     assert after_second == [after_first[0], after_first[1] + 1]  # local, on the decode worker
