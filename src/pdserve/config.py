@@ -45,6 +45,9 @@ class EngineConfig:
     enable_chunked_prefill: bool = False
     enable_prefix_caching: bool = True
     seed: int = 0
+    # bf16 on CPU: pdserve's compiled operators (fused norms, rotary, activation, decode
+    # attention; `pdserve.engine.kernels`). False runs PyTorch operators only.
+    cpu_kernels: bool = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "role", Role(self.role))

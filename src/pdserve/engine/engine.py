@@ -45,7 +45,7 @@ class Engine:
         self.config = config = _resolve(config, self.model_config)
         self.tokenizer = load_tokenizer(path)
         self.model = load_model(path, self.model_config, config.torch_dtype, config.device,
-                                config.max_model_len)
+                                config.max_model_len, config.cpu_kernels)
         self.kv_cache = KVCache(self.model_config, _num_blocks(config, self.model_config),
                                 config.block_size, config.torch_dtype, config.device)
         self.block_manager = BlockManager(self.kv_cache.num_blocks, config.block_size,

@@ -136,8 +136,9 @@ class ModelRunner:
             row = r.block_ids[:width]
             flat += row + [0] * (width - len(row))
         pos = torch.arange(width * self.block_size, device=self.device)
-        mask = pos[None, :] < self._long(lens)[:, None]  # [B, W * bs]
-        return DecodeGroup(first_row, self._long(flat), mask[:, None, None, :])
+        lengths = self._long(lens)
+        mask = pos[None, :] < lengths[:, None]  # [B, W * bs]
+        return DecodeGroup(first_row, self._long(flat), mask[:, None, None, :], lengths)
 
     def _long(self, values: list) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)

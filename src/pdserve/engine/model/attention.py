@@ -32,6 +32,7 @@ class DecodeGroup:
     start: int  # first row of the group's B decode tokens (one per request, consecutive)
     blocks: torch.Tensor  # [B * max_blocks] long: the group's block tables, padded, flat
     mask: torch.Tensor  # [B, 1, 1, max_blocks * block_size] bool: real positions
+    lens: torch.Tensor  # [B] long: positions each request attends (its new token included)
 
     @property
     def rows(self) -> slice:
@@ -54,19 +55,31 @@ def paged_attention(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    fused=None,
 ) -> torch.Tensor:
+    """`fused`: the compiled CPU operators (bf16): decode groups then read their blocks in
+    place, with no gather, padding or mask."""
     # q [T, H, D]; k, v [T, KVH, D]; k_cache, v_cache [num_blocks, block_size, KVH, D]
     k_cache[meta.slot_blocks, meta.slot_offsets] = k
     v_cache[meta.slot_blocks, meta.slot_offsets] = v
+    decode = _decode if fused is None else _fused_decode(fused)
     if not meta.prefills and len(meta.decode_groups) == 1:  # one steady group: no copies
-        return _decode(q, k_cache, v_cache, meta.decode_groups[0], scale)
+        return decode(q, k_cache, v_cache, meta.decode_groups[0], scale)
     out = torch.empty_like(q)
     for seq in meta.prefills:
         rows = slice(seq.token_start, seq.token_start + seq.num_tokens)
         out[rows] = _prefill(q[rows], k[rows], v[rows], k_cache, v_cache, seq, scale)
     for group in meta.decode_groups:
-        out[group.rows] = _decode(q[group.rows], k_cache, v_cache, group, scale)
+        out[group.rows] = decode(q[group.rows], k_cache, v_cache, group, scale)
     return out
+
+
+def _fused_decode(fused):
+    def decode(q, k_cache, v_cache, group: DecodeGroup, scale: float) -> torch.Tensor:
+        tables = group.blocks.view(group.lens.shape[0], -1)  # [B, max_blocks]
+        return fused.decode_attention(q, k_cache, v_cache, tables, group.lens, scale)
+
+    return decode
 
 
 def _gather(cache: torch.Tensor, block_ids: torch.Tensor, length: int) -> torch.Tensor:

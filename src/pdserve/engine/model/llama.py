@@ -16,73 +16,97 @@ from torch import nn
 from pdserve.engine.kv_cache import KVCache
 from pdserve.engine.model.attention import AttentionMetadata, paged_attention
 from pdserve.engine.model.config import ModelConfig
-from pdserve.engine.model.rope import RotaryEmbedding, apply_rope
+from pdserve.engine.model.rope import RotaryEmbedding, StepRope
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
+    """Adds the residual stream, then normalises it: (norm(x + residual), x + residual), or
+    (norm(x), x) without one. With `fused` (the CPU operators) both are one call."""
+
+    def __init__(self, dim: int, eps: float, fused) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.fused = fused
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if self.fused is not None:
+            if residual is None:
+                return self.fused.rms_norm(x, self.weight, self.eps), x
+            return self.fused.add_rms_norm(x, residual, self.weight, self.eps)
+        if residual is not None:
+            x = x + residual
         # x [T, dim]; y = w * x / sqrt(mean(x^2) + eps)  (Zhang & Sennrich 2019)
         # fp32 inside, cast back, then the weight: HF's rounding points (bit-identical here)
-        return self.weight * F.rms_norm(x.float(), self.weight.shape, eps=self.eps).to(x.dtype)
+        w = self.weight
+        return w * F.rms_norm(x.float(), w.shape, eps=self.eps).to(x.dtype), x
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, fused) -> None:
         super().__init__()
+        self.fused = fused
         self.h, self.kvh, self.d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         out = (self.h + 2 * self.kvh) * self.d
         self.qkv_proj = nn.Linear(cfg.hidden_size, out, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(self.h * self.d, cfg.hidden_size, bias=False)
         self.scale = self.d**-0.5
 
-    def forward(self, x, rope: tuple, kv: tuple, meta: AttentionMetadata):
+    def forward(self, x, rope: StepRope, kv: tuple, meta: AttentionMetadata):
         t, qk_width = x.shape[0], (self.h + self.kvh) * self.d
         qkv = self.qkv_proj(x)  # [T, (H + 2 KVH) D]
         # q and k heads are adjacent: one rotary pass over [T, H + KVH, D]
-        qk = apply_rope(qkv[:, :qk_width].view(t, self.h + self.kvh, self.d), *rope)
-        q, k = qk.split([self.h, self.kvh], dim=1)
+        q, k = rope.rotate(qkv, self.h + self.kvh, self.d).split([self.h, self.kvh], dim=1)
         v = qkv[:, qk_width:].view(t, self.kvh, self.d)
-        o = paged_attention(q, k, v, *kv, meta, self.scale)  # [T, H, D]
+        o = paged_attention(q, k, v, *kv, meta, self.scale, self.fused)  # [T, H, D]
         return self.o_proj(o.reshape(t, self.h * self.d))
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, fused) -> None:
         super().__init__()
+        self.fused = fused
         self.inter = cfg.intermediate_size
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * self.inter, bias=False)
         self.down_proj = nn.Linear(self.inter, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)  # [T, I] each
+        gate_up = self.gate_up_proj(x)  # [T, 2I]
+        if self.fused is not None:
+            return self.down_proj(self.fused.silu_mul(gate_up))
+        gate, up = gate_up.split(self.inter, dim=-1)  # [T, I] each
         return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, fused) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, fused)
+        self.self_attn = Attention(cfg, fused)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, fused)
+        self.mlp = MLP(cfg, fused)
 
-    def forward(self, x, rope, kv, meta):
-        x = x + self.self_attn(self.input_layernorm(x), rope, kv, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, rope, kv, meta):
+        """x: the previous layer's output (the embeddings first, with residual None);
+        returns this layer's output and the residual stream before it (vLLM's layout: each
+        add is fused into the norm that follows it). Same adds, same order as
+        h = h + attn(norm(h)); h = h + mlp(norm(h))."""
+        h, residual = self.input_layernorm(x, residual)
+        h, residual = self.post_attention_layernorm(self.self_attn(h, rope, kv, meta), residual)
+        return self.mlp(h), residual
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding) -> None:
+    """`fused`: pdserve's compiled CPU operators (`pdserve.engine.kernels.cpu_ops()`), for a
+    bf16 model on CPU, or None for PyTorch operators throughout."""
+
+    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding, fused=None) -> None:
         super().__init__()
         self.cfg = cfg
+        self.fused = fused
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, fused) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, fused)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
@@ -100,12 +124,13 @@ class LlamaForCausalLM(nn.Module):
         """`after_layer(i)` runs once layer i has stored this batch's K and V in `kv_cache`
         (layer-wise KV streaming); on CUDA only the kernels are queued by then."""
         x = self.embed_tokens(input_ids)  # [T, hidden]
-        rope = self.rope.tables(positions, x.dtype)  # shared by every layer
+        rope = self.rope.for_step(positions, x.dtype, self.fused)  # shared by every layer
+        residual = None
         for i, (layer, kv) in enumerate(zip(self.layers, kv_cache.layers, strict=True)):
-            x = layer(x, rope, kv, meta)
+            x, residual = layer(x, residual, rope, kv, meta)
             if after_layer is not None:
                 after_layer(i)
-        return self.norm(x)  # [T, hidden]
+        return self.norm(x, residual)[0]  # [T, hidden]
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 
+from pdserve.engine.kernels import cpu_ops, supports
 from pdserve.engine.model.config import ModelConfig
 from pdserve.engine.model.hub import load_weights
 from pdserve.engine.model.llama import LlamaForCausalLM
@@ -15,11 +16,17 @@ from pdserve.engine.model.rope import RotaryEmbedding
 
 
 def load_model(
-    path: Path, cfg: ModelConfig, dtype: torch.dtype, device: str, max_positions: int
+    path: Path, cfg: ModelConfig, dtype: torch.dtype, device: str, max_positions: int,
+    cpu_kernels: bool = True,
 ) -> LlamaForCausalLM:
+    """`cpu_kernels`: run a bf16 model on CPU with pdserve's compiled operators where they
+    build here (`pdserve.engine.kernels`); PyTorch operators otherwise."""
     rope = RotaryEmbedding(cfg, max_positions, device)
+    fused = None
+    if cpu_kernels and device == "cpu" and dtype == torch.bfloat16 and supports(cfg):
+        fused = cpu_ops()
     with torch.device("meta"):  # no time spent initialising weights that are overwritten
-        model = LlamaForCausalLM(cfg, rope)
+        model = LlamaForCausalLM(cfg, rope, fused)
     model.to_empty(device=device)
     model.to(dtype)
     if cfg.tie_word_embeddings:  # to_empty() makes new parameters: tie them again

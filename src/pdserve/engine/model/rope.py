@@ -54,6 +54,28 @@ class RotaryEmbedding:
         return (self.cos[positions].to(dtype)[:, None, :],
                 self.sin_signed[positions].to(dtype)[:, None, :])
 
+    def for_step(self, positions: torch.Tensor, dtype: torch.dtype, fused) -> StepRope:
+        """The rotation of one step's tokens, shared by every layer: with `fused` (the CPU
+        operators) each layer rotates in place straight from the fp32 tables; otherwise the
+        step's rows are cast once to `dtype` and applied as HF does."""
+        if fused is not None:
+            return StepRope(positions, None, fused, self)
+        return StepRope(positions, self.tables(positions, dtype), None, self)
+
+
+class StepRope:
+    def __init__(self, positions: torch.Tensor, tables, fused, rope: RotaryEmbedding) -> None:
+        self.positions, self.tables, self.fused, self.rope = positions, tables, fused, rope
+
+    def rotate(self, qkv: torch.Tensor, heads: int, head_dim: int) -> torch.Tensor:
+        """qkv [T, width] whose first `heads` heads (q, then k) rotate -> [T, heads, head_dim]."""
+        t = qkv.shape[0]
+        if self.fused is not None:  # in place, fp32 math, one call for every head
+            self.fused.rope_(qkv, self.positions, self.rope.cos, self.rope.sin_signed, heads,
+                             head_dim)
+            return qkv[:, : heads * head_dim].view(t, heads, head_dim)
+        return apply_rope(qkv[:, : heads * head_dim].view(t, heads, head_dim), *self.tables)
+
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
     # x [T, heads, d]: x * cos + rotate_half(x) * sin  (RoFormer eq. 34, HF's formulation)

@@ -1,0 +1,12 @@
+#include <torch/extension.h>
+
+#include "ops.h"
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "pdserve's fused CPU operators (bf16)";
+  m.def("rms_norm", &pdserve::rms_norm);
+  m.def("add_rms_norm", &pdserve::add_rms_norm);
+  m.def("silu_mul", &pdserve::silu_mul);
+  m.def("rope_", &pdserve::rope_);
+  m.def("decode_attention", &pdserve::decode_attention);
+}

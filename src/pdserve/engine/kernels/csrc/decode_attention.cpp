@@ -1,0 +1,176 @@
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#include "ops.h"
+#include "vec.h"
+
+namespace pdserve {
+namespace {
+
+// One request's context in the paged cache: position t is slot t % bs of block
+// table[t / bs]; a slot holds every KV head's row (KVH x D, contiguous); blocks are
+// `block_stride` apart.
+struct Context {
+  const int64_t* table;
+  int64_t len, bs, block_stride, slot_stride;
+
+  // f(t, slot) for every position, walking each block's slots in order (sequential reads),
+  // with the next block prefetched while this one is read.
+  template <typename F>
+  void each(const bf16* cache, F f) const {
+    const int64_t block_bytes = bs * slot_stride * static_cast<int64_t>(sizeof(bf16));
+    for (int64_t b = 0, t = 0; t < len; ++b) {
+      if (t + bs < len) {
+        const char* next = reinterpret_cast<const char*>(cache + table[b + 1] * block_stride);
+        for (int64_t i = 0; i < block_bytes; i += 64) _mm_prefetch(next + i, _MM_HINT_T0);
+      }
+      const bf16* slot = cache + table[b] * block_stride;
+      for (int64_t end = std::min(len, t + bs); t < end; ++t, slot += slot_stride) f(t, slot);
+    }
+  }
+};
+
+// Softmax of each row of s [rows, len] in place: p_t = exp(s_t - max) / sum.
+void softmax_rows(float* s, int64_t rows, int64_t len) {
+  for (int64_t j = 0; j < rows; ++j, s += len) {
+    const float m = *std::max_element(s, s + len);
+    Vec total(0.f);
+    for (int64_t t = 0; t < len; t += kVec) {
+      const int64_t c = std::min(kVec, len - t);
+      const Vec e = (Vec::loadu(s + t, c) - Vec(m)).exp_u20();
+      e.store(s + t, c);
+      total = total + (c == kVec ? e : Vec::set(Vec(0.f), e, c));
+    }
+    const Vec inv(1.f / sum(total));
+    for (int64_t t = 0; t < len; t += kVec) {
+      const int64_t c = std::min(kVec, len - t);
+      (Vec::loadu(s + t, c) * inv).store(s + t, c);
+    }
+  }
+}
+
+// One KV head of one request and its G query heads, D = NV * kVec: q [G, D] (fp32,
+// pre-scaled) -> out [G, D] fp32. `slot_offset` is the head's row inside a slot. G and NV are
+// compile-time so that q, the partial sums and the output stay in registers.
+template <int G, int NV>
+void attend(const float* q, const Context& ctx, int64_t slot_offset, const bf16* k_cache,
+            const bf16* v_cache, std::vector<float>& scores, float* out) {
+  const int64_t len = ctx.len;
+  scores.resize(G * len);
+  Vec qv[G][NV], x[NV];
+  for (int j = 0; j < G; ++j)
+    for (int i = 0; i < NV; ++i) qv[j][i] = Vec::loadu(q + (j * NV + i) * kVec);
+  auto load = [&](const bf16* p) {
+    for (int i = 0; i < NV; i += 2) std::tie(x[i], x[i + 1]) = load_bf16(p + i * kVec);
+  };
+  ctx.each(k_cache + slot_offset, [&](int64_t t, const bf16* row) {  // s[j, t] = q_j . k_t
+    load(row);
+    for (int j = 0; j < G; ++j) {
+      Vec s = qv[j][0] * x[0];
+      for (int i = 1; i < NV; ++i) s = at::vec::fmadd(qv[j][i], x[i], s);
+      scores[j * len + t] = sum(s);
+    }
+  });
+  softmax_rows(scores.data(), G, len);
+  Vec acc[G][NV];
+  for (int j = 0; j < G; ++j)
+    for (int i = 0; i < NV; ++i) acc[j][i] = Vec(0.f);
+  ctx.each(v_cache + slot_offset, [&](int64_t t, const bf16* row) {  // o_j = sum_t p[j, t] v_t
+    load(row);
+    for (int j = 0; j < G; ++j) {
+      const Vec w(scores[j * len + t]);
+      for (int i = 0; i < NV; ++i) acc[j][i] = at::vec::fmadd(w, x[i], acc[j][i]);
+    }
+  });
+  for (int j = 0; j < G; ++j)
+    for (int i = 0; i < NV; ++i) acc[j][i].store(out + (j * NV + i) * kVec);
+}
+
+using AttendFn = void (*)(const float*, const Context&, int64_t, const bf16*, const bf16*,
+                          std::vector<float>&, float*);
+
+template <int NV>
+AttendFn pick_g(int64_t g) {
+  switch (g) {
+    case 1: return attend<1, NV>;
+    case 2: return attend<2, NV>;
+    case 3: return attend<3, NV>;
+    case 4: return attend<4, NV>;
+    case 5: return attend<5, NV>;
+    case 6: return attend<6, NV>;
+    case 7: return attend<7, NV>;
+    case 8: return attend<8, NV>;
+    default: return nullptr;
+  }
+}
+
+// The kernel for G query heads per KV head and head size D, or nullptr (the rule
+// pdserve.engine.kernels.supports() states).
+AttendFn pick(int64_t g, int64_t d) {
+  if (d == 64) return pick_g<64 / kVec>(g);
+  if (d == 128) return pick_g<128 / kVec>(g);
+  return nullptr;
+}
+
+}  // namespace
+
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
+                            const at::Tensor& v_cache, const at::Tensor& block_tables,
+                            const at::Tensor& lens, double scale) {
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.scalar_type() == at::kBFloat16,
+              "q must be bf16 [B, H, D] with contiguous heads");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() &&
+                  k_cache.strides() == v_cache.strides() &&
+                  k_cache.scalar_type() == at::kBFloat16 && k_cache.stride(3) == 1 &&
+                  k_cache.stride(2) == k_cache.size(3) &&
+                  k_cache.stride(1) == k_cache.size(2) * k_cache.size(3),
+              "k_cache and v_cache must be bf16 [blocks, block_size, KVH, D], each block "
+              "contiguous");
+  const int64_t b = q.size(0), h = q.size(1), d = q.size(2);
+  const int64_t bs = k_cache.size(1), kvh = k_cache.size(2);
+  TORCH_CHECK(k_cache.size(3) == d && h % kvh == 0, "q and the cache disagree on heads");
+  const AttendFn fn = pick(h / kvh, d);
+  TORCH_CHECK(fn != nullptr, "decode_attention supports head sizes 64 and 128 with up to 8 ",
+              "query heads per KV head, not ", d, " and ", h / kvh);
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == b &&
+                  block_tables.is_contiguous() && block_tables.scalar_type() == at::kLong,
+              "block_tables must be contiguous int64 [B, W]");
+  TORCH_CHECK(lens.numel() == b && lens.scalar_type() == at::kLong && lens.is_contiguous(),
+              "lens must be contiguous int64 [B]");
+  const int64_t g = h / kvh, width = block_tables.size(1), block_stride = k_cache.stride(0);
+  const int64_t num_blocks = k_cache.size(0);
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
+  const int64_t* lp = lens.data_ptr<int64_t>();
+  for (int64_t r = 0; r < b; ++r) {
+    TORCH_CHECK(lp[r] > 0 && lp[r] <= width * bs, "context length ", lp[r],
+                " does not fit a table of ", width, " blocks");
+    for (int64_t i = 0; i < (lp[r] + bs - 1) / bs; ++i)
+      TORCH_CHECK(tables[r * width + i] >= 0 && tables[r * width + i] < num_blocks,
+                  "block id ", tables[r * width + i], " is outside the pool");
+  }
+  auto out = at::empty({b, h, d}, q.options().memory_format(at::MemoryFormat::Contiguous));
+  const bf16* qp = q.data_ptr<bf16>();
+  const bf16* kp = k_cache.data_ptr<bf16>();
+  const bf16* vp = v_cache.data_ptr<bf16>();
+  bf16* op = out.data_ptr<bf16>();
+  // one work item per (request, KV head); each reads its rows of a block front to back
+  at::parallel_for(0, b * kvh, 1, [&](int64_t i0, int64_t i1) {
+    std::vector<float> qf(g * d), of(g * d), scores;
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t r = i / kvh, kh = i % kvh;
+      for (int64_t j = 0; j < g; ++j) {  // query heads kh * g ... kh * g + g - 1
+        to_float(qp + r * q.stride(0) + (kh * g + j) * q.stride(1), &qf[j * d], d);
+        for (int64_t e = 0; e < d; ++e) qf[j * d + e] *= static_cast<float>(scale);
+      }
+      const Context ctx{tables + r * width, lp[r], bs, block_stride, kvh * d};
+      fn(qf.data(), ctx, kh * d, kp, vp, scores, of.data());
+      to_bf16(of.data(), op + (r * h + kh * g) * d, g * d);
+    }
+  });
+  return out;
+}
+
+}  // namespace pdserve

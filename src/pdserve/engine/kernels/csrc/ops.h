@@ -1,0 +1,35 @@
+// Fused CPU operators of the decoder's bf16 path. Each one replaces several PyTorch calls
+// (and their ~5-20 us of dispatch each) by one pass over the data, computing in fp32.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <tuple>
+
+namespace pdserve {
+
+// out = w * rms_norm(x) (fp32 inside, rounded to x's dtype before the weight, as HF does).
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
+
+// sum = x + residual (rounded to bf16, as a separate add would); out = rms_norm(sum) * w.
+// Returns (out, sum).
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
+                                                const at::Tensor& weight, double eps);
+
+// gate_up [T, 2I] -> silu(gate) * up [T, I].
+at::Tensor silu_mul(const at::Tensor& gate_up);
+
+// Rotates, in place, the first `heads` heads of each row of qkv [T, >= heads * D] by the rows
+// `positions` of the fp32 tables cos and sin_signed [P, D]:
+// x * cos + roll(x, D/2) * sin_signed (RoFormer eq. 34 in HF's rotate-half form).
+void rope_(at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos,
+           const at::Tensor& sin_signed, int64_t heads, int64_t head_dim);
+
+// One query token per request against its paged context. q [B, H, D] (rows may be strided);
+// k_cache, v_cache [num_blocks, block_size, KVH, D] (blocks may be strided); block_tables
+// [B, W] int64; lens [B] int64 (positions attended, the new token included). -> [B, H, D].
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
+                            const at::Tensor& v_cache, const at::Tensor& block_tables,
+                            const at::Tensor& lens, double scale);
+
+}  // namespace pdserve

@@ -1,0 +1,72 @@
+// bf16 <-> fp32 vector helpers over ATen's Vectorized (AVX-512: 32 bf16 = two 16-float
+// vectors). Conversions round to nearest even, as a PyTorch .to(torch.bfloat16) does.
+#pragma once
+
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+#include <c10/util/BFloat16.h>
+
+#include <algorithm>
+#include <utility>
+
+namespace pdserve {
+
+using bf16 = c10::BFloat16;
+using Vec = at::vec::Vectorized<float>;
+using BVec = at::vec::Vectorized<bf16>;
+constexpr int64_t kVec = Vec::size();    // floats per vector
+constexpr int64_t kBVec = BVec::size();  // bf16 per vector (2 * kVec)
+
+// Up to kBVec bf16 at p as two float vectors (lanes past `count` are zero).
+inline std::pair<Vec, Vec> load_bf16(const bf16* p, int64_t count = kBVec) {
+  const BVec v = count == kBVec ? BVec::loadu(p) : BVec::loadu(p, count);
+  auto [a, b] = at::vec::convert_to_float<bf16>(v);
+  return {a, b};
+}
+
+inline void store_bf16(bf16* p, const Vec& a, const Vec& b, int64_t count = kBVec) {
+  at::vec::convert_from_float<bf16>(a, b).store(p, count);
+}
+
+// x rounded to bf16 and back: a separate PyTorch op's rounding point inside a fused one.
+inline std::pair<Vec, Vec> round_bf16(const Vec& a, const Vec& b) {
+  auto [x, y] = at::vec::convert_to_float<bf16>(at::vec::convert_from_float<bf16>(a, b));
+  return {x, y};
+}
+
+inline float sum(const Vec& v) {
+#if defined(CPU_CAPABILITY_AVX512)
+  return _mm512_reduce_add_ps(v);  // a shuffle tree; ATen's generic reduction is a scalar loop
+#else
+  return at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, v);
+#endif
+}
+
+// n bf16 at src into fp32 at dst, and back (rounding to nearest even).
+inline void to_float(const bf16* src, float* dst, int64_t n) {
+  for (int64_t i = 0; i < n; i += kBVec) {
+    const int64_t c = std::min(kBVec, n - i);
+    auto [a, b] = load_bf16(src + i, c);
+    if (c == kBVec) {
+      a.store(dst + i);
+      b.store(dst + i + kVec);
+    } else {
+      a.store(dst + i, std::min(c, kVec));
+      if (c > kVec) b.store(dst + i + kVec, c - kVec);
+    }
+  }
+}
+
+inline void to_bf16(const float* src, bf16* dst, int64_t n) {
+  for (int64_t i = 0; i < n; i += kBVec) {
+    const int64_t c = std::min(kBVec, n - i);
+    if (c == kBVec) {
+      store_bf16(dst + i, Vec::loadu(src + i), Vec::loadu(src + i + kVec));
+    } else {
+      store_bf16(dst + i, Vec::loadu(src + i, std::min(c, kVec)),
+                 Vec::loadu(src + i + kVec, std::max<int64_t>(c - kVec, 0)), c);
+    }
+  }
+}
+
+}  // namespace pdserve

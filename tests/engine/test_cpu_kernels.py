@@ -1,0 +1,189 @@
+"""pdserve's compiled CPU operators against the PyTorch operators they replace (bf16)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pdserve import LLM, SamplingParams
+from pdserve.engine import kernels
+from pdserve.engine.model.attention import DecodeGroup, _decode
+from pdserve.engine.model.rope import apply_rope
+
+BF16 = torch.bfloat16
+
+
+@pytest.fixture(scope="module")
+def ops():
+    module = kernels.cpu_ops()
+    assert module is not None, "the CPU operators must build on the test machine"
+    return module
+
+
+def _ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """|a - b| in units of bf16's spacing at b (2^-7 relative)."""
+    return (a.float() - b.float()).abs() / (b.float().abs() * 2**-7).clamp_min(1e-6)
+
+
+def _norm_ref(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    return w * F.rms_norm(x.float(), w.shape, eps=eps).to(x.dtype)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 40])
+@pytest.mark.parametrize("hidden", [64, 576, 100])  # 100: a partial vector at the end
+def test_add_rms_norm_rounds_where_the_pytorch_ops_round(ops, rows, hidden):
+    gen = torch.Generator().manual_seed(rows * hidden)
+    x, r = (torch.randn(rows, hidden, generator=gen).to(BF16) for _ in range(2))
+    w = (1 + 0.1 * torch.randn(hidden, generator=gen)).to(BF16)
+    out, total = ops.add_rms_norm(x, r, w, 1e-5)
+    assert torch.equal(total, x + r)  # the residual stream is bit for bit the separate add
+    # the fp32 mean is summed in another order: at most one bf16 step apart, nearly always 0
+    ref = _norm_ref(x + r, w, 1e-5)
+    assert _ulps(out, ref).max() <= 1
+    assert (out != ref).float().mean() < 0.01
+    assert _ulps(ops.rms_norm(x, w, 1e-5), _norm_ref(x, w, 1e-5)).max() <= 1
+
+
+@pytest.mark.parametrize("rows", [1, 7])
+def test_silu_mul_is_the_fp32_product_rounded_once(ops, rows):
+    gen = torch.Generator().manual_seed(rows)
+    gate_up = (3 * torch.randn(rows, 2 * 200, generator=gen)).to(BF16)
+    g, u = gate_up.float().split(200, dim=-1)
+    want = (F.silu(g) * u).to(BF16)
+    assert _ulps(ops.silu_mul(gate_up), want).max() <= 1
+
+
+def test_rope_rotates_q_and_k_in_place_and_leaves_v(ops):
+    t, heads, d, width = 6, 4, 64, 6 * 64
+    gen = torch.Generator().manual_seed(0)
+    qkv = torch.randn(t, width, generator=gen).to(BF16)
+    angles = torch.rand(50, d // 2, generator=gen) * 6
+    angles = torch.cat([angles, angles], dim=1)
+    cos = angles.cos()
+    sin_signed = angles.sin() * torch.cat([-torch.ones(d // 2), torch.ones(d // 2)])
+    pos = torch.tensor([0, 3, 49, 7, 7, 1])
+    before = qkv.clone()
+    want = apply_rope(before[:, : heads * d].float().view(t, heads, d),
+                      cos[pos][:, None], sin_signed[pos][:, None])
+    ops.rope_(qkv, pos, cos, sin_signed, heads, d)
+    torch.testing.assert_close(qkv[:, : heads * d].view(t, heads, d).float(), want,
+                               atol=0.02, rtol=0.01)
+    assert torch.equal(qkv[:, heads * d:], before[:, heads * d:])
+    with pytest.raises(RuntimeError, match="position 50 is outside the 50-row rope table"):
+        ops.rope_(qkv, torch.tensor([0, 0, 0, 0, 0, 50]), cos, sin_signed, heads, d)
+
+
+def _paged(gen, lens: list[int], kvh: int, d: int, bs: int = 16, num_blocks: int = 40):
+    """A cache of the engine's layout (blocks strided by the other layers) and block tables
+    that scatter each request's context over random blocks."""
+    data = torch.randn(num_blocks, 3, 2, bs, kvh, d, generator=gen).to(BF16)
+    k_cache, v_cache = data[:, 1, 0], data[:, 1, 1]
+    width = max(-(-n // bs) for n in lens)
+    perm = torch.randperm(num_blocks, generator=gen)
+    tables = perm[: len(lens) * width].view(len(lens), width)
+    return k_cache, v_cache, tables
+
+
+@pytest.mark.parametrize(("heads", "kvh", "d"), [(9, 3, 64), (4, 4, 64), (8, 1, 128)])
+def test_decode_attention_matches_the_padded_sdpa_path(ops, heads, kvh, d):
+    gen = torch.Generator().manual_seed(heads * d)
+    lens = [1, 16, 17, 45, 80]  # one position, exactly a block, a block and one, longer
+    k_cache, v_cache, tables = _paged(gen, lens, kvh, d)
+    # q as the model gives it: a view of qkv rows, so rows are strided
+    qkv = torch.randn(len(lens), (heads + 2 * kvh) * d, generator=gen).to(BF16)
+    q = qkv[:, : heads * d].view(len(lens), heads, d)
+    lengths = torch.tensor(lens)
+    width = tables.shape[1]
+    mask = (torch.arange(width * 16)[None, :] < lengths[:, None])[:, None, None, :]
+    group = DecodeGroup(0, tables.flatten(), mask, lengths)
+    want = _decode(q, k_cache, v_cache, group, d**-0.5)
+    got = ops.decode_attention(q, k_cache, v_cache, tables, lengths, d**-0.5)
+    torch.testing.assert_close(got.float(), want.float(), atol=0.02, rtol=0.02)
+
+
+def test_decode_attention_refuses_what_it_cannot_read(ops):
+    gen = torch.Generator().manual_seed(1)
+    k_cache, v_cache, tables = _paged(gen, [20], 3, 64)
+    q = torch.randn(1, 9, 64, generator=gen).to(BF16)
+    with pytest.raises(RuntimeError, match="context length 40 does not fit a table of 2"):
+        ops.decode_attention(q, k_cache, v_cache, tables, torch.tensor([40]), 0.125)
+    bad = tables.clone()
+    bad[0, 1] = 1000
+    with pytest.raises(RuntimeError, match="block id 1000 is outside the pool"):
+        ops.decode_attention(q, k_cache, v_cache, bad, torch.tensor([20]), 0.125)
+    k32, v32, tables = _paged(gen, [20], 3, 32)
+    with pytest.raises(RuntimeError, match="head sizes 64 and 128"):
+        ops.decode_attention(q[..., :32], k32, v32, tables, torch.tensor([20]), 0.125)
+
+
+# head_dim 64 and 3 query heads per KV head, as SmolLM2: the shape the operators serve
+KERNEL_SHAPE = {"hidden_size": 96, "head_dim": 64, "num_attention_heads": 6,
+                "num_key_value_heads": 2}
+
+
+def _logits_by_request(llm: LLM) -> dict[str, list[torch.Tensor]]:
+    """Records the logits each request sampled from, step by step."""
+    seen: dict[str, list[torch.Tensor]] = {}
+    run = llm.engine.runner.run
+
+    def recording(batch, on_layer=None):
+        logits, sampling = run(batch, on_layer)
+        for row, req in zip(logits, sampling, strict=True):
+            seen.setdefault(req.request_id, []).append(row.float().clone())
+        return logits, sampling
+
+    llm.engine.runner.run = recording
+    return seen
+
+
+def test_a_bf16_engine_with_the_operators_is_as_close_to_fp32_as_pytorch_ops(tiny_model):
+    """bf16 runs of a random model part from fp32 (and from each other) within a few tokens:
+    one rounding apart, a near-tie flips a token. So: the logits of every step where the
+    fp32, the PyTorch-ops bf16 and the fused bf16 engines still agree on every token so far,
+    and the fused engine's error against fp32 no larger than the PyTorch operators' own."""
+    path = tiny_model("llama", **KERNEL_SHAPE)
+    prompts = [[7], list(range(5, 12)), list(range(20, 77)), list(range(100, 140))]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    runs = {"fused": ("bfloat16", True), "plain": ("bfloat16", False), "fp32": ("float32", False)}
+    llms = {k: LLM(model=str(path), dtype=dt, max_model_len=256, cpu_kernels=ck)
+            for k, (dt, ck) in runs.items()}
+    assert llms["fused"].engine.model.fused is not None
+    assert llms["plain"].engine.model.fused is None
+    logits = {k: _logits_by_request(llm) for k, llm in llms.items()}
+    outs = {k: llm.generate(prompts, params, use_tqdm=False) for k, llm in llms.items()}
+    err: dict[str, list[float]] = {"fused": [], "plain": []}
+    for i in range(len(prompts)):
+        tokens = {k: o[i].outputs[0].token_ids for k, o in outs.items()}
+        for step in range(params.max_tokens):
+            if len({tuple(t[: step + 1]) for t in tokens.values()}) > 1:
+                break
+            rows = {k: logits[k][o[i].request_id][step] for k, o in outs.items()}
+            for k in err:
+                err[k].append(((rows[k] - rows["fp32"]).abs().max()
+                               / rows["fp32"].abs().max()).item())
+    assert len(err["fused"]) >= 12  # prefill and decode steps of every prompt were compared
+    mean = {k: sum(v) / len(v) for k, v in err.items()}
+    assert mean["fused"] <= 1.25 * mean["plain"], mean
+    assert llms["fused"].engine.block_manager.num_used_blocks == 0
+
+
+def test_fp32_and_unsupported_shapes_keep_the_pytorch_operators(tiny_model):
+    assert LLM(model=str(tiny_model("llama", **KERNEL_SHAPE)), dtype="float32",
+               max_model_len=64).engine.model.fused is None
+    assert LLM(model=str(tiny_model("llama")), dtype="bfloat16",  # head_dim 16
+               max_model_len=64).engine.model.fused is None
+
+
+def test_a_failed_build_falls_back_to_pytorch_with_a_warning(monkeypatch, caplog):
+    import torch.utils.cpp_extension as ext
+
+    def no_compiler(*args, **kwargs):
+        raise RuntimeError("Error building extension 'pdserve_cpu_ops': c++ not found")
+
+    monkeypatch.setattr(ext, "load", no_compiler)
+    with caplog.at_level(logging.WARNING, logger="pdserve.engine.kernels"):
+        assert kernels.cpu_ops.__wrapped__() is None
+    assert "using PyTorch operators: Error building extension" in caplog.text
