@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <initializer_list>
 #include <vector>
 
 #include "ops.h"
@@ -17,18 +18,25 @@ struct Context {
   const int64_t* table;
   int64_t len, bs, block_stride, slot_stride;
 
-  // f(t, slot) for every position, walking each block's slots in order (sequential reads),
-  // with the next block prefetched while this one is read.
+  // f(t, row) for every position's row in `cache` (K or V of this layer, at the head's
+  // offset), walking each block's slots in order. While slot i of a block is read, `span`
+  // bytes at slot i of the next block are prefetched from each of `pre` (the K and the V
+  // cache): in step with the reads, since a whole block's prefetches at once stall on the
+  // core's few outstanding misses.
   template <typename F>
-  void each(const bf16* cache, F f) const {
-    const int64_t block_bytes = bs * slot_stride * static_cast<int64_t>(sizeof(bf16));
+  void each(const bf16* cache, std::initializer_list<const bf16*> pre, int64_t span, F f) const {
+    const int64_t slot_bytes = slot_stride * static_cast<int64_t>(sizeof(bf16));
     for (int64_t b = 0, t = 0; t < len; ++b) {
-      if (t + bs < len) {
-        const char* next = reinterpret_cast<const char*>(cache + table[b + 1] * block_stride);
-        for (int64_t i = 0; i < block_bytes; i += 64) _mm_prefetch(next + i, _MM_HINT_T0);
+      const bf16* row = cache + table[b] * block_stride;
+      const bool ahead = t + bs < len;
+      const int64_t next = ahead ? table[b + 1] * block_stride : 0;
+      for (int64_t i = 0, end = std::min(len, t + bs); t < end; ++t, ++i, row += slot_stride) {
+        for (const bf16* p : pre) {
+          const char* line = reinterpret_cast<const char*>(p + next) + i * slot_bytes;
+          for (int64_t o = 0; ahead && o < span; o += 64) __builtin_prefetch(line + o, 0, 3);
+        }
+        f(t, row);
       }
-      const bf16* slot = cache + table[b] * block_stride;
-      for (int64_t end = std::min(len, t + bs); t < end; ++t, slot += slot_stride) f(t, slot);
     }
   }
 };
@@ -56,8 +64,9 @@ void softmax_rows(float* s, int64_t rows, int64_t len) {
 // pre-scaled) -> out [G, D] fp32. `slot_offset` is the head's row inside a slot. G and NV are
 // compile-time so that q, the partial sums and the output stay in registers.
 template <int G, int NV>
-void attend(const float* q, const Context& ctx, int64_t slot_offset, const bf16* k_cache,
-            const bf16* v_cache, std::vector<float>& scores, float* out) {
+void attend(const float* q, const Context& ctx, int64_t slot_offset, int64_t pre_offset,
+            int64_t pre_span, const bf16* k_cache, const bf16* v_cache,
+            std::vector<float>& scores, float* out) {
   const int64_t len = ctx.len;
   scores.resize(G * len);
   Vec qv[G][NV], x[NV];
@@ -66,7 +75,7 @@ void attend(const float* q, const Context& ctx, int64_t slot_offset, const bf16*
   auto load = [&](const bf16* p) {
     for (int i = 0; i < NV; i += 2) std::tie(x[i], x[i + 1]) = load_bf16(p + i * kVec);
   };
-  ctx.each(k_cache + slot_offset, [&](int64_t t, const bf16* row) {  // s[j, t] = q_j . k_t
+  ctx.each(k_cache + slot_offset, {k_cache + pre_offset, v_cache + pre_offset}, pre_span, [&](int64_t t, const bf16* row) {  // s[j, t] = q_j . k_t
     load(row);
     for (int j = 0; j < G; ++j) {
       Vec s = qv[j][0] * x[0];
@@ -78,7 +87,7 @@ void attend(const float* q, const Context& ctx, int64_t slot_offset, const bf16*
   Vec acc[G][NV];
   for (int j = 0; j < G; ++j)
     for (int i = 0; i < NV; ++i) acc[j][i] = Vec(0.f);
-  ctx.each(v_cache + slot_offset, [&](int64_t t, const bf16* row) {  // o_j = sum_t p[j, t] v_t
+  ctx.each(v_cache + slot_offset, {}, 0, [&](int64_t t, const bf16* row) {  // o_j = sum_t p[j, t] v_t
     load(row);
     for (int j = 0; j < G; ++j) {
       const Vec w(scores[j * len + t]);
@@ -89,8 +98,8 @@ void attend(const float* q, const Context& ctx, int64_t slot_offset, const bf16*
     for (int i = 0; i < NV; ++i) acc[j][i].store(out + (j * NV + i) * kVec);
 }
 
-using AttendFn = void (*)(const float*, const Context&, int64_t, const bf16*, const bf16*,
-                          std::vector<float>&, float*);
+using AttendFn = void (*)(const float*, const Context&, int64_t, int64_t, int64_t,
+                          const bf16*, const bf16*, std::vector<float>&, float*);
 
 template <int NV>
 AttendFn pick_g(int64_t g) {
@@ -156,18 +165,26 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
   const bf16* kp = k_cache.data_ptr<bf16>();
   const bf16* vp = v_cache.data_ptr<bf16>();
   bf16* op = out.data_ptr<bf16>();
-  // one work item per (request, KV head); each reads its rows of a block front to back
-  at::parallel_for(0, b * kvh, 1, [&](int64_t i0, int64_t i1) {
+  // A work item is a request and a run of its KV heads: all of them when there are requests
+  // enough for every thread (the first head's pass reads each slot's rows of every head, one
+  // contiguous block region, the next heads' passes find them in cache), else one.
+  const int64_t heads_per_item = b >= 2 * at::get_num_threads() ? kvh : 1;
+  const int64_t items_per_req = kvh / heads_per_item;
+  at::parallel_for(0, b * items_per_req, 1, [&](int64_t i0, int64_t i1) {
     std::vector<float> qf(g * d), of(g * d), scores;
     for (int64_t i = i0; i < i1; ++i) {
-      const int64_t r = i / kvh, kh = i % kvh;
-      for (int64_t j = 0; j < g; ++j) {  // query heads kh * g ... kh * g + g - 1
-        to_float(qp + r * q.stride(0) + (kh * g + j) * q.stride(1), &qf[j * d], d);
-        for (int64_t e = 0; e < d; ++e) qf[j * d + e] *= static_cast<float>(scale);
-      }
+      const int64_t r = i / items_per_req, first = (i % items_per_req) * heads_per_item;
       const Context ctx{tables + r * width, lp[r], bs, block_stride, kvh * d};
-      fn(qf.data(), ctx, kh * d, kp, vp, scores, of.data());
-      to_bf16(of.data(), op + (r * h + kh * g) * d, g * d);
+      for (int64_t kh = first; kh < first + heads_per_item; ++kh) {
+        for (int64_t j = 0; j < g; ++j) {  // query heads kh * g ... kh * g + g - 1
+          to_float(qp + r * q.stride(0) + (kh * g + j) * q.stride(1), &qf[j * d], d);
+          for (int64_t e = 0; e < d; ++e) qf[j * d + e] *= static_cast<float>(scale);
+        }
+        // the item's first K pass prefetches the K and V rows of every head it will read
+        const int64_t span = kh == first ? heads_per_item * d * 2 : 0;
+        fn(qf.data(), ctx, kh * d, first * d, span, kp, vp, scores, of.data());
+        to_bf16(of.data(), op + (r * h + kh * g) * d, g * d);
+      }
     }
   });
   return out;
