@@ -8,7 +8,7 @@ import logging
 import sys
 import time
 
-from pdserve.cli_args import add_model_args
+from pdserve.cli_args import add_cpu_kernels_arg, add_model_args
 from pdserve.cluster.up import add_up_parser
 from pdserve.planner.cli import add_plan_parser
 from pdserve.planner.simulate_cli import add_simulate_parser
@@ -19,6 +19,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default: %(default)s)")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="longest prompt + output in tokens (default: the model's context)")
+    add_cpu_kernels_arg(p)
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -26,7 +27,7 @@ def _generate(args: argparse.Namespace) -> int:
 
     t0 = time.perf_counter()
     llm = LLM(model=args.model, dtype=args.dtype, device=args.device,
-              max_model_len=args.max_model_len)
+              max_model_len=args.max_model_len, cpu_kernels=args.cpu_kernels)
     load_s = time.perf_counter() - t0
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                             top_p=args.top_p, seed=args.seed)

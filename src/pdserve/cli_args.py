@@ -20,6 +20,14 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="weights and KV cache dtype (default: %(default)s)")
 
 
+def add_cpu_kernels_arg(p: argparse.ArgumentParser) -> None:
+    """--no-cpu-kernels: the engine's bf16 CPU path on PyTorch operators only."""
+    p.add_argument("--no-cpu-kernels", dest="cpu_kernels", action="store_false",
+                   help="run a bf16 model on CPU with PyTorch operators only, not pdserve's "
+                        "compiled ones (fused norms, rotary, activation, decode attention; "
+                        "built once into the pdserve cache on first use)")
+
+
 def parse_size(text: str) -> int:
     """Bytes from "512MiB", "2G", "1048576" (binary units, whatever the spelling)."""
     m = _SIZE.match(str(text))

@@ -184,6 +184,12 @@ def test_chunked_prefill_reaches_every_worker() -> None:
         assert _option(w, "--max-num-batched-tokens") == ["256"]
 
 
+def test_no_cpu_kernels_reaches_every_worker() -> None:
+    config = UpConfig.from_args(_args("--no-cpu-kernels"))
+    assert all("--no-cpu-kernels" in w.argv for w in plan_processes(config, SECRET)[:-1])
+    assert not any("--no-cpu-kernels" in w.argv for w in plan_processes(UpConfig(), SECRET))
+
+
 def test_kv_encryption_reaches_every_worker() -> None:
     config = UpConfig.from_args(_args("--kv-encrypt", "--prefill", "2"))
     workers = plan_processes(config, SECRET)[:-1]

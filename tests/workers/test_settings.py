@@ -26,6 +26,11 @@ def test_kv_encryption_is_a_tcp_option(tmp_path: Path) -> None:
         _settings(tmp_path, "--role", "decode", "--transport", "nixl", "--kv-encrypt")
 
 
+def test_no_cpu_kernels_reaches_the_engine_config(tmp_path: Path) -> None:
+    assert _settings(tmp_path, "--role", "decode").engine.cpu_kernels
+    assert not _settings(tmp_path, "--role", "decode", "--no-cpu-kernels").engine.cpu_kernels
+
+
 def test_layerwise_streaming_is_on_for_cuda_engines_unless_set() -> None:
     p = argparse.ArgumentParser()
     add_worker_args(p)

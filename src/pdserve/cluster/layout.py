@@ -54,6 +54,7 @@ class UpConfig:
     cpus: tuple[int, ...] = (0,)
     enable_chunked_prefill: bool = False
     max_num_batched_tokens: int | None = None
+    cpu_kernels: bool = True
 
     def __post_init__(self) -> None:
         self._check_counts()
@@ -134,7 +135,8 @@ class UpConfig:
                    leg_timeout_s=args.leg_timeout,
                    ready_timeout_s=args.ready_timeout, cpus=cpus,
                    enable_chunked_prefill=args.enable_chunked_prefill,
-                   max_num_batched_tokens=args.max_num_batched_tokens)
+                   max_num_batched_tokens=args.max_num_batched_tokens,
+                   cpu_kernels=args.cpu_kernels)
 
 
 def worker_counts(prefill: int | None, decode: int | None,
@@ -208,6 +210,8 @@ def _worker_spec(config: UpConfig, index: int, role: str, secret_file: Path) -> 
     argv += ["--kv-layerwise", config.kv_layerwise, "--kv-lease", str(config.kv_lease_s)]
     if config.max_num_batched_tokens is not None:
         argv += ["--max-num-batched-tokens", str(config.max_num_batched_tokens)]
+    if not config.cpu_kernels:
+        argv += ["--no-cpu-kernels"]
     return ProcessSpec(f"{role}-{role_index}", tuple(argv), worker_url(config, index) + "/health",
                        restart=True)
 

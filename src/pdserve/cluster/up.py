@@ -12,7 +12,7 @@ import json
 import shlex
 import sys
 
-from pdserve.cli_args import add_model_args
+from pdserve.cli_args import add_cpu_kernels_arg, add_model_args
 from pdserve.cluster.layout import (
     HTTP_PORT_OFFSET,
     KV_PORT_OFFSET,
@@ -93,6 +93,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=None, metavar="TOKENS",
                    help="tokens per engine step (default: 512 with chunked prefill, else the "
                         "context)")
+    add_cpu_kernels_arg(p)
     p.add_argument("--transport", default="tcp", choices=TRANSPORTS,
                    help="how KV blocks move from prefill to decode workers "
                         "(default: %(default)s)")

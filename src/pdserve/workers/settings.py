@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
 
-from pdserve.cli_args import parse_size
+from pdserve.cli_args import add_cpu_kernels_arg, parse_size
 from pdserve.config import DTYPES, EngineConfig, Role
 
 
@@ -126,6 +126,7 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
                    help="seconds a KV reservation or a held prefill may wait for the other "
                         "side before it is freed (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="engine seed (default: %(default)s)")
+    add_cpu_kernels_arg(p)
 
 
 def settings_from_args(args: argparse.Namespace) -> WorkerSettings:
@@ -147,7 +148,7 @@ def settings_from_args(args: argparse.Namespace) -> WorkerSettings:
         num_kv_blocks=args.num_kv_blocks, kv_cache_bytes=parse_size(args.kv_cache_memory),
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len, enable_chunked_prefill=args.enable_chunked_prefill,
-        seed=args.seed)
+        seed=args.seed, cpu_kernels=args.cpu_kernels)
     return WorkerSettings(
         role=Role(args.role), engine=engine, served_model_name=args.served_model_name or
         args.model, host=args.host, port=args.port, kv_host=args.kv_host or args.host,
