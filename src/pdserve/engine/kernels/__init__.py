@@ -1,11 +1,11 @@
 """pdserve's fused CPU operators for the bf16 decoder, compiled once per machine.
 
 On CPU most of a small model's step outside its matmuls is PyTorch dispatch: an RMSNorm is
-six aten calls, rotary embedding five, decode attention a block gather, a padded copy and a
+several aten calls, rotary embedding five, decode attention a block gather, a padded copy and a
 masked SDPA per layer. The C++ operators in `csrc/` do each in one pass (see `csrc/ops.h`).
 
 Lifetime: `cpu_ops()` compiles the sources with the host compiler the first time a process
-asks (about a minute on 2 cores), into a cache folder named by a hash of the sources, the
+asks (about 35 s on 2 cores), into a cache folder named by a hash of the sources, the
 torch version and the CPU's flags, then loads the library; later processes and later calls
 load it straight away. Compilation is serialised by torch's lock file in that folder, so
 workers started together compile once. When no compiler is there or the build fails, it
@@ -78,7 +78,7 @@ def cpu_ops() -> ModuleType | None:
     folder.mkdir(parents=True, exist_ok=True)
     if not any(folder.glob("*.so")):
         log.warning("compiling pdserve's fused CPU operators into %s (once per machine, "
-                    "about a minute)", folder)
+                    "about 35 s on 2 cores)", folder)
     try:
         return load(name="pdserve_cpu_ops", sources=[str(CSRC / s) for s in SOURCES],
                     extra_cflags=_cflags(), build_directory=str(folder),

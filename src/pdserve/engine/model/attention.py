@@ -12,7 +12,9 @@ Each step writes the new tokens' K and V into their slots first, then attends:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
@@ -55,7 +57,7 @@ def paged_attention(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
-    fused=None,
+    fused: ModuleType | None = None,
 ) -> torch.Tensor:
     """`fused`: the compiled CPU operators (bf16): decode groups then read their blocks in
     place, with no gather, padding or mask."""
@@ -74,8 +76,9 @@ def paged_attention(
     return out
 
 
-def _fused_decode(fused):
-    def decode(q, k_cache, v_cache, group: DecodeGroup, scale: float) -> torch.Tensor:
+def _fused_decode(fused: ModuleType) -> Callable[..., torch.Tensor]:
+    def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               group: DecodeGroup, scale: float) -> torch.Tensor:
         tables = group.blocks.view(group.lens.shape[0], -1)  # [B, max_blocks]
         return fused.decode_attention(q, k_cache, v_cache, tables, group.lens, scale)
 

@@ -8,6 +8,7 @@ Norms compute in fp32 and cast back, exactly as HF does, so fp32 runs match HF t
 from __future__ import annotations
 
 from collections.abc import Callable
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
@@ -23,7 +24,7 @@ class RMSNorm(nn.Module):
     """Adds the residual stream, then normalises it: (norm(x + residual), x + residual), or
     (norm(x), x) without one. With `fused` (the CPU operators) both are one call."""
 
-    def __init__(self, dim: int, eps: float, fused) -> None:
+    def __init__(self, dim: int, eps: float, fused: ModuleType | None) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
@@ -43,7 +44,7 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, fused) -> None:
+    def __init__(self, cfg: ModelConfig, fused: ModuleType | None) -> None:
         super().__init__()
         self.fused = fused
         self.h, self.kvh, self.d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -63,7 +64,7 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, fused) -> None:
+    def __init__(self, cfg: ModelConfig, fused: ModuleType | None) -> None:
         super().__init__()
         self.fused = fused
         self.inter = cfg.intermediate_size
@@ -79,7 +80,7 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, fused) -> None:
+    def __init__(self, cfg: ModelConfig, fused: ModuleType | None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, fused)
         self.self_attn = Attention(cfg, fused)
@@ -100,7 +101,8 @@ class LlamaForCausalLM(nn.Module):
     """`fused`: pdserve's compiled CPU operators (`pdserve.engine.kernels.cpu_ops()`), for a
     bf16 model on CPU, or None for PyTorch operators throughout."""
 
-    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding, fused=None) -> None:
+    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding,
+                 fused: ModuleType | None = None) -> None:
         super().__init__()
         self.cfg = cfg
         self.fused = fused

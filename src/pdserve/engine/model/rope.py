@@ -8,6 +8,7 @@ built once in fp32 with the same operations as HF so fp32 results match bit for 
 from __future__ import annotations
 
 import math
+from types import ModuleType
 
 import torch
 
@@ -54,7 +55,8 @@ class RotaryEmbedding:
         return (self.cos[positions].to(dtype)[:, None, :],
                 self.sin_signed[positions].to(dtype)[:, None, :])
 
-    def for_step(self, positions: torch.Tensor, dtype: torch.dtype, fused) -> StepRope:
+    def for_step(self, positions: torch.Tensor, dtype: torch.dtype,
+                 fused: ModuleType | None) -> StepRope:
         """The rotation of one step's tokens, shared by every layer: with `fused` (the CPU
         operators) each layer rotates in place straight from the fp32 tables; otherwise the
         step's rows are cast once to `dtype` and applied as HF does."""
@@ -64,7 +66,10 @@ class RotaryEmbedding:
 
 
 class StepRope:
-    def __init__(self, positions: torch.Tensor, tables, fused, rope: RotaryEmbedding) -> None:
+    """One step's rotary embedding, made once per forward and shared by its layers."""
+
+    def __init__(self, positions: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor] | None,
+                 fused: ModuleType | None, rope: RotaryEmbedding) -> None:
         self.positions, self.tables, self.fused, self.rope = positions, tables, fused, rope
 
     def rotate(self, qkv: torch.Tensor, heads: int, head_dim: int) -> torch.Tensor:
