@@ -87,6 +87,22 @@ def _paged(gen, lens: list[int], kvh: int, d: int, bs: int = 16, num_blocks: int
     return k_cache, v_cache, tables
 
 
+def test_store_kv_writes_each_row_where_index_put_would(ops):
+    gen = torch.Generator().manual_seed(2)
+    data = torch.zeros(6, 3, 2, 16, 3, 64).to(BF16)  # the engine's layout: layers between
+    want = data.clone()
+    qkv = torch.randn(5, 15 * 64, generator=gen).to(BF16)  # k, v: strided views, as in the model
+    k, v = qkv[:, 9 * 64: 12 * 64].view(5, 3, 64), qkv[:, 12 * 64:].view(5, 3, 64)
+    blocks, offsets = torch.tensor([4, 4, 0, 5, 2]), torch.tensor([0, 15, 3, 7, 7])
+    ops.store_kv_(k, v, data[:, 1, 0], data[:, 1, 1], blocks, offsets)
+    want[:, 1, 0][blocks, offsets] = k
+    want[:, 1, 1][blocks, offsets] = v
+    assert torch.equal(data, want)
+    with pytest.raises(RuntimeError, match=r"slot \(block 6, offset 0\) is outside the pool"):
+        ops.store_kv_(k, v, data[:, 1, 0], data[:, 1, 1], torch.tensor([0, 0, 0, 0, 6]),
+                      torch.zeros(5, dtype=torch.long))
+
+
 @pytest.mark.parametrize(("heads", "kvh", "d"), [(9, 3, 64), (4, 4, 64), (8, 1, 128)])
 def test_decode_attention_matches_the_padded_sdpa_path(ops, heads, kvh, d):
     gen = torch.Generator().manual_seed(heads * d)

@@ -29,7 +29,8 @@ from pdserve.engine.model.hub import cache_root
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = ("bindings.cpp", "norm.cpp", "activation.cpp", "rope.cpp", "decode_attention.cpp")
+SOURCES = ("bindings.cpp", "norm.cpp", "activation.cpp", "rope.cpp", "kv_store.cpp",
+           "decode_attention.cpp")
 HEADERS = ("ops.h", "vec.h")
 
 

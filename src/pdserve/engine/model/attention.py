@@ -59,11 +59,14 @@ def paged_attention(
     scale: float,
     fused: ModuleType | None = None,
 ) -> torch.Tensor:
-    """`fused`: the compiled CPU operators (bf16): decode groups then read their blocks in
-    place, with no gather, padding or mask."""
+    """`fused`: the compiled CPU operators (bf16): the new K/V rows are stored in one pass and
+    decode groups read their blocks in place, with no gather, padding or mask."""
     # q [T, H, D]; k, v [T, KVH, D]; k_cache, v_cache [num_blocks, block_size, KVH, D]
-    k_cache[meta.slot_blocks, meta.slot_offsets] = k
-    v_cache[meta.slot_blocks, meta.slot_offsets] = v
+    if fused is not None:  # one pass; two index_puts on the strided cache were ~8% of a step
+        fused.store_kv_(k, v, k_cache, v_cache, meta.slot_blocks, meta.slot_offsets)
+    else:
+        k_cache[meta.slot_blocks, meta.slot_offsets] = k
+        v_cache[meta.slot_blocks, meta.slot_offsets] = v
     decode = _decode if fused is None else _fused_decode(fused)
     if not meta.prefills and len(meta.decode_groups) == 1:  # one steady group: no copies
         return decode(q, k_cache, v_cache, meta.decode_groups[0], scale)

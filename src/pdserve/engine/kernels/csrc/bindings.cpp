@@ -8,5 +8,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &pdserve::add_rms_norm);
   m.def("silu_mul", &pdserve::silu_mul);
   m.def("rope_", &pdserve::rope_);
+  m.def("store_kv_", &pdserve::store_kv_);
   m.def("decode_attention", &pdserve::decode_attention);
 }

@@ -25,6 +25,11 @@ at::Tensor silu_mul(const at::Tensor& gate_up);
 void rope_(at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos,
            const at::Tensor& sin_signed, int64_t heads, int64_t head_dim);
 
+// Writes row r of k and v [T, KVH, D] (rows may be strided) into slot slot_offsets[r] of
+// block slot_blocks[r] of k_cache and v_cache [num_blocks, block_size, KVH, D].
+void store_kv_(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at::Tensor& v_cache,
+               const at::Tensor& slot_blocks, const at::Tensor& slot_offsets);
+
 // One query token per request against its paged context. q [B, H, D] (rows may be strided);
 // k_cache, v_cache [num_blocks, block_size, KVH, D] (blocks may be strided); block_tables
 // [B, W] int64; lens [B] int64 (positions attended, the new token included). -> [B, H, D].
