@@ -61,8 +61,9 @@ void softmax_rows(float* s, int64_t rows, int64_t len) {
 }
 
 // One KV head of one request and its G query heads, D = NV * kVec: q [G, D] (fp32,
-// pre-scaled) -> out [G, D] fp32. `slot_offset` is the head's row inside a slot. G and NV are
-// compile-time so that q, the partial sums and the output stay in registers.
+// pre-scaled) -> out [G, D] fp32. `slot_offset` is the head's row inside a slot; the K pass
+// prefetches `pre_span` bytes from `pre_offset` of each slot of the next block, in K and in V.
+// G and NV are compile-time so that q, the partial sums and the output stay in registers.
 template <int G, int NV>
 void attend(const float* q, const Context& ctx, int64_t slot_offset, int64_t pre_offset,
             int64_t pre_span, const bf16* k_cache, const bf16* v_cache,
@@ -75,8 +76,9 @@ void attend(const float* q, const Context& ctx, int64_t slot_offset, int64_t pre
   auto load = [&](const bf16* p) {
     for (int i = 0; i < NV; i += 2) std::tie(x[i], x[i + 1]) = load_bf16(p + i * kVec);
   };
-  ctx.each(k_cache + slot_offset, {k_cache + pre_offset, v_cache + pre_offset}, pre_span, [&](int64_t t, const bf16* row) {  // s[j, t] = q_j . k_t
-    load(row);
+  const std::initializer_list<const bf16*> pre = {k_cache + pre_offset, v_cache + pre_offset};
+  ctx.each(k_cache + slot_offset, pre, pre_span, [&](int64_t t, const bf16* row) {
+    load(row);  // s[j, t] = q_j . k_t
     for (int j = 0; j < G; ++j) {
       Vec s = qv[j][0] * x[0];
       for (int i = 1; i < NV; ++i) s = at::vec::fmadd(qv[j][i], x[i], s);
@@ -87,8 +89,8 @@ void attend(const float* q, const Context& ctx, int64_t slot_offset, int64_t pre
   Vec acc[G][NV];
   for (int j = 0; j < G; ++j)
     for (int i = 0; i < NV; ++i) acc[j][i] = Vec(0.f);
-  ctx.each(v_cache + slot_offset, {}, 0, [&](int64_t t, const bf16* row) {  // o_j = sum_t p[j, t] v_t
-    load(row);
+  ctx.each(v_cache + slot_offset, {}, 0, [&](int64_t t, const bf16* row) {
+    load(row);  // o_j = sum_t p[j, t] v_t
     for (int j = 0; j < G; ++j) {
       const Vec w(scores[j * len + t]);
       for (int i = 0; i < NV; ++i) acc[j][i] = at::vec::fmadd(w, x[i], acc[j][i]);
