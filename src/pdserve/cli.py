@@ -50,7 +50,8 @@ def _bench_engine(args: argparse.Namespace) -> int:
 
     batches = tuple(int(b) for b in args.batches.split(","))
     return main(BenchSettings(model=args.model, batches=batches, decode_steps=args.decode_steps,
-                              prompt_len=args.prompt_len, repeats=args.repeats), args.json)
+                              prompt_len=args.prompt_len, repeats=args.repeats,
+                              cpu_kernels=args.cpu_kernels), args.json)
 
 
 def _bench_transfer(args: argparse.Namespace) -> int:
@@ -136,6 +137,7 @@ def _add_bench(sub) -> None:
                      help="prefill prompt tokens (default: %(default)s)")
     eng.add_argument("--repeats", type=int, default=3, help="default: %(default)s")
     eng.add_argument("--json", action="store_true", help="one JSON object per measurement")
+    add_cpu_kernels_arg(eng)
     eng.set_defaults(func=_bench_engine)
     xfer = kinds.add_parser(
         "transfer", help="KV transfer GB/s per transport and mode vs memcpy and a raw socket",

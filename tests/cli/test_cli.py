@@ -29,10 +29,13 @@ def test_generate_bad_model_is_a_clear_error():
     assert "Traceback" not in res.stderr
 
 
-def test_bench_engine_json_rows(tiny_model):
+@pytest.mark.parametrize("operators", [[], ["--no-cpu-kernels"]])
+def test_bench_engine_json_rows(tiny_model, operators):
     res = _pdserve("bench", "engine", "--model", str(tiny_model("llama")), "--batches", "1,2",
-                   "--decode-steps", "2", "--prompt-len", "24", "--repeats", "1", "--json")
+                   "--decode-steps", "2", "--prompt-len", "24", "--repeats", "1", "--json",
+                   *operators)
     assert res.returncode == 0, res.stderr
+    assert "pdserve on PyTorch operators" in res.stderr  # head_dim 16: never the fused ones
     rows = [json.loads(line) for line in res.stdout.splitlines()]
     assert [(r["phase"], r["batch"]) for r in rows] == [("decode", 1), ("decode", 2),
                                                         ("prefill", 1)]

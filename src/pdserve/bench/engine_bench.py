@@ -57,6 +57,7 @@ class BenchSettings:
     decode_steps: int = 32
     prompt_len: int = 1000
     repeats: int = 3
+    cpu_kernels: bool = True  # False: the engine on PyTorch operators only (the A/B baseline)
 
     def __post_init__(self) -> None:
         if not self.batches or min(self.batches) <= 0:
@@ -162,13 +163,15 @@ def run_bench(s: BenchSettings, log: Callable[[str], None]) -> list[BenchRow]:
     log(f"loading {s.model} (bf16) into pdserve and transformers ...")
     engine = Engine(EngineConfig(model=s.model, dtype="bfloat16",
                                  max_model_len=max(s.prompt_len, s.decode_prompt_len) + 64 +
-                                 s.decode_steps, enable_prefix_caching=False))
+                                 s.decode_steps, enable_prefix_caching=False,
+                                 cpu_kernels=s.cpu_kernels))
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
     prompts = _Prompts(cfg.vocab_size)
     bandwidth = memory_bandwidth()
     flops = matmul_flops(torch.bfloat16)
     log(f"measured: memory read {bandwidth / 1e9:.1f} GB/s, bf16 matmul "
-        f"{flops / 1e9:.0f} GFLOP/s, {torch.get_num_threads()} threads")
+        f"{flops / 1e9:.0f} GFLOP/s, {torch.get_num_threads()} threads; pdserve on "
+        f"{'its fused CPU operators' if engine.model.fused else 'PyTorch operators'}")
     step_floor = weight_bytes_per_step(cfg, 2) / bandwidth
     rows = []
     for batch in s.batches:
