@@ -112,9 +112,7 @@ def test_decode_attention_matches_the_padded_sdpa_path(ops, heads, kvh, d):
     qkv = torch.randn(len(lens), (heads + 2 * kvh) * d, generator=gen).to(BF16)
     q = qkv[:, : heads * d].view(len(lens), heads, d)
     lengths = torch.tensor(lens)
-    width = tables.shape[1]
-    mask = (torch.arange(width * 16)[None, :] < lengths[:, None])[:, None, None, :]
-    group = DecodeGroup(0, tables.flatten(), mask, lengths)
+    group = DecodeGroup(0, tables.flatten(), lengths, 16)
     want = _decode(q, k_cache, v_cache, group, d**-0.5)
     got = ops.decode_attention(q, k_cache, v_cache, tables, lengths, d**-0.5)
     torch.testing.assert_close(got.float(), want.float(), atol=0.02, rtol=0.02)

@@ -128,17 +128,14 @@ class ModelRunner:
         return groups
 
     def _decode_tables(self, reqs: list[Request], first_row: int) -> DecodeGroup:
-        """Flat padded block tables [B * W] and the mask of real positions [B, 1, 1, W * bs]."""
+        """Flat padded block tables [B * W] and each request's context length [B]."""
         lens = [r.num_computed_tokens + 1 for r in reqs]  # context includes the new token
         width = max(-(-n // self.block_size) for n in lens)
         flat: list[int] = []
         for r in reqs:
             row = r.block_ids[:width]
             flat += row + [0] * (width - len(row))
-        pos = torch.arange(width * self.block_size, device=self.device)
-        lengths = self._long(lens)
-        mask = pos[None, :] < lengths[:, None]  # [B, W * bs]
-        return DecodeGroup(first_row, self._long(flat), mask[:, None, None, :], lengths)
+        return DecodeGroup(first_row, self._long(flat), self._long(lens), self.block_size)
 
     def _long(self, values: list) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)

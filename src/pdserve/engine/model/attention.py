@@ -12,6 +12,7 @@ Each step writes the new tokens' K and V into their slots first, then attends:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
@@ -33,12 +34,20 @@ class PrefillSeq:
 class DecodeGroup:
     start: int  # first row of the group's B decode tokens (one per request, consecutive)
     blocks: torch.Tensor  # [B * max_blocks] long: the group's block tables, padded, flat
-    mask: torch.Tensor  # [B, 1, 1, max_blocks * block_size] bool: real positions
     lens: torch.Tensor  # [B] long: positions each request attends (its new token included)
+    block_size: int
 
     @property
     def rows(self) -> slice:
-        return slice(self.start, self.start + self.mask.shape[0])
+        return slice(self.start, self.start + self.lens.shape[0])
+
+    @functools.cached_property
+    def mask(self) -> torch.Tensor:
+        """[B, 1, 1, max_blocks * block_size] bool: the real positions of the padded context
+        (the SDPA path only; built once per step, on first use, shared by every layer)."""
+        width = self.blocks.numel() // self.lens.shape[0] * self.block_size
+        pos = torch.arange(width, device=self.lens.device)
+        return (pos[None, :] < self.lens[:, None])[:, None, None, :]
 
 
 @dataclass
