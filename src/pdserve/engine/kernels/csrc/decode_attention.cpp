@@ -133,13 +133,9 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
                             const at::Tensor& lens, double scale) {
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.scalar_type() == at::kBFloat16,
               "q must be bf16 [B, H, D] with contiguous heads");
-  TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() &&
-                  k_cache.strides() == v_cache.strides() &&
-                  k_cache.scalar_type() == at::kBFloat16 && k_cache.stride(3) == 1 &&
-                  k_cache.stride(2) == k_cache.size(3) &&
-                  k_cache.stride(1) == k_cache.size(2) * k_cache.size(3),
-              "k_cache and v_cache must be bf16 [blocks, block_size, KVH, D], each block "
-              "contiguous");
+  check_kv_cache(k_cache, v_cache);
+  TORCH_CHECK(k_cache.scalar_type() == at::kBFloat16 && v_cache.scalar_type() == at::kBFloat16,
+              "k_cache and v_cache must be bf16");
   const int64_t b = q.size(0), h = q.size(1), d = q.size(2);
   const int64_t bs = k_cache.size(1), kvh = k_cache.size(2);
   TORCH_CHECK(k_cache.size(3) == d && h % kvh == 0, "q and the cache disagree on heads");

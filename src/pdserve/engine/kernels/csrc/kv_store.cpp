@@ -17,13 +17,17 @@ void check_rows(const at::Tensor& x, const at::Tensor& cache, const char* name) 
 
 }  // namespace
 
-void store_kv_(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at::Tensor& v_cache,
-               const at::Tensor& slot_blocks, const at::Tensor& slot_offsets) {
+void check_kv_cache(const at::Tensor& k_cache, const at::Tensor& v_cache) {
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() &&
                   k_cache.strides() == v_cache.strides() && k_cache.stride(3) == 1 &&
                   k_cache.stride(2) == k_cache.size(3) &&
                   k_cache.stride(1) == k_cache.size(2) * k_cache.size(3),
               "k_cache and v_cache must be [blocks, block_size, KVH, D] with contiguous slots");
+}
+
+void store_kv_(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at::Tensor& v_cache,
+               const at::Tensor& slot_blocks, const at::Tensor& slot_offsets) {
+  check_kv_cache(k_cache, v_cache);
   check_rows(k, k_cache, "k");
   check_rows(v, v_cache, "v");
   const int64_t t = k.size(0), num_blocks = k_cache.size(0), bs = k_cache.size(1);

@@ -25,6 +25,10 @@ at::Tensor silu_mul(const at::Tensor& gate_up);
 void rope_(at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos,
            const at::Tensor& sin_signed, int64_t heads, int64_t head_dim);
 
+// Checks that k_cache and v_cache are one layer's views of the pool:
+// [num_blocks, block_size, KVH, D], same shape and strides, each slot's KVH x D contiguous.
+void check_kv_cache(const at::Tensor& k_cache, const at::Tensor& v_cache);
+
 // Writes row r of k and v [T, KVH, D] (rows may be strided) into slot slot_offsets[r] of
 // block slot_blocks[r] of k_cache and v_cache [num_blocks, block_size, KVH, D].
 void store_kv_(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at::Tensor& v_cache,
