@@ -182,6 +182,25 @@ def stall_cluster(request, tiny_model) -> Cluster:
     return cluster
 
 
+def _splits_again_without_recompute(cluster: Cluster) -> None:
+    """The router takes the woken prefill worker back, and a long prompt splits with its KV
+    arriving (no recompute); then every block is back on both sides."""
+    router = cluster.url.removesuffix("/v1")
+    deadline = time.monotonic() + 10
+    while not _healthy_in_router(router, cluster.worker_url(PREFILL)):
+        assert time.monotonic() < deadline, "the router never took the prefill worker back"
+        time.sleep(0.2)
+    split = metric(router, 'pdserve_router_requests_total{path="disaggregated"}')
+    recomputes = metric(cluster.worker_url(DECODE), "pdserve_kv_recomputes_total")
+    fresh = LONG[::-1]  # the decode worker's prefix cache may hold LONG: it would run locally
+    out = client(cluster).completions.create(model=cluster.model, prompt=fresh, max_tokens=8,
+                                             temperature=0, extra_body={"ignore_eos": True})
+    assert out.usage.completion_tokens == 8
+    assert metric(router, 'pdserve_router_requests_total{path="disaggregated"}') == split + 1
+    assert metric(cluster.worker_url(DECODE), "pdserve_kv_recomputes_total") == recomputes
+    cluster.wait_blocks_free([PREFILL, DECODE])
+
+
 def test_a_stalled_prefill_worker_costs_a_lease_not_a_hang(stall_cluster: Cluster) -> None:
     """SIGSTOP the prefill worker while long prompts stream: alive and connected but silent (a
     frozen host, a long GC pause). Every request still completes: its decode worker gives up
@@ -238,19 +257,30 @@ def test_a_stalled_prefill_worker_costs_a_lease_not_a_hang(stall_cluster: Cluste
     # it wakes, fences its writes and says so: every block comes back on both sides
     cluster.wait_blocks_free([PREFILL, DECODE])
     assert held > 0
-    deadline = time.monotonic() + 10
-    while not _healthy_in_router(router, cluster.worker_url(PREFILL)):
-        assert time.monotonic() < deadline, "the router never took the prefill worker back"
-        time.sleep(0.2)
-    split = metric(router, 'pdserve_router_requests_total{path="disaggregated"}')
-    recomputes = metric(cluster.worker_url(DECODE), "pdserve_kv_recomputes_total")
-    fresh = LONG[::-1]  # the decode worker's prefix cache holds LONG now: it would run locally
-    out = client(cluster).completions.create(model=cluster.model, prompt=fresh, max_tokens=8,
-                                             temperature=0, extra_body={"ignore_eos": True})
-    assert out.usage.completion_tokens == 8
-    assert metric(router, 'pdserve_router_requests_total{path="disaggregated"}') == split + 1
-    assert metric(cluster.worker_url(DECODE), "pdserve_kv_recomputes_total") == recomputes
+    _splits_again_without_recompute(cluster)
+
+
+def test_a_prefill_worker_stalled_before_its_first_transfer_serves_again_when_it_wakes(
+        stall_cluster: Cluster) -> None:
+    """SIGSTOP the prefill worker before any KV moved: the decode worker's first dial to it
+    finds its kernel accepting and its process silent. The request costs the lease and a
+    recompute; after SIGCONT the pair works again: the next long prompt splits and its KV
+    arrives (a handshake that timed out used to declare the peer dead for good, so every later
+    transfer between the two failed and recomputed)."""
+    cluster = stall_cluster
+    pid = cluster.health(PREFILL)["pid"]
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        out = client(cluster).completions.create(
+            model=cluster.model, prompt=prompts()[3], max_tokens=30, temperature=0,
+            extra_body={"ignore_eos": True})
+        assert out.usage.completion_tokens == 30
+        assert time.monotonic() - started < 3 * STALL_LEASE_S + 5
+    finally:
+        os.kill(pid, signal.SIGCONT)
     cluster.wait_blocks_free([PREFILL, DECODE])
+    _splits_again_without_recompute(cluster)
 
 
 def test_a_stalled_decode_worker_ends_the_stream_within_the_leg_timeout(stall_cluster: Cluster

@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 import json
 import logging
+import select
 import socket
 import threading
 from collections.abc import Callable, Sequence
@@ -53,13 +54,24 @@ class TcpOptions:
     being sent or received before it shuts that connection down; `max_queued` bounds each peer's
     send queue (a full queue drops control messages and fails new moves). `encrypt` seals
     every connection after its handshake with AES-256-GCM (`tcp_wire.py`); peers must agree,
-    and a handshake between a sealed and a plain endpoint is refused on both sides."""
+    and a handshake between a sealed and a plain endpoint is refused on both sides.
+
+    `dial_timeout_s` bounds the TCP connect (no answer: the peer is dead). `handshake_timeout_s`
+    bounds how long an acceptor waits for a dialer's HELLO; a dialer whose peer's kernel
+    accepted the connection but whose process has not answered HELLO_ACK by then logs a warning
+    and keeps waiting (a stopped process is stalled, not dead). TCP keepalive on every
+    connection (Linux's TCP_KEEPIDLE / TCP_KEEPINTVL / TCP_KEEPCNT) finds a host that stopped
+    answering at all within about idle + interval x probes seconds (10 s by default); a stopped
+    process's kernel still answers the probes."""
 
     dial_timeout_s: float = 1.0
     handshake_timeout_s: float = 2.0
     cancel_wait_s: float = 5.0
     max_queued: int = 10_000
     encrypt: bool = False
+    keepalive_idle_s: int = 5
+    keepalive_interval_s: int = 1
+    keepalive_probes: int = 5
 
     @property
     def cipher(self) -> str:
@@ -69,6 +81,10 @@ class TcpOptions:
         for name in ("dial_timeout_s", "handshake_timeout_s", "cancel_wait_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"TcpOptions.{name} must be > 0, got {getattr(self, name)}")
+        for name in ("keepalive_idle_s", "keepalive_interval_s", "keepalive_probes"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"TcpOptions.{name} must be a whole number >= 1, got {value!r}")
         if self.max_queued < 1:
             raise ValueError(f"TcpOptions.max_queued must be >= 1, got {self.max_queued}")
 
@@ -94,10 +110,14 @@ class TcpTransport:
     - Outgoing: frames to a peer instance travel on one connection this endpoint dials lazily
       (first send / write / read), fed by that peer's `PeerSender` queue and thread, so `send`,
       `write` and `read` never block. Dialing waits at most `dial_timeout_s`.
-    - Peer death: a reset or EOF on either connection with a peer, a failed dial or handshake,
-      a protocol error, or a HELLO / HELLO_ACK from another instance at its address (a restart)
+    - Peer death: a reset or EOF on either connection with a peer (keepalive turns a host that
+      stopped answering into a reset), a failed connect, a refused or broken handshake, a
+      protocol error, or a HELLO / HELLO_ACK from another instance at its address (a restart)
       marks that exact instance dead for good: `peer_alive` is False, its pending moves end in
       "error", messages to it are dropped. A new instance at the address is a different peer.
+      A stalled peer is not dead: a connection its kernel accepted waits for its HELLO_ACK as
+      long as the host answers keepalive, with the jobs queued behind it. (Declaring it dead
+      would break the pair for good once it wakes: each side would refuse the other.)
     - `close()` (idempotent; also on leaving a `with` block) fails every pending move, shuts
       down every socket (waking every thread) and joins the threads briefly; afterwards
       nothing is delivered, moves end in "error" and `peer_alive(local)` is False.
@@ -326,6 +346,13 @@ class TcpTransport:
             raise ProtocolError(f"{expect.name} names an unknown cipher {cipher!r}")
         return peer, cipher, envelope
 
+    def _keep_alive(self, sock: socket.socket) -> None:
+        o = self.options
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, o.keepalive_idle_s)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, o.keepalive_interval_s)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, o.keepalive_probes)
+
     def _cipher_mismatch(self, peer: PeerId, cipher: str) -> PeerRefused | None:
         if cipher == self.options.cipher:
             return None
@@ -337,14 +364,28 @@ class TcpTransport:
         """The connection's frame I/O; sealed with a key from both envelopes if encrypting."""
         return Wire(sock, self._auth.session_key(hello, ack) if self.options.encrypt else None)
 
-    def dial(self, peer: PeerId) -> Wire:
-        """Connect and handshake; a different instance answering means `peer` restarted."""
+    def connect(self, peer: PeerId) -> socket.socket:
+        """A TCP connection to `peer`'s address within `dial_timeout_s`, with keepalive on."""
         sock = socket.create_connection((peer.host, peer.port), self.options.dial_timeout_s)
         try:
+            sock.settimeout(None)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            sock.settimeout(self.options.handshake_timeout_s)
+            self._keep_alive(sock)
+        except OSError:
+            shut(sock)
+            raise
+        return sock
+
+    def handshake(self, sock: socket.socket, peer: PeerId) -> Wire:
+        """HELLO, then wait for HELLO_ACK for as long as the peer's host is up (see `TcpOptions`);
+        a different instance answering means `peer` restarted."""
+        try:
             hello = self._hello()
             self._send_hello(sock, Frame.HELLO, hello)
+            if not select.select([sock], [], [], self.options.handshake_timeout_s)[0]:
+                log.warning("peer %s accepted the connection but has not answered the handshake "
+                            "in %.1f s: stalled, not dead; messages to it wait", peer,
+                            self.options.handshake_timeout_s)
             got, cipher, ack = self._verify_hello(sock, Frame.HELLO_ACK)
             if not got.same_address(peer):
                 raise ProtocolError(f"{peer.host}:{peer.port} answered as {got}")
@@ -353,7 +394,6 @@ class TcpTransport:
                 raise ConnectionError(f"restarted: {got} answers at its address")
             if (refused := self._cipher_mismatch(got, cipher)) is not None:
                 raise refused
-            sock.settimeout(None)
             return self._wire(sock, hello, ack)
         except BaseException:
             shut(sock)
@@ -446,6 +486,7 @@ class TcpTransport:
     def _serve(self, conn: socket.socket, addr: tuple[str, int]) -> None:
         peer = None
         try:
+            self._keep_alive(conn)
             greeted = self._greet(conn, addr)
             if greeted is not None:
                 peer, wire = greeted

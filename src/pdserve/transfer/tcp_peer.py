@@ -41,8 +41,9 @@ Job = tuple  # ("control", bytes) | ("move", Move) | ("read_data", tid, mid, ids
 class PeerSender:
     """The one outgoing connection to one peer instance and its daemon sender thread.
 
-    The thread dials on its first job (HELLO, then waits for the signed HELLO_ACK), then sends
-    queued jobs strictly in order on that one connection. A second daemon thread watches the
+    The thread dials on its first job (HELLO, then waits for the signed HELLO_ACK however long a
+    stalled peer takes, see `TcpOptions`), then sends queued jobs strictly in order on that one
+    connection. A second daemon thread watches the
     connection: the acceptor never sends after HELLO_ACK, so EOF or reset means the peer is gone.
     Any failure reports the peer dead to the transport and the thread ends; later jobs are
     dropped. `stop` (transport close or peer death) wakes both threads.
@@ -72,8 +73,10 @@ class PeerSender:
 
     def _run(self) -> None:
         try:
-            wire = self.tx.dial(self.peer)
-            self.sock = wire.sock
+            self.sock = self.tx.connect(self.peer)  # before the handshake: `stop` can wake it
+            if self.stopped:
+                return
+            wire = self.tx.handshake(self.sock, self.peer)
             if self.stopped:
                 return
             threading.Thread(target=self._watch, daemon=True,
