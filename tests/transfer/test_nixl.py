@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import subprocess
 import sys
 import time
@@ -51,6 +52,34 @@ def test_metadata_never_reaches_receive_and_control_keeps_its_source(pair):
     wait_for(lambda: got.extend(b.receive()) or len(got) >= 5)
     assert got == [(a.local, b"m%d" % i) for i in range(5)]
     assert all(not m.startswith(MAGIC) for _, m in a.receive())
+
+
+
+def _process_cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def test_idle_endpoints_sleep_instead_of_spinning(pair):
+    """NIXL's progress thread waits in poll() between events: two idle endpoints (after a move,
+    connections up) cost this process a few percent of a core, not a core each (the Python
+    API's zero poll timeout), and moves still complete."""
+    a, b, a_pool, b_pool = pair
+    assert finish(a, a.write(1, [3], b.local, [7]), b) == "done"
+    assert torch.equal(b_pool.data[7], a_pool.data[3])
+    time.sleep(0.3)
+    cpu, wall = _process_cpu_s(), time.monotonic()
+    time.sleep(2.0)
+    busy = (_process_cpu_s() - cpu) / (time.monotonic() - wall)
+    assert busy < 0.25, f"two idle NIXL endpoints used {busy:.0%} of a core"
+    assert finish(a, a.write(2, [4], b.local, [8]), b) == "done"
+    assert torch.equal(b_pool.data[8], a_pool.data[4])
+
+
+def test_progress_poll_must_be_a_whole_number_of_milliseconds():
+    for bad in (0, -1, 2.5):
+        with pytest.raises(ValueError, match="progress_poll_ms"):
+            NixlOptions(progress_poll_ms=bad)
 
 
 def test_metadata_round_trips_and_refuses_garbage():

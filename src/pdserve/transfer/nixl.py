@@ -13,6 +13,7 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from nixl_cu12 import _api as nixl_api
 from nixl_cu12 import nixl_agent, nixl_agent_config
 
 from pdserve.transfer.descriptors import PeerId
@@ -35,7 +36,30 @@ _nixl_log.handlers.clear()
 _nixl_log.propagate = True
 _nixl_log.setLevel(logging.WARNING)
 
-__all__ = ["NixlOptions", "NixlTransport"]
+__all__ = ["NixlOptions", "NixlTransport", "make_agent"]
+
+_agent_lock = threading.Lock()
+
+
+def make_agent(name: str, options: NixlOptions) -> nixl_agent:
+    """A NIXL agent with the UCX backend whose progress thread (if on) sleeps up to
+    `options.progress_poll_ms` between polls. `nixl_agent` builds its own `nixlAgentConfig` and
+    sets `pthrDelay` (microseconds) to 0, a busy spin; the one call that receives that config,
+    the binding's `nixlAgent(name, config)`, is wrapped for the duration of the constructor."""
+    bindings = nixl_api.nixlBind
+    construct = bindings.nixlAgent
+
+    def with_delay(agent_name: str, config: Any) -> Any:
+        config.pthrDelay = options.progress_poll_ms * 1000
+        return construct(agent_name, config)
+
+    with _agent_lock:
+        bindings.nixlAgent = with_delay
+        try:
+            return nixl_agent(name, nixl_agent_config(
+                enable_prog_thread=options.progress_thread, backends=["UCX"]))
+        finally:
+            bindings.nixlAgent = construct
 
 
 class NixlTransport:
@@ -81,9 +105,7 @@ class NixlTransport:
         self._tcp = TcpTransport(local_host, port, secret=secret, instance_id=instance_id,
                                  advertise_port=advertise_port, options=self.options.tcp)
         self._name = agent_name(self._tcp.local)
-        # NIXL's progress thread spins (see NixlOptions.progress_thread).
-        self._agent = nixl_agent(self._name, nixl_agent_config(
-            enable_prog_thread=self.options.progress_thread, backends=["UCX"]))
+        self._agent = make_agent(self._name, self.options)
         self._lock = threading.RLock()
         self._region: PoolRegion | None = None
         self._reg: Any = None

@@ -21,21 +21,26 @@ class NixlOptions:
     asks NIXL to abort it. `meta_timeout_s`: how long a move waits for the peer's metadata
     (a peer without a registered pool never sends any). `dead_grace_s`: how long a move to a
     peer the TCP channel reports dead may stay pending before it is reported "error".
-    `progress_thread`: NIXL's own progress thread. It polls with zero delay, so each endpoint
-    holds a core near 100% even when idle; without it, UCX over TCP (this machine) does not
-    progress the target side of a write, and moves stall. On until the transport drives
-    progress itself on both sides."""
+    `progress_thread`: NIXL's own progress thread (without it UCX over TCP does not progress
+    the target side of a write, and moves stall). It sleeps in poll() on the UCX workers' event
+    descriptors, so traffic wakes it at once, and wakes at least every `progress_poll_ms`
+    otherwise. (NIXL's Python API hard-codes a zero poll timeout: the thread then spins, a core
+    per endpoint even when idle; `make_agent` in nixl.py sets this value instead.)"""
 
     cancel_wait_s: float = 5.0
     meta_timeout_s: float = 5.0
     dead_grace_s: float = 0.5
     progress_thread: bool = True
+    progress_poll_ms: int = 10
     tcp: TcpOptions = field(default_factory=TcpOptions)
 
     def __post_init__(self) -> None:
         for name in ("cancel_wait_s", "meta_timeout_s", "dead_grace_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"NixlOptions.{name} must be > 0, got {getattr(self, name)}")
+        if not isinstance(self.progress_poll_ms, int) or self.progress_poll_ms < 1:
+            raise ValueError("NixlOptions.progress_poll_ms must be a whole number >= 1, got "
+                             f"{self.progress_poll_ms!r}")
 
 
 @dataclass(eq=False)
