@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import sys
 import time
@@ -79,25 +80,21 @@ def _setup_logging(name: str) -> None:
 
 
 def _worker(args: argparse.Namespace) -> int:
-    import uvloop  # libuv's event loop (as vLLM's server): less Python per socket event
-
     from pdserve.workers.server import serve
     from pdserve.workers.settings import settings_from_args
 
     settings = settings_from_args(args)
     _setup_logging(f"{settings.role.value}:{settings.port}")
-    uvloop.run(serve(settings))
+    asyncio.run(serve(settings))
     return 0
 
 
 def _router(args: argparse.Namespace) -> int:
-    import uvloop
-
     from pdserve.router.app import serve, settings_from_args
 
     settings = settings_from_args(args)
     _setup_logging(f"router:{settings.port}")
-    uvloop.run(serve(settings))
+    asyncio.run(serve(settings))
     return 0
 
 
