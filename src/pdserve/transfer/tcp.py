@@ -9,7 +9,6 @@ from __future__ import annotations
 import itertools
 import json
 import logging
-import select
 import socket
 import threading
 from collections.abc import Callable, Sequence
@@ -346,6 +345,21 @@ class TcpTransport:
             raise ProtocolError(f"{expect.name} names an unknown cipher {cipher!r}")
         return peer, cipher, envelope
 
+    def _await_answer(self, sock: socket.socket, peer: PeerId) -> None:
+        """Block until the peer's first byte is readable (or EOF); warn once if that takes
+        longer than `handshake_timeout_s`. Peeks: nothing is consumed."""
+        sock.settimeout(self.options.handshake_timeout_s)
+        try:
+            sock.recv(1, socket.MSG_PEEK)
+            return
+        except TimeoutError:
+            log.warning("peer %s accepted the connection but has not answered the handshake in "
+                        "%.1f s: stalled, not dead; messages to it wait", peer,
+                        self.options.handshake_timeout_s)
+        finally:
+            sock.settimeout(None)
+        sock.recv(1, socket.MSG_PEEK)
+
     def _keep_alive(self, sock: socket.socket) -> None:
         o = self.options
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
@@ -382,10 +396,7 @@ class TcpTransport:
         try:
             hello = self._hello()
             self._send_hello(sock, Frame.HELLO, hello)
-            if not select.select([sock], [], [], self.options.handshake_timeout_s)[0]:
-                log.warning("peer %s accepted the connection but has not answered the handshake "
-                            "in %.1f s: stalled, not dead; messages to it wait", peer,
-                            self.options.handshake_timeout_s)
+            self._await_answer(sock, peer)
             got, cipher, ack = self._verify_hello(sock, Frame.HELLO_ACK)
             if not got.same_address(peer):
                 raise ProtocolError(f"{peer.host}:{peer.port} answered as {got}")
