@@ -223,8 +223,8 @@ def test_a_stalled_prefill_worker_costs_a_lease_not_a_hang(stall_cluster: Cluste
             outcomes.append((result, time.monotonic()))
 
     # one split request first: the decode worker's transfer connection to the prefill worker
-    # is dialed now, so the stalled worker can have learnt where to write (a dial that meets a
-    # stopped peer fails its handshake, the peer is declared dead and no block is held)
+    # is up before the stall, so the reservations reach the stalled worker (a stall before the
+    # first dial is the next test: there they wait behind the handshake)
     one(0)
     assert outcomes.pop()[0] == "30 tokens"
     pid = cluster.health(PREFILL)["pid"]
@@ -328,4 +328,3 @@ def _healthy_in_router(router: str, worker_url: str) -> bool:
     except urllib.error.HTTPError as e:
         body = e.read()
     return any(w["url"] == worker_url and w["healthy"] for w in json.loads(body)["workers"])
-

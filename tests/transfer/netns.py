@@ -39,9 +39,8 @@ def network_namespace() -> Iterator[Namespace]:
         pytest.skip("network namespaces need root and iproute2")
     pid = os.getpid()
     name, host_link, inner_link = f"pdt{pid}", f"pdt{pid % 10**8}h", f"pdt{pid % 10**8}c"
-    subnet = f"10.231.{pid % 250}.{4 * (pid // 250 % 60)}"
-    base = subnet.rsplit(".", 1)
-    outside, inside = f"{base[0]}.{int(base[1]) + 1}", f"{base[0]}.{int(base[1]) + 2}"
+    third, fourth = pid % 250, 4 * (pid // 250 % 60)  # the /30 10.231.third.fourth
+    outside, inside = f"10.231.{third}.{fourth + 1}", f"10.231.{third}.{fourth + 2}"
     try:
         _ip("netns", "add", name)
     except subprocess.CalledProcessError as e:

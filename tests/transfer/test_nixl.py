@@ -54,7 +54,6 @@ def test_metadata_never_reaches_receive_and_control_keeps_its_source(pair):
     assert all(not m.startswith(MAGIC) for _, m in a.receive())
 
 
-
 def _process_cpu_s() -> float:
     usage = resource.getrusage(resource.RUSAGE_SELF)
     return usage.ru_utime + usage.ru_stime

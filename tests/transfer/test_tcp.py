@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -225,7 +226,7 @@ def test_sigkill_mid_write_fails_the_peer_and_the_parent_keeps_serving():
 ECHO_CHILD = """
 import json, sys, time
 from pdserve.transfer.tcp import TcpTransport
-tx = TcpTransport(secret=b"s" * 32)
+tx = TcpTransport(sys.argv[1], secret=b"s" * 32)
 print(json.dumps(tx.local.to_json()), flush=True)
 while True:
     for peer, message in tx.receive():
@@ -234,75 +235,69 @@ while True:
 """
 
 
+@contextlib.contextmanager
+def echo_peer(host: str = "127.0.0.1",
+              netns: str | None = None) -> Iterator[tuple[subprocess.Popen, PeerId]]:
+    """A child process whose TcpTransport at `host` (inside network namespace `netns`, if
+    given) sends every control message back prefixed "echo ", and its PeerId; killed on exit."""
+    argv = [sys.executable, "-c", ECHO_CHILD, host]
+    if netns is not None:
+        argv = ["ip", "netns", "exec", netns, *argv]
+    child = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True,
+                             env={**os.environ, "PYTHONPATH": os.getcwd()})
+    try:
+        yield child, PeerId.from_json(json.loads(child.stdout.readline()))
+    finally:
+        child.kill()
+        child.wait()
+
+
 def test_a_peer_stopped_before_the_first_contact_is_waited_for_not_declared_dead(caplog):
     """SIGSTOP a peer before anyone dialed it: its kernel accepts the connection, its process
     cannot answer HELLO. That is a stall (a GC pause, a frozen host), not a death: the dialer
     warns and waits, and after SIGCONT the queued message is delivered and answered. Declaring
     it dead would have broken the pair for good (each side refusing the other)."""
-    env = {**os.environ, "PYTHONPATH": os.getcwd()}
-    child = subprocess.Popen([sys.executable, "-c", ECHO_CHILD], stdout=subprocess.PIPE,
-                             env=env, text=True)
-    try:
-        peer = PeerId.from_json(json.loads(child.stdout.readline()))
-        with endpoint() as a, caplog.at_level(logging.WARNING, "pdserve.transfer.tcp"):
-            os.kill(child.pid, signal.SIGSTOP)
-            a.send(peer, b"hello")
-            time.sleep(2 * OPTS.handshake_timeout_s)
-            assert a.peer_alive(peer) and a.receive() == []
-            assert "has not answered the handshake" in caplog.text
-            os.kill(child.pid, signal.SIGCONT)
-            got: list[tuple[PeerId, bytes]] = []
-            wait_for(lambda: got.extend(a.receive()) or got, 10.0)
-            assert got == [(peer, b"echo hello")]
-            assert a.peer_alive(peer)
-    finally:
-        child.kill()
-        child.wait()
+    with echo_peer() as (child, peer), endpoint() as a, \
+            caplog.at_level(logging.WARNING, "pdserve.transfer.tcp"):
+        os.kill(child.pid, signal.SIGSTOP)
+        a.send(peer, b"hello")
+        time.sleep(2 * OPTS.handshake_timeout_s)
+        assert a.peer_alive(peer) and a.receive() == []
+        assert "has not answered the handshake" in caplog.text
+        os.kill(child.pid, signal.SIGCONT)
+        got: list[tuple[PeerId, bytes]] = []
+        wait_for(lambda: got.extend(a.receive()) or got, 10.0)
+        assert got == [(peer, b"echo hello")]
+        assert a.peer_alive(peer)
 
 
 def test_keepalive_probes_do_not_end_a_stopped_peer_and_a_kill_does():
     """Keepalive probes go out every second here; a stopped process's kernel answers them, so
     only its death ends it."""
-    env = {**os.environ, "PYTHONPATH": os.getcwd()}
-    child = subprocess.Popen([sys.executable, "-c", ECHO_CHILD], stdout=subprocess.PIPE,
-                             env=env, text=True)
     fast = replace(OPTS, keepalive_idle_s=1, keepalive_interval_s=1, keepalive_probes=1)
-    try:
-        peer = PeerId.from_json(json.loads(child.stdout.readline()))
-        with TcpTransport(secret=SECRET, options=fast) as a:
-            a.send(peer, b"1")
-            wait_for(lambda: a.receive() == [(peer, b"echo 1")], 10.0)
-            os.kill(child.pid, signal.SIGSTOP)
-            time.sleep(3.5)
-            assert a.peer_alive(peer)
-            os.kill(child.pid, signal.SIGKILL)
-            wait_for(lambda: not a.peer_alive(peer), 3.0)
-    finally:
-        child.kill()
-        child.wait()
+    with echo_peer() as (child, peer), TcpTransport(secret=SECRET, options=fast) as a:
+        a.send(peer, b"1")
+        wait_for(lambda: a.receive() == [(peer, b"echo 1")], 10.0)
+        os.kill(child.pid, signal.SIGSTOP)
+        time.sleep(3.5)
+        assert a.peer_alive(peer)
+        os.kill(child.pid, signal.SIGKILL)
+        wait_for(lambda: not a.peer_alive(peer), 3.0)
 
 
 def test_a_host_that_stops_answering_is_dead_within_the_keepalive_bound():
     """The peer's host vanishes (its network link goes down in its own namespace: no reset, no
     FIN, nothing): keepalive ends the peer within idle + interval x probes, not TCP's hours."""
     fast = replace(OPTS, keepalive_idle_s=1, keepalive_interval_s=1, keepalive_probes=2)
-    with network_namespace() as ns:
-        child = subprocess.Popen(
-            ["ip", "netns", "exec", ns.name, sys.executable, "-c",
-             ECHO_CHILD.replace("TcpTransport(", f"TcpTransport({ns.inside!r}, ")],
-            stdout=subprocess.PIPE, env={**os.environ, "PYTHONPATH": os.getcwd()}, text=True)
-        try:
-            peer = PeerId.from_json(json.loads(child.stdout.readline()))
-            with TcpTransport(ns.outside, secret=SECRET, options=fast) as a:
-                a.send(peer, b"1")
-                wait_for(lambda: a.receive() == [(peer, b"echo 1")], 10.0)
-                ns.cut()
-                started = time.monotonic()
-                wait_for(lambda: not a.peer_alive(peer), 10.0)
-                assert time.monotonic() - started < 1 + 2 * 1 + 2
-        finally:
-            child.kill()
-            child.wait()
+    with network_namespace() as ns, echo_peer(ns.inside, ns.name) as (_, peer), \
+            TcpTransport(ns.outside, secret=SECRET, options=fast) as a:
+        a.send(peer, b"1")
+        wait_for(lambda: a.receive() == [(peer, b"echo 1")], 10.0)
+        ns.cut()
+        started = time.monotonic()
+        wait_for(lambda: not a.peer_alive(peer), 10.0)
+        assert time.monotonic() - started < 1 + 2 * 1 + 2
+
 
 # -- the cancel fence ----------------------------------------------------------------------------
 

@@ -345,20 +345,18 @@ class TcpTransport:
             raise ProtocolError(f"{expect.name} names an unknown cipher {cipher!r}")
         return peer, cipher, envelope
 
-    def _await_answer(self, sock: socket.socket, peer: PeerId) -> None:
-        """Block until the peer's first byte is readable (or EOF); warn once if that takes
-        longer than `handshake_timeout_s`. Peeks: nothing is consumed."""
+    def _warn_if_silent(self, sock: socket.socket, peer: PeerId) -> None:
+        """Warn if the peer has not begun its answer within `handshake_timeout_s` (a peeked
+        byte, nothing consumed); the caller then reads it without a bound (see `TcpOptions`)."""
         sock.settimeout(self.options.handshake_timeout_s)
         try:
             sock.recv(1, socket.MSG_PEEK)
-            return
         except TimeoutError:
             log.warning("peer %s accepted the connection but has not answered the handshake in "
                         "%.1f s: stalled, not dead; messages to it wait", peer,
                         self.options.handshake_timeout_s)
         finally:
             sock.settimeout(None)
-        sock.recv(1, socket.MSG_PEEK)
 
     def _keep_alive(self, sock: socket.socket) -> None:
         o = self.options
@@ -396,7 +394,7 @@ class TcpTransport:
         try:
             hello = self._hello()
             self._send_hello(sock, Frame.HELLO, hello)
-            self._await_answer(sock, peer)
+            self._warn_if_silent(sock, peer)
             got, cipher, ack = self._verify_hello(sock, Frame.HELLO_ACK)
             if not got.same_address(peer):
                 raise ProtocolError(f"{peer.host}:{peer.port} answered as {got}")
