@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = ("bindings.cpp", "norm.cpp", "activation.cpp", "rope.cpp", "kv_store.cpp",
-           "decode_attention.cpp")
+           "decode_attention.cpp", "amx_linear.cpp")
 HEADERS = ("ops.h", "vec.h")
 
 
@@ -64,7 +64,7 @@ def build_dir() -> Path:
 def _cflags() -> list[str]:
     """-march=native, and the ISA ATen's vector types (csrc/vec.h) should compile for."""
     capability = torch.backends.cpu.get_cpu_capability()  # "AVX512", "AVX2" or "DEFAULT"
-    flags = ["-O3", "-march=native"]
+    flags = ["-O3", "-march=native", "-fopenmp"]
     if capability in ("AVX512", "AVX2"):
         flags += [f"-DCPU_CAPABILITY={capability}", f"-DCPU_CAPABILITY_{capability}"]
     return flags
@@ -82,7 +82,7 @@ def cpu_ops() -> ModuleType | None:
                     "about 35 s on 2 cores)", folder)
     try:
         return load(name="pdserve_cpu_ops", sources=[str(CSRC / s) for s in SOURCES],
-                    extra_cflags=_cflags(), build_directory=str(folder),
+                    extra_cflags=_cflags(), extra_ldflags=["-fopenmp"], build_directory=str(folder),
                     verbose=False)
     except (OSError, RuntimeError, ImportError) as e:  # no compiler, failed build
         log.warning("fused CPU operators unavailable, using PyTorch operators: %s", e)

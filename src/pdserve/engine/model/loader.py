@@ -33,7 +33,7 @@ def load_model(
         model.lm_head.weight = model.embed_tokens.weight
     model.load_hf_weights(load_weights(path, dtype))
     if can_pack(device):
-        pack_linears(model)
+        pack_linears(model, fused)
     return model.eval()
 
 

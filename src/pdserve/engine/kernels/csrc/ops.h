@@ -4,6 +4,7 @@
 
 #include <ATen/ATen.h>
 
+#include <optional>
 #include <tuple>
 
 namespace pdserve {
@@ -40,5 +41,15 @@ void store_kv_(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
                             const at::Tensor& v_cache, const at::Tensor& block_tables,
                             const at::Tensor& lens, double scale);
+
+// Whether this process may use AMX tiles (built for them, and granted by the kernel).
+bool amx_available();
+
+// weight [N, K] bf16 (N and K multiples of 32) -> AMX tiles [N/16, K/32, 16, 16, 2].
+at::Tensor amx_pack(const at::Tensor& weight);
+
+// x [M, K] bf16 (rows may be strided) . weight^T (+ bias [N]) -> [M, N], from amx_pack's tiles.
+at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed,
+                      const std::optional<at::Tensor>& bias);
 
 }  // namespace pdserve

@@ -1,0 +1,169 @@
+// bf16 linear layer on Intel AMX tiles (Sapphire Rapids and later).
+//
+// Why not oneDNN, which also uses AMX here: on SmolLM2's shapes (N x K of 960x576 ... 49152x576)
+// its prepacked inner product streams the decode step's weights at 12-16 GB/s on this machine;
+// this plain loop reaches 20-25 GB/s at 1-32 rows (bench: `pdserve bench engine`). Each call is
+// one pass over the weights with no primitive lookup, and each output row's sum runs over K in
+// the same order whatever M is, so a row's result does not depend on the rows batched with it.
+//
+// Tile algebra (Intel SDM vol. 1 ch. 20): TDPBF16PS C[16 x 16 fp32] += A[16 x 32 bf16] . B, with
+// B one 1 KiB tile of 16 K-pairs x 16 columns x 2 bf16 ("VNNI" order). The weight is packed
+// once into such tiles: [N/16][K/32][16 k-pairs][16 n][2]. A work item is 32 output columns
+// (two B tiles side by side) over every row: for each 32-row chunk of x, 32 K at a time,
+// C[rows 0-15 | 16-31][cols 0-15 | 16-31] accumulate in tiles 0-3 from A tiles 4-5 and B
+// tiles 6-7. The item's weights (2 x K x 32 bf16, <= 192 KiB for K <= 1536) stay in L2 while
+// the row chunks reuse them, so weights cross the memory bus once per call.
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+
+#include "ops.h"
+#include "vec.h"
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#define PDSERVE_AMX 1
+#endif
+
+namespace pdserve {
+
+#ifdef PDSERVE_AMX
+namespace {
+
+constexpr int64_t kTileK = 32;          // bf16 along K per A row / per B tile
+constexpr int64_t kTileN = 16;          // fp32 columns per C tile
+constexpr int64_t kTileElems = 16 * 32;  // bf16 per B tile (1 KiB)
+
+// The 64-byte operand of LDTILECFG (Intel SDM vol. 1 section 3.2.2, palette 1).
+struct TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Tiles 0-3: C, 4-5: A (rows 0-15, 16-31 of the chunk), 6-7: B; every row 64 bytes.
+void configure(int64_t rows) {
+  TileConfig cfg;
+  for (int t = 0; t < 8; ++t) {
+    cfg.rows[t] = 16;
+    cfg.colsb[t] = 64;
+  }
+  cfg.rows[0] = cfg.rows[1] = cfg.rows[4] = static_cast<uint8_t>(std::min<int64_t>(rows, 16));
+  if (rows > 16) cfg.rows[2] = cfg.rows[3] = cfg.rows[5] = static_cast<uint8_t>(rows - 16);
+  _tile_loadconfig(&cfg);
+}
+
+// c [rows, 16] fp32 (+ bias[16]) rounded to nearest even into out (row stride ld).
+void emit(const float (*c)[16], int64_t rows, const float* bias, bf16* out, int64_t ld) {
+  const __m512 b = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
+  for (int64_t r = 0; r < rows; ++r) {
+    const __m256bh v = _mm512_cvtneps_pbh(_mm512_add_ps(_mm512_load_ps(c[r]), b));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + r * ld), reinterpret_cast<const __m256i&>(v));
+  }
+}
+
+// Columns [32 g, 32 g + 32) of rows [m0, m0 + rows) of out = x . w^T (+ bias).
+void item(const bf16* x, int64_t ldx, const bf16* w0, int64_t k, const float* bias, bf16* out,
+          int64_t n, int64_t rows) {
+  const bf16* w1 = w0 + (k / kTileK) * kTileElems;  // the next 16 columns' tiles
+  const bool two = rows > 16;
+  _tile_zero(0);
+  _tile_zero(1);
+  if (two) {
+    _tile_zero(2);
+    _tile_zero(3);
+  }
+  for (int64_t kc = 0; kc < k / kTileK; ++kc) {
+    _tile_loadd(4, x + kc * kTileK, ldx * 2);
+    _tile_loadd(6, w0 + kc * kTileElems, 64);
+    _tile_loadd(7, w1 + kc * kTileElems, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    if (two) {
+      _tile_loadd(5, x + 16 * ldx + kc * kTileK, ldx * 2);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  alignas(64) float c[16][16];
+  const int64_t top = std::min<int64_t>(rows, 16);
+  for (int t = 0; t < (two ? 4 : 2); ++t) {
+    switch (t) {  // the tile number is an immediate
+      case 0: _tile_stored(0, c, 64); break;
+      case 1: _tile_stored(1, c, 64); break;
+      case 2: _tile_stored(2, c, 64); break;
+      default: _tile_stored(3, c, 64); break;
+    }
+    const int64_t col = (t % 2) * kTileN, row = (t / 2) * 16;
+    emit(c, t < 2 ? top : rows - 16, bias ? bias + col : nullptr, out + row * n + col, n);
+  }
+}
+
+}  // namespace
+
+bool amx_available() {
+  // Linux hands out AMX's 8 KiB of tile state only to a process that asks (arch_prctl,
+  // ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA; kernel Documentation/arch/x86/xstate.rst).
+  static const bool ok = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+  return ok;
+}
+
+at::Tensor amx_pack(const at::Tensor& weight) {
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kBFloat16 &&
+                  weight.size(0) % (2 * kTileN) == 0 && weight.size(1) % kTileK == 0,
+              "amx_pack needs a bf16 [N, K] weight with N a multiple of 32 and K of 32");
+  const int64_t n = weight.size(0), k = weight.size(1);
+  // [N, K] -> [N/16, 16 n, K/32, 16 k-pairs, 2] -> [N/16, K/32, 16 k-pairs, 16 n, 2]
+  return weight.reshape({n / kTileN, kTileN, k / kTileK, 16, 2})
+      .permute({0, 2, 3, 1, 4})
+      .contiguous();
+}
+
+at::Tensor amx_linear(const at::Tensor& x_in, const at::Tensor& packed,
+                      const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(amx_available(), "this CPU or kernel does not grant AMX to the process");
+  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kBFloat16, "x must be bf16 [M, K]");
+  TORCH_CHECK(packed.dim() == 5 && packed.size(1) * kTileK == x_in.size(1),
+              "x has ", x_in.size(1), " features, the packed weight ", packed.size(1) * kTileK);
+  const at::Tensor x = x_in.stride(1) == 1 ? x_in : x_in.contiguous();
+  const int64_t m = x.size(0), k = x.size(1), n = packed.size(0) * kTileN, ldx = x.stride(0);
+  at::Tensor b32;
+  if (bias) {
+    TORCH_CHECK(bias->numel() == n, "bias has ", bias->numel(), " values for ", n, " outputs");
+    b32 = bias->to(at::kFloat).contiguous();
+  }
+  auto out = at::empty({m, n}, x.options());
+  const bf16* xp = x.data_ptr<bf16>();
+  const bf16* wp = packed.data_ptr<bf16>();
+  const float* bp = bias ? b32.data_ptr<float>() : nullptr;
+  bf16* op = out.data_ptr<bf16>();
+  at::parallel_for(0, n / (2 * kTileN), 1, [&](int64_t g0, int64_t g1) {
+    int64_t configured = -1;  // LDTILECFG is per thread; reload only when the chunk shape changes
+    for (int64_t g = g0; g < g1; ++g) {
+      for (int64_t m0 = 0; m0 < m; m0 += 32) {
+        const int64_t rows = std::min<int64_t>(32, m - m0);
+        if (rows != configured) configure(configured = rows);
+        item(xp + m0 * ldx, ldx, wp + 2 * g * (k / kTileK) * kTileElems, k,
+             bp ? bp + 2 * g * kTileN : nullptr, op + m0 * n + 2 * g * kTileN, n, rows);
+      }
+    }
+    if (configured >= 0) _tile_release();
+  });
+  return out;
+}
+
+#else  // compiled for a CPU without AMX-BF16
+
+bool amx_available() { return false; }
+
+at::Tensor amx_pack(const at::Tensor&) { TORCH_CHECK(false, "built without AMX"); }
+
+at::Tensor amx_linear(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&) {
+  TORCH_CHECK(false, "built without AMX");
+}
+
+#endif
+
+}  // namespace pdserve
