@@ -12,6 +12,7 @@ from pdserve import LLM, SamplingParams
 from pdserve.engine import kernels
 from pdserve.engine.model.attention import DecodeGroup, _decode
 from pdserve.engine.model.rope import apply_rope
+from pdserve.engine.sampler import Sampler
 
 BF16 = torch.bfloat16
 
@@ -201,3 +202,34 @@ def test_a_failed_build_falls_back_to_pytorch_with_a_warning(monkeypatch, caplog
     with caplog.at_level(logging.WARNING, logger="pdserve.engine.kernels"):
         assert kernels.cpu_ops.__wrapped__() is None
     assert "using PyTorch operators: Error building extension" in caplog.text
+
+
+@pytest.mark.parametrize("vocab", [7, 100, 49152])
+def test_argmax_rows_is_torchs_first_maximum_with_ties_nans_and_infinities(ops, vocab):
+    gen = torch.Generator().manual_seed(vocab)
+    rows = [torch.randn(vocab, generator=gen), torch.randint(0, 3, (vocab,), generator=gen).float(),
+            torch.full((vocab,), -float("inf"))]
+    for where, value in ((vocab // 2, float("nan")), (vocab - 1, float("inf")), (0, float("nan"))):
+        row = torch.randn(vocab, generator=gen)
+        row[where] = value
+        rows.append(row)
+    x = torch.stack(rows).to(BF16)
+    assert torch.equal(ops.argmax_rows(x), x.max(dim=-1).indices)
+    wide = torch.zeros(len(rows), vocab + 40, dtype=BF16)
+    wide[:, 40:] = x  # rows further apart than their length
+    assert torch.equal(ops.argmax_rows(wide[:, 40:]), x.max(dim=-1).indices)
+
+
+def test_the_sampler_takes_greedy_bf16_rows_through_argmax_rows(ops):
+    logits = torch.randn(16, 1000, generator=torch.Generator().manual_seed(3)).to(BF16)
+    params = [SamplingParams(temperature=0)] * 8 + [SamplingParams(temperature=1.0, seed=5)] * 8
+    calls = []
+
+    class Spy:
+        def argmax_rows(self, x):
+            calls.append(x.shape)
+            return ops.argmax_rows(x)
+
+    plain, fused = Sampler(seed=1), Sampler(seed=1, fused=Spy())
+    assert fused(logits, params, [0] * 16).token_ids == plain(logits, params, [0] * 16).token_ids
+    assert calls == [(16, 1000)]

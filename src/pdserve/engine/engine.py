@@ -52,7 +52,7 @@ class Engine:
                                           config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.block_manager)
         self.runner = ModelRunner(self.model, self.kv_cache, config.device)
-        self.sampler = Sampler(config.seed)
+        self.sampler = Sampler(config.seed, self.model.fused)
         self.outputs = OutputProcessor(self.tokenizer, eos_token_ids(path, self.tokenizer),
                                        config.max_model_len)
         self.requests: dict[str, Request] = {}

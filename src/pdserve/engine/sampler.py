@@ -17,6 +17,7 @@ Invariants:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 
@@ -123,13 +124,22 @@ def first_argmax(x: torch.Tensor) -> torch.Tensor:
 
 
 class Sampler:
-    """Stateless apart from the generators that feed unseeded rows."""
+    """Stateless apart from the generators that feed unseeded rows.
 
-    def __init__(self, seed: int = 0) -> None:
+    `fused`: pdserve's compiled CPU operators, whose `argmax_rows` takes greedy bf16 rows
+    (the same indices as `first_argmax`, ~6x faster on SmolLM2's 49,152-entry rows)."""
+
+    def __init__(self, seed: int = 0, fused: ModuleType | None = None) -> None:
         if not isinstance(seed, int) or isinstance(seed, bool):
             raise ValueError(f"Sampler seed must be an int, got {seed!r}")
         self._seed = seed
+        self._fused = fused
         self._generators: dict[torch.device, torch.Generator] = {}
+
+    def _argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        if self._fused is not None and logits.dtype == torch.bfloat16 and not logits.is_cuda:
+            return self._fused.argmax_rows(logits)
+        return first_argmax(logits)
 
     def __call__(
         self, logits: torch.Tensor, params: list[SamplingParams], positions: list[int]
@@ -138,7 +148,7 @@ class Sampler:
         _check_inputs(logits, params, positions)
         greedy = [p.greedy for p in params]
         if all(greedy):
-            tokens = first_argmax(logits)  # [B]
+            tokens = self._argmax(logits)  # [B]
         else:
             tokens = self._sample_mixed(logits, params, positions, greedy)
         token_list: list[int] = tokens.tolist()
@@ -155,7 +165,7 @@ class Sampler:
         sampled = [i for i, g in enumerate(greedy) if not g]
         if len(sampled) == len(params):
             return self._sample(logits, params, positions)
-        tokens = first_argmax(logits)  # [B]
+        tokens = self._argmax(logits)  # [B]
         idx = torch.tensor(sampled, device=logits.device)
         sub_tokens = self._sample(
             logits.index_select(0, idx),

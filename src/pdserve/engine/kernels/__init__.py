@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = ("bindings.cpp", "norm.cpp", "activation.cpp", "rope.cpp", "kv_store.cpp",
-           "decode_attention.cpp", "amx_linear.cpp")
+           "decode_attention.cpp", "amx_linear.cpp", "argmax.cpp")
 HEADERS = ("ops.h", "vec.h")
 
 

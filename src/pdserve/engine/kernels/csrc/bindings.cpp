@@ -10,6 +10,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_", &pdserve::rope_);
   m.def("store_kv_", &pdserve::store_kv_);
   m.def("decode_attention", &pdserve::decode_attention);
+  m.def("argmax_rows", &pdserve::argmax_rows);
   m.def("amx_available", &pdserve::amx_available);
   m.def("amx_pack", &pdserve::amx_pack);
   m.def("amx_linear", &pdserve::amx_linear);

@@ -42,6 +42,10 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
                             const at::Tensor& v_cache, const at::Tensor& block_tables,
                             const at::Tensor& lens, double scale);
 
+// x [B, V] bf16 -> [B] int64: each row's first maximum, as torch.max(dim=-1).indices (a
+// NaN counts as the maximum).
+at::Tensor argmax_rows(const at::Tensor& x);
+
 // Whether this process may use AMX tiles (built for them, and granted by the kernel).
 bool amx_available();
 
