@@ -2,10 +2,14 @@
 
 On CPU most of a small model's step outside its matmuls is PyTorch dispatch: an RMSNorm is
 several aten calls, rotary embedding five, decode attention a block gather, a padded copy and a
-masked SDPA per layer. The C++ operators in `csrc/` do each in one pass (see `csrc/ops.h`).
+masked SDPA per layer. The C++ operators in `csrc/` do each in one pass (see `csrc/ops.h`),
+and on a CPU with AMX the linear layers run on pdserve's own tile kernel (`amx_linear.cpp`).
+They are built with `-fopenmp`, so `at::parallel_for` uses ATen's thread pool (without it
+the loops silently run on one thread); the library then shares torch's libgomp, already
+loaded under the same soname.
 
 Lifetime: `cpu_ops()` compiles the sources with the host compiler the first time a process
-asks (about 35 s on 2 cores), into a cache folder named by a hash of the sources, the
+asks (about 40 s on 2 cores), into a cache folder named by a hash of the sources, the
 torch version and the CPU's flags, then loads the library; later processes and later calls
 load it straight away. Compilation is serialised by torch's lock file in that folder, so
 workers started together compile once. When no compiler is there or the build fails, it
@@ -79,7 +83,7 @@ def cpu_ops() -> ModuleType | None:
     folder.mkdir(parents=True, exist_ok=True)
     if not any(folder.glob("*.so")):
         log.warning("compiling pdserve's fused CPU operators into %s (once per machine, "
-                    "about 35 s on 2 cores)", folder)
+                    "about 40 s on 2 cores)", folder)
     try:
         return load(name="pdserve_cpu_ops", sources=[str(CSRC / s) for s in SOURCES],
                     extra_cflags=_cflags(), extra_ldflags=["-fopenmp"], build_directory=str(folder),
