@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from pdserve import LLM
-from pdserve.engine import kernels
+from pdserve.engine import huge_pages, kernels
 from pdserve.engine.model.packed_linear import AmxLinear, PackedLinear, pack_linears
 from tests.engine.test_cpu_kernels import KERNEL_SHAPE
 
@@ -80,5 +82,10 @@ def test_pack_linears_takes_amx_where_the_shape_fits(ops):
 
 def test_the_bf16_engine_runs_its_linears_on_amx(ops, tiny_model):
     llm = LLM(model=str(tiny_model("llama", **KERNEL_SHAPE)), dtype="bfloat16", max_model_len=64)
-    kinds = {type(m) for m in llm.engine.model.modules() if isinstance(m, AmxLinear | PackedLinear)}
-    assert kinds == {AmxLinear}
+    linears = [m for m in llm.engine.model.modules() if isinstance(m, AmxLinear | PackedLinear)]
+    assert {type(m) for m in linears} == {AmxLinear}
+    # side by side in one mapping that starts on a huge page
+    packed = sorted((m.packed for m in linears), key=lambda t: t.data_ptr())
+    assert packed[0].data_ptr() % huge_pages.HUGE_PAGE == 0
+    assert all(a.data_ptr() + a.nbytes == b.data_ptr()
+               for a, b in itertools.pairwise(packed))

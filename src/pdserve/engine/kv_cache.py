@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from pdserve.engine import huge_pages
 from pdserve.engine.model.config import ModelConfig
 
 
@@ -28,10 +29,11 @@ class KVCache:
         self.block_size = block_size
         self.num_layers = model.num_layers
         # [num_blocks, layers, 2, block_size, kv_heads, head_dim]
-        self.data = torch.zeros(
-            num_blocks, model.num_layers, 2, block_size, model.num_kv_heads, model.head_dim,
-            dtype=dtype, device=device,
-        )
+        shape = (num_blocks, model.num_layers, 2, block_size, model.num_kv_heads, model.head_dim)
+        if torch.device(device).type == "cpu":  # blocks are read at random: huge pages
+            self.data = huge_pages.zeros(shape, dtype)
+        else:
+            self.data = torch.zeros(shape, dtype=dtype, device=device)
         # per layer: K and V views of [num_blocks, block_size, kv_heads, head_dim]
         self.layers = [(self.data[:, i, 0], self.data[:, i, 1]) for i in range(self.num_layers)]
 

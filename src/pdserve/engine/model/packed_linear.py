@@ -5,6 +5,7 @@ them.
   (`kernels/csrc/amx_linear.cpp`): SmolLM2's decode step streams its weights 1.3-1.6x faster
   than through oneDNN at batch 1-32, and a 1,000-token prefill's matmuls run ~1.25x faster
   (measured on this machine: all of its linears, 2 threads, batch 1: 17.3 ms -> 10.6 ms).
+  Every AMX weight of a model lives in one mapping on huge pages (`engine/huge_pages.py`).
 - `PackedLinear` otherwise: the weight reordered into oneDNN's blocked layout (what PyTorch's
   inductor does when it freezes a CPU graph); `F.linear` hands oneDNN a plain [out, in] weight
   every call, 1.3-2x slower here, with bit-identical results in fp32 and bf16.
@@ -16,6 +17,8 @@ from types import ModuleType
 
 import torch
 from torch import nn
+
+from pdserve.engine import huge_pages
 
 
 class PackedLinear(nn.Module):
@@ -31,13 +34,14 @@ class PackedLinear(nn.Module):
 
 
 class AmxLinear(nn.Module):
-    """Weight tiles [out/16, in/32, 16, 16, 2] (`amx_pack`); out and in multiples of 32."""
+    """`packed`: the weight as AMX tiles [out/16, in/32, 16, 16, 2] (`amx_pack`'s layout);
+    out and in are multiples of 32."""
 
-    def __init__(self, linear: nn.Linear, ops: ModuleType) -> None:
+    def __init__(self, linear: nn.Linear, ops: ModuleType, packed: torch.Tensor) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.ops = ops
-        self.packed = ops.amx_pack(linear.weight.detach())
+        self.packed = packed
         self.bias = None if linear.bias is None else linear.bias.detach()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -56,10 +60,19 @@ def _fits_amx(linear: nn.Linear, ops: ModuleType | None) -> bool:
 
 def pack_linears(module: nn.Module, ops: ModuleType | None = None) -> None:
     """Replace every nn.Linear under `module` (weights are copied): by an AmxLinear where `ops`
-    (pdserve's compiled CPU operators) has AMX here and the shape fits, else a PackedLinear."""
-    for name, child in module.named_children():
-        if isinstance(child, nn.Linear):
-            packed = AmxLinear(child, ops) if _fits_amx(child, ops) else PackedLinear(child)
-            setattr(module, name, packed)
-        else:
-            pack_linears(child, ops)
+    (pdserve's compiled CPU operators) has AMX here and the shape fits, else a PackedLinear.
+    The AMX weights are packed side by side into one huge-page mapping."""
+    linears = [(parent, name, child) for parent in module.modules()
+               for name, child in parent.named_children() if isinstance(child, nn.Linear)]
+    amx = [lin for _, _, lin in linears if _fits_amx(lin, ops)]
+    arena = huge_pages.zeros((sum(lin.weight.numel() for lin in amx),), torch.bfloat16)
+    offset = 0
+    for parent, name, lin in linears:
+        if not _fits_amx(lin, ops):
+            setattr(parent, name, PackedLinear(lin))
+            continue
+        tiles = ops.amx_pack(lin.weight.detach())  # sizes a multiple of 1 KiB: stays aligned
+        packed = arena[offset : offset + tiles.numel()].view(tiles.shape)
+        packed.copy_(tiles)
+        offset += tiles.numel()
+        setattr(parent, name, AmxLinear(lin, ops, packed))
