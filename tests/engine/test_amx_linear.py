@@ -89,3 +89,13 @@ def test_the_bf16_engine_runs_its_linears_on_amx(ops, tiny_model):
     assert packed[0].data_ptr() % huge_pages.HUGE_PAGE == 0
     assert all(a.data_ptr() + a.nbytes == b.data_ptr()
                for a, b in itertools.pairwise(packed))
+
+
+def test_an_amx_layer_adds_its_bias_as_the_kernel_does(ops):
+    layer = nn.Linear(576, 960).to(BF16)
+    w, b = layer.weight.detach().clone(), layer.bias.detach().clone()
+    model = nn.Sequential(layer)
+    pack_linears(model, ops)
+    x = torch.randn(5, 576, generator=torch.Generator().manual_seed(4)).to(BF16)
+    assert isinstance(model[0], AmxLinear)
+    assert torch.equal(model(x), ops.amx_linear(x, ops.amx_pack(w), b))

@@ -42,7 +42,8 @@ class AmxLinear(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.ops = ops
         self.packed = packed
-        self.bias = None if linear.bias is None else linear.bias.detach()
+        # fp32 once here: the kernel adds the bias to its fp32 sums (else a cast every call)
+        self.bias = None if linear.bias is None else linear.bias.detach().float()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x [T, in] -> [T, out]
@@ -62,13 +63,13 @@ def pack_linears(module: nn.Module, ops: ModuleType | None = None) -> None:
     """Replace every nn.Linear under `module` (weights are copied): by an AmxLinear where `ops`
     (pdserve's compiled CPU operators) has AMX here and the shape fits, else a PackedLinear.
     The AMX weights are packed side by side into one huge-page mapping."""
-    linears = [(parent, name, child) for parent in module.modules()
+    linears = [(parent, name, child, _fits_amx(child, ops)) for parent in module.modules()
                for name, child in parent.named_children() if isinstance(child, nn.Linear)]
-    amx = [lin for _, _, lin in linears if _fits_amx(lin, ops)]
-    arena = huge_pages.zeros((sum(lin.weight.numel() for lin in amx),), torch.bfloat16)
+    amx_numel = sum(lin.weight.numel() for _, _, lin, amx in linears if amx)
+    arena = huge_pages.zeros((amx_numel,), torch.bfloat16)
     offset = 0
-    for parent, name, lin in linears:
-        if not _fits_amx(lin, ops):
+    for parent, name, lin, amx in linears:
+        if not amx:
             setattr(parent, name, PackedLinear(lin))
             continue
         tiles = ops.amx_pack(lin.weight.detach())  # sizes a multiple of 1 KiB: stays aligned
