@@ -106,8 +106,9 @@ def _add_serving(sub) -> None:
         "worker", help="one engine behind an OpenAI-compatible HTTP server",
         description="A prefill, decode or collocated worker: a complete OpenAI-compatible "
                     "server on its own (/v1/completions, /v1/chat/completions, /v1/models, "
-                    "/health, /metrics), plus the internal /internal/legs endpoint the router "
-                    "drives. Prefill and decode workers move KV over the transfer plane.")
+                    "/health, /metrics), plus /internal/legs, the WebSocket the router "
+                    "sends its legs on. Prefill and decode workers move KV over the transfer "
+                    "plane.")
     add_worker_args(worker)
     worker.set_defaults(func=_worker)
     router = sub.add_parser(

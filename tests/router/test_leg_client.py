@@ -1,19 +1,29 @@
-"""The router's leg client against a scripted worker: the events one read finds come as one
-batch, in order; a line split across reads waits for its end; the final event ends the leg."""
+"""The router's leg channel against a scripted worker: legs share one connection and each gets
+only its own events, the events of one message come as one batch, a refusal is a client error,
+a leg given up sends `cancel`, and a connection that closes fails every leg open on it."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+import json
+from collections.abc import AsyncIterator, Callable
 
 import aiohttp
 import pytest
-from aiohttp import web
+from aiohttp import WSMsgType, web
 
+from pdserve.api.leg_frames import (
+    CANCEL,
+    OPEN,
+    events_frame,
+    parse_reply,
+    parse_request,
+    refusal_frame,
+)
 from pdserve.api.legs import EventBatch, LegRequest, TokenEvent
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.router.leg_client import LegFailed, parse_events, stream_leg
+from pdserve.router.leg_client import LegChannels, LegFailed, parse_events
 from pdserve.router.worker_pool import WorkerHandle
 
 LEG = LegRequest("cmpl-1", (1, 2, 3), SamplingParams(max_tokens=5))
@@ -31,61 +41,168 @@ def test_parse_events_stops_at_the_final_event() -> None:
     assert parse_events([]) == []
 
 
+def test_frames_round_trip_and_malformed_ones_are_refused() -> None:
+    op, sid, body = parse_request(b"open 7\n{}")
+    assert (op, sid, body) == (OPEN, 7, b"{}")
+    assert parse_request(b"cancel 3\n") == (CANCEL, 3, b"")
+    assert parse_reply(events_frame(5, [event(0)])) == (5, 200, event(0).to_line())
+    assert parse_reply(refusal_frame(5, 400, "no")) == (5, 400, b"no")
+    for bad in (b"", b"open\n", b"open x\n", b"close 1\n", b"open 1 2\n"):
+        with pytest.raises(ValueError, match="not a leg channel request"):
+            parse_request(bad)
+    with pytest.raises(ValueError, match="not a leg channel reply"):
+        parse_reply(b"5\n")
+    with pytest.raises(ValueError, match="4xx"):
+        refusal_frame(1, 500, "no")
+
+
+Script = Callable[[web.WebSocketResponse, int, LegRequest], "asyncio.Future[None]"]
+
+
+class ScriptedWorker:
+    """A worker whose answer to each `open` is `script(ws, sid, leg)`; it records what it
+    received and how many connections were made."""
+
+    def __init__(self, script: Script) -> None:
+        self.script = script
+        self.received: list[tuple[str, int]] = []
+        self.connections = 0
+        self.sockets: list[web.WebSocketResponse] = []
+        self.tasks: list[asyncio.Future] = []
+
+    async def legs(self, request: web.Request) -> web.WebSocketResponse:
+        ws = web.WebSocketResponse()
+        await ws.prepare(request)
+        self.connections += 1
+        self.sockets.append(ws)
+        async for msg in ws:
+            assert msg.type is WSMsgType.BINARY
+            op, sid, body = parse_request(msg.data)
+            self.received.append((op, sid))
+            if op == OPEN:
+                leg = LegRequest.from_json(json.loads(body))
+                self.tasks.append(asyncio.ensure_future(self.script(ws, sid, leg)))
+        return ws
+
+
 @contextlib.asynccontextmanager
-async def worker(writes: list[bytes], turns: asyncio.Queue) -> AsyncIterator[WorkerHandle]:
-    """A worker whose leg stream is `writes`, each one a write, the next one only once the
-    test put something in `turns`."""
-
-    async def legs(request: web.Request) -> web.StreamResponse:
-        await request.read()
-        resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
-        await resp.prepare(request)
-        for data in writes:
-            await turns.get()
-            await resp.write(data)
-        await resp.write_eof()
-        return resp
-
+async def serving(script: Script) -> AsyncIterator[tuple[ScriptedWorker, WorkerHandle,
+                                                          LegChannels]]:
+    worker = ScriptedWorker(script)
     app = web.Application()
-    app.router.add_post("/internal/legs", legs)
+    app.router.add_get("/internal/legs", worker.legs)
     runner = web.AppRunner(app, shutdown_timeout=0.5)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
     host, port = runner.addresses[0][:2]
-    try:
-        yield WorkerHandle(f"http://{host}:{port}", "collocated", healthy=True)
-    finally:
-        await runner.cleanup()
+    async with aiohttp.ClientSession() as session:
+        channels = LegChannels(session, connect_s=5.0)
+        try:
+            yield worker, WorkerHandle(f"http://{host}:{port}", "collocated",
+                                       healthy=True), channels
+        finally:
+            await channels.close()
+            await runner.cleanup()
 
 
-def batches(writes: list[bytes]) -> list[EventBatch]:
-    async def go() -> list[EventBatch]:
-        turns: asyncio.Queue = asyncio.Queue()
-        out: list[EventBatch] = []
-        async with worker(writes, turns) as w, aiohttp.ClientSession() as session:
-            turns.put_nowait(None)
-            async for batch in stream_leg(session, w, LEG, 5.0, 5.0):
-                out.append(batch)
-                for _ in writes:  # let the worker write all it has left
-                    turns.put_nowait(None)
+async def collect(channels: LegChannels, w: WorkerHandle, leg: LegRequest = LEG,
+                  idle_s: float = 5.0) -> list[EventBatch]:
+    return [batch async for batch in channels.stream(w, leg, idle_s)]
+
+
+def test_legs_share_one_connection_and_get_their_own_events_in_batches() -> None:
+    async def script(ws: web.WebSocketResponse, sid: int, leg: LegRequest) -> None:
+        base = 10 * int(leg.request_id.split("-")[1])
+        await ws.send_bytes(events_frame(sid, [event(base)]))
+        await asyncio.sleep(0.01)
+        await ws.send_bytes(events_frame(sid, [event(base + 1), event(base + 2, final=True)]))
+
+    async def go() -> None:
+        async with serving(script) as (worker, w, channels):
+            legs = [LegRequest(f"cmpl-{i}", (1, 2), SamplingParams(max_tokens=3))
+                    for i in range(1, 4)]
+            got = await asyncio.gather(*(collect(channels, w, leg) for leg in legs))
+            for i, batches in enumerate(got, start=1):
+                assert batches == [[event(10 * i)],
+                                   [event(10 * i + 1), event(10 * i + 2, final=True)]]
+            assert worker.connections == 1
+            assert sorted(op for op, _ in worker.received) == [OPEN] * 3  # no cancel
             assert w.inflight == 0
-        return out
 
-    return asyncio.run(go())
-
-
-def test_events_read_together_come_as_one_batch() -> None:
-    e = [event(0), event(1), event(2), event(3, final=True)]
-    lines = [x.to_line() for x in e]
-    split = len(lines[2]) // 2
-    writes = [lines[0], lines[1] + lines[2][:split], lines[2][split:] + lines[3]]
-    got = batches(writes)
-    assert [x for batch in got for x in batch] == e
-    assert got[0] == [e[0]]  # token 0 alone, at once
-    assert got[-1][-2:] == e[2:]  # the split line's end came with the final one: one batch
+    asyncio.run(go())
 
 
-def test_a_leg_that_ends_before_its_final_event_fails() -> None:
-    with pytest.raises(LegFailed, match="before its end"):
-        batches([event(0).to_line()])
+def test_a_refused_leg_is_a_client_error() -> None:
+    async def script(ws: web.WebSocketResponse, sid: int, leg: LegRequest) -> None:
+        await ws.send_bytes(refusal_frame(sid, 400, "prompt too long"))
+
+    async def go() -> None:
+        async with serving(script) as (_, w, channels):
+            with pytest.raises(LegFailed, match="prompt too long") as e:
+                await collect(channels, w)
+            assert e.value.client_error and e.value.status == 400
+
+    asyncio.run(go())
+
+
+def test_a_leg_given_up_early_or_timed_out_sends_cancel() -> None:
+    async def script(ws: web.WebSocketResponse, sid: int, leg: LegRequest) -> None:
+        if leg.request_id == "cmpl-early":
+            await ws.send_bytes(events_frame(sid, [event(0)]))  # then nothing
+
+    async def go() -> None:
+        async with serving(script) as (worker, w, channels):
+            early = LegRequest("cmpl-early", (1,), SamplingParams(max_tokens=5))
+            async with contextlib.aclosing(channels.stream(w, early, 5.0)) as events:
+                assert await anext(events) == [event(0)]
+            with pytest.raises(LegFailed, match="timed out"):
+                await collect(channels, w, LEG, idle_s=0.2)
+            for _ in range(100):
+                if len(worker.received) == 4:
+                    break
+                await asyncio.sleep(0.01)
+            assert sorted(worker.received) == [(CANCEL, 1), (CANCEL, 2), (OPEN, 1), (OPEN, 2)]
+            assert w.inflight == 0
+
+    asyncio.run(go())
+
+
+def test_a_closed_connection_fails_every_open_leg_and_the_next_leg_reconnects() -> None:
+    async def go() -> None:
+        started = asyncio.Event()
+
+        async def script(ws: web.WebSocketResponse, sid: int, leg: LegRequest) -> None:
+            if leg.request_id == "cmpl-after":
+                await ws.send_bytes(events_frame(sid, [event(0, final=True)]))
+                return
+            await ws.send_bytes(events_frame(sid, [event(0)]))
+            if sid == 2:
+                started.set()
+
+        async with serving(script) as (worker, w, channels):
+            legs = [asyncio.ensure_future(collect(channels, w, LegRequest(
+                f"cmpl-{i}", (1,), SamplingParams(max_tokens=5)))) for i in range(2)]
+            await asyncio.wait_for(started.wait(), 5)
+            await worker.sockets[0].close()  # the worker goes away mid-stream
+            for leg in legs:
+                with pytest.raises(LegFailed, match="before its end"):
+                    await leg
+            after = LegRequest("cmpl-after", (1,), SamplingParams(max_tokens=1))
+            assert await collect(channels, w, after) == [[event(0, final=True)]]
+            assert worker.connections == 2 and w.inflight == 0
+
+    asyncio.run(go())
+
+
+def test_an_unreachable_worker_fails_the_leg() -> None:
+    async def go() -> None:
+        async with aiohttp.ClientSession() as session:
+            channels = LegChannels(session, connect_s=2.0)
+            w = WorkerHandle("http://127.0.0.1:9", "collocated", healthy=True)
+            with pytest.raises(LegFailed, match="failed") as e:
+                await collect(channels, w)
+            assert not e.value.client_error and w.inflight == 0
+            await channels.close()
+
+    asyncio.run(go())

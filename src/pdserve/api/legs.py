@@ -1,7 +1,8 @@
 """The internal protocol between the router and a worker: one leg of a request.
 
-A leg is `POST /internal/legs` with a `LegRequest` JSON body; the answer is a stream of
-`TokenEvent` JSON lines (NDJSON), the last one `final`. Leg kinds:
+A leg is a `LegRequest` (JSON) sent on the router's leg channel to the worker
+(`api/leg_frames.py`); the answer is a stream of `TokenEvent` JSON lines, the last one `final`.
+Leg kinds:
 - LOCAL: the worker runs the whole request (collocated, or a short prompt on decode).
 - PREFILL: compute the prompt, sample token 0, send it as the one event, and move the KV to
   the decode worker `peer` under `transfer_id` (in the background, after the stream ended).

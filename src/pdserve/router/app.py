@@ -28,7 +28,7 @@ from pdserve.engine.model.hub import load_tokenizer, resolve_model
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.metrics import CONTENT_TYPE
 from pdserve.router.dispatch import Dispatcher, DispatchSettings, NoWorkers
-from pdserve.router.leg_client import LegFailed
+from pdserve.router.leg_client import LegChannels, LegFailed
 from pdserve.router.policies import PolicyName, make_policy
 from pdserve.router.router_metrics import RouterMetrics
 from pdserve.router.worker_pool import WorkerPool
@@ -72,6 +72,7 @@ class Router:
         self.api = OpenAIServer(settings.name, tokenizer, self._max_model_len, self._generate,
                                 self.metrics)
         self.session: aiohttp.ClientSession | None = None
+        self.channels: LegChannels | None = None
         self.dispatcher: Dispatcher | None = None
 
     def _max_model_len(self) -> int | None:
@@ -81,13 +82,16 @@ class Router:
     async def start(self) -> None:
         connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=30)
         self.session = aiohttp.ClientSession(connector=connector)
+        self.channels = LegChannels(self.session, self.settings.dispatch.connect_timeout_s)
         self.dispatcher = Dispatcher(self.pool, make_policy(self.settings.policy),
-                                     self.settings.dispatch, self.session, self.metrics)
+                                     self.settings.dispatch, self.channels, self.metrics)
         await self.pool.refresh(self.session)
         self.pool.start(self.session)
 
     async def stop(self) -> None:
         await self.pool.stop()
+        if self.channels is not None:
+            await self.channels.close()
         if self.session is not None:
             await self.session.close()
 

@@ -31,12 +31,10 @@ import secrets
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
-import aiohttp
-
 from pdserve.api.legs import EventBatch, LegKind, LegRequest
 from pdserve.engine.block_hash import hash_blocks
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.router.leg_client import LegFailed, stream_leg
+from pdserve.router.leg_client import LegChannels, LegFailed
 from pdserve.router.policies import Policy
 from pdserve.router.router_metrics import RouterMetrics
 from pdserve.router.worker_pool import WorkerHandle, WorkerPool
@@ -65,9 +63,9 @@ class NoWorkers(Exception):
 
 class Dispatcher:
     def __init__(self, pool: WorkerPool, policy: Policy, settings: DispatchSettings,
-                 session: aiohttp.ClientSession, metrics: RouterMetrics) -> None:
+                 channels: LegChannels, metrics: RouterMetrics) -> None:
         self.pool, self.policy, self.settings = pool, policy, settings
-        self.session, self.metrics = session, metrics
+        self.channels, self.metrics = channels, metrics
 
     async def generate(self, request_id: str, prompt: Sequence[int], params: SamplingParams
                        ) -> AsyncIterator[EventBatch]:
@@ -199,8 +197,7 @@ class Dispatcher:
         merged.put_nowait((name, None))
 
     def _leg(self, worker: WorkerHandle, leg: LegRequest) -> AsyncIterator[EventBatch]:
-        s = self.settings
-        return stream_leg(self.session, worker, leg, s.connect_timeout_s, s.leg_timeout_s)
+        return self.channels.stream(worker, leg, self.settings.leg_timeout_s)
 
 
 def _recomputed(item: EventBatch | LegFailed) -> bool:

@@ -392,6 +392,15 @@ class EngineLoop:
             self._aio.call_soon_threadsafe(_deliver, batch)
 
 
+async def ready_events(sink: asyncio.Queue) -> list[TokenEvent]:
+    """The next event of a leg's queue and every one already queued behind it (they are sent
+    together)."""
+    events = [await sink.get()]
+    while not sink.empty():
+        events.append(sink.get_nowait())
+    return events
+
+
 def _deliver(batch: list[tuple[asyncio.Queue, object]]) -> None:
     for sink, item in batch:
         sink.put_nowait(item)

@@ -7,8 +7,9 @@ Life cycle.
 2. Load the engine, open the transport (prefill and decode roles), register the KV pool,
    start the engine thread; `/health` turns 200 and reports the transfer endpoint (`peer`)
    and the load the router routes on.
-3. Serve: the OpenAI endpoints run LOCAL legs; `POST /internal/legs` runs the router's legs
-   and streams their token events as NDJSON. A client that disconnects cancels its leg.
+3. Serve: the OpenAI endpoints run LOCAL legs; `GET /internal/legs` is a router's leg
+   channel (a WebSocket that carries all its legs: `workers/leg_channel.py`). A client that
+   disconnects, or a router that cancels a leg or closes its channel, cancels the legs.
 4. SIGTERM / SIGINT: stop accepting, stop the engine thread, close the transport, exit.
    Blocks held by unfinished legs die with the process; the peers see the transport close
    and free their side.
@@ -28,14 +29,15 @@ from aiohttp import web
 
 from pdserve.api.errors import ApiError
 from pdserve.api.http_site import start_site, stop_event
-from pdserve.api.legs import LegRequest, TokenEvent
+from pdserve.api.legs import LegRequest
 from pdserve.api.openai_server import GenerateError, OpenAIServer
 from pdserve.engine.engine import Engine
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.metrics import CONTENT_TYPE
 from pdserve.transfer.descriptors import KVLayout
-from pdserve.workers.engine_loop import Accepted, EngineLoop
+from pdserve.workers.engine_loop import Accepted, EngineLoop, ready_events
 from pdserve.workers.hub_pump import HubPump
+from pdserve.workers.leg_channel import LegChannels
 from pdserve.workers.settings import TransportName, WorkerSettings
 from pdserve.workers.step_trace import Step
 from pdserve.workers.transfer_hub import TransferHub
@@ -49,7 +51,8 @@ class Worker:
         self.settings = settings
         self.metrics = WorkerMetrics(settings.role.value)
         self.engine: Engine | None = None
-        self.loop: EngineLoop | None = None
+        self.loop: EngineLoop | None = None  # set last: the worker is ready from then on
+        self.channels: LegChannels | None = None
         self.transport: Any = None
         self.api = OpenAIServer(settings.served_model_name, None, self._max_model_len,
                                 self._generate_local)
@@ -72,10 +75,12 @@ class Worker:
                                       self.engine.block_manager.generation, s.kv_lease_s))
             hub.start()
         self.pump = hub
-        self.loop = EngineLoop(self.engine, hub, self.metrics, stream_layers=s.stream_layers)
-        self.metrics.bind_engine(self.engine, lambda: self.loop.num_legs)
+        loop = EngineLoop(self.engine, hub, self.metrics, stream_layers=s.stream_layers)
+        self.metrics.bind_engine(self.engine, lambda: loop.num_legs)
         self.api.tokenizer = self.engine.tokenizer
-        self.loop.start(aio)
+        self.channels = LegChannels(loop)
+        loop.start(aio)
+        self.loop = loop
         self.load_seconds = time.perf_counter() - t0
         peer = f", KV endpoint {self.transport.local.host}:{self.transport.local.port}" \
             if self.transport else ""
@@ -103,10 +108,11 @@ class Worker:
         app = web.Application(client_max_size=64 * 2**20)
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.metrics_text)
-        app.router.add_post("/internal/legs", self.legs)
+        app.router.add_get("/internal/legs", self.legs)
         app.router.add_get("/internal/steps", self.steps)
         self.api.add_routes(app)
         app.middlewares.append(_not_ready_guard(self))
+        app.on_shutdown.append(self._close_channels)
         return app
 
     async def health(self, request: web.Request) -> web.Response:
@@ -142,33 +148,12 @@ class Worker:
         return web.json_response({"role": self.settings.role.value,
                                   "fields": list(Step._fields), "steps": [list(s) for s in steps]})
 
-    async def legs(self, request: web.Request) -> web.StreamResponse:
-        try:
-            leg = LegRequest.from_json(await request.json())
-        except ValueError as e:
-            return web.json_response(ApiError(400, f"bad leg request: {e}").body(), status=400)
-        sink = self.loop.submit(leg)
-        first = await sink.get()
-        if not isinstance(first, Accepted):
-            return web.json_response(ApiError(400, first.error).body(), status=400)
-        log.info("request %s: %s leg accepted (%d prompt tokens)", leg.request_id,
-                 leg.kind.value, len(leg.prompt_token_ids))
-        resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
-        finished = False
-        try:
-            await resp.prepare(request)
-            while not finished:
-                events = await _ready_events(sink)
-                finished = any(e.final for e in events)
-                data = b"".join(e.to_line() for e in events)
-                # the last events and the end of the body in one write: the router sees both
-                await (resp.write_eof(data) if finished else resp.write(data))
-        finally:
-            if not finished:
-                log.info("request %s: %s leg cancelled (the router went away)",
-                         leg.request_id, leg.kind.value)
-                self.loop.cancel(leg.request_id)
-        return resp
+    async def legs(self, request: web.Request) -> web.WebSocketResponse:
+        return await self.channels.serve(request)
+
+    async def _close_channels(self, app: web.Application) -> None:
+        if self.channels is not None:
+            await self.channels.close_all()
 
     async def _generate_local(self, request_id: str, prompt: list[int],
                               params: SamplingParams):
@@ -179,20 +164,12 @@ class Worker:
         finished = False
         try:
             while not finished:
-                events = await _ready_events(sink)
+                events = await ready_events(sink)
                 finished = any(e.final for e in events)
                 yield events
         finally:
             if not finished:
                 self.loop.cancel(request_id)
-
-
-async def _ready_events(sink: asyncio.Queue) -> list[TokenEvent]:
-    """The next event and every one already queued behind it (sent together)."""
-    events = [await sink.get()]
-    while not sink.empty():
-        events.append(sink.get_nowait())
-    return events
 
 
 def _not_ready_guard(worker: Worker):

@@ -1,0 +1,127 @@
+"""The worker's end of a leg channel over a real WebSocket, with a real engine loop: a leg
+streams to its final event, a bad leg is refused with 400, and a `cancel` or a closed
+connection cancels the legs in flight and returns every block to the pool."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from pdserve.api.leg_frames import cancel_frame, open_frame, parse_reply
+from pdserve.api.legs import LegRequest, TokenEvent
+from pdserve.config import EngineConfig
+from pdserve.engine.engine import Engine
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.workers.engine_loop import EngineLoop
+from pdserve.workers.leg_channel import LegChannels
+from pdserve.workers.worker_metrics import WorkerMetrics
+
+LONG = SamplingParams(max_tokens=900, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture
+def engine(tiny_model) -> Engine:
+    return Engine(EngineConfig(model=str(tiny_model()), dtype="float32", max_model_len=1024))
+
+
+@contextlib.asynccontextmanager
+async def channel(engine: Engine, metrics: WorkerMetrics | None = None
+                  ) -> AsyncIterator[aiohttp.ClientWebSocketResponse]:
+    loop = EngineLoop(engine, None, metrics or WorkerMetrics("collocated"))
+    loop.start(asyncio.get_running_loop())
+    channels = LegChannels(loop)
+    app = web.Application()
+    app.router.add_get("/internal/legs", channels.serve)
+    app.on_shutdown.append(lambda _: channels.close_all())
+    runner = web.AppRunner(app, shutdown_timeout=1.0)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    host, port = runner.addresses[0][:2]
+    try:
+        async with aiohttp.ClientSession() as session, session.ws_connect(
+                f"http://{host}:{port}/internal/legs") as ws:
+            yield ws
+    finally:
+        await runner.cleanup()
+        loop.stop()
+
+
+async def replies(ws: aiohttp.ClientWebSocketResponse, until: int) -> list[tuple[int, int,
+                                                                                  bytes]]:
+    """Messages until `until` legs have ended (final event or refusal)."""
+    out, ended = [], 0
+    while ended < until:
+        msg = await asyncio.wait_for(ws.receive(), 30)
+        sid, status, body = parse_reply(msg.data)
+        out.append((sid, status, body))
+        if status != 200 or any(TokenEvent.from_line(line).final
+                                for line in body.splitlines()):
+            ended += 1
+    return out
+
+
+async def wait_free(engine: Engine) -> None:
+    for _ in range(500):
+        if engine.block_manager.num_used_blocks == 0 and not engine.has_unfinished_requests():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"{engine.block_manager.num_used_blocks} blocks still used")
+
+
+def test_legs_stream_to_the_end_and_a_bad_leg_is_refused(engine: Engine) -> None:
+    async def go() -> None:
+        async with channel(engine) as ws:
+            params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+            await ws.send_bytes(open_frame(1, LegRequest("r1", (3, 4, 5), params)))
+            await ws.send_bytes(open_frame(2, LegRequest("r2", (6, 7), params)))
+            await ws.send_bytes(b"open 3\n" + json.dumps({"request_id": "r3"}).encode())
+            got = await replies(ws, 3)
+            await wait_free(engine)
+        refused = [r for r in got if r[0] == 3]
+        assert refused[0][1] == 400 and b"bad leg request" in refused[0][2]
+        for sid in (1, 2):
+            events = [TokenEvent.from_line(line) for s, _, body in got if s == sid
+                      for line in body.splitlines()]
+            assert sum(len(e.token_ids) for e in events) == 12
+            assert events[-1].final and events[-1].finish_reason == "length"
+
+    asyncio.run(go())
+
+
+def test_cancel_and_a_closed_connection_free_the_blocks(engine: Engine) -> None:
+    metrics = WorkerMetrics("collocated")
+
+    async def go() -> None:
+        async with channel(engine, metrics) as ws:
+            await ws.send_bytes(open_frame(1, LegRequest("r1", tuple(range(3, 40)), LONG)))
+            await ws.send_bytes(open_frame(2, LegRequest("r2", tuple(range(5, 50)), LONG)))
+            first = parse_reply((await asyncio.wait_for(ws.receive(), 30)).data)
+            assert first[1] == 200 and engine.block_manager.num_used_blocks > 0
+            await ws.send_bytes(cancel_frame(1))
+            await ws.close()  # leg 2 is still running: the worker must cancel it too
+            await wait_free(engine)
+
+    asyncio.run(go())
+    assert metrics.requests.value(finish_reason="length") == 0  # cancelled, not run out
+
+
+def test_a_malformed_message_closes_the_channel(engine: Engine) -> None:
+    async def go() -> None:
+        async with channel(engine) as ws:
+            await ws.send_bytes(open_frame(1, LegRequest("r1", tuple(range(3, 40)), LONG)))
+            await asyncio.wait_for(ws.receive(), 30)
+            await ws.send_bytes(b"hello\n")
+            while (msg := await asyncio.wait_for(ws.receive(), 30)).type is \
+                    aiohttp.WSMsgType.BINARY:
+                pass
+            assert msg.type in (aiohttp.WSMsgType.CLOSE, aiohttp.WSMsgType.CLOSED)
+            await wait_free(engine)
+
+    asyncio.run(go())
