@@ -11,9 +11,9 @@ connection). A message is a header line, then a body:
   message: the worker refused the leg, and nothing more comes for it.
 
 When the connection closes, the worker cancels every leg it carried and the router fails every
-leg it had open on it. One HTTP request per leg (the design before) cost the router and the
-worker about 0.7 ms per request in its set-up here (`pdserve bench router`, 2 cores); a
-message on an open connection costs a fraction of that.
+leg it had open on it. One HTTP request per leg (the design before) took 0.7 ms from the
+router's send to the worker's handler here (timestamps in both processes, 2 cores), a message
+on the open connection 0.1-0.25 ms; `pdserve bench router`'s added TTFT went 1.72 -> 1.16 ms.
 """
 
 from __future__ import annotations
