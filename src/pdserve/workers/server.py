@@ -38,6 +38,7 @@ from pdserve.transfer.descriptors import KVLayout
 from pdserve.workers.engine_loop import Accepted, EngineLoop, ready_events
 from pdserve.workers.hub_pump import HubPump
 from pdserve.workers.leg_channel import LegChannels
+from pdserve.workers.oneshot import run_once_in_thread
 from pdserve.workers.settings import TransportName, WorkerSettings
 from pdserve.workers.step_trace import Step
 from pdserve.workers.transfer_hub import TransferHub
@@ -62,7 +63,9 @@ class Worker:
     # -- start and stop ------------------------------------------------------------------------
 
     def load(self, aio: asyncio.AbstractEventLoop) -> None:
-        """Runs in a thread while the HTTP server already answers /health with 503."""
+        """Runs in a thread while the HTTP server already answers /health with 503; the thread
+        ends with it (`workers/oneshot.py`: one left alive with its OpenMP team halved the
+        engine's speed)."""
         t0 = time.perf_counter()
         s = self.settings
         self.engine = Engine(s.engine)
@@ -208,7 +211,8 @@ async def serve(settings: WorkerSettings) -> None:
     log.info("%s worker listening on http://%s:%d (loading %s)", settings.role.value,
              settings.host, settings.port, settings.engine.model)
     stop = stop_event()
-    loading = asyncio.ensure_future(asyncio.to_thread(worker.load, asyncio.get_running_loop()))
+    loading = asyncio.ensure_future(run_once_in_thread(worker.load, asyncio.get_running_loop(),
+                                                       name="load"))
     try:
         done, _ = await asyncio.wait({loading, asyncio.ensure_future(stop.wait())},
                                      return_when=asyncio.FIRST_COMPLETED)
