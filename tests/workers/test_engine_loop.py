@@ -11,7 +11,7 @@ from pdserve.api.legs import LegRequest, TokenEvent
 from pdserve.config import EngineConfig
 from pdserve.engine.engine import Engine
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.workers.engine_loop import Accepted, EngineLoop
+from pdserve.workers.engine_loop import Accepted, EngineLoop, LegRefused
 from pdserve.workers.worker_metrics import WorkerMetrics
 
 PARAMS = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
@@ -90,6 +90,28 @@ def test_cancel_frees_the_blocks_of_a_running_leg(engine: Engine) -> None:
         assert isinstance(await sink.get(), Accepted)
         await sink.get()  # a first token: the leg runs
         loop.cancel("r")
+        for _ in range(200):
+            await asyncio.sleep(0.01)
+            if not loop.num_legs:
+                break
+        assert not loop.num_legs
+
+    _run(engine, scenario)
+    assert engine.block_manager.num_used_blocks == 0
+
+
+def test_events_refuses_a_duplicate_and_closing_early_cancels_the_leg(engine: Engine) -> None:
+    long = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
+
+    async def scenario(loop: EngineLoop) -> None:
+        sink = loop.submit(LegRequest("r", tuple(range(3, 40)), long))
+        events = loop.events("r", sink)
+        first = await anext(events)  # accepted, and a first token: the leg runs
+        assert first[0].token_ids and loop.num_legs == 1
+        twin = loop.submit(LegRequest("r", (5, 6, 7), long))
+        with pytest.raises(LegRefused, match="already running"):
+            await anext(loop.events("r", twin))
+        await events.aclose()  # the consumer went away before the final event
         for _ in range(200):
             await asyncio.sleep(0.01)
             if not loop.num_legs:

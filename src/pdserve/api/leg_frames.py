@@ -47,9 +47,10 @@ def parse_request(data: bytes) -> tuple[str, int, bytes]:
     """(op, sid, body) of a router's message; ValueError if it is not one."""
     head, _, body = data.partition(b"\n")
     parts = head.split(b" ")
-    if len(parts) != 2 or parts[0] not in (b"open", b"cancel") or not parts[1].isdigit():
+    op = parts[0].decode(errors="replace")
+    if len(parts) != 2 or op not in (OPEN, CANCEL) or not parts[1].isdigit():
         raise ValueError(f"not a leg channel request: {head[:80]!r}")
-    return parts[0].decode(), int(parts[1]), body
+    return op, int(parts[1]), body
 
 
 def parse_reply(data: bytes) -> tuple[int, int, bytes]:

@@ -32,6 +32,7 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from enum import IntEnum
 
@@ -66,6 +67,10 @@ class Phase(IntEnum):
 @dataclass
 class Accepted:
     """The first item of every leg's queue when the engine took it."""
+
+
+class LegRefused(Exception):
+    """The engine refused a leg (its message says why); it holds nothing for it."""
 
 
 @dataclass(eq=False)
@@ -117,6 +122,24 @@ class EngineLoop:
 
     def cancel(self, request_id: str) -> None:
         self._commands.put(("cancel", request_id, None))
+
+    async def events(self, request_id: str, sink: asyncio.Queue
+                     ) -> AsyncIterator[list[TokenEvent]]:
+        """A submitted leg's events, those queued together as one list, up to its final one.
+        Raises LegRefused if the engine refused it. Closed before the final event (the
+        consumer went away), it cancels the leg, which frees its blocks."""
+        first = await sink.get()
+        if not isinstance(first, Accepted):
+            raise LegRefused(first.error)
+        finished = False
+        try:
+            while not finished:
+                events = await _ready_events(sink)
+                finished = any(e.final for e in events)
+                yield events
+        finally:
+            if not finished:
+                self.cancel(request_id)
 
     @property
     def num_legs(self) -> int:
@@ -392,7 +415,7 @@ class EngineLoop:
             self._aio.call_soon_threadsafe(_deliver, batch)
 
 
-async def ready_events(sink: asyncio.Queue) -> list[TokenEvent]:
+async def _ready_events(sink: asyncio.Queue) -> list[TokenEvent]:
     """The next event of a leg's queue and every one already queued behind it (they are sent
     together)."""
     events = [await sink.get()]

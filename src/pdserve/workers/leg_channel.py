@@ -20,7 +20,7 @@ from aiohttp import WSMsgType, web
 
 from pdserve.api.leg_frames import OPEN, events_frame, parse_request, refusal_frame
 from pdserve.api.legs import LegRequest
-from pdserve.workers.engine_loop import Accepted, EngineLoop, ready_events
+from pdserve.workers.engine_loop import EngineLoop, LegRefused
 
 log = logging.getLogger("pdserve.worker")
 
@@ -79,8 +79,9 @@ class LegChannels:
         return task
 
     def _cancelled_early(self, task: asyncio.Task, leg: LegRequest) -> None:
-        """A task cancelled before its first step never ran `_relay`'s cancel: do it here
-        (cancelling a leg twice, or one that ended, does nothing)."""
+        """A task cancelled before its first step never opened the leg's event stream, whose
+        closing cancels the leg: do it here (cancelling a leg twice, or one that ended, does
+        nothing)."""
         if task.cancelled():
             self.loop.cancel(leg.request_id)
 
@@ -88,29 +89,21 @@ class LegChannels:
                      sink: asyncio.Queue) -> None:
         """Logged once, at its end: a log line before token 0 would hold the GIL, and the
         one core a pinned worker has, just as the engine starts the leg's step."""
-        tokens, finished = 0, False
+        tokens, outcome = 0, "cancelled (the router went away or gave it up)"
         try:
-            first = await sink.get()
-            if not isinstance(first, Accepted):
-                finished = True  # refused: the engine loop holds nothing for it
-                log.info("request %s: %s leg refused: %s", leg.request_id, leg.kind.value,
-                         first.error)
-                await _send(ws, refusal_frame(sid, 400, first.error))
-                return
-            while not finished:
-                events = await ready_events(sink)
-                sent = await _send(ws, events_frame(sid, events))
-                tokens += sum(len(e.token_ids) for e in events)
-                finished = any(e.final for e in events)  # the engine loop is done with it
-                if not sent:
-                    return
-            log.info("request %s: %s leg ended: %d prompt tokens, %d tokens sent",
-                     leg.request_id, leg.kind.value, len(leg.prompt_token_ids), tokens)
+            async with contextlib.aclosing(self.loop.events(leg.request_id, sink)) as legs:
+                async for events in legs:  # closed early, it cancels the leg
+                    if not await _send(ws, events_frame(sid, events)):
+                        break
+                    tokens += sum(len(e.token_ids) for e in events)
+                    if any(e.final for e in events):
+                        outcome = "ended"
+        except LegRefused as e:
+            outcome = f"refused: {e}"
+            await _send(ws, refusal_frame(sid, 400, str(e)))
         finally:
-            if not finished:
-                log.info("request %s: %s leg cancelled after %d tokens (the router went away "
-                         "or gave it up)", leg.request_id, leg.kind.value, tokens)
-                self.loop.cancel(leg.request_id)
+            log.info("request %s: %s leg %s; %d prompt tokens, %d tokens sent", leg.request_id,
+                     leg.kind.value, outcome, len(leg.prompt_token_ids), tokens)
 
 
 async def _send(ws: web.WebSocketResponse, data: bytes) -> bool:

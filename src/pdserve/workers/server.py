@@ -35,7 +35,7 @@ from pdserve.engine.engine import Engine
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.metrics import CONTENT_TYPE
 from pdserve.transfer.descriptors import KVLayout
-from pdserve.workers.engine_loop import Accepted, EngineLoop, ready_events
+from pdserve.workers.engine_loop import EngineLoop, LegRefused
 from pdserve.workers.hub_pump import HubPump
 from pdserve.workers.leg_channel import LegChannels
 from pdserve.workers.oneshot import run_once_in_thread
@@ -161,18 +161,12 @@ class Worker:
     async def _generate_local(self, request_id: str, prompt: list[int],
                               params: SamplingParams):
         sink = self.loop.submit(LegRequest(request_id, tuple(prompt), params))
-        first = await sink.get()
-        if not isinstance(first, Accepted):
-            raise GenerateError(first.error, status=400)
-        finished = False
         try:
-            while not finished:
-                events = await ready_events(sink)
-                finished = any(e.final for e in events)
-                yield events
-        finally:
-            if not finished:
-                self.loop.cancel(request_id)
+            async with contextlib.aclosing(self.loop.events(request_id, sink)) as legs:
+                async for events in legs:
+                    yield events
+        except LegRefused as e:
+            raise GenerateError(str(e), status=400) from e
 
 
 def _not_ready_guard(worker: Worker):
