@@ -31,6 +31,14 @@ async def _events(sink: asyncio.Queue, timeout: float = 30.0) -> list:
             return items
 
 
+async def _no_legs_left(loop: EngineLoop) -> None:
+    for _ in range(200):
+        await asyncio.sleep(0.01)
+        if not loop.num_legs:
+            break
+    assert not loop.num_legs
+
+
 def _run(engine: Engine, scenario) -> None:
     async def main() -> None:
         loop = EngineLoop(engine, None, WorkerMetrics("collocated"))
@@ -90,11 +98,7 @@ def test_cancel_frees_the_blocks_of_a_running_leg(engine: Engine) -> None:
         assert isinstance(await sink.get(), Accepted)
         await sink.get()  # a first token: the leg runs
         loop.cancel("r")
-        for _ in range(200):
-            await asyncio.sleep(0.01)
-            if not loop.num_legs:
-                break
-        assert not loop.num_legs
+        await _no_legs_left(loop)
 
     _run(engine, scenario)
     assert engine.block_manager.num_used_blocks == 0
@@ -112,11 +116,7 @@ def test_events_refuses_a_duplicate_and_closing_early_cancels_the_leg(engine: En
         with pytest.raises(LegRefused, match="already running"):
             await anext(loop.events("r", twin))
         await events.aclose()  # the consumer went away before the final event
-        for _ in range(200):
-            await asyncio.sleep(0.01)
-            if not loop.num_legs:
-                break
-        assert not loop.num_legs
+        await _no_legs_left(loop)
 
     _run(engine, scenario)
     assert engine.block_manager.num_used_blocks == 0
