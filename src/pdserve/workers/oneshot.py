@@ -47,6 +47,8 @@ async def run_once_in_thread(fn: Callable[..., T], *args: object, name: str = "o
 
     thread = threading.Thread(target=run, name=name, daemon=True)
     thread.start()
-    result = await done  # cancelled: the call runs on, in a daemon thread
-    thread.join()  # it has handed over its result: only its exit is left, microseconds
-    return result
+    try:
+        return await done
+    finally:
+        if not done.cancelled():  # cancelled: the call runs on, in a daemon thread
+            thread.join()  # it has handed over its outcome: only its exit is left
