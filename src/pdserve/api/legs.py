@@ -18,7 +18,7 @@ the events that arrived together, so that their SSE events go to the client in o
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from enum import StrEnum
 from typing import Any
 
@@ -52,7 +52,7 @@ class LegRequest:
                              "it is a prefill or decode leg")
 
     def to_json(self) -> dict[str, Any]:
-        params = asdict(self.params)
+        params = {f.name: getattr(self.params, f.name) for f in fields(self.params)}
         params["stop"], params["stop_token_ids"] = list(params["stop"]), list(
             params["stop_token_ids"])
         return {

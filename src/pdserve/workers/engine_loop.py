@@ -162,7 +162,11 @@ class EngineLoop:
             for event in self.hub.take_events():
                 self._on_transfer(event)
         self._open_reservations()
-        self._flush()  # acceptances and transfer outcomes go out before a long step
+        # Refusals and transfer outcomes go out before a long step. Acceptances alone wait for
+        # the step's events: delivering them now woke the HTTP thread mid-step on a pinned
+        # worker's one core, for nothing a client sees (TTFT -0.06..0.09 ms, trace, 2 cores).
+        if not all(isinstance(item, Accepted) for _, item in self._out):
+            self._flush()
         if self.engine.has_unfinished_requests():
             t0, wall0 = time.perf_counter(), time.time()
             outputs = self.engine.step()
