@@ -120,3 +120,35 @@ def test_events_refuses_a_duplicate_and_closing_early_cancels_the_leg(engine: En
 
     _run(engine, scenario)
     assert engine.block_manager.num_used_blocks == 0
+
+
+def test_a_consumer_gone_before_the_acceptance_cancels_the_leg(engine: Engine) -> None:
+    """The acceptance rides with the first step's events, so a client can leave while its
+    handler still waits for it (a long prompt's prefill): the leg must not run on."""
+    long = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
+    aborted: list[str] = []
+    real_abort = engine.abort
+
+    def abort(request_id: str) -> None:
+        aborted.append(request_id)
+        real_abort(request_id)
+
+    engine.abort = abort
+
+    async def drain(events) -> None:
+        async for _ in events:
+            pass
+
+    async def scenario(loop: EngineLoop) -> None:
+        sink = loop.submit(LegRequest("r", tuple(range(3, 40)), long))
+        task = asyncio.create_task(drain(loop.events("r", sink)))
+        await asyncio.sleep(0)  # the consumer now waits for the acceptance
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await _no_legs_left(loop)
+
+    _run(engine, scenario)
+    assert aborted == ["r"]
+    engine.step()  # drain the abort's output
+    assert engine.block_manager.num_used_blocks == 0

@@ -126,13 +126,16 @@ class EngineLoop:
     async def events(self, request_id: str, sink: asyncio.Queue
                      ) -> AsyncIterator[list[TokenEvent]]:
         """A submitted leg's events, those queued together as one list, up to its final one.
-        Raises LegRefused if the engine refused it. Closed before the final event (the
-        consumer went away), it cancels the leg, which frees its blocks."""
-        first = await sink.get()
-        if not isinstance(first, Accepted):
-            raise LegRefused(first.error)
+        Raises LegRefused if the engine refused it. Closed or cancelled before the final event
+        (the consumer went away), it cancels the leg, which frees its blocks; that includes
+        while it waits for the acceptance, which comes with the leg's first events (the whole
+        first step, seconds for a long prompt)."""
         finished = False
         try:
+            first = await sink.get()
+            if not isinstance(first, Accepted):
+                finished = True  # refused: the engine holds nothing for it
+                raise LegRefused(first.error)
             while not finished:
                 events = await _ready_events(sink)
                 finished = any(e.final for e in events)
