@@ -35,6 +35,7 @@ from pdserve.api import responses as R
 from pdserve.api.assembler import Delta, StreamAssembler
 from pdserve.api.errors import ApiError
 from pdserve.api.legs import EventBatch, TokenEvent
+from pdserve.api.prompt_ids import encode_prompt
 from pdserve.api.protocol import (
     GenerateRequest,
     parse_chat,
@@ -117,7 +118,7 @@ class OpenAIServer:
         else:
             req = parse_completion(body, self.served_model)
             prompt = req.prompt if isinstance(req.prompt, list) else \
-                self.tokenizer.encode(req.prompt)
+                encode_prompt(self.tokenizer, req.prompt)
         max_len = self.max_model_len()
         if max_len is None:
             raise ApiError(503, "no worker is ready yet; retry shortly", type=SERVER_ERROR)
