@@ -32,9 +32,18 @@ def test_truncation_left_on_by_an_earlier_call_does_not_cut_the_prompt() -> None
     assert len(encode_prompt(tok, text)) > 4
 
 
+def test_a_rendered_chat_gets_no_special_tokens_added() -> None:
+    tok = tiny_tokenizer()
+    text = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
+                                   add_generation_prompt=True)
+    assert encode_prompt(tok, text, add_special_tokens=False) == tok.encode(
+        text, add_special_tokens=False)
+
+
 def test_another_tokenizer_uses_its_own_encode() -> None:
     class Fake:
-        def encode(self, text: str) -> tuple[int, ...]:
-            return (len(text), 7)
+        def encode(self, text: str, add_special_tokens: bool) -> tuple[int, ...]:
+            return (len(text), int(add_special_tokens))
 
-    assert encode_prompt(Fake(), "abc") == [3, 7]
+    assert encode_prompt(Fake(), "abc") == [3, 1]
+    assert encode_prompt(Fake(), "abc", add_special_tokens=False) == [3, 0]

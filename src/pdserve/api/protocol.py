@@ -24,6 +24,7 @@ from typing import Any, Literal, Protocol
 import jinja2
 
 from pdserve.api.errors import ApiError, bad_request, not_found_model
+from pdserve.api.prompt_ids import encode_prompt
 from pdserve.engine.sampling_params import MAX_LOGPROBS, SamplingParams
 
 Kind = Literal["completion", "chat"]
@@ -349,15 +350,17 @@ class ChatTokenizer(Protocol):
 
     def apply_chat_template(self, conversation: list[Message], **kwargs: Any) -> Any: ...
 
+    def encode(self, text: str, add_special_tokens: bool = True) -> Any: ...
+
 
 def render_chat(tokenizer: ChatTokenizer, messages: Sequence[Message]) -> list[int]:
     """The prompt token ids of `messages` through the model's chat template, ready to answer."""
     if not getattr(tokenizer, "chat_template", None):
         raise bad_request("this model has no chat template; use /v1/completions", "messages")
     try:
-        ids = tokenizer.apply_chat_template(
-            list(messages), add_generation_prompt=True, tokenize=True, return_dict=False
+        text = tokenizer.apply_chat_template(
+            list(messages), add_generation_prompt=True, tokenize=False
         )
     except jinja2.TemplateError as e:  # the template's raise_exception(): roles out of order...
         raise bad_request(f"the chat template refused these messages: {e}", "messages") from e
-    return [int(t) for t in ids]
+    return encode_prompt(tokenizer, text, add_special_tokens=False)
