@@ -3,12 +3,12 @@
 In transformers 5, `encode(text)` on a fast (Rust-backed) Hugging Face tokenizer switches the
 backend's truncation and padding to what the call asks (off here), sets its
 `encode_special_tokens` from `split_special_tokens`, then calls the backend. `encode_prompt`
-does those same steps and calls the backend's `encode` itself: the same ids, and ~270 us less
-per request on this machine (492 -> 220 us with caches cold after a decode step, 84 -> 54 us
-warm, for a 33-token prompt). That is time to first token on every completion, through the
-router and on a worker alike; a chat request's rendered template saves ~0.15 ms the same way
-(`apply_chat_template(tokenize=True)` is the text render, then that same encode). Other
-tokenizers (slow ones, test fakes) use their own `encode`.
+does those same steps and calls the backend's `encode` itself: the same ids, 0.13-0.27 ms
+sooner per request on this machine (357-492 -> 220-231 us with caches cold after a decode
+step, 65-84 -> 52-54 us warm, for a 33-token prompt). That is time to first token on every
+completion, through the router and on a worker alike; a chat request's rendered template saves
+0.09-0.15 ms the same way (`apply_chat_template(tokenize=True)` is the text render, then that
+same encode). Other tokenizers (slow ones, test fakes) use their own `encode`.
 """
 
 from __future__ import annotations
