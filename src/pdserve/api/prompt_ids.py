@@ -1,4 +1,5 @@
-"""A completion prompt's token ids, without transformers' Python around the Rust tokenizer.
+"""A prompt's token ids (a completion's text, a chat's rendered template), without
+transformers' Python around the Rust tokenizer.
 
 In transformers 5, `encode(text)` on a fast (Rust-backed) Hugging Face tokenizer switches the
 backend's truncation and padding to what the call asks (off here), sets its
