@@ -200,7 +200,8 @@ def _add_bench(sub) -> None:
     rt.add_argument("--concurrency", default="1,64",
                     help="concurrent streams (default: %(default)s)")
     rt.add_argument("--requests", type=int, default=64,
-                    help="requests per run (default: %(default)s)")
+                    help="requests per run (default: %(default)s; at more than one stream at "
+                         "least 8 per stream)")
     rt.add_argument("--max-tokens", type=int, default=16, help="default: %(default)s")
     rt.add_argument("--repeats", type=int, default=3, help="default: %(default)s")
     rt.add_argument("--json", action="store_true", help="one JSON object per level")

@@ -3,7 +3,12 @@ directly, in the same run.
 
 One `pdserve up --collocated 1` (the worker pinned to one core, the router on the other). For
 each concurrency level, closed-loop streaming clients send the same completion requests to
-the worker's own OpenAI endpoint and to the router, `repeats` times each:
+the worker's own OpenAI endpoint and to the router, `repeats` times each. Request i of a run
+has a seeded prompt length and max_tokens drawn around the settings' values, and at more
+than one stream a run has at least `WAVES` requests per stream: with equal requests, 64
+streams would start, finish and restart in lockstep, and each run would measure how one
+burst happened to fall into the scheduler's steps (runs of the same code differed by
++-10 ms).
 - added latency: at one stream, requests alternate direct / router and the added latency is
   the median of the pairs' differences (a drift of the engine's step time, on a shared
   machine often larger than the router's cost, cancels within a pair); at more streams, runs
@@ -11,7 +16,9 @@ the worker's own OpenAI endpoint and to the router, `repeats` times each:
   time-to-first-token alike;
 - router CPU per relayed token: the router process's CPU time over the run (its threads'
   /proc schedstat, else /proc/PID/stat) divided by the tokens it streamed, against the
-  worker's mean decode step in the same run (its `pdserve_engine_step_seconds` sum and count).
+  worker's mean decode step in the same run (its `pdserve_engine_step_seconds` sum and count);
+  at more streams the direct runs' mean step beside it (the worker's own HTTP work shares its
+  core with the engine on that path).
 Medians over repeats; the machine should be otherwise idle.
 """
 
@@ -20,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import random
 import statistics
 import time
 from dataclasses import dataclass, replace
@@ -29,6 +37,7 @@ import aiohttp
 from pdserve.cluster.up_process import UpProcess
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
+WAVES = 8
 
 
 @dataclass(frozen=True)
@@ -56,6 +65,23 @@ class RunStats:
     wall_s: float
 
 
+def run_size(s: RouterBenchSettings, concurrency: int) -> int:
+    """Requests per run: `s.requests`, and at more than one stream at least `WAVES` per stream,
+    so that the closed loop reaches its steady state (the first wave starts all at once)."""
+    return s.requests if concurrency == 1 else max(s.requests, WAVES * concurrency)
+
+
+def _bodies(model: str, s: RouterBenchSettings, n: int) -> list[dict]:
+    """Request i of every run: prompt and max_tokens drawn around the settings' values
+    (seeded, the same for both paths), so that closed-loop streams drift apart instead of
+    starting and ending in lockstep waves."""
+    rng = random.Random(0)
+    return [{"model": model, "prompt": "word " * rng.randint(1 + s.prompt_words // 2,
+                                                             s.prompt_words * 3 // 2),
+             "max_tokens": rng.randint(1 + s.max_tokens // 2, s.max_tokens * 3 // 2),
+             "temperature": 0, "ignore_eos": True, "stream": True} for _ in range(n)]
+
+
 async def _one(session: aiohttp.ClientSession, url: str, body: dict, stats: RunStats) -> None:
     t0 = time.perf_counter()
     first = None
@@ -72,13 +98,11 @@ async def _one(session: aiohttp.ClientSession, url: str, body: dict, stats: RunS
 
 
 async def _load(url: str, model: str, s: RouterBenchSettings, concurrency: int) -> RunStats:
-    body = {"model": model, "prompt": "word " * s.prompt_words, "max_tokens": s.max_tokens,
-            "temperature": 0, "ignore_eos": True, "stream": True}
     stats = RunStats([], [], 0, 0.0)
-    todo = iter(range(max(s.requests, concurrency)))
+    todo = iter(_bodies(model, s, run_size(s, concurrency)))
 
     async def client(session: aiohttp.ClientSession) -> None:
-        for _ in todo:
+        for body in todo:
             await _one(session, url, body, stats)
 
     connector = aiohttp.TCPConnector(limit=0)
@@ -119,6 +143,10 @@ def _step_totals(worker_url: str) -> tuple[float, float]:
     return total, count
 
 
+def _mean_step(before: tuple[float, float], after: tuple[float, float]) -> float:
+    return (after[0] - before[0]) / max(after[1] - before[1], 1)
+
+
 def _router_pid(up: UpProcess) -> int:
     for pid in up.pids():
         try:
@@ -156,29 +184,34 @@ def measure(s: RouterBenchSettings) -> list[dict]:
         rows = []
         for c in s.concurrency:
             runs: dict[str, list[RunStats]] = {"direct": [], "router": []}
-            cpu_per_token, step_means = [], []
+            cpu_per_token, steps = [], {"direct": [], "router": []}
             for _ in range(s.repeats):
                 # one stream: pairs inside the measured span; more: the direct run before it
-                direct = None if c == 1 else asyncio.run(_load(worker + "/v1", s.model, s, c))
+                if c > 1:
+                    steps0 = _step_totals(worker)
+                    runs["direct"].append(asyncio.run(_load(worker + "/v1", s.model, s, c)))
+                    steps["direct"].append(_mean_step(steps0, _step_totals(worker)))
                 cpu0, steps0 = _cpu_seconds(router_pid), _step_totals(worker)
-                if direct is None:
+                if c == 1:
                     direct, run = asyncio.run(_paired(worker + "/v1", router + "/v1",
                                                       s.model, s))
+                    runs["direct"].append(direct)
                 else:
                     run = asyncio.run(_load(router + "/v1", s.model, s, c))
                 cpu1, steps1 = _cpu_seconds(router_pid), _step_totals(worker)
-                runs["direct"].append(direct)
                 runs["router"].append(run)
                 cpu_per_token.append((cpu1 - cpu0) / max(run.tokens, 1))
-                step_means.append((steps1[0] - steps0[0]) / max(steps1[1] - steps0[1], 1))
-            rows.append(_row(c, runs, cpu_per_token, step_means))
+                steps["router"].append(_mean_step(steps0, steps1))
+            rows.append(_row(c, runs, cpu_per_token, steps))
         return rows
     finally:
         up.stop()
 
 
 def _row(c: int, runs: dict[str, list[RunStats]], cpu_per_token: list[float],
-         step_means: list[float]) -> dict:
+         steps: dict[str, list[float]]) -> dict:
+    """`steps`: the worker's mean step time in each run, by path ("direct" may be empty: at
+    one stream both paths share a run, counted under "router")."""
     def med(path: str, attr: str) -> float:
         return statistics.median(statistics.median(getattr(r, attr)) for r in runs[path])
 
@@ -190,7 +223,7 @@ def _row(c: int, runs: dict[str, list[RunStats]], cpu_per_token: list[float],
                                                     strict=True))
             for r, d in zip(runs["router"], runs["direct"], strict=True))
 
-    step = statistics.median(step_means)
+    step = statistics.median(steps["router"])
     cpu = statistics.median(cpu_per_token)
     return {
         "concurrency": c,
@@ -202,24 +235,28 @@ def _row(c: int, runs: dict[str, list[RunStats]], cpu_per_token: list[float],
         "added_ttft_p50_ms": 1e3 * added("ttft"),
         "router_cpu_us_per_token": 1e6 * cpu,
         "decode_step_ms": 1e3 * step,
+        "direct_decode_step_ms": 1e3 * statistics.median(steps["direct"] or steps["router"]),
         "router_cpu_per_token_over_step": cpu / step if step else float("nan"),
     }
 
 
 def main(s: RouterBenchSettings, as_json: bool) -> int:
-    print(f"pdserve bench router: {s.model}, {s.requests} streamed requests of "
-          f"{s.max_tokens} tokens per run, concurrency {list(s.concurrency)}, medians of "
-          f"{s.repeats} runs, worker pinned to one core", flush=True)
+    sizes = ", ".join(f"{run_size(s, c)} at {c}" for c in s.concurrency)
+    print(f"pdserve bench router: {s.model}, streamed requests per run: {sizes}; prompts "
+          f"~{s.prompt_words} words, ~{s.max_tokens} tokens each; medians of {s.repeats} "
+          f"runs, worker pinned to one core", flush=True)
     rows = measure(s)
     if as_json:
         for row in rows:
             print(json.dumps(row))
         return 0
     print(f"{'streams':>7} {'direct e2e':>11} {'router e2e':>11} {'added':>9} "
-          f"{'added TTFT':>11} {'router CPU/tok':>15} {'decode step':>12} {'CPU/tok / step':>15}")
+          f"{'added TTFT':>11} {'router CPU/tok':>15} {'step direct/router':>19} "
+          f"{'CPU/tok / step':>15}")
     for r in rows:
+        steps = f"{r['direct_decode_step_ms']:.2f}/{r['decode_step_ms']:.2f}ms"
         print(f"{r['concurrency']:>7} {r['direct_e2e_p50_ms']:>9.2f}ms "
               f"{r['router_e2e_p50_ms']:>9.2f}ms {r['added_e2e_p50_ms']:>7.2f}ms "
               f"{r['added_ttft_p50_ms']:>9.2f}ms {r['router_cpu_us_per_token']:>12.1f} us "
-              f"{r['decode_step_ms']:>10.2f}ms {100 * r['router_cpu_per_token_over_step']:>14.2f}%")
+              f"{steps:>19} {100 * r['router_cpu_per_token_over_step']:>14.2f}%")
     return 0
