@@ -42,6 +42,43 @@ inline float sum(const Vec& v) {
 #endif
 }
 
+inline float max_lane(const Vec& v) {
+#if defined(CPU_CAPABILITY_AVX512)
+  return _mm512_reduce_max_ps(v);
+#else
+  return at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return at::vec::maximum(x, y); },
+                                        v);
+#endif
+}
+
+// Lane i of the result is the sum of the lanes of v[i], for i < kVec. On AVX-512 a transpose-
+// and-add tree: 45 instructions for 16 sums, against ~8 for each one alone (`sum`).
+inline Vec sum_each(const Vec* v) {
+#if defined(CPU_CAPABILITY_AVX512)
+  // pairs of rows: per 128-bit lane, (a0 + a2, b0 + b2, a1 + a3, b1 + b3)
+  __m512 w[8], x[4];
+  for (int i = 0; i < 8; ++i) {
+    const __m512 a = v[2 * i], b = v[2 * i + 1];
+    w[i] = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+  }
+  // quads: per 128-bit lane, that lane's sum of rows 4i ... 4i + 3
+  for (int i = 0; i < 4; ++i) {
+    const __m512d a = _mm512_castps_pd(w[2 * i]), b = _mm512_castps_pd(w[2 * i + 1]);
+    x[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
+                         _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  // across the four lanes: lanes (0 + 1, 2 + 3) of two quads, then of those
+  const auto fold = [](__m512 a, __m512 b) {
+    return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x88), _mm512_shuffle_f32x4(a, b, 0xdd));
+  };
+  return fold(fold(x[0], x[1]), fold(x[2], x[3]));
+#else
+  alignas(64) float out[kVec];
+  for (int64_t i = 0; i < kVec; ++i) out[i] = sum(v[i]);
+  return Vec::loadu(out);
+#endif
+}
+
 // n bf16 at src into fp32 at dst, and back (rounding to nearest even).
 inline void to_float(const bf16* src, float* dst, int64_t n) {
   for (int64_t i = 0; i < n; i += kBVec) {
