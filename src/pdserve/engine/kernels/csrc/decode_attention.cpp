@@ -12,6 +12,10 @@
 namespace pdserve {
 namespace {
 
+// Bytes of the next work item's rows prefetched while the current one runs (`Lookahead`):
+// with the current item's own rows, well inside a core's L2.
+constexpr int64_t kLookahead = 512 << 10;
+
 // One request's context in the paged cache: position t is slot t % bs of block
 // table[t / bs]; a slot holds every KV head's row (KVH x D, contiguous); blocks are
 // `block_stride` apart.
@@ -38,6 +42,32 @@ struct Context {
           for (int64_t o = 0; ahead && o < span; o += 64) __builtin_prefetch(line + o, 0, 1);
         }
         f(t, row);
+      }
+    }
+  }
+};
+
+// The rows the next work item will read, prefetched into L2 a few lines per call while this
+// item runs the passes that find their own rows in cache (all but its first K pass): without
+// it the memory bus idles through those passes, and the next item's first pass waits on
+// every block. Lines run block by block, slot by slot, K and V together; at most
+// kLookahead bytes.
+struct Lookahead {
+  const int64_t* table = nullptr;  // the next item's blocks; null: there is no next item
+  const char* k = nullptr;         // the K and V cache at the next item's first head
+  const char* v = nullptr;
+  int64_t bs = 0, block_bytes = 0, slot_bytes = 0, span = 0;  // span: bytes of a slot it reads
+  int64_t lines = 0, per_call = 0;  // lines left to fetch; K and V line pairs per call
+  int64_t blk = 0, slot = 0, off = 0;  // the cursor: block, slot, byte offset in the span
+
+  void step() {
+    for (int64_t n = 0; n < per_call && lines > 0; ++n, lines -= 2) {
+      const int64_t at = table[blk] * block_bytes + slot * slot_bytes + off;
+      __builtin_prefetch(k + at, 0, 1);
+      __builtin_prefetch(v + at, 0, 1);
+      if ((off += 64) == span) {
+        off = 0;
+        if (++slot == bs) slot = 0, ++blk;
       }
     }
   }
@@ -74,7 +104,7 @@ void exp_rows(float* s, int64_t rows, int64_t len, float* inv) {
 template <int G, int NV>
 void attend(const float* q, const Context& ctx, int64_t slot_offset, int64_t pre_offset,
             int64_t pre_span, const bf16* k_cache, const bf16* v_cache,
-            std::vector<float>& scores, float* out) {
+            std::vector<float>& scores, float* out, Lookahead& ahead) {
   const int64_t len = ctx.len;
   scores.resize(G * len);
   Vec qv[G][NV], x[NV];
@@ -88,6 +118,7 @@ void attend(const float* q, const Context& ctx, int64_t slot_offset, int64_t pre
   // `sum_each` adds them up for all of those positions at once
   Vec part[G][kVec];
   ctx.each(k_cache + slot_offset, pre, pre_span, [&](int64_t t, const bf16* row) {
+    if (pre_span == 0) ahead.step();  // this pass's rows are in cache already
     load(row);
     const int64_t i = t % kVec;
     for (int j = 0; j < G; ++j) {
@@ -108,6 +139,7 @@ void attend(const float* q, const Context& ctx, int64_t slot_offset, int64_t pre
   for (int j = 0; j < G; ++j)
     for (int i = 0; i < NV; ++i) acc[j][i] = Vec(0.f);
   ctx.each(v_cache + slot_offset, {}, 0, [&](int64_t t, const bf16* row) {
+    ahead.step();
     load(row);  // o_j = inv_j sum_t exp(s[j, t] - max_j) v_t
     for (int j = 0; j < G; ++j) {
       const Vec w(scores[j * len + t]);
@@ -119,7 +151,7 @@ void attend(const float* q, const Context& ctx, int64_t slot_offset, int64_t pre
 }
 
 using AttendFn = void (*)(const float*, const Context&, int64_t, int64_t, int64_t,
-                          const bf16*, const bf16*, std::vector<float>&, float*);
+                          const bf16*, const bf16*, std::vector<float>&, float*, Lookahead&);
 
 template <int NV>
 AttendFn pick_g(int64_t g) {
@@ -186,11 +218,29 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
   // contiguous block region, the next heads' passes find them in cache), else one.
   const int64_t heads_per_item = b >= 2 * at::get_num_threads() ? kvh : 1;
   const int64_t items_per_req = kvh / heads_per_item;
+  const int64_t slot_bytes = kvh * d * 2, block_bytes = block_stride * 2;
+  const auto lookahead = [&](int64_t i) {  // the rows item i reads first, up to kLookahead
+    Lookahead a;
+    if (i < 0) return a;
+    const int64_t r = i / items_per_req, first = (i % items_per_req) * heads_per_item;
+    a.table = tables + r * width;
+    a.k = reinterpret_cast<const char*>(kp + first * d);
+    a.v = reinterpret_cast<const char*>(vp + first * d);
+    a.bs = bs, a.block_bytes = block_bytes, a.slot_bytes = slot_bytes;
+    a.span = heads_per_item * d * 2;
+    const int64_t blocks = (lp[r] + bs - 1) / bs;
+    a.lines = std::min(blocks * bs * 2 * (a.span / 64), kLookahead / 64);
+    return a;
+  };
   at::parallel_for(0, b * items_per_req, 1, [&](int64_t i0, int64_t i1) {
     std::vector<float> qf(g * d), of(g * d), scores;
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t r = i / items_per_req, first = (i % items_per_req) * heads_per_item;
       const Context ctx{tables + r * width, lp[r], bs, block_stride, kvh * d};
+      Lookahead ahead = lookahead(i + 1 < i1 ? i + 1 : -1);
+      // spread over the passes that read from cache: 2 per head, less the first K pass
+      const int64_t calls = (2 * heads_per_item - 1) * lp[r];
+      ahead.per_call = (ahead.lines / 2 + calls - 1) / calls;  // K and V lines per call
       for (int64_t kh = first; kh < first + heads_per_item; ++kh) {
         for (int64_t j = 0; j < g; ++j) {  // query heads kh * g ... kh * g + g - 1
           to_float(qp + r * q.stride(0) + (kh * g + j) * q.stride(1), &qf[j * d], d);
@@ -198,7 +248,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
         }
         // the item's first K pass prefetches the K and V rows of every head it will read
         const int64_t span = kh == first ? heads_per_item * d * 2 : 0;
-        fn(qf.data(), ctx, kh * d, first * d, span, kp, vp, scores, of.data());
+        fn(qf.data(), ctx, kh * d, first * d, span, kp, vp, scores, of.data(), ahead);
         to_bf16(of.data(), op + (r * h + kh * g) * d, g * d);
       }
     }
