@@ -86,14 +86,10 @@ double run(const torch::Tensor& w, const torch::Tensor& x, int64_t mode) {
   {
     const int id = omp_get_thread_num();
     configure(mode == 3 ? 1 : 16);
-    for (int t = 0; t < 4; ++t) {
-      switch (t) {  // tile numbers are immediates
-        case 0: _tile_zero(0); break;
-        case 1: _tile_zero(1); break;
-        case 2: _tile_zero(2); break;
-        default: _tile_zero(3); break;
-      }
-    }
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
     stream(wp + id * per_thread * 2048, per_thread, xp, static_cast<int>(mode));
     _tile_release();
   }

@@ -4,6 +4,7 @@
 #include <cmath>
 #include <initializer_list>
 #include <limits>
+#include <utility>
 #include <vector>
 
 #include "ops.h"
@@ -219,15 +220,19 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
   const int64_t heads_per_item = b >= 2 * at::get_num_threads() ? kvh : 1;
   const int64_t items_per_req = kvh / heads_per_item;
   const int64_t slot_bytes = kvh * d * 2, block_bytes = block_stride * 2;
+  const int64_t item_span = heads_per_item * d * 2;  // bytes of each slot an item reads
+  const auto item = [&](int64_t i) {  // (request, first KV head) of work item i
+    return std::pair<int64_t, int64_t>{i / items_per_req, (i % items_per_req) * heads_per_item};
+  };
   const auto lookahead = [&](int64_t i) {  // the rows item i reads first, up to kLookahead
     Lookahead a;
     if (i < 0) return a;
-    const int64_t r = i / items_per_req, first = (i % items_per_req) * heads_per_item;
+    const auto [r, first] = item(i);
     a.table = tables + r * width;
     a.k = reinterpret_cast<const char*>(kp + first * d);
     a.v = reinterpret_cast<const char*>(vp + first * d);
     a.bs = bs, a.block_bytes = block_bytes, a.slot_bytes = slot_bytes;
-    a.span = heads_per_item * d * 2;
+    a.span = item_span;
     const int64_t blocks = (lp[r] + bs - 1) / bs;
     a.lines = std::min(blocks * bs * 2 * (a.span / 64), kLookahead / 64);
     return a;
@@ -235,7 +240,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
   at::parallel_for(0, b * items_per_req, 1, [&](int64_t i0, int64_t i1) {
     std::vector<float> qf(g * d), of(g * d), scores;
     for (int64_t i = i0; i < i1; ++i) {
-      const int64_t r = i / items_per_req, first = (i % items_per_req) * heads_per_item;
+      const auto [r, first] = item(i);
       const Context ctx{tables + r * width, lp[r], bs, block_stride, kvh * d};
       Lookahead ahead = lookahead(i + 1 < i1 ? i + 1 : -1);
       // spread over the passes that read from cache: 2 per head, less the first K pass
@@ -247,7 +252,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
           for (int64_t e = 0; e < d; ++e) qf[j * d + e] *= static_cast<float>(scale);
         }
         // the item's first K pass prefetches the K and V rows of every head it will read
-        const int64_t span = kh == first ? heads_per_item * d * 2 : 0;
+        const int64_t span = kh == first ? item_span : 0;
         fn(qf.data(), ctx, kh * d, first * d, span, kp, vp, scores, of.data(), ahead);
         to_bf16(of.data(), op + (r * h + kh * g) * d, g * d);
       }
