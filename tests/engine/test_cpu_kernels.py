@@ -17,13 +17,6 @@ from pdserve.engine.sampler import Sampler
 BF16 = torch.bfloat16
 
 
-@pytest.fixture(scope="module")
-def ops():
-    module = kernels.cpu_ops()
-    assert module is not None, "the CPU operators must build on the test machine"
-    return module
-
-
 def _ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """|a - b| in units of bf16's spacing at b (2^-7 relative)."""
     return (a.float() - b.float()).abs() / (b.float().abs() * 2**-7).clamp_min(1e-6)

@@ -3,7 +3,8 @@
 On CPU most of a small model's step outside its matmuls is PyTorch dispatch: an RMSNorm is
 several aten calls, rotary embedding five, decode attention a block gather, a padded copy and a
 masked SDPA per layer. The C++ operators in `csrc/` do each in one pass (see `csrc/ops.h`),
-and on a CPU with AMX the linear layers run on pdserve's own tile kernel (`amx_linear.cpp`).
+and the linear layers run on pdserve's own kernels: AMX tiles where the CPU has them
+(`amx_linear.cpp`), else AVX512-BF16's VDPBF16PS (`dpbf16_linear.cpp`).
 They are built with `-fopenmp`, so `at::parallel_for` uses ATen's thread pool (without it
 the loops silently run on one thread); the library then shares torch's libgomp, already
 loaded under the same soname.
@@ -34,8 +35,8 @@ log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = ("bindings.cpp", "norm.cpp", "activation.cpp", "rope.cpp", "kv_store.cpp",
-           "decode_attention.cpp", "amx_linear.cpp", "argmax.cpp")
-HEADERS = ("ops.h", "vec.h")
+           "decode_attention.cpp", "amx_linear.cpp", "dpbf16_linear.cpp", "argmax.cpp")
+HEADERS = ("ops.h", "vec.h", "linear_call.h")
 
 
 def supports(cfg: ModelConfig) -> bool:

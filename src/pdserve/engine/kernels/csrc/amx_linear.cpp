@@ -18,6 +18,7 @@
 
 #include <algorithm>
 
+#include "linear_call.h"
 #include "ops.h"
 #include "vec.h"
 
@@ -126,21 +127,14 @@ at::Tensor amx_pack(const at::Tensor& weight) {
 at::Tensor amx_linear(const at::Tensor& x_in, const at::Tensor& packed,
                       const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(amx_available(), "this CPU or kernel does not grant AMX to the process");
-  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kBFloat16, "x must be bf16 [M, K]");
-  TORCH_CHECK(packed.dim() == 5 && packed.size(1) * kTileK == x_in.size(1),
-              "x has ", x_in.size(1), " features, the packed weight ", packed.size(1) * kTileK);
-  const at::Tensor x = x_in.stride(1) == 1 ? x_in : x_in.contiguous();
-  const int64_t m = x.size(0), k = x.size(1), n = packed.size(0) * kTileN, ldx = x.stride(0);
-  at::Tensor b32;
-  if (bias) {
-    TORCH_CHECK(bias->numel() == n, "bias has ", bias->numel(), " values for ", n, " outputs");
-    b32 = bias->to(at::kFloat).contiguous();
-  }
-  auto out = at::empty({m, n}, x.options());
-  const bf16* xp = x.data_ptr<bf16>();
+  TORCH_CHECK(packed.dim() == 5, "the packed weight is amx_pack's 5-d tiles");
+  const LinearCall call =
+      linear_call(x_in, packed.size(1) * kTileK, packed.size(0) * kTileN, bias);
+  const int64_t m = call.m, k = call.x.size(1), n = call.n, ldx = call.ldx;
+  const bf16* xp = call.xp();
   const bf16* wp = packed.data_ptr<bf16>();
-  const float* bp = bias ? b32.data_ptr<float>() : nullptr;
-  bf16* op = out.data_ptr<bf16>();
+  const float* bp = call.bp();
+  bf16* op = call.op();
   at::parallel_for(0, n / (2 * kTileN), 1, [&](int64_t g0, int64_t g1) {
     int64_t configured = -1;  // LDTILECFG is per thread; reload only when the chunk shape changes
     for (int64_t g = g0; g < g1; ++g) {
@@ -153,7 +147,7 @@ at::Tensor amx_linear(const at::Tensor& x_in, const at::Tensor& packed,
     }
     if (configured >= 0) _tile_release();
   });
-  return out;
+  return call.out;
 }
 
 #else  // compiled for a CPU without AMX-BF16

@@ -14,4 +14,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("amx_available", &pdserve::amx_available);
   m.def("amx_pack", &pdserve::amx_pack);
   m.def("amx_linear", &pdserve::amx_linear);
+  m.def("dpbf16_available", &pdserve::dpbf16_available);
+  m.def("dpbf16_pack", &pdserve::dpbf16_pack);
+  m.def("dpbf16_linear", &pdserve::dpbf16_linear);
 }

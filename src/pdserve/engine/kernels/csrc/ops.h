@@ -56,4 +56,15 @@ at::Tensor amx_pack(const at::Tensor& weight);
 at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed,
                       const std::optional<at::Tensor>& bias);
 
+// Whether this build has AVX512-BF16 (VDPBF16PS): the linear layer for CPUs without AMX.
+bool dpbf16_available();
+
+// weight [N, K] bf16 (N a multiple of 16, K even) -> [N/16, K/2, 16, 2] (16 columns' K-pairs).
+at::Tensor dpbf16_pack(const at::Tensor& weight);
+
+// x [M, K] bf16 (rows may be strided) . weight^T (+ bias [N]) -> [M, N], from dpbf16_pack's
+// layout.
+at::Tensor dpbf16_linear(const at::Tensor& x, const at::Tensor& packed,
+                         const std::optional<at::Tensor>& bias);
+
 }  // namespace pdserve
