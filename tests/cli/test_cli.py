@@ -40,8 +40,14 @@ def test_bench_engine_json_rows(tiny_model, operators):
     assert [(r["phase"], r["batch"]) for r in rows] == [("decode", 1), ("decode", 2),
                                                         ("prefill", 1)]
     for r in rows:
-        for key in ("pdserve_tok_s", "transformers_tok_s", "roofline_tok_s"):
+        for key in ("pdserve_tok_s", "transformers_tok_s", "roofline_tok_s",
+                    "compute_roof_tok_s"):
             assert r[key] > 0
+        bound = min(r["roofline_tok_s"], r["compute_roof_tok_s"])
+        assert r["of_bound"] == round(r["pdserve_tok_s"] / bound, 3)
+    # the compute roof does not depend on the batch; prefill's roofline is its compute roof
+    assert rows[0]["compute_roof_tok_s"] == rows[1]["compute_roof_tok_s"]
+    assert rows[2]["compute_roof_tok_s"] == rows[2]["roofline_tok_s"]
 
 
 def test_bench_transfer_json_rows():

@@ -7,6 +7,11 @@ Every number is the median of `repeats` runs measured in this process, on this m
   prefill), same batch and prompt length, same dtype.
   roofline: every step reads every weight once, so tok/s <= B x bandwidth / weight bytes, with
   the bandwidth measured here by a large read (memory-bound decode, DESIGN.md s1).
+  compute roof: every token costs its FLOPs (below), so tok/s <= peak bf16 matmul FLOP/s
+  measured here / FLOPs per token, whatever the batch. A step is bound by the lower of the two
+  (Williams et al. 2009, "Roofline"); `of bound` is the share of that. Where the matmul peak
+  is low against the bandwidth (no AMX: 32-row decode on AVX512-BF16 is compute-bound), the
+  compute roof is the lower one.
 - prefill tok/s for one prompt of `prompt_len` tokens: one engine step; transformers: one
   `generate()` of 1 token. roofline: peak bf16 matmul FLOP/s measured here over the FLOPs per
   prompt token (2 x matmul parameters + attention, Kaplan et al. 2020, eq. 2.1 style count).
@@ -29,6 +34,7 @@ from pdserve.engine import huge_pages
 from pdserve.engine.engine import Engine
 from pdserve.engine.model.config import ModelConfig
 from pdserve.engine.model.hub import resolve_model
+from pdserve.engine.model.packed_linear import linear_kernel
 from pdserve.engine.sampling_params import SamplingParams
 
 
@@ -40,6 +46,15 @@ class BenchRow:
     pdserve_tok_s: float
     transformers_tok_s: float
     roofline_tok_s: float
+    compute_roof_tok_s: float
+
+    @property
+    def bound_tok_s(self) -> float:
+        return min(self.roofline_tok_s, self.compute_roof_tok_s)
+
+    @property
+    def of_bound(self) -> float:
+        return self.pdserve_tok_s / self.bound_tok_s
 
     @property
     def vs_transformers(self) -> float:
@@ -91,14 +106,20 @@ def weight_bytes_per_step(cfg: ModelConfig, dtype_bytes: int) -> int:
     return (cfg.num_layers * per_layer + h + cfg.vocab_size * h) * dtype_bytes
 
 
-def prefill_flops_per_token(cfg: ModelConfig, prompt_len: int) -> float:
-    """2 x matmul weights per token, plus attention: QK^T and PV over on average half the
-    causal context, 2 x 2 x heads x head_dim x ctx/2 per layer. The LM head runs once."""
+def flops_per_token(cfg: ModelConfig, context: float, lm_head_share: float = 1.0) -> float:
+    """2 x matmul weights per token, plus attention: QK^T and PV over `context` positions,
+    2 x 2 x heads x head_dim x context per layer (Kaplan et al. 2020, eq. 2.1 style count); the
+    LM head on `lm_head_share` of the tokens (a prefill samples only its last one)."""
     h, i, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
     matmul = cfg.num_layers * (h * (cfg.num_heads + 2 * cfg.num_kv_heads) * d
                                + cfg.num_heads * d * h + 3 * h * i)
-    attention = cfg.num_layers * 4 * cfg.num_heads * d * prompt_len / 2
-    return 2 * matmul + attention + 2 * cfg.vocab_size * h / prompt_len
+    attention = cfg.num_layers * 4 * cfg.num_heads * d * context
+    return 2 * matmul + attention + 2 * cfg.vocab_size * h * lm_head_share
+
+
+def prefill_flops_per_token(cfg: ModelConfig, prompt_len: int) -> float:
+    """A prompt token attends to half the causal context on average; the LM head runs once."""
+    return flops_per_token(cfg, prompt_len / 2, 1 / prompt_len)
 
 
 class _Prompts:
@@ -174,30 +195,44 @@ def run_bench(s: BenchSettings, log: Callable[[str], None]) -> list[BenchRow]:
     flops = matmul_flops(torch.bfloat16)
     log(f"measured: memory read {bandwidth / 1e9:.1f} GB/s, bf16 matmul "
         f"{flops / 1e9:.0f} GFLOP/s, {torch.get_num_threads()} threads; pdserve on "
-        f"{'its fused CPU operators' if engine.model.fused else 'PyTorch operators'}")
+        f"{_operators(engine)}")
     step_floor = weight_bytes_per_step(cfg, 2) / bandwidth
+    decode_roof = flops / flops_per_token(cfg, s.decode_prompt_len + s.decode_steps / 2)
     rows = []
     for batch in s.batches:
         log(f"decode, batch {batch} ...")
         rows.append(BenchRow("decode", batch, s.decode_prompt_len,
                              pdserve_decode(engine, prompts, batch, s),
-                             hf_decode(hf, prompts, batch, s), batch / step_floor))
+                             hf_decode(hf, prompts, batch, s), batch / step_floor,
+                             decode_roof))
     log(f"prefill, {s.prompt_len}-token prompt ...")
     hf_prefill = s.prompt_len / hf_generate_seconds(
         hf, torch.tensor(prompts(1, s.prompt_len)), 1, s.repeats)
+    prefill_roof = flops / prefill_flops_per_token(cfg, s.prompt_len)
     rows.append(BenchRow("prefill", 1, s.prompt_len, pdserve_prefill(engine, prompts, s),
-                         hf_prefill, flops / prefill_flops_per_token(cfg, s.prompt_len)))
+                         hf_prefill, prefill_roof, prefill_roof))
     return rows
+
+
+def _operators(engine: Engine) -> str:
+    fused = engine.model.fused
+    if fused is None:
+        return "PyTorch operators"
+    kernel = linear_kernel(fused)
+    return (f"its fused CPU operators, linears on "
+            f"{'oneDNN' if kernel is None else kernel.name}")
 
 
 def format_table(rows: list[BenchRow]) -> str:
     head = (f"{'phase':<8}{'batch':>6}{'prompt':>8}{'pdserve tok/s':>15}"
-            f"{'transformers':>14}{'x HF':>7}{'roofline':>10}{'of roofline':>13}")
+            f"{'transformers':>14}{'x HF':>7}{'roofline':>10}{'of roofline':>13}"
+            f"{'compute roof':>14}{'of bound':>10}")
     lines = [head, "-" * len(head)]
     for r in rows:
         lines.append(f"{r.phase:<8}{r.batch:>6}{r.prompt_tokens:>8}{r.pdserve_tok_s:>15.1f}"
                      f"{r.transformers_tok_s:>14.1f}{r.vs_transformers:>7.2f}"
-                     f"{r.roofline_tok_s:>10.0f}{r.of_roofline:>12.0%}")
+                     f"{r.roofline_tok_s:>10.0f}{r.of_roofline:>12.0%}"
+                     f"{r.compute_roof_tok_s:>15.0f}{r.of_bound:>9.0%}")
     return "\n".join(lines)
 
 
@@ -206,7 +241,8 @@ def main(s: BenchSettings, as_json: bool) -> int:
     if as_json:
         for r in rows:
             print(json.dumps(asdict(r) | {"vs_transformers": round(r.vs_transformers, 3),
-                                          "of_roofline": round(r.of_roofline, 3)}))
+                                          "of_roofline": round(r.of_roofline, 3),
+                                          "of_bound": round(r.of_bound, 3)}))
     else:
         print(format_table(rows))
     return 0

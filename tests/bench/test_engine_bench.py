@@ -1,0 +1,35 @@
+"""`pdserve bench engine`'s roofs: the FLOPs it charges a token and the bound it reports."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from transformers import AutoModelForCausalLM
+
+from pdserve.bench.engine_bench import BenchRow, flops_per_token, prefill_flops_per_token
+from pdserve.engine.model.config import ModelConfig
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_a_token_costs_two_flops_per_linear_weight_plus_attention(tiny_model, arch):
+    path = tiny_model(arch)
+    cfg = ModelConfig.from_folder(path)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    weights = sum(m.weight.numel() for m in hf.modules() if isinstance(m, nn.Linear))
+    assert flops_per_token(cfg, 0) == 2 * weights
+    per_position = 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim  # QK^T and PV
+    assert flops_per_token(cfg, 10) == 2 * weights + 10 * per_position
+    head = 2 * cfg.vocab_size * cfg.hidden_size  # a prefill samples once, from its last token
+    assert prefill_flops_per_token(cfg, 100) == pytest.approx(
+        2 * weights - head + head / 100 + 50 * per_position)
+
+
+def test_the_bound_is_the_lower_roof():
+    memory_bound = BenchRow("decode", 1, 32, 50.0, 25.0, roofline_tok_s=100.0,
+                            compute_roof_tok_s=1000.0)
+    compute_bound = BenchRow("decode", 32, 32, 500.0, 250.0, roofline_tok_s=3200.0,
+                             compute_roof_tok_s=1000.0)
+    assert (memory_bound.bound_tok_s, memory_bound.of_bound) == (100.0, 0.5)
+    assert (compute_bound.bound_tok_s, compute_bound.of_bound) == (1000.0, 0.5)
+    assert compute_bound.of_roofline == pytest.approx(500 / 3200)
