@@ -35,7 +35,8 @@ log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = ("bindings.cpp", "norm.cpp", "activation.cpp", "rope.cpp", "kv_store.cpp",
-           "decode_attention.cpp", "amx_linear.cpp", "dpbf16_linear.cpp", "argmax.cpp")
+           "decode_attention.cpp", "amx_linear.cpp", "dpbf16_linear.cpp", "argmax.cpp",
+           "decode_layer.cpp")
 HEADERS = ("ops.h", "vec.h", "linear_call.h")
 
 

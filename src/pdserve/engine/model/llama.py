@@ -7,8 +7,10 @@ Norms compute in fp32 and cast back, exactly as HF does, so fp32 runs match HF t
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from types import ModuleType
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -17,6 +19,7 @@ from torch import nn
 from pdserve.engine.kv_cache import KVCache
 from pdserve.engine.model.attention import AttentionMetadata, paged_attention
 from pdserve.engine.model.config import ModelConfig
+from pdserve.engine.model.packed_linear import KernelLinear
 from pdserve.engine.model.rope import RotaryEmbedding, StepRope
 
 
@@ -82,6 +85,7 @@ class MLP(nn.Module):
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, fused: ModuleType | None) -> None:
         super().__init__()
+        self.fused = fused
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, fused)
         self.self_attn = Attention(cfg, fused)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, fused)
@@ -95,6 +99,31 @@ class DecoderLayer(nn.Module):
         h, residual = self.input_layernorm(x, residual)
         h, residual = self.post_attention_layernorm(self.self_attn(h, rope, kv, meta), residual)
         return self.mlp(h), residual
+
+    def fused_decode(self, x: torch.Tensor, residual: torch.Tensor | None, step: Any,
+                     kv: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward` of a decode-only step as one call of the operators' `decode_layer` (the
+        same operators, no Python between them); `step` is the step's `DecodeStep`."""
+        return self.fused.decode_layer(x, residual, self._fused_weights, step, *kv)
+
+    @functools.cached_property
+    def _fused_weights(self) -> Any:
+        """The layer's weights for `decode_layer`, gathered on first use (after packing)."""
+        attn, mlp = self.self_attn, self.mlp
+        w = self.fused.DecodeLayerWeights()
+        w.input_norm = self.input_layernorm.weight
+        w.post_norm = self.post_attention_layernorm.weight
+        w.qkv, w.qkv_bias = attn.qkv_proj.packed, attn.qkv_proj.bias
+        w.o_proj, w.gate_up, w.down = (attn.o_proj.packed, mlp.gate_up_proj.packed,
+                                       mlp.down_proj.packed)
+        w.kernel = attn.qkv_proj.kernel.name
+        w.heads, w.kv_heads, w.head_dim = attn.h, attn.kvh, attn.d
+        w.eps, w.scale = self.input_layernorm.eps, attn.scale
+        return w
+
+    def linears(self) -> list[nn.Module]:
+        a, m = self.self_attn, self.mlp
+        return [a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj]
 
 
 class LlamaForCausalLM(nn.Module):
@@ -127,12 +156,37 @@ class LlamaForCausalLM(nn.Module):
         (layer-wise KV streaming); on CUDA only the kernels are queued by then."""
         x = self.embed_tokens(input_ids)  # [T, hidden]
         rope = self.rope.for_step(positions, x.dtype, self.fused)  # shared by every layer
+        step = self._fused_decode_step(positions, meta)
         residual = None
         for i, (layer, kv) in enumerate(zip(self.layers, kv_cache.layers, strict=True)):
-            x, residual = layer(x, residual, rope, kv, meta)
+            if step is not None:
+                x, residual = layer.fused_decode(x, residual, step, kv)
+            else:
+                x, residual = layer(x, residual, rope, kv, meta)
             if after_layer is not None:
                 after_layer(i)
         return self.norm(x, residual)[0]  # [T, hidden]
+
+    def _fused_decode_step(self, positions: torch.Tensor, meta: AttentionMetadata) -> Any:
+        """What a decode-only step's layers share for `DecoderLayer.fused_decode`, or None where
+        the layers run through Python: a prefill in the step, PyTorch operators, or a linear
+        not on one of pdserve's kernels."""
+        if self.fused is None or meta.prefills or self._layer_kernel is None:
+            return None
+        step = self.fused.DecodeStep()
+        step.positions, step.cos, step.sin_signed = positions, self.rope.cos, self.rope.sin_signed
+        step.slot_blocks, step.slot_offsets = meta.slot_blocks, meta.slot_offsets
+        step.tables = [g.blocks.view(g.lens.shape[0], -1) for g in meta.decode_groups]
+        step.lens = [g.lens for g in meta.decode_groups]
+        return step
+
+    @functools.cached_property
+    def _layer_kernel(self) -> str | None:
+        """The linear kernel every layer runs on, or None (found on the first forward, after
+        `pack_linears`)."""
+        names = {m.kernel.name if isinstance(m, KernelLinear) else None
+                 for layer in self.layers for m in layer.linears()}
+        return names.pop() if len(names) == 1 else None
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

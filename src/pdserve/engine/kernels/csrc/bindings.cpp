@@ -17,4 +17,31 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dpbf16_available", &pdserve::dpbf16_available);
   m.def("dpbf16_pack", &pdserve::dpbf16_pack);
   m.def("dpbf16_linear", &pdserve::dpbf16_linear);
+  using W = pdserve::DecodeLayerWeights;
+  py::class_<W>(m, "DecodeLayerWeights")
+      .def(py::init<>())
+      .def_readwrite("input_norm", &W::input_norm)
+      .def_readwrite("post_norm", &W::post_norm)
+      .def_readwrite("qkv", &W::qkv)
+      .def_readwrite("o_proj", &W::o_proj)
+      .def_readwrite("gate_up", &W::gate_up)
+      .def_readwrite("down", &W::down)
+      .def_readwrite("qkv_bias", &W::qkv_bias)
+      .def_readwrite("kernel", &W::kernel)
+      .def_readwrite("heads", &W::heads)
+      .def_readwrite("kv_heads", &W::kv_heads)
+      .def_readwrite("head_dim", &W::head_dim)
+      .def_readwrite("eps", &W::eps)
+      .def_readwrite("scale", &W::scale);
+  using S = pdserve::DecodeStep;
+  py::class_<S>(m, "DecodeStep")
+      .def(py::init<>())
+      .def_readwrite("positions", &S::positions)
+      .def_readwrite("cos", &S::cos)
+      .def_readwrite("sin_signed", &S::sin_signed)
+      .def_readwrite("slot_blocks", &S::slot_blocks)
+      .def_readwrite("slot_offsets", &S::slot_offsets)
+      .def_readwrite("tables", &S::tables)
+      .def_readwrite("lens", &S::lens);
+  m.def("decode_layer", &pdserve::decode_layer);
 }

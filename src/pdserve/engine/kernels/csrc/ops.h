@@ -5,7 +5,9 @@
 #include <ATen/ATen.h>
 
 #include <optional>
+#include <string>
 #include <tuple>
+#include <vector>
 
 namespace pdserve {
 
@@ -66,5 +68,30 @@ at::Tensor dpbf16_pack(const at::Tensor& weight);
 // layout.
 at::Tensor dpbf16_linear(const at::Tensor& x, const at::Tensor& packed,
                          const std::optional<at::Tensor>& bias);
+
+// A decoder layer's weights for decode_layer, made once per layer after the linears are packed.
+struct DecodeLayerWeights {
+  at::Tensor input_norm, post_norm;          // [hidden] bf16
+  at::Tensor qkv, o_proj, gate_up, down;     // packed for `kernel`
+  std::optional<at::Tensor> qkv_bias;        // [(H + 2 KVH) D] fp32
+  std::string kernel;                        // "amx" | "avx512_bf16"
+  int64_t heads = 0, kv_heads = 0, head_dim = 0;
+  double eps = 0, scale = 0;
+};
+
+// What every layer of one decode-only step shares, made once per step.
+struct DecodeStep {
+  at::Tensor positions;              // [T] int64
+  at::Tensor cos, sin_signed;        // fp32 [P, D] tables (rope_)
+  at::Tensor slot_blocks, slot_offsets;  // [T] int64: where each row's K/V goes
+  std::vector<at::Tensor> tables, lens;  // per decode group, covering [0, T) in order
+};
+
+// One decoder layer (Llama family) over a decode-only step: the same operators in the same
+// order as model/llama.py's DecoderLayer on these operators. x [T, hidden] bf16; residual
+// None for the first layer. Returns (out, residual), as DecoderLayer does.
+std::tuple<at::Tensor, at::Tensor> decode_layer(
+    const at::Tensor& x, const std::optional<at::Tensor>& residual, const DecodeLayerWeights& w,
+    const DecodeStep& step, at::Tensor& k_cache, at::Tensor& v_cache);
 
 }  // namespace pdserve
