@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
+import sys
+import threading
+import time
 
 import pytest
 import torch
@@ -226,3 +230,42 @@ def test_the_sampler_takes_greedy_bf16_rows_through_argmax_rows(ops):
     plain, fused = Sampler(seed=1), Sampler(seed=1, fused=Spy())
     assert fused(logits, params, [0] * 16).token_ids == plain(logits, params, [0] * 16).token_ids
     assert calls == [(16, 1000)]
+
+
+def test_the_operators_let_other_python_threads_run_meanwhile(ops):
+    """A worker's HTTP thread sends one step's tokens while its engine thread runs the next
+    step in these operators: they must release the GIL, as PyTorch's operators do. The
+    operator runs on one thread, so the other core is free for a thread that ticks every
+    0.5 ms; with a 10 s switch interval, an operator holding the GIL would stop the ticks for
+    most of its run."""
+    gate_up = torch.randn(2048, 2 * 8192).to(BF16)  # silu_mul over 64 MiB: tens of ms
+    ticks: list[float] = []
+    done = threading.Event()
+
+    def ticker() -> None:
+        while not done.is_set():
+            ticks.append(time.perf_counter())
+            time.sleep(0.0005)
+
+    interval, threads = sys.getswitchinterval(), torch.get_num_threads()
+    sys.setswitchinterval(10.0)
+    torch.set_num_threads(1)
+    thread = threading.Thread(target=ticker)
+    try:
+        thread.start()
+        while not ticks:
+            time.sleep(0.001)
+        spans = []
+        for _ in range(3):
+            start = time.perf_counter()
+            ops.silu_mul(gate_up)
+            spans.append((start, time.perf_counter()))
+    finally:
+        done.set()
+        sys.setswitchinterval(interval)
+        torch.set_num_threads(threads)
+        thread.join()
+    for start, end in spans:
+        inside = [start, *(t for t in ticks if start < t < end), end]
+        longest = max(b - a for a, b in itertools.pairwise(inside))
+        assert longest < 0.5 * (end - start), (longest, end - start)

@@ -2,21 +2,27 @@
 
 #include "ops.h"
 
+// Every operator on tensors releases the GIL while it runs, as PyTorch's own operators do: a
+// worker's engine thread spends its steps in these, and its HTTP thread must be able to send
+// the tokens of the step before meanwhile (else it waits out Python's 5 ms switch interval).
+// Their arguments are C++ objects, held by the caller for the call.
+const auto kFree = py::call_guard<py::gil_scoped_release>();
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "pdserve's fused CPU operators (bf16)";
-  m.def("rms_norm", &pdserve::rms_norm);
-  m.def("add_rms_norm", &pdserve::add_rms_norm);
-  m.def("silu_mul", &pdserve::silu_mul);
-  m.def("rope_", &pdserve::rope_);
-  m.def("store_kv_", &pdserve::store_kv_);
-  m.def("decode_attention", &pdserve::decode_attention);
-  m.def("argmax_rows", &pdserve::argmax_rows);
+  m.def("rms_norm", &pdserve::rms_norm, kFree);
+  m.def("add_rms_norm", &pdserve::add_rms_norm, kFree);
+  m.def("silu_mul", &pdserve::silu_mul, kFree);
+  m.def("rope_", &pdserve::rope_, kFree);
+  m.def("store_kv_", &pdserve::store_kv_, kFree);
+  m.def("decode_attention", &pdserve::decode_attention, kFree);
+  m.def("argmax_rows", &pdserve::argmax_rows, kFree);
   m.def("amx_available", &pdserve::amx_available);
-  m.def("amx_pack", &pdserve::amx_pack);
-  m.def("amx_linear", &pdserve::amx_linear);
+  m.def("amx_pack", &pdserve::amx_pack, kFree);
+  m.def("amx_linear", &pdserve::amx_linear, kFree);
   m.def("dpbf16_available", &pdserve::dpbf16_available);
-  m.def("dpbf16_pack", &pdserve::dpbf16_pack);
-  m.def("dpbf16_linear", &pdserve::dpbf16_linear);
+  m.def("dpbf16_pack", &pdserve::dpbf16_pack, kFree);
+  m.def("dpbf16_linear", &pdserve::dpbf16_linear, kFree);
   using W = pdserve::DecodeLayerWeights;
   py::class_<W>(m, "DecodeLayerWeights")
       .def(py::init<>())
@@ -43,5 +49,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("slot_offsets", &S::slot_offsets)
       .def_readwrite("tables", &S::tables)
       .def_readwrite("lens", &S::lens);
-  m.def("decode_layer", &pdserve::decode_layer);
+  m.def("decode_layer", &pdserve::decode_layer, kFree);
 }
