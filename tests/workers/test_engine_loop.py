@@ -152,3 +152,25 @@ def test_a_consumer_gone_before_the_acceptance_cancels_the_leg(engine: Engine) -
     assert aborted == ["r"]
     engine.step()  # drain the abort's output
     assert engine.block_manager.num_used_blocks == 0
+
+
+def test_a_legs_latency_counts_from_its_submission(engine: Engine) -> None:
+    """A leg that arrives while a step runs waits for the engine thread to take it: that wait
+    is the client's, so TTFT and e2e count from the submission, not from the take."""
+    async def main() -> None:
+        metrics = WorkerMetrics("collocated")
+        loop = EngineLoop(engine, None, metrics)
+        sink = loop.submit(LegRequest("r0", tuple(range(3, 13)), PARAMS))
+        await asyncio.sleep(0.3)  # the engine thread is not running yet
+        loop.start(asyncio.get_running_loop())
+        try:
+            await _events(sink)
+        finally:
+            loop.stop()
+        for histogram in (metrics.ttft, metrics.e2e):
+            text = "\n".join(histogram.render())
+            total = float(next(line.split()[1] for line in text.splitlines()
+                               if line.startswith(f"{histogram.name}_sum")))
+            assert total >= 0.3, text
+
+    asyncio.run(main())

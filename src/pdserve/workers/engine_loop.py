@@ -33,7 +33,7 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import IntEnum
 
 from pdserve.api.legs import LegKind, LegRequest, TokenEvent
@@ -78,9 +78,10 @@ class _Leg:
     req: LegRequest
     sink: asyncio.Queue
     engine_id: str
+    arrived: float  # when the HTTP thread submitted it (a step may run before the engine
+    # thread takes it: that wait is the client's too)
     phase: Phase = Phase.QUEUED
     cancelled: bool = False
-    arrived: float = field(default_factory=time.perf_counter)
     last_token_at: float | None = None
     recomputed: bool = False  # a decode leg whose KV never came: its first event says so
 
@@ -117,11 +118,11 @@ class EngineLoop:
     def submit(self, req: LegRequest) -> asyncio.Queue:
         """The leg's queue: `Accepted` or a final error `TokenEvent` first, then events."""
         sink: asyncio.Queue = asyncio.Queue()
-        self._commands.put(("submit", req, sink))
+        self._commands.put(("submit", req, sink, time.perf_counter()))
         return sink
 
     def cancel(self, request_id: str) -> None:
-        self._commands.put(("cancel", request_id, None))
+        self._commands.put(("cancel", request_id, None, 0.0))
 
     async def events(self, request_id: str, sink: asyncio.Queue
                      ) -> AsyncIterator[list[TokenEvent]]:
@@ -197,13 +198,13 @@ class EngineLoop:
             timeout = None
             if cmd is None:
                 return
-            op, arg, sink = cmd
+            op, arg, sink, at = cmd
             if op == "submit":
-                self._submit(arg, sink)
+                self._submit(arg, sink, at)
             else:
                 self._cancel(arg)
 
-    def _submit(self, req: LegRequest, sink: asyncio.Queue) -> None:
+    def _submit(self, req: LegRequest, sink: asyncio.Queue, arrived: float) -> None:
         if any(leg.req.request_id == req.request_id for leg in self._legs.values()):
             self._emit(sink, _error(f"request id {req.request_id!r} is already running here"))
             return
@@ -212,7 +213,7 @@ class EngineLoop:
         except ValueError as e:
             self._emit(sink, _error(str(e)))
             return
-        leg = _Leg(req, sink, req.request_id)
+        leg = _Leg(req, sink, req.request_id, arrived)
         self._legs[leg.engine_id] = leg
         if req.transfer_id is not None:
             self._by_tid[req.transfer_id] = leg

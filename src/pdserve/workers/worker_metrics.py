@@ -27,7 +27,8 @@ class WorkerMetrics:
         self.generation_tokens = r.counter("pdserve_generation_tokens_total",
                                            "Output tokens produced.")
         self.ttft = r.histogram("pdserve_time_to_first_token_seconds",
-                                "From a leg's arrival to its first output token.")
+                                "From a leg's arrival (handed to the engine loop) to its first "
+                                "output token.")
         self.itl = r.histogram("pdserve_inter_token_latency_seconds",
                                "Between consecutive output tokens of one leg.")
         self.e2e = r.histogram("pdserve_e2e_request_latency_seconds",
