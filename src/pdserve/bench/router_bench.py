@@ -14,6 +14,11 @@ burst happened to fall into the scheduler's steps (runs of the same code differe
   machine often larger than the router's cost, cancels within a pair); at more streams, runs
   alternate and it is the median via the router minus the median direct. End-to-end and
   time-to-first-token alike;
+- in-process added: the router's own e2e (request arrival -> last byte) minus the worker's
+  (leg submitted -> last token), means over a router-only run (at one stream a separate
+  32-request run after the pairs): both contain the same engine steps, so the step noise that
+  swamps the client-side difference at 64 streams cancels. An upper bound on what the router
+  adds, without the client <-> router hop.
 - router CPU per relayed token: the router process's CPU time over the run (its threads'
   /proc schedstat, else /proc/PID/stat) divided by the tokens it streamed, against the
   worker's mean decode step in the same run (its `pdserve_engine_step_seconds` sum and count);
@@ -130,17 +135,37 @@ def _schedstat_ns(pid: int, tid: str) -> int:
         return int(f.read().split()[0])  # time spent on the CPU (proc(5) schedstat)
 
 
-def _step_totals(worker_url: str) -> tuple[float, float]:
+def _histogram_totals(url: str, name: str) -> tuple[float, float]:
+    """(sum, count) of a histogram on a pdserve /metrics page."""
     import urllib.request
 
     total = count = 0.0
-    with urllib.request.urlopen(worker_url + "/metrics", timeout=5) as r:
+    with urllib.request.urlopen(url + "/metrics", timeout=5) as r:
         for line in r.read().decode().splitlines():
-            if line.startswith("pdserve_engine_step_seconds_sum "):
+            if line.startswith(f"{name}_sum "):
                 total = float(line.split()[1])
-            elif line.startswith("pdserve_engine_step_seconds_count "):
+            elif line.startswith(f"{name}_count "):
                 count = float(line.split()[1])
     return total, count
+
+
+def _step_totals(worker_url: str) -> tuple[float, float]:
+    return _histogram_totals(worker_url, "pdserve_engine_step_seconds")
+
+
+def _e2e_totals(worker_url: str, router_url: str) -> tuple[tuple[float, float], ...]:
+    return (_histogram_totals(router_url, "pdserve_router_e2e_request_latency_seconds"),
+            _histogram_totals(worker_url, "pdserve_e2e_request_latency_seconds"))
+
+
+def _in_process_added(before: tuple, after: tuple) -> float:
+    """Mean e2e in the router (request arrival -> last byte sent) minus mean e2e in the worker
+    (leg submitted -> last token) over a router-only run: what the router adds, timed by the
+    processes themselves, so the engine's step time (the same in both) cancels. An upper
+    bound: it counts the router's parse and tokenize, which the direct path does on the
+    worker before its own clock starts."""
+    (r0, w0), (r1, w1) = before, after
+    return _mean_step(r0, r1) - _mean_step(w0, w1)
 
 
 def _mean_step(before: tuple[float, float], after: tuple[float, float]) -> float:
@@ -185,6 +210,7 @@ def measure(s: RouterBenchSettings) -> list[dict]:
         for c in s.concurrency:
             runs: dict[str, list[RunStats]] = {"direct": [], "router": []}
             cpu_per_token, steps = [], {"direct": [], "router": []}
+            in_process: list[float] = []
             for _ in range(s.repeats):
                 # one stream: pairs inside the measured span; more: the direct run before it
                 if c > 1:
@@ -192,6 +218,7 @@ def measure(s: RouterBenchSettings) -> list[dict]:
                     runs["direct"].append(asyncio.run(_load(worker + "/v1", s.model, s, c)))
                     steps["direct"].append(_mean_step(steps0, _step_totals(worker)))
                 cpu0, steps0 = _cpu_seconds(router_pid), _step_totals(worker)
+                e2e_start = _e2e_totals(worker, router)
                 if c == 1:
                     direct, run = asyncio.run(_paired(worker + "/v1", router + "/v1",
                                                       s.model, s))
@@ -202,14 +229,19 @@ def measure(s: RouterBenchSettings) -> list[dict]:
                 runs["router"].append(run)
                 cpu_per_token.append((cpu1 - cpu0) / max(run.tokens, 1))
                 steps["router"].append(_mean_step(steps0, steps1))
-            rows.append(_row(c, runs, cpu_per_token, steps))
+                e2e0 = _e2e_totals(worker, router)
+                if c == 1:  # the paired run mixed both paths in the worker's histogram
+                    asyncio.run(_load(router + "/v1", s.model, replace(s, requests=32), 1))
+                in_process.append(_in_process_added(e2e0 if c == 1 else e2e_start,
+                                                    _e2e_totals(worker, router)))
+            rows.append(_row(c, runs, cpu_per_token, steps, in_process))
         return rows
     finally:
         up.stop()
 
 
 def _row(c: int, runs: dict[str, list[RunStats]], cpu_per_token: list[float],
-         steps: dict[str, list[float]]) -> dict:
+         steps: dict[str, list[float]], in_process: list[float]) -> dict:
     """`steps`: the worker's mean step time in each run, by path ("direct" may be empty: at
     one stream both paths share a run, counted under "router")."""
     def med(path: str, attr: str) -> float:
@@ -233,6 +265,7 @@ def _row(c: int, runs: dict[str, list[RunStats]], cpu_per_token: list[float],
         "direct_ttft_p50_ms": 1e3 * med("direct", "ttft"),
         "router_ttft_p50_ms": 1e3 * med("router", "ttft"),
         "added_ttft_p50_ms": 1e3 * added("ttft"),
+        "in_process_added_mean_ms": 1e3 * statistics.median(in_process),
         "router_cpu_us_per_token": 1e6 * cpu,
         "decode_step_ms": 1e3 * step,
         "direct_decode_step_ms": 1e3 * statistics.median(steps["direct"] or steps["router"]),
@@ -252,11 +285,12 @@ def main(s: RouterBenchSettings, as_json: bool) -> int:
         return 0
     print(f"{'streams':>7} {'direct e2e':>11} {'router e2e':>11} {'added':>9} "
           f"{'added TTFT':>11} {'router CPU/tok':>15} {'step direct/router':>19} "
-          f"{'CPU/tok / step':>15}")
+          f"{'CPU/tok / step':>15} {'in-process added':>17}")
     for r in rows:
         steps = f"{r['direct_decode_step_ms']:.2f}/{r['decode_step_ms']:.2f}ms"
         print(f"{r['concurrency']:>7} {r['direct_e2e_p50_ms']:>9.2f}ms "
               f"{r['router_e2e_p50_ms']:>9.2f}ms {r['added_e2e_p50_ms']:>7.2f}ms "
               f"{r['added_ttft_p50_ms']:>9.2f}ms {r['router_cpu_us_per_token']:>12.1f} us "
-              f"{steps:>19} {100 * r['router_cpu_per_token_over_step']:>14.2f}%")
+              f"{steps:>19} {100 * r['router_cpu_per_token_over_step']:>14.2f}% "
+              f"{r['in_process_added_mean_ms']:>15.2f}ms")
     return 0
