@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
 import sys
 import time
 
@@ -75,8 +74,9 @@ def _bench_router(args: argparse.Namespace) -> int:
 
 
 def _setup_logging(name: str) -> None:
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
-                        format=f"%(asctime)s {name} %(levelname)s %(message)s")
+    from pdserve import logs
+
+    logs.setup(name)
 
 
 def _worker(args: argparse.Namespace) -> int:
