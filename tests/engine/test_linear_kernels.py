@@ -16,6 +16,7 @@ from pdserve.engine.model.packed_linear import (
     KernelLinear,
     LinearKernel,
     PackedLinear,
+    available_kernels,
     linear_kernel,
     pack_linears,
 )
@@ -26,12 +27,10 @@ BF16 = torch.bfloat16
 
 @pytest.fixture(params=["amx", "avx512_bf16"])
 def kernel(request, ops) -> LinearKernel:
-    available = {"amx": ops.amx_available(), "avx512_bf16": ops.dpbf16_available()}
-    if not available[request.param]:
+    available = {k.name: k for k in available_kernels(ops)}
+    if request.param not in available:
         pytest.skip(f"this CPU has no {request.param}")
-    if request.param == "amx":
-        return LinearKernel("amx", ops.amx_pack, ops.amx_linear, 32, 32)
-    return LinearKernel("avx512_bf16", ops.dpbf16_pack, ops.dpbf16_linear, 16, 2)
+    return available[request.param]
 
 
 def _weights(out: int, inp: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:

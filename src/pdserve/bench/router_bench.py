@@ -165,10 +165,11 @@ def _in_process_added(before: tuple, after: tuple) -> float:
     bound: it counts the router's parse and tokenize, which the direct path does on the
     worker before its own clock starts."""
     (r0, w0), (r1, w1) = before, after
-    return _mean_step(r0, r1) - _mean_step(w0, w1)
+    return _histogram_mean(r0, r1) - _histogram_mean(w0, w1)
 
 
-def _mean_step(before: tuple[float, float], after: tuple[float, float]) -> float:
+def _histogram_mean(before: tuple[float, float], after: tuple[float, float]) -> float:
+    """Mean of what a histogram observed between two (sum, count) readings."""
     return (after[0] - before[0]) / max(after[1] - before[1], 1)
 
 
@@ -216,9 +217,9 @@ def measure(s: RouterBenchSettings) -> list[dict]:
                 if c > 1:
                     steps0 = _step_totals(worker)
                     runs["direct"].append(asyncio.run(_load(worker + "/v1", s.model, s, c)))
-                    steps["direct"].append(_mean_step(steps0, _step_totals(worker)))
+                    steps["direct"].append(_histogram_mean(steps0, _step_totals(worker)))
                 cpu0, steps0 = _cpu_seconds(router_pid), _step_totals(worker)
-                e2e_start = _e2e_totals(worker, router)
+                e2e0 = _e2e_totals(worker, router) if c > 1 else None
                 if c == 1:
                     direct, run = asyncio.run(_paired(worker + "/v1", router + "/v1",
                                                       s.model, s))
@@ -228,12 +229,11 @@ def measure(s: RouterBenchSettings) -> list[dict]:
                 cpu1, steps1 = _cpu_seconds(router_pid), _step_totals(worker)
                 runs["router"].append(run)
                 cpu_per_token.append((cpu1 - cpu0) / max(run.tokens, 1))
-                steps["router"].append(_mean_step(steps0, steps1))
-                e2e0 = _e2e_totals(worker, router)
+                steps["router"].append(_histogram_mean(steps0, steps1))
                 if c == 1:  # the paired run mixed both paths in the worker's histogram
+                    e2e0 = _e2e_totals(worker, router)
                     asyncio.run(_load(router + "/v1", s.model, replace(s, requests=32), 1))
-                in_process.append(_in_process_added(e2e0 if c == 1 else e2e_start,
-                                                    _e2e_totals(worker, router)))
+                in_process.append(_in_process_added(e2e0, _e2e_totals(worker, router)))
             rows.append(_row(c, runs, cpu_per_token, steps, in_process))
         return rows
     finally:

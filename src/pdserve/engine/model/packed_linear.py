@@ -45,15 +45,19 @@ class LinearKernel:
                 and linear.in_features % self.in_multiple == 0)
 
 
+def available_kernels(ops: ModuleType | None) -> list[LinearKernel]:
+    """pdserve's linear kernels that this CPU runs, fastest first."""
+    if ops is None:
+        return []
+    kernels = [(ops.amx_available(), LinearKernel("amx", ops.amx_pack, ops.amx_linear, 32, 32)),
+               (ops.dpbf16_available(), LinearKernel("avx512_bf16", ops.dpbf16_pack,
+                                                     ops.dpbf16_linear, 16, 2))]
+    return [kernel for available, kernel in kernels if available]
+
+
 def linear_kernel(ops: ModuleType | None) -> LinearKernel | None:
     """The fastest of pdserve's linear kernels that this CPU runs, or None (oneDNN then)."""
-    if ops is None:
-        return None
-    if ops.amx_available():
-        return LinearKernel("amx", ops.amx_pack, ops.amx_linear, 32, 32)
-    if ops.dpbf16_available():
-        return LinearKernel("avx512_bf16", ops.dpbf16_pack, ops.dpbf16_linear, 16, 2)
-    return None
+    return next(iter(available_kernels(ops)), None)
 
 
 class PackedLinear(nn.Module):
