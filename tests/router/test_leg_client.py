@@ -16,10 +16,10 @@ from aiohttp import WSMsgType, web
 from pdserve.api.leg_frames import (
     CANCEL,
     OPEN,
-    events_frame,
-    parse_reply,
+    events_reply,
+    parse_replies,
     parse_request,
-    refusal_frame,
+    refusal_reply,
 )
 from pdserve.api.legs import EventBatch, LegRequest, TokenEvent
 from pdserve.engine.sampling_params import SamplingParams
@@ -45,15 +45,21 @@ def test_frames_round_trip_and_malformed_ones_are_refused() -> None:
     op, sid, body = parse_request(b"open 7\n{}")
     assert (op, sid, body) == (OPEN, 7, b"{}")
     assert parse_request(b"cancel 3\n") == (CANCEL, 3, b"")
-    assert parse_reply(events_frame(5, [event(0)])) == (5, 200, event(0).to_line())
-    assert parse_reply(refusal_frame(5, 400, "no")) == (5, 400, b"no")
+    lines = event(0).to_line() + event(1).to_line()
+    message = events_reply(5, [event(0), event(1)]) + refusal_reply(6, 400, "no\nway")
+    assert parse_replies(message) == [(5, 200, lines), (6, 400, b"no\nway")]
     for bad in (b"", b"open\n", b"open x\n", b"close 1\n", b"open 1 2\n"):
         with pytest.raises(ValueError, match="not a leg channel request"):
             parse_request(bad)
-    with pytest.raises(ValueError, match="not a leg channel reply"):
-        parse_reply(b"5\n")
+    for bad in (b"5\n", b"5 200\nx", b"5 200 1", b"5 200 x\n"):
+        with pytest.raises(ValueError, match="not a leg channel reply"):
+            parse_replies(bad)
+    with pytest.raises(ValueError, match="cut short: 9 bytes announced, 2 there"):
+        parse_replies(refusal_reply(5, 400, "no") + b"6 200 9\nab")
+    with pytest.raises(ValueError, match="empty"):
+        parse_replies(b"")
     with pytest.raises(ValueError, match="4xx"):
-        refusal_frame(1, 500, "no")
+        refusal_reply(1, 500, "no")
 
 
 Script = Callable[[web.WebSocketResponse, int, LegRequest], "asyncio.Future[None]"]
@@ -114,9 +120,9 @@ async def collect(channels: LegChannels, w: WorkerHandle, leg: LegRequest = LEG,
 def test_legs_share_one_connection_and_get_their_own_events_in_batches() -> None:
     async def script(ws: web.WebSocketResponse, sid: int, leg: LegRequest) -> None:
         base = 10 * int(leg.request_id.split("-")[1])
-        await ws.send_bytes(events_frame(sid, [event(base)]))
+        await ws.send_bytes(events_reply(sid, [event(base)]))
         await asyncio.sleep(0.01)
-        await ws.send_bytes(events_frame(sid, [event(base + 1), event(base + 2, final=True)]))
+        await ws.send_bytes(events_reply(sid, [event(base + 1), event(base + 2, final=True)]))
 
     async def go() -> None:
         async with serving(script) as (worker, w, channels):
@@ -133,9 +139,34 @@ def test_legs_share_one_connection_and_get_their_own_events_in_batches() -> None
     asyncio.run(go())
 
 
+def test_one_message_carries_the_replies_of_several_legs() -> None:
+    """The worker sends every leg a step advanced in one message; each leg gets its own."""
+    opened: dict[str, int] = {}
+    both = asyncio.Event()
+
+    async def script(ws: web.WebSocketResponse, sid: int, leg: LegRequest) -> None:
+        opened[leg.request_id] = sid
+        if len(opened) == 2:
+            both.set()
+            a, b = opened["cmpl-1"], opened["cmpl-2"]
+            await ws.send_bytes(events_reply(a, [event(0)]) + events_reply(b, [event(5)]))
+            await ws.send_bytes(events_reply(b, [event(6, final=True)]) +
+                                events_reply(a, [event(1, final=True)]))
+
+    async def go() -> None:
+        async with serving(script) as (_, w, channels):
+            legs = [LegRequest(f"cmpl-{i}", (1,), SamplingParams(max_tokens=2))
+                    for i in (1, 2)]
+            one, two = await asyncio.gather(*(collect(channels, w, leg) for leg in legs))
+            assert one == [[event(0)], [event(1, final=True)]]
+            assert two == [[event(5)], [event(6, final=True)]]
+
+    asyncio.run(go())
+
+
 def test_a_refused_leg_is_a_client_error() -> None:
     async def script(ws: web.WebSocketResponse, sid: int, leg: LegRequest) -> None:
-        await ws.send_bytes(refusal_frame(sid, 400, "prompt too long"))
+        await ws.send_bytes(refusal_reply(sid, 400, "prompt too long"))
 
     async def go() -> None:
         async with serving(script) as (_, w, channels):
@@ -149,7 +180,7 @@ def test_a_refused_leg_is_a_client_error() -> None:
 def test_a_leg_given_up_early_or_timed_out_sends_cancel() -> None:
     async def script(ws: web.WebSocketResponse, sid: int, leg: LegRequest) -> None:
         if leg.request_id == "cmpl-early":
-            await ws.send_bytes(events_frame(sid, [event(0)]))  # then nothing
+            await ws.send_bytes(events_reply(sid, [event(0)]))  # then nothing
 
     async def go() -> None:
         async with serving(script) as (worker, w, channels):
@@ -174,9 +205,9 @@ def test_a_closed_connection_fails_every_open_leg_and_the_next_leg_reconnects() 
 
         async def script(ws: web.WebSocketResponse, sid: int, leg: LegRequest) -> None:
             if leg.request_id == "cmpl-after":
-                await ws.send_bytes(events_frame(sid, [event(0, final=True)]))
+                await ws.send_bytes(events_reply(sid, [event(0, final=True)]))
                 return
-            await ws.send_bytes(events_frame(sid, [event(0)]))
+            await ws.send_bytes(events_reply(sid, [event(0)]))
             if sid == 2:
                 started.set()
 

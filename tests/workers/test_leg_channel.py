@@ -13,7 +13,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from pdserve.api.leg_frames import cancel_frame, open_frame, parse_reply
+from pdserve.api.leg_frames import cancel_frame, open_frame, parse_replies
 from pdserve.api.legs import LegRequest, TokenEvent
 from pdserve.config import EngineConfig
 from pdserve.engine.engine import Engine
@@ -53,17 +53,17 @@ async def channel(engine: Engine, metrics: WorkerMetrics | None = None
         loop.stop()
 
 
-async def replies(ws: aiohttp.ClientWebSocketResponse, until: int) -> list[tuple[int, int,
-                                                                                  bytes]]:
-    """Messages until `until` legs have ended (final event or refusal)."""
+async def replies(ws: aiohttp.ClientWebSocketResponse, until: int
+                  ) -> list[list[tuple[int, int, bytes]]]:
+    """The replies of each message, until `until` legs have ended (final event or refusal)."""
     out, ended = [], 0
     while ended < until:
         msg = await asyncio.wait_for(ws.receive(), 30)
-        sid, status, body = parse_reply(msg.data)
-        out.append((sid, status, body))
-        if status != 200 or any(TokenEvent.from_line(line).final
-                                for line in body.splitlines()):
-            ended += 1
+        out.append(parse_replies(msg.data))
+        for _, status, body in out[-1]:
+            if status != 200 or any(TokenEvent.from_line(line).final
+                                    for line in body.splitlines()):
+                ended += 1
     return out
 
 
@@ -82,8 +82,9 @@ def test_legs_stream_to_the_end_and_a_bad_leg_is_refused(engine: Engine) -> None
             await ws.send_bytes(open_frame(1, LegRequest("r1", (3, 4, 5), params)))
             await ws.send_bytes(open_frame(2, LegRequest("r2", (6, 7), params)))
             await ws.send_bytes(b"open 3\n" + json.dumps({"request_id": "r3"}).encode())
-            got = await replies(ws, 3)
+            messages = await replies(ws, 3)
             await wait_free(engine)
+        got = [reply for message in messages for reply in message]
         refused = [r for r in got if r[0] == 3]
         assert refused[0][1] == 400 and b"bad leg request" in refused[0][2]
         for sid in (1, 2):
@@ -91,6 +92,8 @@ def test_legs_stream_to_the_end_and_a_bad_leg_is_refused(engine: Engine) -> None
                       for line in body.splitlines()]
             assert sum(len(e.token_ids) for e in events) == 12
             assert events[-1].final and events[-1].finish_reason == "length"
+        # the two legs decode in the same steps: each step's two replies share one message
+        assert sum(sorted(sid for sid, _, _ in m) == [1, 2] for m in messages) >= 8
 
     asyncio.run(go())
 
@@ -102,8 +105,8 @@ def test_cancel_and_a_closed_connection_free_the_blocks(engine: Engine) -> None:
         async with channel(engine, metrics) as ws:
             await ws.send_bytes(open_frame(1, LegRequest("r1", tuple(range(3, 40)), LONG)))
             await ws.send_bytes(open_frame(2, LegRequest("r2", tuple(range(5, 50)), LONG)))
-            first = parse_reply((await asyncio.wait_for(ws.receive(), 30)).data)
-            assert first[1] == 200 and engine.block_manager.num_used_blocks > 0
+            first = parse_replies((await asyncio.wait_for(ws.receive(), 30)).data)
+            assert first[0][1] == 200 and engine.block_manager.num_used_blocks > 0
             await ws.send_bytes(cancel_frame(1))
             await ws.close()  # leg 2 is still running: the worker must cancel it too
             await wait_free(engine)

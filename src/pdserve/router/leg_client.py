@@ -4,7 +4,8 @@ router has open there (frames: `api/leg_frames.py`).
 A channel connects on its first leg, and again on the first leg after it closed (a worker that
 restarted gets a new connection). Its reader delivers each message to its leg's queue; when
 the connection closes, every leg still open on it fails. A leg's events come in batches: the
-events the worker had ready together, in one message.
+events the worker had ready together, in one reply (a message holds the replies of every leg
+one step advanced).
 
 Bounded: connecting takes at most `connect_s`, and a leg that stays silent for `idle_s` fails
 (the worker's own transfer leases are shorter, so a healthy worker always speaks first).
@@ -22,7 +23,7 @@ from collections.abc import AsyncIterator
 
 import aiohttp
 
-from pdserve.api.leg_frames import cancel_frame, open_frame, parse_reply
+from pdserve.api.leg_frames import cancel_frame, open_frame, parse_replies
 from pdserve.api.legs import EventBatch, LegRequest, TokenEvent
 from pdserve.router.worker_pool import WorkerHandle
 
@@ -89,7 +90,7 @@ class LegChannel:
             raise LegFailed(body.decode(errors="replace") or f"status {status}", status)
         batch = parse_events(body.split(b"\n")[:-1])
         if not batch:
-            raise ValueError("a message without events")
+            raise ValueError("a reply without events")
         return batch
 
     async def _connection(self) -> aiohttp.ClientWebSocketResponse:
@@ -109,9 +110,9 @@ class LegChannel:
                 if msg.type is not aiohttp.WSMsgType.BINARY:
                     why = f"an unexpected {msg.type.name} message"
                     break
-                sid, status, body = parse_reply(msg.data)
-                if sid in self._legs:
-                    self._legs[sid][1].put_nowait((status, body))
+                for sid, status, body in parse_replies(msg.data):
+                    if sid in self._legs:
+                        self._legs[sid][1].put_nowait((status, body))
         except ValueError as e:
             why = str(e)
         finally:
