@@ -1,4 +1,6 @@
-"""Server processes log through a queue: the logging thread never writes to stderr itself."""
+"""Server processes log through a buffer that a writer thread empties: the logging thread never
+writes to stderr itself, a line reaches stderr within the flush window, and lines logged just
+before exit are written at exit."""
 
 from __future__ import annotations
 
@@ -6,20 +8,37 @@ import subprocess
 import sys
 
 SCRIPT = """
-import logging, logging.handlers, sys, threading
+import logging, os, sys, threading, time
 from pdserve import logs
 logs.setup("router:8000")
-assert [type(h) for h in logging.getLogger().handlers] == [logging.handlers.QueueHandler]
-logging.getLogger("pdserve.router").info("request %s: done", "cmpl-1")
-logging.getLogger("pdserve.router").debug("not shown")
+assert [type(h) for h in logging.getLogger().handlers] == [logs.BatchWriter]
+log = logging.getLogger("pdserve.router")
+log.info("request %s: done", "cmpl-1")
+log.debug("not shown")
 writer = [t for t in threading.enumerate() if t is not threading.main_thread()]
-assert len(writer) == 1, writer
+assert [t.name for t in writer] == ["log-writer"], writer
+if sys.argv[1] == "window":
+    time.sleep(10 * logs.FLUSH_S)
+    os._exit(0)  # no atexit: only what the writer wrote by itself is there
+for i in range(200):
+    log.warning("line %d", i)
 """
 
 
-def test_lines_reach_stderr_from_the_writer_thread_before_exit():
-    res = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True,
+def run(mode: str) -> list[str]:
+    res = subprocess.run([sys.executable, "-c", SCRIPT, mode], capture_output=True, text=True,
                          timeout=60)
     assert res.returncode == 0, res.stderr
-    lines = res.stderr.splitlines()
+    return res.stderr.splitlines()
+
+
+def test_a_line_reaches_stderr_within_the_flush_window() -> None:
+    lines = run("window")
     assert len(lines) == 1 and lines[0].endswith(" router:8000 INFO request cmpl-1: done")
+
+
+def test_lines_logged_just_before_exit_are_written_in_order() -> None:
+    lines = run("exit")
+    assert len(lines) == 201
+    assert [line.split(" WARNING ")[1] for line in lines[1:]] == [f"line {i}"
+                                                                  for i in range(200)]
