@@ -95,6 +95,7 @@ def test_three_prefill_two_decode_on_two_cores() -> None:
     (["--cpus", "99999"], "not available"),
     (["--kv-cache-memory", "lots"], "size"),
     (["--max-model-len", "0"], "max_model_len"),
+    (["--max-num-seqs", "0"], "max_num_seqs must be positive"),
     (["--ready-timeout", "0"], "timeout"),
     (["--transport", "nixl", "--kv-encrypt"], "tcp transport only"),
 ])
@@ -176,12 +177,15 @@ def test_cores_are_split_evenly_when_there_are_enough() -> None:
     assert [_option(w, "--cpus") for w in four[:2]] == [["0,1"], ["2,3,4"]]
 
 
-def test_chunked_prefill_reaches_every_worker() -> None:
-    workers = plan_processes(UpConfig(enable_chunked_prefill=True, max_num_batched_tokens=256,
-                                      cpus=(0, 1)), SECRET)[:-1]
+def test_chunked_prefill_and_batch_limits_reach_every_worker() -> None:
+    config = UpConfig.from_args(_args("--enable-chunked-prefill", "--max-num-batched-tokens",
+                                      "256", "--max-num-seqs", "128", "--cpus", "0"))
+    workers = plan_processes(config, SECRET)[:-1]
     for w in workers:
         assert "--enable-chunked-prefill" in w.argv
         assert _option(w, "--max-num-batched-tokens") == ["256"]
+        assert _option(w, "--max-num-seqs") == ["128"]
+    assert not any("--max-num-seqs" in w.argv for w in plan_processes(UpConfig(), SECRET))
 
 
 def test_no_cpu_kernels_reaches_every_worker() -> None:

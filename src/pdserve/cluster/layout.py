@@ -54,6 +54,7 @@ class UpConfig:
     cpus: tuple[int, ...] = (0,)
     enable_chunked_prefill: bool = False
     max_num_batched_tokens: int | None = None
+    max_num_seqs: int | None = None
     cpu_kernels: bool = True
 
     def __post_init__(self) -> None:
@@ -65,6 +66,8 @@ class UpConfig:
                              f"ports up to {last_port} (at most 65535)")
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
+        if self.max_num_seqs is not None and self.max_num_seqs <= 0:
+            raise ValueError(f"max_num_seqs must be positive, got {self.max_num_seqs}")
         if self.local_prefill_threshold < 0:
             raise ValueError("local_prefill_threshold must be >= 0, got "
                              f"{self.local_prefill_threshold}")
@@ -136,7 +139,7 @@ class UpConfig:
                    ready_timeout_s=args.ready_timeout, cpus=cpus,
                    enable_chunked_prefill=args.enable_chunked_prefill,
                    max_num_batched_tokens=args.max_num_batched_tokens,
-                   cpu_kernels=args.cpu_kernels)
+                   max_num_seqs=args.max_num_seqs, cpu_kernels=args.cpu_kernels)
 
 
 def worker_counts(prefill: int | None, decode: int | None,
@@ -210,6 +213,8 @@ def _worker_spec(config: UpConfig, index: int, role: str, secret_file: Path) -> 
     argv += ["--kv-layerwise", config.kv_layerwise, "--kv-lease", str(config.kv_lease_s)]
     if config.max_num_batched_tokens is not None:
         argv += ["--max-num-batched-tokens", str(config.max_num_batched_tokens)]
+    if config.max_num_seqs is not None:
+        argv += ["--max-num-seqs", str(config.max_num_seqs)]
     if not config.cpu_kernels:
         argv += ["--no-cpu-kernels"]
     return ProcessSpec(f"{role}-{role_index}", tuple(argv), worker_url(config, index) + "/health",

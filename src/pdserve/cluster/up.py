@@ -93,6 +93,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=None, metavar="TOKENS",
                    help="tokens per engine step (default: 512 with chunked prefill, else the "
                         "context)")
+    p.add_argument("--max-num-seqs", type=int, default=None, metavar="N",
+                   help="most requests each worker runs in one step; more wait in its queue "
+                        "(default: the worker's, 64)")
     add_cpu_kernels_arg(p)
     p.add_argument("--transport", default="tcp", choices=TRANSPORTS,
                    help="how KV blocks move from prefill to decode workers "
