@@ -1,30 +1,32 @@
 """`pdserve bench router`: what the router adds, measured against the same worker addressed
 directly, in the same run.
 
-One `pdserve up --collocated 1` (the worker pinned to one core, the router on the other). For
-each concurrency level, closed-loop streaming clients send the same completion requests to
-the worker's own OpenAI endpoint and to the router, `repeats` times each. Request i of a run
-has a seeded prompt length and max_tokens drawn around the settings' values, and at more
-than one stream a run has at least `WAVES` requests per stream: with equal requests, 64
-streams would start, finish and restart in lockstep, and each run would measure how one
-burst happened to fall into the scheduler's steps (runs of the same code differed by
-+-10 ms).
+One `pdserve up --collocated 1` (the worker pinned to one core, the router and the clients on
+the other; the worker takes up to twice the highest concurrency in one step). For each
+concurrency level, closed-loop streaming clients send the same completion requests to the
+worker's own OpenAI endpoint and to the router. Request i of a run has a seeded prompt length
+and max_tokens drawn around the settings' values, and at more than one stream a run has at
+least `WAVES` requests per stream: with equal requests, 64 streams would start, finish and
+restart in lockstep, and each run would measure how one burst happened to fall into the
+scheduler's steps.
 - added latency: at one stream, requests alternate direct / router and the added latency is
   the median of the pairs' differences (a drift of the engine's step time, on a shared
-  machine often larger than the router's cost, cancels within a pair); at more streams, runs
-  alternate and it is the median via the router minus the median direct. End-to-end and
+  machine often larger than the router's cost, cancels within a pair). At c streams, c
+  streams through the router and c direct run at once, so both paths' requests share every
+  engine step, and it is the median via the router minus the median direct of that run.
+  (Runs of each path in turn, the design before, differed by the step-time drift between
+  runs: -24 to +77 ms at 64 streams, hiding what the router adds.) End-to-end and
   time-to-first-token alike;
 - in-process added: the router's own e2e (request arrival -> last byte) minus the worker's
-  (leg submitted -> last token), means over a router-only run (at one stream a separate
-  32-request run after the pairs): both contain the same engine steps, so the step noise that
-  swamps the client-side difference at 64 streams cancels. An upper bound on what the router
-  adds, without the client <-> router hop.
-- router CPU per relayed token: the router process's CPU time over the run (its threads'
-  /proc schedstat, else /proc/PID/stat) divided by the tokens it streamed, against the
-  worker's mean decode step in the same run (its `pdserve_engine_step_seconds` sum and count);
-  at more streams the direct runs' mean step beside it (the worker's own HTTP work shares its
-  core with the engine on that path).
-Medians over repeats; the machine should be otherwise idle.
+  (leg submitted -> last token), means over a router-only run (c streams; 32 requests at one
+  stream): both contain the same engine steps, so the step noise cancels. An upper bound on
+  what the router adds, without the client <-> router hop: it also counts the worker's HTTP
+  thread taking the leg and sending its tokens on the engine's core.
+- router CPU per relayed token: the router process's CPU time over that router-only run (its
+  threads' /proc schedstat, else /proc/PID/stat) divided by the tokens it streamed, against
+  the worker's mean decode step in the same run (its `pdserve_engine_step_seconds` sum and
+  count).
+Medians over `repeats`; the machine should be otherwise idle.
 """
 
 from __future__ import annotations
@@ -200,62 +202,75 @@ async def _paired(direct: str, router: str, model: str, s: RouterBenchSettings
     return pair
 
 
+@dataclass(frozen=True)
+class _Cluster:
+    worker: str  # base URLs
+    router: str
+    router_pid: int
+
+
 def measure(s: RouterBenchSettings) -> list[dict]:
     cores = sorted(os.sched_getaffinity(0))
-    up = UpProcess(s.model, "--collocated", "1", "--cpus", str(cores[0]))
+    up = UpProcess(s.model, "--collocated", "1", "--cpus", str(cores[0]),
+                   "--max-num-seqs", str(2 * max(s.concurrency)))
     try:
-        worker, router = up.worker_url(0), up.url.removesuffix("/v1")
-        router_pid = _router_pid(up)
-        asyncio.run(_load(router + "/v1", s.model, s, 4))  # warm-up both paths
+        at = _Cluster(up.worker_url(0), up.url.removesuffix("/v1"), _router_pid(up))
+        asyncio.run(_load(at.router + "/v1", s.model, s, 4))  # warm-up both paths
         rows = []
         for c in s.concurrency:
             runs: dict[str, list[RunStats]] = {"direct": [], "router": []}
-            cpu_per_token, steps = [], {"direct": [], "router": []}
-            in_process: list[float] = []
+            alone: list[tuple[float, float, float]] = []
             for _ in range(s.repeats):
-                # one stream: pairs inside the measured span; more: the direct run before it
-                if c > 1:
-                    steps0 = _step_totals(worker)
-                    runs["direct"].append(asyncio.run(_load(worker + "/v1", s.model, s, c)))
-                    steps["direct"].append(_histogram_mean(steps0, _step_totals(worker)))
-                cpu0, steps0 = _cpu_seconds(router_pid), _step_totals(worker)
-                e2e0 = _e2e_totals(worker, router) if c > 1 else None
                 if c == 1:
-                    direct, run = asyncio.run(_paired(worker + "/v1", router + "/v1",
-                                                      s.model, s))
-                    runs["direct"].append(direct)
+                    direct, routed = asyncio.run(_paired(at.worker + "/v1", at.router + "/v1",
+                                                         s.model, s))
                 else:
-                    run = asyncio.run(_load(router + "/v1", s.model, s, c))
-                cpu1, steps1 = _cpu_seconds(router_pid), _step_totals(worker)
-                runs["router"].append(run)
-                cpu_per_token.append((cpu1 - cpu0) / max(run.tokens, 1))
-                steps["router"].append(_histogram_mean(steps0, steps1))
-                if c == 1:  # the paired run mixed both paths in the worker's histogram
-                    e2e0 = _e2e_totals(worker, router)
-                    asyncio.run(_load(router + "/v1", s.model, replace(s, requests=32), 1))
-                in_process.append(_in_process_added(e2e0, _e2e_totals(worker, router)))
+                    direct, routed = asyncio.run(_together(at, s, c))
+                runs["direct"].append(direct)
+                runs["router"].append(routed)
+                alone.append(_router_alone(at, s if c > 1 else replace(s, requests=32), c))
+            cpu_per_token, steps, in_process = (list(x) for x in zip(*alone, strict=True))
             rows.append(_row(c, runs, cpu_per_token, steps, in_process))
         return rows
     finally:
         up.stop()
 
 
+async def _together(at: _Cluster, s: RouterBenchSettings, c: int) -> tuple[RunStats, RunStats]:
+    """c streams direct and c through the router at once: every step holds both."""
+    direct, routed = await asyncio.gather(_load(at.worker + "/v1", s.model, s, c),
+                                          _load(at.router + "/v1", s.model, s, c))
+    return direct, routed
+
+
+def _router_alone(at: _Cluster, s: RouterBenchSettings, c: int) -> tuple[float, float, float]:
+    """(router CPU seconds per relayed token, the worker's mean step, in-process added) over a
+    run through the router alone."""
+    cpu0, steps0, e2e0 = _cpu_seconds(at.router_pid), _step_totals(at.worker), \
+        _e2e_totals(at.worker, at.router)
+    run = asyncio.run(_load(at.router + "/v1", s.model, s, c))
+    cpu = (_cpu_seconds(at.router_pid) - cpu0) / max(run.tokens, 1)
+    return (cpu, _histogram_mean(steps0, _step_totals(at.worker)),
+            _in_process_added(e2e0, _e2e_totals(at.worker, at.router)))
+
+
 def _row(c: int, runs: dict[str, list[RunStats]], cpu_per_token: list[float],
-         steps: dict[str, list[float]], in_process: list[float]) -> dict:
-    """`steps`: the worker's mean step time in each run, by path ("direct" may be empty: at
-    one stream both paths share a run, counted under "router")."""
+         steps: list[float], in_process: list[float]) -> dict:
+    """`runs`: each repeat's direct and router stats, from the same run (pairs at one stream,
+    simultaneous streams above); `steps`: the worker's mean step in each router-only run."""
     def med(path: str, attr: str) -> float:
         return statistics.median(statistics.median(getattr(r, attr)) for r in runs[path])
 
     def added(attr: str) -> float:
-        if c > 1:
-            return med("router", attr) - med("direct", attr)
-        return statistics.median(  # the median pair difference of each run, then of runs
-            statistics.median(a - b for a, b in zip(getattr(r, attr), getattr(d, attr),
-                                                    strict=True))
-            for r, d in zip(runs["router"], runs["direct"], strict=True))
+        def one(r: RunStats, d: RunStats) -> float:
+            a, b = getattr(r, attr), getattr(d, attr)
+            if c > 1:  # the same steps, different requests: the difference of medians
+                return statistics.median(a) - statistics.median(b)
+            return statistics.median(x - y for x, y in zip(a, b, strict=True))  # pairs
+        return statistics.median(one(r, d) for r, d in zip(runs["router"], runs["direct"],
+                                                           strict=True))
 
-    step = statistics.median(steps["router"])
+    step = statistics.median(steps)
     cpu = statistics.median(cpu_per_token)
     return {
         "concurrency": c,
@@ -268,7 +283,6 @@ def _row(c: int, runs: dict[str, list[RunStats]], cpu_per_token: list[float],
         "in_process_added_mean_ms": 1e3 * statistics.median(in_process),
         "router_cpu_us_per_token": 1e6 * cpu,
         "decode_step_ms": 1e3 * step,
-        "direct_decode_step_ms": 1e3 * statistics.median(steps["direct"] or steps["router"]),
         "router_cpu_per_token_over_step": cpu / step if step else float("nan"),
     }
 
@@ -284,13 +298,13 @@ def main(s: RouterBenchSettings, as_json: bool) -> int:
             print(json.dumps(row))
         return 0
     print(f"{'streams':>7} {'direct e2e':>11} {'router e2e':>11} {'added':>9} "
-          f"{'added TTFT':>11} {'router CPU/tok':>15} {'step direct/router':>19} "
+          f"{'added TTFT':>11} {'router CPU/tok':>15} {'step':>10} "
           f"{'CPU/tok / step':>15} {'in-process added':>17}")
     for r in rows:
-        steps = f"{r['direct_decode_step_ms']:.2f}/{r['decode_step_ms']:.2f}ms"
         print(f"{r['concurrency']:>7} {r['direct_e2e_p50_ms']:>9.2f}ms "
               f"{r['router_e2e_p50_ms']:>9.2f}ms {r['added_e2e_p50_ms']:>7.2f}ms "
               f"{r['added_ttft_p50_ms']:>9.2f}ms {r['router_cpu_us_per_token']:>12.1f} us "
-              f"{steps:>19} {100 * r['router_cpu_per_token_over_step']:>14.2f}% "
+              f"{r['decode_step_ms']:>8.2f}ms "
+              f"{100 * r['router_cpu_per_token_over_step']:>14.2f}% "
               f"{r['in_process_added_mean_ms']:>15.2f}ms")
     return 0
