@@ -10,7 +10,8 @@ Why in batches: waking a writer thread per line (a `QueueHandler`) cost the even
 context switch per line on the router's core: cProfile put 0.2 s of the router's 0.9 s in
 `SimpleQueue.put_nowait` over 512 requests at 64 streams. The first line after the writer went
 quiet wakes it; it waits `FLUSH_S` for the lines that follow and writes them all at once: one
-wake per window instead of one per line.
+wake per window instead of one per line. A warning or worse cuts the window short: it is
+written at once.
 
 Lifetime: `setup` replaces the root logger's handlers once per process; the writer writes what
 is left at exit (`atexit`), so lines logged before a normal exit are not lost. A line reaches
@@ -36,7 +37,8 @@ class BatchWriter(logging.Handler):
         super().__init__()
         self.stream, self.flush_s = stream, flush_s
         self._lines: collections.deque[str] = collections.deque()
-        self._wake, self._closing = threading.Event(), threading.Event()
+        self._wake, self._now, self._closing = (threading.Event(), threading.Event(),
+                                                threading.Event())
         self._thread = threading.Thread(target=self._run, name="log-writer", daemon=True)
         self._thread.start()
 
@@ -46,14 +48,18 @@ class BatchWriter(logging.Handler):
         except Exception:
             self.handleError(record)
             return
-        if len(self._lines) == 1:  # the writer is asleep or about to take the buffer
+        if record.levelno >= logging.WARNING:
+            self._now.set()
+            self._wake.set()
+        elif len(self._lines) == 1:  # the writer is asleep or about to take the buffer
             self._wake.set()
 
     def _run(self) -> None:
         while not self._closing.is_set():
             self._wake.wait()
-            self._closing.wait(self.flush_s)  # the window's lines, unless closing
+            self._now.wait(self.flush_s)  # the window, cut short by a warning or by close
             self._wake.clear()
+            self._now.clear()
             self._write()
 
     def _write(self) -> None:
@@ -69,6 +75,7 @@ class BatchWriter(logging.Handler):
 
     def close(self) -> None:
         self._closing.set()
+        self._now.set()
         self._wake.set()
         self._thread.join(timeout=1.0)
         self._write()
