@@ -21,8 +21,9 @@ Life cycle of a leg (see `api/legs.py` for the kinds):
 Invariant: a leg's blocks return to the pool on every path: finish, cancel, transfer failure,
 peer death (the sessions' leases bound every wait).
 
-Threading: `submit` and `cancel` are called from the HTTP thread and only enqueue commands;
-results go back through `loop.call_soon_threadsafe`, batched once per iteration.
+Threading: `submit`, `submit_to` and `cancel` are called from the HTTP thread and only enqueue
+commands; results go back through `loop.call_soon_threadsafe`, batched once per iteration, and
+are put into the legs' sinks there, in the order they were emitted.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from enum import IntEnum
+from typing import Protocol
 
 from pdserve.api.legs import LegKind, LegRequest, TokenEvent
 from pdserve.engine.engine import Engine
@@ -69,6 +71,14 @@ class Accepted:
     """The first item of every leg's queue when the engine took it."""
 
 
+class Sink(Protocol):
+    """Where a leg's items go, on the HTTP thread: an `asyncio.Queue` (read by `events`), or
+    a leg channel's own sink. Items: `Accepted` or a final error `TokenEvent` first, then
+    events, the last one final."""
+
+    def put_nowait(self, item: object) -> None: ...
+
+
 class LegRefused(Exception):
     """The engine refused a leg (its message says why); it holds nothing for it."""
 
@@ -76,7 +86,7 @@ class LegRefused(Exception):
 @dataclass(eq=False)
 class _Leg:
     req: LegRequest
-    sink: asyncio.Queue
+    sink: Sink
     engine_id: str
     arrived: float  # when the HTTP thread submitted it (a step may run before the engine
     # thread takes it: that wait is the client's too)
@@ -99,7 +109,7 @@ class EngineLoop:
         # transfer id -> engine request still holding the reserved blocks of a failed transfer
         # whose writer is not known quiet (freed on RecvBlocksFree)
         self._held: dict[int, str] = {}
-        self._out: list[tuple[asyncio.Queue, object]] = []
+        self._out: list[tuple[Sink, object]] = []
         self._aio: asyncio.AbstractEventLoop | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
@@ -116,10 +126,13 @@ class EngineLoop:
         self._thread.join(timeout=10)
 
     def submit(self, req: LegRequest) -> asyncio.Queue:
-        """The leg's queue: `Accepted` or a final error `TokenEvent` first, then events."""
+        """The leg's queue, to read with `events`."""
         sink: asyncio.Queue = asyncio.Queue()
-        self._commands.put(("submit", req, sink, time.perf_counter()))
+        self.submit_to(req, sink)
         return sink
+
+    def submit_to(self, req: LegRequest, sink: Sink) -> None:
+        self._commands.put(("submit", req, sink, time.perf_counter()))
 
     def cancel(self, request_id: str) -> None:
         self._commands.put(("cancel", request_id, None, 0.0))
@@ -204,7 +217,7 @@ class EngineLoop:
             else:
                 self._cancel(arg)
 
-    def _submit(self, req: LegRequest, sink: asyncio.Queue, arrived: float) -> None:
+    def _submit(self, req: LegRequest, sink: Sink, arrived: float) -> None:
         if any(leg.req.request_id == req.request_id for leg in self._legs.values()):
             self._emit(sink, _error(f"request id {req.request_id!r} is already running here"))
             return
@@ -414,7 +427,7 @@ class EngineLoop:
                 self.engine.abort(leg.engine_id)
                 self._end(leg, _error(reason))
 
-    def _emit(self, sink: asyncio.Queue, item: object) -> None:
+    def _emit(self, sink: Sink, item: object) -> None:
         self._out.append((sink, item))
 
     def _flush(self) -> None:
@@ -432,7 +445,7 @@ async def _ready_events(sink: asyncio.Queue) -> list[TokenEvent]:
     return events
 
 
-def _deliver(batch: list[tuple[asyncio.Queue, object]]) -> None:
+def _deliver(batch: list[tuple[Sink, object]]) -> None:
     for sink, item in batch:
         sink.put_nowait(item)
 
