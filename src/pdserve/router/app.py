@@ -26,6 +26,7 @@ from pdserve.api.legs import EventBatch
 from pdserve.api.openai_server import GenerateError, OpenAIServer
 from pdserve.engine.model.hub import load_tokenizer, resolve_model
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.heap import freeze_startup_heap
 from pdserve.metrics import CONTENT_TYPE
 from pdserve.router.dispatch import Dispatcher, DispatchSettings, NoWorkers
 from pdserve.router.leg_client import LegChannels, LegFailed
@@ -170,6 +171,7 @@ async def serve(settings: RouterSettings) -> None:
     router = Router(settings)
     await router.start()
     runner = await start_site(router.app(), settings.host, settings.port)
+    freeze_startup_heap()
     log.info("router listening on http://%s:%d/v1 (%d prefill, %d decode, %d collocated "
              "workers, policy %s)", settings.host, settings.port, len(settings.prefill),
              len(settings.decode), len(settings.collocated), settings.policy)

@@ -33,6 +33,7 @@ from pdserve.api.legs import LegRequest
 from pdserve.api.openai_server import GenerateError, OpenAIServer
 from pdserve.engine.engine import Engine
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.heap import freeze_startup_heap
 from pdserve.metrics import CONTENT_TYPE
 from pdserve.transfer.descriptors import KVLayout
 from pdserve.workers.engine_loop import EngineLoop, LegRefused
@@ -82,6 +83,7 @@ class Worker:
         self.metrics.bind_engine(self.engine, lambda: loop.num_legs)
         self.api.tokenizer = self.engine.tokenizer
         self.channels = LegChannels(loop)
+        freeze_startup_heap()
         loop.start(aio)
         self.loop = loop
         self.load_seconds = time.perf_counter() - t0
