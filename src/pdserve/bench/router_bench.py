@@ -13,7 +13,10 @@ scheduler's steps.
   the median of the pairs' differences (a drift of the engine's step time, on a shared
   machine often larger than the router's cost, cancels within a pair). At c streams, c
   streams through the router and c direct run at once, so both paths' requests share every
-  engine step, and it is the median via the router minus the median direct of that run.
+  engine step, and it is again the median of the pairs' differences: request i of each path
+  (the same body, started at about the same time), so neither the step drift nor the mix of
+  request lengths enters it (the difference of the two medians, compared requests of other
+  lengths: +-10 ms from run to run).
   (Runs of each path in turn, the design before, differed by the step-time drift between
   runs: -24 to +77 ms at 64 streams, hiding what the router adds.) End-to-end and
   time-to-first-token alike;
@@ -33,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
 import random
 import statistics
@@ -66,7 +70,7 @@ class RouterBenchSettings:
 
 @dataclass
 class RunStats:
-    e2e: list[float]
+    e2e: list[float]  # seconds, by request index
     ttft: list[float]
     tokens: int
     wall_s: float
@@ -89,7 +93,9 @@ def _bodies(model: str, s: RouterBenchSettings, n: int) -> list[dict]:
              "temperature": 0, "ignore_eos": True, "stream": True} for _ in range(n)]
 
 
-async def _one(session: aiohttp.ClientSession, url: str, body: dict, stats: RunStats) -> None:
+async def _one(session: aiohttp.ClientSession, url: str, body: dict, stats: RunStats,
+               i: int) -> None:
+    """Request i of the run: its times go to position i (the paths' request i are pairs)."""
     t0 = time.perf_counter()
     first = None
     async with session.post(url + "/completions", json=body) as resp:
@@ -100,17 +106,18 @@ async def _one(session: aiohttp.ClientSession, url: str, body: dict, stats: RunS
                 if chunk["choices"] and chunk["choices"][0]["text"] is not None:
                     stats.tokens += 1
                     first = first or time.perf_counter()
-    stats.e2e.append(time.perf_counter() - t0)
-    stats.ttft.append((first or time.perf_counter()) - t0)
+    stats.e2e[i] = time.perf_counter() - t0
+    stats.ttft[i] = (first or time.perf_counter()) - t0
 
 
 async def _load(url: str, model: str, s: RouterBenchSettings, concurrency: int) -> RunStats:
-    stats = RunStats([], [], 0, 0.0)
-    todo = iter(_bodies(model, s, run_size(s, concurrency)))
+    n = run_size(s, concurrency)
+    stats = RunStats([math.nan] * n, [math.nan] * n, 0, 0.0)
+    todo = iter(enumerate(_bodies(model, s, n)))
 
     async def client(session: aiohttp.ClientSession) -> None:
-        for body in todo:
-            await _one(session, url, body, stats)
+        for i, body in todo:
+            await _one(session, url, body, stats, i)
 
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector) as session:
@@ -256,19 +263,18 @@ def _router_alone(at: _Cluster, s: RouterBenchSettings, c: int) -> tuple[float, 
 
 def _row(c: int, runs: dict[str, list[RunStats]], cpu_per_token: list[float],
          steps: list[float], in_process: list[float]) -> dict:
-    """`runs`: each repeat's direct and router stats, from the same run (pairs at one stream,
-    simultaneous streams above); `steps`: the worker's mean step in each router-only run."""
+    """`runs`: each repeat's direct and router stats from the same run, request i of one path
+    paired with request i of the other (the same body; at one stream sent one after the
+    other, above at about the same time); `steps`: the worker's mean step in each
+    router-only run."""
     def med(path: str, attr: str) -> float:
         return statistics.median(statistics.median(getattr(r, attr)) for r in runs[path])
 
-    def added(attr: str) -> float:
-        def one(r: RunStats, d: RunStats) -> float:
-            a, b = getattr(r, attr), getattr(d, attr)
-            if c > 1:  # the same steps, different requests: the difference of medians
-                return statistics.median(a) - statistics.median(b)
-            return statistics.median(x - y for x, y in zip(a, b, strict=True))  # pairs
-        return statistics.median(one(r, d) for r, d in zip(runs["router"], runs["direct"],
-                                                           strict=True))
+    def added(attr: str) -> float:  # the median pair difference of each run, then of runs
+        return statistics.median(
+            statistics.median(x - y for x, y in zip(getattr(r, attr), getattr(d, attr),
+                                                    strict=True))
+            for r, d in zip(runs["router"], runs["direct"], strict=True))
 
     step = statistics.median(steps)
     cpu = statistics.median(cpu_per_token)
