@@ -193,9 +193,11 @@ def _add_bench(sub) -> None:
         "router", help="latency and CPU the router adds, vs the worker addressed directly",
         description="Starts `pdserve up --collocated 1` (worker pinned to one core) and sends "
                     "the same streamed completions to the worker's own endpoint and through "
-                    "the router, alternating: added P50 latency per request, and router CPU "
-                    "per relayed token against the decode step time, at each concurrency. "
-                    "Medians of --repeats runs; run it on an idle machine.")
+                    "the router (at one stream alternating, at c streams c of each at once, "
+                    "in the same engine steps): added P50 latency per request (the median "
+                    "difference of request pairs), and router CPU per relayed token against "
+                    "the decode step time, at each concurrency. Medians of --repeats runs; "
+                    "run it on an idle machine.")
     rt.add_argument("--model", default="smollm2", help="default: %(default)s")
     rt.add_argument("--concurrency", default="1,64",
                     help="concurrent streams (default: %(default)s)")
