@@ -7,7 +7,7 @@ import asyncio
 import sys
 import time
 
-from pdserve.cli_args import add_cpu_kernels_arg, add_model_args
+from pdserve.cli_args import add_cpu_kernels_arg, add_device_arg, add_model_args
 from pdserve.cluster.up import add_up_parser
 from pdserve.planner.cli import add_plan_parser
 from pdserve.planner.simulate_cli import add_simulate_parser
@@ -15,7 +15,7 @@ from pdserve.planner.simulate_cli import add_simulate_parser
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     add_model_args(p)
-    p.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default: %(default)s)")
+    add_device_arg(p)
     p.add_argument("--max-model-len", type=int, default=None,
                    help="longest prompt + output in tokens (default: the model's context)")
     add_cpu_kernels_arg(p)
@@ -69,8 +69,9 @@ def _bench_router(args: argparse.Namespace) -> int:
     from pdserve.bench.router_bench import RouterBenchSettings, main
 
     levels = tuple(int(c) for c in args.concurrency.split(","))
-    return main(RouterBenchSettings(model=args.model, concurrency=levels, requests=args.requests,
-                                    max_tokens=args.max_tokens, repeats=args.repeats), args.json)
+    return main(RouterBenchSettings(model=args.model, device=args.device, concurrency=levels,
+                                    requests=args.requests, max_tokens=args.max_tokens,
+                                    repeats=args.repeats), args.json)
 
 
 def _setup_logging(name: str) -> None:
@@ -199,6 +200,7 @@ def _add_bench(sub) -> None:
                     "the decode step time, at each concurrency. Medians of --repeats runs; "
                     "run it on an idle machine.")
     rt.add_argument("--model", default="smollm2", help="default: %(default)s")
+    add_device_arg(rt)
     rt.add_argument("--concurrency", default="1,64",
                     help="concurrent streams (default: %(default)s)")
     rt.add_argument("--requests", type=int, default=64,

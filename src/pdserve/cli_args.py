@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import re
 
-from pdserve.config import DTYPES
+from pdserve.config import DTYPES, check_device
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
@@ -18,6 +18,20 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "Hugging Face model folder (default: %(default)s)")
     p.add_argument("--dtype", default="bfloat16", choices=list(DTYPES),
                    help="weights and KV cache dtype (default: %(default)s)")
+
+
+def add_device_arg(p: argparse.ArgumentParser) -> None:
+    """--device: where the engine computes and keeps its KV cache."""
+    p.add_argument("--device", default="cpu", type=_device_arg,
+                   help="cpu or cuda[:N]: where the engine computes and keeps its KV cache "
+                        "(default: %(default)s)")
+
+
+def _device_arg(text: str) -> str:
+    try:
+        return check_device(text)
+    except ValueError as e:  # argparse prints an ArgumentTypeError's message as it is
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def add_cpu_kernels_arg(p: argparse.ArgumentParser) -> None:

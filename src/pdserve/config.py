@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -12,6 +13,13 @@ DTYPES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,
     "float16": torch.float16,
 }
+
+
+def check_device(device: str) -> str:
+    """`device` if it names one the engine takes: 'cpu', 'cuda' or 'cuda:N'; else ValueError."""
+    if not re.fullmatch(r"cpu|cuda(:\d+)?", device):
+        raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}")
+    return device
 
 
 class Role(StrEnum):
@@ -67,8 +75,7 @@ class EngineConfig:
             )
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
-        if not self.device.startswith(("cpu", "cuda")):
-            raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
+        check_device(self.device)
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -41,7 +41,8 @@ def test_default_layout_is_one_prefill_one_decode_then_router() -> None:
     prefill, decode, router = plan_processes(UpConfig(cpus=(0, 1)), SECRET)
     assert prefill.argv == (
         PY, "-m", "pdserve.cli", "worker", "--role", "prefill", "--model", "smollm2",
-        "--dtype", "bfloat16", "--host", "127.0.0.1", "--port", "8001", "--kv-port", "8101",
+        "--dtype", "bfloat16", "--device", "cpu", "--host", "127.0.0.1", "--port", "8001",
+        "--kv-port", "8101",
         "--transport", "tcp", "--secret-file", "/run/secret", "--cpus", "0",
         "--kv-cache-memory", "512MiB", "--kv-layerwise", "auto", "--kv-lease", "30.0")
     assert (prefill.name, prefill.health_url) == ("prefill-0", "http://127.0.0.1:8001/health")
@@ -186,6 +187,17 @@ def test_chunked_prefill_and_batch_limits_reach_every_worker() -> None:
         assert _option(w, "--max-num-batched-tokens") == ["256"]
         assert _option(w, "--max-num-seqs") == ["128"]
     assert not any("--max-num-seqs" in w.argv for w in plan_processes(UpConfig(), SECRET))
+
+
+def test_device_reaches_every_worker() -> None:
+    config = UpConfig.from_args(_args("--device", "cuda", "--transport", "nixl"))
+    assert all(_option(w, "--device") == ["cuda"] for w in plan_processes(config, SECRET)[:-1])
+    assert all(_option(w, "--device") == ["cpu"] for w in plan_processes(UpConfig(), SECRET)[:-1])
+    assert UpConfig(device="cuda:1", num_prefill=0, num_decode=0, num_collocated=2)
+    with pytest.raises(ValueError, match="tcp transport moves host memory only"):
+        UpConfig(device="cuda:0")
+    with pytest.raises(ValueError, match="device must be"):
+        UpConfig(device="tpu")
 
 
 def test_no_cpu_kernels_reaches_every_worker() -> None:

@@ -26,6 +26,21 @@ def test_kv_encryption_is_a_tcp_option(tmp_path: Path) -> None:
         _settings(tmp_path, "--role", "decode", "--transport", "nixl", "--kv-encrypt")
 
 
+def test_a_gpu_worker_that_moves_kv_needs_nixl(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="tcp transport moves host memory only: use --transport"):
+        _settings(tmp_path, "--role", "decode", "--device", "cuda")
+    s = _settings(tmp_path, "--role", "decode", "--device", "cuda:1", "--transport", "nixl")
+    assert s.engine.device == "cuda:1"
+    assert _settings(tmp_path, "--role", "collocated", "--device", "cuda").engine.device == "cuda"
+
+
+@pytest.mark.parametrize("device", ["gpu", "cuda:", "cuda:x", "cpu:0"])
+def test_an_unknown_device_is_a_usage_error(tmp_path: Path, capsys, device: str) -> None:
+    with pytest.raises(SystemExit):
+        _settings(tmp_path, "--device", device)
+    assert f"device must be 'cpu', 'cuda' or 'cuda:N', got '{device}'" in capsys.readouterr().err
+
+
 def test_no_cpu_kernels_reaches_the_engine_config(tmp_path: Path) -> None:
     assert _settings(tmp_path, "--role", "decode").engine.cpu_kernels
     assert not _settings(tmp_path, "--role", "decode", "--no-cpu-kernels").engine.cpu_kernels

@@ -41,6 +41,7 @@ import os
 import random
 import statistics
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
 import aiohttp
@@ -54,6 +55,7 @@ WAVES = 8
 @dataclass(frozen=True)
 class RouterBenchSettings:
     model: str = "smollm2"
+    device: str = "cpu"
     concurrency: tuple[int, ...] = (1, 64)
     requests: int = 64  # per run and level (at least the concurrency)
     max_tokens: int = 16
@@ -216,14 +218,14 @@ class _Cluster:
     router_pid: int
 
 
-def measure(s: RouterBenchSettings) -> list[dict]:
+def measure(s: RouterBenchSettings) -> Iterator[dict]:
+    """One row per concurrency level, each as soon as it is measured."""
     cores = sorted(os.sched_getaffinity(0))
-    up = UpProcess(s.model, "--collocated", "1", "--cpus", str(cores[0]),
+    up = UpProcess(s.model, "--collocated", "1", "--cpus", str(cores[0]), "--device", s.device,
                    "--max-num-seqs", str(2 * max(s.concurrency)))
     try:
         at = _Cluster(up.worker_url(0), up.url.removesuffix("/v1"), _router_pid(up))
         asyncio.run(_load(at.router + "/v1", s.model, s, 4))  # warm-up both paths
-        rows = []
         for c in s.concurrency:
             runs: dict[str, list[RunStats]] = {"direct": [], "router": []}
             alone: list[tuple[float, float, float]] = []
@@ -237,8 +239,7 @@ def measure(s: RouterBenchSettings) -> list[dict]:
                 runs["router"].append(routed)
                 alone.append(_router_alone(at, s if c > 1 else replace(s, requests=32), c))
             cpu_per_token, steps, in_process = (list(x) for x in zip(*alone, strict=True))
-            rows.append(_row(c, runs, cpu_per_token, steps, in_process))
-        return rows
+            yield _row(c, runs, cpu_per_token, steps, in_process)
     finally:
         up.stop()
 
@@ -297,20 +298,19 @@ def main(s: RouterBenchSettings, as_json: bool) -> int:
     sizes = ", ".join(f"{run_size(s, c)} at {c}" for c in s.concurrency)
     print(f"pdserve bench router: {s.model}, streamed requests per run: {sizes}; prompts "
           f"~{s.prompt_words} words, ~{s.max_tokens} tokens each; medians of {s.repeats} "
-          f"runs, worker pinned to one core", flush=True)
-    rows = measure(s)
+          f"runs, worker on {s.device}, pinned to one core", flush=True)
     if as_json:
-        for row in rows:
-            print(json.dumps(row))
+        for row in measure(s):
+            print(json.dumps(row), flush=True)
         return 0
     print(f"{'streams':>7} {'direct e2e':>11} {'router e2e':>11} {'added':>9} "
           f"{'added TTFT':>11} {'router CPU/tok':>15} {'step':>10} "
-          f"{'CPU/tok / step':>15} {'in-process added':>17}")
-    for r in rows:
+          f"{'CPU/tok / step':>15} {'in-process added':>17}", flush=True)
+    for r in measure(s):
         print(f"{r['concurrency']:>7} {r['direct_e2e_p50_ms']:>9.2f}ms "
               f"{r['router_e2e_p50_ms']:>9.2f}ms {r['added_e2e_p50_ms']:>7.2f}ms "
               f"{r['added_ttft_p50_ms']:>9.2f}ms {r['router_cpu_us_per_token']:>12.1f} us "
               f"{r['decode_step_ms']:>8.2f}ms "
               f"{100 * r['router_cpu_per_token_over_step']:>14.2f}% "
-              f"{r['in_process_added_mean_ms']:>15.2f}ms")
+              f"{r['in_process_added_mean_ms']:>15.2f}ms", flush=True)
     return 0

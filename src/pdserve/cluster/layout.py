@@ -19,7 +19,7 @@ from pathlib import Path
 
 from pdserve.cli_args import parse_size
 from pdserve.cluster.child import ProcessSpec
-from pdserve.config import DTYPES
+from pdserve.config import DTYPES, check_device
 from pdserve.workers.settings import LAYERWISE
 
 POLICIES = ("round_robin", "least_loaded", "prefix")
@@ -45,6 +45,7 @@ class UpConfig:
     kv_layerwise: str = "auto"
     kv_lease_s: float = 30.0
     dtype: str = "bfloat16"
+    device: str = "cpu"  # every worker's; they share it
     kv_cache_memory: str = "512MiB"
     max_model_len: int | None = None
     policy: str = "least_loaded"
@@ -105,6 +106,11 @@ class UpConfig:
             if value not in choices:
                 raise ValueError(f"{name} must be one of {', '.join(choices)}, got {value!r}")
         parse_size(self.kv_cache_memory)  # the worker parses it the same way
+        check_device(self.device)
+        if self.device != "cpu" and self.transport == "tcp" and not self.num_collocated:
+            raise ValueError(f"workers on {self.device} keep their KV in GPU memory, and the "
+                             "tcp transport moves host memory only: use --transport nixl, or "
+                             "--collocated N")
         if self.kv_encrypt and self.transport != "tcp":
             raise ValueError("--kv-encrypt seals the tcp transport only (NIXL moves KV with "
                              "UCX, unencrypted)")
@@ -133,7 +139,8 @@ class UpConfig:
                    num_collocated=collocated, host=args.host, port=args.port,
                    transport=args.transport, kv_encrypt=args.kv_encrypt,
                    kv_layerwise=args.kv_layerwise, kv_lease_s=args.kv_lease, dtype=args.dtype,
-                   kv_cache_memory=args.kv_cache_memory, max_model_len=args.max_model_len,
+                   device=args.device, kv_cache_memory=args.kv_cache_memory,
+                   max_model_len=args.max_model_len,
                    policy=args.policy, local_prefill_threshold=args.local_prefill_threshold,
                    leg_timeout_s=args.leg_timeout,
                    ready_timeout_s=args.ready_timeout, cpus=cpus,
@@ -199,7 +206,8 @@ def _worker_spec(config: UpConfig, index: int, role: str, secret_file: Path) -> 
     role_index = config.roles[:index].count(role)
     port = config.port + HTTP_PORT_OFFSET + index
     argv = [sys.executable, "-m", "pdserve.cli", "worker", "--role", role,
-            "--model", config.model, "--dtype", config.dtype, "--host", config.host,
+            "--model", config.model, "--dtype", config.dtype, "--device", config.device,
+            "--host", config.host,
             "--port", str(port), "--kv-port", str(config.port + KV_PORT_OFFSET + index),
             "--transport", config.transport, "--secret-file", str(secret_file),
             "--cpus", ",".join(map(str, worker_cores(config, index))),

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
 
-from pdserve.cli_args import add_cpu_kernels_arg, parse_size
+from pdserve.cli_args import add_cpu_kernels_arg, add_device_arg, parse_size
 from pdserve.config import DTYPES, EngineConfig, Role
 
 
@@ -61,6 +61,11 @@ class WorkerSettings:
         if self.kv_encrypt and self.transport is not TransportName.TCP:
             raise ValueError("--kv-encrypt seals the tcp transport only (NIXL moves KV with "
                              "UCX, unencrypted): use --transport tcp, or a private network")
+        if self.needs_transport and self.transport is TransportName.TCP \
+                and self.engine.device.startswith("cuda"):
+            raise ValueError(f"a {self.role} worker on {self.engine.device} keeps its KV in GPU "
+                             "memory, and the tcp transport moves host memory only: use "
+                             "--transport nixl (or --role collocated)")
 
     @property
     def stream_layers(self) -> bool:
@@ -87,7 +92,7 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
                    help="the name clients use in 'model' (default: --model as given)")
     p.add_argument("--dtype", default="bfloat16", choices=list(DTYPES),
                    help="default: %(default)s")
-    p.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default: %(default)s)")
+    add_device_arg(p)
     p.add_argument("--host", default="127.0.0.1", help="HTTP address (default: %(default)s)")
     p.add_argument("--port", type=int, default=8001, help="HTTP port (default: %(default)s)")
     p.add_argument("--kv-host", default=None,
