@@ -30,12 +30,12 @@ def tiny_model(tmp_path_factory) -> Callable[..., Path]:
     return make
 
 
-def engine_pair(path: Path, decode_blocks: int = 64):
+def engine_pair(path: Path, decode_blocks: int = 64, device: str = "cpu"):
     """A prefill-role and a decode-role engine on the same tiny model, fp32, 256-token context."""
     from pdserve.config import EngineConfig, Role
     from pdserve.engine.engine import Engine
 
-    common = {"model": str(path), "dtype": "float32", "max_model_len": 256}
+    common = {"model": str(path), "dtype": "float32", "max_model_len": 256, "device": device}
     return (Engine(EngineConfig(role=Role.PREFILL, **common)),
             Engine(EngineConfig(role=Role.DECODE, num_kv_blocks=decode_blocks, **common)))
 

@@ -12,8 +12,12 @@ GREEDY = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
 
 def test_preempted_requests_recompute_to_the_same_tokens(tiny_model):
     path = tiny_model("llama")
-    # 12 blocks of 16 tokens; four requests of 30 + 48 tokens need 20 blocks at the end.
-    llm = LLM(model=str(path), dtype="float32", max_model_len=128, num_kv_blocks=12)
+    assert_preempted_requests_keep_their_tokens(
+        LLM(model=str(path), dtype="float32", max_model_len=128, num_kv_blocks=12), path)
+
+
+def assert_preempted_requests_keep_their_tokens(llm: LLM, path) -> None:
+    """`llm` has 12 blocks of 16 tokens; four requests of 30 + 48 tokens need 20 at the end."""
     prompts = [list(range(s, s + 30)) for s in (10, 60, 110, 160)]
     outs = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert llm.engine.scheduler.num_preemptions > 0

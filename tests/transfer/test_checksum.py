@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from pdserve.transfer.checksum import (
     CHECK_VALUE,
+    _staged_crc32c,
     crc32c,
     pool_bytes,
     slice_crc32c,
@@ -92,6 +93,16 @@ def test_many_slices_are_block_major(block_ids, begin, width):
     layers = range(begin, min(begin + width, 3))
     expected = [slice_crc32c(pool, b, layer) for b in block_ids for layer in layers]
     assert slices_crc32c(pool, block_ids, layers) == expected
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.lists(st.integers(0, 4), min_size=0, max_size=5, unique=True),
+       st.lists(st.integers(0, 2), min_size=1, max_size=3, unique=True))
+def test_staged_slices_sum_like_the_pool_in_place(block_ids, layers):
+    """A CUDA pool's path (gather, copy to host, sum) gives the in-place sums, in their order;
+    run here on a CPU pool, and on the GPU in tests/engine/test_cuda.py."""
+    pool = _pool()
+    assert _staged_crc32c(pool, block_ids, layers) == slices_crc32c(pool, block_ids, layers)
 
 
 def test_one_flipped_bit_changes_only_its_slice():
