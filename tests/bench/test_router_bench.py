@@ -3,14 +3,18 @@ each path) in each run, then the median over runs."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
+from pdserve.bench import router_bench
 from pdserve.bench.router_bench import (
     WAVES,
     RouterBenchSettings,
     RunStats,
     _bodies,
     _in_process_added,
+    _paired,
     _row,
     run_size,
 )
@@ -29,6 +33,20 @@ def test_one_stream_adds_the_median_of_pair_differences() -> None:
     assert row["added_ttft_p50_ms"] == pytest.approx(1.5)
     assert row["router_cpu_per_token_over_step"] == pytest.approx(2e-4 / 0.05)
     assert row["in_process_added_mean_ms"] == pytest.approx(0.4)
+
+
+def test_one_stream_pairs_alternate_which_path_goes_first(monkeypatch) -> None:
+    sent: list[str] = []
+
+    async def load(url: str, model: str, s: RouterBenchSettings, c: int) -> RunStats:
+        sent.append(url)
+        return stats([len(sent) / 10], [len(sent) / 100])
+
+    monkeypatch.setattr(router_bench, "_load", load)
+    direct, router = asyncio.run(_paired("D", "R", "m", RouterBenchSettings(requests=4)))
+    assert sent == ["D", "R", "R", "D", "D", "R", "R", "D"]
+    assert direct.e2e == pytest.approx([0.1, 0.4, 0.5, 0.8])  # pair i: request i of each path
+    assert router.e2e == pytest.approx([0.2, 0.3, 0.6, 0.7])
 
 
 def test_many_streams_add_the_median_pair_difference_of_each_run() -> None:
