@@ -36,16 +36,19 @@ def test_one_stream_adds_the_median_of_pair_differences() -> None:
 
 
 def test_one_stream_pairs_alternate_which_path_goes_first(monkeypatch) -> None:
-    sent: list[str] = []
+    sent: list[tuple[str, dict]] = []
 
-    async def load(url: str, model: str, s: RouterBenchSettings, c: int) -> RunStats:
-        sent.append(url)
-        return stats([len(sent) / 10], [len(sent) / 100])
+    async def one(session, url: str, body: dict, s: RunStats, i: int) -> None:
+        sent.append((url, body))
+        s.e2e[i], s.ttft[i] = len(sent) / 10, len(sent) / 100
 
-    monkeypatch.setattr(router_bench, "_load", load)
-    direct, router = asyncio.run(_paired("D", "R", "m", RouterBenchSettings(requests=4)))
-    assert sent == ["D", "R", "R", "D", "D", "R", "R", "D"]
-    assert direct.e2e == pytest.approx([0.1, 0.4, 0.5, 0.8])  # pair i: request i of each path
+    monkeypatch.setattr(router_bench, "_one", one)
+    settings = RouterBenchSettings(requests=4)
+    direct, router = asyncio.run(_paired("D", "R", "m", settings))
+    assert [url for url, _ in sent] == ["D", "R", "R", "D", "D", "R", "R", "D"]
+    bodies = _bodies("m", settings, 4)  # pair i: request i of the run, on each path
+    assert [body for _, body in sent] == [b for b in bodies for _ in range(2)]
+    assert direct.e2e == pytest.approx([0.1, 0.4, 0.5, 0.8])
     assert router.e2e == pytest.approx([0.2, 0.3, 0.6, 0.7])
 
 
