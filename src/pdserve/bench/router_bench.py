@@ -10,15 +10,16 @@ least `WAVES` requests per stream: with equal requests, 64 streams would start, 
 restart in lockstep, and each run would measure how one burst happened to fall into the
 scheduler's steps.
 - added latency: at one stream, requests alternate direct / router (every other pair the
-  router's first) and the added latency is the median of the pairs' differences (a drift of
-  the engine's step time, on a shared machine often larger than the router's cost, cancels
-  within a pair). At c streams, c streams through the router and c direct run at once, so both
-  paths' requests share every engine step, and it is again the median of the pairs'
-  differences: request i of each path (the same body, started at about the same time), so
-  neither the step drift nor the mix of request lengths enters it (the difference of the two
-  medians, compared requests of other lengths: +-10 ms from run to run). (Runs of each path in
-  turn, the design before, differed by the step-time drift between runs: -24 to +77 ms at 64
-  streams, hiding what the router adds.) End-to-end and time-to-first-token alike;
+  router's first; each path's client keeps its connection) and the added latency is the median
+  of the pairs' differences (a drift of the engine's step time, on a shared machine often
+  larger than the router's cost, cancels within a pair). At c streams, c streams through the
+  router and c direct run at once, so both paths' requests share every engine step, and it is
+  again the median of the pairs' differences: request i of each path (the same body, started
+  at about the same time), so neither the step drift nor the mix of request lengths enters it
+  (the difference of the two medians, compared requests of other lengths: +-10 ms from run to
+  run). (Runs of each path in turn, the design before, differed by the step-time drift between
+  runs: -24 to +77 ms at 64 streams, hiding what the router adds.) End-to-end and time-to-
+  first-token alike;
 - in-process added: the router's own e2e (request arrival -> last byte) minus the worker's
   (leg submitted -> last token), means over a router-only run (c streams; 32 requests at one
   stream): both contain the same engine steps, so the step noise cancels. An upper bound on
