@@ -18,8 +18,8 @@ from pdserve.api.legs import LegRequest, TokenEvent
 from pdserve.config import EngineConfig
 from pdserve.engine.engine import Engine
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.workers.engine_loop import EngineLoop
-from pdserve.workers.leg_channel import LegChannels
+from pdserve.workers.engine_loop import Accepted, EngineLoop, _deliver
+from pdserve.workers.leg_channel import Channel, LegChannels
 from pdserve.workers.worker_metrics import WorkerMetrics
 
 LONG = SamplingParams(max_tokens=900, temperature=0, ignore_eos=True)
@@ -126,5 +126,51 @@ def test_a_malformed_message_closes_the_channel(engine: Engine) -> None:
                 pass
             assert msg.type in (aiohttp.WSMsgType.CLOSE, aiohttp.WSMsgType.CLOSED)
             await wait_free(engine)
+
+    asyncio.run(go())
+
+
+class _RecordingWs:
+    """A WebSocket stand-in whose sends finish at once, as an uncompressed frame's do."""
+
+    closed = False
+
+    def __init__(self) -> None:
+        self.sent: list[bytes] = []
+
+    async def send_bytes(self, data: bytes) -> None:
+        self.sent.append(data)
+
+
+class _Loop:
+    """An engine-loop stand-in that only records the legs' sinks."""
+
+    def __init__(self) -> None:
+        self.sinks: list = []
+
+    def submit_to(self, req: LegRequest, sink) -> None:
+        self.sinks.append(sink)
+
+    def cancel(self, request_id: str) -> None:
+        pass
+
+
+def test_a_delivery_is_written_in_one_message_before_its_callback_returns() -> None:
+    """No later turn of the HTTP thread's loop (each takes the GIL and the core from the
+    engine thread mid-step on a pinned worker)."""
+    async def go() -> None:
+        ws, loop = _RecordingWs(), _Loop()
+        ch = Channel(ws, loop)
+        for sid in (1, 2):
+            leg = LegRequest(f"r{sid}", (1, 2, 3), SamplingParams(max_tokens=4))
+            ch.open(sid, json.dumps(leg.to_json()).encode())
+        a, b = loop.sinks
+        token = TokenEvent(index=0, token_ids=[7], text_offset=0, text="x")
+        _deliver([(a, Accepted()), (b, Accepted()), (a, token), (b, token)])
+        assert len(ws.sent) == 1
+        assert [(sid, status) for sid, status, _ in parse_replies(ws.sent[0])] == [(1, 200),
+                                                                                   (2, 200)]
+        _deliver([(b, TokenEvent(index=1, token_ids=[8], text_offset=1, text="y", final=True))])
+        assert len(ws.sent) == 2 and parse_replies(ws.sent[1])[0][0] == 2
 
     asyncio.run(go())

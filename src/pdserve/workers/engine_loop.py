@@ -72,11 +72,22 @@ class Accepted:
 
 
 class Sink(Protocol):
-    """Where a leg's items go, on the HTTP thread: an `asyncio.Queue` (read by `events`), or
-    a leg channel's own sink. Items: `Accepted` or a final error `TokenEvent` first, then
-    events, the last one final."""
+    """Where a leg's items go, on the HTTP thread: a `QueueSink` (read by `events`), or a leg
+    channel's own sink. Items: `Accepted` or a final error `TokenEvent` first, then events,
+    the last one final. One delivery puts the items of one engine-loop iteration, then calls
+    `delivered` once on each sink it put into: a sink that sends sends then, in the same turn
+    of the HTTP thread's loop."""
 
     def put_nowait(self, item: object) -> None: ...
+
+    def delivered(self) -> None: ...
+
+
+class QueueSink(asyncio.Queue):
+    """A leg's items, for a reader that awaits them (`EngineLoop.events`)."""
+
+    def delivered(self) -> None:
+        """Nothing to do: `put_nowait` already woke the reader."""
 
 
 class LegRefused(Exception):
@@ -125,9 +136,9 @@ class EngineLoop:
         self._commands.put(None)
         self._thread.join(timeout=10)
 
-    def submit(self, req: LegRequest) -> asyncio.Queue:
+    def submit(self, req: LegRequest) -> QueueSink:
         """The leg's queue, to read with `events`."""
-        sink: asyncio.Queue = asyncio.Queue()
+        sink = QueueSink()
         self.submit_to(req, sink)
         return sink
 
@@ -137,7 +148,7 @@ class EngineLoop:
     def cancel(self, request_id: str) -> None:
         self._commands.put(("cancel", request_id, None, 0.0))
 
-    async def events(self, request_id: str, sink: asyncio.Queue
+    async def events(self, request_id: str, sink: QueueSink
                      ) -> AsyncIterator[list[TokenEvent]]:
         """A submitted leg's events, those queued together as one list, up to its final one.
         Raises LegRefused if the engine refused it. Closed or cancelled before the final event
@@ -436,7 +447,7 @@ class EngineLoop:
             self._aio.call_soon_threadsafe(_deliver, batch)
 
 
-async def _ready_events(sink: asyncio.Queue) -> list[TokenEvent]:
+async def _ready_events(sink: QueueSink) -> list[TokenEvent]:
     """The next event of a leg's queue and every one already queued behind it (they are sent
     together)."""
     events = [await sink.get()]
@@ -448,6 +459,8 @@ async def _ready_events(sink: asyncio.Queue) -> list[TokenEvent]:
 def _deliver(batch: list[tuple[Sink, object]]) -> None:
     for sink, item in batch:
         sink.put_nowait(item)
+    for sink in dict.fromkeys(sink for sink, _ in batch):
+        sink.delivered()
 
 
 def _error(message: str) -> TokenEvent:
