@@ -15,7 +15,8 @@ worker's HTTP thread 347-366 us per token against 305-316 us on the worker's own
 endpoint, on the core the engine computes on; with the send two turns later (a call_soon,
 then a task), 304-327 us, and 268-292 us written in the callback. Each turn takes the GIL and
 the core from the engine thread mid-step: sent in the callback, what the router adds to a
-16-token request went from +1.2..2.3 ms to -0.1..+0.5 ms (`pdserve bench router`, 1 stream).
+16-token request at one stream went from +1.2..+2.3 ms to a median of +0.8 ms over 11 runs of
+`pdserve bench router` (+0.1..+1.3, one outlier at +3.5).
 """
 
 from __future__ import annotations
