@@ -174,3 +174,37 @@ def test_a_delivery_is_written_in_one_message_before_its_callback_returns() -> N
         assert len(ws.sent) == 2 and parse_replies(ws.sent[1])[0][0] == 2
 
     asyncio.run(go())
+
+
+class _BrokenWs(_RecordingWs):
+    """A connection whose sends fail at once with something other than a closing connection."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.closed_with: int | None = None
+
+    async def send_bytes(self, data: bytes) -> None:
+        raise RuntimeError("the writer is broken")
+
+    async def close(self, code: int, message: bytes) -> None:
+        self.closed_with = code
+
+
+def test_a_failed_send_closes_its_channel_and_the_delivery_goes_on() -> None:
+    """Legs whose message was lost would wait out the router's leg timeout: the channel is
+    closed instead (the router then fails them at once), and the other channels still get
+    their replies from the same delivery."""
+    async def go() -> None:
+        sinks, sockets = [], [_BrokenWs(), _RecordingWs()]
+        for ws in sockets:
+            loop = _Loop()
+            leg = LegRequest("r", (1, 2, 3), SamplingParams(max_tokens=4))
+            Channel(ws, loop).open(1, json.dumps(leg.to_json()).encode())
+            sinks += loop.sinks
+        token = TokenEvent(index=0, token_ids=[7], text_offset=0, text="x")
+        _deliver([(s, Accepted()) for s in sinks] + [(s, token) for s in sinks])
+        assert len(sockets[1].sent) == 1
+        await asyncio.sleep(0.01)
+        assert sockets[0].closed_with == 1011
+
+    asyncio.run(go())

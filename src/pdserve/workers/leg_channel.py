@@ -166,18 +166,29 @@ class Channel:
             return
         try:
             task = start_eagerly(self.ws.send_bytes(message))
-        except ConnectionError as e:  # the connection is going: its handler cancels the legs
-            log.debug("leg channel send failed: %r", e)
+        except Exception as e:  # runs inside the engine loop's delivery: never raise there
+            self._send_failed(e)
             return
         if task is not None:
             self._sends.add(task)
             task.add_done_callback(self._sent)
 
     def _sent(self, task: asyncio.Task) -> None:
-        """A failed send means the connection is going: its handler cancels the legs."""
         self._sends.discard(task)
         if not task.cancelled() and task.exception() is not None:
-            log.debug("leg channel send failed: %r", task.exception())
+            self._send_failed(task.exception())
+
+    def _send_failed(self, e: BaseException) -> None:
+        """A lost message would leave its legs waiting for the router's leg timeout: close the
+        connection, so that the router fails them now and this handler cancels them. A closing
+        connection (ConnectionError) is already on that path."""
+        if isinstance(e, ConnectionError):
+            log.debug("leg channel send failed: %r", e)
+            return
+        log.warning("leg channel send failed: %r; closing the channel", e)
+        task = asyncio.ensure_future(self.ws.close(code=1011, message=b"send failed"))
+        self._sends.add(task)
+        task.add_done_callback(self._sends.discard)
 
     def _log(self, leg: _OpenLeg, outcome: str) -> None:
         """Once per leg, at its end: a line before token 0 would hold the GIL, and the one
