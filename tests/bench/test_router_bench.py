@@ -21,7 +21,7 @@ from pdserve.bench.router_bench import (
 
 
 def stats(e2e: list[float], ttft: list[float]) -> RunStats:
-    return RunStats(e2e, ttft, 16 * len(e2e), sum(e2e))
+    return RunStats(e2e, ttft, 16 * len(e2e))
 
 
 def test_one_stream_adds_the_median_of_pair_differences() -> None:

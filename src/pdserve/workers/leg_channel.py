@@ -107,7 +107,8 @@ class Channel:
         self._legs: dict[int, _OpenLeg] = {}
         self._events: dict[int, list[TokenEvent]] = {}  # by leg, for the next message
         self._refusals: list[bytes] = []
-        self._sends: set[asyncio.Task] = set()  # sends held back by the router's reading
+        # sends held back by the router's reading, and the close after a failed send
+        self._sends: set[asyncio.Task] = set()
 
     def open(self, sid: int, body: bytes) -> None:
         try:
