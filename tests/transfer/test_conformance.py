@@ -1,5 +1,6 @@
-"""One suite every transport passes: bytes in equal bytes out, ordered control messages with
-their source, and the session layer end to end (push and pull) with real engines."""
+"""One suite every transport passes: bytes in equal bytes out, moves only inside the target's
+permits, ordered control messages with their source, and the session layer end to end (push
+and pull) with real engines."""
 
 from __future__ import annotations
 
@@ -66,16 +67,24 @@ def make(request) -> Iterator[Callable[[KVCache], Transport]]:
         yield endpoint
 
 
+def move(direction: str, a: Transport, b: Transport, tid: int, src: list[int], dst: list[int],
+         timeout: float = 10.0) -> str:
+    """a's `src` blocks into b's `dst` blocks, under a permit for exactly that move: a pushes
+    (b permits the write) or b pulls (a permits the read)."""
+    if direction == "push":
+        b.allow_writes(tid, a.local, dst)
+        return finish(a, a.write(tid, src, b.local, dst), b, timeout=timeout)
+    a.allow_reads(tid, b.local, src)
+    return finish(b, b.read(tid, dst, a.local, src), a, timeout=timeout)
+
+
 @pytest.mark.parametrize("n", [1, 7, 300])
 @pytest.mark.parametrize("direction", ["push", "pull"])
 def test_blocks_arrive_byte_for_byte(make, n, direction):
     a_pool, b_pool = pool(POOL_BLOCKS, seed=1), pool(POOL_BLOCKS)
     a, b = make(a_pool), make(b_pool)
     src, dst = mapping(n, seed=n, blocks=POOL_BLOCKS)
-    if direction == "push":
-        assert finish(a, a.write(5, src, b.local, dst), b) == "done"
-    else:
-        assert finish(b, b.read(5, dst, a.local, src), a) == "done"
+    assert move(direction, a, b, 5, src, dst) == "done"
     assert torch.equal(b_pool.data[dst], a_pool.data[src])
     untouched = sorted(set(range(POOL_BLOCKS)) - set(dst))
     assert not b_pool.data[untouched].any()
@@ -87,10 +96,10 @@ def test_random_mappings_both_ways(make):
     for seed in range(5):
         src, dst = mapping(random.Random(seed).randint(1, 50), seed, POOL_BLOCKS)
         b_pool.data.zero_()
-        assert finish(a, a.write(seed, src, b.local, dst), b) == "done"
+        assert move("push", a, b, seed, src, dst) == "done"
         assert torch.equal(b_pool.data[dst], a_pool.data[src])
         b_pool.data.zero_()
-        assert finish(b, b.read(seed, dst, a.local, src), a) == "done"
+        assert move("pull", a, b, 100 + seed, src, dst) == "done"
         assert torch.equal(b_pool.data[dst], a_pool.data[src])
 
 
@@ -120,11 +129,7 @@ def test_thousands_of_blocks_under_random_mappings(make, direction):
     for tid, n in enumerate(counts, start=1):
         src, dst = mapping(n, seed=tid, blocks=MANY)
         b_pool.data.fill_(-1.0)
-        if direction == "push":
-            status = finish(a, a.write(tid, src, b.local, dst), b, timeout=30.0)
-        else:
-            status = finish(b, b.read(tid, dst, a.local, src), a, timeout=30.0)
-        assert status == "done", f"{n} blocks"
+        assert move(direction, a, b, tid, src, dst, timeout=30.0) == "done", f"{n} blocks"
         assert torch.equal(b_pool.data[dst], a_pool.data[src]), f"{n} blocks"
         untouched = sorted(set(range(MANY)) - set(dst))
         assert bool((b_pool.data[untouched] == -1.0).all()), f"{n} blocks"
@@ -137,6 +142,8 @@ def test_a_layer_range_write_lands_only_those_layers(make):
     a, b = make(a_pool), make(b_pool)
     src, dst = mapping(9, seed=4, blocks=POOL_BLOCKS)
     b_pool.data.fill_(-1.0)
+    b.allow_writes(1, a.local, dst, range(1, 2))
+    b.allow_writes(2, a.local, dst, range(0, 1))
     assert finish(a, a.write(1, src, b.local, dst, layers=range(1, 2)), b) == "done"
     assert torch.equal(b_pool.data[dst, 1], a_pool.data[src, 1])
     assert bool((b_pool.data[dst, 0] == -1.0).all())
@@ -145,6 +152,91 @@ def test_a_layer_range_write_lands_only_those_layers(make):
     for bad in (range(0, 0), range(1, 3), range(0, 2, 2)):
         with pytest.raises(ValueError, match="layers"):
             a.write(3, src, b.local, dst, layers=bad)
+
+
+# -- permits: a move lands only where the target allows it ---------------------------------------
+
+
+@pytest.fixture
+def enforcing(make, request) -> Callable[[KVCache], Transport]:
+    """`make`, for the transports whose target checks permits."""
+    if request.node.callspec.params["make"] == "nixl":
+        pytest.skip("NIXL moves one-sided: the target cannot refuse a move (nixl.py, Permits)")
+    return make
+
+
+def other_instance(peer: PeerId) -> PeerId:
+    """The same address, another instance id."""
+    return dataclasses.replace(peer, instance_id=peer.instance_id % (2**64 - 1) + 1)
+
+
+def attempt(direction: str, a: Transport, b: Transport, tid: int, src: list[int],
+            dst: list[int]) -> str:
+    """a's `src` into b's `dst` under `tid`, with whatever permits are in place."""
+    if direction == "push":
+        return finish(a, a.write(tid, src, b.local, dst), b)
+    return finish(b, b.read(tid, dst, a.local, src), a)
+
+
+def still_serving(direction: str, a: Transport, b: Transport, a_pool: KVCache,
+                  b_pool: KVCache, src: list[int], dst: list[int]) -> None:
+    """Nobody was marked dead, and a permitted move between the same two still works."""
+    assert a.peer_alive(b.local) and b.peer_alive(a.local)
+    assert move(direction, a, b, 99, src, dst) == "done"
+    assert torch.equal(b_pool.data[dst], a_pool.data[src])
+
+
+@pytest.mark.parametrize("direction", ["push", "pull"])
+def test_a_move_outside_the_permit_lands_nowhere_and_fails(enforcing, direction):
+    a_pool, b_pool = pool(POOL_BLOCKS, seed=5), pool(POOL_BLOCKS)
+    a, b = enforcing(a_pool), enforcing(b_pool)
+    src, dst = mapping(6, seed=5, blocks=POOL_BLOCKS)
+    b_pool.data.fill_(-1.0)
+    if direction == "push":
+        b.allow_writes(1, a.local, dst[:3])
+        b.allow_writes(2, a.local, dst, range(0, 1))
+        assert finish(a, a.write(2, src, b.local, dst, layers=range(1, 2)), b) == "error"
+    else:
+        a.allow_reads(1, b.local, src[:3])
+    assert attempt(direction, a, b, 1, src, dst) == "error"  # blocks beyond the permit
+    assert attempt(direction, a, b, 3, src, dst) == "error"  # a transfer without a permit
+    assert bool((b_pool.data == -1.0).all())
+    still_serving(direction, a, b, a_pool, b_pool, src, dst)
+
+
+@pytest.mark.parametrize("direction", ["push", "pull"])
+def test_a_move_by_another_peer_instance_with_the_right_ids_fails(enforcing, direction):
+    a_pool, b_pool, c_pool = pool(POOL_BLOCKS, seed=6), pool(POOL_BLOCKS), pool(POOL_BLOCKS, 7)
+    a, b, c = enforcing(a_pool), enforcing(b_pool), enforcing(c_pool)
+    src, dst = mapping(4, seed=6, blocks=POOL_BLOCKS)
+    b_pool.data.fill_(-1.0)
+    before = c_pool.data.clone()
+    if direction == "push":
+        b.allow_writes(1, other_instance(a.local), dst)  # a's address, another instance
+        b.allow_writes(2, a.local, dst)
+        assert attempt(direction, a, b, 1, src, dst) == "error"
+        assert finish(c, c.write(2, src, b.local, dst), b) == "error"  # c is not a
+    else:
+        a.allow_reads(1, other_instance(b.local), src)
+        a.allow_reads(2, b.local, src)
+        assert attempt(direction, a, b, 1, src, dst) == "error"
+        assert finish(c, c.read(2, dst, a.local, src), a) == "error"  # c is not b
+    assert bool((b_pool.data == -1.0).all()) and torch.equal(c_pool.data, before)
+    still_serving(direction, a, b, a_pool, b_pool, src, dst)
+
+
+@pytest.mark.parametrize("direction", ["push", "pull"])
+def test_after_revoke_a_move_fails(enforcing, direction):
+    a_pool, b_pool = pool(POOL_BLOCKS, seed=8), pool(POOL_BLOCKS)
+    a, b = enforcing(a_pool), enforcing(b_pool)
+    src, dst = mapping(5, seed=8, blocks=POOL_BLOCKS)
+    assert move(direction, a, b, 1, src, dst) == "done"
+    landed = b_pool.data.clone()
+    a_pool.data.neg_()  # new source bytes: a landing would show
+    (b if direction == "push" else a).revoke(1)
+    assert attempt(direction, a, b, 1, src, dst) == "error"
+    assert torch.equal(b_pool.data, landed)
+    still_serving(direction, a, b, a_pool, b_pool, src, dst)
 
 
 def test_control_messages_arrive_in_order_with_their_source(make):

@@ -249,6 +249,36 @@ def test_duplicate_notice_after_done_changes_nothing(w):
     settle(w, t)
 
 
+def test_stray_writes_into_a_transfers_blocks_are_refused_and_it_still_decodes_right(
+        w, tiny_model):
+    """Only the paired sender, under its own transfer id, writes into the reserved blocks, and
+    only while the transfer runs: the sender under another id, another peer under this id and
+    the sender after DONE are refused, between the real write and the verification and after
+    the KV went to the engine."""
+    t = open_transfer(w, PROMPTS[0], Mode.PUSH)
+    tid, src, dst = t.send.transfer_id, list(t.send.src_blocks), t.dst
+    t.recv.poll()  # the reservation: writes into dst now permitted to PRE under tid
+    t.send.poll()  # descriptor, write (landed), notice
+    assert t.send.writes_issued == 1
+    assert bool((w.dec.kv_cache.data[dst] == w.pre.kv_cache.data[src]).all())
+    landed = w.dec.kv_cache.data[dst].clone()
+    assert len(src) > 1
+    wrong = src[::-1]  # bytes that differ from what belongs in each block
+    impostor = w.fabric.endpoint(PeerId(0x3333, "10.0.0.3", 7300))
+    impostor.register(w.pre.kv_cache)
+    other_id = w.pre_tx.write(tid + 1, wrong, DEC, dst)
+    other_peer = impostor.write(tid, wrong, DEC, dst)
+    pump(w, t)  # both are due before the notice is verified
+    assert (t.send.state, t.recv.state) == (S.DONE, S.DONE)
+    late = w.pre_tx.write(tid, wrong, DEC, dst)  # the KV belongs to the engine now
+    w.fabric.progress()
+    assert [w.pre_tx.status(other_id), impostor.status(other_peer),
+            w.pre_tx.status(late)] == ["error"] * 3
+    assert bool((w.dec.kv_cache.data[dst] == landed).all())
+    final = settle(w, t)
+    assert final[t.rid].outputs[0].token_ids == hf_greedy(tiny_model("llama"), PROMPTS[0], 16)
+
+
 # -- faults ------------------------------------------------------------------------------------
 
 

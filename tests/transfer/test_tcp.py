@@ -120,6 +120,7 @@ def test_wrong_secret_is_refused_then_a_correct_peer_works(pair, caplog):
         wait_for(lambda: "refused connection from 127.0.0.1" in caplog.text)
         assert "signature does not match" in caplog.text
     assert b.receive() == [] and not b_pool.data[3].any()
+    b.allow_writes(2, a.local, [3])
     assert finish(a, a.write(2, [3], b.local, [3])) == "done"
     assert torch.equal(b_pool.data[3], a_pool.data[3])
 
@@ -190,8 +191,9 @@ cache = KVCache(MODEL, 2048, BS, torch.float32)
 cache.data.fill_(1.0)
 tx = TcpTransport(secret=SECRET)
 tx.register(cache)
-print(json.dumps(tx.local.to_json()), flush=True)
 blocks = list(range(2048))
+tx.allow_reads(2, parent, blocks)
+print(json.dumps(tx.local.to_json()), flush=True)
 while True:
     h = tx.write(1, blocks, parent, blocks)
     while tx.status(h) == "pending":
@@ -207,6 +209,7 @@ def test_sigkill_mid_write_fails_the_peer_and_the_parent_keeps_serving():
                                  stdout=subprocess.PIPE, env=env, text=True)
         try:
             child_peer = PeerId.from_json(json.loads(child.stdout.readline()))
+            parent.allow_writes(1, child_peer, list(range(2048)))
             wait_for(lambda: big.data[0, 0, 0, 0, 0, 0] == 1.0, 20.0)  # the writes are landing
             pending_read = parent.read(2, list(range(2048)), child_peer, list(range(2048)))
             os.kill(child.pid, signal.SIGKILL)
@@ -218,6 +221,7 @@ def test_sigkill_mid_write_fails_the_peer_and_the_parent_keeps_serving():
             child.kill()
             child.wait()
         with endpoint(pool(4, seed=3)) as other:
+            parent.allow_writes(3, other.local, [5])
             other.send(parent.local, b"still serving")
             assert finish(other, other.write(3, [1], parent.local, [5])) == "done"
             wait_for(lambda: (other.local, b"still serving") in parent.receive())
@@ -307,6 +311,8 @@ def test_cancel_then_control_delivers_after_the_write_landed_or_not_at_all(delay
     src, dst = pool(2048, seed=2), pool(2048)
     first, second = list(range(1024)), list(range(1024, 2048))
     with endpoint(src) as w, endpoint(dst) as r:
+        r.allow_writes(8, w.local, first)
+        r.allow_writes(9, w.local, second)
         w.send(r.local, b"connect")
         wait_for(lambda: r.receive())
         ahead = w.write(8, first, r.local, first)
@@ -326,6 +332,8 @@ def test_cancel_then_control_delivers_after_the_write_landed_or_not_at_all(delay
 def test_cancel_of_a_read_never_lands_afterwards(pair):
     a, b, _, b_pool = pair
     blocks = list(range(300))
+    a.allow_reads(4, b.local, blocks)
+    b.allow_writes(5, a.local, [0])
     handle = b.read(4, blocks, a.local, blocks)
     b.cancel(handle)
     if b.status(handle) == "error":

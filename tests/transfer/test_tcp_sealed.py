@@ -24,13 +24,15 @@ MARK = bytes(range(256)) * 8  # 2 KiB a block's bytes carry, easy to spot in a c
 
 
 class Relay:
-    """A TCP relay in front of one endpoint: records what the dialer sends and may alter it
-    (`edit(offset, data) -> data`, offset counted over the dialer-to-acceptor stream)."""
+    """A TCP relay in front of one endpoint: records what the dialer sends (`sent`, which it
+    may alter: `edit(offset, data) -> data`, offset counted over the dialer-to-acceptor stream)
+    and what the acceptor answers (`answered`)."""
 
     def __init__(self, target_port: int,
                  edit: Callable[[int, bytes], bytes] | None = None) -> None:
         self.target_port, self.edit = target_port, edit
         self.sent = bytearray()
+        self.answered = bytearray()
         self._server = socket.create_server(("127.0.0.1", 0))
         self.port = self._server.getsockname()[1]
         self._socks: list[socket.socket] = [self._server]
@@ -53,6 +55,8 @@ class Relay:
                     if self.edit is not None:
                         data = self.edit(len(self.sent), data)
                     self.sent += data
+                else:
+                    self.answered += data
                 dst.sendall(data)
         except OSError:
             pass
@@ -97,6 +101,7 @@ def test_block_bytes_cross_the_wire_only_as_ciphertext_when_sealed(marked_pools,
     with a, b:
         a.register(a_pool)
         b.register(b_pool)
+        b.allow_writes(1, a.local, [5, 6, 7])
         assert finish(a, a.write(1, [0, 1, 2], b.local, [5, 6, 7]), b) == "done"
         assert torch.equal(_bytes(b_pool)[[5, 6, 7]], _bytes(a_pool)[[0, 1, 2]])
         a.send(b.local, b"control message in the clear?")
@@ -124,6 +129,8 @@ def test_a_flipped_bit_fails_the_move_and_the_peer_and_never_completes(marked_po
     with a, b, caplog.at_level(logging.WARNING, logger="pdserve.transfer.tcp"):
         a.register(a_pool)
         b.register(b_pool)
+        b.allow_writes(1, a.local, [0, 1])
+        b.allow_writes(2, a.local, list(range(8)))
         first = a.write(1, [0, 1], b.local, [0, 1])
         assert finish(a, first, b) == "done"  # 2 blocks: the flip lies beyond them
         second = a.write(2, list(range(8)), b.local, list(range(8)))

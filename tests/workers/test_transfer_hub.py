@@ -327,6 +327,7 @@ def sent_to_decode(w: World) -> list[str]:
 def test_unclaimed_messages_are_dropped_after_the_lease_unless_expected(w, expected, wait, kept):
     if expected:
         w.pre.expect(TID)
+    w.dec_tx.allow_writes(TID, PRE, DST)  # as the decode's RecvSession would, before it sends
     w.dec_tx.send(PRE, reservation(TID))
     assert w.pre.poll() == []
     w.clock.now += wait

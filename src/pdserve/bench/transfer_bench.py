@@ -99,11 +99,16 @@ def _pool(num_blocks: int) -> KVCache:
 
 
 def _host(conn, transport: str, num_blocks: int) -> None:
-    """Child process: host a pool until told to stop; report our PeerId first. Control messages
-    are pumped meanwhile (a NIXL endpoint answers metadata requests from `receive`)."""
+    """Child process: host a pool until told to stop; report our PeerId first, then permit the
+    parent (its PeerId is the answer) every move of transfer 1. Control messages are pumped
+    meanwhile (a NIXL endpoint answers metadata requests from `receive`)."""
     tx = TRANSPORTS[transport]()
     tx.register(_pool(num_blocks))
     conn.send(tx.local.to_json())
+    parent = PeerId.from_json(conn.recv())
+    tx.allow_writes(1, parent, list(range(num_blocks)))
+    tx.allow_reads(1, parent, list(range(num_blocks)))
+    conn.send("permitted")
     while not conn.poll(0.001):  # any message: stop
         tx.receive()
     tx.close()
@@ -157,6 +162,8 @@ def move_gbps(transport: str, sizes_mib: list[int], repeats: int) -> list[tuple[
         local = _pool(blocks)
         tx.register(local)
         peer = PeerId.from_json(parent.recv())
+        parent.send(tx.local.to_json())
+        parent.recv()  # the child permits our moves
         out = []
         for mib in sizes_mib:
             n = -(-mib * 2**20 // local.block_nbytes)
@@ -200,9 +207,13 @@ def session_overhead(transport: str, repeats: int) -> OverheadRow:
             if not recv.state.name == send.state.name == "DONE":
                 raise RuntimeError(f"benchmark session ended {send.reason or recv.reason}")
 
+        def bare_write() -> None:
+            tid = next(tids)
+            dec.allow_writes(tid, pre.local, ids)
+            _wait(pre, pre.write(tid, ids, dec.local, ids))
+
         session_s = median_seconds(session, repeats)
-        bare_s = median_seconds(lambda: _wait(pre, pre.write(next(tids), ids, dec.local, ids)),
-                                 repeats)
+        bare_s = median_seconds(bare_write, repeats)
         crc_s = median_seconds(
             lambda: slices_crc32c(pre_pool.data, ids, range(SMOLLM2.num_layers)), repeats)
     finally:

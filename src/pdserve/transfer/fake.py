@@ -13,6 +13,10 @@ most `times` times (None: always):
 - die: when a move of the transfer starts, endpoint `peer` dies (also `FakeFabric.kill`):
   its messages are lost both ways and every move to or from it ends in "error".
 `message` narrows a message fault to one kind (`control.message_kind`: "notice", "abort"...).
+
+Permits hold as in a real transport (`permits.py`): when a move lands, the target endpoint
+(a write's destination, a read's holder) must hold a permit for it, else the move ends in
+"error" and copies nothing.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import torch
 
 from pdserve.transfer.control import decode_any, message_kind
 from pdserve.transfer.descriptors import PeerId
+from pdserve.transfer.permits import Kind, Permits
 from pdserve.transfer.transport import MoveHandle, MoveStatus, layer_span
 
 if TYPE_CHECKING:
@@ -70,6 +75,7 @@ class Fault:
 
 @dataclass
 class _Move:
+    kind: Kind
     transfer_id: int
     src: PeerId
     src_blocks: tuple[int, ...]
@@ -101,6 +107,7 @@ class FakeFabric:
         self._inboxes: dict[PeerId, list[_Envelope]] = {}
         self._dead: set[PeerId] = set()
         self._moves: dict[MoveHandle, _Move] = {}
+        self._permits: dict[PeerId, Permits] = {}
         self._faults: list[list] = []  # [Fault, remaining uses or None]
         self._handles = itertools.count(1)
         self._instances = itertools.count(0xF000)
@@ -112,7 +119,11 @@ class FakeFabric:
             raise ValueError(f"{peer} is already on this fabric")
         self._pools[peer] = None
         self._inboxes[peer] = []
+        self._permits[peer] = Permits()
         return FakeTransport(self, peer)
+
+    def permits(self, peer: PeerId) -> Permits:
+        return self._permits[peer]
 
     def kill(self, peer: PeerId) -> None:
         """`peer` disappears: queued messages to it are lost, its moves end in error."""
@@ -150,8 +161,9 @@ class FakeFabric:
 
     # -- moves ---------------------------------------------------------------------------------
 
-    def start_move(self, tid: int, src: PeerId, src_blocks: Sequence[int], dst: PeerId,
-                   dst_blocks: Sequence[int], layers: range | None = None) -> MoveHandle:
+    def start_move(self, kind: Kind, tid: int, src: PeerId, src_blocks: Sequence[int],
+                   dst: PeerId, dst_blocks: Sequence[int],
+                   layers: range | None = None) -> MoveHandle:
         if len(src_blocks) != len(dst_blocks) or not src_blocks:
             raise ValueError("a move needs one destination per source block, at least one")
         pool = self._pools.get(src) or self._pools.get(dst)
@@ -161,8 +173,8 @@ class FakeFabric:
             self.clock() + (delay.seconds if delay else 0.0))
         corrupt = self._take_fault("corrupt", "data", tid) is not None
         handle = next(self._handles)
-        self._moves[handle] = _Move(tid, src, tuple(src_blocks), dst, tuple(dst_blocks), due,
-                                    corrupt, None if layers is None else slice(*span))
+        self._moves[handle] = _Move(kind, tid, src, tuple(src_blocks), dst, tuple(dst_blocks),
+                                    due, corrupt, None if layers is None else slice(*span))
         if src in self._dead or dst in self._dead or src not in self._pools \
                 or dst not in self._pools:
             self._moves[handle].status = "error"
@@ -189,7 +201,7 @@ class FakeFabric:
 
     def _land(self, move: _Move) -> None:
         src, dst = self._pools.get(move.src), self._pools.get(move.dst)
-        if src is None or dst is None:
+        if src is None or dst is None or not self._permitted(move, dst.num_layers):
             move.status = "error"
             return
         layers = move.layers or slice(None)
@@ -198,6 +210,16 @@ class FakeFabric:
             flat = dst.data[move.dst_blocks[0], layers].reshape(-1).view(torch.uint8)
             flat[flat.numel() // 2] ^= 0x5A
         move.status = "done"
+
+    def _permitted(self, move: _Move, num_layers: int) -> bool:
+        """The target (a write's destination, a read's holder) holds a permit for `move`."""
+        span = (0, num_layers) if move.layers is None else (move.layers.start, move.layers.stop)
+        if move.kind == "write":
+            target, origin, blocks = move.dst, move.src, move.dst_blocks
+        else:
+            target, origin, blocks = move.src, move.dst, move.src_blocks
+        return self._permits[target].refusal(move.kind, move.transfer_id, origin, blocks,
+                                             span) is None
 
     # -- messages ------------------------------------------------------------------------------
 
@@ -252,13 +274,24 @@ class FakeTransport:
 
     def write(self, transfer_id: int, local_blocks: Sequence[int], remote_peer: PeerId,
               remote_blocks: Sequence[int], layers: range | None = None) -> MoveHandle:
-        return self._own(self._fabric.start_move(transfer_id, self._local, local_blocks,
-                                                 remote_peer, remote_blocks, layers))
+        return self._own(self._fabric.start_move("write", transfer_id, self._local,
+                                                 local_blocks, remote_peer, remote_blocks,
+                                                 layers))
 
     def read(self, transfer_id: int, local_blocks: Sequence[int], remote_peer: PeerId,
              remote_blocks: Sequence[int]) -> MoveHandle:
-        return self._own(self._fabric.start_move(transfer_id, remote_peer, remote_blocks,
-                                                 self._local, local_blocks))
+        return self._own(self._fabric.start_move("read", transfer_id, remote_peer,
+                                                 remote_blocks, self._local, local_blocks))
+
+    def allow_writes(self, transfer_id: int, peer: PeerId, blocks: Sequence[int],
+                     layers: range | None = None) -> None:
+        self._fabric.permits(self._local).allow("write", transfer_id, peer, blocks, layers)
+
+    def allow_reads(self, transfer_id: int, peer: PeerId, blocks: Sequence[int]) -> None:
+        self._fabric.permits(self._local).allow("read", transfer_id, peer, blocks)
+
+    def revoke(self, transfer_id: int) -> None:
+        self._fabric.permits(self._local).revoke(transfer_id)
 
     def status(self, handle: MoveHandle) -> MoveStatus:
         self._check(handle)

@@ -96,6 +96,21 @@ class NixlTransport:
     connections close) and logs an error; the request is retried at `close`. That last case
     is the one thing not guaranteed: it is reported, never silent. A pending move ends
     "error" after `cancel`; a move that finished before keeps its status.
+
+    Permits: not enforced on data. A NIXL write or read is one-sided: UCX moves the bytes
+    with the remote keys in our agent metadata, and no code of ours runs on this side for it,
+    so `allow_writes` / `allow_reads` / `revoke` cost nothing and check nothing here. What does
+    hold: our agent metadata (UCX addresses and the pool's remote keys) goes only to peer
+    instances authenticated by the embedded `TcpTransport`'s bound handshake (ones this
+    endpoint sends to or moves with, and ones whose authenticated messages reach it), over
+    that connection (sealed with `TcpOptions.encrypt`, in the clear otherwise); a peer's
+    metadata is accepted only under the agent name of its authenticated source; the embedded
+    TCP endpoint registers no pool, so a WRITE or READ_REQUEST sent to it over TCP is
+    refused. What does not: any peer instance holding our metadata can write or read any
+    block of the registered pool, under any transfer id, until its agent is removed (it died,
+    or could not be fenced) or this endpoint closes. Against a buggy or hostile holder of the
+    shared secret, NIXL offers the sessions' checks only: generations and CRC32C of every
+    slice before the KV is admitted (`verify.py`), nothing once it is.
     """
 
     def __init__(self, local_host: str = "127.0.0.1", port: int = 0, *, secret: bytes,
@@ -153,6 +168,16 @@ class NixlTransport:
     def read(self, transfer_id: int, local_blocks: Sequence[int], remote_peer: PeerId,
              remote_blocks: Sequence[int]) -> MoveHandle:
         return self._start("read", local_blocks, remote_peer, remote_blocks)
+
+    def allow_writes(self, transfer_id: int, peer: PeerId, blocks: Sequence[int],
+                     layers: range | None = None) -> None:
+        """Not enforced: see "Permits" in the class docstring."""
+
+    def allow_reads(self, transfer_id: int, peer: PeerId, blocks: Sequence[int]) -> None:
+        """Not enforced: see "Permits" in the class docstring."""
+
+    def revoke(self, transfer_id: int) -> None:
+        """Not enforced: see "Permits" in the class docstring."""
 
     def status(self, handle: MoveHandle) -> MoveStatus:
         with self._lock:

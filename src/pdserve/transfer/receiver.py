@@ -48,7 +48,15 @@ class RecvSession:
     writer is quiet: it never learnt where to write, its notice came (write finished), it sent
     ABORT or ABORT_ACK (a sender fences its write first), it is known dead, or (pull) our own
     read was fenced. A FAILED push session keeps re-sending ABORT every `resend_s` on poll()
-    until then. Lifetime: from the reservation until the caller, seeing DONE, hands the blocks
+    until then.
+
+    Permit (push): the Reservation goes out only after `allow_writes` let exactly the paired
+    sender instance write exactly the reserved blocks (and layers) under this transfer id, and
+    every terminal path (DONE, any FAILED: abort, lease, peer, verification) revokes it. So
+    the permit exists only while the blocks are reserved for this transfer and carry the
+    generations the Reservation names; a write from anyone else, into other blocks or after
+    the end is refused by a transport that can check it (`transport.py`). Pull grants nothing:
+    this side reads. Lifetime: from the reservation until the caller, seeing DONE, hands the blocks
     to the engine (`kv_ready(token0)`) or, seeing `blocks_reusable` after FAILED, frees them
     (`Engine.abort`). The caller decides on retry or local recompute.
     """
@@ -104,6 +112,11 @@ class RecvSession:
         """Reserve, handle arrived messages, check the read, peer and lease. Never blocks."""
         if self.state is S.BOOTSTRAPPING:
             self._writer_quiet = self._mode is Mode.PULL
+            if self._mode is Mode.PUSH:
+                r = self._reservation
+                self._link.transport.allow_writes(self.transfer_id, self._link.peer,
+                                                  r.dst_block_ids,
+                                                  range(r.layer_begin, r.layer_end))
             self._link.send(self._reservation)
             self._status.advance(S.WAITING_FOR_BLOCKS)
         for trust, msg in self._link.take():
@@ -209,8 +222,9 @@ class RecvSession:
             self._fail(f"verification failed: {report.reason}")
             return
         op = ControlOp.ACK if self._mode is Mode.PUSH else ControlOp.RELEASE
-        self._link.control(op)
         self._status.advance(S.DONE)
+        self._link.transport.revoke(self.transfer_id)  # the blocks go to the engine now
+        self._link.control(op)
 
     def _wait_for_writer(self) -> None:
         if not self._link.self_alive() or not self._link.peer_alive():
@@ -222,7 +236,9 @@ class RecvSession:
     def _fail(self, reason: str, tell: bool = True) -> None:
         if self._read is not None:
             self._link.transport.cancel(self._read)  # our own read is fenced
-        if self._status.fail(reason) and tell:
+        failed = self._status.fail(reason)
+        self._link.transport.revoke(self.transfer_id)
+        if failed and tell:
             self._send_abort()
 
     def _send_abort(self) -> None:

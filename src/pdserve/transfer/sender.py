@@ -37,6 +37,10 @@ class SendSession:
     Invariants: the state only moves forward (TransferStatus). Before FAILED the session
     cancels (fences) every write, so an ABORT from a sender always means "I will never write
     again"; a FAILED session still answers a receiver's ABORT with ABORT_ACK on poll().
+    Permit (pull): the descriptor goes out only after `allow_reads` let exactly the paired
+    receiver instance read exactly `src_blocks` under this transfer id, and every terminal
+    path (DONE on RELEASE, any FAILED) revokes it, so the permit exists only while the blocks
+    are held for this transfer. Push grants nothing: this side writes.
     Lifetime: from the prefill output (blocks held, PREFILLED; streamed: from the step that
     computes the prompt's last tokens) until `blocks_reusable`, when
     the caller releases the source blocks. In pull mode a reader that is still reading when a
@@ -140,6 +144,7 @@ class SendSession:
                 self._link.control(ControlOp.ABORT_ACK)
         elif msg.op is _DONE_OP[self._mode] and self._notified:
             self._status.advance(S.DONE)
+            self._link.transport.revoke(self.transfer_id)
 
     def _on_reservation(self, r: Reservation) -> None:
         if self.state is not S.WAITING_FOR_BLOCKS:
@@ -151,6 +156,8 @@ class SendSession:
         layers = range(r.layer_begin, r.layer_end)
         sums = slices_crc32c(self._cache.data, self._src, layers) if self._mode is Mode.PULL \
             else ()
+        if self._mode is Mode.PULL:
+            self._link.transport.allow_reads(self.transfer_id, self._link.peer, self._src)
         self._link.send(TransferDescriptor(
             self._link.transfer_id, self._link.local, self._link.peer, self._src,
             r.dst_block_ids, r.dst_generations, r.layer_begin, r.layer_end, self._layout, sums))
@@ -214,5 +221,6 @@ class SendSession:
     def _fail(self, reason: str, tell: bool = True, told: str | None = None) -> None:
         for write in self._writes:
             self._link.transport.cancel(write)  # the fence comes before any ABORT
+        self._link.transport.revoke(self.transfer_id)
         if self._status.fail(reason) and tell:
             self._link.control(ControlOp.ABORT, (told or reason)[:MAX_REASON_CHARS])

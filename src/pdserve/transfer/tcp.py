@@ -1,22 +1,25 @@
 """`Transport` over plain TCP: whole KV blocks move between registered CPU pools, zero-copy.
 
-The frame format and socket helpers are in `tcp_frames.py`; this module holds the endpoint:
-its threads, connections, handshake, moves and their fences (life cycle on `TcpTransport`).
+The frame format and socket helpers are in `tcp_frames.py`, the bound handshake in
+`tcp_handshake.py` (its messages in `tcp_hello.py`); this module holds the endpoint: its
+threads, connections, permits, moves and their fences (life cycle on `TcpTransport`).
 """
 
 from __future__ import annotations
 
 import itertools
-import json
 import logging
 import socket
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from pdserve.transfer.auth import HandshakeAuth, PeerRefused
 from pdserve.transfer.descriptors import PeerId, process_instance_id
+from pdserve.transfer.log_throttle import ThrottledLog
+from pdserve.transfer.permits import Kind, Permits
 from pdserve.transfer.tcp_frames import (
     MAX_CONTROL_BYTES,
     MAX_SMALL_BYTES,
@@ -25,11 +28,11 @@ from pdserve.transfer.tcp_frames import (
     ProtocolError,
     header,
     parse_u32s,
-    recv_exact,
-    recv_header,
     shut,
     u32s,
 )
+from pdserve.transfer.tcp_handshake import BoundHandshake
+from pdserve.transfer.tcp_hello import CIPHERS
 from pdserve.transfer.tcp_peer import Job, Move, PeerSender
 from pdserve.transfer.tcp_wire import Wire
 from pdserve.transfer.transport import MoveHandle, MoveStatus, layer_span
@@ -38,13 +41,6 @@ if TYPE_CHECKING:
     from pdserve.engine.kv_cache import KVCache
 
 log = logging.getLogger(__name__)
-
-
-class _Closing(Exception):
-    """Internal: the transport is closing."""
-
-
-CIPHERS = ("none", "aes-256-gcm")
 
 
 @dataclass(frozen=True)
@@ -56,17 +52,28 @@ class TcpOptions:
     and a handshake between a sealed and a plain endpoint is refused on both sides.
 
     `dial_timeout_s` bounds the TCP connect (no answer: the peer is dead). `handshake_timeout_s`
-    bounds how long an acceptor waits for a dialer's HELLO; a dialer whose peer's kernel
-    accepted the connection but whose process has not answered HELLO_ACK by then logs a warning
-    and keeps waiting (a stopped process is stalled, not dead). TCP keepalive on every
-    connection (Linux's TCP_KEEPIDLE / TCP_KEEPINTVL / TCP_KEEPCNT) finds a host that stopped
-    answering at all within about idle + interval x probes seconds (10 s by default); a stopped
-    process's kernel still answers the probes."""
+    bounds the acceptor's whole handshake, from accept to the HELLO complete and answered (not
+    each read: a client trickling bytes is cut off at the deadline too); a dialer whose peer's
+    kernel accepted the connection but whose process has not answered HELLO_ACK by then logs a
+    warning and keeps waiting (a stopped process is stalled, not dead). A dialed connection
+    the acceptor closes before its HELLO_ACK (it refused the HELLO, or was full) is dialed again
+    up to `handshake_redials` times, `handshake_timeout_s` / 2 apart, before the peer is given
+    up. TCP keepalive on every connection (Linux's TCP_KEEPIDLE / TCP_KEEPINTVL / TCP_KEEPCNT)
+    finds a host that stopped answering at all within about idle + interval x probes seconds
+    (10 s by default); a stopped process's kernel still answers the probes.
+
+    `max_connections` caps the connections an endpoint has accepted and not yet closed (one
+    reader thread each); one more is closed at once, with a rate-limited warning. Each peer
+    instance that talks to this endpoint holds one (its own dialed connection; this endpoint's
+    connection to it is counted at the peer), and a connection that has not authenticated
+    holds its slot for at most `handshake_timeout_s`: keep it above the number of workers."""
 
     dial_timeout_s: float = 1.0
     handshake_timeout_s: float = 2.0
+    handshake_redials: int = 4
     cancel_wait_s: float = 5.0
     max_queued: int = 10_000
+    max_connections: int = 64
     encrypt: bool = False
     keepalive_idle_s: int = 5
     keepalive_interval_s: int = 1
@@ -80,10 +87,14 @@ class TcpOptions:
         for name in ("dial_timeout_s", "handshake_timeout_s", "cancel_wait_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"TcpOptions.{name} must be > 0, got {getattr(self, name)}")
-        for name in ("keepalive_idle_s", "keepalive_interval_s", "keepalive_probes"):
+        for name in ("keepalive_idle_s", "keepalive_interval_s", "keepalive_probes",
+                     "max_connections"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"TcpOptions.{name} must be a whole number >= 1, got {value!r}")
+        if not isinstance(self.handshake_redials, int) or self.handshake_redials < 0:
+            raise ValueError("TcpOptions.handshake_redials must be a whole number >= 0, got "
+                             f"{self.handshake_redials!r}")
         if self.max_queued < 1:
             raise ValueError(f"TcpOptions.max_queued must be >= 1, got {self.max_queued}")
 
@@ -99,21 +110,43 @@ class TcpTransport:
       accept thread. `local` is this instance: `instance_id` (default: the process's) at the
       advertised address (`advertise_port`, default: the real port; tests use it to simulate a
       restarted peer at the same address).
-    - Incoming: each accepted connection gets one daemon reader thread. It first expects a
-      HELLO signed with the shared secret (`HandshakeAuth`); a bad signature, a replay, a
-      malformed PeerId or an instance already known dead closes the connection with a warning
-      naming the remote address. It answers a signed HELLO_ACK with `local`, then processes
-      frames strictly in order: WRITE bytes land in the pool (recv_into the block's memory, no
-      staging) before any later CONTROL frame on that connection is delivered. That order is
-      the fence the sessions rely on (data before the writer's ABORT / ABORT_ACK).
+    - Incoming: at most `max_connections` accepted connections at a time (one more is closed at
+      once), each with one daemon reader thread. It first expects, within `handshake_timeout_s`
+      of the accept, a HELLO (`tcp_hello.py`) signed with the shared secret (`HandshakeAuth`)
+      and addressed to exactly `local`; a bad signature, a replay, another kind of greeting, a
+      HELLO addressed elsewhere (relayed), a malformed PeerId, an instance known dead or the
+      deadline closes the connection with a rate-limited warning naming the remote address.
+      A HELLO for another instance at this address (the dialer has not learnt of a restart)
+      gets a signed HELLO_ACK first, so the dialer learns it, and is refused the same way. The
+      reader answers a signed HELLO_ACK bound to that HELLO, then processes frames strictly in
+      order: WRITE bytes land in the pool (recv_into the block's memory, no staging) before any
+      later CONTROL frame on that connection is delivered. That order is the fence the sessions
+      rely on (data before the writer's ABORT / ABORT_ACK).
+    - Permits (`permits.py`): a WRITE lands only inside a write permit of its transfer id for
+      the connection's authenticated peer (every block id, its layers); a READ_REQUEST is
+      served only inside a read permit, checked again when its READ_DATA goes out. Anything
+      else is drained without touching the pool and answered WRITE_ERROR / READ_ERROR "not
+      permitted" (a rate-limited warning; a late move of the permit's own peer after `revoke`
+      only a debug line). A refusal never ends the connection or marks anyone dead.
     - Outgoing: frames to a peer instance travel on one connection this endpoint dials lazily
       (first send / write / read), fed by that peer's `PeerSender` queue and thread, so `send`,
       `write` and `read` never block. Dialing waits at most `dial_timeout_s`.
-    - Peer death: a reset or EOF on either connection with a peer (keepalive turns a host that
-      stopped answering into a reset), a failed connect, a refused or broken handshake, a
-      protocol error, or a HELLO / HELLO_ACK from another instance at its address (a restart)
-      marks that exact instance dead for good: `peer_alive` is False, its pending moves end in
-      "error", messages to it are dropped. A new instance at the address is a different peer.
+    - Peer death marks that exact instance dead for good: `peer_alive` is False, its pending
+      moves end in "error", messages to it are dropped; a new instance at the address is a
+      different peer. What may mark a peer P dead, and nothing else:
+      (1) on a connection authenticated by the bound handshake with P (dialed: P's HELLO_ACK
+      answered our HELLO; accepted: P's HELLO named us): EOF, a reset (keepalive turns a host
+      that stopped answering into one), a failed send, a protocol error or a sealed record
+      failing its tag;
+      (2) a bound, authenticated greeting from another instance at P's address (a HELLO to
+      us, or the HELLO_ACK to our HELLO): P restarted;
+      (3) dialing P: the connect fails (nothing listens, or no answer in `dial_timeout_s`), the
+      answer at P's address is not P's authenticated ACK to our HELLO or refuses our cipher,
+      or P's address closes the connection before any HELLO_ACK on 1 + `handshake_redials`
+      dials in a row;
+      (4) this endpoint's own verdict (`peer_died`: NIXL could not fence a move to P).
+      Nothing on an incoming connection that has not completed the bound handshake (refused,
+      misaddressed, slow, malformed, over the cap) marks anyone dead or changes any state.
       A stalled peer is not dead: a connection its kernel accepted waits for its HELLO_ACK as
       long as the host answers keepalive, with the jobs queued behind it. (Declaring it dead
       would break the pair for good once it wakes: each side would refuse the other.)
@@ -148,6 +181,10 @@ class TcpTransport:
         self._dead: set[PeerId] = set()
         self._inbox: list[tuple[PeerId, bytes]] = []
         self._conns: dict[socket.socket, PeerId | None] = {}  # accepted -> authenticated peer
+        self._permits = Permits()
+        self._throttled = ThrottledLog(log)
+        self._handshake = BoundHandshake(self._auth, self._local, self.options, self._seen,
+                                         self._throttled)
         self._threads: list[threading.Thread] = []
         self._closed = False
         self._spawn(self._accept_loop, f"pdserve-tcp-accept-{real_port}")
@@ -173,6 +210,16 @@ class TcpTransport:
     def read(self, transfer_id: int, local_blocks: Sequence[int], remote_peer: PeerId,
              remote_blocks: Sequence[int]) -> MoveHandle:
         return self._start("read", transfer_id, local_blocks, remote_peer, remote_blocks)
+
+    def allow_writes(self, transfer_id: int, peer: PeerId, blocks: Sequence[int],
+                     layers: range | None = None) -> None:
+        self._permits.allow("write", transfer_id, peer, blocks, layers)
+
+    def allow_reads(self, transfer_id: int, peer: PeerId, blocks: Sequence[int]) -> None:
+        self._permits.allow("read", transfer_id, peer, blocks)
+
+    def revoke(self, transfer_id: int) -> None:
+        self._permits.revoke(transfer_id)
 
     def status(self, handle: MoveHandle) -> MoveStatus:
         with self._lock:
@@ -308,7 +355,8 @@ class TcpTransport:
             shut(c)
 
     def _seen(self, peer: PeerId) -> None:
-        """`peer` proved itself (HELLO / HELLO_ACK); an older instance at its address is dead."""
+        """`peer` proved itself with a bound greeting (its HELLO to us, or its HELLO_ACK to our
+        HELLO); an older instance at its address is dead. PeerRefused for one known dead."""
         with self._lock:
             if peer in self._dead:
                 raise PeerRefused(f"instance {peer.instance_id:016x} is known dead")
@@ -318,63 +366,12 @@ class TcpTransport:
         if old is not None and old != peer.instance_id:
             self.peer_died(PeerId(old, *addr), f"restarted as {peer.instance_id:016x}")
 
-    def _hello(self) -> bytes:
-        """A signed HELLO / HELLO_ACK envelope naming this instance and its cipher."""
-        message = json.dumps({"peer": self._local.to_json(), "cipher": self.options.cipher})
-        with self._lock:
-            return self._auth.sign(message.encode())
-
-    @staticmethod
-    def _send_hello(sock: socket.socket, ftype: Frame, envelope: bytes) -> None:
-        sock.sendall(header(ftype, plen=len(envelope)) + envelope)
-
-    def _verify_hello(self, sock: socket.socket, expect: Frame) -> tuple[PeerId, str, bytes]:
-        """(the peer, its cipher, its envelope) from a signed HELLO or HELLO_ACK."""
-        ftype, _, _, _, plen = recv_header(sock)
-        if ftype is not expect or plen > MAX_SMALL_BYTES:
-            raise ProtocolError(f"expected {expect.name}, got {ftype.name} of {plen} bytes")
-        envelope = recv_exact(sock, plen)
-        with self._lock:
-            message = self._auth.verify(envelope)
-        try:
-            body = json.loads(message)
-            peer, cipher = PeerId.from_json(body["peer"]), body["cipher"]
-        except (ValueError, TypeError, KeyError) as e:
-            raise ProtocolError(f"bad {expect.name} message: {e!r}") from None
-        if cipher not in CIPHERS:
-            raise ProtocolError(f"{expect.name} names an unknown cipher {cipher!r}")
-        return peer, cipher, envelope
-
-    def _warn_if_silent(self, sock: socket.socket, peer: PeerId) -> None:
-        """Warn if the peer has not begun its answer within `handshake_timeout_s` (a peeked
-        byte, nothing consumed); the caller then reads it without a bound (see `TcpOptions`)."""
-        sock.settimeout(self.options.handshake_timeout_s)
-        try:
-            sock.recv(1, socket.MSG_PEEK)
-        except TimeoutError:
-            log.warning("peer %s accepted the connection but has not answered the handshake in "
-                        "%.1f s: stalled, not dead; messages to it wait", peer,
-                        self.options.handshake_timeout_s)
-        finally:
-            sock.settimeout(None)
-
     def _keep_alive(self, sock: socket.socket) -> None:
         o = self.options
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, o.keepalive_idle_s)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, o.keepalive_interval_s)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, o.keepalive_probes)
-
-    def _cipher_mismatch(self, peer: PeerId, cipher: str) -> PeerRefused | None:
-        if cipher == self.options.cipher:
-            return None
-        return PeerRefused(f"{peer} uses KV cipher {cipher!r} but this endpoint uses "
-                           f"{self.options.cipher!r}; give every worker the same encryption "
-                           "setting")
-
-    def _wire(self, sock: socket.socket, hello: bytes, ack: bytes) -> Wire:
-        """The connection's frame I/O; sealed with a key from both envelopes if encrypting."""
-        return Wire(sock, self._auth.session_key(hello, ack) if self.options.encrypt else None)
 
     def connect(self, peer: PeerId) -> socket.socket:
         """A TCP connection to `peer`'s address within `dial_timeout_s`, with keepalive on."""
@@ -389,24 +386,8 @@ class TcpTransport:
         return sock
 
     def handshake(self, sock: socket.socket, peer: PeerId) -> Wire:
-        """HELLO, then wait for HELLO_ACK for as long as the peer's host is up (see `TcpOptions`);
-        a different instance answering means `peer` restarted."""
-        try:
-            hello = self._hello()
-            self._send_hello(sock, Frame.HELLO, hello)
-            self._warn_if_silent(sock, peer)
-            got, cipher, ack = self._verify_hello(sock, Frame.HELLO_ACK)
-            if not got.same_address(peer):
-                raise ProtocolError(f"{peer.host}:{peer.port} answered as {got}")
-            self._seen(got)
-            if got != peer:
-                raise ConnectionError(f"restarted: {got} answers at its address")
-            if (refused := self._cipher_mismatch(got, cipher)) is not None:
-                raise refused
-            return self._wire(sock, hello, ack)
-        except BaseException:
-            shut(sock)
-            raise
+        """The dialer's side of the bound handshake on `sock` (`BoundHandshake.dial`)."""
+        return self._handshake.dial(sock, peer)
 
     # -- outgoing jobs (a PeerSender thread) -------------------------------------------------
 
@@ -417,7 +398,7 @@ class TcpTransport:
         elif kind == "move":
             self._send_move(wire, job[1])
         elif kind == "read_data":
-            self._send_read_data(wire, *job[1:])
+            self._send_read_data(wire, peer, *job[1:])
         else:  # ("answer", frame, tid, mid, reason bytes)
             _, ftype, tid, mid, reason = job
             wire.send([header(ftype, 0, tid, mid, len(reason)), reason])
@@ -456,10 +437,12 @@ class TcpTransport:
         finally:
             self._release(move)
 
-    def _send_read_data(self, wire: Wire, tid: int, mid: int, ids: tuple[int, ...]) -> None:
+    def _send_read_data(self, wire: Wire, peer: PeerId, tid: int, mid: int,
+                        ids: tuple[int, ...]) -> None:
         pool = self._pool
-        if pool is None:
-            reason = b"no pool registered"
+        refusal = None if pool is None else self._refusal("read", peer, tid, ids, None)
+        if pool is None or refusal is not None:  # the permit may have ended since the request
+            reason = (refusal or "no pool registered").encode()
             wire.send([header(Frame.READ_ERROR, 0, tid, mid, len(reason)), reason])
             return
         head = header(Frame.READ_DATA, len(ids), tid, mid, len(ids) * pool.block_nbytes)
@@ -484,19 +467,30 @@ class TcpTransport:
                 conn, addr = self._listener.accept()
             except OSError:
                 return
+            deadline = time.monotonic() + self.options.handshake_timeout_s
             with self._lock:
                 if self._closed:
                     shut(conn)
                     return
-                self._conns[conn] = None
-                self._threads = [t for t in self._threads if t.is_alive()]
-            self._spawn(self._serve, f"pdserve-tcp-read-{addr[0]}:{addr[1]}", conn, addr)
+                full = len(self._conns) >= self.options.max_connections
+                if not full:
+                    self._conns[conn] = None
+                    self._threads = [t for t in self._threads if t.is_alive()]
+            if full:
+                shut(conn)
+                self._throttled.warn(
+                    "full", "refused connection from %s:%s: %d connections are open, this "
+                    "endpoint's limit (TcpOptions.max_connections)", addr[0], addr[1],
+                    self.options.max_connections)
+                continue
+            self._spawn(self._serve, f"pdserve-tcp-read-{addr[0]}:{addr[1]}", conn, addr,
+                        deadline)
 
-    def _serve(self, conn: socket.socket, addr: tuple[str, int]) -> None:
+    def _serve(self, conn: socket.socket, addr: tuple[str, int], deadline: float) -> None:
         peer = None
         try:
             self._keep_alive(conn)
-            greeted = self._greet(conn, addr)
+            greeted = self._handshake.accept(conn, addr, deadline)
             if greeted is not None:
                 peer, wire = greeted
                 with self._lock:
@@ -510,24 +504,6 @@ class TcpTransport:
             shut(conn)
             with self._lock:
                 self._conns.pop(conn, None)
-
-    def _greet(self, conn: socket.socket, addr: tuple[str, int]) -> tuple[PeerId, Wire] | None:
-        """Verify the dialer's HELLO and answer HELLO_ACK; None (logged) when refused. A peer
-        with another cipher still gets the ACK, so that both sides can say why they refuse."""
-        conn.settimeout(self.options.handshake_timeout_s)
-        try:
-            peer, cipher, hello = self._verify_hello(conn, Frame.HELLO)
-            self._seen(peer)
-        except (PeerRefused, ProtocolError, OSError, EOFError) as e:
-            log.warning("refused connection from %s:%s: %s", addr[0], addr[1], e)
-            return None
-        ack = self._hello()
-        self._send_hello(conn, Frame.HELLO_ACK, ack)
-        if (refused := self._cipher_mismatch(peer, cipher)) is not None:
-            log.warning("refused connection from %s:%s: %s", addr[0], addr[1], refused)
-            return None
-        conn.settimeout(None)
-        return peer, self._wire(conn, hello, ack)
 
     def _dispatch(self, wire: Wire, peer: PeerId, ftype: Frame, count: int, tid: int,
                   mid: int, plen: int) -> None:
@@ -579,6 +555,11 @@ class TcpTransport:
             raise ProtocolError(f"WRITE of {count} blocks x layers [{first}, {end}) in a "
                                 f"payload of {plen} bytes")
         pool.check(ids, "WRITE destination")
+        refusal = self._refusal("write", peer, tid, ids, (first, end))
+        if refusal is not None:  # drained, the pool untouched; the connection lives on
+            wire.skip([(end - first) * pool.layer_nbytes] * count)
+            self._answer(peer, Frame.WRITE_ERROR, tid, mid, refusal.encode())
+            return
         for b in ids:
             wire.recv_into(pool.view(b, (first, end)))
         self._answer(peer, Frame.WRITE_DONE, tid, mid)
@@ -592,9 +573,28 @@ class TcpTransport:
         self._block_frame(count, plen + count * self._pool.block_nbytes, 4 * count)
         ids = parse_u32s(wire.recv_exact(plen))
         self._pool.check(ids, "READ_REQUEST source")
+        refusal = self._refusal("read", peer, tid, ids, None)
+        if refusal is not None:
+            self._answer(peer, Frame.READ_ERROR, tid, mid, refusal.encode())
+            return
         sender = self._sender(peer)
         if sender is not None:
             sender.put(("read_data", tid, mid, ids))
+
+    def _refusal(self, kind: Kind, peer: PeerId, tid: int, ids: Sequence[int],
+                 layers: tuple[int, int] | None) -> str | None:
+        """None when `peer` holds a permit for this move; else the reason, logged: a warning
+        (rate-limited) for a stray, a debug line for a late move of the permit's own peer."""
+        pool = self._pool
+        assert pool is not None
+        refusal = self._permits.refusal(kind, tid, peer, ids, layers or (0, pool.num_layers))
+        if refusal is None:
+            return None
+        if refusal.late:
+            log.debug("dropped a late %s from %s: %s", kind, peer, refusal.reason)
+        else:
+            self._throttled.warn(kind, "refused a %s from %s: %s", kind, peer, refusal.reason)
+        return refusal.reason
 
     def _on_read_data(self, wire: Wire, peer: PeerId, count: int, mid: int,
                       plen: int) -> None:
@@ -621,11 +621,13 @@ class TcpTransport:
             raise ProtocolError(f"{ftype.name} of {plen} bytes")
         reason = wire.recv_exact(plen).decode("utf-8", "replace")
         move = self._own_move(peer, mid, "read" if ftype is Frame.READ_ERROR else "write")
-        if ftype is not Frame.WRITE_DONE:
-            log.warning("%s move %d failed at %s: %s", move.kind, mid, peer, reason)
         with self._lock:
-            if not move.cancelled:
+            cancelled = move.cancelled  # its transfer ended here: a refusal is expected
+            if not cancelled:
                 self._finish(move, "done" if ftype is Frame.WRITE_DONE else "error")
+        if ftype is not Frame.WRITE_DONE:
+            (log.debug if cancelled else log.warning)("%s move %d failed at %s: %s", move.kind,
+                                                      mid, peer, reason)
 
     def _own_move(self, peer: PeerId, mid: int, kind: str) -> Move:
         with self._lock:

@@ -9,16 +9,18 @@ Every frame is a 32-byte header then `payload_len` bytes:
           16  u64 LE  move id (the writer's or reader's handle; 0 for HELLO / CONTROL)
           24  u64 LE  payload length
 
-    HELLO, HELLO_ACK  HandshakeAuth envelope around the JSON {"peer": PeerId, "cipher": name}
-                      of the side that sends it
+    HELLO, HELLO_ACK  HandshakeAuth envelope around the JSON body of `tcp_hello.Greeting`
+                      (kind, sender, intended receiver, cipher; an ACK also names its HELLO)
     CONTROL           one wire message, delivered by `receive()` with the authenticated source
     WRITE             u32 first layer, u32 end layer, u32 dst block ids[count], then for each
                       block its layers [first, end): count * (end - first) * layer_nbytes raw
                       bytes (a block's layer slices are contiguous in the pool)
-    WRITE_DONE/ERROR  the receiver's answer to a WRITE (ERROR payload: UTF-8 reason)
+    WRITE_DONE/ERROR  the receiver's answer to a WRITE (ERROR payload: UTF-8 reason; a WRITE
+                      outside the receiver's permits is drained and answered "not permitted")
     READ_REQUEST      u32 src block ids[count] of the holder's pool
     READ_DATA         count * block_nbytes raw bytes for the requester's dst blocks, in order
-    READ_ERROR        the holder cannot serve a READ_REQUEST (payload: UTF-8 reason)
+    READ_ERROR        the holder cannot serve a READ_REQUEST (payload: UTF-8 reason; one
+                      outside the holder's permits is answered "not permitted")
 
 Anything else (unknown type, a length that is not exactly what the header implies, a block id
 out of the registered pool, an answer for a move the peer does not own) is a protocol error.
@@ -32,6 +34,7 @@ import contextlib
 import os
 import socket
 import struct
+import time
 from collections.abc import Sequence
 from enum import IntEnum
 from typing import TYPE_CHECKING
@@ -66,6 +69,11 @@ class ProtocolError(ValueError):
     """A peer sent something this protocol does not allow; its connection is dropped."""
 
 
+class HandshakeCut(ConnectionError):
+    """The acceptor closed or reset a dialed connection before its HELLO_ACK arrived: it
+    refused the HELLO, or it was at its connection limit. Nothing authenticated happened."""
+
+
 # -- sockets -------------------------------------------------------------------------------------
 
 
@@ -96,6 +104,27 @@ def recv_into_all(sock: socket.socket, view: memoryview) -> None:
 def recv_exact(sock: socket.socket, n: int) -> bytes:
     buf = bytearray(n)
     recv_into_all(sock, memoryview(buf))
+    return bytes(buf)
+
+
+def recv_exact_by(sock: socket.socket, n: int, deadline: float) -> bytes:
+    """n bytes, all of them by `deadline` (time.monotonic()), however slowly they trickle in:
+    TimeoutError past it, ConnectionError on EOF. Leaves a timeout set on the socket."""
+    buf = bytearray(n)
+    view = memoryview(buf)
+    while len(view):
+        left = deadline - time.monotonic()
+        try:
+            if left <= 0:
+                raise TimeoutError
+            sock.settimeout(left)
+            got = sock.recv_into(view)
+        except TimeoutError:
+            raise TimeoutError(f"the deadline passed with {n - len(view)} of {n} bytes of the "
+                               "frame received") from None
+        if got == 0:
+            raise ConnectionError("peer closed the connection mid-frame")
+        view = view[got:]
     return bytes(buf)
 
 

@@ -11,6 +11,14 @@ again (a pending move ends as "error"; a finished one keeps its status).
 The control channel is unordered-safe, non-blocking and lossy: `send` never blocks and may
 lose messages (a dead peer); `receive` returns what has arrived since the last call, each
 with the transport-level source peer (the authenticated origin in a real transport).
+
+Permits (`permits.py`): a move a peer starts lands in, or reads from, this endpoint's pool
+only inside a permit this endpoint granted for that transfer id to that exact peer instance
+(`allow_writes` / `allow_reads`, until `revoke`); any other is refused whole and ends "error"
+at its initiator, and no block of it is touched. A refused move never ends the connection or
+marks anyone dead. Invariant kept by the sessions: a permit exists only while its blocks are
+reserved or held for that transfer. Where the target cannot check a one-sided move (NIXL),
+the transport says so in its docstring.
 """
 
 from __future__ import annotations
@@ -60,6 +68,21 @@ class Transport(Protocol):
     def read(self, transfer_id: int, local_blocks: Sequence[int], remote_peer: PeerId,
              remote_blocks: Sequence[int]) -> MoveHandle:
         """Pull remote block i into local block i (RDMA-READ shape)."""
+        ...
+
+    def allow_writes(self, transfer_id: int, peer: PeerId, blocks: Sequence[int],
+                     layers: range | None = None) -> None:
+        """Let `peer` (that exact instance) write into local `blocks` (only `layers` of them,
+        when given) under `transfer_id`, until `revoke(transfer_id)`."""
+        ...
+
+    def allow_reads(self, transfer_id: int, peer: PeerId, blocks: Sequence[int]) -> None:
+        """Let `peer` (that exact instance) read local `blocks` under `transfer_id`, until
+        `revoke(transfer_id)`."""
+        ...
+
+    def revoke(self, transfer_id: int) -> None:
+        """End every permit of `transfer_id` (idempotent); later moves under it are refused."""
         ...
 
     def status(self, handle: MoveHandle) -> MoveStatus:
