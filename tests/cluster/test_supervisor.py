@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import queue
@@ -14,7 +15,9 @@ from pathlib import Path
 
 import pytest
 
+from pdserve.cluster.child import is_healthy
 from pdserve.cluster.supervisor import ClusterError, ProcessSpec, Supervisor
+from pdserve.internal_auth import InternalAuth, read_secret_file
 from tests.cluster.helpers import fake_spec, gone_soon, running
 
 DRIVER = Path(__file__).with_name("drive_supervisor.py")
@@ -172,3 +175,40 @@ def test_ctrl_c_during_start_up_stops_and_exits_130() -> None:
         proc.kill()
     assert "READY" not in seen and "stopped" in seen
     assert not running(pid)
+
+
+def _secret(path: Path, text: str) -> InternalAuth:
+    path.write_text(text)
+    return InternalAuth(read_secret_file(path))
+
+
+def test_a_signed_ready_check_counts_only_a_process_that_proves_the_secret(
+        tmp_path: Path) -> None:
+    """An orphan of an earlier run, still answering 200 on a worker's port, is not taken for
+    the worker just launched; nor is another cluster's worker; a holder of the secret is."""
+    ours, theirs = tmp_path / "ours", tmp_path / "theirs"
+    auth, _ = _secret(ours, "o" * 32), _secret(theirs, "t" * 32)
+    sup = Supervisor(io.StringIO(), grace_s=1, auth=auth)
+    try:
+        servers = {"orphan": fake_spec("orphan"),
+                   "stranger": fake_spec("stranger", "--secret-file", str(theirs)),
+                   "sibling": fake_spec("sibling", "--secret-file", str(ours))}
+        sup.start(list(servers.values()), 10)  # unsigned: all three look healthy
+        for name in ("orphan", "stranger", "sibling"):
+            assert is_healthy(servers[name].health_url)
+        assert not is_healthy(servers["orphan"].health_url, auth=auth)
+        assert not is_healthy(servers["stranger"].health_url, auth=auth)
+        assert is_healthy(servers["sibling"].health_url, auth=auth)
+        for name in ("orphan", "stranger"):  # a launched child that never serves, on their port
+            silent = ProcessSpec(f"worker-on-{name}-port", fake_spec("x", "--delay", "30").argv,
+                                 servers[name].health_url, signed_health=True)
+            with pytest.raises(ClusterError, match=f"not healthy in time: {silent.name}"):
+                Supervisor(io.StringIO(), grace_s=1, auth=auth).start([silent], 1.5)
+    finally:
+        sup.stop()
+
+
+def test_signed_checks_need_the_secret() -> None:
+    spec = dataclasses.replace(fake_spec("a"), signed_health=True)
+    with pytest.raises(ValueError, match="need signed health checks"):
+        Supervisor(io.StringIO()).start([spec], 1)

@@ -51,9 +51,10 @@ def test_default_layout_is_one_prefill_one_decode_then_router() -> None:
     assert router.argv == (
         PY, "-m", "pdserve.cli", "router", "--host", "127.0.0.1", "--port", "8000",
         "--model", "smollm2", "--policy", "least_loaded", "--local-prefill-threshold", "256",
-        "--leg-timeout", "60.0", "--prefill", "http://127.0.0.1:8001",
-        "--decode", "http://127.0.0.1:8002")
+        "--leg-timeout", "60.0", "--secret-file", "/run/secret",
+        "--prefill", "http://127.0.0.1:8001", "--decode", "http://127.0.0.1:8002")
     assert router.health_url == "http://127.0.0.1:8000/health"
+    assert prefill.signed_health and decode.signed_health and router.signed_health
 
 
 def test_collocated_layout() -> None:
@@ -131,7 +132,10 @@ def test_help_explains_layout(capsys) -> None:
         _args("--help")
     text = " ".join(capsys.readouterr().out.split())
     for phrase in ("PORT+1+i", "PORT+101+i", "one prefill and one decode worker", "0600",
-                   "--collocated", "--local-prefill-threshold", "--ready-timeout"):
+                   "--collocated", "--local-prefill-threshold", "--ready-timeout",
+                   "--secret-file FILE", "never deleted", "--serve-public",
+                   "answers 403 unless --serve-public", "--metrics-key-file FILE",
+                   "'Authorization: Bearer <key>'", "signed with the run's cluster secret"):
         assert phrase in text
 
 
@@ -236,3 +240,49 @@ def test_leg_timeout_reaches_the_router() -> None:
         UpConfig(leg_timeout_s=-1)
     with pytest.raises(ValueError, match=r"--leg-timeout \(30.0 s\) must exceed --kv-lease"):
         UpConfig(leg_timeout_s=30.0, kv_lease_s=30.0)
+
+
+def _file(path: Path, text: str) -> Path:
+    path.write_text(text)
+    return path
+
+
+def test_serve_public_and_the_metrics_key_reach_their_processes(tmp_path: Path) -> None:
+    key = _file(tmp_path / "metrics-key", "k" * 32)
+    config = UpConfig.from_args(_args("--serve-public", "--metrics-key-file", str(key),
+                                      "--cpus", "0"))
+    *workers, router = plan_processes(config, SECRET)
+    for w in workers:
+        assert "--serve-public" in w.argv and _option(w, "--metrics-key-file") == [str(key)]
+        assert _option(w, "--secret-file") == [str(SECRET)]
+    assert _option(router, "--metrics-key-file") == [str(key)]
+    assert "--serve-public" not in router.argv
+    *plain, router = plan_processes(UpConfig(), SECRET)
+    assert not any("--serve-public" in w.argv or "--metrics-key-file" in w.argv
+                   for w in [*plain, router])
+
+
+@pytest.mark.parametrize("flag, text, match", [
+    ("--secret-file", "0123456789abcde", "at least 16 bytes"),
+    ("--metrics-key-file", "short", "must be at least 16 characters"),
+])
+def test_a_bad_secret_or_key_file_is_refused_before_anything_starts(
+        tmp_path: Path, capsys, flag: str, text: str, match: str) -> None:
+    from pdserve.cli import main
+
+    bad = _file(tmp_path / "bad", text)
+    assert main(["up", flag, str(bad), "--ready-timeout", "5"]) == 2
+    err = capsys.readouterr().err
+    assert f"{flag} {bad}" in err and match in err
+    assert "starting" not in err
+    with pytest.raises(ValueError, match="cannot read --secret-file"):
+        UpConfig.from_args(_args("--secret-file", str(tmp_path / "missing")))
+
+
+def test_run_up_uses_a_given_secret_file_and_keeps_it(monkeypatch, tmp_path: Path) -> None:
+    given = _file(tmp_path / "secret", "g" * 32)
+    secrets = _fake_plan(monkeypatch, fake_spec("prefill-0"),
+                         fake_spec("router", "--die-after", "0.3"))
+    assert up.run_up(_args("--secret-file", str(given), "--cpus",
+                           str(min(os.sched_getaffinity(0))))) == 1
+    assert secrets == [given] and given.read_text() == "g" * 32

@@ -35,7 +35,8 @@ def disagg_nixl(request, tiny_model) -> Cluster:
 
 @pytest.fixture(scope="session")
 def collocated(request, tiny_model) -> Cluster:
-    return _cluster(request, tiny_model, "--collocated", "1")
+    # --serve-public: a test addresses the worker's own /v1 as well as the router's
+    return _cluster(request, tiny_model, "--collocated", "1", "--serve-public")
 
 
 @pytest.fixture(params=["collocated", "disagg_tcp", "disagg_nixl"])

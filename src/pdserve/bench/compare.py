@@ -133,7 +133,8 @@ def _worker_steps(up: UpProcess, since: float) -> dict[str, list[list[float]]]:
         role = health["role"]
         name = f"{role}-{counts.get(role, 0)}"
         counts[role] = counts.get(role, 0) + 1
-        steps[name] = get_json(f"{up.worker_url(index)}/internal/steps?since={since}")["steps"]
+        steps[name] = up.internal_json(
+            f"{up.worker_url(index)}/internal/steps?since={since}")["steps"]
         index += 1
 
 

@@ -20,6 +20,9 @@ from collections import deque
 from dataclasses import dataclass, field
 from http.client import HTTPException
 from typing import TextIO
+from urllib.parse import urlsplit
+
+from pdserve.internal_auth import AUTH_HEADER, PROOF_HEADER, InternalAuth
 
 TAIL_LINES = 20
 
@@ -30,6 +33,11 @@ _OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 @dataclass(frozen=True)
 class ProcessSpec:
     """What to run: `argv` (argv[0] is the program), polled at `health_url` until HTTP 200.
+
+    `signed_health`: each poll is signed with the supervisor's cluster secret, and only an
+    answer that proves the secret (`internal_auth.py`) counts, so a process without it still
+    answering on the port (an orphan of an earlier run, which had its own secret) is never
+    taken for this one.
 
     `env` adds to (and overrides) the supervisor's environment; None inherits it unchanged.
     `name` labels the child's log lines and messages and is unique within a Supervisor.
@@ -42,6 +50,7 @@ class ProcessSpec:
     health_url: str
     env: dict[str, str] | None = field(default=None, hash=False)
     restart: bool = False
+    signed_health: bool = False
 
     def __post_init__(self) -> None:
         if not self.name or any(c.isspace() for c in self.name):
@@ -67,11 +76,18 @@ class LogSink:
             self._stream.flush()
 
 
-def is_healthy(url: str, timeout_s: float = 0.5) -> bool:
-    """True when GET `url` answers HTTP 200 within `timeout_s`; any failure is False."""
+def is_healthy(url: str, timeout_s: float = 0.5, auth: InternalAuth | None = None) -> bool:
+    """True when GET `url` answers HTTP 200 within `timeout_s`, and with `auth`: to a signed
+    request, with the server's proof that it holds the same secret. Any failure is False."""
+    headers = auth.headers("GET", urlsplit(url).path) if auth is not None else {}
     try:
-        with _OPENER.open(url, timeout=timeout_s) as resp:
-            return resp.status == 200
+        with _OPENER.open(urllib.request.Request(url, headers=headers), timeout=timeout_s) as resp:
+            if resp.status != 200:
+                return False
+            if auth is None:
+                return True
+            return auth.check_proof(headers[AUTH_HEADER], resp.read(),
+                                    resp.headers.get(PROOF_HEADER))
     except (urllib.error.URLError, HTTPException, OSError, ValueError):
         return False
 

@@ -7,6 +7,11 @@ least as many cores as workers, the cores are split evenly in order (1 prefill +
 2 cores: one each; 1 collocated worker on 2 cores: both); with fewer, worker i gets core
 cpus[i mod len(cpus)]. The router is not pinned. `plan_processes` is pure: same config and
 secret path, same plan.
+
+Every process gets the cluster secret file (`--secret-file`), and every ready check (of the
+workers and the router) is signed and must come with the process's proof of the secret
+(`ProcessSpec.signed_health`). Files the user names (`--secret-file`, `--metrics-key-file`)
+are read and checked when the config is made, before anything starts.
 """
 
 from __future__ import annotations
@@ -17,9 +22,11 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from pdserve.bearer import read_key_file
 from pdserve.cli_args import parse_size
 from pdserve.cluster.child import ProcessSpec
 from pdserve.config import DTYPES, check_device
+from pdserve.internal_auth import read_secret_file
 from pdserve.workers.settings import LAYERWISE
 
 POLICIES = ("round_robin", "least_loaded", "prefix")
@@ -57,10 +64,17 @@ class UpConfig:
     max_num_batched_tokens: int | None = None
     max_num_seqs: int | None = None
     cpu_kernels: bool = True
+    secret_file: Path | None = None  # the user's; None: `up` makes one for the run
+    serve_public: bool = False  # every worker answers /v1 itself too (--serve-public)
+    metrics_key_file: Path | None = None  # /metrics of every process needs its key
 
     def __post_init__(self) -> None:
         self._check_counts()
         self._check_choices()
+        if self.secret_file is not None:
+            read_secret_file(self.secret_file)  # ValueError naming the file
+        if self.metrics_key_file is not None:
+            read_key_file(self.metrics_key_file, "--metrics-key-file")
         last_port = self.port + KV_PORT_OFFSET + self.num_workers - 1
         if self.port < 1 or last_port > 65535:
             raise ValueError(f"port {self.port} does not fit: {self.num_workers} workers use "
@@ -146,7 +160,9 @@ class UpConfig:
                    ready_timeout_s=args.ready_timeout, cpus=cpus,
                    enable_chunked_prefill=args.enable_chunked_prefill,
                    max_num_batched_tokens=args.max_num_batched_tokens,
-                   max_num_seqs=args.max_num_seqs, cpu_kernels=args.cpu_kernels)
+                   max_num_seqs=args.max_num_seqs, cpu_kernels=args.cpu_kernels,
+                   secret_file=args.secret_file, serve_public=args.serve_public,
+                   metrics_key_file=args.metrics_key_file)
 
 
 def worker_counts(prefill: int | None, decode: int | None,
@@ -186,7 +202,7 @@ def plan_processes(config: UpConfig, secret_file: Path) -> list[ProcessSpec]:
     """Every worker (in worker-index order), then the router last: start them in that order,
     the router only once every worker is healthy."""
     workers = [_worker_spec(config, i, role, secret_file) for i, role in enumerate(config.roles)]
-    return [*workers, _router_spec(config)]
+    return [*workers, _router_spec(config, secret_file)]
 
 
 def worker_cores(config: UpConfig, index: int) -> tuple[int, ...]:
@@ -225,17 +241,27 @@ def _worker_spec(config: UpConfig, index: int, role: str, secret_file: Path) -> 
         argv += ["--max-num-seqs", str(config.max_num_seqs)]
     if not config.cpu_kernels:
         argv += ["--no-cpu-kernels"]
+    if config.serve_public:
+        argv += ["--serve-public"]
+    argv += _metrics_key_args(config)
     return ProcessSpec(f"{role}-{role_index}", tuple(argv), worker_url(config, index) + "/health",
-                       restart=True)
+                       restart=True, signed_health=True)
 
 
-def _router_spec(config: UpConfig) -> ProcessSpec:
+def _metrics_key_args(config: UpConfig) -> list[str]:
+    return [] if config.metrics_key_file is None else \
+        ["--metrics-key-file", str(config.metrics_key_file)]
+
+
+def _router_spec(config: UpConfig, secret_file: Path) -> ProcessSpec:
     argv = [sys.executable, "-m", "pdserve.cli", "router", "--host", config.host,
             "--port", str(config.port), "--model", config.model, "--policy", config.policy,
             "--local-prefill-threshold", str(config.local_prefill_threshold),
-            "--leg-timeout", str(config.leg_timeout_s)]
+            "--leg-timeout", str(config.leg_timeout_s), "--secret-file", str(secret_file),
+            *_metrics_key_args(config)]
     for role in ("prefill", "decode", "collocated"):
         urls = [worker_url(config, i) for i, r in enumerate(config.roles) if r == role]
         if urls:
             argv += [f"--{role}", *urls]
-    return ProcessSpec("router", tuple(argv), base_url(config.host, config.port) + "/health")
+    return ProcessSpec("router", tuple(argv), base_url(config.host, config.port) + "/health",
+                       signed_health=True)

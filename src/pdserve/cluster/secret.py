@@ -1,8 +1,11 @@
-"""The per-run transfer-handshake secret, handed to workers as the path of a private file.
+"""The per-run cluster secret, handed to the router and every worker as the path of a private
+file.
 
 Lifetime: `write_secret` creates a fresh directory (mode 0700) holding one file (mode 0600,
-64 hex characters, no newline); `remove_secret` deletes both once the workers are stopped.
-The secret itself never appears on a command line or in the environment.
+64 hex characters, no newline); `remove_secret` deletes both once every process is stopped.
+A file the user gives (`pdserve up --secret-file`) is theirs: it is read and checked before
+anything starts, and never removed. The secret itself never appears on a command line or in
+the environment.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ import secrets
 import tempfile
 from pathlib import Path
 
-SECRET_NAME = "transfer-secret"
+SECRET_NAME = "cluster-secret"
 
 
 def write_secret() -> Path:

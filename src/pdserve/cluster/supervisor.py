@@ -19,6 +19,7 @@ from contextlib import contextmanager
 from typing import TextIO
 
 from pdserve.cluster.child import Child, LogSink, ProcessSpec, is_healthy
+from pdserve.internal_auth import InternalAuth
 
 __all__ = ["ClusterError", "ProcessSpec", "Supervisor", "run"]
 
@@ -44,12 +45,15 @@ class _NotReady(Exception):
 class Supervisor:
     """Owns its children from `start` until `stop` (see the module docstring for the order)."""
 
-    def __init__(self, log: TextIO | None = None, grace_s: float = 10.0) -> None:
+    def __init__(self, log: TextIO | None = None, grace_s: float = 10.0,
+                 auth: InternalAuth | None = None) -> None:
         """`log`: where children's lines and progress go (default stderr); `grace_s`: how long
-        `stop` waits between SIGTERM and SIGKILL unless told otherwise."""
+        `stop` waits between SIGTERM and SIGKILL unless told otherwise; `auth`: the cluster
+        secret that signs the health checks of specs with `signed_health`."""
         if grace_s < 0:
             raise ValueError(f"grace_s must be >= 0, got {grace_s}")
         self._grace_s = grace_s
+        self._auth = auth
         self._sink = LogSink(log if log is not None else sys.stderr)
         self._children: list[Child] = []
         self._stop_signal: int | None = None
@@ -82,7 +86,7 @@ class Supervisor:
         """
         if self._stopped:
             raise ClusterError("this supervisor has been stopped; create a new one")
-        self._check_names(specs)
+        self._check_specs(specs)
         if not specs:
             return
         launched = [self._launch(spec) for spec in specs]
@@ -94,10 +98,14 @@ class Supervisor:
             self.stop()
             raise ClusterError(e.message + _describe(e.children, codes)) from None
 
-    def _check_names(self, specs: Sequence[ProcessSpec]) -> None:
+    def _check_specs(self, specs: Sequence[ProcessSpec]) -> None:
         names = [c.name for c in self._children] + [s.name for s in specs]
         if len(set(names)) != len(names):
             raise ValueError(f"process names must be unique, got {names}")
+        unsigned = [s.name for s in specs if s.signed_health and self._auth is None]
+        if unsigned:
+            raise ValueError(f"{', '.join(unsigned)} need signed health checks: give the "
+                             "Supervisor the cluster secret (auth)")
 
     def _launch(self, spec: ProcessSpec) -> Child:
         try:
@@ -118,7 +126,8 @@ class Supervisor:
                 if code is not None:
                     raise _NotReady(f"{child.name} exited with code {code} before it was "
                                     "healthy", [child])
-                if is_healthy(child.spec.health_url):
+                auth = self._auth if child.spec.signed_health else None
+                if is_healthy(child.spec.health_url, auth=auth):
                     pending.remove(child)
                     took = time.monotonic() - child.started_at
                     self.log(f"{child.name} is healthy (ready in {took:.1f} s)")
@@ -213,15 +222,16 @@ def _stop_on_signals(supervisor: Supervisor) -> Iterator[None]:
 
 def run(phases: Sequence[Sequence[ProcessSpec]], ready_timeout_s: float, *,
         on_ready: Callable[[], None] | None = None, grace_s: float = 10.0,
-        log: TextIO | None = None) -> int:
+        log: TextIO | None = None, auth: InternalAuth | None = None) -> int:
     """Start `phases` in order (all within `ready_timeout_s`), call `on_ready`, wait, stop.
 
     SIGINT and SIGTERM request the stop while this runs; the previous handlers are restored on
     return. Returns 0 when a signal stops a ready cluster, 1 when a child died while serving,
     128 + the signal when one interrupted start-up. Raises ClusterError when a child failed to
-    come up. However it ends, every child has been stopped and reaped on return.
+    come up. However it ends, every child has been stopped and reaped on return. `auth` signs
+    the health checks of specs with `signed_health` (see `Supervisor`).
     """
-    supervisor = Supervisor(log, grace_s=grace_s)
+    supervisor = Supervisor(log, grace_s=grace_s, auth=auth)
     with _stop_on_signals(supervisor):
         try:
             return _drive(supervisor, phases, time.monotonic() + ready_timeout_s, on_ready)

@@ -2,7 +2,7 @@
 
 `add_up_parser` registers the sub-command; `run_up` is its handler. Start-up has two phases:
 every worker, then (once all answer /health) the router. Ctrl-C or SIGTERM stops everything;
-the per-run transfer secret file is deleted on the way out.
+a per-run cluster secret file is deleted on the way out (one given with --secret-file is kept).
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import argparse
 import json
 import shlex
 import sys
+from pathlib import Path
 
 from pdserve.cli_args import add_cpu_kernels_arg, add_device_arg, add_model_args
 from pdserve.cluster.layout import (
@@ -25,6 +26,7 @@ from pdserve.cluster.layout import (
 )
 from pdserve.cluster.secret import remove_secret, write_secret
 from pdserve.cluster.supervisor import ClusterError, run
+from pdserve.internal_auth import InternalAuth, read_secret_file
 from pdserve.workers.settings import LAYERWISE, LAYERWISE_HELP
 
 __all__ = ["UpConfig", "add_up_parser", "plan_processes", "run_up"]
@@ -33,8 +35,10 @@ _DESCRIPTION = (
     "Start a complete disaggregated server on this machine: prefill workers, decode workers and "
     "a router with an OpenAI-compatible API, each its own process. By default one prefill and "
     "one decode worker; --collocated N runs N workers that do both instead. Workers start "
-    "first; the router starts once every worker answers /health. Worker logs appear on stderr, "
-    "each line prefixed with [name]. Ctrl-C (or SIGTERM) stops every process."
+    "first; the router starts once every worker answers /health (a health check signed with "
+    "the run's cluster secret, answered with the worker's proof that it holds it, so a process "
+    "without it, such as one left on a port by an earlier run, never counts). Worker logs "
+    "appear on stderr, each line prefixed with [name]. Ctrl-C (or SIGTERM) stops every process."
 )
 _EPILOG = (
     f"Ports: the router listens on PORT; worker i (prefill workers first, then decode) serves "
@@ -42,9 +46,11 @@ _EPILOG = (
     f"the defaults prefill-0 is on 8001 (KV 8101) and decode-0 on 8002 (KV 8102); at most "
     f"{MAX_WORKERS} workers. Cores: the C cores in --cpus are split evenly among the workers "
     "when there are at least as many cores as workers (one collocated worker on 2 cores gets "
-    "both), else worker i gets the (i mod C)-th core; the router is not pinned. A random "
-    "secret for the KV transfer handshake is made for each run, passed to the workers in a "
-    "private file (mode 0600) and deleted at stop. "
+    "both), else worker i gets the (i mod C)-th core; the router is not pinned. The cluster "
+    "secret (it authenticates the router to the workers and the workers' KV transfers to each "
+    "other) is made at random for each run, passed to the router and the workers in a private "
+    "file (mode 0600) and deleted at stop, unless --secret-file gives one. Clients reach the "
+    "model through the router only: a worker's own /v1 answers 403 unless --serve-public. "
     "Example: pdserve up --prefill 2 --decode 1 --cpus 0-2"
 )
 
@@ -56,6 +62,7 @@ def add_up_parser(subparsers: argparse._SubParsersAction) -> None:
     _add_layout_args(p)
     _add_engine_args(p)
     _add_router_args(p)
+    _add_access_args(p)
     p.set_defaults(func=run_up)
 
 
@@ -124,23 +131,40 @@ def _add_router_args(p: argparse.ArgumentParser) -> None:
                         "stream ends with an error) (default: %(default)s)")
 
 
+def _add_access_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--secret-file", type=Path, default=None, metavar="FILE",
+                   help="use the cluster secret in FILE (at least 16 bytes, readable only by "
+                        "you) instead of a fresh one per run, e.g. to add workers started by "
+                        "hand; checked before anything starts and never deleted")
+    p.add_argument("--serve-public", action="store_true",
+                   help="every worker also answers /v1 to any client that reaches its port "
+                        "(benchmarks that address a worker directly); that bypasses the "
+                        "router's API keys and limits")
+    p.add_argument("--metrics-key-file", type=Path, default=None, metavar="FILE",
+                   help="/metrics of the router and of every worker then requires "
+                        "'Authorization: Bearer <key>' with a key from FILE, one a line "
+                        "(default: /metrics is open)")
+
+
 def run_up(args: argparse.Namespace) -> int:
     """Handler of `pdserve up`: 0 after Ctrl-C/SIGTERM, 1 when a process failed or died.
 
     Raises ValueError on bad options (before anything starts).
     """
     config = UpConfig.from_args(args)
-    secret = write_secret()
+    secret = config.secret_file or write_secret()
     try:
+        auth = InternalAuth(read_secret_file(secret))
         specs = plan_processes(config, secret)
         print(_layout_line(config), file=sys.stderr, flush=True)
         return run([specs[:-1], specs[-1:]], config.ready_timeout_s,
-                   on_ready=lambda: _announce(config))
+                   on_ready=lambda: _announce(config), auth=auth)
     except ClusterError as e:
         print(f"pdserve: error: {e}", file=sys.stderr, flush=True)
         return 1
     finally:
-        remove_secret(secret)
+        if config.secret_file is None:
+            remove_secret(secret)
 
 
 def _workers_phrase(config: UpConfig) -> str:

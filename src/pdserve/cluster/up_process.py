@@ -1,8 +1,11 @@
 """`pdserve up` run as a child process, for tests and benchmarks: real processes, real ports.
 
-Lifetime: construction starts `pdserve up` in its own session and returns once it printed its
-ready line (or raises RuntimeError with its last output); `stop()` sends SIGTERM (as Ctrl-C
-would), waits, and SIGKILLs the group only if `up` itself hangs.
+Lifetime: construction writes a cluster secret into a private temporary folder, starts
+`pdserve up --secret-file` with it in its own session and returns once `up` printed its ready
+line (or raises RuntimeError with its last output); `stop()` sends SIGTERM (as Ctrl-C would),
+waits, SIGKILLs the group only if `up` itself hangs, and removes the secret. Holding the secret,
+the caller can read what only the cluster may: a worker's full `/health`, `/internal/*`
+(`signed_json`, `internal_json`).
 """
 
 from __future__ import annotations
@@ -20,6 +23,10 @@ import urllib.request
 from collections import deque
 from collections.abc import Sequence
 from pathlib import Path
+from urllib.parse import urlsplit
+
+from pdserve.cluster.secret import remove_secret, write_secret
+from pdserve.internal_auth import InternalAuth, read_secret_file
 
 READY_TIMEOUT_S = 300.0
 FREE_TIMEOUT_S = 15.0  # blocks come back at once, well inside the 30 s transfer lease
@@ -66,21 +73,35 @@ def get_json(url: str, timeout: float = 5.0) -> dict:
         return json.loads(resp.read())
 
 
+def get_signed_json(auth: InternalAuth, url: str, timeout: float = 5.0) -> dict:
+    """GET `url` signed with the cluster secret (for its path, without the query)."""
+    request = urllib.request.Request(url, headers=auth.headers("GET", urlsplit(url).path))
+    with urllib.request.urlopen(request, timeout=timeout) as resp:
+        return json.loads(resp.read())
+
+
 class UpProcess:
     """`pdserve up --model MODEL ARGS...` on free ports; `url` is the router's /v1 base and
-    worker i answers at `worker_url(i)`."""
+    worker i answers at `worker_url(i)`. ARGS may name a `--secret-file` of the caller's
+    (kept); else the cluster gets a fresh one (removed at stop)."""
 
     def __init__(self, model: str | Path, *args: str) -> None:
         # router, workers, KV endpoints (cluster/layout.py offsets 1+ and 101+)
         self.port = free_port((0, 1, 2, 3, 101, 102, 103))
+        given = "--secret-file" in args
+        self.secret_file = Path(args[args.index("--secret-file") + 1]) if given \
+            else write_secret()
+        self._own_secret = not given
+        self.auth = InternalAuth(read_secret_file(self.secret_file))
+        secret_args = () if given else ("--secret-file", str(self.secret_file))
         argv = [sys.executable, "-m", "pdserve.cli", "up", "--model", str(model), "--port",
-                str(self.port), "--ready-timeout", str(READY_TIMEOUT_S), *args]
+                str(self.port), "--ready-timeout", str(READY_TIMEOUT_S), *secret_args, *args]
         self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      text=True, start_new_session=True)
         self.log: deque[str] = deque(maxlen=400)
-        self._ready = threading.Event()
+        self._ready, self._announced = threading.Event(), False  # set: ready or ended
         threading.Thread(target=self._read, daemon=True).start()
-        if not self._ready.wait(READY_TIMEOUT_S):
+        if not (self._ready.wait(READY_TIMEOUT_S) and self._announced):
             self.stop()
             raise RuntimeError("pdserve up did not become ready:\n" + "\n".join(self.log))
         self.url = f"http://127.0.0.1:{self.port}/v1"
@@ -90,13 +111,21 @@ class UpProcess:
         for line in self.proc.stdout:
             self.log.append(line.rstrip())
             if line.startswith("pdserve is ready"):
+                self._announced = True
                 self._ready.set()
+        self._ready.set()  # `up` exited (its output ended) without getting ready
 
     def worker_url(self, index: int) -> str:
         return f"http://127.0.0.1:{self.port + 1 + index}"
 
     def health(self, index: int) -> dict:
-        return get_json(self.worker_url(index) + "/health")
+        """Worker `index`'s full `/health` (signed: pid, transfer endpoint, load, layout)."""
+        return self.internal_json(self.worker_url(index) + "/health")
+
+    def internal_json(self, url: str) -> dict:
+        """GET `url` (a worker's `/health`, `/internal/steps?since=...`, the router's
+        `/health`) signed with this cluster's secret."""
+        return get_signed_json(self.auth, url)
 
     def pids(self) -> list[int]:
         """Every process of the cluster: `up` itself and its children's process groups."""
@@ -125,3 +154,5 @@ class UpProcess:
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait(5)
+        if self._own_secret:
+            remove_secret(self.secret_file)

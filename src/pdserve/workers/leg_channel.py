@@ -1,7 +1,8 @@
 """The worker's end of a router's leg channel (frames: `api/leg_frames.py`).
 
-Life cycle of a channel: a router connects once (`GET /internal/legs`, WebSocket) and keeps
-the connection. Each `open` message submits its leg to the engine loop at once, with the
+Life cycle of a channel: a router connects once (`GET /internal/legs`, WebSocket, signed with
+the cluster secret and checked before the upgrade: `workers/access.py`) and keeps the
+connection. Each `open` message submits its leg to the engine loop at once, with the
 channel as the leg's sink; `cancel` cancels the leg in the engine loop, which frees its blocks.
 When the connection closes, or the worker shuts down (`close_all`), every leg still open on it
 is cancelled the same way before the handler returns.

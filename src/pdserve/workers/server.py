@@ -7,9 +7,11 @@ Life cycle.
 2. Load the engine, open the transport (prefill and decode roles), register the KV pool,
    start the engine thread; `/health` turns 200 and reports the transfer endpoint (`peer`)
    and the load the router routes on.
-3. Serve: the OpenAI endpoints run LOCAL legs; `GET /internal/legs` is a router's leg
-   channel (a WebSocket that carries all its legs: `workers/leg_channel.py`). A client that
-   disconnects, or a router that cancels a leg or closes its channel, cancels the legs.
+3. Serve: `GET /internal/legs` is a router's leg channel (a WebSocket that carries all its
+   legs: `workers/leg_channel.py`); with `--serve-public` the OpenAI endpoints run LOCAL legs
+   for any client. A client that disconnects, or a router that cancels a leg or closes its
+   channel, cancels the legs. Who may reach which endpoint: `workers/access.py` (internal ones
+   and the full `/health` need the cluster secret).
 4. SIGTERM / SIGINT: stop accepting, stop the engine thread, close the transport, exit.
    Blocks held by unfinished legs die with the process; the peers see the transport close
    and free their side.
@@ -36,6 +38,7 @@ from pdserve.engine.sampling_params import SamplingParams
 from pdserve.heap import freeze_startup_heap
 from pdserve.metrics import CONTENT_TYPE
 from pdserve.transfer.descriptors import KVLayout
+from pdserve.workers.access import WorkerAccess
 from pdserve.workers.engine_loop import EngineLoop, LegRefused
 from pdserve.workers.hub_pump import HubPump
 from pdserve.workers.leg_channel import LegChannels
@@ -56,8 +59,10 @@ class Worker:
         self.loop: EngineLoop | None = None  # set last: the worker is ready from then on
         self.channels: LegChannels | None = None
         self.transport: Any = None
+        self.access = WorkerAccess(settings.secret, settings.serve_public, settings.metrics_keys)
+        self.kv_layout: dict[str, Any] | None = None  # the KV pool's, once loaded
         self.api = OpenAIServer(settings.served_model_name, None, self._max_model_len,
-                                self._generate_local)
+                                self._generate_local, limits=settings.limits)
         self.load_seconds: float | None = None
         self.pump: HubPump | None = None
 
@@ -70,11 +75,12 @@ class Worker:
         t0 = time.perf_counter()
         s = self.settings
         self.engine = Engine(s.engine)
+        layout = KVLayout.of_cache(self.engine.kv_cache, s.served_model_name)
+        self.kv_layout = layout.to_json()
         hub = None
         if s.needs_transport:
             self.transport = _open_transport(s)
             self.transport.register(self.engine.kv_cache)
-            layout = KVLayout.of_cache(self.engine.kv_cache, s.served_model_name)
             hub = HubPump(TransferHub(self.transport, self.engine.kv_cache, layout,
                                       self.engine.block_manager.generation, s.kv_lease_s))
             hub.start()
@@ -110,27 +116,31 @@ class Worker:
     # -- HTTP ----------------------------------------------------------------------------------
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=64 * 2**20)
+        app = web.Application(client_max_size=self.settings.limits.max_body_bytes)
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.metrics_text)
         app.router.add_get("/internal/legs", self.legs)
         app.router.add_get("/internal/steps", self.steps)
         self.api.add_routes(app)
+        app.middlewares.append(self.access.middleware())  # first: refusals before anything
         app.middlewares.append(_not_ready_guard(self))
         app.on_shutdown.append(self._close_channels)
         return app
 
     async def health(self, request: web.Request) -> web.Response:
-        if not self.ready:
-            return web.json_response({"status": "loading"}, status=503)
-        return web.json_response(self.info())
+        """Liveness for anyone; the full info, proved, for a request signed with the secret."""
+        status, body = (200, {"status": "ok"}) if self.ready else (503, {"status": "loading"})
+        if not self.access.signed(request):
+            return web.json_response(body, status=status)
+        return self.access.signed_json(request, self.info() if self.ready else body, status)
 
     def info(self) -> dict[str, Any]:
         e, bm = self.engine, self.engine.block_manager
         return {
             "status": "ok", "role": self.settings.role.value,
             "model": self.settings.served_model_name, "max_model_len": e.config.max_model_len,
-            "block_size": e.config.block_size,
+            "block_size": e.config.block_size, "dtype": e.config.dtype,
+            "kv_layout": self.kv_layout,
             "peer": self.transport.local.to_json() if self.transport else None,
             "kv_blocks_total": bm.num_blocks, "kv_blocks_used": bm.num_used_blocks,
             "running": len(e.scheduler.running), "waiting": len(e.scheduler.waiting),

@@ -1,15 +1,22 @@
-"""`pdserve worker` settings: one frozen dataclass, validated, built from the command line."""
+"""`pdserve worker` settings: one frozen dataclass, validated, built from the command line.
+
+Files named on the command line (`--secret-file`, `--metrics-key-file`) are read and checked
+here, so a worker refuses a missing, unreadable or too-short one before it loads a model.
+"""
 
 from __future__ import annotations
 
 import argparse
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
 
+from pdserve.api.limits import RequestLimits, add_limit_args, limits_from_args
+from pdserve.bearer import read_key_file
 from pdserve.cli_args import add_cpu_kernels_arg, add_device_arg, parse_size
 from pdserve.config import DTYPES, EngineConfig, Role
+from pdserve.internal_auth import InternalAuth, read_secret_file
 
 
 class TransportName(StrEnum):
@@ -34,18 +41,27 @@ class WorkerSettings:
     kv_host: str = "127.0.0.1"
     kv_port: int = 0  # 0: any free port
     transport: TransportName = TransportName.TCP
-    secret: bytes | None = None
+    # the cluster secret; None only for a collocated worker that serves /v1 itself
+    secret: bytes | None = field(default=None, repr=False)
+    serve_public: bool = False  # /v1 answers any client (else 403: clients use the router)
+    # empty: /metrics is open; else it needs one of these as a bearer key
+    metrics_keys: tuple[str, ...] = field(default=(), repr=False)
     cpus: tuple[int, ...] | None = None
     kv_lease_s: float = 30.0
     kv_encrypt: bool = False
     kv_layerwise: str = "auto"  # "on" | "off" | "auto" (on for CUDA engines)
+    limits: RequestLimits = field(default_factory=RequestLimits)  # what its /v1 accepts
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "role", Role(self.role))
         object.__setattr__(self, "transport", TransportName(self.transport))
-        if self.role != Role.COLLOCATED and not self.secret:
-            raise ValueError(f"a {self.role} worker moves KV and needs the shared transfer "
-                             f"secret: give --secret-file (the same file for every worker)")
+        if self.secret is None and not (self.role == Role.COLLOCATED and self.serve_public):
+            raise ValueError(f"a {self.role} worker needs the cluster secret that authenticates "
+                             "the router and KV transfers: give --secret-file (the same file "
+                             "for every worker and the router); only a collocated worker that "
+                             "serves clients itself (--serve-public) may run without one")
+        if self.secret is not None:
+            InternalAuth(self.secret)  # ValueError for a too-short secret
         if not 0 < self.port < 65536 or not 0 <= self.kv_port < 65536:
             raise ValueError("ports must be in 1-65535 (kv port 0: any free port)")
         if self.cpus is not None:
@@ -104,8 +120,18 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
                    help="KV transfer plane: tcp (no dependencies) or nixl (UCX; needs "
                         "nixl-cu12) (default: %(default)s)")
     p.add_argument("--secret-file", type=Path, default=None,
-                   help="file holding the shared secret that authenticates KV transfer "
-                        "handshakes; required for prefill and decode workers")
+                   help="file holding the cluster secret (at least 16 bytes; the same file for "
+                        "every worker and the router): it authenticates the router's requests "
+                        "to /internal/* and signed /health, and KV transfer handshakes. "
+                        "Required, except for a collocated worker with --serve-public")
+    p.add_argument("--serve-public", action="store_true",
+                   help="answer /v1/* for any client that reaches this port (a worker alone, or "
+                        "a benchmark addressing a worker directly; it bypasses a router's API "
+                        "keys and limits). Without it /v1/* answer 403: clients go through the "
+                        "router")
+    p.add_argument("--metrics-key-file", type=Path, default=None,
+                   help="file with the key(s), one a line, that /metrics then requires as "
+                        "'Authorization: Bearer <key>' (default: /metrics is open)")
     p.add_argument("--kv-encrypt", action="store_true",
                    help="encrypt KV transfers with AES-256-GCM under a key from the shared "
                         "secret (tcp transport; every worker needs the same setting)")
@@ -117,6 +143,9 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
                    help="KV pool size, e.g. 512MiB or 2GiB (default: %(default)s)")
     p.add_argument("--num-kv-blocks", type=int, default=None,
                    help="KV pool size in blocks (overrides --kv-cache-memory)")
+    p.add_argument("--block-size", type=int, default=EngineConfig.block_size,
+                   help="tokens per KV block, a power of two; workers that move KV between "
+                        "them need the same (default: %(default)s)")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="longest prompt + output (default: the model's context)")
     p.add_argument("--max-num-seqs", type=int, default=64,
@@ -132,15 +161,13 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
                         "side before it is freed (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="engine seed (default: %(default)s)")
     add_cpu_kernels_arg(p)
+    add_limit_args(p)
 
 
 def settings_from_args(args: argparse.Namespace) -> WorkerSettings:
-    secret = None
-    if args.secret_file is not None:
-        try:
-            secret = args.secret_file.read_bytes().strip()
-        except OSError as e:
-            raise ValueError(f"cannot read --secret-file {args.secret_file}: {e}") from e
+    secret = None if args.secret_file is None else read_secret_file(args.secret_file)
+    metrics_keys = () if args.metrics_key_file is None else \
+        read_key_file(args.metrics_key_file, "--metrics-key-file")
     cpus = None
     if args.cpus:
         try:
@@ -150,12 +177,15 @@ def settings_from_args(args: argparse.Namespace) -> WorkerSettings:
                 from None
     engine = EngineConfig(
         model=args.model, dtype=args.dtype, device=args.device, role=Role(args.role),
-        num_kv_blocks=args.num_kv_blocks, kv_cache_bytes=parse_size(args.kv_cache_memory),
+        block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
+        kv_cache_bytes=parse_size(args.kv_cache_memory),
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len, enable_chunked_prefill=args.enable_chunked_prefill,
         seed=args.seed, cpu_kernels=args.cpu_kernels)
     return WorkerSettings(
         role=Role(args.role), engine=engine, served_model_name=args.served_model_name or
         args.model, host=args.host, port=args.port, kv_host=args.kv_host or args.host,
-        kv_port=args.kv_port, transport=args.transport, secret=secret, cpus=cpus,
-        kv_lease_s=args.kv_lease, kv_encrypt=args.kv_encrypt, kv_layerwise=args.kv_layerwise)
+        kv_port=args.kv_port, transport=args.transport, secret=secret,
+        serve_public=args.serve_public, metrics_keys=metrics_keys, cpus=cpus,
+        kv_lease_s=args.kv_lease, kv_encrypt=args.kv_encrypt, kv_layerwise=args.kv_layerwise,
+        limits=limits_from_args(args))
