@@ -1,6 +1,7 @@
 """The router's leg channel against a scripted worker: legs share one connection and each gets
 only its own events, the events of one message come as one batch, a refusal is a client error,
-a leg given up sends `cancel`, and a connection that closes fails every leg open on it."""
+a leg given up sends `cancel`, a connection that closes fails every leg open on it, and each
+connect is signed with the cluster secret (a worker with another secret refuses it)."""
 
 from __future__ import annotations
 
@@ -23,10 +24,12 @@ from pdserve.api.leg_frames import (
 )
 from pdserve.api.legs import EventBatch, LegRequest, TokenEvent
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.internal_auth import AUTH_HEADER, InternalAuth, PeerRefused
 from pdserve.router.leg_client import LegChannels, LegFailed, parse_events
 from pdserve.router.worker_pool import WorkerHandle
 
 LEG = LegRequest("cmpl-1", (1, 2, 3), SamplingParams(max_tokens=5))
+SECRET = b"s" * 32
 
 
 def event(i: int, final: bool = False) -> TokenEvent:
@@ -69,14 +72,19 @@ class ScriptedWorker:
     """A worker whose answer to each `open` is `script(ws, sid, leg)`; it records what it
     received and how many connections were made."""
 
-    def __init__(self, script: Script) -> None:
+    def __init__(self, script: Script, secret: bytes = SECRET) -> None:
         self.script = script
+        self.auth = InternalAuth(secret)
         self.received: list[tuple[str, int]] = []
         self.connections = 0
         self.sockets: list[web.WebSocketResponse] = []
         self.tasks: list[asyncio.Future] = []
 
-    async def legs(self, request: web.Request) -> web.WebSocketResponse:
+    async def legs(self, request: web.Request) -> web.StreamResponse:
+        try:  # as the worker does (workers/access.py), before the upgrade
+            self.auth.verify(request.method, request.path, request.headers.get(AUTH_HEADER))
+        except PeerRefused as e:
+            return web.json_response({"error": {"message": str(e)}}, status=401)
         ws = web.WebSocketResponse()
         await ws.prepare(request)
         self.connections += 1
@@ -92,9 +100,10 @@ class ScriptedWorker:
 
 
 @contextlib.asynccontextmanager
-async def serving(script: Script) -> AsyncIterator[tuple[ScriptedWorker, WorkerHandle,
-                                                          LegChannels]]:
-    worker = ScriptedWorker(script)
+async def serving(script: Script, secret: bytes = SECRET
+                  ) -> AsyncIterator[tuple[ScriptedWorker, WorkerHandle, LegChannels]]:
+    """A scripted worker holding `secret`, and the router's channels (holding SECRET)."""
+    worker = ScriptedWorker(script, secret)
     app = web.Application()
     app.router.add_get("/internal/legs", worker.legs)
     runner = web.AppRunner(app, shutdown_timeout=0.5)
@@ -103,7 +112,7 @@ async def serving(script: Script) -> AsyncIterator[tuple[ScriptedWorker, WorkerH
     await site.start()
     host, port = runner.addresses[0][:2]
     async with aiohttp.ClientSession() as session:
-        channels = LegChannels(session, connect_s=5.0)
+        channels = LegChannels(session, InternalAuth(SECRET), connect_s=5.0)
         try:
             yield worker, WorkerHandle(f"http://{host}:{port}", "collocated",
                                        healthy=True), channels
@@ -229,7 +238,7 @@ def test_a_closed_connection_fails_every_open_leg_and_the_next_leg_reconnects() 
 def test_an_unreachable_worker_fails_the_leg() -> None:
     async def go() -> None:
         async with aiohttp.ClientSession() as session:
-            channels = LegChannels(session, connect_s=2.0)
+            channels = LegChannels(session, InternalAuth(SECRET), connect_s=2.0)
             w = WorkerHandle("http://127.0.0.1:9", "collocated", healthy=True)
             with pytest.raises(LegFailed, match="failed") as e:
                 await collect(channels, w)
@@ -237,3 +246,18 @@ def test_an_unreachable_worker_fails_the_leg() -> None:
             await channels.close()
 
     asyncio.run(go())
+
+
+def test_a_worker_with_another_secret_refuses_the_channel() -> None:
+    async def script(ws: web.WebSocketResponse, sid: int, leg: LegRequest) -> None:
+        await ws.send_bytes(events_reply(sid, [event(0, final=True)]))
+
+    async def go() -> None:
+        async with serving(script, secret=b"o" * 32) as (worker, w, channels):
+            with pytest.raises(LegFailed, match="401") as e:
+                await collect(channels, w)
+            assert not e.value.client_error and w.inflight == 0
+            assert worker.connections == 0 and worker.received == []
+
+    asyncio.run(go())
+

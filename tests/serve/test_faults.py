@@ -16,6 +16,7 @@ import urllib.request
 import openai
 import pytest
 
+from pdserve.internal_auth import InternalAuth
 from tests.serve.cluster import Cluster, metric
 from tests.serve.conftest import LOCAL_THRESHOLD
 from tests.serve.test_serving import client, prompts
@@ -187,7 +188,7 @@ def _splits_again_without_recompute(cluster: Cluster) -> None:
     arriving (no recompute); then every block is back on both sides."""
     router = cluster.url.removesuffix("/v1")
     deadline = time.monotonic() + 10
-    while not _healthy_in_router(router, cluster.worker_url(PREFILL)):
+    while not _healthy_in_router(router, cluster.worker_url(PREFILL), cluster.auth):
         assert time.monotonic() < deadline, "the router never took the prefill worker back"
         time.sleep(0.2)
     split = metric(router, 'pdserve_router_requests_total{path="disaggregated"}')
@@ -249,7 +250,7 @@ def test_a_stalled_prefill_worker_costs_a_lease_not_a_hang(stall_cluster: Cluste
         router = cluster.url.removesuffix("/v1")
         assert metric(router, 'pdserve_router_retries_total{reason="prefill silent, decode '
                               'recomputed"}') >= 1
-        assert not _healthy_in_router(router, cluster.worker_url(PREFILL))
+        assert not _healthy_in_router(router, cluster.worker_url(PREFILL), cluster.auth)
         time.sleep(1)
         held = cluster.health(DECODE)["kv_blocks_used"]  # reserved for the stalled writer
     finally:
@@ -309,7 +310,7 @@ def test_a_stalled_decode_worker_ends_the_stream_within_the_leg_timeout(stall_cl
     cluster.wait_blocks_free([PREFILL, DECODE])
     router = cluster.url.removesuffix("/v1")
     deadline = time.monotonic() + 10
-    while not _healthy_in_router(router, cluster.worker_url(DECODE)):
+    while not _healthy_in_router(router, cluster.worker_url(DECODE), cluster.auth):
         assert time.monotonic() < deadline, "the router never took the decode worker back"
         time.sleep(0.2)
     out = client(cluster).completions.create(model=cluster.model, prompt=LONG[::-1],
@@ -319,11 +320,12 @@ def test_a_stalled_decode_worker_ends_the_stream_within_the_leg_timeout(stall_cl
     cluster.wait_blocks_free([PREFILL, DECODE])
 
 
-def _healthy_in_router(router: str, worker_url: str) -> bool:
-    """Whether the router lists the worker as healthy; its /health answers 503 (with the same
-    body) while no decode worker is healthy."""
+def _healthy_in_router(router: str, worker_url: str, auth: InternalAuth) -> bool:
+    """Whether the router lists the worker as healthy (the list needs a signed request); its
+    /health answers 503 (with the same body) while no decode worker is healthy."""
+    signed = urllib.request.Request(router + "/health", headers=auth.headers("GET", "/health"))
     try:
-        with urllib.request.urlopen(router + "/health", timeout=5) as r:
+        with urllib.request.urlopen(signed, timeout=5) as r:
             body = r.read()
     except urllib.error.HTTPError as e:
         body = e.read()

@@ -1,12 +1,16 @@
 """The router process: the OpenAI front door over prefill, decode and collocated workers.
 
 Life cycle.
-1. Load the tokenizer (the router renders chat templates and tokenizes; workers only ever see
-   token ids), start the HTTP server and the health watcher (every worker's `/health` once a
-   second: readiness, transfer endpoint, load).
+1. Read the cluster secret and the access settings (a bad one refuses before anything
+   loads), load the tokenizer (the router renders chat templates and tokenizes; workers only
+   ever see token ids), start the HTTP server and the health watcher (every worker's signed
+   `/health` once a second: readiness, transfer endpoint, load, compatibility).
 2. Serve. `/health` is 200 while some worker can finish a request (a decode or collocated
-   worker is healthy). Requests go through `Dispatcher`; one request id (`cmpl-...`,
-   `chatcmpl-...`) names the request in the router's, the prefill's and the decode's logs.
+   worker is healthy); it says only that to anyone, and lists the workers (healthy, refused
+   and why) to a request signed with the cluster secret. `/v1/*` and `/metrics` are guarded
+   by `access.py` (API keys, rate limit, metrics key) before a body is read. Requests go
+   through `Dispatcher`; one request id (`cmpl-...`, `chatcmpl-...`) names the request in
+   the router's, the prefill's and the decode's logs.
 3. SIGTERM / SIGINT: stop accepting; in-flight handlers are cancelled, which closes their
    legs, which the workers cancel.
 """
@@ -14,20 +18,37 @@ Life cycle.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import aiohttp
 from aiohttp import web
 
+from pdserve.api.errors import ApiError
 from pdserve.api.http_site import start_site, stop_event
 from pdserve.api.legs import EventBatch
+from pdserve.api.limits import RequestLimits, add_limit_args, limits_from_args
 from pdserve.api.openai_server import GenerateError, OpenAIServer
 from pdserve.engine.model.hub import load_tokenizer, resolve_model
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.heap import freeze_startup_heap
+from pdserve.internal_auth import (
+    AUTH_HEADER,
+    PROOF_HEADER,
+    InternalAuth,
+    PeerRefused,
+    read_secret_file,
+)
 from pdserve.metrics import CONTENT_TYPE
+from pdserve.router.access import (
+    AccessSettings,
+    access_from_args,
+    access_middleware,
+    add_access_args,
+)
 from pdserve.router.dispatch import Dispatcher, DispatchSettings, NoWorkers
 from pdserve.router.leg_client import LegChannels, LegFailed
 from pdserve.router.policies import PolicyName, make_policy
@@ -48,9 +69,14 @@ class RouterSettings:
     collocated: tuple[str, ...] = ()
     policy: str = PolicyName.LEAST_LOADED.value
     dispatch: DispatchSettings = field(default_factory=DispatchSettings)
+    access: AccessSettings = field(default_factory=AccessSettings)
+    limits: RequestLimits = field(default_factory=RequestLimits)  # what its /v1 accepts
+    # the cluster secret shared with every worker (--secret-file)
+    secret: bytes = field(kw_only=True, repr=False)
 
     def __post_init__(self) -> None:
         make_policy(self.policy)  # raises ValueError for an unknown name
+        InternalAuth(self.secret)  # raises ValueError for a too-short secret
         if not (self.decode or self.collocated):
             raise ValueError("the router needs at least one --decode or --collocated worker")
         if self.prefill and not self.decode:
@@ -65,13 +91,15 @@ class Router:
     def __init__(self, settings: RouterSettings) -> None:
         self.settings = settings
         self.metrics = RouterMetrics()
+        self.auth = InternalAuth(settings.secret)
         self.pool = WorkerPool({"prefill": list(settings.prefill),
                                 "decode": list(settings.decode),
-                                "collocated": list(settings.collocated)})
+                                "collocated": list(settings.collocated)},
+                               self.auth, settings.name)
         self.metrics.bind_pool(self.pool)
         tokenizer = load_tokenizer(resolve_model(settings.model))
         self.api = OpenAIServer(settings.name, tokenizer, self._max_model_len, self._generate,
-                                self.metrics)
+                                self.metrics, limits=settings.limits)
         self.session: aiohttp.ClientSession | None = None
         self.channels: LegChannels | None = None
         self.dispatcher: Dispatcher | None = None
@@ -83,7 +111,8 @@ class Router:
     async def start(self) -> None:
         connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=30)
         self.session = aiohttp.ClientSession(connector=connector)
-        self.channels = LegChannels(self.session, self.settings.dispatch.connect_timeout_s)
+        self.channels = LegChannels(self.session, self.auth,
+                                    self.settings.dispatch.connect_timeout_s)
         self.dispatcher = Dispatcher(self.pool, make_policy(self.settings.policy),
                                      self.settings.dispatch, self.channels, self.metrics)
         await self.pool.refresh(self.session)
@@ -97,18 +126,36 @@ class Router:
             await self.session.close()
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=64 * 2**20)
+        app = web.Application(client_max_size=self.settings.limits.max_body_bytes)
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.metrics_text)
         self.api.add_routes(app)
+        if self.settings.access.guarded:
+            app.middlewares.append(access_middleware(self.settings.access, self._refused))
         return app
 
+    def _refused(self, status: int) -> None:
+        self.metrics.responses.inc(status=str(status))
+
     async def health(self, request: web.Request) -> web.Response:
-        workers = [{"url": w.url, "role": w.role, "healthy": w.healthy, "inflight": w.inflight}
-                   for w in self.pool.workers]
+        """Anyone: the status. A request signed for GET /health: also every worker's state,
+        with this router's proof that it holds the secret; a bad signature: 401."""
         ok = bool(self.pool.healthy("decode") or self.pool.healthy("collocated"))
-        return web.json_response({"status": "ok" if ok else "no worker can serve",
-                                  "workers": workers}, status=200 if ok else 503)
+        body: dict = {"status": "ok" if ok else "no worker can serve"}
+        status, header = 200 if ok else 503, request.headers.get(AUTH_HEADER)
+        if header is None:
+            return web.json_response(body, status=status)
+        try:
+            self.auth.verify(request.method, request.path, header)
+        except PeerRefused as e:
+            error = ApiError(401, str(e), code="invalid_internal_auth")
+            return web.json_response(error.body(), status=401)
+        body["workers"] = [{"url": w.url, "role": w.role, "healthy": w.healthy,
+                            "inflight": w.inflight, "refused": w.refused}
+                           for w in self.pool.workers]
+        raw = json.dumps(body).encode()
+        return web.Response(body=raw, status=status, content_type="application/json",
+                            headers={PROOF_HEADER: self.auth.proof(header, raw)})
 
     async def metrics_text(self, request: web.Request) -> web.Response:
         self.metrics.refresh()
@@ -129,6 +176,10 @@ class Router:
 def add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="default: %(default)s")
     p.add_argument("--port", type=int, default=8000, help="default: %(default)s")
+    p.add_argument("--secret-file", type=Path, required=True, metavar="FILE",
+                   help="file holding the cluster secret (the workers' --secret-file): it signs "
+                        "the router's health checks and leg channels, and a worker that cannot "
+                        "prove it holds the same secret is never routed to")
     p.add_argument("--model", default="smollm2",
                    help="the model the workers serve: its tokenizer and chat template are "
                         "used here (default: %(default)s)")
@@ -155,16 +206,22 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
                    help="seconds a leg may stay silent before it counts as failed; keep it "
                         "above the workers' --kv-lease, the longest a decode worker waits for "
                         "KV before it recomputes (default: %(default)s)")
+    add_access_args(p)
+    add_limit_args(p)
 
 
 def settings_from_args(args: argparse.Namespace) -> RouterSettings:
+    """ValueError for a missing or short secret, a bad key or limit: before any model loads."""
+    secret = read_secret_file(args.secret_file)
+    access = access_from_args(args)
     dispatch = DispatchSettings(local_prefill_threshold=args.local_prefill_threshold,
                                 connect_timeout_s=args.connect_timeout,
                                 leg_timeout_s=args.leg_timeout)
     return RouterSettings(model=args.model, served_model_name=args.served_model_name,
                           host=args.host, port=args.port, prefill=tuple(args.prefill),
                           decode=tuple(args.decode), collocated=tuple(args.collocated),
-                          policy=args.policy, dispatch=dispatch)
+                          policy=args.policy, dispatch=dispatch, access=access, secret=secret,
+                          limits=limits_from_args(args))
 
 
 async def serve(settings: RouterSettings) -> None:
@@ -172,9 +229,13 @@ async def serve(settings: RouterSettings) -> None:
     await router.start()
     runner = await start_site(router.app(), settings.host, settings.port)
     freeze_startup_heap()
+    access = settings.access
     log.info("router listening on http://%s:%d/v1 (%d prefill, %d decode, %d collocated "
-             "workers, policy %s)", settings.host, settings.port, len(settings.prefill),
-             len(settings.decode), len(settings.collocated), settings.policy)
+             "workers, policy %s, %s, %s)", settings.host, settings.port, len(settings.prefill),
+             len(settings.decode), len(settings.collocated), settings.policy,
+             f"{len(access.api_keys)} API keys" if access.api_keys else "no API keys",
+             f"rate limit {access.rate_limit.rate:g}/s burst {access.rate_limit.burst}"
+             if access.rate_limit else "no rate limit")
     stop = stop_event()
     try:
         await stop.wait()

@@ -47,7 +47,7 @@ class DispatchSettings:
     local_prefill_threshold: int = 256  # uncached prompt tokens run locally at or under this
     connect_timeout_s: float = 5.0
     leg_timeout_s: float = 60.0  # longest silence on a leg before it counts as failed
-    block_size: int = 16
+    block_size: int = 16  # for prefix hashes until the cluster's block size is known
 
     def __post_init__(self) -> None:
         if self.local_prefill_threshold < 0:
@@ -73,11 +73,12 @@ class Dispatcher:
         Raises LegFailed (its `client_error` says whose fault) or NoWorkers."""
         if params.seed is None and not params.greedy:
             params = dataclasses.replace(params, seed=secrets.randbits(63))
-        hashes = hash_blocks(prompt, self.settings.block_size)
+        block_size = self.pool.block_size or self.settings.block_size
+        hashes = hash_blocks(prompt, block_size)
         prefill, decode = self.pool.healthy("prefill"), self.pool.healthy("decode")
         if prefill and decode:
             dec = self.policy.choose(decode, hashes)
-            uncached = len(prompt) - dec.prefix.match(hashes) * self.settings.block_size
+            uncached = len(prompt) - dec.prefix.match(hashes) * block_size
             if uncached > self.settings.local_prefill_threshold:
                 pre = self.policy.choose(prefill, hashes)
                 self.metrics.requests.inc(path="disaggregated")

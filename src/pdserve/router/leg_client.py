@@ -2,10 +2,11 @@
 router has open there (frames: `api/leg_frames.py`).
 
 A channel connects on its first leg, and again on the first leg after it closed (a worker that
-restarted gets a new connection). Its reader delivers each message to its leg's queue; when
-the connection closes, every leg still open on it fails. A leg's events come in batches: the
-events the worker had ready together, in one reply (a message holds the replies of every leg
-one step advanced).
+restarted gets a new connection); each connect is a signed upgrade request (`internal_auth.py`:
+the worker accepts a leg channel only from a holder of the cluster secret). Its reader
+delivers each message to its leg's queue; when the connection closes, every leg still open on
+it fails. A leg's events come in batches: the events the worker had ready together, in one
+reply (a message holds the replies of every leg one step advanced).
 
 Bounded: connecting takes at most `connect_s`, and a leg that stays silent for `idle_s` fails
 (the worker's own transfer leases are shorter, so a healthy worker always speaks first).
@@ -25,10 +26,12 @@ import aiohttp
 
 from pdserve.api.leg_frames import cancel_frame, open_frame, parse_replies
 from pdserve.api.legs import EventBatch, LegRequest, TokenEvent
+from pdserve.internal_auth import InternalAuth
 from pdserve.router.worker_pool import WorkerHandle
 
 log = logging.getLogger("pdserve.router")
 
+LEGS_PATH = "/internal/legs"
 LOST = 0  # the status a leg's queue gets when its connection closed
 CLOSE_TIMEOUT = aiohttp.ClientWSTimeout(ws_close=1.0)  # a stalled worker cannot hold us long
 
@@ -50,9 +53,9 @@ class LegChannel:
     """The connection to one worker. Legs on it are numbered by `_ids`; `_legs` maps an open
     leg to its connection and its queue of (status, body) messages."""
 
-    def __init__(self, session: aiohttp.ClientSession, worker: WorkerHandle,
+    def __init__(self, session: aiohttp.ClientSession, auth: InternalAuth, worker: WorkerHandle,
                  connect_s: float) -> None:
-        self.session, self.worker, self.connect_s = session, worker, connect_s
+        self.session, self.auth, self.worker, self.connect_s = session, auth, worker, connect_s
         self._ws: aiohttp.ClientWebSocketResponse | None = None
         self._connecting = asyncio.Lock()
         self._ids = itertools.count(1)
@@ -98,8 +101,8 @@ class LegChannel:
             if self._ws is None or self._ws.closed:
                 async with asyncio.timeout(self.connect_s):
                     self._ws = await self.session.ws_connect(
-                        f"{self.worker.url}/internal/legs", compress=0, max_msg_size=0,
-                        timeout=CLOSE_TIMEOUT)
+                        f"{self.worker.url}{LEGS_PATH}", compress=0, max_msg_size=0,
+                        timeout=CLOSE_TIMEOUT, headers=self.auth.headers("GET", LEGS_PATH))
                 self._spawn(self._read(self._ws))
             return self._ws
 
@@ -143,15 +146,17 @@ class LegChannel:
 class LegChannels:
     """The router's channel to each worker, made on first use."""
 
-    def __init__(self, session: aiohttp.ClientSession, connect_s: float) -> None:
-        self.session, self.connect_s = session, connect_s
+    def __init__(self, session: aiohttp.ClientSession, auth: InternalAuth,
+                 connect_s: float) -> None:
+        self.session, self.auth, self.connect_s = session, auth, connect_s
         self._channels: dict[WorkerHandle, LegChannel] = {}
 
     def stream(self, worker: WorkerHandle, leg: LegRequest, idle_s: float
                ) -> AsyncIterator[EventBatch]:
         channel = self._channels.get(worker)
         if channel is None:
-            channel = self._channels[worker] = LegChannel(self.session, worker, self.connect_s)
+            channel = self._channels[worker] = LegChannel(self.session, self.auth, worker,
+                                                          self.connect_s)
         return channel.stream(leg, idle_s)
 
     async def close(self) -> None:

@@ -29,10 +29,16 @@ class RouterMetrics:
                                 "/health.", ["worker", "role"])
         inflight = self.registry.gauge("pdserve_router_worker_inflight_legs",
                                        "Legs in flight per worker.", ["worker", "role"])
+        refused = self.registry.gauge("pdserve_router_worker_refused", "1 if the worker is "
+                                      "refused (no proof of the cluster secret, or its model, "
+                                      "dtype, context length or KV layout differs).",
+                                      ["worker", "role"])
         self._pool, self._healthy, self._inflight = pool, g, inflight
+        self._refused = refused
 
     def refresh(self) -> None:
         """Copy per-worker state into the gauges (called before rendering)."""
         for w in self._pool.workers:
             self._healthy.set(1.0 if w.healthy else 0.0, worker=w.url, role=w.role)
             self._inflight.set(w.inflight, worker=w.url, role=w.role)
+            self._refused.set(1.0 if w.refused else 0.0, worker=w.url, role=w.role)

@@ -1,7 +1,21 @@
 """The router's view of its workers: static URLs per role, health and load from `/health`.
 
-A worker is routable once its `/health` answered 200 with its transfer endpoint (a `PeerId`,
-whose instance id changes when the worker restarts: new legs then name the new instance, and a
+Every check is a signed request (`internal_auth.py`), and the worker's answer must carry its
+proof of the cluster secret: a worker that refuses the signature (401) or cannot prove the
+secret is refused, "does not share the cluster secret", and never routed to (an orphan of an
+earlier run or another cluster's worker on the same port).
+
+A worker is accepted once its signed `/health` answered 200 and its details agree with the
+cluster (`compat.py`): its served model name is the router's, and its dtype, context length
+and KV layout equal the **reference**: the details of the first worker accepted, fixed for
+the router's lifetime. Workers answering in the same round are judged in command-line order
+(`--prefill`, then `--decode`, then `--collocated` URLs), so with all workers up at start the
+first URL fixes it. A worker that differs is refused with the field and both values (logged
+when the reason changes, not each second), stays refused while it differs, and is accepted
+once it answers with matching details (restarted with the right settings).
+
+An accepted worker is routable (`healthy`) with its transfer endpoint (a `PeerId`, whose
+instance id changes when the worker restarts: new legs then name the new instance, and a
 transfer set up with the old one is never trusted). A failed leg marks its worker unhealthy at
 once; the next successful health check brings it back.
 """
@@ -9,12 +23,15 @@ once; the next successful health check brings it back.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
 
+from pdserve.internal_auth import AUTH_HEADER, PROOF_HEADER, InternalAuth
+from pdserve.router.compat import incompatibility
 from pdserve.router.prefix_index import PrefixIndex
 from pdserve.transfer.descriptors import PeerId
 
@@ -24,18 +41,21 @@ ROLES = ("prefill", "decode", "collocated")
 # A refused connection or an error status marks a worker unhealthy at once; timeouts only after
 # this many in a row (a worker in a long step on a loaded core answers late, but it answers).
 SLOW_CHECKS_TO_FAIL = 3
+NOT_SHARED = "does not share the cluster secret"
 
 
 @dataclass(eq=False)
 class WorkerHandle:
     url: str
     role: str
-    healthy: bool = False
+    healthy: bool = False  # accepted and answering: routable
+    refused: str | None = None  # why the worker may not join (until it answers compatibly)
     peer: PeerId | None = None
     info: dict[str, Any] = field(default_factory=dict)
     inflight: int = 0  # legs this router has open on the worker
     slow_checks: int = 0  # consecutive /health checks that timed out
     prefix: PrefixIndex = field(default_factory=PrefixIndex)
+    instance: tuple[int | None, int | None] | None = None  # (peer instance id, pid) last seen
 
     @property
     def load(self) -> float:
@@ -48,9 +68,19 @@ class WorkerHandle:
         return f"{self.role} {self.url}"
 
 
+@dataclass(frozen=True)
+class Answer:
+    """One health check's outcome: signed details whose proof matched, or why the worker
+    cannot be trusted, or neither (down, loading, an error status)."""
+
+    info: dict[str, Any] | None = None
+    refused: str | None = None
+    timed_out: bool = False
+
+
 class WorkerPool:
-    def __init__(self, urls: dict[str, list[str]], health_interval_s: float = 1.0,
-                 health_timeout_s: float = 2.0) -> None:
+    def __init__(self, urls: dict[str, list[str]], auth: InternalAuth, served_name: str,
+                 health_interval_s: float = 1.0, health_timeout_s: float = 2.0) -> None:
         bad = set(urls) - set(ROLES)
         if bad:
             raise ValueError(f"unknown worker roles {sorted(bad)}; use {ROLES}")
@@ -60,7 +90,9 @@ class WorkerPool:
             raise ValueError("the router needs at least one worker URL")
         if urls.get("prefill") and not urls.get("decode"):
             raise ValueError("prefill workers need at least one decode worker to hand over to")
+        self.auth, self.served_name = auth, served_name
         self.health_interval_s, self.health_timeout_s = health_interval_s, health_timeout_s
+        self.reference: dict[str, Any] | None = None  # the first accepted worker's details
         self._task: asyncio.Task | None = None
 
     def healthy(self, role: str) -> list[WorkerHandle]:
@@ -68,8 +100,13 @@ class WorkerPool:
 
     @property
     def model_info(self) -> dict[str, Any] | None:
-        """`/health` info of any healthy worker (model name and context length)."""
-        return next((w.info for w in self.workers if w.healthy), None)
+        """The cluster's reference details (model name, context length, KV layout) once a
+        worker was accepted; every accepted worker shares them."""
+        return self.reference
+
+    @property
+    def block_size(self) -> int | None:
+        return self.reference["kv_layout"]["block_size"] if self.reference else None
 
     def start(self, session: aiohttp.ClientSession) -> None:
         self._task = asyncio.create_task(self._watch(session))
@@ -80,7 +117,10 @@ class WorkerPool:
             await asyncio.gather(self._task, return_exceptions=True)
 
     async def refresh(self, session: aiohttp.ClientSession) -> None:
-        await asyncio.gather(*(self._check(session, w) for w in self.workers))
+        """One round: every worker asked at once, the answers judged in command-line order."""
+        answers = await asyncio.gather(*(self._ask(session, w) for w in self.workers))
+        for worker, answer in zip(self.workers, answers, strict=True):
+            self.judge(worker, answer)
 
     def mark_failed(self, worker: WorkerHandle, why: str) -> None:
         if worker.healthy:
@@ -92,29 +132,81 @@ class WorkerPool:
             await self.refresh(session)
             await asyncio.sleep(self.health_interval_s)
 
-    async def _check(self, session: aiohttp.ClientSession, w: WorkerHandle) -> None:
+    async def _ask(self, session: aiohttp.ClientSession, w: WorkerHandle) -> Answer:
+        headers = self.auth.headers("GET", "/health")
         try:
             timeout = aiohttp.ClientTimeout(total=self.health_timeout_s)
-            async with session.get(f"{w.url}/health", timeout=timeout) as resp:
-                info = await resp.json() if resp.status == 200 else None
+            async with session.get(f"{w.url}/health", headers=headers, timeout=timeout) as resp:
+                status, proof, body = resp.status, resp.headers.get(PROOF_HEADER), \
+                    await resp.read()
         except TimeoutError:
+            return Answer(timed_out=True)
+        except aiohttp.ClientError:
+            return Answer()
+        if status in (401, 403):  # a bad signature, or a worker without a secret
+            return Answer(refused=f"{NOT_SHARED} (it answered {status} to the router's signed "
+                                  "request)")
+        if status != 200:
+            return Answer()
+        if not self.auth.check_proof(headers[AUTH_HEADER], body, proof):
+            return Answer(refused=f"{NOT_SHARED} (its answer carries no valid proof of it)")
+        try:
+            info = json.loads(body)
+        except ValueError:
+            return Answer()
+        return Answer(info=info) if isinstance(info, dict) else Answer()
+
+    def judge(self, w: WorkerHandle, answer: Answer) -> None:
+        """Applies one check's answer to the worker's state (and may fix the reference)."""
+        if answer.timed_out:
             w.slow_checks += 1  # busy (a long prefill step on a loaded core), maybe not dead
             if w.slow_checks >= SLOW_CHECKS_TO_FAIL and w.healthy:
                 log.warning("worker %s did not answer /health %d times in a row", w.name,
                             w.slow_checks)
                 w.healthy = False
             return
-        except (aiohttp.ClientError, ValueError):
-            info = None
         w.slow_checks = 0
-        if info is None:
+        if answer.refused is not None:
+            self._refuse(w, answer.refused)
+        elif answer.info is None:
             if w.healthy:
                 log.warning("worker %s stopped answering /health", w.name)
             w.healthy = False
+        else:
+            self._meet(w, answer.info)
+
+    def _meet(self, w: WorkerHandle, info: dict[str, Any]) -> None:
+        try:
+            peer = PeerId.from_json(info["peer"]) if info.get("peer") else None
+        except (ValueError, TypeError) as e:
+            self._refuse(w, f"its /health names no valid transfer endpoint: {e}")
             return
-        peer = PeerId.from_json(info["peer"]) if info.get("peer") else None
-        if w.peer is not None and peer is not None and peer != w.peer:
-            log.warning("worker %s restarted (new instance %016x)", w.name, peer.instance_id)
-        if not w.healthy:
+        self._note_instance(w, peer, info.get("pid"))
+        w.info, w.peer = info, peer
+        reason = incompatibility(info, self.reference, self.served_name)
+        if reason is not None:
+            self._refuse(w, reason)
+            return
+        if self.reference is None:
+            self.reference = info
+            log.info("cluster reference set by worker %s: dtype %s, max_model_len %s, KV "
+                     "layout %s", w.name, info["dtype"], info["max_model_len"],
+                     info["kv_layout"])
+        if w.refused is not None:
+            log.info("worker %s accepted (it was refused: %s)", w.name, w.refused)
+        elif not w.healthy:
             log.info("worker %s is healthy", w.name)
-        w.info, w.peer, w.healthy = info, peer, True
+        w.refused, w.healthy = None, True
+
+    def _refuse(self, w: WorkerHandle, reason: str) -> None:
+        if w.refused != reason:
+            log.warning("worker %s refused, not routed to: %s", w.name, reason)
+        w.refused, w.healthy = reason, False
+
+    @staticmethod
+    def _note_instance(w: WorkerHandle, peer: PeerId | None, pid: object) -> None:
+        instance = (peer.instance_id if peer else None, pid if isinstance(pid, int) else None)
+        if w.instance is not None and instance != w.instance:
+            log.warning("worker %s restarted (new instance %s, pid %s)", w.name,
+                        f"{instance[0]:016x}" if instance[0] is not None else "-", instance[1])
+        w.instance = instance
