@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 
 from pdserve.api.errors import ApiError, bad_request, not_found_model
+from pdserve.api.limits import RequestLimits
 from pdserve.api.protocol import (
     GenerateRequest,
     check_context,
@@ -397,3 +398,75 @@ def test_render_chat_template_exception_is_a_400() -> None:
         render_chat(tok, USER)
     assert (info.value.status, info.value.param) == (400, "messages")
     assert "roles must alternate user/assistant" in info.value.message
+
+
+# ---- text validity, stop limits, vocabulary ---------------------------------------------------
+
+LONE = "a\ud800b"  # what JSON's "a\ud800b" decodes to
+
+
+@pytest.mark.parametrize(("kind", "fields", "param", "where"), [
+    ("completion", {"prompt": LONE}, "prompt", "prompt"),
+    ("completion", {"prompt": [LONE]}, "prompt", "prompt"),
+    ("chat", {"messages": [{"role": "user", "content": LONE}]}, "messages",
+     "messages[0].content"),
+    ("chat", {"messages": [{"role": "system", "content": "ok"},
+                           {"role": "user", "content": [{"type": "text", "text": LONE}]}]},
+     "messages", "messages[1].content"),
+    ("completion", {"stop": ["fine", LONE]}, "stop", "stop[1]"),
+    ("chat", {"stop": "\udfff"}, "stop", "stop[0]"),
+])
+def test_an_unpaired_surrogate_is_a_400_naming_its_field(kind: str, fields: dict[str, Any],
+                                                         param: str, where: str) -> None:
+    err = refused(kind, **fields)
+    assert (err.status, err.param) == (400, param)
+    assert err.message.startswith(f"{where} must be valid Unicode text; it holds an unpaired "
+                                  f"surrogate")
+
+
+def test_a_surrogate_pair_is_valid_text() -> None:
+    assert parse("completion", prompt="smile \U0001F600").prompt == "smile \U0001F600"
+
+
+def test_the_json_escape_of_a_lone_surrogate_is_refused_end_to_end() -> None:
+    body = parse_json(b'{"model": "tiny", "prompt": "a\\ud800b"}')
+    with pytest.raises(ApiError) as info:
+        parse_completion(body, SERVED)
+    assert (info.value.status, info.value.param) == (400, "prompt")
+
+
+TIGHT = RequestLimits(max_stop_strings=2, max_stop_string_chars=5, max_stop_token_ids=3)
+
+
+@pytest.mark.parametrize(("kind", "fields", "param", "message"), [
+    ("completion", {"stop": ["a", "b", "c"]}, "stop",
+     "stop has 3 strings; this server allows at most 2 (--max-stop-strings)"),
+    ("chat", {"stop": ["a", "toolong"]}, "stop",
+     "stop[1] has 7 characters; this server allows at most 5 (--max-stop-string-chars)"),
+    ("completion", {"stop": "toolong"}, "stop",
+     "stop[0] has 7 characters; this server allows at most 5 (--max-stop-string-chars)"),
+    ("chat", {"stop_token_ids": [1, 2, 3, 4]}, "stop_token_ids",
+     "stop_token_ids has 4 ids; this server allows at most 3 (--max-stop-token-ids)"),
+    ("completion", {"stop": [1] * 10**6}, "stop",
+     "stop has 1000000 strings; this server allows at most 2 (--max-stop-strings)"),
+])
+def test_stop_lists_over_the_limits_are_a_400_naming_the_limit(
+        kind: str, fields: dict[str, Any], param: str, message: str) -> None:
+    with pytest.raises(ApiError) as info:
+        PARSERS[kind](body(kind, **fields), SERVED, TIGHT)
+    assert (info.value.status, info.value.param, info.value.message) == (400, param, message)
+
+
+def test_stop_lists_at_the_limits_are_accepted() -> None:
+    req = parse_completion(body("completion", stop=["abcde", "x"], stop_token_ids=[0, 1, 2]),
+                           SERVED, TIGHT, vocab_size=3)
+    assert req.params.stop == ("abcde", "x") and req.params.stop_token_ids == (0, 1, 2)
+
+
+@pytest.mark.parametrize("kind", ["completion", "chat"])
+def test_stop_token_ids_outside_the_vocabulary_are_a_400(kind: str) -> None:
+    with pytest.raises(ApiError) as info:
+        PARSERS[kind](body(kind, stop_token_ids=[5, 512, 10**12]), SERVED, vocab_size=512)
+    assert (info.value.status, info.value.param) == (400, "stop_token_ids")
+    assert info.value.message == ("stop_token_ids must be token ids in [0, 512) (the "
+                                  "tokenizer's vocabulary); got [512, 1000000000000]")

@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.sampling_params import SamplingParams, unpaired_surrogate
 
 
 def test_defaults_match_vllm() -> None:
@@ -90,6 +90,8 @@ def test_valid_edge_values_are_accepted() -> None:
         {"seed": True},
         {"stop": ""},
         {"stop": ["ok", ""]},
+        {"stop": ["ok", "a\ud800"]},
+        {"stop": "\udc00"},
         {"stop": [1]},
         {"stop": 5},
         {"stop_token_ids": [-1]},
@@ -108,3 +110,16 @@ def test_valid_edge_values_are_accepted() -> None:
 def test_invalid_params_raise_value_error(kwargs: dict[str, Any]) -> None:
     with pytest.raises(ValueError, match=next(iter(kwargs))):
         SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize(("text", "at"), [("plain", None), ("caf\u00e9 \U0001F600", None),
+                                          ("a\ud800b", 1), ("\udfff", 0), ("\ud83d\ude00", 0)])
+def test_unpaired_surrogate_finds_the_first_one(text: str, at: int | None) -> None:
+    assert unpaired_surrogate(text) == at
+
+
+def test_a_stop_string_with_a_surrogate_names_it() -> None:
+    with pytest.raises(ValueError) as info:
+        SamplingParams(stop=["x\ud800"])
+    assert str(info.value) == ("stop strings must be valid Unicode; 'x\\ud800' holds an unpaired "
+                               "surrogate at index 1")

@@ -12,6 +12,10 @@ a batch's SSE events go out in one write, and no event waits for a later one. Th
 chat's role chunk go with the first token's chunk, and the last chunk, the usage chunk and
 `[DONE]` with the end of the response.
 
+Input: the body is read within `RequestLimits` (`body.py`: 413, 408, and `Expect:
+100-continue` answered by its size), then parsed, validated, templated and tokenized by
+`prepare.py`, on a thread when it is large so the loop keeps serving the other streams.
+
 Errors: bad input is a 4xx with OpenAI's error JSON before anything else is sent; a failure
 after the stream started ends it with an error event and `[DONE]`. The response headers are
 sent with the first token, so a request that fails before producing one still gets a proper
@@ -26,23 +30,20 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
 
 from pdserve.api import responses as R
 from pdserve.api.assembler import Delta, StreamAssembler
+from pdserve.api.body import expect_handler, read_body, refusal
 from pdserve.api.errors import ApiError
+from pdserve.api.http_site import REQUEST_LIMITS
 from pdserve.api.legs import EventBatch, TokenEvent
-from pdserve.api.prompt_ids import encode_prompt
-from pdserve.api.protocol import (
-    GenerateRequest,
-    parse_chat,
-    parse_completion,
-    parse_json,
-    render_chat,
-)
+from pdserve.api.limits import DEFAULT_LIMITS, RequestLimits
+from pdserve.api.prepare import Preparer
+from pdserve.api.protocol import GenerateRequest
+from pdserve.api.tokenizer_facts import TokenizerFacts
 from pdserve.engine.sampling_params import SamplingParams
 
 log = logging.getLogger("pdserve.api")
@@ -64,18 +65,38 @@ class GenerateError(Exception):
         return ApiError(self.status, str(self), type=kind)
 
 
-@dataclass
 class OpenAIServer:
-    served_model: str
-    tokenizer: Any
-    max_model_len: Callable[[], int | None]  # None: not known yet (no worker ready)
-    generate: GenerateFn
-    metrics: Any = None  # has ttft, itl, e2e histograms and a responses counter, or None
+    """The endpoints of one process. `tokenizer` may be set later (a worker's, once its model
+    is loaded; until then it is None and requests are refused before they get here): setting
+    it computes its `TokenizerFacts` in the setting thread."""
+
+    def __init__(self, served_model: str, tokenizer: Any,
+                 max_model_len: Callable[[], int | None], generate: GenerateFn,
+                 metrics: Any = None, limits: RequestLimits = DEFAULT_LIMITS) -> None:
+        self.served_model = served_model
+        self.max_model_len = max_model_len  # returns None while not known (no worker ready)
+        self.generate = generate
+        self.metrics = metrics  # has ttft, itl, e2e histograms and a responses counter, or None
+        self.limits = limits
+        self.tokenizer = tokenizer
+
+    @property
+    def tokenizer(self) -> Any:
+        return self._preparer.tokenizer
+
+    @tokenizer.setter
+    def tokenizer(self, tokenizer: Any) -> None:
+        facts = TokenizerFacts.of(tokenizer, self.limits.special_tokens_in_content)
+        self._preparer = Preparer(self.served_model, tokenizer, facts, self.limits)
 
     def add_routes(self, app: web.Application) -> None:
-        app.router.add_post("/v1/completions", self.completions)
-        app.router.add_post("/v1/chat/completions", self.chat)
+        """The endpoints, and this server's limits for `http_site.start_site` (the header
+        deadline)."""
+        expect = expect_handler(self.limits)
+        app.router.add_post("/v1/completions", self.completions, expect_handler=expect)
+        app.router.add_post("/v1/chat/completions", self.chat, expect_handler=expect)
         app.router.add_get("/v1/models", self.models)
+        app[REQUEST_LIMITS] = self.limits
 
     async def models(self, request: web.Request) -> web.Response:
         return web.json_response(R.models_response(self.served_model, int(time.time()),
@@ -90,7 +111,11 @@ class OpenAIServer:
     async def _handle(self, request: web.Request, kind: str) -> web.StreamResponse:
         t0 = time.perf_counter()
         try:
-            req, prompt, params = self._prepare(await request.read(), kind)
+            raw = await read_body(request, self.limits)
+        except ApiError as e:
+            return await self._refuse_body(request, e)
+        try:
+            req, prompt, params = await self._preparer.prepare(raw, kind, self.max_model_len)
         except ApiError as e:
             return self.error_response(e)
         request_id = R.new_request_id(kind)
@@ -110,19 +135,19 @@ class OpenAIServer:
                 log.info("request %s: cancelled (the client went away, or shutdown)", request_id)
                 raise
 
-    def _prepare(self, raw: bytes, kind: str) -> tuple[GenerateRequest, list[int], SamplingParams]:
-        body = parse_json(raw)
-        if kind == "chat":
-            req = parse_chat(body, self.served_model)
-            prompt = render_chat(self.tokenizer, req.prompt)
-        else:
-            req = parse_completion(body, self.served_model)
-            prompt = req.prompt if isinstance(req.prompt, list) else \
-                encode_prompt(self.tokenizer, req.prompt)
-        max_len = self.max_model_len()
-        if max_len is None:
-            raise ApiError(503, "no worker is ready yet; retry shortly", type=SERVER_ERROR)
-        return req, list(prompt), req.params_for_context(len(prompt), max_len)
+    async def _refuse_body(self, request: web.Request, e: ApiError) -> web.StreamResponse:
+        """A body refused unread: a 413 lets the client finish sending (aiohttp reads and
+        drops the rest for a while) so it sees the answer; after a 408 the connection is
+        closed at once."""
+        if self.metrics is not None:
+            self.metrics.responses.inc(status=str(e.status))
+        response = refusal(e)
+        if e.status == 408:
+            await response.prepare(request)
+            await response.write_eof()
+            if request.transport is not None:
+                request.transport.close()
+        return response
 
     def error_response(self, e: ApiError) -> web.Response:
         """An error response (nothing else was sent)."""

@@ -11,6 +11,10 @@ Invariants:
   without `max_tokens`) its `max_tokens` is a placeholder: get the real bound from
   `params_for_context()`, which fills "the rest of the context".
 - Integers are never booleans (`true` is not 1), and numbers are finite.
+- Text that reaches the tokenizer or the engine (prompt, message contents, stop strings) is
+  valid Unicode: an unpaired surrogate is a 400 naming its field.
+- Stop strings and stop token ids are within `RequestLimits` (counted before their entries are
+  looked at), and stop token ids within the tokenizer's vocabulary when it is known.
 """
 
 from __future__ import annotations
@@ -24,8 +28,9 @@ from typing import Any, Literal, Protocol
 import jinja2
 
 from pdserve.api.errors import ApiError, bad_request, not_found_model
+from pdserve.api.limits import DEFAULT_LIMITS, RequestLimits
 from pdserve.api.prompt_ids import encode_prompt
-from pdserve.engine.sampling_params import MAX_LOGPROBS, SamplingParams
+from pdserve.engine.sampling_params import MAX_LOGPROBS, SamplingParams, unpaired_surrogate
 
 Kind = Literal["completion", "chat"]
 Message = dict[str, str]
@@ -186,31 +191,39 @@ def _model(body: dict[str, Any], served_model: str) -> str:
     return model
 
 
-def parse_completion(body: object, served_model: str) -> GenerateRequest:
-    """A /v1/completions body. `max_tokens` defaults to 16, as OpenAI's does."""
+def parse_completion(body: object, served_model: str, limits: RequestLimits = DEFAULT_LIMITS,
+                     vocab_size: int | None = None) -> GenerateRequest:
+    """A /v1/completions body. `max_tokens` defaults to 16, as OpenAI's does. `vocab_size`
+    (None: unknown) bounds `stop_token_ids`."""
     body = _object(body)
     model = _model(body, served_model)
     prompt = _prompt(body.get("prompt"))
     max_tokens = _field(body, "max_tokens", COMPLETION_DEFAULT_MAX_TOKENS, _is_positive_int,
                         "an integer >= 1")
     logprobs = _field(body, "logprobs", None, _is_logprob_count, _LOGPROB_COUNT)
-    return _request("completion", body, model, prompt, max_tokens, logprobs)
+    return _request("completion", body, model, prompt, max_tokens, logprobs, limits,
+                    vocab_size)
 
 
-def parse_chat(body: object, served_model: str) -> GenerateRequest:
+def parse_chat(body: object, served_model: str, limits: RequestLimits = DEFAULT_LIMITS,
+               vocab_size: int | None = None) -> GenerateRequest:
     """A /v1/chat/completions body. `max_completion_tokens` wins over `max_tokens`."""
     body = _object(body)
     model = _model(body, served_model)
     messages = _messages(body.get("messages"))
     name = "max_tokens" if body.get("max_completion_tokens") is None else "max_completion_tokens"
     max_tokens = _field(body, name, None, _is_positive_int, "an integer >= 1")
-    return _request("chat", body, model, messages, max_tokens, _chat_logprobs(body))
+    return _request("chat", body, model, messages, max_tokens, _chat_logprobs(body), limits,
+                    vocab_size)
 
 
 def _request(kind: Kind, body: dict[str, Any], model: str, prompt: Prompt,
-             max_tokens: int | None, logprobs: int | None) -> GenerateRequest:
+             max_tokens: int | None, logprobs: int | None, limits: RequestLimits,
+             vocab_size: int | None) -> GenerateRequest:
     for name, (ok, allowed) in _NEUTRAL_ONLY.items():
         _field(body, name, None, ok, allowed)
+    _check_stop_limits(body.get("stop"), limits)
+    _check_stop_token_ids(body.get("stop_token_ids"), limits, vocab_size)
     stream = _field(body, "stream", False, _is_bool, "true or false")
     include_usage = _include_usage(body, stream)
     params = _sampling_params(body, max_tokens or _PLACEHOLDER_MAX_TOKENS, logprobs)
@@ -227,6 +240,45 @@ def _sampling_params(body: dict[str, Any], max_tokens: int,
         first_word = str(e).split(" ", 1)[0]
         param = first_word if first_word in {*_SAMPLING, "max_tokens", "logprobs"} else None
         raise bad_request(str(e), param) from e
+
+
+def _check_stop_limits(stop: Any, limits: RequestLimits) -> None:
+    """Count and length of the stop strings, and their text; types are checked later."""
+    strings = [stop] if isinstance(stop, str) else stop
+    if not isinstance(strings, list):
+        return
+    if len(strings) > limits.max_stop_strings:
+        raise bad_request(f"stop has {len(strings)} strings; this server allows at most "
+                          f"{limits.max_stop_strings} (--max-stop-strings)", "stop")
+    for i, s in enumerate(strings):
+        if isinstance(s, str) and len(s) > limits.max_stop_string_chars:
+            raise bad_request(f"stop[{i}] has {len(s)} characters; this server allows at most "
+                              f"{limits.max_stop_string_chars} (--max-stop-string-chars)", "stop")
+        if isinstance(s, str):
+            _check_text(s, f"stop[{i}]", "stop")
+
+
+def _check_stop_token_ids(ids: Any, limits: RequestLimits, vocab_size: int | None) -> None:
+    """Count of the stop token ids, and their range when the vocabulary is known; types are
+    checked later."""
+    if not isinstance(ids, list):
+        return
+    if len(ids) > limits.max_stop_token_ids:
+        raise bad_request(f"stop_token_ids has {len(ids)} ids; this server allows at most "
+                          f"{limits.max_stop_token_ids} (--max-stop-token-ids)", "stop_token_ids")
+    if vocab_size is None:
+        return
+    outside = [t for t in ids if _is_int(t) and t >= vocab_size]
+    if outside:
+        raise bad_request(f"stop_token_ids must be token ids in [0, {vocab_size}) (the "
+                          f"tokenizer's vocabulary); got {_show(outside)}", "stop_token_ids")
+
+
+def _check_text(text: str, where: str, param: str) -> None:
+    at = unpaired_surrogate(text)
+    if at is not None:
+        raise bad_request(f"{where} must be valid Unicode text; it holds an unpaired surrogate "
+                          f"{_show(text[at])} at index {at}", param)
 
 
 def _include_usage(body: dict[str, Any], stream: bool) -> bool:
@@ -263,6 +315,7 @@ def _prompt(value: Any) -> str | list[int]:
     if isinstance(value, str | list) and not value:
         raise bad_request("prompt must not be empty", "prompt")
     if isinstance(value, str):
+        _check_text(value, "prompt", "prompt")
         return value
     if isinstance(value, list) and all(_is_int(t) for t in value):
         if not _is_token_ids(value):
@@ -290,7 +343,9 @@ def _message(where: str, message: Any) -> Message:
     if not isinstance(role, str) or role not in CHAT_ROLES:
         raise bad_request(f"{where}.role must be one of {', '.join(CHAT_ROLES)}; "
                           f"got {_show(role)}", "messages")
-    return {"role": role, "content": _content(where, role, message.get("content"))}
+    content = _content(where, role, message.get("content"))
+    _check_text(content, f"{where}.content", "messages")
+    return {"role": role, "content": content}
 
 
 def _content(where: str, role: str, content: Any) -> str:
@@ -354,13 +409,19 @@ class ChatTokenizer(Protocol):
 
 
 def render_chat(tokenizer: ChatTokenizer, messages: Sequence[Message]) -> list[int]:
-    """The prompt token ids of `messages` through the model's chat template, ready to answer."""
+    """The prompt token ids of `messages` through the model's chat template, ready to answer
+    (special-token text anywhere, content included, becomes special tokens)."""
+    return encode_prompt(tokenizer, render_chat_text(tokenizer, messages),
+                         add_special_tokens=False)
+
+
+def render_chat_text(tokenizer: ChatTokenizer, messages: Sequence[Message]) -> str:
+    """The chat template's text for `messages`, ending with the assistant's turn opening."""
     if not getattr(tokenizer, "chat_template", None):
         raise bad_request("this model has no chat template; use /v1/completions", "messages")
     try:
-        text = tokenizer.apply_chat_template(
+        return tokenizer.apply_chat_template(
             list(messages), add_generation_prompt=True, tokenize=False
         )
     except jinja2.TemplateError as e:  # the template's raise_exception(): roles out of order...
         raise bad_request(f"the chat template refused these messages: {e}", "messages") from e
-    return encode_prompt(tokenizer, text, add_special_tokens=False)

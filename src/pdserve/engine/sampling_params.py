@@ -7,8 +7,10 @@ Invariants (checked in `__post_init__`, violations raise `ValueError` saying wha
 - `0 < top_p <= 1`;
 - `seed` is `None` or an int; a seeded request samples the same token at output position `p`
   whichever engine or batch samples it;
-- `stop` is a tuple of non-empty strings, `stop_token_ids` a tuple of ints `>= 0` (a single
-  str/int or a list is accepted and normalized to a tuple);
+- `stop` is a tuple of non-empty strings of valid Unicode (no unpaired surrogate: such a
+  string has no UTF-8 form, so it could never match generated text nor cross a process),
+  `stop_token_ids` a tuple of ints `>= 0` (a single str/int or a list is accepted and
+  normalized to a tuple);
 - `logprobs` is `None` (no logprobs) or in `[0, 20]` (chosen token's logprob plus that many
   top alternatives).
 Booleans are never accepted where an int is expected.
@@ -17,6 +19,7 @@ Booleans are never accepted where an int is expected.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -24,6 +27,17 @@ from typing import Any
 MAX_LOGPROBS = 20
 # Temperatures below this are treated as greedy: dividing logits by them overflows fp32.
 GREEDY_TEMPERATURE = 1e-5
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def unpaired_surrogate(text: str) -> int | None:
+    """The index of the first unpaired UTF-16 surrogate in `text` (what JSON's "\\ud800"
+    decodes to), or None when `text` is valid Unicode. Python joins a JSON surrogate pair into
+    one character, so any surrogate left is unpaired."""
+    if text.isascii():
+        return None
+    found = _SURROGATE.search(text)
+    return None if found is None else found.start()
 
 
 def _is_int(value: Any) -> bool:
@@ -98,6 +112,10 @@ class SamplingParams:
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 raise ValueError(f"stop strings must be non-empty str, got {s!r} in {self.stop!r}")
+            at = unpaired_surrogate(s)
+            if at is not None:
+                raise ValueError(f"stop strings must be valid Unicode; {s!r} holds an unpaired "
+                                 f"surrogate at index {at}")
         for t in self.stop_token_ids:
             if not _is_int(t) or t < 0:
                 raise ValueError(
