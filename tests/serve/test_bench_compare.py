@@ -46,7 +46,7 @@ def test_compare_runs_each_configuration_and_writes_json_and_pictures(tiny_model
     out, plots = tmp_path / "cmp.json", tmp_path / "plots"
     port = free_port()
     worker = (f"{sys.executable} -m pdserve.cli worker --model {tiny_model()} --dtype float32 "
-              f"--port {port}")
+              f"--port {port} --serve-public")
     code = main(["bench", "compare", "--model", str(tiny_model()), "--configs",
                  "collocated,disagg", "--workload", "fixed", "--input-len", "300",
                  "--output-len", "8", "--vocab", "512", "--rate", "8", "--num-requests", "6",
@@ -73,7 +73,7 @@ def test_compare_repeats_give_medians_and_keep_every_run(tiny_model, tmp_path: P
     each run twice; the table and JSON give medians, the JSON also both runs."""
     out, port = tmp_path / "rep.json", free_port()
     worker = (f"{sys.executable} -m pdserve.cli worker --model {tiny_model()} --dtype float32 "
-              f"--port {port}")
+              f"--port {port} --serve-public")
     code = main(["bench", "compare", "--model", str(tiny_model()), "--configs", "collocated",
                  "--workload", "fixed", "--input-len", "300", "--output-len", "8", "--vocab",
                  "512", "--rate", "8", "--num-requests", "4", "--repeats", "2",

@@ -11,7 +11,7 @@ import openai
 import pytest
 
 from pdserve.testing.tiny_models import tiny_tokenizer
-from tests.serve.cluster import Cluster, get_json, metric
+from tests.serve.cluster import Cluster, metric
 from tests.serve.conftest import LOCAL_THRESHOLD
 
 MAX_TOKENS = 24
@@ -140,7 +140,7 @@ def test_a_worker_alone_is_a_complete_openai_server(collocated: Cluster) -> None
 def test_models_and_health(disagg_tcp: Cluster) -> None:
     models = client(disagg_tcp).models.list()
     assert [m.id for m in models.data] == [disagg_tcp.model]
-    health = get_json(disagg_tcp.url.removesuffix("/v1") + "/health")
+    health = disagg_tcp.internal_json(disagg_tcp.url.removesuffix("/v1") + "/health")
     assert health["status"] == "ok"
     assert sorted(w["role"] for w in health["workers"]) == ["decode", "prefill"]
     prefill, decode = disagg_tcp.health(0), disagg_tcp.health(1)
@@ -171,8 +171,8 @@ def test_workers_record_their_engine_steps_for_timelines(disagg_tcp: Cluster) ->
     prompt = [rng.randrange(len(tiny_tokenizer())) for _ in range(LENGTHS[4])]  # never cached
     since = time.time()
     _complete(disagg_tcp, prompt)  # prefill on worker 0, decode on worker 1
-    prefill = get_json(f"{disagg_tcp.worker_url(0)}/internal/steps?since={since}")
-    decode = get_json(f"{disagg_tcp.worker_url(1)}/internal/steps?since={since}")
+    prefill, decode = (disagg_tcp.internal_json(f"{disagg_tcp.worker_url(i)}/internal/steps"
+                                                f"?since={since}") for i in (0, 1))
     assert prefill["fields"] == ["start", "end", "prefill_tokens", "decode_tokens",
                                  "num_requests", "decode_context"]
     assert [s[2] for s in prefill["steps"]] == [LENGTHS[4]]  # one step: the whole prompt
