@@ -21,7 +21,6 @@ from pdserve.config import EngineConfig, Role
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.internal_auth import AUTH_HEADER, PROOF_HEADER, InternalAuth
 from pdserve.workers import server
-from pdserve.workers.refusal_log import RefusalLog
 from pdserve.workers.server import Worker
 from pdserve.workers.settings import WorkerSettings
 from tests.http_app import serving
@@ -232,16 +231,3 @@ def test_a_flood_of_refusals_logs_one_warning_with_the_address(tiny_model, caplo
     lines = [r.getMessage() for r in caplog.records if "refused" in r.getMessage()]
     assert len(lines) == 1
     assert "GET /internal/steps from 127.0.0.1" in lines[0] and "X-Pdserve-Auth" in lines[0]
-
-
-def test_refusal_log_counts_what_it_did_not_write(caplog) -> None:
-    now = [0.0]
-    log = RefusalLog(logging.getLogger("pdserve.test"), every_s=10, clock=lambda: now[0])
-    with caplog.at_level(logging.WARNING, logger="pdserve.test"):
-        for t in (0.0, 1.0, 2.0, 10.5):
-            now[0] = t
-            log.refused("10.0.0.1", "GET", "/internal/legs", "bad")
-    assert [r.getMessage() for r in caplog.records] == [
-        "refused GET /internal/legs from 10.0.0.1: bad",
-        "refused GET /internal/legs from 10.0.0.1: bad (2 more refused since the last such "
-        "line)"]

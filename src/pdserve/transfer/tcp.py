@@ -16,9 +16,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from pdserve.throttled_log import ThrottledLog
 from pdserve.transfer.auth import HandshakeAuth, PeerRefused
 from pdserve.transfer.descriptors import PeerId, process_instance_id
-from pdserve.transfer.log_throttle import ThrottledLog
 from pdserve.transfer.permits import Kind, Permits
 from pdserve.transfer.tcp_frames import (
     MAX_CONTROL_BYTES,

@@ -21,9 +21,9 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from pdserve.throttled_log import ThrottledLog
 from pdserve.transfer.auth import HandshakeAuth, PeerRefused
 from pdserve.transfer.descriptors import PeerId
-from pdserve.transfer.log_throttle import ThrottledLog
 from pdserve.transfer.tcp_frames import (
     HEADER,
     MAX_SMALL_BYTES,

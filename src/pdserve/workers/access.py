@@ -12,7 +12,7 @@
 - `/metrics`: open, or with `--metrics-key-file` only with `Authorization: Bearer <key>`.
 
 Refusals of a signature are logged as warnings with the remote address, rate-limited
-(`refusal_log.py`). Lifetime: one `WorkerAccess` per worker; its nonce memory is used on the
+(`throttled_log.py`). Lifetime: one `WorkerAccess` per worker; its nonce memory is used on the
 event loop only.
 """
 
@@ -28,7 +28,7 @@ from aiohttp import web
 from pdserve.api.errors import ApiError
 from pdserve.bearer import bearer_matches
 from pdserve.internal_auth import AUTH_HEADER, PROOF_HEADER, InternalAuth, PeerRefused
-from pdserve.workers.refusal_log import RefusalLog
+from pdserve.throttled_log import ThrottledLog
 
 log = logging.getLogger("pdserve.worker")
 
@@ -52,7 +52,7 @@ class WorkerAccess:
         self.auth = InternalAuth(secret) if secret is not None else None
         self.serve_public = serve_public
         self.metrics_keys = metrics_keys
-        self._refusals = RefusalLog(log)
+        self._refusals = ThrottledLog(log)
 
     def middleware(self) -> Callable[[web.Request, Handler], Awaitable[web.StreamResponse]]:
         @web.middleware
@@ -86,7 +86,8 @@ class WorkerAccess:
         try:
             self.auth.verify(request.method, request.path, header)
         except PeerRefused as e:
-            self._refusals.refused(request.remote, request.method, request.path, str(e))
+            self._refusals.warn("refused", "refused %s %s from %s: %s", request.method,
+                                request.path, request.remote or "?", str(e))
             return ApiError(401, str(e), code="invalid_internal_auth")
         request[_SIGNED] = header
         return None

@@ -1,8 +1,10 @@
-"""Rate-limited warnings for what a peer or a stranger can make an endpoint log at will
-(refused connections, refused moves): a flood must not fill the log.
+"""Rate-limited warnings for what a peer or a stranger can make a process log at will (refused
+connections and moves on a KV port, refused requests on an HTTP server): a flood must not fill
+the log, nor hold a thread or an event loop writing it.
 
 Invariant: per key, at most one line per `every_s`; the warnings in between are counted, and
-the next line of that key says how many there were. Thread-safe. Lifetime: one per endpoint.
+the next line of that key says how many there were. Thread-safe. Lifetime: one per endpoint
+or server.
 """
 
 from __future__ import annotations
