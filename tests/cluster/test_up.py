@@ -286,3 +286,42 @@ def test_run_up_uses_a_given_secret_file_and_keeps_it(monkeypatch, tmp_path: Pat
     assert up.run_up(_args("--secret-file", str(given), "--cpus",
                            str(min(os.sched_getaffinity(0))))) == 1
     assert secrets == [given] and given.read_text() == "g" * 32
+
+
+def test_request_limits_reach_the_router_and_every_worker() -> None:
+    from pdserve.api.limits import limits_from_args
+
+    config = UpConfig.from_args(_args("--max-body-size", "1MiB", "--max-stop-strings", "4",
+                                      "--body-timeout", "5", "--special-tokens-in-content",
+                                      "parse"))
+    specs = plan_processes(config, SECRET)
+    for spec in specs:
+        parser = argparse.ArgumentParser()
+        from pdserve.api.limits import add_limit_args
+
+        add_limit_args(parser)
+        limits = limits_from_args(parser.parse_known_args(spec.argv[4:])[0])
+        assert limits == config.limits
+    assert config.limits.max_body_bytes == 2**20 and config.limits.max_stop_strings == 4
+    assert config.limits.special_tokens_in_content.value == "parse"
+
+
+def test_api_keys_and_the_rate_limit_reach_the_router_only(tmp_path: Path) -> None:
+    keys = _file(tmp_path / "keys", "k" * 32 + "\n")
+    config = UpConfig.from_args(_args("--api-keys-file", str(keys), "--rate-limit", "2.5"))
+    *workers, router = plan_processes(config, SECRET)
+    assert _option(router, "--api-keys-file") == [str(keys)]
+    assert _option(router, "--rate-limit") == ["2.5"] and _option(router, "--rate-burst") == ["3"]
+    assert not any(flag in w.argv for w in workers
+                   for flag in ("--api-keys-file", "--rate-limit", "--rate-burst"))
+
+
+@pytest.mark.parametrize(("argv", "match"), [
+    (["--rate-burst", "4"], "give --rate-limit too"),
+    (["--rate-limit", "0"], "--rate-limit must be a positive number"),
+    (["--max-stop-strings", "0"], "--max-stop-strings must be an integer >= 1"),
+])
+def test_bad_access_or_limit_options_are_refused_before_anything_starts(
+        argv: list[str], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        UpConfig.from_args(_args(*argv))

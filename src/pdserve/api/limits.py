@@ -118,4 +118,16 @@ def limits_from_args(args: argparse.Namespace) -> RequestLimits:
         special_tokens_in_content=args.special_tokens_in_content)
 
 
+def limits_to_args(limits: RequestLimits) -> list[str]:
+    """The options that `limits_from_args` reads back as `limits` (what `pdserve up` passes
+    to the router and every worker): only those that differ from the defaults."""
+    default = RequestLimits()
+    argv = []
+    for name, flag in _FLAGS.items():
+        value = getattr(limits, name)
+        if value != getattr(default, name):
+            argv += [flag, value.value if name == "special_tokens_in_content" else repr(value)]
+    return argv
+
+
 DEFAULT_LIMITS = RequestLimits()

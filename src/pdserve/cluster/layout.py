@@ -22,11 +22,13 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from pdserve.api.limits import DEFAULT_LIMITS, RequestLimits, limits_from_args, limits_to_args
 from pdserve.bearer import read_key_file
 from pdserve.cli_args import parse_size
 from pdserve.cluster.child import ProcessSpec
 from pdserve.config import DTYPES, check_device
 from pdserve.internal_auth import read_secret_file
+from pdserve.router.rate_limit import RateLimit
 from pdserve.workers.settings import LAYERWISE
 
 POLICIES = ("round_robin", "least_loaded", "prefix")
@@ -67,14 +69,19 @@ class UpConfig:
     secret_file: Path | None = None  # the user's; None: `up` makes one for the run
     serve_public: bool = False  # every worker answers /v1 itself too (--serve-public)
     metrics_key_file: Path | None = None  # /metrics of every process needs its key
+    api_keys_file: Path | None = None  # the router's /v1 needs one of its keys
+    rate_limit: RateLimit | None = None  # the router's token bucket per key (or address)
+    limits: RequestLimits = DEFAULT_LIMITS  # of every OpenAI endpoint, router and workers
 
     def __post_init__(self) -> None:
         self._check_counts()
         self._check_choices()
         if self.secret_file is not None:
             read_secret_file(self.secret_file)  # ValueError naming the file
-        if self.metrics_key_file is not None:
-            read_key_file(self.metrics_key_file, "--metrics-key-file")
+        for flag, path in (("--metrics-key-file", self.metrics_key_file),
+                           ("--api-keys-file", self.api_keys_file)):
+            if path is not None:
+                read_key_file(path, flag)
         last_port = self.port + KV_PORT_OFFSET + self.num_workers - 1
         if self.port < 1 or last_port > 65535:
             raise ValueError(f"port {self.port} does not fit: {self.num_workers} workers use "
@@ -162,7 +169,14 @@ class UpConfig:
                    max_num_batched_tokens=args.max_num_batched_tokens,
                    max_num_seqs=args.max_num_seqs, cpu_kernels=args.cpu_kernels,
                    secret_file=args.secret_file, serve_public=args.serve_public,
-                   metrics_key_file=args.metrics_key_file)
+                   metrics_key_file=args.metrics_key_file, api_keys_file=args.api_keys_file,
+                   rate_limit=_rate_limit(args), limits=limits_from_args(args))
+
+
+def _rate_limit(args: argparse.Namespace) -> RateLimit | None:
+    if args.rate_burst is not None and args.rate_limit is None:
+        raise ValueError("--rate-burst sizes the bucket of --rate-limit: give --rate-limit too")
+    return None if args.rate_limit is None else RateLimit.of(args.rate_limit, args.rate_burst)
 
 
 def worker_counts(prefill: int | None, decode: int | None,
@@ -243,7 +257,7 @@ def _worker_spec(config: UpConfig, index: int, role: str, secret_file: Path) -> 
         argv += ["--no-cpu-kernels"]
     if config.serve_public:
         argv += ["--serve-public"]
-    argv += _metrics_key_args(config)
+    argv += _metrics_key_args(config) + limits_to_args(config.limits)
     return ProcessSpec(f"{role}-{role_index}", tuple(argv), worker_url(config, index) + "/health",
                        restart=True, signed_health=True)
 
@@ -253,12 +267,20 @@ def _metrics_key_args(config: UpConfig) -> list[str]:
         ["--metrics-key-file", str(config.metrics_key_file)]
 
 
+def _access_args(config: UpConfig) -> list[str]:
+    argv = [] if config.api_keys_file is None else ["--api-keys-file", str(config.api_keys_file)]
+    if config.rate_limit is not None:
+        argv += ["--rate-limit", repr(config.rate_limit.rate),
+                 "--rate-burst", str(config.rate_limit.burst)]
+    return argv
+
+
 def _router_spec(config: UpConfig, secret_file: Path) -> ProcessSpec:
     argv = [sys.executable, "-m", "pdserve.cli", "router", "--host", config.host,
             "--port", str(config.port), "--model", config.model, "--policy", config.policy,
             "--local-prefill-threshold", str(config.local_prefill_threshold),
             "--leg-timeout", str(config.leg_timeout_s), "--secret-file", str(secret_file),
-            *_metrics_key_args(config)]
+            *_metrics_key_args(config), *limits_to_args(config.limits), *_access_args(config)]
     for role in ("prefill", "decode", "collocated"):
         urls = [worker_url(config, i) for i, r in enumerate(config.roles) if r == role]
         if urls:

@@ -13,6 +13,7 @@ import shlex
 import sys
 from pathlib import Path
 
+from pdserve.api.limits import add_limit_args
 from pdserve.cli_args import add_cpu_kernels_arg, add_device_arg, add_model_args
 from pdserve.cluster.layout import (
     HTTP_PORT_OFFSET,
@@ -144,6 +145,18 @@ def _add_access_args(p: argparse.ArgumentParser) -> None:
                    help="/metrics of the router and of every worker then requires "
                         "'Authorization: Bearer <key>' with a key from FILE, one a line "
                         "(default: /metrics is open)")
+    p.add_argument("--api-keys-file", type=Path, default=None, metavar="FILE",
+                   help="clients of the router's /v1 must send 'Authorization: Bearer <key>' "
+                        "with a key from FILE, one a line ('#' starts a comment; at least 16 "
+                        "characters each); 401 otherwise (default: /v1 is open)")
+    p.add_argument("--rate-limit", type=float, default=None, metavar="R",
+                   help="requests per second each API key (each client address without keys) "
+                        "may send to the router, as a token bucket; 429 with Retry-After "
+                        "beyond it (default: no limit)")
+    p.add_argument("--rate-burst", type=int, default=None, metavar="B",
+                   help="the bucket's size: requests a key may send at once after a quiet "
+                        "spell (default: R rounded up, at least 1)")
+    add_limit_args(p)
 
 
 def run_up(args: argparse.Namespace) -> int:
