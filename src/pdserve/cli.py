@@ -74,6 +74,15 @@ def _bench_router(args: argparse.Namespace) -> int:
                                     repeats=args.repeats), args.json)
 
 
+def _bench_hostile(args: argparse.Namespace) -> int:
+    from pdserve.bench.hostile_bench import HostileBenchSettings, main
+
+    return main(HostileBenchSettings(model=args.model, streams=args.streams,
+                                     body_mb=args.body_mb, rounds=args.rounds,
+                                     repeats=args.repeats, up_args=tuple(args.up_args)),
+                args.json)
+
+
 def _setup_logging(name: str) -> None:
     from pdserve import logs
 
@@ -105,11 +114,12 @@ def _add_serving(sub) -> None:
 
     worker = sub.add_parser(
         "worker", help="one engine behind an OpenAI-compatible HTTP server",
-        description="A prefill, decode or collocated worker: a complete OpenAI-compatible "
-                    "server on its own (/v1/completions, /v1/chat/completions, /v1/models, "
-                    "/health, /metrics), plus /internal/legs, the WebSocket the router "
-                    "sends its legs on. Prefill and decode workers move KV over the transfer "
-                    "plane.")
+        description="A prefill, decode or collocated worker behind a router: /internal/legs "
+                    "(the WebSocket the router sends its legs on, signed with the cluster "
+                    "secret), /health (liveness; details to signed requests) and /metrics. "
+                    "With --serve-public it is also a complete OpenAI-compatible server on "
+                    "its own (/v1/completions, /v1/chat/completions, /v1/models). Prefill "
+                    "and decode workers move KV over the transfer plane.")
     add_worker_args(worker)
     worker.set_defaults(func=_worker)
     router = sub.add_parser(
@@ -197,8 +207,10 @@ def _add_bench(sub) -> None:
                     "the router (at one stream alternating, at c streams c of each at once, "
                     "in the same engine steps): added P50 latency per request (the median "
                     "difference of request pairs), and router CPU per relayed token against "
-                    "the decode step time, at each concurrency. Medians of --repeats runs; "
-                    "run it on an idle machine.")
+                    "the decode step time, at each concurrency; and what an API key and a "
+                    "rate limit cost: a second router with both, on the same worker, against "
+                    "the plain one's CPU per token. Medians of --repeats runs; run it on an "
+                    "idle machine.")
     rt.add_argument("--model", default="smollm2", help="default: %(default)s")
     add_device_arg(rt)
     rt.add_argument("--concurrency", default="1,64",
@@ -210,6 +222,29 @@ def _add_bench(sub) -> None:
     rt.add_argument("--repeats", type=int, default=3, help="default: %(default)s")
     rt.add_argument("--json", action="store_true", help="one JSON object per level")
     rt.set_defaults(func=_bench_router)
+    _add_bench_hostile(kinds)
+
+
+def _add_bench_hostile(kinds) -> None:
+    h = kinds.add_parser(
+        "hostile", help="how much one huge request delays every other stream's next token",
+        description="Starts `pdserve up`, streams long completions through the router on "
+                    "--streams connections, and every few seconds sends one completion whose "
+                    "JSON body is --body-mb MiB. Prints the P99 gap between a stream's tokens "
+                    "while such a request is in flight, against the P99 gap of the same "
+                    "streams away from it (the baseline, in the same run). Medians of "
+                    "--repeats runs, each a fresh `pdserve up`.")
+    h.add_argument("--model", default="smollm2", help="default: %(default)s")
+    h.add_argument("--streams", type=int, default=8, help="default: %(default)s")
+    h.add_argument("--body-mb", type=float, default=10.0,
+                   help="size of the hostile body in MiB (default: %(default)s)")
+    h.add_argument("--rounds", type=int, default=5,
+                   help="hostile requests per run (default: %(default)s)")
+    h.add_argument("--repeats", type=int, default=3, help="default: %(default)s")
+    h.add_argument("--up-args", nargs=argparse.REMAINDER, default=[],
+                   help="the rest of the line goes to `pdserve up` (default: its defaults)")
+    h.add_argument("--json", action="store_true", help="medians and every run as JSON")
+    h.set_defaults(func=_bench_hostile)
 
 
 def build_parser() -> argparse.ArgumentParser:
