@@ -78,7 +78,7 @@ def _bench_hostile(args: argparse.Namespace) -> int:
     from pdserve.bench.hostile_bench import HostileBenchSettings, main
 
     return main(HostileBenchSettings(model=args.model, streams=args.streams,
-                                     body_mb=args.body_mb, rounds=args.rounds,
+                                     body_mb=args.body_mb, kind=args.kind, rounds=args.rounds,
                                      repeats=args.repeats, up_args=tuple(args.up_args)),
                 args.json)
 
@@ -238,6 +238,9 @@ def _add_bench_hostile(kinds) -> None:
     h.add_argument("--streams", type=int, default=8, help="default: %(default)s")
     h.add_argument("--body-mb", type=float, default=10.0,
                    help="size of the hostile body in MiB (default: %(default)s)")
+    h.add_argument("--kind", choices=("text", "ids"), default="text",
+                   help="the hostile prompt: one long text, or a list of token ids (the "
+                        "costliest JSON to parse per byte) (default: %(default)s)")
     h.add_argument("--rounds", type=int, default=5,
                    help="hostile requests per run (default: %(default)s)")
     h.add_argument("--repeats", type=int, default=3, help="default: %(default)s")

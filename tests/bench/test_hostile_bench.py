@@ -47,8 +47,17 @@ def test_the_hostile_body_is_a_completion_of_the_asked_size() -> None:
     assert parsed["model"] == "m" and parsed["max_tokens"] == 1
 
 
+def test_an_ids_body_is_a_list_of_token_ids_of_the_asked_size() -> None:
+    body = hostile_body("m", 1.0, "ids")
+    prompt = json.loads(body)["prompt"]
+    assert 0.9 * 2**20 < len(body) < 1.1 * 2**20
+    assert all(type(t) is int for t in prompt)
+
+
 def test_settings_are_checked() -> None:
     with pytest.raises(ValueError, match="streams must be >= 1"):
         HostileBenchSettings(streams=0)
+    with pytest.raises(ValueError, match="kind must be one of text, ids"):
+        HostileBenchSettings(kind="stops")
     with pytest.raises(ValueError, match="period_s"):
         HostileBenchSettings(period_s=0.1)

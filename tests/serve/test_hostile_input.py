@@ -120,6 +120,14 @@ class Stream:
         return max(gaps, default=0.0)
 
 
+def test_a_prompt_that_cannot_fit_is_refused_before_it_is_tokenized(collocated: Cluster
+                                                                    ) -> None:
+    body = json.dumps({"model": collocated.model, "prompt": "Paris. " * 30_000}).encode()
+    status, reply = asyncio.run(post(collocated.url + "/completions", body))
+    assert status == 400 and reply["error"]["code"] == "context_length_exceeded"
+    assert "which make at least" in reply["error"]["message"]
+
+
 def test_a_10mb_body_while_8_streams_run(collocated: Cluster) -> None:
     streams = [Stream(collocated, prompts()[0][:8]) for _ in range(STREAMS)]
     body = json.dumps({"model": collocated.model, "prompt": "Paris. " * 1_500_000}).encode()
@@ -133,8 +141,9 @@ def test_a_10mb_body_while_8_streams_run(collocated: Cluster) -> None:
         t1 = time.perf_counter()
         for r in running:
             r.result(timeout=SAFETY_S)
-    assert status == 400 and reply["error"]["code"] == "context_length_exceeded"
-    assert "which make at least" in reply["error"]["message"]  # refused before tokenizing
+    # refused before it is parsed: no request that fits a 512-token context is that large
+    assert status == 413 and reply["error"]["code"] == "request_too_large"
+    assert "fits this model's context" in reply["error"]["message"]
     assert all(s.arrivals[-1] > t1 for s in streams)  # every stream ran through it
     assert [(s.tokens, s.finish) for s in streams] == [(STREAM_TOKENS, "length")] * STREAMS
     worst = max(s.worst_gap_during(t0, t1) for s in streams)

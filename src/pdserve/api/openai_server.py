@@ -36,7 +36,7 @@ from aiohttp import web
 
 from pdserve.api import responses as R
 from pdserve.api.assembler import Delta, StreamAssembler
-from pdserve.api.body import expect_handler, read_body, refusal
+from pdserve.api.body import expect_handler, read_body, refusal, useful_body_bytes
 from pdserve.api.errors import ApiError
 from pdserve.api.http_site import REQUEST_LIMITS
 from pdserve.api.legs import EventBatch, TokenEvent
@@ -111,7 +111,8 @@ class OpenAIServer:
     async def _handle(self, request: web.Request, kind: str) -> web.StreamResponse:
         t0 = time.perf_counter()
         try:
-            raw = await read_body(request, self.limits)
+            raw = await read_body(request, self.limits, useful_body_bytes(
+                self.limits, self.max_model_len(), self._preparer.facts.chars_per_token))
         except ApiError as e:
             return await self._refuse_body(request, e)
         try:

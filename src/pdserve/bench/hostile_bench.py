@@ -3,8 +3,9 @@
 One `pdserve up` (its default layout unless `--up-args` says otherwise). `streams` closed-loop
 clients stream long greedy completions through the router the whole time and timestamp every
 token. Every `period_s`, one hostile request goes to the router: a completion whose JSON body
-is `body_mb` MiB of prompt text (the kind of body that froze the router's event loop for
-seconds when parsing and tokenizing ran on it). The baseline is measured in the same run:
+is `body_mb` MiB of prompt: text (`kind` "text", the kind of body that froze the router's
+event loop for seconds when parsing and tokenizing ran on it) or token ids ("ids": the
+costliest JSON to parse per byte). The baseline is measured in the same run:
 the inter-token gaps of the same streams outside the hostile requests.
 
 - hostile gaps: the gaps between consecutive tokens of a stream that overlap a hostile
@@ -35,6 +36,7 @@ from pdserve.cluster.up_process import UpProcess
 GUARD_S = 0.2
 WARMUP_S = 3.0
 STREAM_PROMPT = tuple(range(100, 132))  # 32 token ids: short, so the decode worker runs it
+KINDS = ("text", "ids")
 
 
 @dataclass(frozen=True)
@@ -42,6 +44,7 @@ class HostileBenchSettings:
     model: str = "smollm2"
     streams: int = 8
     body_mb: float = 10.0
+    kind: str = "text"  # "text" | "ids"
     rounds: int = 5  # hostile requests per run
     period_s: float = 3.0  # between hostile requests
     max_tokens: int = 512  # per stream request (ignore_eos): long, so streams stay mid-flight
@@ -52,6 +55,8 @@ class HostileBenchSettings:
         for name in ("streams", "rounds", "max_tokens", "repeats"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
+        if self.kind not in KINDS:
+            raise ValueError(f"kind must be one of {', '.join(KINDS)}, got {self.kind!r}")
         if not self.body_mb > 0 or not self.period_s > 2 * GUARD_S:
             raise ValueError(f"body_mb must be > 0 and period_s > {2 * GUARD_S} s")
 
@@ -63,10 +68,13 @@ class Hostile:
     status: int
 
 
-def hostile_body(model: str, mib: float) -> bytes:
-    """A completion request whose prompt makes the JSON body `mib` MiB."""
-    text = "lorem ipsum " * int(mib * 2**20 / 12)
-    return json.dumps({"model": model, "prompt": text, "max_tokens": 1}).encode()
+def hostile_body(model: str, mib: float, kind: str = "text") -> bytes:
+    """A completion request whose prompt (text, or token ids) makes the JSON body `mib` MiB."""
+    if kind == "ids":
+        prompt: str | list[int] = [1000 + i % 9000 for i in range(int(mib * 2**20 / 6))]
+    else:
+        prompt = "lorem ipsum " * int(mib * 2**20 / 12)
+    return json.dumps({"model": model, "prompt": prompt, "max_tokens": 1}).encode()
 
 
 def gaps(records: list[RequestRecord]) -> list[tuple[float, float]]:
@@ -103,7 +111,7 @@ async def _hostile(session: aiohttp.ClientSession, url: str, body: bytes) -> Hos
 
 
 async def _run(url: str, s: HostileBenchSettings) -> tuple[list[RequestRecord], list[Hostile]]:
-    body, stop, records = hostile_body(s.model, s.body_mb), asyncio.Event(), []
+    body, stop, records = hostile_body(s.model, s.body_mb, s.kind), asyncio.Event(), []
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
         streams = [asyncio.create_task(_stream(session, url, s.model, s.max_tokens, stop,
                                                records)) for _ in range(s.streams)]
@@ -151,7 +159,7 @@ def main(s: HostileBenchSettings, as_json: bool) -> int:
         print(json.dumps({"settings": s.__dict__ | {"up_args": list(s.up_args)},
                           "median": medians, "runs": runs}))
         return 0
-    print(f"{s.streams} streams, one {s.body_mb:g} MiB body every {s.period_s:g} s, "
+    print(f"{s.streams} streams, one {s.body_mb:g} MiB body ({s.kind}) every {s.period_s:g} s, "
           f"{s.rounds} per run, medians of {s.repeats} runs:")
     print(f"  inter-token gap P99 during a hostile request {medians['p99_gap_during_ms']:.1f} ms"
           f" (max {medians['max_gap_during_ms']:.1f}), baseline P99 "
