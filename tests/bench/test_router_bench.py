@@ -38,10 +38,11 @@ def test_one_stream_adds_the_median_of_pair_differences() -> None:
 def test_auth_cost_is_the_guarded_routers_cpu_per_token_against_the_plain_ones() -> None:
     direct = stats([0.100], [0.010])
     row = _row(64, {"direct": [direct], "router": [direct]}, [100e-6, 120e-6, 110e-6],
-               [0.05] * 3, [0.0] * 3, [112.2e-6, 101e-6, 130e-6])
+               [0.05] * 3, [0.0] * 3, ([90e-6, 100e-6, 110e-6], [112.2e-6, 101e-6, 130e-6]))
     assert row["router_cpu_us_per_token"] == pytest.approx(110)
+    assert row["plain_router_cpu_us_per_token"] == pytest.approx(100)
     assert row["guarded_router_cpu_us_per_token"] == pytest.approx(112.2)
-    assert row["auth_cost_of_router_cpu"] == pytest.approx(0.02)
+    assert row["auth_cost_of_router_cpu"] == pytest.approx(0.122)
 
 
 def test_one_stream_pairs_alternate_which_path_goes_first(monkeypatch) -> None:

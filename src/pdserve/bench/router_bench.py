@@ -29,11 +29,12 @@ scheduler's steps.
   threads' /proc schedstat, else /proc/PID/stat) divided by the tokens it streamed, against
   the worker's mean decode step in the same run (its `pdserve_engine_step_seconds` sum and
   count).
-- what authentication and limits cost: a second router on the same worker, started with an
-  API key and a rate limit (high enough never to refuse), takes a router-only run of its own
-  right beside the plain router's (the order alternating between repeats); its CPU per relayed
-  token against the plain router's is the cost of checking a key and a token bucket per
-  request.
+- what authentication and limits cost: two more routers on the same worker, started the same
+  way, one plain and one with an API key and a rate limit (high enough never to refuse), each
+  take a router-only run right beside the other (the order alternating between repeats); the
+  guarded one's CPU per relayed token against the plain one's is the cost of checking a key
+  and a token bucket per request. (Against `up`'s own router instead, the guarded one cost
+  +13% at 64 streams: a second process differs by more than the checks.)
 Medians over `repeats`; the machine should be otherwise idle.
 """
 
@@ -59,7 +60,9 @@ from pdserve.cluster.up_process import UpProcess, free_port, get_json
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 WAVES = 8
 BENCH_KEY = "pdserve-bench-router-api-key"
-GUARDED_START_S = 120.0
+# a key, and a bucket that never runs dry: every request is checked and takes a token
+GUARDED_ARGS = ("--api-key", BENCH_KEY, "--rate-limit", "1000000")
+ROUTER_START_S = 120.0
 
 
 @dataclass(frozen=True)
@@ -234,7 +237,9 @@ class _Cluster:
     worker: str  # base URLs
     router: str
     router_pid: int
-    guarded: str  # the second router, with an API key and a rate limit
+    plain: str  # two more routers started alike: without and with an API key and a limit
+    plain_pid: int
+    guarded: str
     guarded_pid: int
 
 
@@ -244,24 +249,29 @@ def measure(s: RouterBenchSettings) -> Iterator[dict]:
     # --serve-public: the direct path is the worker's own /v1
     up = UpProcess(s.model, "--collocated", "1", "--cpus", str(cores[0]), "--device", s.device,
                    "--max-num-seqs", str(2 * max(s.concurrency)), "--serve-public")
-    guarded = None
+    extra: list[subprocess.Popen] = []
     try:
-        guarded, guarded_url = _start_guarded_router(up, s.model)
+        plain, plain_url = _start_router(up, s.model, ())
+        extra.append(plain)
+        guarded, guarded_url = _start_router(up, s.model, GUARDED_ARGS)
+        extra.append(guarded)
         at = _Cluster(up.worker_url(0), up.url.removesuffix("/v1"), _router_pid(up),
-                      guarded_url, guarded.pid)
-        asyncio.run(_load(at.router + "/v1", s.model, s, 4))  # warm-up both paths
+                      plain_url, plain.pid, guarded_url, guarded.pid)
+        asyncio.run(_load(at.router + "/v1", s.model, s, 4))  # warm-up every path
+        asyncio.run(_load(at.plain + "/v1", s.model, s, 4))
         asyncio.run(_load(at.guarded + "/v1", s.model, s, 4, _key_header()))
         for c in s.concurrency:
             yield _level(at, s, c)
     finally:
-        if guarded is not None:
-            _stop(guarded)
+        for proc in extra:
+            _stop(proc)
         up.stop()
 
 
 def _level(at: _Cluster, s: RouterBenchSettings, c: int) -> dict:
     runs: dict[str, list[RunStats]] = {"direct": [], "router": []}
     alone: list[tuple[float, float, float]] = []
+    plain_cpu: list[float] = []
     guarded_cpu: list[float] = []
     alone_s = s if c > 1 else replace(s, requests=32)
     for i in range(s.repeats):
@@ -272,30 +282,30 @@ def _level(at: _Cluster, s: RouterBenchSettings, c: int) -> dict:
             direct, routed = asyncio.run(_together(at, s, c))
         runs["direct"].append(direct)
         runs["router"].append(routed)
-        if i % 2:  # alternate which router runs first: a drift falls on both alike
-            guarded_cpu.append(_guarded_alone(at, alone_s, c))
         alone.append(_router_alone(at, alone_s, c))
-        if not i % 2:
-            guarded_cpu.append(_guarded_alone(at, alone_s, c))
+        pair = [(plain_cpu, at.plain, at.plain_pid, None),
+                (guarded_cpu, at.guarded, at.guarded_pid, _key_header())]
+        for out, url, pid, headers in pair if i % 2 == 0 else pair[::-1]:  # alternate
+            out.append(_cpu_per_token(url, pid, alone_s, c, headers))
     cpu_per_token, steps, in_process = (list(x) for x in zip(*alone, strict=True))
-    return _row(c, runs, cpu_per_token, steps, in_process, guarded_cpu)
+    return _row(c, runs, cpu_per_token, steps, in_process, (plain_cpu, guarded_cpu))
 
 
 def _key_header() -> dict[str, str]:
     return {"Authorization": f"Bearer {BENCH_KEY}"}
 
 
-def _start_guarded_router(up: UpProcess, model: str) -> tuple[subprocess.Popen, str]:
-    """A second `pdserve router` over `up`'s worker, with an API key and a rate limit that
-    never refuses (every request still takes a token from its bucket)."""
+def _start_router(up: UpProcess, model: str, extra: tuple[str, ...]
+                  ) -> tuple[subprocess.Popen, str]:
+    """Another `pdserve router` over `up`'s worker, with `extra` options."""
     port = free_port()
     argv = [sys.executable, "-m", "pdserve.cli", "router", "--port", str(port), "--model",
             model, "--secret-file", str(up.secret_file), "--collocated", up.worker_url(0),
-            "--api-key", BENCH_KEY, "--rate-limit", "1000000"]
+            *extra]
     proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + GUARDED_START_S
+    deadline = time.monotonic() + ROUTER_START_S
     while True:
         try:
             get_json(url + "/health", timeout=2)
@@ -303,7 +313,7 @@ def _start_guarded_router(up: UpProcess, model: str) -> tuple[subprocess.Popen, 
         except OSError:
             if proc.poll() is not None or time.monotonic() > deadline:
                 _stop(proc)
-                raise RuntimeError("the guarded router did not start") from None
+                raise RuntimeError(f"pdserve router {' '.join(extra)} did not start") from None
             time.sleep(0.2)
 
 
@@ -335,16 +345,17 @@ def _router_alone(at: _Cluster, s: RouterBenchSettings, c: int) -> tuple[float, 
             _in_process_added(e2e0, _e2e_totals(at.worker, at.router)))
 
 
-def _guarded_alone(at: _Cluster, s: RouterBenchSettings, c: int) -> float:
-    """The guarded router's CPU seconds per relayed token over a run through it alone."""
-    cpu0 = _cpu_seconds(at.guarded_pid)
-    run = asyncio.run(_load(at.guarded + "/v1", s.model, s, c, _key_header()))
-    return (_cpu_seconds(at.guarded_pid) - cpu0) / max(run.tokens, 1)
+def _cpu_per_token(url: str, pid: int, s: RouterBenchSettings, c: int,
+                   headers: dict[str, str] | None) -> float:
+    """Router `pid`'s CPU seconds per relayed token over a run through it alone."""
+    cpu0 = _cpu_seconds(pid)
+    run = asyncio.run(_load(url + "/v1", s.model, s, c, headers))
+    return (_cpu_seconds(pid) - cpu0) / max(run.tokens, 1)
 
 
 def _row(c: int, runs: dict[str, list[RunStats]], cpu_per_token: list[float],
          steps: list[float], in_process: list[float],
-         guarded_cpu_per_token: list[float] | None = None) -> dict:
+         plain_and_guarded: tuple[list[float], list[float]] | None = None) -> dict:
     """`runs`: each repeat's direct and router stats from the same run, request i of one path
     paired with request i of the other (the same body; at one stream sent one after the
     other, above at about the same time); `steps`: the worker's mean step in each
@@ -360,7 +371,8 @@ def _row(c: int, runs: dict[str, list[RunStats]], cpu_per_token: list[float],
 
     step = statistics.median(steps)
     cpu = statistics.median(cpu_per_token)
-    guarded = statistics.median(guarded_cpu_per_token) if guarded_cpu_per_token else math.nan
+    plain, guarded = (statistics.median(x) for x in plain_and_guarded) \
+        if plain_and_guarded else (math.nan, math.nan)
     return {
         "concurrency": c,
         "direct_e2e_p50_ms": 1e3 * med("direct", "e2e"),
@@ -373,8 +385,9 @@ def _row(c: int, runs: dict[str, list[RunStats]], cpu_per_token: list[float],
         "router_cpu_us_per_token": 1e6 * cpu,
         "decode_step_ms": 1e3 * step,
         "router_cpu_per_token_over_step": cpu / step if step else float("nan"),
+        "plain_router_cpu_us_per_token": 1e6 * plain,
         "guarded_router_cpu_us_per_token": 1e6 * guarded,
-        "auth_cost_of_router_cpu": guarded / cpu - 1 if cpu else float("nan"),
+        "auth_cost_of_router_cpu": guarded / plain - 1 if plain else float("nan"),
     }
 
 
@@ -389,8 +402,8 @@ def main(s: RouterBenchSettings, as_json: bool) -> int:
         return 0
     print(f"{'streams':>7} {'direct e2e':>11} {'router e2e':>11} {'added':>9} "
           f"{'added TTFT':>11} {'router CPU/tok':>15} {'step':>10} "
-          f"{'CPU/tok / step':>15} {'in-process added':>17} {'with key+limit':>15} "
-          f"{'auth cost':>10}", flush=True)
+          f"{'CPU/tok / step':>15} {'in-process added':>17} {'plain 2nd':>12} "
+          f"{'key+limit':>12} {'auth cost':>10}", flush=True)
     for r in measure(s):
         print(f"{r['concurrency']:>7} {r['direct_e2e_p50_ms']:>9.2f}ms "
               f"{r['router_e2e_p50_ms']:>9.2f}ms {r['added_e2e_p50_ms']:>7.2f}ms "
@@ -398,6 +411,7 @@ def main(s: RouterBenchSettings, as_json: bool) -> int:
               f"{r['decode_step_ms']:>8.2f}ms "
               f"{100 * r['router_cpu_per_token_over_step']:>14.2f}% "
               f"{r['in_process_added_mean_ms']:>15.2f}ms "
-              f"{r['guarded_router_cpu_us_per_token']:>12.1f} us "
+              f"{r['plain_router_cpu_us_per_token']:>9.1f} us "
+              f"{r['guarded_router_cpu_us_per_token']:>9.1f} us "
               f"{100 * r['auth_cost_of_router_cpu']:>+9.2f}%", flush=True)
     return 0
