@@ -35,14 +35,12 @@ def test_one_stream_adds_the_median_of_pair_differences() -> None:
     assert row["in_process_added_mean_ms"] == pytest.approx(0.4)
 
 
-def test_auth_cost_is_the_guarded_routers_cpu_per_token_against_the_plain_ones() -> None:
+def test_auth_cost_is_the_checks_per_request_against_the_routers_cpu_per_request() -> None:
     direct = stats([0.100], [0.010])
     row = _row(64, {"direct": [direct], "router": [direct]}, [100e-6, 120e-6, 110e-6],
-               [0.05] * 3, [0.0] * 3, ([90e-6, 100e-6, 110e-6], [112.2e-6, 101e-6, 130e-6]))
-    assert row["router_cpu_us_per_token"] == pytest.approx(110)
-    assert row["plain_router_cpu_us_per_token"] == pytest.approx(100)
-    assert row["guarded_router_cpu_us_per_token"] == pytest.approx(112.2)
-    assert row["auth_cost_of_router_cpu"] == pytest.approx(0.122)
+               [0.05] * 3, [0.0] * 3, ([3e-6, 2e-6, 9e-6], [16.0, 15.0, 17.0]))
+    assert row["auth_check_us_per_request"] == pytest.approx(3)
+    assert row["auth_cost_of_router_cpu"] == pytest.approx(3e-6 / (110e-6 * 16))
 
 
 def test_one_stream_pairs_alternate_which_path_goes_first(monkeypatch) -> None:
