@@ -325,3 +325,27 @@ def test_bad_access_or_limit_options_are_refused_before_anything_starts(
         argv: list[str], match: str) -> None:
     with pytest.raises(ValueError, match=match):
         UpConfig.from_args(_args(*argv))
+
+
+@pytest.mark.parametrize(("cached", "argv", "said"), [
+    (False, [], True),
+    (True, [], False),
+    (False, ["--no-cpu-kernels"], False),
+    (False, ["--dtype", "float32"], False),
+])
+def test_run_up_says_first_when_the_workers_must_compile_the_cpu_operators(
+        monkeypatch, capsys, cached: bool, argv: list[str], said: bool) -> None:
+    from pdserve.engine import kernels
+
+    def start_workers(*args, **kwargs) -> int:
+        print("workers started", file=sys.stderr)
+        return 0
+
+    monkeypatch.setattr(kernels, "is_cached", lambda: cached)
+    monkeypatch.setattr(up, "run", start_workers)
+    assert up.run_up(_args("--cpus", str(min(os.sched_getaffinity(0))), *argv)) == 0
+    err = capsys.readouterr().err
+    note = ("compiling pdserve's CPU operators once for this environment (about 100 s on 1 core "
+            "per worker); workers report ready after that\n")
+    assert (note in err) == said
+    assert err.endswith(f"{note if said else ''}workers started\n")

@@ -24,6 +24,7 @@ from pdserve.cluster.layout import (
     UpConfig,
     base_url,
     plan_processes,
+    worker_cores,
 )
 from pdserve.cluster.secret import remove_secret, write_secret
 from pdserve.cluster.supervisor import ClusterError, run
@@ -170,6 +171,7 @@ def run_up(args: argparse.Namespace) -> int:
         auth = InternalAuth(read_secret_file(secret))
         specs = plan_processes(config, secret)
         print(_layout_line(config), file=sys.stderr, flush=True)
+        _note_kernel_build(config)
         return run([specs[:-1], specs[-1:]], config.ready_timeout_s,
                    on_ready=lambda: _announce(config), auth=auth)
     except ClusterError as e:
@@ -192,6 +194,21 @@ def _layout_line(config: UpConfig) -> str:
     cores = ",".join(map(str, config.cpus[:config.num_workers]))
     return (f"starting {_workers_phrase(config)} (model {config.model}, cores {cores}), "
             f"then the router on port {config.port}")
+
+
+def _note_kernel_build(config: UpConfig) -> None:
+    """Say so, before the workers start, when their first health check waits on a build of the
+    CPU operators (bf16 on CPU with them on, none cached for this environment)."""
+    if not (config.cpu_kernels and config.device == "cpu" and config.dtype == "bfloat16"):
+        return
+    from pdserve.engine import kernels
+
+    if kernels.is_cached():
+        return
+    cores = min(len(worker_cores(config, i)) for i in range(config.num_workers))
+    print(f"compiling pdserve's CPU operators once for this environment "
+          f"({kernels.build_estimate(cores)} per worker); workers report ready after that",
+          file=sys.stderr, flush=True)
 
 
 def _announce(config: UpConfig) -> None:

@@ -1,4 +1,4 @@
-"""pdserve's fused CPU operators for the bf16 decoder, compiled once per machine.
+"""pdserve's fused CPU operators for the bf16 decoder, compiled once per environment.
 
 On CPU most of a small model's step outside its matmuls is PyTorch dispatch: an RMSNorm is
 several aten calls, rotary embedding five, decode attention a block gather, a padded copy and a
@@ -9,35 +9,41 @@ They are built with `-fopenmp`, so `at::parallel_for` uses ATen's thread pool (w
 the loops silently run on one thread); the library then shares torch's libgomp, already
 loaded under the same soname.
 
-Lifetime: `cpu_ops()` compiles the sources with the host compiler the first time a process
-asks (about 40 s on 2 cores), into a cache folder named by a hash of the sources, the
-torch version and the CPU's flags, then loads the library; later processes and later calls
-load it straight away. Compilation is serialised by torch's lock file in that folder, so
-workers started together compile once. When no compiler is there or the build fails, it
-logs why once and returns None, and the model runs on PyTorch operators alone.
+Lifetime: `cpu_ops()` compiles the sources with the host compiler the first time a process of
+this environment asks (about 100 s of compiler time, spread over the process's cores), into
+`<cache root>/kernels/<key>`, the key naming everything the build depends on (`build_key.py`:
+the sources, flags, CPU, torch installation, Python ABI and compiler), so environments never
+share or rebuild each other's builds. The folder appears only finished, and workers started
+together build once (`build_cache.py`); later processes import the library from it without
+running the build tools. When no compiler is there or the build fails, it logs why once and
+returns None, and the model runs on PyTorch operators alone.
 """
 
 from __future__ import annotations
 
 import functools
-import hashlib
+import importlib.util
 import logging
-import platform
+import os
 from pathlib import Path
 from types import ModuleType
 
 import torch
 
+from pdserve.engine.kernels.build_cache import build_once, is_built
+from pdserve.engine.kernels.build_key import BuildFacts, source_digest, this_environment
 from pdserve.engine.model.config import ModelConfig
 from pdserve.engine.model.hub import cache_root
 
 log = logging.getLogger(__name__)
 
+NAME = "pdserve_cpu_ops"
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = ("bindings.cpp", "norm.cpp", "activation.cpp", "rope.cpp", "kv_store.cpp",
            "decode_attention.cpp", "amx_linear.cpp", "dpbf16_linear.cpp", "argmax.cpp",
            "decode_layer.cpp")
 HEADERS = ("ops.h", "vec.h", "linear_call.h")
+BUILD_CORE_SECONDS = 100  # compiler time of a build over its sources (110 s on 1 Zen 4 core, busy)
 
 
 def supports(cfg: ModelConfig) -> bool:
@@ -46,25 +52,27 @@ def supports(cfg: ModelConfig) -> bool:
     return cfg.head_dim in (64, 128) and cfg.num_heads // cfg.num_kv_heads <= 8
 
 
-def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
-    except OSError:
-        pass
-    return platform.processor()
+def build_facts() -> BuildFacts:
+    """What a build here depends on (the compiler's identity is asked once a process)."""
+    files = [CSRC / name for name in (*SOURCES, *HEADERS)]
+    return this_environment(source_digest(files), tuple(_cflags()))
 
 
 def build_dir() -> Path:
-    """Cache folder of this source tree built for this torch on this CPU (-march=native)."""
-    h = hashlib.sha256()
-    for name in (*SOURCES, *HEADERS):
-        h.update((CSRC / name).read_bytes())
-    h.update(torch.__version__.encode())
-    h.update(_cpu_flags().encode())
-    h.update(" ".join(_cflags()).encode())
-    return cache_root() / "kernels" / h.hexdigest()[:16]
+    """Cache folder of this source tree built in this environment on this CPU."""
+    return cache_root() / "kernels" / build_facts().key()
+
+
+def is_cached() -> bool:
+    """Whether this environment's build is in the cache, so `cpu_ops()` only loads it."""
+    return is_built(build_dir())
+
+
+def build_estimate(cores: int) -> str:
+    """About how long a build takes on `cores` cores (one source per core at a time), in
+    words: "about 50 s on 2 cores"."""
+    seconds = max(10, round(BUILD_CORE_SECONDS / max(1, min(cores, len(SOURCES)))))
+    return f"about {seconds} s on {cores} core{'s' if cores != 1 else ''}"
 
 
 def _cflags() -> list[str]:
@@ -79,17 +87,33 @@ def _cflags() -> list[str]:
 @functools.cache
 def cpu_ops() -> ModuleType | None:
     """The compiled operators, or None (logged once) where they cannot be built here."""
-    from torch.utils.cpp_extension import load
-
     folder = build_dir()
-    folder.mkdir(parents=True, exist_ok=True)
-    if not any(folder.glob("*.so")):
-        log.warning("compiling pdserve's fused CPU operators into %s (once per machine, "
-                    "about 40 s on 2 cores)", folder)
     try:
-        return load(name="pdserve_cpu_ops", sources=[str(CSRC / s) for s in SOURCES],
-                    extra_cflags=_cflags(), extra_ldflags=["-fopenmp"], build_directory=str(folder),
-                    verbose=False)
+        built = build_once(folder, functools.partial(_compile, folder))
+        return built if built is not None else _import(folder / f"{NAME}.so")
     except (OSError, RuntimeError, ImportError) as e:  # no compiler, failed build
         log.warning("fused CPU operators unavailable, using PyTorch operators: %s", e)
         return None
+
+
+def _compile(final: Path, tmp: Path) -> ModuleType:
+    """Build into the empty folder `tmp` (renamed to `final` afterwards) and import it."""
+    from torch.utils.cpp_extension import load
+
+    log.warning("compiling pdserve's fused CPU operators into %s (once for this environment, "
+                "%s)", final, build_estimate(len(os.sched_getaffinity(0))))
+    (tmp / "build-key.json").write_text(build_facts().describe())
+    module = load(name=NAME, sources=[str(CSRC / s) for s in SOURCES], extra_cflags=_cflags(),
+                  extra_ldflags=["-fopenmp"], build_directory=str(tmp), verbose=False)
+    module.__file__ = str(final / f"{NAME}.so")  # where it lives once the build is published
+    return module
+
+
+def _import(library: Path) -> ModuleType:
+    """Import a finished build's extension module."""
+    spec = importlib.util.spec_from_file_location(NAME, library)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot import {library}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
