@@ -1,4 +1,4 @@
-"""KV bytes per token and per request, TP splitting and wire time (DESIGN.md sections 1, 5, 11)."""
+"""KV bytes per token and per request, TP splitting and wire time."""
 
 from __future__ import annotations
 

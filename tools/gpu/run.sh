@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On the GPU machine (the device tool's `run`, carry [".whl", ".gpu"], after prepare.sh here):
 # the gpu-marked tests, then `pdserve bench router --device cuda` on a SmolLM2-shaped model with
-# random weights. Logs go to $OUT. About 5 minutes after the machine starts (stop 19: tests
+# random weights. Logs go to $OUT. About 5 minutes after the machine starts (on an H200: tests
 # 135 s with the set-up, the one-stream level of the bench 190 s).
 export PYTHONUNBUFFERED=1
 t0=$(date +%s)

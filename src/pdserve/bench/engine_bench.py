@@ -8,7 +8,8 @@ at the start and at the end of the bench (a shared machine's neighbours only eve
   transformers: `generate()` for 1 + decode_steps new tokens minus `generate()` for 1 (its
   prefill), same batch and prompt length, same dtype.
   roofline: every step reads every weight once, so tok/s <= B x bandwidth / weight bytes, with
-  the bandwidth measured here by a large read (memory-bound decode, DESIGN.md s1).
+  the bandwidth measured here by a large read (decode is memory-bound: each step reads
+  every weight once).
   compute roof: every token costs its FLOPs (below), so tok/s <= peak bf16 matmul FLOP/s
   measured here / FLOPs per token, whatever the batch. A step is bound by the lower of the two
   (Williams et al. 2009, "Roofline"); `of bound` is the share of that. Where the matmul peak

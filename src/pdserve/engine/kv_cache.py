@@ -4,7 +4,7 @@ Layout: one tensor [num_blocks, num_layers, 2 (K, V), block_size, kv_heads, head
 id addresses the same token slots in every layer, and one block is one contiguous region
 holding every layer's K and V: moving a request's KV is one region per block, the fewest
 descriptors a transfer can have (NIXL moves few large regions much faster than many small
-ones, DESIGN.md s5). A (block, layer) slice is still contiguous for layer-wise streaming.
+ones). A (block, layer) slice is still contiguous for layer-wise streaming.
 Attention reads a layer through a strided view, gathering blocks by id.
 """
 

@@ -1,6 +1,6 @@
 """KV-cache bytes and the time to move them over a link.
 
-Formulas (DESIGN.md sections 1 and 11):
+Formulas:
 - MHA/GQA: every layer keeps a K and a V vector per KV head per token, so
   bytes/token = 2 x layers x kv_heads x head_dim x dtype bytes.
 - MLA (DeepSeek-V2 paper, arXiv 2405.04434, section 2.1.2; DeepSeek-V3 keeps it): every layer
@@ -71,7 +71,7 @@ def kv_bytes_per_token_per_rank(shape: ModelShape, kv_dtype: str, tp: int) -> in
         check_tp(tp)
         return kv_bytes_per_token(shape, kv_dtype)
     heads = kv_heads_per_rank(shape.num_kv_heads, tp)
-    # 2 (K and V) x layers x heads on this rank x head_dim x bytes (DESIGN.md section 1).
+    # 2 (K and V) x layers x heads on this rank x head_dim x bytes (the MHA/GQA formula above).
     return 2 * shape.num_layers * heads * shape.head_dim * dtype_bytes(kv_dtype)
 
 

@@ -8,7 +8,7 @@ Definitions (all per TP group of `tp` GPUs, one "worker"):
   PREFILL_BATCH_TOKENS tokens (a scheduler token budget), n = max(1, budget // prompt) per
   step, so it is the time of such a step / n (short prompts share one weight read).
 - decode worker-seconds per request = decode steps x step time / decode batch, with
-  decode steps = output_tokens - 1 (token 0 comes from prefill, DESIGN.md section 3) and the
+  decode steps = output_tokens - 1 (the prefill worker samples token 0) and the
   step taken at the mean context of a request's decode, prompt + output / 2.
 - prefill_decode_ratio = prefill worker-seconds / decode worker-seconds: prefill workers needed
   per decode worker for the two pools to keep pace (None when there is no decode step).

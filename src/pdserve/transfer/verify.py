@@ -3,7 +3,7 @@
 Run after the bytes landed (push: the sender's completion notice arrived; pull: the reads
 finished) and before `Engine.kv_ready`: never decode from unverified KV. The caller guarantees
 that no writer touches the destination blocks while this reads them. A report that is not `ok`
-is a failed transfer (retry once, then recompute locally; DESIGN.md s5).
+is a failed transfer (the decode worker then recomputes the prompt itself).
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ Delivery: the engine loop hands each iteration's items to the HTTP thread in one
 (`EngineLoop._flush`), which puts them into their legs' sinks. A leg's events of that callback
 become one reply, and the replies of every leg the iteration advanced leave in one message,
 written at the end of that same callback (`delivered`, `start_eagerly`). No task wakes per
-leg, and no later turn of the loop: with a task per leg (stop 17), one stream cost the
+leg, and no later turn of the loop: with a task per leg (an earlier design), one stream cost the
 worker's HTTP thread 347-366 us per token against 305-316 us on the worker's own OpenAI
 endpoint, on the core the engine computes on; with the send two turns later (a call_soon,
 then a task), 304-327 us, and 268-292 us written in the callback. Each turn takes the GIL and

@@ -72,7 +72,7 @@ class ModelConfig:
         return self.max_position_embeddings
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
-        """K and V for every layer: 2 x layers x kv_heads x head_dim x bytes (DESIGN.md s1)."""
+        """K and V for every layer: 2 x layers x kv_heads x head_dim x bytes."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
 
     @classmethod
