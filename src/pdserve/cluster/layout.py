@@ -28,6 +28,7 @@ from pdserve.cli_args import parse_size
 from pdserve.cluster.child import ProcessSpec
 from pdserve.config import DTYPES, check_device
 from pdserve.internal_auth import read_secret_file
+from pdserve.router.access import rate_limit_from_args
 from pdserve.router.rate_limit import RateLimit
 from pdserve.workers.settings import LAYERWISE
 
@@ -170,13 +171,7 @@ class UpConfig:
                    max_num_seqs=args.max_num_seqs, cpu_kernels=args.cpu_kernels,
                    secret_file=args.secret_file, serve_public=args.serve_public,
                    metrics_key_file=args.metrics_key_file, api_keys_file=args.api_keys_file,
-                   rate_limit=_rate_limit(args), limits=limits_from_args(args))
-
-
-def _rate_limit(args: argparse.Namespace) -> RateLimit | None:
-    if args.rate_burst is not None and args.rate_limit is None:
-        raise ValueError("--rate-burst sizes the bucket of --rate-limit: give --rate-limit too")
-    return None if args.rate_limit is None else RateLimit.of(args.rate_limit, args.rate_burst)
+                   rate_limit=rate_limit_from_args(args), limits=limits_from_args(args))
 
 
 def worker_counts(prefill: int | None, decode: int | None,

@@ -29,6 +29,7 @@ from pdserve.cluster.layout import (
 from pdserve.cluster.secret import remove_secret, write_secret
 from pdserve.cluster.supervisor import ClusterError, run
 from pdserve.internal_auth import InternalAuth, read_secret_file
+from pdserve.router.access import add_client_access_args
 from pdserve.workers.settings import LAYERWISE, LAYERWISE_HELP
 
 __all__ = ["UpConfig", "add_up_parser", "plan_processes", "run_up"]
@@ -146,17 +147,7 @@ def _add_access_args(p: argparse.ArgumentParser) -> None:
                    help="/metrics of the router and of every worker then requires "
                         "'Authorization: Bearer <key>' with a key from FILE, one a line "
                         "(default: /metrics is open)")
-    p.add_argument("--api-keys-file", type=Path, default=None, metavar="FILE",
-                   help="clients of the router's /v1 must send 'Authorization: Bearer <key>' "
-                        "with a key from FILE, one a line ('#' starts a comment; at least 16 "
-                        "characters each); 401 otherwise (default: /v1 is open)")
-    p.add_argument("--rate-limit", type=float, default=None, metavar="R",
-                   help="requests per second each API key (each client address without keys) "
-                        "may send to the router, as a token bucket; 429 with Retry-After "
-                        "beyond it (default: no limit)")
-    p.add_argument("--rate-burst", type=int, default=None, metavar="B",
-                   help="the bucket's size: requests a key may send at once after a quiet "
-                        "spell (default: R rounded up, at least 1)")
+    add_client_access_args(p)  # the router's
     add_limit_args(p)
 
 

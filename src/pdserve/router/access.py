@@ -98,17 +98,25 @@ def _unauthorized(error: ApiError) -> web.Response:
 
 
 def add_access_args(p: argparse.ArgumentParser) -> None:
+    """The router's options: a key on the command line, the shared ones, the metrics key."""
     p.add_argument("--api-key", action="append", default=[], metavar="KEY",
                    help="a key clients must send as 'Authorization: Bearer KEY' on /v1/* "
                         "(repeat for several; at least 16 characters). Visible to other local "
                         "users in the process list: prefer --api-keys-file. With no key given, "
                         "/v1/* is open")
-    p.add_argument("--api-keys-file", type=Path, default=None, metavar="FILE",
-                   help="file of accepted API keys, one a line ('#' starts a comment): list an "
-                        "old and a new key together to rotate")
+    add_client_access_args(p)
     p.add_argument("--metrics-key-file", type=Path, default=None, metavar="FILE",
                    help="file with the key(s), one a line, that /metrics then requires as "
                         "'Authorization: Bearer <key>' (default: /metrics is open)")
+
+
+def add_client_access_args(p: argparse.ArgumentParser) -> None:
+    """What clients of /v1 need and may do: `pdserve router`'s and `pdserve up`'s options."""
+    p.add_argument("--api-keys-file", type=Path, default=None, metavar="FILE",
+                   help="file of accepted API keys, one a line ('#' starts a comment; at least "
+                        "16 characters each), that clients send as 'Authorization: Bearer "
+                        "<key>' on /v1/*, else 401: list an old and a new key together to "
+                        "rotate (default: /v1/* is open)")
     p.add_argument("--rate-limit", type=float, default=None, metavar="R",
                    help="requests per second each API key (each client address when there are "
                         "no keys) may send to /v1/*, as a token bucket; beyond it 429 with "
@@ -116,6 +124,13 @@ def add_access_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rate-burst", type=int, default=None, metavar="B",
                    help="requests a key may send at once after a quiet spell (the bucket's "
                         "size; default: R rounded up, at least 1)")
+
+
+def rate_limit_from_args(args: argparse.Namespace) -> RateLimit | None:
+    """ValueError for a bad limit, or a burst without a limit."""
+    if args.rate_burst is not None and args.rate_limit is None:
+        raise ValueError("--rate-burst sizes the bucket of --rate-limit: give --rate-limit too")
+    return None if args.rate_limit is None else RateLimit.of(args.rate_limit, args.rate_burst)
 
 
 def access_from_args(args: argparse.Namespace) -> AccessSettings:
@@ -126,7 +141,4 @@ def access_from_args(args: argparse.Namespace) -> AccessSettings:
                  for k in read_key_file(args.api_keys_file, "--api-keys-file")]
     metrics = None if args.metrics_key_file is None else \
         KeySet(read_key_file(args.metrics_key_file, "--metrics-key-file"))
-    if args.rate_burst is not None and args.rate_limit is None:
-        raise ValueError("--rate-burst sizes the bucket of --rate-limit: give --rate-limit too")
-    limit = None if args.rate_limit is None else RateLimit.of(args.rate_limit, args.rate_burst)
-    return AccessSettings(KeySet(keys) if keys else None, metrics, limit)
+    return AccessSettings(KeySet(keys) if keys else None, metrics, rate_limit_from_args(args))
