@@ -2,7 +2,8 @@
 
 Options pick a misbehaviour: --exit-code (exit before serving), --delay (serve late),
 --ignore-term (survive SIGTERM), --grandchild (leave a SIGTERM-proof child in its group),
---die-after (exit with code 3 that long after it started serving). Without --secret-file it
+--die-after (exit with code 3 that long after it started serving); --report-pdeathsig prints
+the signal it gets when its parent dies. Without --secret-file it
 answers every GET /health with 200 and no proof (as a process of another run might); with it,
 a signed /health as a worker does: with its proof of the secret, or 401.
 """
@@ -63,10 +64,15 @@ def main() -> None:
     p.add_argument("--grandchild", action="store_true")
     p.add_argument("--die-after", type=float, default=None)
     p.add_argument("--secret-file", default=None)
+    p.add_argument("--report-pdeathsig", action="store_true")
     args = p.parse_args()
     if args.ignore_term:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
     print(f"pid {os.getpid()}", flush=True)
+    if args.report_pdeathsig:
+        from pdserve.cluster import parent_death
+
+        print(f"pdeathsig {parent_death.current()}", flush=True)
     if args.grandchild:
         sleeper = subprocess.Popen([sys.executable, "-c", _SLEEPER])
         print(f"grandchild {sleeper.pid}", flush=True)

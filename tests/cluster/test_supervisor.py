@@ -15,8 +15,10 @@ from pathlib import Path
 
 import pytest
 
+from pdserve.cluster import parent_death
 from pdserve.cluster.child import is_healthy
-from pdserve.cluster.supervisor import ClusterError, ProcessSpec, Supervisor
+from pdserve.cluster.restarts import RestartHistory
+from pdserve.cluster.supervisor import ClusterError, ProcessSpec, RestartPolicy, Supervisor
 from pdserve.internal_auth import InternalAuth, read_secret_file
 from tests.cluster.helpers import fake_spec, gone_soon, running
 
@@ -212,3 +214,95 @@ def test_signed_checks_need_the_secret() -> None:
     spec = dataclasses.replace(fake_spec("a"), signed_health=True)
     with pytest.raises(ValueError, match="need signed health checks"):
         Supervisor(io.StringIO()).start([spec], 1)
+
+
+def test_restart_budget_counts_exits_within_the_window_and_backs_off() -> None:
+    policy = RestartPolicy(max_restarts=3, window_s=10, backoff_s=0.5, max_backoff_s=1.5)
+    history = RestartHistory(policy)
+    assert [history.record(3, 1, now) for now in (0, 1, 2)] == [0.5, 1.0, 1.5]
+    assert history.record(3, 1, 10.5) == 1.5  # 3 exits within 10 s (at 1, 2, 10.5): allowed
+    assert history.record(-9, 1, 10.8) is None  # the 4th within 10 s
+    assert history.codes == [3, 3, 3, -9]
+    healthy = RestartHistory(policy)
+    assert [healthy.record(3, 1, 0), healthy.record(3, 1, 1)] == [0.5, 1.0]
+    assert healthy.record(3, 10, 11) == 0.5  # it ran a whole window: backoff starts again
+    with pytest.raises(ValueError, match="restart window"):
+        RestartPolicy(window_s=0)
+
+
+def _restarting(name: str, *options: str) -> ProcessSpec:
+    return dataclasses.replace(fake_spec(name, *options), restart=True)
+
+
+def test_a_crash_loop_is_restarted_with_backoff_then_stopped_at_the_budget() -> None:
+    log = io.StringIO()
+    policy = RestartPolicy(max_restarts=2, window_s=60, backoff_s=0.2, max_backoff_s=0.3)
+    sup = Supervisor(log, grace_s=1, restart_policy=policy)
+    sup.start([fake_spec("steady"), _restarting("crashy", "--die-after", "0.5")], 10)
+    t0 = time.monotonic()
+    try:
+        assert sup.wait() == 1
+        assert running(sup.pids[0])  # the others served on meanwhile
+    finally:
+        sup.stop()
+    assert time.monotonic() - t0 >= 0.5  # both backoffs were waited
+    text = log.getvalue()
+    assert text.count("[crashy] pid ") == 3
+    assert ("crashy exited with code 3; restarting it in 0.2 s (restart 1 of at most 2 "
+            "restarts within 60 s)") in text
+    assert "crashy exited with code 3; restarting it in 0.3 s (restart 2 of" in text
+    assert ("crashy exited with code 3: 3 exits within 60 s (exit codes 3, 3, 3), over the "
+            "restart budget (at most 2 restarts within 60 s per process): stopping "
+            "everything") in text
+    assert not any(running(pid) for pid in sup.pids)
+
+
+def test_crashes_spaced_beyond_the_window_keep_the_cluster_up() -> None:
+    log = io.StringIO()
+    policy = RestartPolicy(max_restarts=1, window_s=0.4, backoff_s=0.1, max_backoff_s=0.4)
+    sup = Supervisor(log, grace_s=1, restart_policy=policy)
+    sup.start([_restarting("rare", "--die-after", "0.6")], 10)
+
+    def stop_after_three_exits() -> None:  # wait() stays on this thread, which launched
+        deadline = time.monotonic() + 30
+        while log.getvalue().count("rare exited") < 3 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        sup.request_stop(signal.SIGTERM)
+
+    watcher = threading.Thread(target=stop_after_three_exits, daemon=True)
+    watcher.start()
+    try:
+        assert sup.wait() == 0
+    finally:
+        sup.stop()
+    text = log.getvalue()
+    assert text.count("rare exited with code 3") >= 3
+    assert "over the restart budget" not in text
+    assert text.count("restarting it in 0.1 s (restart 1 of at most 1") >= 3  # backoff reset
+
+
+def test_killing_the_supervisor_stops_its_children() -> None:
+    proc = _drive(fake_spec("w", "--report-pdeathsig"), fake_spec("r", "--report-pdeathsig"))
+    try:
+        seen = _read_until(_lines(proc), "READY")
+        pids = [int(line.split()[-1]) for line in seen if "] pid " in line]
+        assert len(pids) == 2 and all(running(pid) for pid in pids)
+        assert sum(f"pdeathsig {int(signal.SIGTERM)}" in line for line in seen) == 2
+        proc.kill()
+        proc.wait(timeout=10)
+    finally:
+        proc.kill()
+    assert all(gone_soon(pid, within_s=10) for pid in pids)
+
+
+def test_a_child_whose_parent_died_before_it_was_guarded_exits() -> None:
+    """The parent-death signal cannot come when the parent is already gone: the child must
+    notice (its parent pid is not the one expected) and exit rather than run on."""
+    other = subprocess.Popen([sys.executable, "-c", "pass"])
+    other.wait()
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"],
+                             preexec_fn=parent_death.guard(parent=other.pid))
+    try:
+        assert child.wait(timeout=10) == parent_death.PARENT_GONE
+    finally:
+        child.kill()

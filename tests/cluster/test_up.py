@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import argparse
 import os
+import socket
 import stat
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -14,6 +17,7 @@ from pdserve.cluster import up
 from pdserve.cluster.layout import UpConfig, parse_cpus, plan_processes, worker_counts
 from pdserve.cluster.secret import remove_secret, write_secret
 from pdserve.cluster.supervisor import ProcessSpec
+from pdserve.cluster.up_process import free_port
 from tests.cluster.helpers import fake_spec
 
 SECRET = Path("/run/secret")
@@ -349,3 +353,60 @@ def test_run_up_says_first_when_the_workers_must_compile_the_cpu_operators(
             "per worker); workers report ready after that\n")
     assert (note in err) == said
     assert err.endswith(f"{note if said else ''}workers started\n")
+
+
+_OWN_A_SECRET = ("import sys, time; from pathlib import Path; "
+                 "from pdserve.cluster.secret import write_secret; "
+                 "print(write_secret(Path(sys.argv[1])), flush=True); time.sleep(60)")
+
+
+def _secret_owner(root: Path) -> tuple[subprocess.Popen[str], Path]:
+    """A process that made a secret directory under `root` as `pdserve up` does, and lives."""
+    proc = subprocess.Popen([PY, "-c", _OWN_A_SECRET, str(root)], stdout=subprocess.PIPE,
+                            text=True)
+    assert proc.stdout is not None
+    return proc, Path(proc.stdout.readline().strip()).parent
+
+
+def test_the_next_run_removes_the_secrets_of_killed_runs_only(monkeypatch, capsys,
+                                                              tmp_path: Path) -> None:
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    killed, killed_dir = _secret_owner(tmp_path)
+    live, live_dir = _secret_owner(tmp_path)
+    reused = tmp_path / "pdserve-up-reused"  # its pid now names another process (this one)
+    reused.mkdir(mode=0o700)
+    (reused / "owner").write_text(f"{os.getpid()} 1")
+    unfinished = tmp_path / "pdserve-up-unfinished"  # being made: no owner file yet
+    unfinished.mkdir(mode=0o700)
+    try:
+        killed.kill()
+        killed.wait()
+        secrets = _fake_plan(monkeypatch, fake_spec("prefill-0"),
+                             fake_spec("router", "--die-after", "0.3"))
+        assert up.run_up(_args("--cpus", str(min(os.sched_getaffinity(0))))) == 1
+        assert (live_dir / "cluster-secret").exists()
+    finally:
+        live.kill()
+        live.wait()
+    assert not killed_dir.exists() and not reused.exists()
+    assert unfinished.exists() and not secrets[0].parent.exists()
+    err = capsys.readouterr().err
+    assert f"removed {killed_dir}, left by a pdserve up that is gone" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([live_dir.name,
+                                                                 unfinished.name])
+
+
+@pytest.mark.parametrize(("offset", "purpose"), [(101, "prefill-0 (KV transfers)"),
+                                                 (2, "decode-0 (HTTP)"), (0, "router (HTTP)")])
+def test_run_up_refuses_a_port_in_use_before_anything_starts(
+        monkeypatch, tmp_path: Path, offset: int, purpose: str) -> None:
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setattr(up, "run", lambda *a, **k: pytest.fail("started processes"))
+    port = free_port((0, 1, 2, 101, 102))
+    with socket.create_server(("127.0.0.1", port + offset)), pytest.raises(ValueError) as info:
+        up.run_up(_args("--port", str(port)))
+    assert str(info.value).startswith(f"port {port + offset} on 127.0.0.1, planned for "
+                                      f"{purpose}, is in use (")
+    assert str(info.value).endswith("another pdserve up, or something else, is listening "
+                                    "there; stop it or use --port")
+    assert list(tmp_path.iterdir()) == []  # the run's secret is gone too

@@ -1,9 +1,11 @@
 """One supervised child process: its Popen, the thread that relays its output, its last lines.
 
 Lifetime: `Child.launch` starts the process in a new session (so its process group id is its pid
-and a terminal's Ctrl-C reaches only the supervisor); `exit_code` looks without reaping, so the
-pid (and with it the process group id) cannot be reused until `reap`; `reap` is the only place
-that collects the exit status. The relay thread ends when the last holder of the pipe exits.
+and a terminal's Ctrl-C reaches only the supervisor) with a parent-death signal (SIGTERM when
+the supervisor dies, even by SIGKILL: `parent_death.py`); `exit_code` looks without reaping,
+so the pid (and with it the process group id) cannot be reused until `reap`; `reap` is the
+only place that collects the exit status. The relay thread ends when the last holder of the
+pipe exits.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from http.client import HTTPException
 from typing import TextIO
 from urllib.parse import urlsplit
 
+from pdserve.cluster import parent_death
 from pdserve.internal_auth import AUTH_HEADER, PROOF_HEADER, InternalAuth
 
 TAIL_LINES = 20
@@ -108,10 +111,12 @@ class Child:
 
     @classmethod
     def launch(cls, spec: ProcessSpec, sink: LogSink) -> Child:
-        """Start `spec` in its own session, stdout and stderr merged into one relayed pipe."""
+        """Start `spec` in its own session, stdout and stderr merged into one relayed pipe,
+        told to die with this process (call from the supervisor's long-lived thread)."""
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **(spec.env or {})}
         proc = subprocess.Popen(spec.argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, env=env, start_new_session=True)
+                                stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                                preexec_fn=parent_death.guard())
         return cls(spec, proc, sink)
 
     @property

@@ -7,6 +7,12 @@ signal handlers `run` installs) or a child dies -> `stop()`. `stop` is idempoten
 nothing running: every child's process group gets SIGTERM, then SIGKILL after the grace
 period, and every child is reaped. After `stop`, `start` refuses. A failed `start` has already
 stopped everything when it raises `ClusterError`.
+
+A child whose spec says `restart` and that dies during `wait` is started again at the same argv
+after a backoff, within the budget of the supervisor's `RestartPolicy` (`restarts.py`); over
+it, `wait` reports the child and its exit codes and returns 1 (and the caller stops the rest).
+Every child gets SIGTERM if the supervisor dies (`parent_death.py`), so children are launched
+only from the thread that created the supervisor and lives as long as it.
 """
 
 from __future__ import annotations
@@ -18,13 +24,14 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import TextIO
 
+from pdserve.cluster import parent_death
 from pdserve.cluster.child import Child, LogSink, ProcessSpec, is_healthy
+from pdserve.cluster.restarts import RestartHistory, RestartPolicy
 from pdserve.internal_auth import InternalAuth
 
-__all__ = ["ClusterError", "ProcessSpec", "Supervisor", "run"]
+__all__ = ["ClusterError", "ProcessSpec", "RestartPolicy", "Supervisor", "run"]
 
 POLL_S = 0.1
-MAX_RESTARTS = 10  # restarts of `restart` children over a supervisor's life
 PROGRESS_EVERY_S = 15.0
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
@@ -46,10 +53,12 @@ class Supervisor:
     """Owns its children from `start` until `stop` (see the module docstring for the order)."""
 
     def __init__(self, log: TextIO | None = None, grace_s: float = 10.0,
-                 auth: InternalAuth | None = None) -> None:
+                 auth: InternalAuth | None = None,
+                 restart_policy: RestartPolicy | None = None) -> None:
         """`log`: where children's lines and progress go (default stderr); `grace_s`: how long
         `stop` waits between SIGTERM and SIGKILL unless told otherwise; `auth`: the cluster
-        secret that signs the health checks of specs with `signed_health`."""
+        secret that signs the health checks of specs with `signed_health`; `restart_policy`:
+        the budget and backoff of restarts (default: `RestartPolicy()`)."""
         if grace_s < 0:
             raise ValueError(f"grace_s must be >= 0, got {grace_s}")
         self._grace_s = grace_s
@@ -58,7 +67,12 @@ class Supervisor:
         self._children: list[Child] = []
         self._stop_signal: int | None = None
         self._stopped = False
-        self._restarts = 0
+        self._policy = restart_policy if restart_policy is not None else RestartPolicy()
+        self._histories: dict[str, RestartHistory] = {}
+        self._due: dict[int, float] = {}  # index of a dead child -> when to start it again
+        if not parent_death.available():
+            self.log("note: children cannot be told to stop with this process here (no "
+                     "prctl); if it is killed, stop them by hand")
 
     @property
     def pids(self) -> list[int]:
@@ -144,29 +158,55 @@ class Supervisor:
             time.sleep(POLL_S if pending else 0)
 
     def wait(self) -> int:
-        """Block until a stop is requested (returns 0) or a child exits (reports it, returns 1).
-        A child whose spec says `restart` is started again instead, up to MAX_RESTARTS times
-        in all (the rest keep serving meanwhile)."""
+        """Block until a stop is requested (returns 0) or a child exits for good (reports it,
+        returns 1). A child whose spec says `restart` is started again after its backoff while
+        within the restart budget (the rest keep serving meanwhile)."""
         while self._stop_signal is None:
+            now = time.monotonic()
             for i, child in enumerate(self._children):
+                if i in self._due:
+                    if now >= self._due[i] and not self._relaunch(i):
+                        return 1
+                    continue
                 code = child.exit_code()
                 if code is None:
                     continue
-                if not child.spec.restart or self._restarts >= MAX_RESTARTS:
+                if not child.spec.restart:
                     self.log(f"{child.name} exited unexpectedly with code {code}")
                     return 1
-                self._restart(i, code)
+                if not self._schedule_restart(i, code, now):
+                    return 1
             time.sleep(POLL_S)
         return 0
 
-    def _restart(self, index: int, code: int) -> None:
+    def _schedule_restart(self, index: int, code: int, now: float) -> bool:
+        """Reap the dead child and set when to start it again; False when over its budget."""
         old = self._children[index]
         old.signal_group(signal.SIGKILL)  # strays of its group
         old.reap()
-        self._restarts += 1
-        self.log(f"{old.name} exited with code {code}; restarting it (restart "
-                 f"{self._restarts} of at most {MAX_RESTARTS})")
-        self._children[index] = Child.launch(old.spec, self._sink)
+        history = self._histories.setdefault(old.name, RestartHistory(self._policy))
+        delay = history.record(code, now - old.started_at, now)
+        if delay is None:
+            codes = ", ".join(map(str, history.codes))
+            self.log(f"{old.name} exited with code {code}: {history.in_window} exits within "
+                     f"{self._policy.window_s:g} s (exit codes {codes}), over the restart "
+                     f"budget ({self._policy.describe()} per process): stopping everything"
+                     + _describe([old], [code]))
+            return False
+        self.log(f"{old.name} exited with code {code}; restarting it in {delay:g} s (restart "
+                 f"{history.in_window} of {self._policy.describe()})")
+        self._due[index] = now + delay
+        return True
+
+    def _relaunch(self, index: int) -> bool:
+        del self._due[index]
+        spec = self._children[index].spec
+        try:
+            self._children[index] = Child.launch(spec, self._sink)
+        except OSError as e:
+            self.log(f"cannot start {spec.name} again ({spec.argv[0]}): {e}")
+            return False
+        return True
 
     def stop(self, grace_s: float | None = None) -> None:
         """SIGTERM every child's group, SIGKILL after `grace_s`, reap all. Idempotent.
@@ -222,16 +262,18 @@ def _stop_on_signals(supervisor: Supervisor) -> Iterator[None]:
 
 def run(phases: Sequence[Sequence[ProcessSpec]], ready_timeout_s: float, *,
         on_ready: Callable[[], None] | None = None, grace_s: float = 10.0,
-        log: TextIO | None = None, auth: InternalAuth | None = None) -> int:
+        log: TextIO | None = None, auth: InternalAuth | None = None,
+        restart_policy: RestartPolicy | None = None) -> int:
     """Start `phases` in order (all within `ready_timeout_s`), call `on_ready`, wait, stop.
 
     SIGINT and SIGTERM request the stop while this runs; the previous handlers are restored on
     return. Returns 0 when a signal stops a ready cluster, 1 when a child died while serving,
     128 + the signal when one interrupted start-up. Raises ClusterError when a child failed to
     come up. However it ends, every child has been stopped and reaped on return. `auth` signs
-    the health checks of specs with `signed_health` (see `Supervisor`).
+    the health checks of specs with `signed_health`, and `restart_policy` bounds restarts (see
+    `Supervisor`).
     """
-    supervisor = Supervisor(log, grace_s=grace_s, auth=auth)
+    supervisor = Supervisor(log, grace_s=grace_s, auth=auth, restart_policy=restart_policy)
     with _stop_on_signals(supervisor):
         try:
             return _drive(supervisor, phases, time.monotonic() + ready_timeout_s, on_ready)

@@ -26,7 +26,8 @@ from pdserve.cluster.layout import (
     plan_processes,
     worker_cores,
 )
-from pdserve.cluster.secret import remove_secret, write_secret
+from pdserve.cluster.ports import check_ports_free, planned_ports
+from pdserve.cluster.secret import remove_secret, remove_stale_secrets, write_secret
 from pdserve.cluster.supervisor import ClusterError, run
 from pdserve.internal_auth import InternalAuth, read_secret_file
 from pdserve.router.access import add_client_access_args
@@ -154,13 +155,17 @@ def _add_access_args(p: argparse.ArgumentParser) -> None:
 def run_up(args: argparse.Namespace) -> int:
     """Handler of `pdserve up`: 0 after Ctrl-C/SIGTERM, 1 when a process failed or died.
 
-    Raises ValueError on bad options (before anything starts).
+    Raises ValueError on bad options or a port in use (before anything starts). First removes
+    the secret directories that runs killed before their cleanup left behind.
     """
     config = UpConfig.from_args(args)
+    for folder in remove_stale_secrets():
+        print(f"removed {folder}, left by a pdserve up that is gone", file=sys.stderr)
     secret = config.secret_file or write_secret()
     try:
         auth = InternalAuth(read_secret_file(secret))
         specs = plan_processes(config, secret)
+        check_ports_free(config.host, planned_ports(specs))
         print(_layout_line(config), file=sys.stderr, flush=True)
         _note_kernel_build(config)
         return run([specs[:-1], specs[-1:]], config.ready_timeout_s,
