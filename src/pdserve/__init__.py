@@ -10,8 +10,8 @@ import importlib
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from pdserve.common.sampling_params import SamplingParams
     from pdserve.engine.outputs import CompletionOutput, RequestOutput
-    from pdserve.engine.sampling_params import SamplingParams
     from pdserve.llm import LLM
 
 __all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams"]
@@ -19,7 +19,7 @@ __version__ = "0.1.0"
 
 _HOMES = {
     "LLM": "pdserve.llm",
-    "SamplingParams": "pdserve.engine.sampling_params",
+    "SamplingParams": "pdserve.common.sampling_params",
     "RequestOutput": "pdserve.engine.outputs",
     "CompletionOutput": "pdserve.engine.outputs",
 }

@@ -1,38 +1,11 @@
-"""Engine configuration: one frozen dataclass, validated at construction."""
+"""Engine configuration: one frozen dataclass, validated at construction (torch-free: the engine
+maps `dtype` to its torch dtype)."""
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
-from enum import StrEnum
 
-import torch
-
-DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-}
-
-
-def check_device(device: str) -> str:
-    """`device` if it names one the engine takes: 'cpu', 'cuda' or 'cuda:N'; else ValueError."""
-    if not re.fullmatch(r"cpu|cuda(:\d+)?", device):
-        raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}")
-    return device
-
-
-class Role(StrEnum):
-    """What an engine does with a request.
-
-    COLLOCATED runs prefill and decode. PREFILL stops each request after token 0 and keeps its
-    blocks until `Engine.release()`; DECODE additionally accepts requests whose KV is written
-    into reserved blocks from outside (`Engine.add_remote_request` / `Engine.kv_ready`).
-    """
-
-    COLLOCATED = "collocated"
-    PREFILL = "prefill"
-    DECODE = "decode"
+from pdserve.common.engine_options import DTYPE_NAMES, Role, check_device
 
 
 @dataclass(frozen=True)
@@ -59,8 +32,8 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "role", Role(self.role))
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.dtype not in DTYPE_NAMES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPE_NAMES)}, got {self.dtype!r}")
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
         if self.num_kv_blocks is not None and self.num_kv_blocks <= 0:
@@ -77,6 +50,3 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
         check_device(self.device)
 
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]

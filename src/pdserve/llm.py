@@ -6,10 +6,10 @@ from collections.abc import Sequence
 
 from tqdm.auto import tqdm
 
+from pdserve.common.sampling_params import SamplingParams
 from pdserve.config import EngineConfig
 from pdserve.engine.engine import Engine
 from pdserve.engine.outputs import RequestOutput
-from pdserve.engine.sampling_params import SamplingParams
 
 Prompt = str | list[int]
 

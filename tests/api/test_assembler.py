@@ -11,7 +11,7 @@ import pytest
 
 from pdserve.api.assembler import Delta, StreamAssembler
 from pdserve.api.legs import LegKind, LegRequest, TokenEvent
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.common.sampling_params import SamplingParams
 from pdserve.transfer.descriptors import PeerId
 
 PEER = PeerId(0xF00D_0000_0000_BEEF, "10.0.0.2", 7200)

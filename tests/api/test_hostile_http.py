@@ -21,7 +21,7 @@ from pdserve.api.http_site import start_site
 from pdserve.api.legs import EventBatch, TokenEvent
 from pdserve.api.limits import DEFAULT_LIMITS, RequestLimits
 from pdserve.api.openai_server import OpenAIServer
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.common.sampling_params import SamplingParams
 from pdserve.testing.tiny_models import tiny_tokenizer
 
 MODEL = "tiny"

@@ -17,7 +17,7 @@ from pdserve.api.protocol import (
     parse_json,
     render_chat,
 )
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.common.sampling_params import SamplingParams
 from pdserve.testing.tiny_models import tiny_tokenizer
 
 SERVED = "tiny"

@@ -8,7 +8,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM
 
 from pdserve.bench.engine_bench import BenchRow, flops_per_token, prefill_flops_per_token
-from pdserve.engine.model.config import ModelConfig
+from pdserve.common.model_config import ModelConfig
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
+from pdserve.common.sampling_params import SamplingParams
 from pdserve.engine import block_manager as bm_module
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.request import Request
-from pdserve.engine.sampling_params import SamplingParams
 
 BS = 4
 

@@ -104,7 +104,7 @@ def test_prefill_to_decode_handover_on_the_gpu(tiny_model):
 
 
 def test_checksums_of_a_gpu_pool_are_those_of_its_bytes(tiny_model):
-    from pdserve.engine.model.config import ModelConfig
+    from pdserve.common.model_config import ModelConfig
 
     cache = KVCache(ModelConfig.from_folder(tiny_model("llama")), 64, 16, torch.bfloat16, "cuda")
     cache.data.copy_(torch.randn(cache.data.shape, generator=torch.Generator().manual_seed(3)))

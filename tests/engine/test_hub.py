@@ -12,9 +12,12 @@ import torch
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from pdserve.engine.model import hub
-from pdserve.engine.model.config import ModelConfig
-from pdserve.engine.model.hub import load_tokenizer, load_weights, resolve_model
+from pdserve.common import model_folder
+from pdserve.common import smollm2 as conversion
+from pdserve.common.model_config import ModelConfig
+from pdserve.common.model_folder import resolve_model
+from pdserve.common.tokenizer import load_tokenizer
+from pdserve.engine.model.weights import load_weights
 from pdserve.testing.tiny_models import ARCHITECTURES, tiny_tokenizer, write_tiny_model
 
 ARCHS = sorted(ARCHITECTURES)
@@ -144,7 +147,7 @@ def _shard(folder: Path) -> dict[str, torch.Tensor]:
     for file, part in halves.items():
         save_file({n: weights[n] for n in part}, str(folder / file))
     index = {"metadata": {}, "weight_map": {n: f for f, part in halves.items() for n in part}}
-    (folder / hub.INDEX_FILE).write_text(json.dumps(index))
+    (folder / model_folder.INDEX_FILE).write_text(json.dumps(index))
     (folder / "model.safetensors").unlink()
     return weights
 
@@ -211,10 +214,10 @@ def test_load_weights_rejects_corrupt_safetensors(tmp_path: Path, corruption: st
 
 def test_cache_root_precedence(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.delenv("PDSERVE_CACHE_DIR", raising=False)
-    assert hub.cache_root() == Path.home() / ".cache" / "pdserve"
+    assert model_folder.cache_root() == Path.home() / ".cache" / "pdserve"
     monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path / "env"))
-    assert hub.cache_root() == tmp_path / "env"
-    assert hub.cache_root(tmp_path / "arg") == tmp_path / "arg"
+    assert model_folder.cache_root() == tmp_path / "env"
+    assert model_folder.cache_root(tmp_path / "arg") == tmp_path / "arg"
 
 
 def test_missing_wheel_says_how_to_install(monkeypatch: pytest.MonkeyPatch,
@@ -233,7 +236,7 @@ def test_failed_conversion_leaves_no_folder(monkeypatch: pytest.MonkeyPatch,
         (out / "model.safetensors").write_bytes(b"half")
         raise RuntimeError("simulated crash")
 
-    monkeypatch.setattr(hub, "convert_llama_gguf", crash)
+    monkeypatch.setattr(conversion, "convert_llama_gguf", crash)
     with pytest.raises(RuntimeError, match="simulated crash"):
         resolve_model("smollm2", tmp_path)
     assert list((tmp_path / "models").iterdir()) == []
@@ -242,13 +245,13 @@ def test_failed_conversion_leaves_no_folder(monkeypatch: pytest.MonkeyPatch,
 @needs_smollm2
 def test_folder_without_marker_is_reconverted(monkeypatch: pytest.MonkeyPatch,
                                               tmp_path: Path) -> None:
-    stale = tmp_path / "models" / hub.SMOLLM2_DIRNAME
+    stale = tmp_path / "models" / conversion.SMOLLM2_DIRNAME
     stale.mkdir(parents=True)
     (stale / "config.json").write_text("{}")
-    monkeypatch.setattr(hub, "convert_llama_gguf",
+    monkeypatch.setattr(conversion, "convert_llama_gguf",
                         lambda gguf_file, out: (out / "converted").write_text("yes"))
     assert resolve_model("SmolLM2-135M-Instruct", tmp_path) == stale
-    assert sorted(p.name for p in stale.iterdir()) == [hub.COMPLETE_MARKER, "converted"]
+    assert sorted(p.name for p in stale.iterdir()) == [conversion.COMPLETE_MARKER, "converted"]
 
 
 @pytest.fixture(scope="module")
@@ -261,8 +264,8 @@ def smollm2(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 @needs_smollm2
 def test_smollm2_conversion(smollm2: tuple[Path, Path]) -> None:
     root, folder = smollm2
-    assert folder == root / "models" / hub.SMOLLM2_DIRNAME
-    cfg = hub.validate_model_folder(folder)
+    assert folder == root / "models" / conversion.SMOLLM2_DIRNAME
+    cfg = model_folder.validate_model_folder(folder)
     assert (cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.vocab_size) == (
         30, 576, 9, 3, 49152)
     assert (cfg.head_dim, cfg.rope_theta, cfg.rms_norm_eps, cfg.tie_word_embeddings) == (
@@ -283,7 +286,7 @@ def test_smollm2_conversion(smollm2: tuple[Path, Path]) -> None:
 @pytest.mark.slow
 def test_smollm2_weights_equal_transformers_gguf_loader(smollm2: tuple[Path, Path]) -> None:
     """Our dequantization (incl. undoing llama.cpp's q/k permutation) is bit-exact."""
-    gguf_file = hub._smollm2_gguf()
+    gguf_file = conversion._smollm2_gguf()
     reference = AutoModelForCausalLM.from_pretrained(
         gguf_file.parent, gguf_file=gguf_file.name, dtype=torch.float32).state_dict()
     ours = load_weights(smollm2[1], torch.float32)

@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from pdserve.common.model_config import ModelConfig
 from pdserve.engine import huge_pages
 from pdserve.engine.kv_cache import KVCache
-from pdserve.engine.model.config import ModelConfig
 
 
 def _thp_mode() -> str:

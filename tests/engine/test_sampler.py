@@ -3,8 +3,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pdserve.common.sampling_params import SamplingParams
 from pdserve.engine.sampler import Sampler, apply_top_p, mix_seed
-from pdserve.engine.sampling_params import SamplingParams
 
 VOCAB = 3000  # above the top-p candidate pool, so both top-p paths run
 

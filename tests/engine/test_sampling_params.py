@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from pdserve.engine.sampling_params import SamplingParams, unpaired_surrogate
+from pdserve.common.sampling_params import SamplingParams, unpaired_surrogate
 
 
 def test_defaults_match_vllm() -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pdserve import LLM, SamplingParams
-from pdserve.engine.model.hub import resolve_model
+from pdserve.common.model_folder import resolve_model
 from tests.conftest import hf_greedy
 
 pytestmark = pytest.mark.slow

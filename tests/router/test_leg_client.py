@@ -23,7 +23,7 @@ from pdserve.api.leg_frames import (
     refusal_reply,
 )
 from pdserve.api.legs import EventBatch, LegRequest, TokenEvent
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.common.sampling_params import SamplingParams
 from pdserve.internal_auth import AUTH_HEADER, InternalAuth, PeerRefused
 from pdserve.router.leg_client import LegChannels, LegFailed, parse_events
 from pdserve.router.worker_pool import WorkerHandle

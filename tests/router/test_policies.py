@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.engine.block_hash import hash_blocks
+from pdserve.common.block_hash import hash_blocks
 from pdserve.router.policies import (
     LeastLoaded,
     PolicyName,

@@ -13,8 +13,8 @@ from collections.abc import Callable, Iterator
 import pytest
 import torch
 
+from pdserve.common.model_config import ModelConfig
 from pdserve.engine.kv_cache import KVCache
-from pdserve.engine.model.config import ModelConfig
 from pdserve.transfer.descriptors import PeerId
 from pdserve.transfer.fake import FakeFabric
 from pdserve.transfer.sessions import Mode

@@ -14,8 +14,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from pdserve.common.model_config import ModelConfig
 from pdserve.engine.kv_cache import KVCache
-from pdserve.engine.model.config import ModelConfig
 from pdserve.transfer import descriptors as desc_mod
 from pdserve.transfer.checksum import slice_nbytes
 from pdserve.transfer.descriptors import (

@@ -17,8 +17,8 @@ from dataclasses import replace
 import pytest
 import torch
 
+from pdserve.common.model_config import ModelConfig
 from pdserve.engine.kv_cache import KVCache
-from pdserve.engine.model.config import ModelConfig
 from pdserve.transfer.descriptors import PeerId
 from pdserve.transfer.tcp import TcpOptions, TcpTransport
 from pdserve.transfer.transport import Transport
@@ -180,7 +180,7 @@ CHILD = """
 import json, sys, time, torch
 from pdserve.engine.kv_cache import KVCache
 from pdserve.transfer.descriptors import PeerId
-from pdserve.engine.model.config import ModelConfig
+from pdserve.common.model_config import ModelConfig
 from pdserve.transfer.tcp import TcpTransport
 MODEL = ModelConfig("LlamaForCausalLM", vocab_size=64, hidden_size=32, intermediate_size=64,
                     num_layers=2, num_heads=4, num_kv_heads=2, head_dim=64,

@@ -9,11 +9,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from pdserve.common.model_config import ModelConfig
+from pdserve.common.sampling_params import SamplingParams
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.kv_cache import KVCache
-from pdserve.engine.model.config import ModelConfig
 from pdserve.engine.request import Request
-from pdserve.engine.sampling_params import SamplingParams
 from pdserve.transfer.checksum import slices_crc32c
 from pdserve.transfer.descriptors import CompletionNotice, KVLayout, PeerId, TransferDescriptor
 from pdserve.transfer.state import TransferState, TransferStatus

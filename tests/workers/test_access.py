@@ -17,8 +17,8 @@ import pytest
 
 from pdserve.api.leg_frames import open_frame, parse_replies
 from pdserve.api.legs import LegRequest, TokenEvent
+from pdserve.common.sampling_params import SamplingParams
 from pdserve.config import EngineConfig, Role
-from pdserve.engine.sampling_params import SamplingParams
 from pdserve.internal_auth import AUTH_HEADER, PROOF_HEADER, InternalAuth
 from pdserve.workers import server
 from pdserve.workers.server import Worker

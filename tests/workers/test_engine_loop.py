@@ -8,9 +8,9 @@ import asyncio
 import pytest
 
 from pdserve.api.legs import LegRequest, TokenEvent
+from pdserve.common.sampling_params import SamplingParams
 from pdserve.config import EngineConfig
 from pdserve.engine.engine import Engine
-from pdserve.engine.sampling_params import SamplingParams
 from pdserve.workers.engine_loop import Accepted, EngineLoop, LegRefused
 from pdserve.workers.worker_metrics import WorkerMetrics
 

@@ -15,9 +15,9 @@ from aiohttp import web
 
 from pdserve.api.leg_frames import cancel_frame, open_frame, parse_replies
 from pdserve.api.legs import LegRequest, TokenEvent
+from pdserve.common.sampling_params import SamplingParams
 from pdserve.config import EngineConfig
 from pdserve.engine.engine import Engine
-from pdserve.engine.sampling_params import SamplingParams
 from pdserve.workers.engine_loop import Accepted, EngineLoop, _deliver
 from pdserve.workers.leg_channel import Channel, LegChannels
 from pdserve.workers.worker_metrics import WorkerMetrics

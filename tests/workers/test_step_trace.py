@@ -7,9 +7,9 @@ from __future__ import annotations
 import asyncio
 
 from pdserve.api.legs import LegRequest, TokenEvent
+from pdserve.common.sampling_params import SamplingParams
 from pdserve.config import EngineConfig
 from pdserve.engine.engine import Engine
-from pdserve.engine.sampling_params import SamplingParams
 from pdserve.workers.engine_loop import EngineLoop
 from pdserve.workers.step_trace import Step, StepTrace
 from pdserve.workers.worker_metrics import WorkerMetrics

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from pdserve.common.model_config import ModelConfig
 from pdserve.engine.kv_cache import KVCache
-from pdserve.engine.model.config import ModelConfig
 from pdserve.transfer.control import (
     FINISHED_AT_TOKEN0,
     ControlMessage,

@@ -25,7 +25,7 @@ tmp=$(mktemp -d)
   nixl_cu12.libs/ucx/libucx_perftest_cuda.so.* && zip -q -r -9 repacked.whl . -x repacked.whl)
 mv "$tmp/repacked.whl" "$wheel" && rm -rf "$tmp"
 model="${PDSERVE_CACHE_DIR:-$HOME/.cache/pdserve}/models/smollm2-135m-instruct"
-[ -f "$model/config.json" ] || .venv/bin/python -c "from pdserve.engine.model.hub import resolve_model; resolve_model('smollm2')"
+[ -f "$model/config.json" ] || .venv/bin/python -c "from pdserve.common.model_folder import resolve_model; resolve_model('smollm2')"
 cp "$model"/{config.json,generation_config.json,tokenizer.json,tokenizer_config.json} .gpu/smollm2/
 cp tools/gpu/random_model.py .gpu/
 du -sh .whl .gpu

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field, fields
 from enum import StrEnum
 from typing import Any
 
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.common.sampling_params import SamplingParams
 from pdserve.transfer.descriptors import PeerId
 from pdserve.transfer.wire import hex64, parse_hex64
 

@@ -44,7 +44,7 @@ from pdserve.api.limits import DEFAULT_LIMITS, RequestLimits
 from pdserve.api.prepare import Preparer
 from pdserve.api.protocol import GenerateRequest
 from pdserve.api.tokenizer_facts import TokenizerFacts
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.common.sampling_params import SamplingParams
 
 log = logging.getLogger("pdserve.api")
 

@@ -41,7 +41,7 @@ from pdserve.api.protocol import (
     render_chat_text,
 )
 from pdserve.api.tokenizer_facts import TokenizerFacts
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.common.sampling_params import SamplingParams
 
 INLINE_BODY_BYTES = 64 * 2**10
 INLINE_TEXT_CHARS = 4096

@@ -30,7 +30,7 @@ import jinja2
 from pdserve.api.errors import ApiError, bad_request, not_found_model
 from pdserve.api.limits import DEFAULT_LIMITS, RequestLimits
 from pdserve.api.prompt_ids import encode_prompt
-from pdserve.engine.sampling_params import MAX_LOGPROBS, SamplingParams, unpaired_surrogate
+from pdserve.common.sampling_params import MAX_LOGPROBS, SamplingParams, unpaired_surrogate
 
 Kind = Literal["completion", "chat"]
 Message = dict[str, str]

@@ -32,13 +32,13 @@ from dataclasses import asdict, dataclass
 import torch
 
 from pdserve.bench.timing import fastest_seconds, median_seconds
+from pdserve.common.model_config import ModelConfig
+from pdserve.common.model_folder import resolve_model
+from pdserve.common.sampling_params import SamplingParams
 from pdserve.config import EngineConfig
 from pdserve.engine import huge_pages
 from pdserve.engine.engine import Engine
-from pdserve.engine.model.config import ModelConfig
-from pdserve.engine.model.hub import resolve_model
 from pdserve.engine.model.packed_linear import linear_kernel
-from pdserve.engine.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)

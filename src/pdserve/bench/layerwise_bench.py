@@ -32,12 +32,13 @@ from dataclasses import asdict, dataclass
 import torch
 
 from pdserve.bench.transfer_bench import TRANSPORTS, available_transports
-from pdserve.config import EngineConfig, Role
+from pdserve.common.engine_options import Role
+from pdserve.common.model_config import ModelConfig
+from pdserve.common.model_folder import resolve_model
+from pdserve.common.sampling_params import SamplingParams
+from pdserve.config import EngineConfig
 from pdserve.engine.engine import Engine
 from pdserve.engine.kv_cache import KVCache
-from pdserve.engine.model.config import ModelConfig
-from pdserve.engine.model.hub import resolve_model
-from pdserve.engine.sampling_params import SamplingParams
 from pdserve.transfer.descriptors import KVLayout, PeerId
 from pdserve.transfer.receiver import RecvSession
 from pdserve.transfer.sender import SendSession

@@ -30,9 +30,9 @@ import numpy as np
 import torch
 
 from pdserve.bench.timing import median_seconds
+from pdserve.common.model_config import ModelConfig
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.kv_cache import KVCache
-from pdserve.engine.model.config import ModelConfig
 from pdserve.transfer.checksum import slices_crc32c
 from pdserve.transfer.descriptors import KVLayout, PeerId
 from pdserve.transfer.receiver import RecvSession

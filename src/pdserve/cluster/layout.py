@@ -26,7 +26,7 @@ from pdserve.api.limits import DEFAULT_LIMITS, RequestLimits, limits_from_args, 
 from pdserve.bearer import read_key_file
 from pdserve.cli_args import parse_size
 from pdserve.cluster.child import ProcessSpec
-from pdserve.config import DTYPES, check_device
+from pdserve.common.engine_options import DTYPE_NAMES, check_device
 from pdserve.internal_auth import read_secret_file
 from pdserve.router.access import rate_limit_from_args
 from pdserve.router.rate_limit import RateLimit
@@ -124,7 +124,7 @@ class UpConfig:
         for name, value, choices in (("transport", self.transport, TRANSPORTS),
                                      ("policy", self.policy, POLICIES),
                                      ("kv_layerwise", self.kv_layerwise, LAYERWISE),
-                                     ("dtype", self.dtype, tuple(DTYPES))):
+                                     ("dtype", self.dtype, DTYPE_NAMES)):
             if value not in choices:
                 raise ValueError(f"{name} must be one of {', '.join(choices)}, got {value!r}")
         parse_size(self.kv_cache_memory)  # the worker parses it the same way

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from pdserve.engine.block_hash import ROOT_HASH, hash_block
+from pdserve.common.block_hash import ROOT_HASH, hash_block
 from pdserve.engine.request import Request
 
 

@@ -21,18 +21,20 @@ import itertools
 
 import torch
 
-from pdserve.config import EngineConfig, Role
+from pdserve.common.engine_options import Role
+from pdserve.common.model_config import ModelConfig
+from pdserve.common.model_folder import resolve_model
+from pdserve.common.sampling_params import SamplingParams
+from pdserve.common.tokenizer import load_tokenizer
+from pdserve.config import EngineConfig
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.kv_cache import KVCache
-from pdserve.engine.model.config import ModelConfig
-from pdserve.engine.model.hub import load_tokenizer, resolve_model
 from pdserve.engine.model.loader import eos_token_ids, load_model
 from pdserve.engine.output_processor import OutputProcessor
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.request import Request, RequestState
 from pdserve.engine.runner import LayerHook, ModelRunner
 from pdserve.engine.sampler import Sampler
-from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler
 
 DEFAULT_CHUNK_TOKENS = 512
@@ -44,10 +46,10 @@ class Engine:
         self.model_config = ModelConfig.from_folder(path)
         self.config = config = _resolve(config, self.model_config)
         self.tokenizer = load_tokenizer(path)
-        self.model = load_model(path, self.model_config, config.torch_dtype, config.device,
+        self.model = load_model(path, self.model_config, torch_dtype(config), config.device,
                                 config.max_model_len, config.cpu_kernels)
         self.kv_cache = KVCache(self.model_config, _num_blocks(config, self.model_config),
-                                config.block_size, config.torch_dtype, config.device)
+                                config.block_size, torch_dtype(config), config.device)
         self.block_manager = BlockManager(self.kv_cache.num_blocks, config.block_size,
                                           config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.block_manager)
@@ -242,12 +244,17 @@ def _resolve(config: EngineConfig, model: ModelConfig) -> EngineConfig:
     return dataclasses.replace(config, max_model_len=max_len, max_num_batched_tokens=budget)
 
 
+def torch_dtype(config: EngineConfig) -> torch.dtype:
+    """The torch dtype named by `config.dtype` (one of `DTYPE_NAMES`)."""
+    return getattr(torch, config.dtype)
+
+
 def _num_blocks(config: EngineConfig, model: ModelConfig) -> int:
     if config.num_kv_blocks is not None:
         n = config.num_kv_blocks
     else:
         n = config.kv_cache_bytes // KVCache.bytes_per_block(model, config.block_size,
-                                                             config.torch_dtype)
+                                                             torch_dtype(config))
     need = -(-config.max_model_len // config.block_size)
     if n < need:
         raise ValueError(f"the KV pool has {n} blocks but one sequence of max_model_len "

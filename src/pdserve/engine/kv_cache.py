@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from pdserve.common.model_config import ModelConfig
 from pdserve.engine import huge_pages
-from pdserve.engine.model.config import ModelConfig
 
 
 class KVCache:

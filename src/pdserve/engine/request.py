@@ -6,7 +6,7 @@ import time
 from dataclasses import dataclass, field
 from enum import IntEnum
 
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.common.sampling_params import SamplingParams
 
 
 class RequestState(IntEnum):

@@ -21,7 +21,7 @@ from types import ModuleType
 
 import torch
 
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.common.sampling_params import SamplingParams
 
 _MASK64 = (1 << 64) - 1
 _GOLDEN64 = 0x9E3779B97F4A7C15

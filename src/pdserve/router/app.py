@@ -32,8 +32,9 @@ from pdserve.api.http_site import start_site, stop_event
 from pdserve.api.legs import EventBatch
 from pdserve.api.limits import RequestLimits, add_limit_args, limits_from_args
 from pdserve.api.openai_server import GenerateError, OpenAIServer
-from pdserve.engine.model.hub import load_tokenizer, resolve_model
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.common.model_folder import resolve_model
+from pdserve.common.sampling_params import SamplingParams
+from pdserve.common.tokenizer import load_tokenizer
 from pdserve.heap import freeze_startup_heap
 from pdserve.internal_auth import (
     AUTH_HEADER,

@@ -32,8 +32,8 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
 from pdserve.api.legs import EventBatch, LegKind, LegRequest
-from pdserve.engine.block_hash import hash_blocks
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.common.block_hash import hash_blocks
+from pdserve.common.sampling_params import SamplingParams
 from pdserve.router.leg_client import LegChannels, LegFailed
 from pdserve.router.policies import Policy
 from pdserve.router.router_metrics import RouterMetrics

@@ -1,7 +1,7 @@
 """How the router picks a worker from a pool: one interface, three policies.
 
 Every policy sees the same candidates (healthy workers of one role) and the prompt's chained
-block hashes (`engine/block_hash.py`, the engine's own prefix-cache keys), and returns one.
+block hashes (`common/block_hash.py`, the engine's own prefix-cache keys), and returns one.
 Load is what the router knows first-hand (legs it has in flight on that worker) plus what the
 worker last reported (queued prompt tokens, running batch, used KV blocks).
 """

@@ -33,8 +33,8 @@ from pdserve.api.errors import ApiError
 from pdserve.api.http_site import start_site, stop_event
 from pdserve.api.legs import LegRequest
 from pdserve.api.openai_server import GenerateError, OpenAIServer
+from pdserve.common.sampling_params import SamplingParams
 from pdserve.engine.engine import Engine
-from pdserve.engine.sampling_params import SamplingParams
 from pdserve.heap import freeze_startup_heap
 from pdserve.metrics import CONTENT_TYPE
 from pdserve.transfer.descriptors import KVLayout

@@ -15,7 +15,8 @@ from pathlib import Path
 from pdserve.api.limits import RequestLimits, add_limit_args, limits_from_args
 from pdserve.bearer import read_key_file
 from pdserve.cli_args import add_cpu_kernels_arg, add_device_arg, parse_size
-from pdserve.config import DTYPES, EngineConfig, Role
+from pdserve.common.engine_options import DTYPE_NAMES, Role
+from pdserve.config import EngineConfig
 from pdserve.internal_auth import InternalAuth, read_secret_file
 
 
@@ -106,7 +107,7 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
                    help="'smollm2' or a Hugging Face model folder (default: %(default)s)")
     p.add_argument("--served-model-name", default=None,
                    help="the name clients use in 'model' (default: --model as given)")
-    p.add_argument("--dtype", default="bfloat16", choices=list(DTYPES),
+    p.add_argument("--dtype", default="bfloat16", choices=list(DTYPE_NAMES),
                    help="default: %(default)s")
     add_device_arg(p)
     p.add_argument("--host", default="127.0.0.1", help="HTTP address (default: %(default)s)")

@@ -30,10 +30,10 @@ from types import ModuleType
 
 import torch
 
+from pdserve.common.model_config import ModelConfig
+from pdserve.common.model_folder import cache_root
 from pdserve.engine.kernels.build_cache import build_once, is_built
 from pdserve.engine.kernels.build_key import BuildFacts, source_digest, this_environment
-from pdserve.engine.model.config import ModelConfig
-from pdserve.engine.model.hub import cache_root
 
 log = logging.getLogger(__name__)
 

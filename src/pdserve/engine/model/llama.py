@@ -16,9 +16,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pdserve.common.model_config import ModelConfig
 from pdserve.engine.kv_cache import KVCache
 from pdserve.engine.model.attention import AttentionMetadata, paged_attention
-from pdserve.engine.model.config import ModelConfig
 from pdserve.engine.model.packed_linear import KernelLinear
 from pdserve.engine.model.rope import RotaryEmbedding, StepRope
 

@@ -7,12 +7,12 @@ from pathlib import Path
 
 import torch
 
+from pdserve.common.model_config import ModelConfig
 from pdserve.engine.kernels import cpu_ops, supports
-from pdserve.engine.model.config import ModelConfig
-from pdserve.engine.model.hub import load_weights
 from pdserve.engine.model.llama import LlamaForCausalLM
 from pdserve.engine.model.packed_linear import can_pack, pack_linears
 from pdserve.engine.model.rope import RotaryEmbedding
+from pdserve.engine.model.weights import load_weights
 
 
 def load_model(

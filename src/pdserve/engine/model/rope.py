@@ -12,7 +12,7 @@ from types import ModuleType
 
 import torch
 
-from pdserve.engine.model.config import ModelConfig
+from pdserve.common.model_config import ModelConfig
 
 
 def inv_frequencies(cfg: ModelConfig) -> torch.Tensor:

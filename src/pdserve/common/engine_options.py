@@ -1,0 +1,30 @@
+"""The names of engine options that the CLI, worker settings and cluster layouts validate before
+any engine (and torch) is loaded: roles, dtype names and device strings."""
+
+from __future__ import annotations
+
+import re
+from enum import StrEnum
+
+# The engine's weight and KV dtypes; `pdserve.engine.engine.torch_dtype` maps one to torch's.
+DTYPE_NAMES = ("float32", "bfloat16", "float16")
+
+
+def check_device(device: str) -> str:
+    """`device` if it names one the engine takes: 'cpu', 'cuda' or 'cuda:N'; else ValueError."""
+    if not re.fullmatch(r"cpu|cuda(:\d+)?", device):
+        raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}")
+    return device
+
+
+class Role(StrEnum):
+    """What an engine does with a request.
+
+    COLLOCATED runs prefill and decode. PREFILL stops each request after token 0 and keeps its
+    blocks until `Engine.release()`; DECODE additionally accepts requests whose KV is written
+    into reserved blocks from outside (`Engine.add_remote_request` / `Engine.kv_ready`).
+    """
+
+    COLLOCATED = "collocated"
+    PREFILL = "prefill"
+    DECODE = "decode"
