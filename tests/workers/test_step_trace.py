@@ -1,15 +1,15 @@
 """Engine steps as the worker records them: Engine.last_batch and the trace ring carry each
 step's summed decode context (prompt + output so far, the new token included), which
-planner/step_fit.py fits."""
+planner/simulate/step_fit.py fits."""
 
 from __future__ import annotations
 
 import asyncio
 
-from pdserve.api.legs import LegRequest, TokenEvent
 from pdserve.common.sampling_params import SamplingParams
 from pdserve.config import EngineConfig
 from pdserve.engine.engine import Engine
+from pdserve.legs.protocol import LegRequest, TokenEvent
 from pdserve.workers.engine_loop import EngineLoop
 from pdserve.workers.step_trace import Step, StepTrace
 from pdserve.workers.worker_metrics import WorkerMetrics

@@ -1,6 +1,8 @@
 """Planner: KV bytes, transfer time, prefill/decode rooflines and a disaggregation verdict.
 
 `pdserve plan` (cli.add_plan_parser) is the command-line face; `make_plan` the library one.
+The sub-package `simulate` is `pdserve simulate`, priced by the same cost model; this
+package never imports it.
 """
 
 from pdserve.planner.cost import DEFAULT_MBU, DEFAULT_MFU, Efficiency, PhaseTime

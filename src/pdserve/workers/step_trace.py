@@ -7,7 +7,7 @@ wall-clock seconds (`time.time()`) so traces of several workers on one machine l
 Fields after the times are Engine.last_batch's: prompt tokens computed, decode tokens, requests
 in the batch, and decode_context, the summed context of the decode requests (prompt + output
 so far, the new token included; 0 when there is no decode token). Traces written before
-decode_context existed have 5 fields; planner/step_fit.py reads both.
+decode_context existed have 5 fields; planner/simulate/step_fit.py reads both.
 """
 
 from __future__ import annotations

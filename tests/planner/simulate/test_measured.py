@@ -8,18 +8,18 @@ import re
 
 import pytest
 
-from pdserve.planner.measured_compare import (
+from pdserve.planner.simulate.events import Layout
+from pdserve.planner.simulate.measured_compare import (
     PDSERVE_CONFIGS,
     MeasuredLayout,
     compare,
     measured_layout,
     render_comparison,
 )
-from pdserve.planner.measured_run import MeasuredRun, load_measured_run, read_trace_file
-from pdserve.planner.simulator import Layout
-from pdserve.planner.trace import TraceRequest
+from pdserve.planner.simulate.measured_run import MeasuredRun, load_measured_run, read_trace_file
+from pdserve.planner.simulate.trace import TraceRequest
 from tests.planner.cli_run import run_pdserve
-from tests.planner.step_files import (
+from tests.planner.simulate.step_files import (
     D0,
     D1,
     P0,

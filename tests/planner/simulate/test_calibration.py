@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.planner.calibration import (
+from pdserve.planner.simulate.calibration import (
     PROFILE_SCHEMA,
     BenchRows,
     CalibrationProfile,
@@ -17,8 +17,8 @@ from pdserve.planner.calibration import (
     load_calibration,
     profile_from_dict,
 )
-from pdserve.planner.simulator import Cluster, simulate
-from pdserve.planner.trace import TraceRequest
+from pdserve.planner.simulate.events import Cluster, simulate
+from pdserve.planner.simulate.trace import TraceRequest
 from tests.planner.cli_run import run_pdserve
 
 OVERHEAD, PER_SEQ, PREFILL_TOK_S = 0.020, 0.0005, 2000.0

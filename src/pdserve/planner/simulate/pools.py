@@ -1,6 +1,6 @@
 """The simulator's workers: what one prefill, decode or collocated worker runs in each step.
 
-A worker is driven by the event loop (simulator.py): `start_step(now)` picks the step's work and
+A worker is driven by the event loop (events.py): `start_step(now)` picks the step's work and
 returns its seconds (None: nothing to do, the worker idles), `finish_step(now)` applies it and
 returns (requests whose prompt finished prefill, requests that finished).
 
@@ -25,8 +25,8 @@ from __future__ import annotations
 import heapq
 from collections import deque
 
-from pdserve.planner.calibration import Chunk, StepCosts
-from pdserve.planner.sim_metrics import ItlSamples, RequestRecord
+from pdserve.planner.simulate.calibration import Chunk, StepCosts
+from pdserve.planner.simulate.metrics import ItlSamples, RequestRecord
 
 
 def first_token(record: RequestRecord, now: float) -> None:

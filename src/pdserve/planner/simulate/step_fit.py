@@ -87,8 +87,8 @@ import statistics
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
-from pdserve.planner.calibration import BenchPoint, CalibrationProfile, fit_line
-from pdserve.planner.file_spec import FileSpec, pick_config, refuse_config
+from pdserve.planner.simulate.calibration import BenchPoint, CalibrationProfile, fit_line
+from pdserve.planner.simulate.file_spec import FileSpec, pick_config, refuse_config
 
 DECODE_TIMES = ("period", "duration")
 STEP_FIELDS = "[start_s, end_s, prefill_tokens, decode_tokens, num_requests, decode_context]"

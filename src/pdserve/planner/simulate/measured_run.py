@@ -23,7 +23,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from pdserve.planner.file_spec import (
+from pdserve.planner.simulate.file_spec import (
     FileSpec,
     parse_file_spec,
     parse_json_document,
@@ -31,7 +31,7 @@ from pdserve.planner.file_spec import (
     read_text,
     refuse_config,
 )
-from pdserve.planner.trace import TraceRequest, json_row, read_trace_jsonl, request_at
+from pdserve.planner.simulate.trace import TraceRequest, json_row, read_trace_jsonl, request_at
 
 METRICS = ("median_ttft_ms", "median_itl_ms")
 

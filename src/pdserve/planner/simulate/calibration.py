@@ -3,7 +3,7 @@
 A step is what one worker runs at once: prefill `Chunk`s (whole prompts, or slices of them under
 chunked prefill) plus `decodes` running requests whose contexts sum to `context_sum` tokens.
 
-`RooflineCosts` (uncalibrated) composes cost.py's pieces into one roofline over the step:
+`RooflineCosts` (uncalibrated) composes planner/cost.py's pieces into one roofline over the step:
 FLOPs = sum over chunks of [2 x active block params x tokens + causal attention of the chunk's
 queries over its prefix and itself (prefill_attention_flops(start + tokens) -
 prefill_attention_flops(start)) + 2 x LM head params when the chunk ends its prompt]
@@ -90,7 +90,7 @@ class StepCosts(Protocol):
 
 @dataclass(frozen=True)
 class RooflineCosts:
-    """cost.py's roofline over a whole step (module docstring) on one TP group.
+    """planner/cost.py's roofline over a whole step (module docstring) on one TP group.
 
     The roofline is cost.roofline's max(FLOPs / (peak x MFU), bytes / (bandwidth x MBU)),
     inlined with per-token constants taken once from cost.py's functions (decode attention is

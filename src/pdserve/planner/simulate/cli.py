@@ -17,7 +17,12 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from pdserve.planner.calibration import (
+from pdserve.planner.cost import DEFAULT_MBU, DEFAULT_MFU, Efficiency, stored_weight_bytes_per_gpu
+from pdserve.planner.hardware import HARDWARE, Hardware, get_hardware
+from pdserve.planner.kv_math import DTYPE_BYTES, check_tp, dtype_bytes, kv_bytes_per_token_per_rank
+from pdserve.planner.model_shape import PRESETS, ModelShape, load_model_shape
+from pdserve.planner.plan import DEFAULT_MAX_DECODE_BATCH, MEMORY_UTILIZATION, PREFILL_BATCH_TOKENS
+from pdserve.planner.simulate.calibration import (
     BenchRows,
     CalibrationProfile,
     RooflineCosts,
@@ -25,23 +30,8 @@ from pdserve.planner.calibration import (
     context_token_seconds,
     fit_bench_rows,
 )
-from pdserve.planner.calibration_source import StepsProfile, load_calibration_source
-from pdserve.planner.cost import DEFAULT_MBU, DEFAULT_MFU, Efficiency, stored_weight_bytes_per_gpu
-from pdserve.planner.hardware import HARDWARE, Hardware, get_hardware
-from pdserve.planner.kv_math import DTYPE_BYTES, check_tp, dtype_bytes, kv_bytes_per_token_per_rank
-from pdserve.planner.measured_compare import (
-    Comparison,
-    MeasuredLayout,
-    compare,
-    comparison_json,
-    measured_layout,
-    render_comparison,
-)
-from pdserve.planner.measured_run import MeasuredRun, load_measured_run, read_trace_file
-from pdserve.planner.model_shape import PRESETS, ModelShape, load_model_shape
-from pdserve.planner.plan import DEFAULT_MAX_DECODE_BATCH, MEMORY_UTILIZATION, PREFILL_BATCH_TOKENS
-from pdserve.planner.sim_metrics import Slo, Summary, summarize, summary_to_dict
-from pdserve.planner.simulator import (
+from pdserve.planner.simulate.calibration_source import StepsProfile, load_calibration_source
+from pdserve.planner.simulate.events import (
     DEFAULT_CHUNK_TOKENS,
     Cluster,
     Layout,
@@ -49,8 +39,18 @@ from pdserve.planner.simulator import (
     check_fits,
     simulate,
 )
-from pdserve.planner.step_fit import DECODE_TIMES
-from pdserve.planner.trace import WORKLOADS, TraceRequest, generate_trace, make_workload
+from pdserve.planner.simulate.measured_compare import (
+    Comparison,
+    MeasuredLayout,
+    compare,
+    comparison_json,
+    measured_layout,
+    render_comparison,
+)
+from pdserve.planner.simulate.measured_run import MeasuredRun, load_measured_run, read_trace_file
+from pdserve.planner.simulate.metrics import Slo, Summary, summarize, summary_to_dict
+from pdserve.planner.simulate.step_fit import DECODE_TIMES
+from pdserve.planner.simulate.trace import WORKLOADS, TraceRequest, generate_trace, make_workload
 
 _DESCRIPTION = (
     "Simulate serving a request trace (a workload preset with Poisson arrivals from a fixed "

@@ -18,14 +18,14 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-from pdserve.planner.calibration import BenchRows, CalibrationProfile, load_calibration
-from pdserve.planner.file_spec import (
+from pdserve.planner.simulate.calibration import BenchRows, CalibrationProfile, load_calibration
+from pdserve.planner.simulate.file_spec import (
     parse_file_spec,
     parse_json_document,
     read_text,
     refuse_config,
 )
-from pdserve.planner.step_fit import fit_step_traces, is_steps_file, select_steps
+from pdserve.planner.simulate.step_fit import fit_step_traces, is_steps_file, select_steps
 
 FLAG = "calibrate (--calibrate)"
 

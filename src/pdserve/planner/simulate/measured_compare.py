@@ -21,8 +21,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from pdserve.planner.measured_run import METRICS, MeasuredRun
-from pdserve.planner.simulator import Layout
+from pdserve.planner.simulate.events import Layout
+from pdserve.planner.simulate.measured_run import METRICS, MeasuredRun
 
 PDSERVE_MAX_NUM_SEQS = 64
 PDSERVE_CHUNK_TOKENS = 512
@@ -92,7 +92,7 @@ class Comparison:
 
 
 def compare(run: MeasuredRun, label: str, simulated: dict[str, Any]) -> Comparison:
-    """`simulated`: sim_metrics.summary_to_dict of the simulated layout."""
+    """`simulated`: metrics.summary_to_dict of the simulated layout."""
     return Comparison(run, label, {k: run.medians_ms[k] for k in METRICS},
                       {k: simulated[k] for k in METRICS})
 

@@ -7,7 +7,7 @@ Layouts:
   each rank ships its own shard at once) and it joins its decode worker's admission queue.
 - colloc: `collocated_workers` workers doing both, prefill first (decodes stall for prefills).
 - chunked: the same workers with chunked prefill of at most `chunk_tokens` prompt tokens per step.
-Worker rules are in sim_pools.py, step costs in calibration.py.
+Worker rules are in pools.py, step costs in calibration.py.
 
 Routing (ours): an arriving prompt goes to the prefill worker with the fewest queued and running
 prompt tokens; a prefilled request to the decode worker with the fewest assigned requests
@@ -30,18 +30,18 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
-from pdserve.planner.calibration import StepCosts
 from pdserve.planner.kv_math import check_link, kv_bytes, transfer_seconds
 from pdserve.planner.plan import DEFAULT_MAX_DECODE_BATCH, PREFILL_BATCH_TOKENS
-from pdserve.planner.sim_metrics import ItlSamples, RequestRecord
-from pdserve.planner.sim_pools import (
+from pdserve.planner.simulate.calibration import StepCosts
+from pdserve.planner.simulate.metrics import ItlSamples, RequestRecord
+from pdserve.planner.simulate.pools import (
     CollocatedWorker,
     DecodeBatch,
     DecodeWorker,
     PrefillWorker,
     Worker,
 )
-from pdserve.planner.trace import TraceRequest
+from pdserve.planner.simulate.trace import TraceRequest
 
 DEFAULT_CHUNK_TOKENS = 2048  # our default prefill tokens per chunked step
 

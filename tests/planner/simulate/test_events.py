@@ -11,12 +11,13 @@ import time
 import numpy as np
 import pytest
 
-from pdserve.planner.calibration import Chunk, RooflineCosts
 from pdserve.planner.cost import Efficiency, decode_step_time, prefill_time
 from pdserve.planner.hardware import get_hardware
 from pdserve.planner.kv_math import kv_bytes_per_token_per_rank
 from pdserve.planner.model_shape import load_model_shape
-from pdserve.planner.sim_metrics import (
+from pdserve.planner.simulate.calibration import Chunk, RooflineCosts
+from pdserve.planner.simulate.events import Cluster, Layout, simulate
+from pdserve.planner.simulate.metrics import (
     ItlSamples,
     RequestRecord,
     Slo,
@@ -24,8 +25,7 @@ from pdserve.planner.sim_metrics import (
     stats,
     summarize,
 )
-from pdserve.planner.simulator import Cluster, Layout, simulate
-from pdserve.planner.trace import TraceRequest, generate_trace, make_workload
+from pdserve.planner.simulate.trace import TraceRequest, generate_trace, make_workload
 from tests.planner.cli_run import run_pdserve
 
 H100 = get_hardware("H100")

@@ -7,10 +7,10 @@ import json
 
 import pytest
 
-from pdserve.planner.calibration import BenchRows, CalibrationProfile
-from pdserve.planner.calibration_source import StepsProfile, load_calibration_source
-from pdserve.planner.file_spec import parse_file_spec
-from tests.planner.step_files import (
+from pdserve.planner.simulate.calibration import BenchRows, CalibrationProfile
+from pdserve.planner.simulate.calibration_source import StepsProfile, load_calibration_source
+from pdserve.planner.simulate.file_spec import parse_file_spec
+from tests.planner.simulate.step_files import (
     D0,
     D1,
     P0,
@@ -21,7 +21,7 @@ from tests.planner.step_files import (
     serve_result,
     write_json,
 )
-from tests.planner.test_calibration import bench_rows, write_rows
+from tests.planner.simulate.test_calibration import bench_rows, write_rows
 
 
 @pytest.fixture

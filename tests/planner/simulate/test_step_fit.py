@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.planner.step_fit import Step, fit_step_traces, is_steps_file, parse_steps
-from tests.planner.step_files import (
+from pdserve.planner.simulate.step_fit import Step, fit_step_traces, is_steps_file, parse_steps
+from tests.planner.simulate.step_files import (
     BATCHES,
     C1,
     CONTEXTS,

@@ -8,7 +8,7 @@ import statistics
 
 import pytest
 
-from pdserve.planner.trace import (
+from pdserve.planner.simulate.trace import (
     BURST_PERIOD_S,
     LengthDist,
     TraceRequest,
