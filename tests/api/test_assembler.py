@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 
 from pdserve.api.assembler import Delta, StreamAssembler
-from pdserve.api.legs import LegKind, LegRequest, TokenEvent
 from pdserve.common.sampling_params import SamplingParams
+from pdserve.legs.protocol import LegKind, LegRequest, TokenEvent
 from pdserve.transfer.descriptors import PeerId
 
 PEER = PeerId(0xF00D_0000_0000_BEEF, "10.0.0.2", 7200)
@@ -220,7 +220,7 @@ def test_token_event_line_holds_only_what_differs_from_the_defaults():
 
 
 def test_every_optional_token_event_field_has_its_default_listed():
-    from pdserve.api.legs import _OPTIONAL_DEFAULTS
+    from pdserve.legs.protocol import _OPTIONAL_DEFAULTS
 
     optional = {f.name: f for f in dataclasses.fields(TokenEvent)
                 if f.name not in ("index", "token_ids", "text_offset", "text")}

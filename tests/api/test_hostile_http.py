@@ -18,10 +18,10 @@ from aiohttp import web
 
 from pdserve.api import prepare
 from pdserve.api.http_site import start_site
-from pdserve.api.legs import EventBatch, TokenEvent
 from pdserve.api.limits import DEFAULT_LIMITS, RequestLimits
 from pdserve.api.openai_server import OpenAIServer
 from pdserve.common.sampling_params import SamplingParams
+from pdserve.legs.protocol import EventBatch, TokenEvent
 from pdserve.testing.tiny_models import tiny_tokenizer
 
 MODEL = "tiny"

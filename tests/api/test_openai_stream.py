@@ -19,9 +19,9 @@ import pytest
 from aiohttp import web
 
 from pdserve.api import responses as R
-from pdserve.api.legs import EventBatch, TokenEvent
 from pdserve.api.openai_server import OpenAIServer
 from pdserve.common.sampling_params import SamplingParams
+from pdserve.legs.protocol import EventBatch, TokenEvent
 from pdserve.testing.tiny_models import tiny_tokenizer
 from tests.http_app import serving
 

@@ -14,7 +14,9 @@ import aiohttp
 import pytest
 from aiohttp import WSMsgType, web
 
-from pdserve.api.leg_frames import (
+from pdserve.common.sampling_params import SamplingParams
+from pdserve.internal_auth import AUTH_HEADER, InternalAuth, PeerRefused
+from pdserve.legs.frames import (
     CANCEL,
     OPEN,
     events_reply,
@@ -22,10 +24,8 @@ from pdserve.api.leg_frames import (
     parse_request,
     refusal_reply,
 )
-from pdserve.api.legs import EventBatch, LegRequest, TokenEvent
-from pdserve.common.sampling_params import SamplingParams
-from pdserve.internal_auth import AUTH_HEADER, InternalAuth, PeerRefused
-from pdserve.router.leg_client import LegChannels, LegFailed, parse_events
+from pdserve.legs.protocol import EventBatch, LegRequest, TokenEvent
+from pdserve.router.leg_client import LegFailed, RouterLegChannels, parse_events
 from pdserve.router.worker_pool import WorkerHandle
 
 LEG = LegRequest("cmpl-1", (1, 2, 3), SamplingParams(max_tokens=5))
@@ -101,7 +101,7 @@ class ScriptedWorker:
 
 @contextlib.asynccontextmanager
 async def serving(script: Script, secret: bytes = SECRET
-                  ) -> AsyncIterator[tuple[ScriptedWorker, WorkerHandle, LegChannels]]:
+                  ) -> AsyncIterator[tuple[ScriptedWorker, WorkerHandle, RouterLegChannels]]:
     """A scripted worker holding `secret`, and the router's channels (holding SECRET)."""
     worker = ScriptedWorker(script, secret)
     app = web.Application()
@@ -112,7 +112,7 @@ async def serving(script: Script, secret: bytes = SECRET
     await site.start()
     host, port = runner.addresses[0][:2]
     async with aiohttp.ClientSession() as session:
-        channels = LegChannels(session, InternalAuth(SECRET), connect_s=5.0)
+        channels = RouterLegChannels(session, InternalAuth(SECRET), connect_s=5.0)
         try:
             yield worker, WorkerHandle(f"http://{host}:{port}", "collocated",
                                        healthy=True), channels
@@ -121,7 +121,7 @@ async def serving(script: Script, secret: bytes = SECRET
             await runner.cleanup()
 
 
-async def collect(channels: LegChannels, w: WorkerHandle, leg: LegRequest = LEG,
+async def collect(channels: RouterLegChannels, w: WorkerHandle, leg: LegRequest = LEG,
                   idle_s: float = 5.0) -> list[EventBatch]:
     return [batch async for batch in channels.stream(w, leg, idle_s)]
 
@@ -238,7 +238,7 @@ def test_a_closed_connection_fails_every_open_leg_and_the_next_leg_reconnects() 
 def test_an_unreachable_worker_fails_the_leg() -> None:
     async def go() -> None:
         async with aiohttp.ClientSession() as session:
-            channels = LegChannels(session, InternalAuth(SECRET), connect_s=2.0)
+            channels = RouterLegChannels(session, InternalAuth(SECRET), connect_s=2.0)
             w = WorkerHandle("http://127.0.0.1:9", "collocated", healthy=True)
             with pytest.raises(LegFailed, match="failed") as e:
                 await collect(channels, w)

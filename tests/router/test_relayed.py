@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pdserve.api.legs import TokenEvent
+from pdserve.legs.protocol import TokenEvent
 from pdserve.router.dispatch import _relayed
 
 

@@ -7,10 +7,10 @@ import asyncio
 
 import pytest
 
-from pdserve.api.legs import LegRequest, TokenEvent
 from pdserve.common.sampling_params import SamplingParams
 from pdserve.config import EngineConfig
 from pdserve.engine.engine import Engine
+from pdserve.legs.protocol import LegRequest, TokenEvent
 from pdserve.workers.engine_loop import Accepted, EngineLoop, LegRefused
 from pdserve.workers.worker_metrics import WorkerMetrics
 

@@ -13,13 +13,13 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from pdserve.api.leg_frames import cancel_frame, open_frame, parse_replies
-from pdserve.api.legs import LegRequest, TokenEvent
 from pdserve.common.sampling_params import SamplingParams
 from pdserve.config import EngineConfig
 from pdserve.engine.engine import Engine
+from pdserve.legs.frames import cancel_frame, open_frame, parse_replies
+from pdserve.legs.protocol import LegRequest, TokenEvent
 from pdserve.workers.engine_loop import Accepted, EngineLoop, _deliver
-from pdserve.workers.leg_channel import Channel, LegChannels
+from pdserve.workers.leg_channel import WorkerLegChannel, WorkerLegChannels
 from pdserve.workers.worker_metrics import WorkerMetrics
 
 LONG = SamplingParams(max_tokens=900, temperature=0, ignore_eos=True)
@@ -35,7 +35,7 @@ async def channel(engine: Engine, metrics: WorkerMetrics | None = None
                   ) -> AsyncIterator[aiohttp.ClientWebSocketResponse]:
     loop = EngineLoop(engine, None, metrics or WorkerMetrics("collocated"))
     loop.start(asyncio.get_running_loop())
-    channels = LegChannels(loop)
+    channels = WorkerLegChannels(loop)
     app = web.Application()
     app.router.add_get("/internal/legs", channels.serve)
     app.on_shutdown.append(lambda _: channels.close_all())
@@ -160,7 +160,7 @@ def test_a_delivery_is_written_in_one_message_before_its_callback_returns() -> N
     engine thread mid-step on a pinned worker)."""
     async def go() -> None:
         ws, loop = _RecordingWs(), _Loop()
-        ch = Channel(ws, loop)
+        ch = WorkerLegChannel(ws, loop)
         for sid in (1, 2):
             leg = LegRequest(f"r{sid}", (1, 2, 3), SamplingParams(max_tokens=4))
             ch.open(sid, json.dumps(leg.to_json()).encode())
@@ -199,7 +199,7 @@ def test_a_failed_send_closes_its_channel_and_the_delivery_goes_on() -> None:
         for ws in sockets:
             loop = _Loop()
             leg = LegRequest("r", (1, 2, 3), SamplingParams(max_tokens=4))
-            Channel(ws, loop).open(1, json.dumps(leg.to_json()).encode())
+            WorkerLegChannel(ws, loop).open(1, json.dumps(leg.to_json()).encode())
             sinks += loop.sinks
         token = TokenEvent(index=0, token_ids=[7], text_offset=0, text="x")
         _deliver([(s, Accepted()) for s in sinks] + [(s, token) for s in sinks])

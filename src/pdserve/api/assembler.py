@@ -1,4 +1,5 @@
-"""One request's output, assembled from the token events of one or more legs.
+"""One request's output, assembled from the token events of one or more legs: the OpenAI
+server turns a request's legs into the client's stream with it (the legs' protocol: `legs/`).
 
 Events carry absolute positions, so a repeated token (the decode leg repeats the prefill's
 token 0; a recompute repeats everything) is dropped, and what is new is exactly what the
@@ -9,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pdserve.api.legs import TokenEvent
+from pdserve.legs.protocol import TokenEvent
 
 
 @dataclass

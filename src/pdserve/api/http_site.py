@@ -1,5 +1,9 @@
 """Starting and stopping one of pdserve's HTTP servers (a worker or the router).
 
+HTTP plumbing, kept in `api/` because the one thing it configures, the header deadline, comes
+from the OpenAI routes' `RequestLimits` (`limits.py`); the router and the workers both start
+their servers here, and both may import `api`.
+
 Handlers are cancelled when their client disconnects (`handler_cancellation`): that is how a
 client that goes away cancels its legs. SIGTERM and SIGINT set the returned event; the caller
 then cleans up (`runner.cleanup()` cancels the handlers still running).

@@ -39,12 +39,12 @@ from pdserve.api.assembler import Delta, StreamAssembler
 from pdserve.api.body import expect_handler, read_body, refusal, useful_body_bytes
 from pdserve.api.errors import ApiError
 from pdserve.api.http_site import REQUEST_LIMITS
-from pdserve.api.legs import EventBatch, TokenEvent
 from pdserve.api.limits import DEFAULT_LIMITS, RequestLimits
 from pdserve.api.prepare import Preparer
 from pdserve.api.protocol import GenerateRequest
 from pdserve.api.tokenizer_facts import TokenizerFacts
 from pdserve.common.sampling_params import SamplingParams
+from pdserve.legs.protocol import EventBatch, TokenEvent
 
 log = logging.getLogger("pdserve.api")
 

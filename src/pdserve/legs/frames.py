@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import json
 
-from pdserve.api.legs import LegRequest, TokenEvent
+from pdserve.legs.protocol import LegRequest, TokenEvent
 
 OPEN, CANCEL = "open", "cancel"
 

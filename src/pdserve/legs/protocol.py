@@ -1,7 +1,7 @@
 """The internal protocol between the router and a worker: one leg of a request.
 
 A leg is a `LegRequest` (JSON) sent on the router's leg channel to the worker
-(`api/leg_frames.py`); the answer is a stream of `TokenEvent` JSON lines, the last one `final`.
+(`legs/frames.py`); the answer is a stream of `TokenEvent` JSON lines, the last one `final`.
 Leg kinds:
 - LOCAL: the worker runs the whole request (collocated, or a short prompt on decode).
 - PREFILL: compute the prompt, sample token 0, send it as the one event, and move the KV to

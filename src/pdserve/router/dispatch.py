@@ -31,10 +31,10 @@ import secrets
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
-from pdserve.api.legs import EventBatch, LegKind, LegRequest
 from pdserve.common.block_hash import hash_blocks
 from pdserve.common.sampling_params import SamplingParams
-from pdserve.router.leg_client import LegChannels, LegFailed
+from pdserve.legs.protocol import EventBatch, LegKind, LegRequest
+from pdserve.router.leg_client import LegFailed, RouterLegChannels
 from pdserve.router.policies import Policy
 from pdserve.router.router_metrics import RouterMetrics
 from pdserve.router.worker_pool import WorkerHandle, WorkerPool
@@ -63,7 +63,7 @@ class NoWorkers(Exception):
 
 class Dispatcher:
     def __init__(self, pool: WorkerPool, policy: Policy, settings: DispatchSettings,
-                 channels: LegChannels, metrics: RouterMetrics) -> None:
+                 channels: RouterLegChannels, metrics: RouterMetrics) -> None:
         self.pool, self.policy, self.settings = pool, policy, settings
         self.channels, self.metrics = channels, metrics
 

@@ -1,5 +1,5 @@
 """The router's end of its leg channels: one WebSocket per worker carries all the legs the
-router has open there (frames: `api/leg_frames.py`).
+router has open there (frames: `legs/frames.py`).
 
 A channel connects on its first leg, and again on the first leg after it closed (a worker that
 restarted gets a new connection); each connect is a signed upgrade request (`internal_auth.py`:
@@ -24,9 +24,9 @@ from collections.abc import AsyncIterator
 
 import aiohttp
 
-from pdserve.api.leg_frames import cancel_frame, open_frame, parse_replies
-from pdserve.api.legs import EventBatch, LegRequest, TokenEvent
 from pdserve.internal_auth import InternalAuth
+from pdserve.legs.frames import cancel_frame, open_frame, parse_replies
+from pdserve.legs.protocol import EventBatch, LegRequest, TokenEvent
 from pdserve.router.worker_pool import WorkerHandle
 
 log = logging.getLogger("pdserve.router")
@@ -49,7 +49,7 @@ class LegFailed(Exception):
         return self.status is not None and 400 <= self.status < 500
 
 
-class LegChannel:
+class RouterLegChannel:
     """The connection to one worker. Legs on it are numbered by `_ids`; `_legs` maps an open
     leg to its connection and its queue of (status, body) messages."""
 
@@ -143,20 +143,20 @@ class LegChannel:
         await asyncio.gather(*self._tasks, return_exceptions=True)
 
 
-class LegChannels:
+class RouterLegChannels:
     """The router's channel to each worker, made on first use."""
 
     def __init__(self, session: aiohttp.ClientSession, auth: InternalAuth,
                  connect_s: float) -> None:
         self.session, self.auth, self.connect_s = session, auth, connect_s
-        self._channels: dict[WorkerHandle, LegChannel] = {}
+        self._channels: dict[WorkerHandle, RouterLegChannel] = {}
 
     def stream(self, worker: WorkerHandle, leg: LegRequest, idle_s: float
                ) -> AsyncIterator[EventBatch]:
         channel = self._channels.get(worker)
         if channel is None:
-            channel = self._channels[worker] = LegChannel(self.session, self.auth, worker,
-                                                          self.connect_s)
+            channel = self._channels[worker] = RouterLegChannel(self.session, self.auth,
+                                                                worker, self.connect_s)
         return channel.stream(leg, idle_s)
 
     async def close(self) -> None:

@@ -2,7 +2,7 @@
 polled by `HubPump`'s thread (so they progress during long steps); their events are applied
 here.
 
-Life cycle of a leg (see `api/legs.py` for the kinds):
+Life cycle of a leg (see `legs/protocol.py` for the kinds):
 - LOCAL: `add_request`; token events until finished.
 - PREFILL: `add_request(hand_over=True)`, the transfer id `expect`ed. At token 0: if token 0
   ended the request, a final event and the decode side is told (`close_finished`); else a
@@ -38,10 +38,10 @@ from dataclasses import dataclass
 from enum import IntEnum
 from typing import Protocol
 
-from pdserve.api.legs import LegKind, LegRequest, TokenEvent
 from pdserve.engine.engine import Engine
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.scheduler import SchedulerOutput
+from pdserve.legs.protocol import LegKind, LegRequest, TokenEvent
 from pdserve.workers.hub_pump import HubPump
 from pdserve.workers.step_trace import Step, StepTrace
 from pdserve.workers.transfer_hub import (

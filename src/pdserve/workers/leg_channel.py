@@ -1,4 +1,4 @@
-"""The worker's end of a router's leg channel (frames: `api/leg_frames.py`).
+"""The worker's end of a router's leg channel (frames: `legs/frames.py`).
 
 Life cycle of a channel: a router connects once (`GET /internal/legs`, WebSocket, signed with
 the cluster secret and checked before the upgrade: `workers/access.py`) and keeps the
@@ -30,9 +30,9 @@ from dataclasses import dataclass
 
 from aiohttp import WSMsgType, web
 
-from pdserve.api.leg_frames import OPEN, events_reply, parse_request, refusal_reply
-from pdserve.api.legs import LegRequest, TokenEvent
 from pdserve.eager import start_eagerly
+from pdserve.legs.frames import OPEN, events_reply, parse_request, refusal_reply
+from pdserve.legs.protocol import LegRequest, TokenEvent
 from pdserve.workers.engine_loop import Accepted, EngineLoop
 
 log = logging.getLogger("pdserve.worker")
@@ -41,7 +41,7 @@ MAX_MESSAGE = 64 * 2**20  # an `open` holds the prompt's token ids: as large as 
 CLOSE_TIMEOUT_S = 1.0  # longest wait for a router's answer to our close (it may be stalled)
 
 
-class LegChannels:
+class WorkerLegChannels:
     """Every router connection a worker has open."""
 
     def __init__(self, loop: EngineLoop) -> None:
@@ -53,7 +53,7 @@ class LegChannels:
                                    timeout=CLOSE_TIMEOUT_S)
         await ws.prepare(request)
         self._open.add(ws)
-        channel = Channel(ws, self.loop)
+        channel = WorkerLegChannel(ws, self.loop)
         try:
             async for msg in ws:
                 if msg.type is not WSMsgType.BINARY:
@@ -88,7 +88,7 @@ class _OpenLeg:
 class _Sink:
     """What the engine loop puts a leg's items into (`EngineLoop.submit`)."""
 
-    channel: Channel
+    channel: WorkerLegChannel
     sid: int
 
     def put_nowait(self, item: object) -> None:
@@ -98,7 +98,7 @@ class _Sink:
         self.channel.flush()
 
 
-class Channel:
+class WorkerLegChannel:
     """The legs of one router connection and the replies not sent yet. Runs on the HTTP
     thread only. A leg is open from its `open` to its final event, its refusal, or its cancel;
     items for a leg that is no longer open are dropped (the engine loop cancels it)."""
