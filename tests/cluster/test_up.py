@@ -36,6 +36,13 @@ def _option(spec: ProcessSpec, name: str) -> list[str]:
     return list(rest[:next((i for i, a in enumerate(rest) if a.startswith("--")), len(rest))])
 
 
+def _options(spec: ProcessSpec) -> dict[str, list[str]]:
+    """Every option in spec.argv with its values (each option given once, in any order)."""
+    names = [a for a in spec.argv if a.startswith("--")]
+    assert len(names) == len(set(names)), names
+    return {name: _option(spec, name) for name in names}
+
+
 def test_default_layout_is_one_prefill_one_decode_then_router() -> None:
     args = _args()
     config = UpConfig.from_args(args)
@@ -43,12 +50,12 @@ def test_default_layout_is_one_prefill_one_decode_then_router() -> None:
     assert config.cpus == tuple(sorted(os.sched_getaffinity(0)))
     assert args.func is up.run_up
     prefill, decode, router = plan_processes(UpConfig(cpus=(0, 1)), SECRET)
-    assert prefill.argv == (
-        PY, "-m", "pdserve.cli", "worker", "--role", "prefill", "--model", "smollm2",
-        "--dtype", "bfloat16", "--device", "cpu", "--host", "127.0.0.1", "--port", "8001",
-        "--kv-port", "8101",
-        "--transport", "tcp", "--secret-file", "/run/secret", "--cpus", "0",
-        "--kv-cache-memory", "512MiB", "--kv-layerwise", "auto", "--kv-lease", "30.0")
+    assert prefill.argv[:4] == (PY, "-m", "pdserve.cli", "worker")
+    assert _options(prefill) == {
+        "--role": ["prefill"], "--model": ["smollm2"], "--dtype": ["bfloat16"],
+        "--device": ["cpu"], "--host": ["127.0.0.1"], "--port": ["8001"], "--kv-port": ["8101"],
+        "--transport": ["tcp"], "--secret-file": ["/run/secret"], "--cpus": ["0"],
+        "--kv-cache-memory": ["512MiB"], "--kv-layerwise": ["auto"], "--kv-lease": ["30.0"]}
     assert (prefill.name, prefill.health_url) == ("prefill-0", "http://127.0.0.1:8001/health")
     assert (decode.name, decode.health_url) == ("decode-0", "http://127.0.0.1:8002/health")
     assert _option(decode, "--kv-port") == ["8102"] and _option(decode, "--cpus") == ["1"]
@@ -264,6 +271,28 @@ def test_serve_public_and_the_metrics_key_reach_their_processes(tmp_path: Path) 
     *plain, router = plan_processes(UpConfig(), SECRET)
     assert not any("--serve-public" in w.argv or "--metrics-key-file" in w.argv
                    for w in [*plain, router])
+
+
+def test_every_worker_reads_its_argv_back_as_the_configs_values(tmp_path: Path) -> None:
+    from pdserve.workers.settings import WorkerLaunch, add_worker_args, launch_from_args
+
+    key, core = _file(tmp_path / "metrics-key", "k" * 32), min(os.sched_getaffinity(0))
+    config = UpConfig.from_args(_args(
+        "--collocated", "2", "--port", "9000", "--serve-public", "--metrics-key-file", str(key),
+        "--enable-chunked-prefill", "--max-num-batched-tokens", "128", "--max-num-seqs", "16",
+        "--no-cpu-kernels", "--kv-layerwise", "on", "--kv-lease", "3", "--max-model-len", "512",
+        "--dtype", "float32", "--kv-cache-memory", "1GiB", "--max-stop-strings", "4",
+        "--cpus", str(core)))
+    parser = argparse.ArgumentParser()
+    add_worker_args(parser)
+    for i, worker in enumerate(plan_processes(config, SECRET)[:-1]):
+        assert launch_from_args(parser.parse_args(worker.argv[4:])) == WorkerLaunch(
+            role="collocated", dtype="float32", port=9001 + i, kv_port=9101 + i,
+            secret_file=SECRET, serve_public=True, metrics_key_file=key, kv_layerwise="on",
+            cpus=(core,), kv_cache_memory="1GiB", max_model_len=512, max_num_seqs=16,
+            enable_chunked_prefill=True, max_num_batched_tokens=128, kv_lease_s=3.0,
+            cpu_kernels=False, limits=config.limits)
+    assert config.limits.max_stop_strings == 4
 
 
 @pytest.mark.parametrize("flag, text, match", [

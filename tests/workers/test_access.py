@@ -15,11 +15,11 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from pdserve.api.leg_frames import open_frame, parse_replies
-from pdserve.api.legs import LegRequest, TokenEvent
 from pdserve.common.sampling_params import SamplingParams
 from pdserve.config import EngineConfig, Role
 from pdserve.internal_auth import AUTH_HEADER, PROOF_HEADER, InternalAuth
+from pdserve.legs.frames import open_frame, parse_replies
+from pdserve.legs.protocol import LegRequest, TokenEvent
 from pdserve.workers import server
 from pdserve.workers.server import Worker
 from pdserve.workers.settings import WorkerSettings

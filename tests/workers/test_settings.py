@@ -3,12 +3,24 @@
 from __future__ import annotations
 
 import argparse
+import os
 import re
 from pathlib import Path
 
 import pytest
 
-from pdserve.workers.settings import add_worker_args, settings_from_args
+from pdserve.api.limits import RequestLimits
+from pdserve.common.engine_options import Role
+from pdserve.config import EngineConfig
+from pdserve.workers.settings import (
+    TransportName,
+    WorkerLaunch,
+    WorkerSettings,
+    add_worker_args,
+    launch_from_args,
+    settings_from_args,
+    worker_argv,
+)
 
 
 def _settings(tmp_path: Path, *argv: str):
@@ -125,3 +137,54 @@ def test_block_size_reaches_the_engine(tmp_path: Path) -> None:
     assert _settings(tmp_path, "--block-size", "32").engine.block_size == 32
     with pytest.raises(ValueError, match="block_size must be a positive power of two"):
         _settings(tmp_path, "--block-size", "24")
+
+
+def _reparse(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    add_worker_args(p)
+    return p.parse_args(argv)
+
+
+LAUNCHES = [
+    WorkerLaunch(),
+    WorkerLaunch(role=Role.PREFILL, transport=TransportName.NIXL, device="cuda:1", port=9001,
+                 kv_host="10.0.0.2", kv_port=9101, secret_file=Path("/run/s"),
+                 kv_layerwise="on", kv_lease_s=2.5, cpus=(0, 3),
+                 limits=RequestLimits(max_body_bytes=2**20, max_stop_strings=4,
+                                      body_timeout_s=5.0)),
+    WorkerLaunch(role=Role.DECODE, model="/models/x", served_model_name="x", dtype="float32",
+                 host="0.0.0.0", kv_encrypt=True, kv_cache_memory="2GiB", num_kv_blocks=77,
+                 block_size=32, max_model_len=512, max_num_seqs=128, seed=7,
+                 secret_file=Path("/run/s"), metrics_key_file=Path("/run/m")),
+    WorkerLaunch(serve_public=True, enable_chunked_prefill=True, max_num_batched_tokens=256,
+                 cpu_kernels=False, max_num_seqs=1),
+]
+
+
+@pytest.mark.parametrize("launch", LAUNCHES)
+def test_the_worker_argv_reads_back_as_its_launch(launch: WorkerLaunch) -> None:
+    assert launch_from_args(_reparse(worker_argv(launch))) == launch
+
+
+def test_the_worker_argv_names_the_files_and_gives_these_settings(tmp_path: Path) -> None:
+    secret, keys = tmp_path / "secret", tmp_path / "keys"
+    secret.write_bytes(b"s" * 32)
+    keys.write_text("k" * 16 + "\n")
+    core = min(os.sched_getaffinity(0))
+    launch = WorkerLaunch(
+        role=Role.DECODE, dtype="float32", host="0.0.0.0", port=9002, kv_port=9102,
+        secret_file=secret, serve_public=True, metrics_key_file=keys, kv_encrypt=True,
+        kv_layerwise="off", cpus=(core,), kv_cache_memory="1MiB", max_model_len=256,
+        max_num_seqs=8, enable_chunked_prefill=True, max_num_batched_tokens=64,
+        kv_lease_s=4.0, cpu_kernels=False, limits=RequestLimits(max_stop_strings=2))
+    argv = worker_argv(launch)
+    assert argv[argv.index("--secret-file") + 1] == str(secret)
+    assert "s" * 16 not in " ".join(argv) and "k" * 16 not in " ".join(argv)
+    engine = EngineConfig(model="smollm2", dtype="float32", role=Role.DECODE,
+                          kv_cache_bytes=2**20, max_num_seqs=8, max_num_batched_tokens=64,
+                          max_model_len=256, enable_chunked_prefill=True, cpu_kernels=False)
+    assert settings_from_args(_reparse(argv)) == WorkerSettings(
+        role=Role.DECODE, engine=engine, served_model_name="smollm2", host="0.0.0.0",
+        port=9002, kv_host="0.0.0.0", kv_port=9102, secret=b"s" * 32, serve_public=True,
+        metrics_keys=("k" * 16,), cpus=(core,), kv_lease_s=4.0, kv_encrypt=True,
+        kv_layerwise="off", limits=RequestLimits(max_stop_strings=2))

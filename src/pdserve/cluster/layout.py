@@ -26,11 +26,11 @@ from pdserve.api.limits import DEFAULT_LIMITS, RequestLimits, limits_from_args, 
 from pdserve.bearer import read_key_file
 from pdserve.cli_args import parse_size
 from pdserve.cluster.child import ProcessSpec
-from pdserve.common.engine_options import DTYPE_NAMES, check_device
+from pdserve.common.engine_options import DTYPE_NAMES, Role, check_device
 from pdserve.internal_auth import read_secret_file
 from pdserve.router.access import rate_limit_from_args
 from pdserve.router.rate_limit import RateLimit
-from pdserve.workers.settings import LAYERWISE
+from pdserve.workers.settings import LAYERWISE, MAX_NUM_SEQS, WorkerLaunch, worker_argv
 
 POLICIES = ("round_robin", "least_loaded", "prefix")
 TRANSPORTS = ("tcp", "nixl")
@@ -229,31 +229,20 @@ def worker_url(config: UpConfig, index: int) -> str:
 
 def _worker_spec(config: UpConfig, index: int, role: str, secret_file: Path) -> ProcessSpec:
     role_index = config.roles[:index].count(role)
-    port = config.port + HTTP_PORT_OFFSET + index
-    argv = [sys.executable, "-m", "pdserve.cli", "worker", "--role", role,
-            "--model", config.model, "--dtype", config.dtype, "--device", config.device,
-            "--host", config.host,
-            "--port", str(port), "--kv-port", str(config.port + KV_PORT_OFFSET + index),
-            "--transport", config.transport, "--secret-file", str(secret_file),
-            "--cpus", ",".join(map(str, worker_cores(config, index))),
-            "--kv-cache-memory", config.kv_cache_memory]
-    if config.max_model_len is not None:
-        argv += ["--max-model-len", str(config.max_model_len)]
-    if config.enable_chunked_prefill:
-        argv += ["--enable-chunked-prefill"]
-    if config.kv_encrypt:
-        argv += ["--kv-encrypt"]
-    argv += ["--kv-layerwise", config.kv_layerwise, "--kv-lease", str(config.kv_lease_s)]
-    if config.max_num_batched_tokens is not None:
-        argv += ["--max-num-batched-tokens", str(config.max_num_batched_tokens)]
-    if config.max_num_seqs is not None:
-        argv += ["--max-num-seqs", str(config.max_num_seqs)]
-    if not config.cpu_kernels:
-        argv += ["--no-cpu-kernels"]
-    if config.serve_public:
-        argv += ["--serve-public"]
-    argv += _metrics_key_args(config) + limits_to_args(config.limits)
-    return ProcessSpec(f"{role}-{role_index}", tuple(argv), worker_url(config, index) + "/health",
+    launch = WorkerLaunch(
+        role=Role(role), model=config.model, dtype=config.dtype, device=config.device,
+        host=config.host, port=config.port + HTTP_PORT_OFFSET + index,
+        kv_port=config.port + KV_PORT_OFFSET + index, transport=config.transport,
+        secret_file=secret_file, serve_public=config.serve_public,
+        metrics_key_file=config.metrics_key_file, kv_encrypt=config.kv_encrypt,
+        kv_layerwise=config.kv_layerwise, cpus=worker_cores(config, index),
+        kv_cache_memory=config.kv_cache_memory, max_model_len=config.max_model_len,
+        max_num_seqs=config.max_num_seqs or MAX_NUM_SEQS,
+        enable_chunked_prefill=config.enable_chunked_prefill,
+        max_num_batched_tokens=config.max_num_batched_tokens, kv_lease_s=config.kv_lease_s,
+        cpu_kernels=config.cpu_kernels, limits=config.limits)
+    argv = (sys.executable, "-m", "pdserve.cli", "worker", *worker_argv(launch))
+    return ProcessSpec(f"{role}-{role_index}", argv, worker_url(config, index) + "/health",
                        restart=True, signed_health=True)
 
 

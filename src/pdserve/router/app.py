@@ -18,6 +18,7 @@ Life cycle.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator
@@ -29,7 +30,6 @@ from aiohttp import web
 
 from pdserve.api.errors import ApiError
 from pdserve.api.http_site import start_site, stop_event
-from pdserve.api.legs import EventBatch
 from pdserve.api.limits import RequestLimits, add_limit_args, limits_from_args
 from pdserve.api.openai_server import GenerateError, OpenAIServer
 from pdserve.common.model_folder import resolve_model
@@ -43,6 +43,7 @@ from pdserve.internal_auth import (
     PeerRefused,
     read_secret_file,
 )
+from pdserve.legs.protocol import EventBatch
 from pdserve.metrics import CONTENT_TYPE
 from pdserve.router.access import (
     AccessSettings,
@@ -51,7 +52,7 @@ from pdserve.router.access import (
     add_access_args,
 )
 from pdserve.router.dispatch import Dispatcher, DispatchSettings, NoWorkers
-from pdserve.router.leg_client import LegChannels, LegFailed
+from pdserve.router.leg_client import LegFailed, RouterLegChannels
 from pdserve.router.policies import PolicyName, make_policy
 from pdserve.router.router_metrics import RouterMetrics
 from pdserve.router.worker_pool import WorkerPool
@@ -102,7 +103,7 @@ class Router:
         self.api = OpenAIServer(settings.name, tokenizer, self._max_model_len, self._generate,
                                 self.metrics, limits=settings.limits)
         self.session: aiohttp.ClientSession | None = None
-        self.channels: LegChannels | None = None
+        self.channels: RouterLegChannels | None = None
         self.dispatcher: Dispatcher | None = None
 
     def _max_model_len(self) -> int | None:
@@ -112,8 +113,8 @@ class Router:
     async def start(self) -> None:
         connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=30)
         self.session = aiohttp.ClientSession(connector=connector)
-        self.channels = LegChannels(self.session, self.auth,
-                                    self.settings.dispatch.connect_timeout_s)
+        self.channels = RouterLegChannels(self.session, self.auth,
+                                          self.settings.dispatch.connect_timeout_s)
         self.dispatcher = Dispatcher(self.pool, make_policy(self.settings.policy),
                                      self.settings.dispatch, self.channels, self.metrics)
         await self.pool.refresh(self.session)
@@ -209,6 +210,26 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
                         "KV before it recomputes (default: %(default)s)")
     add_access_args(p)
     add_limit_args(p)
+
+
+def add_router_parser(subparsers: argparse._SubParsersAction) -> None:
+    """`pdserve router`."""
+    p = subparsers.add_parser(
+        "router", help="the OpenAI-compatible front door over prefill/decode workers",
+        description="Tokenizes, picks the path (whole on a decode or collocated worker when the "
+                    "uncached prompt is short, else split into a prefill and a decode leg sent "
+                    "at once) and streams one consistent token stream back.")
+    add_router_args(p)
+    p.set_defaults(func=_run_router)
+
+
+def _run_router(args: argparse.Namespace) -> int:
+    from pdserve.logs import setup
+
+    settings = settings_from_args(args)
+    setup(f"router:{settings.port}")
+    asyncio.run(serve(settings))
+    return 0
 
 
 def settings_from_args(args: argparse.Namespace) -> RouterSettings:

@@ -31,17 +31,17 @@ from aiohttp import web
 
 from pdserve.api.errors import ApiError
 from pdserve.api.http_site import start_site, stop_event
-from pdserve.api.legs import LegRequest
 from pdserve.api.openai_server import GenerateError, OpenAIServer
 from pdserve.common.sampling_params import SamplingParams
 from pdserve.engine.engine import Engine
 from pdserve.heap import freeze_startup_heap
+from pdserve.legs.protocol import LegRequest
 from pdserve.metrics import CONTENT_TYPE
 from pdserve.transfer.descriptors import KVLayout
 from pdserve.workers.access import WorkerAccess
 from pdserve.workers.engine_loop import EngineLoop, LegRefused
 from pdserve.workers.hub_pump import HubPump
-from pdserve.workers.leg_channel import LegChannels
+from pdserve.workers.leg_channel import WorkerLegChannels
 from pdserve.workers.oneshot import run_once_in_thread
 from pdserve.workers.settings import TransportName, WorkerSettings
 from pdserve.workers.step_trace import Step
@@ -57,7 +57,7 @@ class Worker:
         self.metrics = WorkerMetrics(settings.role.value)
         self.engine: Engine | None = None
         self.loop: EngineLoop | None = None  # set last: the worker is ready from then on
-        self.channels: LegChannels | None = None
+        self.channels: WorkerLegChannels | None = None
         self.transport: Any = None
         self.access = WorkerAccess(settings.secret, settings.serve_public, settings.metrics_keys)
         self.kv_layout: dict[str, Any] | None = None  # the KV pool's, once loaded
@@ -88,7 +88,7 @@ class Worker:
         loop = EngineLoop(self.engine, hub, self.metrics, stream_layers=s.stream_layers)
         self.metrics.bind_engine(self.engine, lambda: loop.num_legs)
         self.api.tokenizer = self.engine.tokenizer
-        self.channels = LegChannels(loop)
+        self.channels = WorkerLegChannels(loop)
         freeze_startup_heap()
         loop.start(aio)
         self.loop = loop

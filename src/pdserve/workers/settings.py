@@ -1,18 +1,28 @@
 """`pdserve worker` settings: one frozen dataclass, validated, built from the command line.
 
-Files named on the command line (`--secret-file`, `--metrics-key-file`) are read and checked
-here, so a worker refuses a missing, unreadable or too-short one before it loads a model.
+The command line both ways: `WorkerLaunch` is its values, `worker_argv` writes them (what
+`pdserve up` runs) and `launch_from_args` reads them back, equal. Files named on the command
+line (`--secret-file`, `--metrics-key-file`) stay named in a launch and are read and checked by
+`worker_settings`, so a worker refuses a missing, unreadable or too-short one before it loads a
+model, and no argv ever holds a secret.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from enum import StrEnum
 from pathlib import Path
 
-from pdserve.api.limits import RequestLimits, add_limit_args, limits_from_args
+from pdserve.api.limits import (
+    DEFAULT_LIMITS,
+    RequestLimits,
+    add_limit_args,
+    limits_from_args,
+    limits_to_args,
+)
 from pdserve.bearer import read_key_file
 from pdserve.cli_args import add_cpu_kernels_arg, add_device_arg, parse_size
 from pdserve.common.engine_options import DTYPE_NAMES, Role
@@ -30,6 +40,7 @@ LAYERWISE_HELP = ("prefill workers write each layer's KV while the next layers c
                   "off, or auto = on for CUDA engines, off on CPU, where sending shares the "
                   "compute core and measured slower (pdserve bench layerwise) "
                   "(default: %(default)s)")
+MAX_NUM_SEQS = 64
 
 
 @dataclass(frozen=True)
@@ -149,7 +160,7 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
                         "them need the same (default: %(default)s)")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="longest prompt + output (default: the model's context)")
-    p.add_argument("--max-num-seqs", type=int, default=64,
+    p.add_argument("--max-num-seqs", type=int, default=MAX_NUM_SEQS,
                    help="most requests in one batch (default: %(default)s)")
     p.add_argument("--enable-chunked-prefill", action="store_true",
                    help="split long prompts into chunks of --max-num-batched-tokens that share "
@@ -165,28 +176,145 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     add_limit_args(p)
 
 
+def add_worker_parser(subparsers: argparse._SubParsersAction) -> None:
+    """`pdserve worker`."""
+    p = subparsers.add_parser(
+        "worker", help="one engine behind an OpenAI-compatible HTTP server",
+        description="A prefill, decode or collocated worker behind a router: /internal/legs "
+                    "(the WebSocket the router sends its legs on, signed with the cluster "
+                    "secret), /health (liveness; details to signed requests) and /metrics. "
+                    "With --serve-public it is also a complete OpenAI-compatible server on "
+                    "its own (/v1/completions, /v1/chat/completions, /v1/models). Prefill "
+                    "and decode workers move KV over the transfer plane.")
+    add_worker_args(p)
+    p.set_defaults(func=_run_worker)
+
+
+def _run_worker(args: argparse.Namespace) -> int:
+    from pdserve.logs import setup
+    from pdserve.workers.server import serve
+
+    settings = settings_from_args(args)
+    setup(f"{settings.role.value}:{settings.port}")
+    asyncio.run(serve(settings))
+    return 0
+
+
+@dataclass(frozen=True)
+class WorkerLaunch:
+    """The values of one `pdserve worker` command line (defaults: the options' defaults). Files
+    are named, not read: `worker_settings` reads them."""
+
+    role: Role = Role.COLLOCATED
+    model: str = "smollm2"
+    served_model_name: str | None = None
+    dtype: str = "bfloat16"
+    device: str = "cpu"
+    host: str = "127.0.0.1"
+    port: int = 8001
+    kv_host: str | None = None  # None: host
+    kv_port: int = 0
+    transport: TransportName = TransportName.TCP
+    secret_file: Path | None = None
+    serve_public: bool = False
+    metrics_key_file: Path | None = None
+    kv_encrypt: bool = False
+    kv_layerwise: str = "auto"
+    cpus: tuple[int, ...] | None = None  # None: not pinned
+    kv_cache_memory: str = "512MiB"
+    num_kv_blocks: int | None = None
+    block_size: int = EngineConfig.block_size
+    max_model_len: int | None = None
+    max_num_seqs: int = MAX_NUM_SEQS
+    enable_chunked_prefill: bool = False
+    max_num_batched_tokens: int | None = None
+    kv_lease_s: float = 30.0
+    seed: int = 0
+    cpu_kernels: bool = True
+    limits: RequestLimits = DEFAULT_LIMITS
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "role", Role(self.role))
+        object.__setattr__(self, "transport", TransportName(self.transport))
+        if self.cpus is not None and (not self.cpus or min(self.cpus) < 0):
+            raise ValueError(f"--cpus must name cores numbered from 0, got {self.cpus}")
+
+
+# written whatever their value (a worker's log and `ps` show where it serves and how); every
+# other option only when it differs from its default
+_ALWAYS = (("--role", "role"), ("--model", "model"), ("--dtype", "dtype"),
+           ("--device", "device"), ("--host", "host"), ("--port", "port"),
+           ("--kv-port", "kv_port"), ("--transport", "transport"),
+           ("--kv-cache-memory", "kv_cache_memory"), ("--kv-layerwise", "kv_layerwise"),
+           ("--kv-lease", "kv_lease_s"))
+_UNLESS_DEFAULT = (("--served-model-name", "served_model_name"), ("--kv-host", "kv_host"),
+                   ("--secret-file", "secret_file"), ("--metrics-key-file", "metrics_key_file"),
+                   ("--num-kv-blocks", "num_kv_blocks"), ("--block-size", "block_size"),
+                   ("--max-model-len", "max_model_len"), ("--max-num-seqs", "max_num_seqs"),
+                   ("--max-num-batched-tokens", "max_num_batched_tokens"), ("--seed", "seed"))
+_SWITCHES = (("--serve-public", "serve_public"), ("--kv-encrypt", "kv_encrypt"),
+             ("--enable-chunked-prefill", "enable_chunked_prefill"))
+_DEFAULTS = {f.name: f.default for f in fields(WorkerLaunch)}
+
+
+def worker_argv(launch: WorkerLaunch) -> list[str]:
+    """The `pdserve worker` options that `launch_from_args` reads back as `launch`."""
+    argv = [a for flag, name in _ALWAYS for a in (flag, str(getattr(launch, name)))]
+    for flag, name in _UNLESS_DEFAULT:
+        if getattr(launch, name) != _DEFAULTS[name]:
+            argv += [flag, str(getattr(launch, name))]
+    argv += [flag for flag, name in _SWITCHES if getattr(launch, name)]
+    if launch.cpus is not None:
+        argv += ["--cpus", ",".join(map(str, launch.cpus))]
+    if not launch.cpu_kernels:
+        argv.append("--no-cpu-kernels")
+    return argv + limits_to_args(launch.limits)
+
+
+def launch_from_args(args: argparse.Namespace) -> WorkerLaunch:
+    """ValueError for bad --cpus or limits; files are not read here."""
+    return WorkerLaunch(
+        role=Role(args.role), model=args.model, served_model_name=args.served_model_name,
+        dtype=args.dtype, device=args.device, host=args.host, port=args.port,
+        kv_host=args.kv_host, kv_port=args.kv_port, transport=args.transport,
+        secret_file=args.secret_file, serve_public=args.serve_public,
+        metrics_key_file=args.metrics_key_file, kv_encrypt=args.kv_encrypt,
+        kv_layerwise=args.kv_layerwise, cpus=_parse_cpus(args.cpus),
+        kv_cache_memory=args.kv_cache_memory, num_kv_blocks=args.num_kv_blocks,
+        block_size=args.block_size, max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs, enable_chunked_prefill=args.enable_chunked_prefill,
+        max_num_batched_tokens=args.max_num_batched_tokens, kv_lease_s=args.kv_lease,
+        seed=args.seed, cpu_kernels=args.cpu_kernels, limits=limits_from_args(args))
+
+
+def _parse_cpus(text: str | None) -> tuple[int, ...] | None:
+    if not text:
+        return None
+    try:
+        return tuple(int(c) for c in text.split(","))
+    except ValueError:
+        raise ValueError(f"--cpus wants core numbers like 0 or 0,1; got {text!r}") from None
+
+
 def settings_from_args(args: argparse.Namespace) -> WorkerSettings:
-    secret = None if args.secret_file is None else read_secret_file(args.secret_file)
-    metrics_keys = () if args.metrics_key_file is None else \
-        read_key_file(args.metrics_key_file, "--metrics-key-file")
-    cpus = None
-    if args.cpus:
-        try:
-            cpus = tuple(int(c) for c in args.cpus.split(","))
-        except ValueError:
-            raise ValueError(f"--cpus wants core numbers like 0 or 0,1; got {args.cpus!r}") \
-                from None
+    return worker_settings(launch_from_args(args))
+
+
+def worker_settings(launch: WorkerLaunch) -> WorkerSettings:
+    """Reads and checks the files the launch names; ValueError for any bad value."""
+    w = launch
+    secret = None if w.secret_file is None else read_secret_file(w.secret_file)
+    metrics_keys = () if w.metrics_key_file is None else \
+        read_key_file(w.metrics_key_file, "--metrics-key-file")
     engine = EngineConfig(
-        model=args.model, dtype=args.dtype, device=args.device, role=Role(args.role),
-        block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
-        kv_cache_bytes=parse_size(args.kv_cache_memory),
-        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=args.max_model_len, enable_chunked_prefill=args.enable_chunked_prefill,
-        seed=args.seed, cpu_kernels=args.cpu_kernels)
+        model=w.model, dtype=w.dtype, device=w.device, role=w.role, block_size=w.block_size,
+        num_kv_blocks=w.num_kv_blocks, kv_cache_bytes=parse_size(w.kv_cache_memory),
+        max_num_seqs=w.max_num_seqs, max_num_batched_tokens=w.max_num_batched_tokens,
+        max_model_len=w.max_model_len, enable_chunked_prefill=w.enable_chunked_prefill,
+        seed=w.seed, cpu_kernels=w.cpu_kernels)
     return WorkerSettings(
-        role=Role(args.role), engine=engine, served_model_name=args.served_model_name or
-        args.model, host=args.host, port=args.port, kv_host=args.kv_host or args.host,
-        kv_port=args.kv_port, transport=args.transport, secret=secret,
-        serve_public=args.serve_public, metrics_keys=metrics_keys, cpus=cpus,
-        kv_lease_s=args.kv_lease, kv_encrypt=args.kv_encrypt, kv_layerwise=args.kv_layerwise,
-        limits=limits_from_args(args))
+        role=w.role, engine=engine, served_model_name=w.served_model_name or w.model,
+        host=w.host, port=w.port, kv_host=w.kv_host or w.host, kv_port=w.kv_port,
+        transport=w.transport, secret=secret, serve_public=w.serve_public,
+        metrics_keys=metrics_keys, cpus=w.cpus, kv_lease_s=w.kv_lease_s,
+        kv_encrypt=w.kv_encrypt, kv_layerwise=w.kv_layerwise, limits=w.limits)

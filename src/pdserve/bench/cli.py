@@ -1,0 +1,186 @@
+"""`pdserve bench`: one sub-command per benchmark. The modules that measure are imported only
+when their benchmark runs (some load torch), so `pdserve --help` and every `pdserve bench X
+--help` stay torch-free."""
+
+from __future__ import annotations
+
+import argparse
+
+from pdserve.bench.compare import add_compare_args, run_compare_cli
+from pdserve.bench.serve.runner import add_bench_serve_args, run_bench_serve
+from pdserve.cli_args import add_cpu_kernels_arg, add_device_arg
+
+
+def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
+    """`pdserve bench` and one sub-command per benchmark."""
+    bench = subparsers.add_parser(
+        "bench", help="benchmarks, each beside a baseline measured in the same run")
+    kinds = bench.add_subparsers(dest="bench", required=True)
+    for add in (_add_engine, _add_transfer, _add_layerwise, _add_serve, _add_compare,
+                _add_router, _add_hostile):
+        add(kinds)
+
+
+def _add_engine(kinds: argparse._SubParsersAction) -> None:
+    eng = kinds.add_parser(
+        "engine", help="decode and prefill tok/s vs transformers and the roofline",
+        description="Decode tok/s at several batch sizes and prefill tok/s for one long "
+                    "prompt, each beside transformers generate() in the same process and the "
+                    "roofline from this machine's measured memory bandwidth and matmul peak. "
+                    "Medians of --repeats runs.")
+    eng.add_argument("--model", default="smollm2", help="default: %(default)s")
+    eng.add_argument("--batches", default="1,8,32", help="decode batch sizes (default: "
+                                                         "%(default)s)")
+    eng.add_argument("--decode-steps", type=int, default=32, help="default: %(default)s")
+    eng.add_argument("--prompt-len", type=int, default=1000,
+                     help="prefill prompt tokens (default: %(default)s)")
+    eng.add_argument("--repeats", type=int, default=3, help="default: %(default)s")
+    eng.add_argument("--json", action="store_true", help="one JSON object per measurement")
+    add_cpu_kernels_arg(eng)
+    eng.set_defaults(func=_bench_engine)
+
+
+def _add_transfer(kinds: argparse._SubParsersAction) -> None:
+    xfer = kinds.add_parser(
+        "transfer", help="KV transfer GB/s per transport and mode vs memcpy and a raw socket",
+        description="Moves KV payloads between this process and a child process over each "
+                    "transport, push (write) and pull (read), beside memcpy and a raw loopback "
+                    "socket measured in the same run; then the fixed overhead of a whole push "
+                    "session for a 1,000-token SmolLM2-shaped prompt and the CRC32C cost. "
+                    "Medians of --repeats runs.")
+    xfer.add_argument("--sizes", default="1,4,16,64,256",
+                      help="payload sizes in MiB (default: %(default)s)")
+    xfer.add_argument("--repeats", type=int, default=3, help="default: %(default)s")
+    xfer.add_argument("--json", action="store_true", help="one JSON object per measurement")
+    xfer.set_defaults(func=_bench_transfer)
+
+
+def _add_layerwise(kinds: argparse._SubParsersAction) -> None:
+    lw = kinds.add_parser(
+        "layerwise", help="what layer-wise KV streaming saves on one long prompt",
+        description="This process prefills a prompt with the real model on one core while a "
+                    "child process on another core receives its KV (reservation, checksums, "
+                    "verification), once with the KV written after token 0 and once layer by "
+                    "layer during the prefill; prints the medians of prefill time, KV ready "
+                    "after token 0 and prompt to KV ready, and the saving.")
+    lw.add_argument("--model", default="smollm2", help="default: %(default)s")
+    lw.add_argument("--transport", default="tcp", help="tcp, tcp-aes or nixl (default: "
+                                                       "%(default)s)")
+    lw.add_argument("--prompt-tokens", type=int, default=1000, help="default: %(default)s")
+    lw.add_argument("--repeats", type=int, default=5, help="default: %(default)s")
+    lw.add_argument("--json", action="store_true", help="one JSON object per mode")
+    lw.set_defaults(func=_bench_layerwise)
+
+
+def _add_serve(kinds: argparse._SubParsersAction) -> None:
+    serve = kinds.add_parser(
+        "serve", help="replay a workload against any OpenAI-compatible server (vLLM's metrics)",
+        description="Open-loop (Poisson, --rate) or closed-loop (--concurrency) streaming "
+                    "completions with token-id prompts of exact lengths, so every server sees "
+                    "the same work; reports TTFT, TPOT, ITL and E2E (mean, median, P90, P99), "
+                    "throughput and goodput under SLOs, client side, with vLLM bench serve's "
+                    "JSON names.")
+    add_bench_serve_args(serve)
+    serve.set_defaults(func=run_bench_serve)
+
+
+def _add_compare(kinds: argparse._SubParsersAction) -> None:
+    cmp = kinds.add_parser(
+        "compare", help="collocated vs collocated-chunked vs disaggregated (and vLLM) on the "
+                        "same cores and trace",
+        description="Starts each pdserve configuration with `pdserve up` on the same cores, "
+                    "replays the same trace against each in turn (and against --external "
+                    "servers), and prints one table with every metric and its ratio to the "
+                    "first configuration; --plots draws latency CDFs and a per-worker "
+                    "timeline of engine steps.")
+    add_compare_args(cmp)
+    cmp.set_defaults(func=run_compare_cli)
+
+
+def _add_router(kinds: argparse._SubParsersAction) -> None:
+    rt = kinds.add_parser(
+        "router", help="latency and CPU the router adds, vs the worker addressed directly",
+        description="Starts `pdserve up --collocated 1` (worker pinned to one core) and sends "
+                    "the same streamed completions to the worker's own endpoint and through "
+                    "the router (at one stream alternating, at c streams c of each at once, "
+                    "in the same engine steps): added P50 latency per request (the median "
+                    "difference of request pairs), and router CPU per relayed token against "
+                    "the decode step time, at each concurrency; and what an API key and a "
+                    "rate limit cost: a second router with both, on the same worker, against "
+                    "the plain one's CPU per token. Medians of --repeats runs; run it on an "
+                    "idle machine.")
+    rt.add_argument("--model", default="smollm2", help="default: %(default)s")
+    add_device_arg(rt)
+    rt.add_argument("--concurrency", default="1,64",
+                    help="concurrent streams (default: %(default)s)")
+    rt.add_argument("--requests", type=int, default=64,
+                    help="requests per run (default: %(default)s; at more than one stream at "
+                         "least 8 per stream)")
+    rt.add_argument("--max-tokens", type=int, default=16, help="default: %(default)s")
+    rt.add_argument("--repeats", type=int, default=3, help="default: %(default)s")
+    rt.add_argument("--json", action="store_true", help="one JSON object per level")
+    rt.set_defaults(func=_bench_router)
+
+
+def _add_hostile(kinds: argparse._SubParsersAction) -> None:
+    h = kinds.add_parser(
+        "hostile", help="how much one huge request delays every other stream's next token",
+        description="Starts `pdserve up`, streams long completions through the router on "
+                    "--streams connections, and every few seconds sends one completion whose "
+                    "JSON body is --body-mb MiB. Prints the P99 gap between a stream's tokens "
+                    "while such a request is in flight, against the P99 gap of the same "
+                    "streams away from it (the baseline, in the same run). Medians of "
+                    "--repeats runs, each a fresh `pdserve up`.")
+    h.add_argument("--model", default="smollm2", help="default: %(default)s")
+    h.add_argument("--streams", type=int, default=8, help="default: %(default)s")
+    h.add_argument("--body-mb", type=float, default=10.0,
+                   help="size of the hostile body in MiB (default: %(default)s)")
+    h.add_argument("--kind", choices=("text", "ids"), default="text",
+                   help="the hostile prompt: one long text, or a list of token ids (the "
+                        "costliest JSON to parse per byte) (default: %(default)s)")
+    h.add_argument("--rounds", type=int, default=5,
+                   help="hostile requests per run (default: %(default)s)")
+    h.add_argument("--repeats", type=int, default=3, help="default: %(default)s")
+    h.add_argument("--up-args", nargs=argparse.REMAINDER, default=[],
+                   help="the rest of the line goes to `pdserve up` (default: its defaults)")
+    h.add_argument("--json", action="store_true", help="medians and every run as JSON")
+    h.set_defaults(func=_bench_hostile)
+
+
+def _bench_engine(args: argparse.Namespace) -> int:
+    from pdserve.bench.engine_bench import BenchSettings, main
+
+    batches = tuple(int(b) for b in args.batches.split(","))
+    return main(BenchSettings(model=args.model, batches=batches, decode_steps=args.decode_steps,
+                              prompt_len=args.prompt_len, repeats=args.repeats,
+                              cpu_kernels=args.cpu_kernels), args.json)
+
+
+def _bench_transfer(args: argparse.Namespace) -> int:
+    from pdserve.bench.transfer_bench import main
+
+    return main([int(m) for m in args.sizes.split(",")], args.repeats, args.json)
+
+
+def _bench_layerwise(args: argparse.Namespace) -> int:
+    from pdserve.bench.layerwise_bench import main
+
+    return main(args.model, args.transport, args.prompt_tokens, args.repeats, args.json)
+
+
+def _bench_router(args: argparse.Namespace) -> int:
+    from pdserve.bench.router_bench import RouterBenchSettings, main
+
+    levels = tuple(int(c) for c in args.concurrency.split(","))
+    return main(RouterBenchSettings(model=args.model, device=args.device, concurrency=levels,
+                                    requests=args.requests, max_tokens=args.max_tokens,
+                                    repeats=args.repeats), args.json)
+
+
+def _bench_hostile(args: argparse.Namespace) -> int:
+    from pdserve.bench.hostile_bench import HostileBenchSettings, main
+
+    return main(HostileBenchSettings(model=args.model, streams=args.streams,
+                                     body_mb=args.body_mb, kind=args.kind, rounds=args.rounds,
+                                     repeats=args.repeats, up_args=tuple(args.up_args)),
+                args.json)
