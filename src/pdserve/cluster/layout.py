@@ -30,10 +30,16 @@ from pdserve.common.engine_options import DTYPE_NAMES, Role, check_device
 from pdserve.internal_auth import read_secret_file
 from pdserve.router.access import rate_limit_from_args
 from pdserve.router.rate_limit import RateLimit
-from pdserve.workers.settings import LAYERWISE, MAX_NUM_SEQS, WorkerLaunch, worker_argv
+from pdserve.workers.settings import (
+    LAYERWISE,
+    MAX_NUM_SEQS,
+    TransportName,
+    WorkerLaunch,
+    worker_argv,
+)
 
 POLICIES = ("round_robin", "least_loaded", "prefix")
-TRANSPORTS = ("tcp", "nixl")
+TRANSPORTS = tuple(t.value for t in TransportName)  # the worker's own choices
 HTTP_PORT_OFFSET = 1
 KV_PORT_OFFSET = 101
 MAX_WORKERS = KV_PORT_OFFSET - HTTP_PORT_OFFSET
