@@ -13,8 +13,8 @@ import pytest
 from aiohttp import web
 
 from pdserve import cli
-from pdserve.router.access import AccessSettings, access_middleware
-from pdserve.router.api_keys import KeySet, redacted
+from pdserve.bearer import KeySet
+from pdserve.router.access import AccessSettings, access_middleware, redacted
 from pdserve.router.app import add_router_args, settings_from_args
 from pdserve.router.rate_limit import RateLimit
 from tests.http_app import serving

@@ -54,9 +54,9 @@ import aiohttp
 from aiohttp import web
 from aiohttp.test_utils import make_mocked_request
 
+from pdserve.bearer import KeySet
 from pdserve.cluster.up_process import UpProcess
 from pdserve.router.access import AccessSettings, access_middleware
-from pdserve.router.api_keys import KeySet
 from pdserve.router.rate_limit import RateLimit
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")

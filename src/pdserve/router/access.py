@@ -19,8 +19,7 @@ from pathlib import Path
 from aiohttp import web
 
 from pdserve.api.errors import INVALID_REQUEST, ApiError
-from pdserve.bearer import read_key_file
-from pdserve.router.api_keys import KeySet, check_key, redacted
+from pdserve.bearer import KeySet, bearer_token, check_key, read_key_file
 from pdserve.router.rate_limit import RateLimit, TokenBuckets, retry_after
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -93,6 +92,15 @@ def rate_limited(wait_s: float, limit: RateLimit, by_key: bool) -> web.Response:
                              headers={"Retry-After": str(seconds)})
 
 
+def redacted(authorization: str | None) -> str:
+    """What a refusal may say about the key it got: OpenAI's shape (its first 3 and last 4
+    characters) for a long printable key, never the whole key."""
+    key = bearer_token(authorization) or ""
+    if len(key) < 12 or not (key.isascii() and key.isprintable()):
+        return "****"
+    return f"{key[:3]}{'*' * min(len(key) - 7, 16)}{key[-4:]}"
+
+
 def _unauthorized(error: ApiError) -> web.Response:
     return web.json_response(error.body(), status=401, headers={"WWW-Authenticate": "Bearer"})
 
@@ -135,10 +143,9 @@ def rate_limit_from_args(args: argparse.Namespace) -> RateLimit | None:
 
 def access_from_args(args: argparse.Namespace) -> AccessSettings:
     """ValueError for a bad key, an unreadable or empty key file, or a bad limit."""
-    keys = [check_key(k, "--api-key") for k in args.api_key]
+    keys = [check_key(k, "--api-key: a key") for k in args.api_key]
     if args.api_keys_file is not None:
-        keys += [check_key(k, f"--api-keys-file {args.api_keys_file}")
-                 for k in read_key_file(args.api_keys_file, "--api-keys-file")]
+        keys += read_key_file(args.api_keys_file, "--api-keys-file")
     metrics = None if args.metrics_key_file is None else \
         KeySet(read_key_file(args.metrics_key_file, "--metrics-key-file"))
     return AccessSettings(KeySet(keys) if keys else None, metrics, rate_limit_from_args(args))

@@ -26,7 +26,7 @@ from typing import Any
 from aiohttp import web
 
 from pdserve.api.errors import ApiError
-from pdserve.bearer import bearer_matches
+from pdserve.bearer import KeySet
 from pdserve.internal_auth import AUTH_HEADER, PROOF_HEADER, InternalAuth, PeerRefused
 from pdserve.throttled_log import ThrottledLog
 
@@ -51,7 +51,7 @@ class WorkerAccess:
                  metrics_keys: tuple[str, ...] = ()) -> None:
         self.auth = InternalAuth(secret) if secret is not None else None
         self.serve_public = serve_public
-        self.metrics_keys = metrics_keys
+        self.metrics_keys = KeySet(metrics_keys) if metrics_keys else None
         self._refusals = ThrottledLog(log)
 
     def middleware(self) -> Callable[[web.Request, Handler], Awaitable[web.StreamResponse]]:
@@ -74,8 +74,8 @@ class WorkerAccess:
             return self._check_signature(request)
         if (path == "/v1" or path.startswith("/v1/")) and not self.serve_public:
             return ApiError(403, NOT_PUBLIC, code="worker_not_public")
-        if path == "/metrics" and self.metrics_keys and not bearer_matches(
-                request.headers.get("Authorization"), self.metrics_keys):
+        if path == "/metrics" and self.metrics_keys is not None and \
+                self.metrics_keys.identity(request.headers.get("Authorization")) is None:
             return ApiError(401, METRICS_KEY, code="invalid_api_key")
         return None
 
