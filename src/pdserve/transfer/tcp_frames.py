@@ -92,40 +92,39 @@ def send_all(sock: socket.socket, buffers: Sequence[bytes | memoryview]) -> None
             start += 1
 
 
-def recv_into_all(sock: socket.socket, view: memoryview) -> None:
-    """Fill `view` from the socket; EOF before it is full raises ConnectionError."""
+def recv_into_all(sock: socket.socket, view: memoryview, deadline: float | None = None) -> None:
+    """Fill `view` from the socket; EOF before it is full raises ConnectionError. With a
+    `deadline` (time.monotonic()), all of it by then however slowly it trickles in, else
+    TimeoutError (the socket is left with a timeout set)."""
+    want = len(view)
     while len(view):
-        n = sock.recv_into(view)
+        try:
+            if deadline is not None:
+                settimeout_by(sock, deadline)
+            n = sock.recv_into(view)
+        except TimeoutError:
+            if deadline is None:
+                raise
+            raise TimeoutError(f"the deadline passed with {want - len(view)} of {want} bytes of "
+                               "the frame received") from None
         if n == 0:
             raise ConnectionError("peer closed the connection mid-frame")
         view = view[n:]
 
 
-def recv_exact(sock: socket.socket, n: int) -> bytes:
+def recv_exact(sock: socket.socket, n: int, deadline: float | None = None) -> bytes:
     buf = bytearray(n)
-    recv_into_all(sock, memoryview(buf))
+    recv_into_all(sock, memoryview(buf), deadline)
     return bytes(buf)
 
 
-def recv_exact_by(sock: socket.socket, n: int, deadline: float) -> bytes:
-    """n bytes, all of them by `deadline` (time.monotonic()), however slowly they trickle in:
-    TimeoutError past it, ConnectionError on EOF. Leaves a timeout set on the socket."""
-    buf = bytearray(n)
-    view = memoryview(buf)
-    while len(view):
-        left = deadline - time.monotonic()
-        try:
-            if left <= 0:
-                raise TimeoutError
-            sock.settimeout(left)
-            got = sock.recv_into(view)
-        except TimeoutError:
-            raise TimeoutError(f"the deadline passed with {n - len(view)} of {n} bytes of the "
-                               "frame received") from None
-        if got == 0:
-            raise ConnectionError("peer closed the connection mid-frame")
-        view = view[got:]
-    return bytes(buf)
+def settimeout_by(sock: socket.socket, deadline: float) -> None:
+    """Set the socket's timeout to what is left until `deadline` (time.monotonic());
+    TimeoutError when nothing is."""
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError("the deadline passed")
+    sock.settimeout(left)
 
 
 def drain(sock: socket.socket, n: int) -> None:
@@ -139,15 +138,6 @@ def drain(sock: socket.socket, n: int) -> None:
 
 def header(ftype: Frame, count: int = 0, tid: int = 0, mid: int = 0, plen: int = 0) -> bytes:
     return HEADER.pack(int(ftype), count, tid, mid, plen)
-
-
-def recv_header(sock: socket.socket) -> tuple[Frame, int, int, int, int]:
-    """(type, count, transfer id, move id, payload length); EOF at a frame boundary raises
-    EOFError, an unknown type ProtocolError."""
-    first = sock.recv(HEADER.size, socket.MSG_WAITALL)
-    if not first:
-        raise EOFError("peer closed the connection")
-    return parse_header(first + recv_exact(sock, HEADER.size - len(first)))
 
 
 def parse_header(raw: bytes) -> tuple[Frame, int, int, int, int]:

@@ -17,7 +17,6 @@ from __future__ import annotations
 import logging
 import socket
 import threading
-import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -33,7 +32,7 @@ from pdserve.transfer.tcp_frames import (
     header,
     parse_header,
     recv_exact,
-    recv_exact_by,
+    settimeout_by,
     shut,
 )
 from pdserve.transfer.tcp_hello import Greeting, GreetingKind, digest
@@ -126,13 +125,10 @@ class BoundHandshake:
                        deadline: float | None) -> tuple[Greeting, bytes]:
         """The authenticated greeting (HELLO or HELLO_ACK) and its envelope; all of it by
         `deadline` when given."""
-        def read(n: int) -> bytes:
-            return recv_exact(sock, n) if deadline is None else recv_exact_by(sock, n, deadline)
-
-        ftype, _, _, _, plen = parse_header(read(HEADER.size))
+        ftype, _, _, _, plen = parse_header(recv_exact(sock, HEADER.size, deadline))
         if ftype is not expect or plen > MAX_SMALL_BYTES:
             raise ProtocolError(f"expected {expect.name}, got {ftype.name} of {plen} bytes")
-        envelope = read(plen)
+        envelope = recv_exact(sock, plen, deadline)
         with self._lock:
             message = self._auth.verify(envelope)
         return Greeting.parse(message, "hello" if expect is Frame.HELLO else "ack"), envelope
@@ -151,10 +147,7 @@ class BoundHandshake:
 
     @staticmethod
     def _send_by(conn: socket.socket, data: bytes, deadline: float) -> None:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise TimeoutError("the handshake did not complete by its deadline")
-        conn.settimeout(left)
+        settimeout_by(conn, deadline)
         conn.sendall(data)
 
     def _warn_if_silent(self, sock: socket.socket, peer: PeerId) -> None:
