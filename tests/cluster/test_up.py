@@ -439,3 +439,17 @@ def test_run_up_refuses_a_port_in_use_before_anything_starts(
     assert str(info.value).endswith("another pdserve up, or something else, is listening "
                                     "there; stop it or use --port")
     assert list(tmp_path.iterdir()) == []  # the run's secret is gone too
+
+
+def test_the_planned_ports_are_those_the_processes_are_given() -> None:
+    from urllib.parse import urlsplit
+
+    from pdserve.cluster.layout import planned_ports
+
+    config = UpConfig.from_args(_args("--prefill", "2", "--decode", "1", "--port", "9000"))
+    given = set()
+    for spec in plan_processes(config, SECRET):
+        given.add((urlsplit(spec.health_url).port, f"{spec.name} (HTTP)"))
+        if "--kv-port" in spec.argv:
+            given.add((int(_option(spec, "--kv-port")[0]), f"{spec.name} (KV transfers)"))
+    assert set(planned_ports(config)) == given and len(given) == 7

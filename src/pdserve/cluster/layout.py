@@ -233,8 +233,24 @@ def worker_url(config: UpConfig, index: int) -> str:
     return base_url(config.host, config.port + HTTP_PORT_OFFSET + index)
 
 
+def worker_name(config: UpConfig, index: int) -> str:
+    """'prefill-0', 'decode-1'...: the role and the worker's index among its role."""
+    role = config.roles[index]
+    return f"{role}-{config.roles[:index].count(role)}"
+
+
+def planned_ports(config: UpConfig) -> list[tuple[int, str]]:
+    """(port, what it is for) of every listener the plan starts: each worker's HTTP and KV
+    ports, in worker order, then the router's."""
+    ports = []
+    for i in range(config.num_workers):
+        name = worker_name(config, i)
+        ports += [(config.port + HTTP_PORT_OFFSET + i, f"{name} (HTTP)"),
+                  (config.port + KV_PORT_OFFSET + i, f"{name} (KV transfers)")]
+    return [*ports, (config.port, "router (HTTP)")]
+
+
 def _worker_spec(config: UpConfig, index: int, role: str, secret_file: Path) -> ProcessSpec:
-    role_index = config.roles[:index].count(role)
     launch = WorkerLaunch(
         role=Role(role), model=config.model, dtype=config.dtype, device=config.device,
         host=config.host, port=config.port + HTTP_PORT_OFFSET + index,
@@ -248,7 +264,7 @@ def _worker_spec(config: UpConfig, index: int, role: str, secret_file: Path) -> 
         max_num_batched_tokens=config.max_num_batched_tokens, kv_lease_s=config.kv_lease_s,
         cpu_kernels=config.cpu_kernels, limits=config.limits)
     argv = (sys.executable, "-m", "pdserve.cli", "worker", *worker_argv(launch))
-    return ProcessSpec(f"{role}-{role_index}", argv, worker_url(config, index) + "/health",
+    return ProcessSpec(worker_name(config, index), argv, worker_url(config, index) + "/health",
                        restart=True, signed_health=True)
 
 

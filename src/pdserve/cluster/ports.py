@@ -1,4 +1,4 @@
-"""Ports of a `pdserve up` that must be free before anything starts.
+"""Ports of a `pdserve up` that must be free before anything starts (`layout.planned_ports`).
 
 `check_ports_free` binds and listens on each port for a moment, with SO_REUSEADDR as the
 servers do (`socket.create_server`), so a port only in TIME_WAIT from a stopped run passes
@@ -11,25 +11,6 @@ from __future__ import annotations
 
 import socket
 from collections.abc import Sequence
-from urllib.parse import urlsplit
-
-from pdserve.cluster.child import ProcessSpec
-
-KV_PORT_OPTION = "--kv-port"
-
-
-def planned_ports(specs: Sequence[ProcessSpec]) -> list[tuple[int, str]]:
-    """(port, what it is for) of every listener in the plan, in its order: each process's HTTP
-    port (that of its health URL) and, for a worker, the KV port its argv gives it."""
-    ports = []
-    for spec in specs:
-        http_port = urlsplit(spec.health_url).port
-        if http_port is not None:
-            ports.append((http_port, f"{spec.name} (HTTP)"))
-        if KV_PORT_OPTION in spec.argv[:-1]:
-            kv_port = spec.argv[spec.argv.index(KV_PORT_OPTION) + 1]
-            ports.append((int(kv_port), f"{spec.name} (KV transfers)"))
-    return ports
 
 
 def check_ports_free(host: str, ports: Sequence[tuple[int, str]]) -> None:

@@ -24,9 +24,10 @@ from pdserve.cluster.layout import (
     UpConfig,
     base_url,
     plan_processes,
+    planned_ports,
     worker_cores,
 )
-from pdserve.cluster.ports import check_ports_free, planned_ports
+from pdserve.cluster.ports import check_ports_free
 from pdserve.cluster.secret import remove_secret, remove_stale_secrets, write_secret
 from pdserve.cluster.supervisor import ClusterError, run
 from pdserve.internal_auth import InternalAuth, read_secret_file
@@ -165,7 +166,7 @@ def run_up(args: argparse.Namespace) -> int:
     try:
         auth = InternalAuth(read_secret_file(secret))
         specs = plan_processes(config, secret)
-        check_ports_free(config.host, planned_ports(specs))
+        check_ports_free(config.host, planned_ports(config))
         print(_layout_line(config), file=sys.stderr, flush=True)
         _note_kernel_build(config)
         return run([specs[:-1], specs[-1:]], config.ready_timeout_s,
