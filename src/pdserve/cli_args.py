@@ -49,3 +49,17 @@ def parse_size(text: str) -> int:
         raise ValueError(f"cannot read {text!r} as a size; write e.g. 512MiB, 2GiB or bytes")
     unit = (m.group(2) or "").lower()[:1]
     return int(float(m.group(1)) * _UNITS[unit])
+
+
+def parse_cpus(text: str) -> tuple[int, ...]:
+    """'0,2,4-7' -> (0, 2, 4, 5, 6, 7), in the order given, duplicates dropped."""
+    cores: list[int] = []
+    for part in text.split(","):
+        first, _, last = part.strip().partition("-")
+        if not first.isdigit() or (last and not last.isdigit()):
+            raise ValueError(f"--cpus takes core numbers and ranges like 0,2,4-7, got {text!r}")
+        span = range(int(first), int(last or first) + 1)
+        if not span:
+            raise ValueError(f"empty core range {part.strip()!r} in --cpus")
+        cores.extend(c for c in span if c not in cores)
+    return tuple(cores)

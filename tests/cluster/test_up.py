@@ -13,8 +13,9 @@ from pathlib import Path
 
 import pytest
 
+from pdserve.cli_args import parse_cpus
 from pdserve.cluster import up
-from pdserve.cluster.layout import UpConfig, parse_cpus, plan_processes, worker_counts
+from pdserve.cluster.layout import UpConfig, plan_processes, worker_counts
 from pdserve.cluster.secret import remove_secret, write_secret
 from pdserve.cluster.supervisor import ProcessSpec
 from pdserve.cluster.up_process import free_port

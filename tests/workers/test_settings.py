@@ -59,6 +59,12 @@ def test_no_cpu_kernels_reaches_the_engine_config(tmp_path: Path) -> None:
     assert not _settings(tmp_path, "--role", "decode", "--no-cpu-kernels").engine.cpu_kernels
 
 
+def test_cpus_takes_the_same_ranges_as_pdserve_up(tmp_path: Path) -> None:
+    n = len(os.sched_getaffinity(0))
+    assert _settings(tmp_path, "--role", "decode", "--cpus", f"0-{n - 1}").cpus == \
+        tuple(range(n))
+
+
 def test_layerwise_streaming_is_on_for_cuda_engines_unless_set(tmp_path: Path) -> None:
     def streams(*argv: str) -> bool:
         return _settings(tmp_path, "--role", "collocated", *argv).stream_layers

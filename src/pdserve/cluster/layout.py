@@ -24,7 +24,7 @@ from pathlib import Path
 
 from pdserve.api.limits import DEFAULT_LIMITS, RequestLimits, limits_from_args, limits_to_args
 from pdserve.bearer import read_key_file
-from pdserve.cli_args import parse_size
+from pdserve.cli_args import parse_cpus, parse_size
 from pdserve.cluster.child import ProcessSpec
 from pdserve.common.engine_options import DTYPE_NAMES, Role, check_device
 from pdserve.internal_auth import read_secret_file
@@ -191,20 +191,6 @@ def worker_counts(prefill: int | None, decode: int | None,
             raise ValueError(f"--collocated must be >= 1, got {collocated}")
         return 0, 0, collocated
     return (1 if prefill is None else prefill), (1 if decode is None else decode), 0
-
-
-def parse_cpus(text: str) -> tuple[int, ...]:
-    """'0,2,4-7' -> (0, 2, 4, 5, 6, 7), in the order given, duplicates dropped."""
-    cores: list[int] = []
-    for part in text.split(","):
-        first, _, last = part.strip().partition("-")
-        if not first.isdigit() or (last and not last.isdigit()):
-            raise ValueError(f"--cpus takes core numbers and ranges like 0,2,4-7, got {text!r}")
-        span = range(int(first), int(last or first) + 1)
-        if not span:
-            raise ValueError(f"empty core range {part.strip()!r} in --cpus")
-        cores.extend(c for c in span if c not in cores)
-    return tuple(cores)
 
 
 def base_url(host: str, port: int) -> str:

@@ -24,7 +24,7 @@ from pdserve.api.limits import (
     limits_to_args,
 )
 from pdserve.bearer import read_key_file
-from pdserve.cli_args import add_cpu_kernels_arg, add_device_arg, parse_size
+from pdserve.cli_args import add_cpu_kernels_arg, add_device_arg, parse_cpus, parse_size
 from pdserve.common.engine_options import DTYPE_NAMES, Role
 from pdserve.config import EngineConfig
 from pdserve.internal_auth import InternalAuth, read_secret_file
@@ -149,8 +149,8 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
                         "secret (tcp transport; every worker needs the same setting)")
     p.add_argument("--kv-layerwise", choices=LAYERWISE, default="auto", help=LAYERWISE_HELP)
     p.add_argument("--cpus", default=None,
-                   help="pin this worker to these cores, e.g. '0' or '0,1' (compute threads = "
-                        "number of cores; default: no pinning, all cores)")
+                   help="pin this worker to these cores, e.g. '0', '0,1' or '0-3' (compute "
+                        "threads = number of cores; default: no pinning, all cores)")
     p.add_argument("--kv-cache-memory", default="512MiB",
                    help="KV pool size, e.g. 512MiB or 2GiB (default: %(default)s)")
     p.add_argument("--num-kv-blocks", type=int, default=None,
@@ -279,21 +279,12 @@ def launch_from_args(args: argparse.Namespace) -> WorkerLaunch:
         kv_host=args.kv_host, kv_port=args.kv_port, transport=args.transport,
         secret_file=args.secret_file, serve_public=args.serve_public,
         metrics_key_file=args.metrics_key_file, kv_encrypt=args.kv_encrypt,
-        kv_layerwise=args.kv_layerwise, cpus=_parse_cpus(args.cpus),
+        kv_layerwise=args.kv_layerwise, cpus=parse_cpus(args.cpus) if args.cpus else None,
         kv_cache_memory=args.kv_cache_memory, num_kv_blocks=args.num_kv_blocks,
         block_size=args.block_size, max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs, enable_chunked_prefill=args.enable_chunked_prefill,
         max_num_batched_tokens=args.max_num_batched_tokens, kv_lease_s=args.kv_lease,
         seed=args.seed, cpu_kernels=args.cpu_kernels, limits=limits_from_args(args))
-
-
-def _parse_cpus(text: str | None) -> tuple[int, ...] | None:
-    if not text:
-        return None
-    try:
-        return tuple(int(c) for c in text.split(","))
-    except ValueError:
-        raise ValueError(f"--cpus wants core numbers like 0 or 0,1; got {text!r}") from None
 
 
 def settings_from_args(args: argparse.Namespace) -> WorkerSettings:
