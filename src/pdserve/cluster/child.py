@@ -79,18 +79,29 @@ class LogSink:
             self._stream.flush()
 
 
+def get_signed(url: str, auth: InternalAuth, timeout_s: float) -> bytes:
+    """The body of GET `url` signed with the cluster secret, once the 200 answer proves the
+    server holds the same secret. Raises ValueError without that proof; `URLError` (an
+    `HTTPError` for a 4xx/5xx status), `HTTPException` or `OSError` when the request fails."""
+    headers = auth.headers("GET", urlsplit(url).path)
+    with _OPENER.open(urllib.request.Request(url, headers=headers), timeout=timeout_s) as resp:
+        body = resp.read()
+        if resp.status != 200:
+            raise ValueError(f"{url} answered {resp.status}, not 200")
+        if not auth.check_proof(headers[AUTH_HEADER], body, resp.headers.get(PROOF_HEADER)):
+            raise ValueError(f"{url} did not prove that it holds the cluster secret")
+        return body
+
+
 def is_healthy(url: str, timeout_s: float = 0.5, auth: InternalAuth | None = None) -> bool:
     """True when GET `url` answers HTTP 200 within `timeout_s`, and with `auth`: to a signed
     request, with the server's proof that it holds the same secret. Any failure is False."""
-    headers = auth.headers("GET", urlsplit(url).path) if auth is not None else {}
     try:
-        with _OPENER.open(urllib.request.Request(url, headers=headers), timeout=timeout_s) as resp:
-            if resp.status != 200:
-                return False
-            if auth is None:
-                return True
-            return auth.check_proof(headers[AUTH_HEADER], resp.read(),
-                                    resp.headers.get(PROOF_HEADER))
+        if auth is not None:
+            get_signed(url, auth, timeout_s)
+            return True
+        with _OPENER.open(url, timeout=timeout_s) as resp:
+            return resp.status == 200
     except (urllib.error.URLError, HTTPException, OSError, ValueError):
         return False
 

@@ -23,8 +23,8 @@ import urllib.request
 from collections import deque
 from collections.abc import Sequence
 from pathlib import Path
-from urllib.parse import urlsplit
 
+from pdserve.cluster.child import get_signed
 from pdserve.cluster.secret import remove_secret, write_secret
 from pdserve.internal_auth import InternalAuth, read_secret_file
 
@@ -74,10 +74,9 @@ def get_json(url: str, timeout: float = 5.0) -> dict:
 
 
 def get_signed_json(auth: InternalAuth, url: str, timeout: float = 5.0) -> dict:
-    """GET `url` signed with the cluster secret (for its path, without the query)."""
-    request = urllib.request.Request(url, headers=auth.headers("GET", urlsplit(url).path))
-    with urllib.request.urlopen(request, timeout=timeout) as resp:
-        return json.loads(resp.read())
+    """GET `url` signed with the cluster secret (for its path, without the query); the answer
+    must prove that the server holds the same secret."""
+    return json.loads(get_signed(url, auth, timeout))
 
 
 class UpProcess:
