@@ -19,7 +19,9 @@ TORCH_FREE_MODULES = [
     "pdserve.planner.simulate.cli",
     "pdserve.cli",
     "pdserve.transfer.auth",
-    "pdserve.transfer.descriptors",
+    "pdserve.transfer.peer",
+    "pdserve.transfer.layout",
+    "pdserve.transfer.messages",
     "pdserve.internal_auth",
 ]
 

@@ -12,7 +12,7 @@ import pytest
 from pdserve.api.assembler import Delta, StreamAssembler
 from pdserve.common.sampling_params import SamplingParams
 from pdserve.legs.protocol import LegKind, LegRequest, TokenEvent
-from pdserve.transfer.descriptors import PeerId
+from pdserve.transfer.peer import PeerId
 
 PEER = PeerId(0xF00D_0000_0000_BEEF, "10.0.0.2", 7200)
 TID = 0xDEAD_BEEF_0000_0001  # above 2**63: a JSON number would lose it

@@ -93,7 +93,7 @@ def test_decode_reservation_waits_for_free_blocks(tiny_model):
     assert dec.reserved_blocks("r1") is None  # 6 blocks free, 10 needed: it queues
     final = _run(dec)
     assert "r0" in final
-    dec.scheduler.reserve_remote()
+    dec.reserve_remote()
     dst = dec.reserved_blocks("r1")
     assert dst is not None
     dec.kv_cache.copy_blocks_from(pre.kv_cache, outs["r1"].kv_block_ids, dst)

@@ -15,7 +15,7 @@ import aiohttp
 
 from pdserve.internal_auth import InternalAuth
 from pdserve.transfer.auth import sign
-from pdserve.transfer.tcp_frames import Frame, header
+from pdserve.transfer.tcp.frames import Frame, header
 from tests.serve.cluster import Cluster, metric
 from tests.serve.test_faults import DECODE, LONG, PREFILL
 from tests.serve.test_serving import client

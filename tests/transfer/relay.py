@@ -19,7 +19,7 @@ import socket
 import threading
 import time
 
-from pdserve.transfer.tcp_frames import HEADER, Frame, header, recv_exact, u32s
+from pdserve.transfer.tcp.frames import HEADER, Frame, header, recv_exact, u32s
 
 MAX_GREETING = 1 << 16
 

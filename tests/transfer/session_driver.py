@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 
 from pdserve.engine.engine import Engine
-from pdserve.transfer.descriptors import KVLayout
+from pdserve.transfer.layout import KVLayout
 from pdserve.transfer.receiver import RecvSession
 from pdserve.transfer.sender import SendSession
 from pdserve.transfer.sessions import Inbox, Mode

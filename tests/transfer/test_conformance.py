@@ -15,8 +15,8 @@ import torch
 
 from pdserve.common.model_config import ModelConfig
 from pdserve.engine.kv_cache import KVCache
-from pdserve.transfer.descriptors import PeerId
 from pdserve.transfer.fake import FakeFabric
+from pdserve.transfer.peer import PeerId
 from pdserve.transfer.sessions import Mode
 from pdserve.transfer.tcp import TcpTransport
 from pdserve.transfer.transport import Transport
@@ -161,7 +161,8 @@ def test_a_layer_range_write_lands_only_those_layers(make):
 def enforcing(make, request) -> Callable[[KVCache], Transport]:
     """`make`, for the transports whose target checks permits."""
     if request.node.callspec.params["make"] == "nixl":
-        pytest.skip("NIXL moves one-sided: the target cannot refuse a move (nixl.py, Permits)")
+        pytest.skip("NIXL moves one-sided: the target cannot refuse a move "
+                    "(nixl/transport.py, Permits)")
     return make
 
 

@@ -16,10 +16,10 @@ import torch
 pytest.importorskip("nixl_cu12")
 
 from pdserve.engine.kv_cache import KVCache
-from pdserve.transfer.descriptors import PeerId
 from pdserve.transfer.nixl import NixlOptions, NixlTransport
-from pdserve.transfer.nixl_meta import MAGIC, PoolRegion, decode_meta, encode_meta
-from pdserve.transfer.nixl_move import NixlMove, quiesce
+from pdserve.transfer.nixl.meta import MAGIC, PoolRegion, decode_meta, encode_meta
+from pdserve.transfer.nixl.move import NixlMove, quiesce
+from pdserve.transfer.peer import PeerId
 from pdserve.transfer.tcp import TcpOptions
 from tests.transfer.test_tcp import BS, MODEL, SECRET, finish, mapping, pool, wait_for
 

@@ -9,9 +9,16 @@ import pytest
 
 from pdserve import SamplingParams
 from pdserve.engine.engine import Engine
-from pdserve.transfer.control import ControlMessage, ControlOp, Reservation, decode_any
-from pdserve.transfer.descriptors import CompletionNotice, KVLayout, PeerId
 from pdserve.transfer.fake import FakeFabric, FakeTransport, Fault
+from pdserve.transfer.layout import KVLayout
+from pdserve.transfer.messages import (
+    CompletionNotice,
+    ControlMessage,
+    ControlOp,
+    Reservation,
+    decode_any,
+)
+from pdserve.transfer.peer import PeerId
 from pdserve.transfer.receiver import RecvSession
 from pdserve.transfer.sender import SendSession
 from pdserve.transfer.sessions import Inbox, Mode

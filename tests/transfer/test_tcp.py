@@ -19,7 +19,7 @@ import torch
 
 from pdserve.common.model_config import ModelConfig
 from pdserve.engine.kv_cache import KVCache
-from pdserve.transfer.descriptors import PeerId
+from pdserve.transfer.peer import PeerId
 from pdserve.transfer.tcp import TcpOptions, TcpTransport
 from pdserve.transfer.transport import Transport
 from tests.transfer.netns import network_namespace
@@ -179,7 +179,7 @@ def test_close_is_idempotent_and_fails_pending_moves():
 CHILD = """
 import json, sys, time, torch
 from pdserve.engine.kv_cache import KVCache
-from pdserve.transfer.descriptors import PeerId
+from pdserve.transfer.peer import PeerId
 from pdserve.common.model_config import ModelConfig
 from pdserve.transfer.tcp import TcpTransport
 MODEL = ModelConfig("LlamaForCausalLM", vocab_size=64, hidden_size=32, intermediate_size=64,

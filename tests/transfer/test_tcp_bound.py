@@ -18,9 +18,9 @@ import pytest
 import torch
 
 from pdserve.engine.kv_cache import KVCache
-from pdserve.transfer.descriptors import PeerId
+from pdserve.transfer.peer import PeerId
 from pdserve.transfer.tcp import TcpTransport
-from pdserve.transfer.tcp_frames import HEADER, Frame, header
+from pdserve.transfer.tcp.frames import HEADER, Frame, header
 from tests.transfer.test_tcp import OPTS, SECRET, endpoint, finish, pool, wait_for
 from tests.transfer.test_tcp_sealed import _pair_behind_relay
 

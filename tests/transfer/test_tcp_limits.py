@@ -14,7 +14,7 @@ from dataclasses import replace
 import pytest
 
 from pdserve.transfer.tcp import TcpOptions, TcpTransport
-from pdserve.transfer.tcp_frames import Frame, header
+from pdserve.transfer.tcp.frames import Frame, header
 from tests.transfer.test_tcp import OPTS, SECRET, endpoint, wait_for
 
 LOG = "pdserve.transfer.tcp"

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from pdserve.transfer.tcp import TcpTransport
-from pdserve.transfer.tcp_frames import Frame, ProtocolError, header
-from pdserve.transfer.tcp_wire import TAG_BYTES, Wire
+from pdserve.transfer.tcp.frames import Frame, ProtocolError, header
+from pdserve.transfer.tcp.wire import TAG_BYTES, Wire
 from tests.transfer.test_tcp import OPTS, SECRET, finish, pool, wait_for
 
 SEALED = dataclasses.replace(OPTS, encrypt=True)

@@ -15,7 +15,9 @@ from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.kv_cache import KVCache
 from pdserve.engine.request import Request
 from pdserve.transfer.checksum import slices_crc32c
-from pdserve.transfer.descriptors import CompletionNotice, KVLayout, PeerId, TransferDescriptor
+from pdserve.transfer.layout import KVLayout
+from pdserve.transfer.messages import CompletionNotice, TransferDescriptor
+from pdserve.transfer.peer import PeerId
 from pdserve.transfer.state import TransferState, TransferStatus
 from pdserve.transfer.verify import VerifyReport, verify_transfer
 

@@ -1,4 +1,4 @@
-"""Engine steps as the worker records them: Engine.last_batch and the trace ring carry each
+"""Engine steps as the worker records them: the engine's StepStats and the trace ring carry each
 step's summed decode context (prompt + output so far, the new token included), which
 planner/simulate/step_fit.py fits."""
 
@@ -9,6 +9,7 @@ import asyncio
 from pdserve.common.sampling_params import SamplingParams
 from pdserve.config import EngineConfig
 from pdserve.engine.engine import Engine
+from pdserve.engine.outputs import StepStats
 from pdserve.legs.protocol import LegRequest, TokenEvent
 from pdserve.workers.engine_loop import EngineLoop
 from pdserve.workers.step_trace import Step, StepTrace
@@ -21,17 +22,17 @@ def _engine(tiny_model) -> Engine:
     return Engine(EngineConfig(model=str(tiny_model()), dtype="float32", max_model_len=256))
 
 
-def test_last_batch_sums_the_context_of_the_decode_requests(tiny_model) -> None:
+def test_step_stats_sum_the_context_of_the_decode_requests(tiny_model) -> None:
     engine = _engine(tiny_model)
     engine.add_request(list(range(3, 13)), PARAMS)  # 10 prompt tokens
     engine.add_request(list(range(100, 113)), PARAMS)  # 13
     batches = []
     while engine.has_unfinished_requests():
         engine.step()
-        batches.append(engine.last_batch)
+        batches.append(engine.take_step_stats())
     # token 0 from the prefill; token k (k >= 1) attends to prompt + k tokens
-    assert batches == [(23, 0, 2, 0), (0, 2, 2, 11 + 14), (0, 2, 2, 12 + 15),
-                       (0, 2, 2, 13 + 16)]
+    assert batches == [StepStats(23, 0, 2, 0), StepStats(0, 2, 2, 11 + 14),
+                       StepStats(0, 2, 2, 12 + 15), StepStats(0, 2, 2, 13 + 16)]
 
 
 def test_a_prompt_beside_decodes_adds_no_context(tiny_model) -> None:
@@ -40,7 +41,19 @@ def test_a_prompt_beside_decodes_adds_no_context(tiny_model) -> None:
     engine.step()  # its prefill
     engine.add_request(list(range(100, 120)), PARAMS)  # 20 new prompt tokens, beside a decode
     engine.step()
-    assert engine.last_batch == (20, 1, 2, 11)
+    assert engine.take_step_stats() == StepStats(20, 1, 2, 11)
+
+
+def test_step_stats_are_taken_once_and_only_for_steps_that_ran_a_batch(tiny_model) -> None:
+    engine = _engine(tiny_model)
+    assert engine.take_step_stats() is None
+    engine.add_request(list(range(3, 13)), PARAMS, request_id="r")
+    engine.step()
+    assert engine.take_step_stats() == StepStats(10, 0, 1, 0)
+    assert engine.take_step_stats() is None
+    engine.abort("r")
+    assert [o.request_id for o in engine.step()] == ["r"]  # the abort's output, no batch
+    assert engine.take_step_stats() is None
 
 
 def test_the_worker_trace_records_the_context_of_every_step(tiny_model) -> None:

@@ -14,7 +14,9 @@ import torch
 
 from pdserve.common.model_config import ModelConfig
 from pdserve.engine.kv_cache import KVCache
-from pdserve.transfer.control import (
+from pdserve.transfer.fake import FakeFabric, FakeTransport, Fault
+from pdserve.transfer.layout import KVLayout
+from pdserve.transfer.messages import (
     FINISHED_AT_TOKEN0,
     ControlMessage,
     ControlOp,
@@ -22,8 +24,7 @@ from pdserve.transfer.control import (
     decode_any,
     message_kind,
 )
-from pdserve.transfer.descriptors import KVLayout, PeerId
-from pdserve.transfer.fake import FakeFabric, FakeTransport, Fault
+from pdserve.transfer.peer import PeerId
 from pdserve.transfer.sessions import Mode
 from pdserve.workers.transfer_hub import (
     CLOSED_MEMORY_S,

@@ -39,7 +39,8 @@ from pdserve.common.sampling_params import SamplingParams
 from pdserve.config import EngineConfig
 from pdserve.engine.engine import Engine
 from pdserve.engine.kv_cache import KVCache
-from pdserve.transfer.descriptors import KVLayout, PeerId
+from pdserve.transfer.layout import KVLayout
+from pdserve.transfer.peer import PeerId
 from pdserve.transfer.receiver import RecvSession
 from pdserve.transfer.sender import SendSession
 from pdserve.transfer.sessions import Inbox, Mode

@@ -34,7 +34,8 @@ from pdserve.common.model_config import ModelConfig
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.kv_cache import KVCache
 from pdserve.transfer.checksum import slices_crc32c
-from pdserve.transfer.descriptors import KVLayout, PeerId
+from pdserve.transfer.layout import KVLayout
+from pdserve.transfer.peer import PeerId
 from pdserve.transfer.receiver import RecvSession
 from pdserve.transfer.sender import SendSession
 from pdserve.transfer.sessions import Inbox, Mode

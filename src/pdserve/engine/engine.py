@@ -31,7 +31,7 @@ from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.kv_cache import KVCache
 from pdserve.engine.model.loader import eos_token_ids, load_model
 from pdserve.engine.output_processor import OutputProcessor
-from pdserve.engine.outputs import RequestOutput
+from pdserve.engine.outputs import EngineLoad, RequestOutput, StepStats
 from pdserve.engine.request import Request, RequestState
 from pdserve.engine.runner import LayerHook, ModelRunner
 from pdserve.engine.sampler import Sampler
@@ -59,11 +59,8 @@ class Engine:
                                        config.max_model_len)
         self.requests: dict[str, Request] = {}
         self._pending: list[RequestOutput] = []  # outputs produced outside step()
-        # The last step that ran a batch: (prefill tokens, decode tokens, requests, decode
-        # context). Decode context: the tokens the batch's decode requests (those past their
-        # prompt, as in SchedulerOutput.num_prefill_tokens) attend to, summed: per request
-        # num_computed_tokens + n = prompt + output so far, the new token included.
-        self.last_batch: tuple[int, int, int, int] = (0, 0, 0, 0)
+        # The last step that ran a batch, until `take_step_stats()` takes it.
+        self._step_stats: StepStats | None = None
         # Called inside step() after each layer (ModelRunner.run): layer-wise KV streaming.
         self.on_layer: LayerHook | None = None
         self._ids = itertools.count()
@@ -134,8 +131,34 @@ class Engine:
         self.block_manager.free(req)
         del self.requests[request_id]
 
+    def reserve_remote(self) -> None:
+        """Decode role: reserve blocks for the queued remote requests the pool has room for now
+        (first come, first served), e.g. after blocks were freed outside a step."""
+        self.scheduler.reserve_remote()
+
+    def block_generation(self, block_id: int) -> int:
+        """The allocation generation of `block_id` (bumped whenever the block is handed out)."""
+        return self.block_manager.generation(block_id)
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_work() or bool(self._pending)
+
+    def has_compute_work(self) -> bool:
+        """A step would compute: requests wait for admission or run. False while the only
+        requests wait for their KV from outside."""
+        return self.scheduler.has_work()
+
+    def load(self) -> EngineLoad:
+        s, bm = self.scheduler, self.block_manager
+        return EngineLoad(running=len(s.running), waiting=len(s.waiting),
+                          waiting_for_kv=len(s.waiting_for_kv),
+                          kv_blocks_used=bm.num_used_blocks, kv_blocks_total=bm.num_blocks)
+
+    def take_step_stats(self) -> StepStats | None:
+        """What the last step that ran a batch computed, once: None if no batch ran since the
+        previous call."""
+        stats, self._step_stats = self._step_stats, None
+        return stats
 
     # -- the loop ------------------------------------------------------------------------------
 
@@ -147,8 +170,9 @@ class Engine:
         context = sum(r.num_computed_tokens + n
                       for r, n in zip(batch.requests, batch.num_new_tokens, strict=True)
                       if r.num_computed_tokens >= r.num_prompt_tokens)
-        self.last_batch = (batch.num_prefill_tokens, batch.num_tokens - batch.num_prefill_tokens,
-                           len(batch.requests), context)
+        self._step_stats = StepStats(batch.num_prefill_tokens,
+                                     batch.num_tokens - batch.num_prefill_tokens,
+                                     len(batch.requests), context)
         logits, sampling = self.runner.run(batch, self.on_layer)
         sampled = self.sampler(logits, [r.params for r in sampling],
                                [r.num_output_tokens for r in sampling]) if sampling else None

@@ -1,4 +1,5 @@
-"""What the engine returns: vLLM's `RequestOutput` / `CompletionOutput` shape."""
+"""What the engine returns: vLLM's `RequestOutput` / `CompletionOutput` shape, each step's
+`StepStats` and the `EngineLoad` snapshot."""
 
 from __future__ import annotations
 
@@ -29,3 +30,32 @@ class RequestOutput:
     # Prefill role: token 0 is sampled and these blocks hold the prompt's KV until
     # `Engine.release(request_id)`; None otherwise.
     kv_block_ids: list[int] | None = None
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """What one engine step that ran a batch computed (`Engine.take_step_stats`)."""
+
+    prefill_tokens: int  # prompt tokens computed (whole prompts or chunks)
+    decode_tokens: int
+    num_requests: int
+    # The tokens the batch's decode requests (those past their prompt) attend to, summed: per
+    # request prompt + output so far, the new token included; 0 with no decode token.
+    decode_context: int
+
+
+@dataclass(frozen=True)
+class EngineLoad:
+    """What the engine holds now (`Engine.load`), for metrics and health reports. Read from
+    another thread than the one stepping, the fields are each current but not one instant."""
+
+    running: int  # requests in the running batch
+    waiting: int  # requests queued for prefill (or for recompute after preemption)
+    waiting_for_kv: int  # decode role: remote requests reserved or queued for blocks
+    kv_blocks_used: int
+    kv_blocks_total: int
+
+    @property
+    def kv_usage(self) -> float:
+        """The fraction of the pool's blocks held (0-1)."""
+        return self.kv_blocks_used / self.kv_blocks_total

@@ -23,7 +23,7 @@ from enum import StrEnum
 from typing import Any
 
 from pdserve.common.sampling_params import SamplingParams
-from pdserve.transfer.descriptors import PeerId
+from pdserve.transfer.peer import PeerId
 from pdserve.transfer.wire import hex64, parse_hex64
 
 

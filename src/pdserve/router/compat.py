@@ -14,7 +14,7 @@ from typing import Any
 
 # Top-level fields of a worker's signed /health that every worker must share.
 SHARED_FIELDS = ("dtype", "max_model_len")
-# Fields of its "kv_layout" (transfer/descriptors.py KVLayout) that every worker must share
+# Fields of its "kv_layout" (transfer/layout.py KVLayout) that every worker must share
 # (`model_id` is the served name, checked against the router's; the pool's dtype is the
 # engine's, so a dtype mismatch is named by the top-level field first).
 LAYOUT_FIELDS = ("dtype", "block_size", "num_layers", "kv_heads", "head_dim", "layout")

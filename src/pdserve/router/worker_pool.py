@@ -33,7 +33,7 @@ import aiohttp
 from pdserve.internal_auth import AUTH_HEADER, PROOF_HEADER, InternalAuth
 from pdserve.router.compat import incompatibility
 from pdserve.router.prefix_index import PrefixIndex
-from pdserve.transfer.descriptors import PeerId
+from pdserve.transfer.peer import PeerId
 
 log = logging.getLogger("pdserve.router")
 

@@ -12,7 +12,7 @@ most `times` times (None: always):
 - corrupt: after a move lands, one byte of its first destination block is flipped;
 - die: when a move of the transfer starts, endpoint `peer` dies (also `FakeFabric.kill`):
   its messages are lost both ways and every move to or from it ends in "error".
-`message` narrows a message fault to one kind (`control.message_kind`: "notice", "abort"...).
+`message` narrows a message fault to one kind (`messages.message_kind`: "notice", "abort"...).
 
 Permits hold as in a real transport (`permits.py`): when a move lands, the target endpoint
 (a write's destination, a read's holder) must hold a permit for it, else the move ends in
@@ -29,8 +29,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from pdserve.transfer.control import decode_any, message_kind
-from pdserve.transfer.descriptors import PeerId
+from pdserve.transfer.messages import decode_any, message_kind
+from pdserve.transfer.peer import PeerId
 from pdserve.transfer.permits import Kind, Permits
 from pdserve.transfer.transport import MoveHandle, MoveStatus, layer_span
 

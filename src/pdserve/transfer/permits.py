@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from pdserve.transfer.descriptors import PeerId
+from pdserve.transfer.peer import PeerId
 
 Kind = Literal["write", "read"]
 REMEMBER = 4096

@@ -6,31 +6,27 @@ import time
 from collections.abc import Callable, Sequence
 
 from pdserve.engine.kv_cache import KVCache
-from pdserve.transfer.control import (
+from pdserve.transfer.layout import KVLayout
+from pdserve.transfer.messages import (
     FINISHED_AT_TOKEN0,
     MAX_REASON_CHARS,
+    CompletionNotice,
     ControlMessage,
     ControlOp,
+    Message,
     Reservation,
+    TransferDescriptor,
 )
-from pdserve.transfer.descriptors import CompletionNotice, KVLayout, PeerId, TransferDescriptor
-from pdserve.transfer.sessions import (
-    DEFAULT_LEASE_S,
-    DEFAULT_RESEND_S,
-    Inbox,
-    Lease,
-    Link,
-    Mode,
-    Trust,
-)
-from pdserve.transfer.state import TransferState, TransferStatus
+from pdserve.transfer.peer import PeerId
+from pdserve.transfer.sessions import DEFAULT_LEASE_S, DEFAULT_RESEND_S, Inbox, Mode, Session
+from pdserve.transfer.state import TransferState
 from pdserve.transfer.transport import MoveHandle
 from pdserve.transfer.verify import verify_transfer
 
 S = TransferState
 
 
-class RecvSession:
+class RecvSession(Session):
     """Lands one request's KV in reserved `dst_blocks` and verifies it before admission.
 
     Life cycle (both modes): BOOTSTRAPPING -> WAITING_FOR_BLOCKS once the first poll() sent
@@ -61,6 +57,8 @@ class RecvSession:
     (`Engine.abort`). The caller decides on retry or local recompute.
     """
 
+    peer_role = "sender"
+
     def __init__(
         self, inbox: Inbox, *, transfer_id: int, peer: PeerId, cache: KVCache,
         layout: KVLayout, dst_blocks: Sequence[int], dst_generations: Sequence[int],
@@ -68,31 +66,17 @@ class RecvSession:
         lease_s: float = DEFAULT_LEASE_S, resend_s: float = DEFAULT_RESEND_S,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self._link = Link(inbox, inbox.transport.local, peer, transfer_id)
+        super().__init__(inbox, transfer_id=transfer_id, peer=peer, cache=cache, layout=layout,
+                         mode=mode, start=S.BOOTSTRAPPING, lease_s=lease_s, clock=clock)
         self._reservation = Reservation(transfer_id, self._link.local, tuple(dst_blocks),
                                         tuple(dst_generations), 0, layout.num_layers, layout)
-        self._cache, self._layout, self._mode = cache, layout, mode
         self._generation, self._clock, self._resend_s = generation, clock, resend_s
-        self._status = TransferStatus(S.BOOTSTRAPPING, clock)
-        self._lease = Lease(lease_s, clock)
         self._descriptor: TransferDescriptor | None = None
         self._notice: CompletionNotice | None = None
         self._read: MoveHandle | None = None
         self._writer_quiet = True  # nobody knows where to write yet
         self._abort_sent_at: float | None = None
         self.sender_finished = False  # the sender said token 0 ended the request (no KV comes)
-
-    @property
-    def transfer_id(self) -> int:
-        return self._link.transfer_id
-
-    @property
-    def state(self) -> TransferState:
-        return self._status.state
-
-    @property
-    def reason(self) -> str | None:
-        return self._status.reason
 
     @property
     def token0(self) -> int | None:
@@ -119,8 +103,7 @@ class RecvSession:
                                                   range(r.layer_begin, r.layer_end))
             self._link.send(self._reservation)
             self._status.advance(S.WAITING_FOR_BLOCKS)
-        for trust, msg in self._link.take():
-            self._on_message(trust, msg)
+        self._take_messages()
         if not self._status.is_terminal:
             self._check_progress()
         if self.state is S.FAILED and not self._writer_quiet:
@@ -133,13 +116,8 @@ class RecvSession:
 
     # -- messages ------------------------------------------------------------------------------
 
-    def _on_message(self, trust: Trust, msg: object) -> None:
-        if trust is Trust.STALE:
-            self._fail("message from another instance of the sender's address (restarted "
-                       "peer); not trusted")
-        elif trust is not Trust.TRUSTED:
-            return
-        elif isinstance(msg, TransferDescriptor):
+    def _on_message(self, msg: Message) -> None:
+        if isinstance(msg, TransferDescriptor):
             self._on_descriptor(msg)
         elif isinstance(msg, CompletionNotice):
             self._on_notice(msg)
@@ -202,19 +180,14 @@ class RecvSession:
             self._descriptor.src_block_ids)
         self._status.advance(S.TRANSFERRING)
 
-    def _check_progress(self) -> None:
-        if not self._link.self_alive():
-            self._fail("this endpoint is dead", tell=False)
-        elif not self._link.peer_alive():
-            self._fail(f"the sender {self._link.peer} died", tell=False)
-        elif self._read is not None:
-            status = self._link.transport.status(self._read)
-            if status == "error":
-                self._fail("the read failed")
-            elif status == "done":
-                self._verify()
-        if not self._status.is_terminal and self._lease.expired:
-            self._fail("the lease expired")
+    def _check_moves(self) -> None:
+        if self._read is None:
+            return
+        status = self._link.transport.status(self._read)
+        if status == "error":
+            self._fail("the read failed")
+        elif status == "done":
+            self._verify()
 
     def _verify(self) -> None:
         report = verify_transfer(self._cache, self._descriptor, self._notice, self._generation)

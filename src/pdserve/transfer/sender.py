@@ -7,17 +7,26 @@ from collections.abc import Callable, Sequence
 
 from pdserve.engine.kv_cache import KVCache
 from pdserve.transfer.checksum import slices_crc32c
-from pdserve.transfer.control import MAX_REASON_CHARS, ControlMessage, ControlOp, Reservation
-from pdserve.transfer.descriptors import CompletionNotice, KVLayout, PeerId, TransferDescriptor
-from pdserve.transfer.sessions import DEFAULT_LEASE_S, Inbox, Lease, Link, Mode, Trust
-from pdserve.transfer.state import TransferState, TransferStatus
+from pdserve.transfer.layout import KVLayout
+from pdserve.transfer.messages import (
+    MAX_REASON_CHARS,
+    CompletionNotice,
+    ControlMessage,
+    ControlOp,
+    Message,
+    Reservation,
+    TransferDescriptor,
+)
+from pdserve.transfer.peer import PeerId
+from pdserve.transfer.sessions import DEFAULT_LEASE_S, Inbox, Mode, Session
+from pdserve.transfer.state import TransferState
 from pdserve.transfer.transport import MoveHandle
 
 S = TransferState
 _DONE_OP = {Mode.PUSH: ControlOp.ACK, Mode.PULL: ControlOp.RELEASE}  # the receiver's "done"
 
 
-class SendSession:
+class SendSession(Session):
     """Moves the KV of `src_blocks` (and token 0) to one receiver.
 
     Life cycle, push: WAITING_FOR_BLOCKS until the receiver's Reservation arrives ->
@@ -47,6 +56,8 @@ class SendSession:
     failed sender frees its blocks reads garbage, which the receiver's CRC32C check rejects.
     """
 
+    peer_role = "receiver"
+
     def __init__(
         self, inbox: Inbox, *, transfer_id: int, peer: PeerId, cache: KVCache,
         layout: KVLayout, src_blocks: Sequence[int], token0: int | None,
@@ -57,30 +68,16 @@ class SendSession:
             raise ValueError("src_blocks must be non-empty and must not repeat a block")
         if token0 is None and mode is not Mode.PUSH:
             raise ValueError("layer-wise streaming (token0=None) is a push-mode feature")
-        self._link = Link(inbox, inbox.transport.local, peer, transfer_id)
-        self._cache, self._layout, self._mode = cache, layout, mode
+        super().__init__(inbox, transfer_id=transfer_id, peer=peer, cache=cache, layout=layout,
+                         mode=mode, start=S.WAITING_FOR_BLOCKS, lease_s=lease_s, clock=clock)
         self._src = tuple(src_blocks)
         self._token0: CompletionNotice | None = None
-        self._status = TransferStatus(S.WAITING_FOR_BLOCKS, clock)
-        self._lease = Lease(lease_s, clock)
         self._dst: tuple[int, ...] | None = None  # push: the reserved blocks, once known
         self._ready = self._sent = 0  # layers computed / written
         self._writes: list[MoveHandle] = []
         self._notified = False
         if token0 is not None:
             self.prefill_done(token0, token0_logprob)
-
-    @property
-    def transfer_id(self) -> int:
-        return self._link.transfer_id
-
-    @property
-    def state(self) -> TransferState:
-        return self._status.state
-
-    @property
-    def reason(self) -> str | None:
-        return self._status.reason
 
     @property
     def src_blocks(self) -> tuple[int, ...]:
@@ -103,8 +100,7 @@ class SendSession:
 
     def poll(self) -> TransferState:
         """Handle arrived messages, check the write, the peer and the lease. Never blocks."""
-        for trust, msg in self._link.take():
-            self._on_message(trust, msg)
+        self._take_messages()
         if not self._status.is_terminal:
             self._check_progress()
         return self.state
@@ -128,13 +124,10 @@ class SendSession:
 
     # -- messages ------------------------------------------------------------------------------
 
-    def _on_message(self, trust: Trust, msg: object) -> None:
-        if trust is Trust.STALE:
-            self._fail("message from another instance of the receiver's address (restarted "
-                       "peer); not trusted")
-        elif trust is Trust.TRUSTED and isinstance(msg, Reservation):
+    def _on_message(self, msg: Message) -> None:
+        if isinstance(msg, Reservation):
             self._on_reservation(msg)
-        elif trust is Trust.TRUSTED and isinstance(msg, ControlMessage):
+        elif isinstance(msg, ControlMessage):
             self._on_control(msg)
 
     def _on_control(self, msg: ControlMessage) -> None:
@@ -181,16 +174,6 @@ class SendSession:
 
     # -- progress ------------------------------------------------------------------------------
 
-    def _check_progress(self) -> None:
-        if not self._link.self_alive():
-            self._fail("this endpoint is dead", tell=False)
-        elif not self._link.peer_alive():
-            self._fail(f"the receiver {self._link.peer} died", tell=False)
-        elif self._writes and not self._notified:
-            self._check_writes()
-        if not self._status.is_terminal and self._lease.expired:
-            self._fail("the lease expired")
-
     def _write_ready(self) -> None:
         """Push: one move for the layers computed since the last one, once the receiver's
         blocks are known (every layer at once when none was streamed)."""
@@ -202,7 +185,9 @@ class SendSession:
             None if whole else range(self._sent, self._ready)))
         self._sent = self._ready
 
-    def _check_writes(self) -> None:
+    def _check_moves(self) -> None:
+        if not self._writes or self._notified:
+            return
         statuses = [self._link.transport.status(w) for w in self._writes]
         if "error" in statuses:
             self._fail("the write failed")

@@ -1,4 +1,5 @@
-"""What the sender and receiver sessions share: a per-endpoint inbox, a peer link, a lease.
+"""What the sender and receiver sessions share: a per-endpoint inbox, a peer link, a lease,
+and `Session`, the common part of `SendSession` and `RecvSession`.
 
 `Inbox` demultiplexes one transport's control channel by transfer id: it drains
 `Transport.receive()`, decodes strictly (undecodable bytes are counted and dropped, never
@@ -13,18 +14,35 @@ another instance id is a restarted peer (STALE: the session fails); anything els
 (ignored).
 
 `Lease` is a deadline on an injectable clock.
+
+`Session` holds what both sides of one transfer have: the link, the pool and its layout, the
+mode, the state and the lease, and the checks every poll makes (a message from a restarted
+peer, either end dead, the lease). Each side adds its own messages and moves.
 """
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
+from typing import TYPE_CHECKING
 
-from pdserve.transfer.control import ControlMessage, ControlOp, Message, decode_any, message_author
-from pdserve.transfer.descriptors import PeerId
+from pdserve.transfer.layout import KVLayout
+from pdserve.transfer.messages import (
+    ControlMessage,
+    ControlOp,
+    Message,
+    decode_any,
+    message_author,
+)
+from pdserve.transfer.peer import PeerId
+from pdserve.transfer.state import TransferState, TransferStatus
 from pdserve.transfer.transport import Transport
+
+if TYPE_CHECKING:
+    from pdserve.engine.kv_cache import KVCache
 
 DEFAULT_LEASE_S = 5.0
 DEFAULT_RESEND_S = 0.5
@@ -132,3 +150,68 @@ class Lease:
 class Mode(Enum):
     PUSH = "push"  # the sender writes into the receiver's pool (RDMA-WRITE shape)
     PULL = "pull"  # the receiver reads from the sender's pool (RDMA-READ shape)
+
+
+class Session(ABC):
+    """One side of one transfer with `peer`, over `inbox`'s transport (see `SendSession` and
+    `RecvSession` for each side's life cycle).
+
+    Invariants: the state only moves forward (`TransferStatus`); every `_fail` of a side
+    fences its own moves before it tells the peer. `_check_progress` fails the session when
+    this endpoint or the peer is dead (`peer_role` names the peer in the reason) or the lease
+    expired; a message from another instance at the peer's address fails it too.
+    Lifetime: one transfer id, from its opening until the caller releases its blocks.
+    """
+
+    peer_role: str  # what the reasons call the other side: "sender" or "receiver"
+
+    def __init__(self, inbox: Inbox, *, transfer_id: int, peer: PeerId, cache: KVCache,
+                 layout: KVLayout, mode: Mode, start: TransferState, lease_s: float,
+                 clock: Callable[[], float]) -> None:
+        self._link = Link(inbox, inbox.transport.local, peer, transfer_id)
+        self._cache, self._layout, self._mode = cache, layout, mode
+        self._status = TransferStatus(start, clock)
+        self._lease = Lease(lease_s, clock)
+
+    @property
+    def transfer_id(self) -> int:
+        return self._link.transfer_id
+
+    @property
+    def state(self) -> TransferState:
+        return self._status.state
+
+    @property
+    def reason(self) -> str | None:
+        return self._status.reason
+
+    def _take_messages(self) -> None:
+        """Act on every message that arrived for this transfer (a stranger's is ignored)."""
+        for trust, msg in self._link.take():
+            if trust is Trust.STALE:
+                self._fail(f"message from another instance of the {self.peer_role}'s address "
+                           "(restarted peer); not trusted")
+            elif trust is Trust.TRUSTED:
+                self._on_message(msg)
+
+    def _check_progress(self) -> None:
+        if not self._link.self_alive():
+            self._fail("this endpoint is dead", tell=False)
+        elif not self._link.peer_alive():
+            self._fail(f"the {self.peer_role} {self._link.peer} died", tell=False)
+        else:
+            self._check_moves()
+        if not self._status.is_terminal and self._lease.expired:
+            self._fail("the lease expired")
+
+    @abstractmethod
+    def _on_message(self, msg: Message) -> None:
+        """A message from exactly the paired peer instance."""
+
+    @abstractmethod
+    def _check_moves(self) -> None:
+        """Both ends alive: look at this side's moves."""
+
+    @abstractmethod
+    def _fail(self, reason: str, tell: bool = True) -> None:
+        """Fence this side's moves, then FAILED with `reason` (told to the peer if `tell`)."""

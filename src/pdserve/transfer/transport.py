@@ -26,7 +26,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Literal, Protocol
 
-from pdserve.transfer.descriptors import PeerId
+from pdserve.transfer.peer import PeerId
 
 if TYPE_CHECKING:
     from pdserve.engine.kv_cache import KVCache

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from pdserve.engine.kv_cache import KVCache
 from pdserve.transfer.checksum import slices_crc32c
-from pdserve.transfer.descriptors import CompletionNotice, TransferDescriptor
+from pdserve.transfer.messages import CompletionNotice, TransferDescriptor
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 
 A message is a 12-byte frame (magic, version, kind, reserved, header length), a UTF-8 JSON
 header padded to 8 bytes, and a body of little-endian integer arrays (the layout is spelled out
-in `descriptors.py`). Everything here refuses rather than guesses: any malformed input raises
+in `messages.py`). Everything here refuses rather than guesses: any malformed input raises
 ValueError.
 """
 

@@ -37,7 +37,7 @@ from pdserve.engine.engine import Engine
 from pdserve.heap import freeze_startup_heap
 from pdserve.legs.protocol import LegRequest
 from pdserve.metrics import CONTENT_TYPE
-from pdserve.transfer.descriptors import KVLayout
+from pdserve.transfer.layout import KVLayout
 from pdserve.workers.access import WorkerAccess
 from pdserve.workers.engine_loop import EngineLoop, LegRefused
 from pdserve.workers.hub_pump import HubPump
@@ -82,7 +82,7 @@ class Worker:
             self.transport = _open_transport(s)
             self.transport.register(self.engine.kv_cache)
             hub = HubPump(TransferHub(self.transport, self.engine.kv_cache, layout,
-                                      self.engine.block_manager.generation, s.kv_lease_s))
+                                      self.engine.block_generation, s.kv_lease_s))
             hub.start()
         self.pump = hub
         loop = EngineLoop(self.engine, hub, self.metrics, stream_layers=s.stream_layers)
@@ -135,16 +135,16 @@ class Worker:
         return self.access.signed_json(request, self.info() if self.ready else body, status)
 
     def info(self) -> dict[str, Any]:
-        e, bm = self.engine, self.engine.block_manager
+        e, load = self.engine, self.engine.load()
         return {
             "status": "ok", "role": self.settings.role.value,
             "model": self.settings.served_model_name, "max_model_len": e.config.max_model_len,
             "block_size": e.config.block_size, "dtype": e.config.dtype,
             "kv_layout": self.kv_layout,
             "peer": self.transport.local.to_json() if self.transport else None,
-            "kv_blocks_total": bm.num_blocks, "kv_blocks_used": bm.num_used_blocks,
-            "running": len(e.scheduler.running), "waiting": len(e.scheduler.waiting),
-            "waiting_for_kv": len(e.scheduler.waiting_for_kv), "legs": self.loop.num_legs,
+            "kv_blocks_total": load.kv_blocks_total, "kv_blocks_used": load.kv_blocks_used,
+            "running": load.running, "waiting": load.waiting,
+            "waiting_for_kv": load.waiting_for_kv, "legs": self.loop.num_legs,
             "load_seconds": self.load_seconds, "pid": os.getpid(),
         }
 

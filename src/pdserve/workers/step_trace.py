@@ -4,10 +4,11 @@ A bounded ring (the last `capacity` steps), always on: one tuple per step, recor
 engine thread, read by `GET /internal/steps?since=T` (its "fields" are `Step._fields`). Times are
 wall-clock seconds (`time.time()`) so traces of several workers on one machine line up.
 
-Fields after the times are Engine.last_batch's: prompt tokens computed, decode tokens, requests
-in the batch, and decode_context, the summed context of the decode requests (prompt + output
-so far, the new token included; 0 when there is no decode token). Traces written before
-decode_context existed have 5 fields; planner/simulate/step_fit.py reads both.
+Fields after the times are the step's `StepStats` (`Engine.take_step_stats`): prompt tokens
+computed, decode tokens, requests in the batch, and decode_context, the summed context of the
+decode requests (prompt + output so far, the new token included; 0 when there is no decode
+token). Traces written before decode_context existed have 5 fields;
+planner/simulate/step_fit.py reads both.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from __future__ import annotations
 import threading
 from collections import deque
 from typing import NamedTuple
+
+from pdserve.engine.outputs import StepStats
 
 DEFAULT_CAPACITY = 100_000
 
@@ -26,6 +29,11 @@ class Step(NamedTuple):
     decode_tokens: int
     num_requests: int
     decode_context: int
+
+    @classmethod
+    def of(cls, start: float, end: float, stats: StepStats) -> Step:
+        return cls(start, end, stats.prefill_tokens, stats.decode_tokens, stats.num_requests,
+                   stats.decode_context)
 
 
 class StepTrace:

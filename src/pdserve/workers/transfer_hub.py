@@ -15,23 +15,29 @@ arrive before the prefill finished); an ABORT among them closes the id and is re
 `PeerClosed` when the id is expected, so the leg waiting for it ends at once. Unclaimed
 messages are dropped after the lease.
 
-Threading: one thread (the engine loop) calls every method.
+Threading: every public method holds the hub's lock while it runs, so the engine thread (which
+opens, aborts and closes transfers) and `HubPump`'s thread (which polls) may both call it; the
+sessions and the inbox see one caller at a time.
 """
 
 from __future__ import annotations
 
+import functools
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Concatenate, ParamSpec, TypeVar
 
 from pdserve.engine.kv_cache import KVCache
-from pdserve.transfer.control import (
+from pdserve.transfer.layout import KVLayout
+from pdserve.transfer.messages import (
     FINISHED_AT_TOKEN0,
     MAX_REASON_CHARS,
     ControlMessage,
     ControlOp,
 )
-from pdserve.transfer.descriptors import KVLayout, PeerId
+from pdserve.transfer.peer import PeerId
 from pdserve.transfer.receiver import RecvSession
 from pdserve.transfer.sender import SendSession
 from pdserve.transfer.sessions import Inbox, Mode
@@ -94,6 +100,20 @@ class PeerClosed:
 
 HubEvent = RecvDone | RecvFailed | RecvBlocksFree | SendEnded | PeerClosed
 
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def _locked(method: Callable[Concatenate[TransferHub, _P], _R]
+            ) -> Callable[Concatenate[TransferHub, _P], _R]:
+    """The method runs holding the hub's lock (not reentrant: a locked method calls no other)."""
+    @functools.wraps(method)
+    def call(hub: TransferHub, *args: _P.args, **kwargs: _P.kwargs) -> _R:
+        with hub._lock:
+            return method(hub, *args, **kwargs)
+
+    return call
+
 
 class TransferHub:
     def __init__(self, transport: Transport, cache: KVCache, layout: KVLayout,
@@ -110,18 +130,22 @@ class TransferHub:
         self._unclaimed_since: dict[int, float] = {}
         self._peer_aborts: dict[int, str] = {}  # closed by the peer before anyone expected it
         self._pending: list[HubEvent] = []
+        self._lock = threading.Lock()
 
     @property
     def local(self) -> PeerId:
         return self.transport.local
 
     @property
+    @_locked
     def active(self) -> int:
         return len(self._sends) + len(self._recvs)
 
+    @_locked
     def is_closed(self, transfer_id: int) -> bool:
         return transfer_id in self._closed
 
+    @_locked
     def expect(self, transfer_id: int) -> None:
         """A leg waits for `transfer_id`. If the peer already aborted it (its ABORT overtook
         the leg), the next `poll` reports that as PeerClosed."""
@@ -131,6 +155,7 @@ class TransferHub:
             return
         self._expected.add(transfer_id)
 
+    @_locked
     def stream_layers(self, transfer_id: int, peer: PeerId, src_blocks: Sequence[int],
                       num_layers: int) -> None:
         """Layer-wise push: layers [0, num_layers) of a prompt still being computed are in
@@ -144,6 +169,7 @@ class TransferHub:
             self._open_send(transfer_id, peer, src_blocks, None, None)
         self._sends[transfer_id][0].layers_ready(num_layers)
 
+    @_locked
     def open_send(self, transfer_id: int, peer: PeerId, src_blocks: Sequence[int], token0: int,
                   logprob: float | None) -> bool:
         """Send the KV of `src_blocks` and token 0 (finishing a streamed session, if one is
@@ -172,6 +198,7 @@ class TransferHub:
                               clock=self._clock)
         self._sends[transfer_id] = (session, self._clock(), self._nbytes(len(src_blocks)))
 
+    @_locked
     def open_recv(self, transfer_id: int, peer: PeerId, dst_blocks: Sequence[int]) -> None:
         self._expected.discard(transfer_id)
         session = RecvSession(
@@ -182,6 +209,7 @@ class TransferHub:
             clock=self._clock)
         self._recvs[transfer_id] = (session, self._clock(), self._nbytes(len(dst_blocks)))
 
+    @_locked
     def abort(self, transfer_id: int, reason: str) -> None:
         """Fail an open session (it keeps being polled until its blocks are free)."""
         if transfer_id in self._sends:
@@ -189,6 +217,7 @@ class TransferHub:
         elif transfer_id in self._recvs:
             self._recvs[transfer_id][0].abort(reason)
 
+    @_locked
     def close(self, transfer_id: int, peer: PeerId | None, reason: str) -> None:
         """This side will never open a session for `transfer_id`; tell `peer`. A streamed
         session still open is aborted first (its writes fenced before its ABORT goes out)."""
@@ -202,8 +231,10 @@ class TransferHub:
             self._send(peer, transfer_id, ControlOp.ABORT, reason)
 
     def close_finished(self, transfer_id: int, peer: PeerId) -> None:
+        """`close` telling the peer that token 0 ended the request (locked by `close`)."""
         self.close(transfer_id, peer, FINISHED_AT_TOKEN0)
 
+    @_locked
     def poll(self) -> list[HubEvent]:
         events, self._pending = self._pending, []
         for tid, (session, t0, nbytes) in list(self._sends.items()):

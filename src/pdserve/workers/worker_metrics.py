@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 from pdserve.engine.engine import Engine
 from pdserve.engine.outputs import RequestOutput
@@ -50,21 +51,22 @@ class WorkerMetrics:
         self.transfer_size = r.histogram("pdserve_transfer_size_bytes", "KV bytes per transfer.",
                                          ["direction"], buckets=_SIZE_BUCKETS)
 
-    def bind_engine(self, engine: Engine, num_legs) -> None:
-        """Gauges read from the engine at scrape time."""
-        r, bm, sched = self.registry, engine.block_manager, engine.scheduler
+    def bind_engine(self, engine: Engine, num_legs: Callable[[], int]) -> None:
+        """Gauges read from the engine's load at scrape time."""
+        r, load = self.registry, engine.load
         r.gauge("pdserve_kv_blocks_used", "KV blocks held by requests.",
-                fn=lambda: bm.num_used_blocks)
-        r.gauge("pdserve_kv_blocks_total", "KV blocks in the pool.", fn=lambda: bm.num_blocks)
+                fn=lambda: load().kv_blocks_used)
+        r.gauge("pdserve_kv_blocks_total", "KV blocks in the pool.",
+                fn=lambda: load().kv_blocks_total)
         r.gauge("pdserve_kv_cache_usage_perc", "Fraction of KV blocks held (0-1).",
-                fn=lambda: bm.num_used_blocks / bm.num_blocks)
+                fn=lambda: load().kv_usage)
         r.gauge("pdserve_num_requests_running", "Requests in the running batch.",
-                fn=lambda: len(sched.running))
+                fn=lambda: load().running)
         r.gauge("pdserve_num_requests_waiting", "Requests queued for prefill.",
-                fn=lambda: len(sched.waiting))
+                fn=lambda: load().waiting)
         r.gauge("pdserve_num_requests_waiting_for_kv",
                 "Decode requests reserved or queued for blocks, waiting for their KV.",
-                fn=lambda: len(sched.waiting_for_kv))
+                fn=lambda: load().waiting_for_kv)
         r.gauge("pdserve_num_legs", "Legs streaming or transferring.", fn=num_legs)
 
     def observe_step(self, seconds: float) -> None:

@@ -3,7 +3,7 @@
 Input (workers/step_trace.py; `pdserve bench compare --out cmp.json` writes cmp.steps.json):
 worker name -> steps, each [start_s, end_s, prefill_tokens, decode_tokens, num_requests,
 decode_context] with wall-clock seconds; decode_context is the summed context of the step's
-decode requests (prompt + output so far, the new token included: Engine.last_batch), the
+decode requests (prompt + output so far, the new token included: the engine's StepStats), the
 `context_sum` the simulator prices. Traces recorded before it existed have the first 5 fields
 only: their contexts are unknown. A compare file nests workers under configuration names
 (`is_steps_file`).

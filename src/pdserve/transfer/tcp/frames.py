@@ -1,4 +1,4 @@
-"""Framing and zero-copy socket I/O of the TCP transport (`tcp.py`).
+"""Framing and zero-copy socket I/O of the TCP transport.
 
 Every frame is a 32-byte header then `payload_len` bytes:
 
@@ -9,7 +9,7 @@ Every frame is a 32-byte header then `payload_len` bytes:
           16  u64 LE  move id (the writer's or reader's handle; 0 for HELLO / CONTROL)
           24  u64 LE  payload length
 
-    HELLO, HELLO_ACK  HandshakeAuth envelope around the JSON body of `tcp_hello.Greeting`
+    HELLO, HELLO_ACK  HandshakeAuth envelope around the JSON body of `hello.Greeting`
                       (kind, sender, intended receiver, cipher; an ACK also names its HELLO)
     CONTROL           one wire message, delivered by `receive()` with the authenticated source
     WRITE             u32 first layer, u32 end layer, u32 dst block ids[count], then for each
@@ -37,12 +37,6 @@ import struct
 import time
 from collections.abc import Sequence
 from enum import IntEnum
-from typing import TYPE_CHECKING
-
-import torch
-
-if TYPE_CHECKING:
-    from pdserve.engine.kv_cache import KVCache
 
 HEADER = struct.Struct("<B3xIQQQ")
 MAX_CONTROL_BYTES = 1 << 20
@@ -165,38 +159,3 @@ def u32s(ids: Sequence[int]) -> bytes:
 
 def parse_u32s(raw: bytes) -> tuple[int, ...]:
     return struct.unpack(f"<{len(raw) // 4}I", raw)
-
-
-# -- the pool ------------------------------------------------------------------------------------
-
-
-class BlockPool:
-    """Byte views of a registered CPU `KVCache`: block b is `data[b]`, one contiguous region of
-    `block_nbytes` bytes. Views alias the pool's memory (no copies) for the pool's lifetime."""
-
-    def __init__(self, cache: KVCache) -> None:
-        data = cache.data
-        if data.device.type != "cpu" or not data.is_contiguous():
-            raise ValueError("the TCP transport moves contiguous CPU pools only")
-        self.num_blocks, self.num_layers = data.shape[0], data.shape[1]
-        self.block_nbytes = cache.block_nbytes
-        self.layer_nbytes = self.block_nbytes // self.num_layers
-        self._bytes = data.view(torch.uint8).reshape(self.num_blocks, -1).numpy()
-
-    def check(self, ids: Sequence[int], what: str) -> None:
-        """Raise ProtocolError unless ids are distinct, in range and at least one."""
-        if not ids or len(set(ids)) != len(ids):
-            raise ProtocolError(f"{what}: block ids must be distinct and at least one")
-        if min(ids) < 0 or max(ids) >= self.num_blocks:
-            raise ProtocolError(f"{what}: block id out of the pool's [0, {self.num_blocks})")
-
-    def view(self, block: int, layers: tuple[int, int] | None = None) -> memoryview:
-        """Block `block`, or only its slices of layers [first, end)."""
-        if layers is None:
-            return memoryview(self._bytes[block])
-        first, end = layers
-        return memoryview(self._bytes[block, first * self.layer_nbytes : end * self.layer_nbytes])
-
-    def check_layers(self, first: int, end: int) -> None:
-        if not 0 <= first < end <= self.num_layers:
-            raise ProtocolError(f"layers [{first}, {end}) outside the pool's {self.num_layers}")

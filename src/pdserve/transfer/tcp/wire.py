@@ -29,7 +29,7 @@ from collections.abc import Sequence
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
-from pdserve.transfer.tcp_frames import (
+from pdserve.transfer.tcp.frames import (
     HEADER,
     Frame,
     ProtocolError,

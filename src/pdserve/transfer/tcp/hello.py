@@ -24,8 +24,8 @@ import json
 from dataclasses import dataclass
 from typing import Literal
 
-from pdserve.transfer.descriptors import PeerId
-from pdserve.transfer.tcp_frames import ProtocolError
+from pdserve.transfer.peer import PeerId
+from pdserve.transfer.tcp.frames import ProtocolError
 
 CIPHERS = ("none", "aes-256-gcm")
 GreetingKind = Literal["hello", "ack"]

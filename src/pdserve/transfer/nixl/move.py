@@ -8,8 +8,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from pdserve.transfer.descriptors import PeerId
-from pdserve.transfer.tcp import TcpOptions
+from pdserve.transfer.peer import PeerId
+from pdserve.transfer.tcp.options import TcpOptions
 from pdserve.transfer.transport import MoveHandle, MoveStatus
 
 log = logging.getLogger(__name__)
@@ -25,7 +25,7 @@ class NixlOptions:
     the target side of a write, and moves stall). It sleeps in poll() on the UCX workers' event
     descriptors, so traffic wakes it at once, and wakes at least every `progress_poll_ms`
     otherwise. (NIXL's Python API hard-codes a zero poll timeout: the thread then spins, a core
-    per endpoint even when idle; `make_agent` in nixl.py sets this value instead.)"""
+    per endpoint even when idle; `make_agent` in transport.py sets this value instead.)"""
 
     cancel_wait_s: float = 5.0
     meta_timeout_s: float = 5.0

@@ -1,4 +1,4 @@
-"""Both sides of the TCP transport's bound handshake (messages in `tcp_hello.py`).
+"""Both sides of the TCP transport's bound handshake (messages in `hello.py`).
 
 Dialer (`dial`): sends a signed HELLO addressed to the exact peer it means to reach, then
 waits for the HELLO_ACK as long as the peer's host is up (a stall is not a death); the ACK
@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING
 
 from pdserve.throttled_log import ThrottledLog
 from pdserve.transfer.auth import HandshakeAuth, PeerRefused
-from pdserve.transfer.descriptors import PeerId
-from pdserve.transfer.tcp_frames import (
+from pdserve.transfer.peer import PeerId
+from pdserve.transfer.tcp.frames import (
     HEADER,
     MAX_SMALL_BYTES,
     Frame,
@@ -35,17 +35,17 @@ from pdserve.transfer.tcp_frames import (
     settimeout_by,
     shut,
 )
-from pdserve.transfer.tcp_hello import Greeting, GreetingKind, digest
-from pdserve.transfer.tcp_wire import Wire
+from pdserve.transfer.tcp.hello import Greeting, GreetingKind, digest
+from pdserve.transfer.tcp.wire import Wire
 
 if TYPE_CHECKING:
-    from pdserve.transfer.tcp import TcpOptions
+    from pdserve.transfer.tcp.options import TcpOptions
 
-log = logging.getLogger("pdserve.transfer.tcp")  # the endpoint's log: one place to look
+log = logging.getLogger(__name__)
 
 
 class BoundHandshake:
-    """One endpoint's handshakes. `seen(peer)` is the endpoint's bookkeeping of a peer that
+    """One endpoint's handshakes. `seen(peer)` is the peer table's bookkeeping of a peer that
     proved itself with a bound greeting (it raises PeerRefused for an instance known dead).
     Thread-safe (the signer's nonce memory is behind a lock). Lifetime: the endpoint's."""
 

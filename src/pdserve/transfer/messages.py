@@ -1,13 +1,25 @@
-"""What crosses the wire to move one request's KV: layouts, peers, descriptors, completions.
+"""Every message that crosses between the two sessions of a transfer, and one decoder for all.
 
 Direction: `sender` is the peer whose blocks hold the KV (prefill), `receiver` the peer whose
 blocks it lands in (decode), whichever of them writes the message (push or pull).
 
-Wire format (language-neutral, versioned, no pickle):
+- kind 1, `TransferDescriptor` (sender -> receiver): which source blocks go into which
+  reserved destination blocks, for which layers, with the checksums once known.
+- kind 2, `CompletionNotice` (sender -> receiver): every slice is written (push) or may be
+  read (pull); the sender's CRC32C per slice and token 0.
+- kind 3, `Reservation` (receiver -> sender, both modes): the destination blocks the receiver
+  reserved and their generations. The sender answers with the full `TransferDescriptor`
+  (the receiver cannot write one: it does not know the sender's source block ids).
+- kind 4, `ControlMessage`: ABORT (with a reason), ABORT_ACK (the writer has stopped and will
+  never write again), ACK (push: verified, the sender may free), RELEASE (pull: read and
+  verified, the sender may free). No body; the header names the author, which the session
+  checks against the peer it was set up with.
+
+Wire format (language-neutral, versioned, no pickle; helpers in `wire.py`):
 
     offset 0   4 bytes  magic b"PDTX"
            4   u16 LE   protocol version
-           6   u8       kind (1 = TransferDescriptor, 2 = CompletionNotice)
+           6   u8       kind (above)
            7   u8       reserved, 0
            8   u32 LE   header length H
           12   H bytes  header: one UTF-8 JSON object, space-padded so the body starts 8-aligned
@@ -16,6 +28,7 @@ Wire format (language-neutral, versioned, no pickle):
 64-bit ids travel as 16 lowercase hex digits (JSON numbers lose precision past 2^53 in many
 languages). Descriptor body: src block ids u32[n], dst block ids u32[n], dst generations u64[n],
 then checksums u32[n * layers] when `has_checksums`. Notice body: checksums u32[num_checksums].
+Reservation body: dst block ids u32[n], dst generations u64[n]. Control: no body.
 Decoding rejects anything not exactly this: wrong magic, version or kind, truncated or trailing
 bytes, missing, unknown or duplicate header keys, wrong JSON types, inconsistent lengths.
 """
@@ -23,13 +36,13 @@ bytes, missing, unknown or duplicate header keys, wrong JSON types, inconsistent
 from __future__ import annotations
 
 import math
-import os
-import secrets
-from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from enum import StrEnum
 
 import numpy as np
 
+from pdserve.transfer.layout import KVLayout
+from pdserve.transfer.peer import PeerId
 from pdserve.transfer.wire import (
     FRAME,
     KIND_DESCRIPTOR,
@@ -46,141 +59,21 @@ from pdserve.transfer.wire import (
     read_arrays,
     require_int,
     require_ints,
-    require_str,
     unpack,
 )
 
-if TYPE_CHECKING:
-    from pdserve.engine.kv_cache import KVCache
+KIND_RESERVATION = 3
+KIND_CONTROL = 4
+MAX_REASON_CHARS = 1024
+# The ABORT reason a sender gives when token 0 already ended the request: there is nothing to
+# move, and the receiver should end its leg rather than recompute.
+FINISHED_AT_TOKEN0 = "the request finished at token 0; no KV will be sent"
 
 
-# The pool layout of `engine/kv_cache.py`; a (block, layer) slice is [2, block_size, kv_heads,
-# head_dim]. A latent (MLA) pool will add its own name and slice shape here.
-LAYOUT_PAGED_KV = "paged_kv[block,layer,kv=2,token,kv_head,head_dim]"
-_SLICE_SHAPES = {
-    LAYOUT_PAGED_KV: lambda lay: (2, lay.block_size, lay.kv_heads, lay.head_dim),
-}
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1}
-
-
-_instance: tuple[int, int] | None = None  # (pid, instance id)
-
-
-def process_instance_id() -> int:
-    """This process's random 64-bit instance id: drawn at first use, drawn anew in a forked
-    child (a child is another instance even though it inherits the parent's memory)."""
-    global _instance
-    if _instance is None or _instance[0] != os.getpid():
-        _instance = (os.getpid(), secrets.randbelow(U64 - 1) + 1)
-    return _instance[1]
-
-
-# -- layout and peers ----------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class KVLayout:
-    """The shape of a peer's KV pool, as far as moving bytes between pools depends on it.
-
-    `layout` names the pool layout and so the shape of one (block, layer) slice; nothing else
-    here assumes K and V per head (a latent MLA pool is another `layout`).
-    """
-
-    model_id: str
-    dtype: str
-    block_size: int
-    num_layers: int
-    kv_heads: int
-    head_dim: int
-    layout: str = LAYOUT_PAGED_KV
-
-    def __post_init__(self) -> None:
-        require_str("KVLayout.model_id", self.model_id)
-        if type(self.dtype) is not str or self.dtype not in DTYPE_BYTES:
-            raise ValueError(
-                f"KVLayout.dtype {self.dtype!r} unknown; use one of {sorted(DTYPE_BYTES)}"
-            )
-        for name in ("block_size", "num_layers", "kv_heads", "head_dim"):
-            require_int(f"KVLayout.{name}", getattr(self, name), 1, U32)
-        if type(self.layout) is not str or self.layout not in _SLICE_SHAPES:
-            raise ValueError(f"KVLayout.layout {self.layout!r} unknown; this build knows "
-                             f"{sorted(_SLICE_SHAPES)}")
-
-    @classmethod
-    def of_cache(cls, cache: KVCache, model_id: str) -> KVLayout:
-        """The layout of an engine's `KVCache` (the paged layout)."""
-        _, num_layers, _, block_size, kv_heads, head_dim = cache.data.shape
-        dtype = str(cache.data.dtype).removeprefix("torch.")
-        return cls(model_id, dtype, block_size, num_layers, kv_heads, head_dim)
-
-    @property
-    def slice_shape(self) -> tuple[int, ...]:
-        """Shape of one (block, layer) slice of the pool."""
-        return _SLICE_SHAPES[self.layout](self)
-
-    @property
-    def slice_nbytes(self) -> int:
-        return math.prod(self.slice_shape) * DTYPE_BYTES[self.dtype]
-
-    def check_compatible(self, other: KVLayout) -> None:
-        """Raise ValueError naming the first field in which the two pools differ."""
-        for f in fields(self):
-            mine, theirs = getattr(self, f.name), getattr(other, f.name)
-            if mine != theirs:
-                raise ValueError(
-                    f"incompatible KV layout: {f.name} is {mine!r} here but {theirs!r} at the "
-                    "peer; both workers must serve the same model with the same KV dtype, "
-                    "block size and pool layout"
-                )
-
-    def to_json(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
-
-    @classmethod
-    def from_json(cls, obj: object) -> KVLayout:
-        d = exact_keys("layout", obj, [f.name for f in fields(cls)])
-        return cls(**d)
-
-
-@dataclass(frozen=True)
-class PeerId:
-    """One process lifetime of a worker: a restart at the same address is a new instance.
-
-    `instance_id` is random, 64-bit and non-zero, drawn once per process start
-    (`process_instance_id`); a message from another instance than the one a transfer was set up
-    with is never trusted.
-    """
-
-    instance_id: int
-    host: str
-    port: int
-
-    def __post_init__(self) -> None:
-        require_int("PeerId.instance_id", self.instance_id, 1, U64)
-        require_str("PeerId.host", self.host)
-        if any(c.isspace() for c in self.host):
-            raise ValueError(f"PeerId.host must not contain whitespace, got {self.host!r}")
-        require_int("PeerId.port", self.port, 1, 65536)
-
-    @classmethod
-    def local(cls, host: str, port: int) -> PeerId:
-        """This process, reachable at host:port."""
-        return cls(process_instance_id(), host, port)
-
-    def same_address(self, other: PeerId) -> bool:
-        """Same host and port; with another instance id that is a restarted, stale peer."""
-        return (self.host, self.port) == (other.host, other.port)
-
-    def to_json(self) -> dict[str, Any]:
-        return {"instance_id": hex64(self.instance_id), "host": self.host, "port": self.port}
-
-    @classmethod
-    def from_json(cls, obj: object) -> PeerId:
-        d = exact_keys("peer", obj, ["instance_id", "host", "port"])
-        return cls(parse_hex64("peer.instance_id", d["instance_id"]), d["host"], d["port"])
-
-
-# -- messages ------------------------------------------------------------------------------------
+def _check_layers(begin: int, end: int, layout: KVLayout) -> None:
+    """ValueError unless [begin, end) is a non-empty range of `layout`'s layers."""
+    require_int("layer_begin", begin, 0, layout.num_layers)
+    require_int("layer_end", end, begin + 1, layout.num_layers + 1)
 
 
 @dataclass(frozen=True)
@@ -214,7 +107,7 @@ class TransferDescriptor:
         if not isinstance(self.layout, KVLayout):
             raise ValueError("layout must be a KVLayout")
         self._check_blocks()
-        self._check_layers()
+        _check_layers(self.layer_begin, self.layer_end, self.layout)
         require_ints("checksums", self.checksums, U32)
         if self.checksums and len(self.checksums) != self.num_slices:
             raise ValueError(f"checksums: expected one per (block, layer) slice, "
@@ -236,10 +129,6 @@ class TransferDescriptor:
             if len(set(getattr(self, name))) != n:
                 raise ValueError(f"{name} must not repeat a block")
 
-    def _check_layers(self) -> None:
-        require_int("layer_begin", self.layer_begin, 0, self.layout.num_layers)
-        require_int("layer_end", self.layer_end, self.layer_begin + 1,
-                     self.layout.num_layers + 1)
 
     @property
     def num_blocks(self) -> int:
@@ -354,8 +243,149 @@ class CompletionNotice:
         )
 
 
-def decode_message(data: bytes | bytearray | memoryview) -> TransferDescriptor | CompletionNotice:
-    """Decode any transfer-plane message by the kind in its frame."""
-    if len(data) >= FRAME.size and bytes(data[6:7]) == bytes([KIND_NOTICE]):
-        return CompletionNotice.decode(data)
-    return TransferDescriptor.decode(data)
+class ControlOp(StrEnum):
+    ABORT = "abort"
+    ABORT_ACK = "abort_ack"
+    ACK = "ack"
+    RELEASE = "release"
+
+
+@dataclass(frozen=True)
+class ControlMessage:
+    """One control word about one transfer, written by `author`.
+
+    `reason` is non-empty exactly for ABORT (at most MAX_REASON_CHARS characters).
+    """
+
+    transfer_id: int
+    author: PeerId
+    op: ControlOp
+    reason: str = ""
+    protocol_version: int = PROTOCOL_VERSION
+
+    def __post_init__(self) -> None:
+        check_version(self.protocol_version)
+        require_int("transfer_id", self.transfer_id, 0, U64)
+        if not isinstance(self.author, PeerId):
+            raise ValueError("author must be a PeerId")
+        if not isinstance(self.op, ControlOp):
+            raise ValueError(f"op must be a ControlOp, got {self.op!r}")
+        if type(self.reason) is not str or len(self.reason) > MAX_REASON_CHARS:
+            raise ValueError(f"reason must be a string of at most {MAX_REASON_CHARS} chars")
+        if (self.op is ControlOp.ABORT) != bool(self.reason):
+            raise ValueError("give a non-empty reason exactly for ABORT")
+
+    def encode(self) -> bytes:
+        header = {"transfer_id": hex64(self.transfer_id), "author": self.author.to_json(),
+                  "op": self.op.value, "reason": self.reason}
+        return pack(KIND_CONTROL, self.protocol_version, header, [])
+
+    @classmethod
+    def decode(cls, data: bytes | bytearray | memoryview) -> ControlMessage:
+        version, raw, body = unpack(data, KIND_CONTROL)
+        h = exact_keys("control header", raw, ["transfer_id", "author", "op", "reason"])
+        read_arrays(body, [])
+        if h["op"] not in {op.value for op in ControlOp}:
+            raise ValueError(f"unknown control op {h['op']!r}")
+        return cls(parse_hex64("transfer_id", h["transfer_id"]), PeerId.from_json(h["author"]),
+                   ControlOp(h["op"]), h["reason"], version)
+
+
+@dataclass(frozen=True)
+class Reservation:
+    """The receiver's reserved destination blocks: where the KV of a transfer must land.
+
+    Block i of the transfer lands in `dst_block_ids[i]`, which carries `dst_generations[i]`
+    while the reservation lives. Layers [layer_begin, layer_end) of `layout`.
+    """
+
+    transfer_id: int
+    receiver: PeerId
+    dst_block_ids: tuple[int, ...]
+    dst_generations: tuple[int, ...]
+    layer_begin: int
+    layer_end: int
+    layout: KVLayout
+    protocol_version: int = PROTOCOL_VERSION
+
+    def __post_init__(self) -> None:
+        check_version(self.protocol_version)
+        require_int("transfer_id", self.transfer_id, 0, U64)
+        as_tuple(self, "dst_block_ids")
+        as_tuple(self, "dst_generations")
+        if not isinstance(self.receiver, PeerId) or not isinstance(self.layout, KVLayout):
+            raise ValueError("receiver must be a PeerId and layout a KVLayout")
+        n = len(self.dst_block_ids)
+        if n == 0 or len(self.dst_generations) != n:
+            raise ValueError(f"need one generation per destination block, at least one block; "
+                             f"got {n} blocks, {len(self.dst_generations)} generations")
+        require_ints("dst_block_ids", self.dst_block_ids, U32)
+        require_ints("dst_generations", self.dst_generations, U64)
+        if len(set(self.dst_block_ids)) != n:
+            raise ValueError("dst_block_ids must not repeat a block")
+        _check_layers(self.layer_begin, self.layer_end, self.layout)
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.dst_block_ids)
+
+    def encode(self) -> bytes:
+        header = {"transfer_id": hex64(self.transfer_id), "receiver": self.receiver.to_json(),
+                  "layers": [self.layer_begin, self.layer_end],
+                  "layout": self.layout.to_json(), "num_blocks": self.num_blocks}
+        arrays = [np.asarray(self.dst_block_ids, dtype="<u4"),
+                  np.asarray(self.dst_generations, dtype="<u8")]
+        return pack(KIND_RESERVATION, self.protocol_version, header, arrays)
+
+    @classmethod
+    def decode(cls, data: bytes | bytearray | memoryview) -> Reservation:
+        version, raw, body = unpack(data, KIND_RESERVATION)
+        h = exact_keys("reservation header", raw,
+                       ["transfer_id", "receiver", "layers", "layout", "num_blocks"])
+        n = require_int("num_blocks", h["num_blocks"], 1, U32)
+        layers = h["layers"]
+        if type(layers) is not list or len(layers) != 2:
+            raise ValueError(f"layers must be [begin, end], got {layers!r}")
+        dst, gen = read_arrays(body, [("<u4", n), ("<u8", n)])
+        return cls(parse_hex64("transfer_id", h["transfer_id"]),
+                   PeerId.from_json(h["receiver"]), tuple(dst), tuple(gen),
+                   require_int("layer_begin", layers[0], 0, U32),
+                   require_int("layer_end", layers[1], 0, U32),
+                   KVLayout.from_json(h["layout"]), version)
+
+
+Message = TransferDescriptor | CompletionNotice | Reservation | ControlMessage
+
+_DECODERS = {
+    KIND_DESCRIPTOR: TransferDescriptor.decode,
+    KIND_NOTICE: CompletionNotice.decode,
+    KIND_RESERVATION: Reservation.decode,
+    KIND_CONTROL: ControlMessage.decode,
+}
+
+
+def decode_any(data: bytes | bytearray | memoryview) -> Message:
+    """Decode any transfer-plane message by the kind in its frame; ValueError if malformed."""
+    if not isinstance(data, bytes | bytearray | memoryview) or len(data) < FRAME.size:
+        raise ValueError("truncated or non-bytes transfer message")
+    decoder = _DECODERS.get(bytes(data[6:7])[0])
+    if decoder is None:
+        raise ValueError(f"unknown message kind {bytes(data[6:7])[0]}")
+    return decoder(data)
+
+
+def message_author(msg: Message) -> PeerId:
+    """The peer a message says wrote it."""
+    if isinstance(msg, Reservation):
+        return msg.receiver
+    if isinstance(msg, ControlMessage):
+        return msg.author
+    return msg.sender
+
+
+def message_kind(msg: Message) -> str:
+    """A short name for fault selection and logs: descriptor, notice, reservation, or the op."""
+    if isinstance(msg, ControlMessage):
+        return msg.op.value
+    return {TransferDescriptor: "descriptor", CompletionNotice: "notice",
+            Reservation: "reservation"}[type(msg)]

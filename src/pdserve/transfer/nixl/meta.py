@@ -1,7 +1,7 @@
 """What two NIXL endpoints exchange before they can move blocks, and the pool's NIXL layout.
 
 Each endpoint sends every peer instance it talks to one metadata message over the TCP control
-channel (`nixl.py` filters these out of `receive`, so the session layer never sees them):
+channel (`transport.py` filters these out of `receive`, so the session layer never sees them):
 
     MAGIC (8 bytes) | u32 LE header length | JSON header | NIXL agent metadata
 
@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
-from pdserve.transfer.descriptors import PeerId
+from pdserve.transfer.peer import PeerId
 
 if TYPE_CHECKING:
     from pdserve.engine.kv_cache import KVCache

@@ -1,7 +1,8 @@
 """`Transport` over NIXL (UCX): block bytes move one-sided between registered pools, while
 control messages, peer liveness and instance identity ride an embedded `TcpTransport`.
 
-The metadata exchange format is in `nixl_meta.py`, one move and its fence in `nixl_move.py`.
+The metadata exchange format is in `meta.py`, one move and its fence in `move.py`, the remote
+agents in `peers.py`.
 """
 
 from __future__ import annotations
@@ -16,10 +17,10 @@ from typing import TYPE_CHECKING, Any
 from nixl_cu12 import _api as nixl_api
 from nixl_cu12 import nixl_agent, nixl_agent_config
 
-from pdserve.transfer.descriptors import PeerId
-from pdserve.transfer.nixl_meta import PoolRegion, agent_name, encode_meta, is_meta
-from pdserve.transfer.nixl_move import NixlMove, NixlOptions, poll, quiesce, release
-from pdserve.transfer.nixl_peers import Remote, RemoteAgents
+from pdserve.transfer.nixl.meta import PoolRegion, agent_name, encode_meta, is_meta
+from pdserve.transfer.nixl.move import NixlMove, NixlOptions, poll, quiesce, release
+from pdserve.transfer.nixl.peers import Remote, RemoteAgents
+from pdserve.transfer.peer import PeerId
 from pdserve.transfer.tcp import TcpTransport
 from pdserve.transfer.transport import MoveHandle, MoveStatus, layer_span
 
@@ -68,7 +69,7 @@ class NixlTransport:
     Life cycle.
     - Construction starts the embedded `TcpTransport` (it binds `local_host:port`; `local` is
       its PeerId) and one NIXL agent with the UCX backend, named after `local`
-      (`nixl_meta.agent_name`: instance id, host and port), so a restarted peer is another agent.
+      (`meta.agent_name`: instance id, host and port), so a restarted peer is another agent.
     - `register(pool)` (once) registers the pool's memory ("DRAM" for CPU, "VRAM" for CUDA) and
       prepares its per-block descriptor list (one descriptor per block, index = block id).
     - First contact with a peer instance (a send, write or read to it, or any message from it)

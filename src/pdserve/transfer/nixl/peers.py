@@ -6,8 +6,8 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from pdserve.transfer.descriptors import PeerId
-from pdserve.transfer.nixl_meta import PoolRegion, agent_name, decode_meta
+from pdserve.transfer.nixl.meta import PoolRegion, agent_name, decode_meta
+from pdserve.transfer.peer import PeerId
 
 log = logging.getLogger(__name__)
 

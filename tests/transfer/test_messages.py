@@ -16,16 +16,12 @@ from hypothesis import strategies as st
 
 from pdserve.common.model_config import ModelConfig
 from pdserve.engine.kv_cache import KVCache
-from pdserve.transfer import descriptors as desc_mod
+from pdserve.transfer import layout as layout_mod
+from pdserve.transfer import peer as peer_mod
 from pdserve.transfer.checksum import slice_nbytes
-from pdserve.transfer.descriptors import (
-    LAYOUT_PAGED_KV,
-    CompletionNotice,
-    KVLayout,
-    PeerId,
-    TransferDescriptor,
-    decode_message,
-)
+from pdserve.transfer.layout import LAYOUT_PAGED_KV, KVLayout
+from pdserve.transfer.messages import CompletionNotice, TransferDescriptor, decode_any
+from pdserve.transfer.peer import PeerId
 from pdserve.transfer.wire import KIND_DESCRIPTOR, KIND_NOTICE
 
 LAYOUT = KVLayout("HuggingFaceTB/SmolLM2-135M-Instruct", "bfloat16", 16, 30, 3, 64)
@@ -67,7 +63,7 @@ def descriptors(draw) -> TransferDescriptor:
     begin = draw(st.integers(0, num_layers - 1))
     end = draw(st.integers(begin + 1, num_layers))
     layout = KVLayout(draw(st.text(min_size=1, max_size=40)),
-                      draw(st.sampled_from(sorted(desc_mod.DTYPE_BYTES))),
+                      draw(st.sampled_from(sorted(layout_mod.DTYPE_BYTES))),
                       draw(st.integers(1, 256)), num_layers, draw(st.integers(1, 16)),
                       draw(st.integers(1, 512)))
     with_crc = draw(st.booleans())
@@ -89,7 +85,7 @@ def descriptors(draw) -> TransferDescriptor:
 def test_descriptor_round_trip(d):
     data = d.encode()
     assert TransferDescriptor.decode(data) == d
-    assert decode_message(bytearray(data)) == d
+    assert decode_any(bytearray(data)) == d
     assert TransferDescriptor.decode(memoryview(data)) == d
 
 
@@ -105,7 +101,7 @@ def test_notice_round_trip(transfer_id, checksums, token0, with_logprob, logprob
     notice = CompletionNotice(transfer_id, DECODE, tuple(checksums), token0,
                               logprob if token0 is not None and with_logprob else None)
     assert CompletionNotice.decode(notice.encode()) == notice
-    assert decode_message(notice.encode()) == notice
+    assert decode_any(notice.encode()) == notice
 
 
 def test_the_bytes_are_the_documented_format():
@@ -236,7 +232,7 @@ def test_corrupted_messages_raise_value_error_or_decode(data):
     for _ in range(data.draw(st.integers(1, 4))):
         message[data.draw(st.integers(0, len(message) - 1))] = data.draw(st.integers(0, 255))
     with contextlib.suppress(ValueError):  # anything else escaping decode is a bug
-        decode_message(bytes(message))
+        decode_any(bytes(message))
 
 
 # -- construction --------------------------------------------------------------------------------
@@ -312,7 +308,8 @@ def test_incompatible_layouts_name_the_field(field, value):
 def test_another_pool_layout_is_one_more_name(monkeypatch):
     """A latent (MLA) pool: one plane of width head_dim per token, no K/V pair."""
     latent = "latent[block,layer,token,latent_dim]"
-    monkeypatch.setitem(desc_mod._SLICE_SHAPES, latent, lambda lay: (lay.block_size, lay.head_dim))
+    monkeypatch.setitem(layout_mod._SLICE_SHAPES, latent,
+                        lambda lay: (lay.block_size, lay.head_dim))
     mla = KVLayout("deepseek", "bfloat16", 64, 27, 1, 576, latent)
     assert mla.slice_nbytes == 64 * 576 * 2
     with pytest.raises(ValueError, match="layout is"):
@@ -340,10 +337,10 @@ def test_layout_of_a_real_cache():
 
 def test_peer_ids(monkeypatch):
     a, b = PeerId.local("10.0.0.1", 7100), PeerId.local("10.0.0.1", 7200)
-    assert a.instance_id == b.instance_id == desc_mod.process_instance_id()
+    assert a.instance_id == b.instance_id == peer_mod.process_instance_id()
     assert 0 < a.instance_id < 2**64 and PeerId.from_json(a.to_json()) == a
-    monkeypatch.setattr(desc_mod, "_instance", desc_mod._instance)  # restored after the test
-    monkeypatch.setattr(desc_mod.os, "getpid", lambda: -1)  # a forked child, or a restart
+    monkeypatch.setattr(peer_mod, "_instance", peer_mod._instance)  # restored after the test
+    monkeypatch.setattr(peer_mod.os, "getpid", lambda: -1)  # a forked child, or a restart
     c = PeerId.local("10.0.0.1", 7100)
     assert c != a and c.same_address(a) and c.instance_id != a.instance_id
     for kwargs, match in [({"instance_id": 0}, "instance_id"), ({"host": ""}, "host"),

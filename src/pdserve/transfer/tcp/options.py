@@ -1,0 +1,71 @@
+"""`TcpOptions`: the TCP transport's timeouts and limits, validated at construction."""
+
+from __future__ import annotations
+
+import socket
+from dataclasses import dataclass
+
+from pdserve.transfer.tcp.hello import CIPHERS
+
+
+@dataclass(frozen=True)
+class TcpOptions:
+    """Timeouts and limits. `cancel_wait_s` bounds how long `cancel` waits for a frame that is
+    being sent or received before it shuts that connection down; `max_queued` bounds each peer's
+    send queue (a full queue drops control messages and fails new moves). `encrypt` seals
+    every connection after its handshake with AES-256-GCM (`wire.py`); peers must agree,
+    and a handshake between a sealed and a plain endpoint is refused on both sides.
+
+    `dial_timeout_s` bounds the TCP connect (no answer: the peer is dead). `handshake_timeout_s`
+    bounds the acceptor's whole handshake, from accept to the HELLO complete and answered (not
+    each read: a client trickling bytes is cut off at the deadline too); a dialer whose peer's
+    kernel accepted the connection but whose process has not answered HELLO_ACK by then logs a
+    warning and keeps waiting (a stopped process is stalled, not dead). A dialed connection
+    the acceptor closes before its HELLO_ACK (it refused the HELLO, or was full) is dialed again
+    up to `handshake_redials` times, `handshake_timeout_s` / 2 apart, before the peer is given
+    up. TCP keepalive on every connection (Linux's TCP_KEEPIDLE / TCP_KEEPINTVL / TCP_KEEPCNT)
+    finds a host that stopped answering at all within about idle + interval x probes seconds
+    (10 s by default); a stopped process's kernel still answers the probes.
+
+    `max_connections` caps the connections an endpoint has accepted and not yet closed (one
+    reader thread each); one more is closed at once, with a rate-limited warning. Each peer
+    instance that talks to this endpoint holds one (its own dialed connection; this endpoint's
+    connection to it is counted at the peer), and a connection that has not authenticated
+    holds its slot for at most `handshake_timeout_s`: keep it above the number of workers."""
+
+    dial_timeout_s: float = 1.0
+    handshake_timeout_s: float = 2.0
+    handshake_redials: int = 4
+    cancel_wait_s: float = 5.0
+    max_queued: int = 10_000
+    max_connections: int = 64
+    encrypt: bool = False
+    keepalive_idle_s: int = 5
+    keepalive_interval_s: int = 1
+    keepalive_probes: int = 5
+
+    @property
+    def cipher(self) -> str:
+        return CIPHERS[self.encrypt]
+
+    def __post_init__(self) -> None:
+        for name in ("dial_timeout_s", "handshake_timeout_s", "cancel_wait_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"TcpOptions.{name} must be > 0, got {getattr(self, name)}")
+        for name in ("keepalive_idle_s", "keepalive_interval_s", "keepalive_probes",
+                     "max_connections"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"TcpOptions.{name} must be a whole number >= 1, got {value!r}")
+        if not isinstance(self.handshake_redials, int) or self.handshake_redials < 0:
+            raise ValueError("TcpOptions.handshake_redials must be a whole number >= 0, got "
+                             f"{self.handshake_redials!r}")
+        if self.max_queued < 1:
+            raise ValueError(f"TcpOptions.max_queued must be >= 1, got {self.max_queued}")
+
+    def keep_alive(self, sock: socket.socket) -> None:
+        """Turn on TCP keepalive on `sock` with these idle, interval and probe settings."""
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, self.keepalive_idle_s)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, self.keepalive_interval_s)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, self.keepalive_probes)

@@ -1,0 +1,237 @@
+"""The TCP endpoint's send side: one outgoing connection per peer instance, fed by a queue.
+
+Everything this endpoint sends to a peer (control messages, writes, read requests, and the
+answers and READ_DATA its receive side owes that peer) is a job on that peer's queue, sent in
+order by that peer's `PeerSender` thread on the one connection it dialed. So `send`, `write`
+and `read` never block, and a write's bytes are on the connection ahead of any control message
+queued after it (the fence the sessions rely on; see `TcpTransport`).
+
+Collaborators, given at construction: the options, the handshake (dialing), the pool gate
+(block views, the read permits checked again as READ_DATA goes out), the move table (a write is
+claimed while its bytes go out), and the peer table (who is alive; where a failed connection
+is reported).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import queue
+import socket
+import threading
+
+from pdserve.transfer.peer import PeerId
+from pdserve.transfer.tcp.frames import Frame, HandshakeCut, header, shut, u32s
+from pdserve.transfer.tcp.handshake import BoundHandshake
+from pdserve.transfer.tcp.moves import Move, MoveTable
+from pdserve.transfer.tcp.options import TcpOptions
+from pdserve.transfer.tcp.peers import PeerTable
+from pdserve.transfer.tcp.pool import PoolGate
+from pdserve.transfer.tcp.wire import Wire
+
+log = logging.getLogger(__name__)
+
+Job = tuple  # ("control", bytes) | ("move", Move) | ("read_data", tid, mid, ids) | ("answer", ..)
+
+
+class SendSide:
+    """The live `PeerSender` of every peer instance this endpoint talks to, made on first use.
+    Thread-safe. Lifetime: the endpoint's; `close` stops every sender."""
+
+    def __init__(self, options: TcpOptions, handshake: BoundHandshake, gate: PoolGate,
+                 moves: MoveTable, peers: PeerTable) -> None:
+        self._options, self._handshake, self._peers = options, handshake, peers
+        self._writer = JobWriter(gate, moves)
+        self._lock = threading.Lock()
+        self._senders: dict[PeerId, PeerSender] = {}
+
+    def send(self, peer: PeerId, message: bytes) -> None:
+        """Queue a control message; dropped if the peer is dead or its queue is full."""
+        self._put(peer, ("control", bytes(message)))
+
+    def move(self, move: Move) -> bool:
+        """Queue a write or a read request; False if it cannot be (dead peer, full queue)."""
+        return self._put(move.peer, ("move", move))
+
+    def answer(self, peer: PeerId, ftype: Frame, tid: int, mid: int, reason: bytes = b"") -> None:
+        """Queue the answer to a peer's WRITE or READ_REQUEST."""
+        self._put(peer, ("answer", ftype, tid, mid, reason))
+
+    def read_data(self, peer: PeerId, tid: int, mid: int, ids: tuple[int, ...]) -> None:
+        """Queue the READ_DATA of blocks `ids` a permitted READ_REQUEST asked for."""
+        self._put(peer, ("read_data", tid, mid, ids))
+
+    def drop_peer(self, peer: PeerId) -> None:
+        with self._lock:
+            sender = self._senders.pop(peer, None)
+        if sender is not None:
+            sender.stop()
+
+    def close(self) -> list[threading.Thread]:
+        """Stop every sender; their threads, for the caller to join."""
+        with self._lock:
+            senders = list(self._senders.values())
+        for s in senders:
+            s.stop()
+        return [s.thread for s in senders]
+
+    def _put(self, peer: PeerId, job: Job) -> bool:
+        sender = self._sender(peer)
+        return sender is not None and sender.put(job)
+
+    def _sender(self, peer: PeerId) -> PeerSender | None:
+        """The live sender to `peer`, made on first use; None if closed or the peer is dead."""
+        with self._lock:
+            if not self._peers.alive(peer):
+                return None
+            if peer not in self._senders:
+                self._senders[peer] = PeerSender(peer, self._options, self._handshake,
+                                                 self._writer, self._peers)
+            return self._senders[peer]
+
+
+class JobWriter:
+    """Turns one queued job into frames on a wire. Called by sender threads only."""
+
+    def __init__(self, gate: PoolGate, moves: MoveTable) -> None:
+        self._gate, self._moves = gate, moves
+
+    def run(self, wire: Wire, peer: PeerId, job: Job) -> None:
+        kind = job[0]
+        if kind == "control":
+            wire.send([header(Frame.CONTROL, plen=len(job[1])), job[1]])
+        elif kind == "move":
+            self._send_move(wire, job[1])
+        elif kind == "read_data":
+            self._send_read_data(wire, peer, *job[1:])
+        else:  # ("answer", frame, tid, mid, reason bytes)
+            _, ftype, tid, mid, reason = job
+            wire.send([header(ftype, 0, tid, mid, len(reason)), reason])
+
+    def _send_move(self, wire: Wire, move: Move) -> None:
+        n, ids = len(move.remote_blocks), u32s(move.remote_blocks)
+        if move.kind == "read":
+            if self._moves.claim(move, wire.sock):
+                self._moves.release(move)  # the request itself touches no pool
+                wire.send([header(Frame.READ_REQUEST, n, move.transfer_id, move.handle,
+                                  len(ids)), ids])
+            return
+        pool = self._gate.pool
+        assert pool is not None
+        if not self._moves.claim(move, wire.sock):
+            return
+        first, end = move.layers or (0, pool.num_layers)
+        prefix = u32s([first, end]) + ids
+        try:
+            head = header(Frame.WRITE, n, move.transfer_id, move.handle,
+                          len(prefix) + n * (end - first) * pool.layer_nbytes)
+            wire.send([head, prefix, *(pool.view(b, (first, end)) for b in move.local_blocks)])
+        finally:
+            self._moves.release(move)
+
+    def _send_read_data(self, wire: Wire, peer: PeerId, tid: int, mid: int,
+                        ids: tuple[int, ...]) -> None:
+        pool = self._gate.pool
+        refusal = None if pool is None else self._gate.refusal("read", peer, tid, ids, None)
+        if pool is None or refusal is not None:  # the permit may have ended since the request
+            reason = (refusal or "no pool registered").encode()
+            wire.send([header(Frame.READ_ERROR, 0, tid, mid, len(reason)), reason])
+            return
+        head = header(Frame.READ_DATA, len(ids), tid, mid, len(ids) * pool.block_nbytes)
+        wire.send([head, *(pool.view(b) for b in ids)])
+
+
+class PeerSender:
+    """The one outgoing connection to one peer instance and its daemon sender thread.
+
+    The thread dials on its first job (HELLO, then waits for the signed HELLO_ACK however long a
+    stalled peer takes, see `TcpOptions`), then sends queued jobs strictly in order on that one
+    connection. A connection the peer's address closes before any HELLO_ACK (it refused us, or
+    was at its connection limit: nothing authenticated) is dialed again, up to
+    `handshake_redials` times, with the jobs kept queued. A second daemon thread watches the
+    connection: the acceptor never sends after HELLO_ACK, so EOF or reset means the peer is gone.
+    Any other failure, or the last cut handshake, declares the peer dead in the peer table (see
+    `TcpTransport`, "Peer death") and the thread ends; later jobs are dropped. `stop`
+    (endpoint close or peer death) wakes both threads.
+    """
+
+    def __init__(self, peer: PeerId, options: TcpOptions, handshake: BoundHandshake,
+                 writer: JobWriter, peers: PeerTable) -> None:
+        self.peer, self._options, self._handshake = peer, options, handshake
+        self._writer, self._peers = writer, peers
+        self.sock: socket.socket | None = None  # the wire's socket, once dialed
+        self._stopping = threading.Event()
+        self._jobs: queue.Queue[Job | None] = queue.Queue(options.max_queued)
+        self.thread = threading.Thread(target=self._run, daemon=True,
+                                       name=f"pdserve-tcp-send-{peer.host}:{peer.port}")
+        self.thread.start()
+
+    def put(self, job: Job) -> bool:
+        try:
+            self._jobs.put_nowait(job)
+        except queue.Full:
+            return False
+        return True
+
+    @property
+    def stopped(self) -> bool:
+        return self._stopping.is_set()
+
+    def stop(self) -> None:
+        self._stopping.set()
+        with contextlib.suppress(queue.Full):
+            self._jobs.put_nowait(None)
+        shut(self.sock)
+
+    def _dial(self) -> Wire | None:
+        """The handshaken connection, or None once stopped. Raises what gives the peer up."""
+        redials = self._options.handshake_redials
+        for attempt in range(redials + 1):
+            self.sock = self._connect()  # before the handshake: `stop` can wake it
+            if self.stopped:
+                return None
+            try:
+                return self._handshake.dial(self.sock, self.peer)
+            except HandshakeCut as e:
+                if attempt == redials or self.stopped:
+                    raise
+                log.info("dialing %s again (%d of %d): %s", self.peer, attempt + 1, redials, e)
+            if self._stopping.wait(self._options.handshake_timeout_s / 2):
+                return None
+        return None  # not reached: the last attempt returns or raises
+
+    def _connect(self) -> socket.socket:
+        """A TCP connection to the peer's address within `dial_timeout_s`, keepalive on."""
+        sock = socket.create_connection((self.peer.host, self.peer.port),
+                                        self._options.dial_timeout_s)
+        try:
+            sock.settimeout(None)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self._options.keep_alive(sock)
+        except OSError:
+            shut(sock)
+            raise
+        return sock
+
+    def _run(self) -> None:
+        try:
+            wire = self._dial()
+            if wire is None or self.stopped:
+                return
+            threading.Thread(target=self._watch, daemon=True,
+                             name=f"pdserve-tcp-watch-{self.peer.port}").start()
+            while (job := self._jobs.get()) is not None and not self.stopped:
+                self._writer.run(wire, self.peer, job)
+        except (OSError, EOFError, ValueError) as e:
+            if not self.stopped:
+                self._peers.died(self.peer, f"sending to it failed: {e}")
+        finally:
+            shut(self.sock)
+
+    def _watch(self) -> None:
+        sock = self.sock
+        with contextlib.suppress(OSError):
+            while sock is not None and sock.recv(1 << 12):
+                pass  # the acceptor never sends after HELLO_ACK; ignore stray bytes
+        if not self.stopped:
+            self._peers.died(self.peer, "connection closed by the peer")

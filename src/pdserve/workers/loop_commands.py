@@ -1,0 +1,49 @@
+"""What the HTTP thread asks of the engine thread (`EngineLoop`'s command queue), and where a
+leg's items go back.
+
+Commands are taken in the order they were put; `Stop` ends the taking (the loop then sees its
+stop flag).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from pdserve.legs.protocol import LegRequest
+
+
+class Sink(Protocol):
+    """Where a leg's items go, on the HTTP thread: a `QueueSink` (read by `events`), or a leg
+    channel's own sink. Items: `Accepted` or a final error `TokenEvent` first, then events,
+    the last one final. One delivery puts the items of one engine-loop iteration, then calls
+    `delivered` once on each sink it put into: a sink that sends sends then, in the same turn
+    of the HTTP thread's loop."""
+
+    def put_nowait(self, item: object) -> None: ...
+
+    def delivered(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class Submit:
+    """Run a leg; its items go to `sink`."""
+
+    req: LegRequest
+    sink: Sink
+    arrived: float  # perf_counter() at submission: a leg's latency counts from here
+
+
+@dataclass(frozen=True)
+class Cancel:
+    """The consumer of the leg `request_id` went away: end it and free its blocks."""
+
+    request_id: str
+
+
+@dataclass(frozen=True)
+class Stop:
+    """Wake the engine thread so that it sees its stop flag."""
+
+
+Command = Submit | Cancel | Stop
