@@ -254,6 +254,16 @@ def test_leg_timeout_reaches_the_router() -> None:
         UpConfig(leg_timeout_s=30.0, kv_lease_s=30.0)
 
 
+def test_admission_options_reach_the_router() -> None:
+    config = UpConfig.from_args(_args("--max-queue", "0", "--max-queue-wait-s", "2.5",
+                                      "--max-inflight-per-worker", "3"))
+    router = plan_processes(config, SECRET)[-1]
+    assert (_option(router, "--max-queue"), _option(router, "--max-queue-wait-s"),
+            _option(router, "--max-inflight-per-worker")) == (["0"], ["2.5"], ["3"])
+    with pytest.raises(ValueError, match="--max-queue-wait-s must be a number of seconds > 0"):
+        UpConfig.from_args(_args("--max-queue-wait-s", "0"))
+
+
 def _file(path: Path, text: str) -> Path:
     path.write_text(text)
     return path

@@ -3,7 +3,8 @@
 An `ApiError` is the only exception the protocol layer raises for bad client input. Its
 `status` is the HTTP status to answer with; `body()` is the JSON to send, always
 `{"error": {"message", "type", "param", "code"}}` with `param` and `code` possibly null, so an
-`openai` client raises the matching `APIStatusError` subclass with our message.
+`openai` client raises the matching `APIStatusError` subclass with our message. `headers` go
+with the response (`Retry-After` of a 429 or 503).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ class ApiError(Exception):
         type: str = INVALID_REQUEST,
         param: str | None = None,
         code: str | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -31,6 +33,7 @@ class ApiError(Exception):
         self.type = type
         self.param = param
         self.code = code
+        self.headers = headers
 
     def body(self) -> dict[str, Any]:
         return {

@@ -151,10 +151,10 @@ class OpenAIServer:
         return response
 
     def error_response(self, e: ApiError) -> web.Response:
-        """An error response (nothing else was sent)."""
+        """An error response (nothing else was sent), with the error's headers."""
         if self.metrics is not None:
             self.metrics.responses.inc(status=str(e.status))
-        return web.json_response(e.body(), status=e.status)
+        return web.json_response(e.body(), status=e.status, headers=e.headers)
 
     def token_strings(self, ids: list[int]) -> list[str]:
         return [self.tokenizer.decode([t]) for t in ids]

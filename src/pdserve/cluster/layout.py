@@ -19,7 +19,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from pdserve.api.limits import DEFAULT_LIMITS, RequestLimits, limits_from_args, limits_to_args
@@ -29,6 +29,11 @@ from pdserve.cluster.child import ProcessSpec
 from pdserve.common.engine_options import DTYPE_NAMES, Role, check_device
 from pdserve.internal_auth import read_secret_file
 from pdserve.router.access import rate_limit_from_args
+from pdserve.router.admission_settings import (
+    AdmissionSettings,
+    admission_from_args,
+    admission_to_args,
+)
 from pdserve.router.rate_limit import RateLimit
 from pdserve.workers.settings import (
     LAYERWISE,
@@ -79,6 +84,7 @@ class UpConfig:
     api_keys_file: Path | None = None  # the router's /v1 needs one of its keys
     rate_limit: RateLimit | None = None  # the router's token bucket per key (or address)
     limits: RequestLimits = DEFAULT_LIMITS  # of every OpenAI endpoint, router and workers
+    admission: AdmissionSettings = field(default_factory=AdmissionSettings)  # back-pressure
 
     def __post_init__(self) -> None:
         self._check_counts()
@@ -177,7 +183,8 @@ class UpConfig:
                    max_num_seqs=args.max_num_seqs, cpu_kernels=args.cpu_kernels,
                    secret_file=args.secret_file, serve_public=args.serve_public,
                    metrics_key_file=args.metrics_key_file, api_keys_file=args.api_keys_file,
-                   rate_limit=rate_limit_from_args(args), limits=limits_from_args(args))
+                   rate_limit=rate_limit_from_args(args), limits=limits_from_args(args),
+        admission=admission_from_args(args))
 
 
 def worker_counts(prefill: int | None, decode: int | None,
@@ -272,7 +279,8 @@ def _router_spec(config: UpConfig, secret_file: Path) -> ProcessSpec:
             "--port", str(config.port), "--model", config.model, "--policy", config.policy,
             "--local-prefill-threshold", str(config.local_prefill_threshold),
             "--leg-timeout", str(config.leg_timeout_s), "--secret-file", str(secret_file),
-            *_metrics_key_args(config), *limits_to_args(config.limits), *_access_args(config)]
+            *_metrics_key_args(config), *limits_to_args(config.limits), *_access_args(config),
+            *admission_to_args(config.admission)]
     for role in ("prefill", "decode", "collocated"):
         urls = [worker_url(config, i) for i, r in enumerate(config.roles) if r == role]
         if urls:

@@ -32,6 +32,7 @@ from pdserve.cluster.secret import remove_secret, remove_stale_secrets, write_se
 from pdserve.cluster.supervisor import ClusterError, run
 from pdserve.internal_auth import InternalAuth, read_secret_file
 from pdserve.router.access import add_client_access_args
+from pdserve.router.admission_settings import add_admission_args
 from pdserve.workers.settings import LAYERWISE, LAYERWISE_HELP
 
 __all__ = ["UpConfig", "add_up_parser", "plan_processes", "run_up"]
@@ -134,6 +135,7 @@ def _add_router_args(p: argparse.ArgumentParser) -> None:
                    help="longest silence of a worker on a request before the router gives up "
                         "on it (retried elsewhere if no token reached the client yet, else the "
                         "stream ends with an error) (default: %(default)s)")
+    add_admission_args(p)
 
 
 def _add_access_args(p: argparse.ArgumentParser) -> None:

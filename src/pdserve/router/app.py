@@ -9,8 +9,10 @@ Life cycle.
    worker is healthy); it says only that to anyone, and lists the workers (healthy, refused
    and why) to a request signed with the cluster secret. `/v1/*` and `/metrics` are guarded
    by `access.py` (API keys, rate limit, metrics key) before a body is read. Requests go
-   through `Dispatcher`; one request id (`cmpl-...`, `chatcmpl-...`) names the request in
-   the router's, the prefill's and the decode's logs.
+   through `Dispatcher`, which admits them first (`admission.py`: a cap of requests per
+   worker, a bounded queue here, 429 or 503 with Retry-After beyond it); one request id
+   (`cmpl-...`, `chatcmpl-...`) names the request in the router's, the prefill's and the
+   decode's logs.
 3. SIGTERM / SIGINT: stop accepting; in-flight handlers are cancelled, which closes their
    legs, which the workers cancel.
 """
@@ -51,6 +53,11 @@ from pdserve.router.access import (
     access_middleware,
     add_access_args,
 )
+from pdserve.router.admission_settings import (
+    AdmissionSettings,
+    add_admission_args,
+    admission_from_args,
+)
 from pdserve.router.dispatch import Dispatcher, DispatchSettings, NoWorkers
 from pdserve.router.leg_client import LegFailed, RouterLegChannels
 from pdserve.router.policies import PolicyName, make_policy
@@ -72,6 +79,7 @@ class RouterSettings:
     policy: str = PolicyName.LEAST_LOADED.value
     dispatch: DispatchSettings = field(default_factory=DispatchSettings)
     access: AccessSettings = field(default_factory=AccessSettings)
+    admission: AdmissionSettings = field(default_factory=AdmissionSettings)
     limits: RequestLimits = field(default_factory=RequestLimits)  # what its /v1 accepts
     # the cluster secret shared with every worker (--secret-file)
     secret: bytes = field(kw_only=True, repr=False)
@@ -116,7 +124,8 @@ class Router:
         self.channels = RouterLegChannels(self.session, self.auth,
                                           self.settings.dispatch.connect_timeout_s)
         self.dispatcher = Dispatcher(self.pool, make_policy(self.settings.policy),
-                                     self.settings.dispatch, self.channels, self.metrics)
+                                     self.settings.dispatch, self.channels, self.metrics,
+                                     self.settings.admission)
         await self.pool.refresh(self.session)
         self.pool.start(self.session)
 
@@ -209,6 +218,7 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
                         "above the workers' --kv-lease, the longest a decode worker waits for "
                         "KV before it recomputes (default: %(default)s)")
     add_access_args(p)
+    add_admission_args(p)
     add_limit_args(p)
 
 
@@ -243,7 +253,7 @@ def settings_from_args(args: argparse.Namespace) -> RouterSettings:
                           host=args.host, port=args.port, prefill=tuple(args.prefill),
                           decode=tuple(args.decode), collocated=tuple(args.collocated),
                           policy=args.policy, dispatch=dispatch, access=access, secret=secret,
-                          limits=limits_from_args(args))
+                          admission=admission_from_args(args), limits=limits_from_args(args))
 
 
 async def serve(settings: RouterSettings) -> None:

@@ -15,6 +15,12 @@ worker is stalled or cut off and is marked unhealthy at once (its next answered 
 brings it back). If the decode leg fails before any token reached the client, the request is
 retried as a local leg; after that, the stream ends with an error.
 
+Admission (`admission.py`): a request first waits for a slot in the decode pool (decode and
+collocated workers; the chooser picks the path's worker among those with room), then, if it is
+split, for a slot in the prefill pool, both within one `--max-queue-wait-s`; its legs go out
+only once it holds every slot its path needs. The prefill slot frees when the prefill leg
+ends, the decode slot when the request does. A retry elsewhere moves the slot, never waits.
+
 Every request that may sample gets a seed here when it has none: a recompute or a retry then
 draws exactly the tokens the first attempt would have.
 
@@ -28,12 +34,15 @@ import contextlib
 import dataclasses
 import logging
 import secrets
+import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
 from pdserve.common.block_hash import hash_blocks
 from pdserve.common.sampling_params import SamplingParams
 from pdserve.legs.protocol import EventBatch, LegKind, LegRequest
+from pdserve.router.admission import AdmissionQueue, Slot
+from pdserve.router.admission_settings import AdmissionSettings
 from pdserve.router.leg_client import LegFailed, RouterLegChannels
 from pdserve.router.policies import Policy
 from pdserve.router.router_metrics import RouterMetrics
@@ -63,49 +72,107 @@ class NoWorkers(Exception):
 
 class Dispatcher:
     def __init__(self, pool: WorkerPool, policy: Policy, settings: DispatchSettings,
-                 channels: RouterLegChannels, metrics: RouterMetrics) -> None:
+                 channels: RouterLegChannels, metrics: RouterMetrics,
+                 admission: AdmissionSettings | None = None) -> None:
         self.pool, self.policy, self.settings = pool, policy, settings
         self.channels, self.metrics = channels, metrics
+        self.admission = admission or AdmissionSettings()
+        self.queues = {"decode": AdmissionQueue("decode", self._serving, self.admission, metrics),
+                       "prefill": AdmissionQueue("prefill", lambda: pool.healthy("prefill"),
+                                                 self.admission, metrics)}
+        pool.on_refresh = self.admit_waiting
+        for queue in self.queues.values():
+            metrics.add_publisher(queue.publish)
+
+    def admit_waiting(self) -> None:
+        """After a health round: a worker that came back takes waiting requests."""
+        for queue in self.queues.values():
+            queue.admit_waiting()
 
     async def generate(self, request_id: str, prompt: Sequence[int], params: SamplingParams
                        ) -> AsyncIterator[EventBatch]:
         """Token events of one request from any legs, in batches; the last event is final.
-        Raises LegFailed (its `client_error` says whose fault) or NoWorkers."""
+        Raises LegFailed (its `client_error` says whose fault), NoWorkers or Overloaded."""
         if params.seed is None and not params.greedy:
             params = dataclasses.replace(params, seed=secrets.randbits(63))
-        block_size = self.pool.block_size or self.settings.block_size
-        hashes = hash_blocks(prompt, block_size)
-        prefill, decode = self.pool.healthy("prefill"), self.pool.healthy("decode")
-        if prefill and decode:
-            dec = self.policy.choose(decode, hashes)
-            uncached = len(prompt) - dec.prefix.match(hashes) * block_size
-            if uncached > self.settings.local_prefill_threshold:
-                pre = self.policy.choose(prefill, hashes)
-                self.metrics.requests.inc(path="disaggregated")
-                async for batch in self._disaggregated(request_id, prompt, params, hashes,
-                                                       pre, dec):
-                    yield batch
-                return
+        hashes = hash_blocks(prompt, self._block_size)
+        if not self._serving():
+            raise NoWorkers("no healthy decode or collocated worker")
+        deadline = time.monotonic() + self.admission.max_queue_wait_s
+        slot = await self.queues["decode"].acquire(
+            lambda free: self._choose(free, len(prompt), hashes), len(prompt))
+        generated: int | None = None  # set once the final event went out: a completion
+        try:
+            async for batch in self._admitted(request_id, prompt, params, hashes, slot,
+                                              deadline):
+                if batch[-1].final:
+                    generated = _end(batch)
+                yield batch
+        finally:
+            slot.release(generated)
+
+    async def _admitted(self, request_id: str, prompt: Sequence[int], params: SamplingParams,
+                        hashes: list[int], slot: Slot, deadline: float
+                        ) -> AsyncIterator[EventBatch]:
+        """The request on the worker of its decode slot: split (after a prefill slot) or
+        whole."""
+        dec = slot.worker
+        if self._split(dec, len(prompt), hashes):
+            pre = await self.queues["prefill"].acquire(
+                lambda free: self.policy.choose(free, hashes), len(prompt),
+                deadline - time.monotonic())
+            self.metrics.requests.inc(path="disaggregated")
+            async for batch in self._disaggregated(request_id, prompt, params, hashes, pre,
+                                                   slot):
+                yield batch
+            return
         self.metrics.requests.inc(path="local")
-        async for batch in self._local(request_id, prompt, params, hashes, tried=()):
+        async for batch in self._local(request_id, prompt, params, hashes, slot):
             yield batch
+
+    @property
+    def _block_size(self) -> int:
+        return self.pool.block_size or self.settings.block_size
+
+    def _serving(self) -> list[WorkerHandle]:
+        """The decode pool: workers that can run a request whole or decode it."""
+        return self.pool.healthy("collocated") + self.pool.healthy("decode")
+
+    def _uncached(self, worker: WorkerHandle, prompt_len: int, hashes: list[int]) -> int:
+        return prompt_len - worker.prefix.match(hashes) * self._block_size
+
+    def _split(self, worker: WorkerHandle, prompt_len: int, hashes: list[int]) -> bool:
+        """Conditional disaggregation: a decode worker, a prefill pool, and more uncached
+        prompt on that worker than the local-prefill threshold."""
+        return (worker.role == "decode" and bool(self.pool.healthy("prefill")) and
+                self._uncached(worker, prompt_len, hashes) > self.settings.local_prefill_threshold)
+
+    def _choose(self, free: list[WorkerHandle], prompt_len: int, hashes: list[int]
+                ) -> WorkerHandle:
+        """A new request's worker among those with room: the decode worker the policy picks
+        if the request would be split there, else the policy's pick of them all."""
+        decode = [w for w in free if w.role == "decode"]
+        if decode and self.pool.healthy("prefill"):
+            dec = self.policy.choose(decode, hashes)
+            if self._split(dec, prompt_len, hashes):
+                return dec
+        return self.policy.choose(free, hashes)
 
     # -- local -------------------------------------------------------------------------------
 
-    def _local_candidates(self, tried: Sequence[WorkerHandle]) -> list[WorkerHandle]:
-        pool = self.pool.healthy("collocated") + self.pool.healthy("decode")
-        return [w for w in pool if w not in tried]
-
     async def _local(self, request_id: str, prompt: Sequence[int], params: SamplingParams,
-                     hashes: list[int], tried: Sequence[WorkerHandle], delivered: int = 0
+                     hashes: list[int], slot: Slot, tried: Sequence[WorkerHandle] = ()
                      ) -> AsyncIterator[EventBatch]:
-        candidates = self._local_candidates(tried)
-        if not candidates:
-            raise NoWorkers("no healthy decode or collocated worker")
-        worker = self.policy.choose(candidates, hashes)
+        """On the slot's worker; a retry (`tried` not empty) moves the slot to another one."""
+        if tried:
+            candidates = [w for w in self._serving() if w not in tried]
+            if not candidates:
+                raise NoWorkers("no healthy decode or collocated worker")
+            slot.move(self.policy.choose(candidates, hashes))
+        worker = slot.worker
         worker.prefix.add(hashes)
         leg = LegRequest(request_id, tuple(prompt), params)
-        sent = delivered
+        sent = 0
         try:
             async for batch in self._leg(worker, leg):
                 sent = max(sent, _end(batch))
@@ -116,15 +183,16 @@ class Dispatcher:
             self.pool.mark_failed(worker, str(e))
             self.metrics.retries.inc(reason="local leg failed")
             log.warning("request %s: %s; retrying on another worker", request_id, e)
-            async for batch in self._local(request_id, prompt, params, hashes,
+            async for batch in self._local(request_id, prompt, params, hashes, slot,
                                            (*tried, worker)):
                 yield batch
 
     # -- disaggregated -----------------------------------------------------------------------
 
     async def _disaggregated(self, request_id: str, prompt: Sequence[int],
-                             params: SamplingParams, hashes: list[int], pre: WorkerHandle,
-                             dec: WorkerHandle) -> AsyncIterator[EventBatch]:
+                             params: SamplingParams, hashes: list[int], pre_slot: Slot,
+                             slot: Slot) -> AsyncIterator[EventBatch]:
+        pre, dec = pre_slot.worker, slot.worker
         tid = secrets.randbits(64) or 1
         pre.prefix.add(hashes)
         dec.prefix.add(hashes)
@@ -134,7 +202,8 @@ class Dispatcher:
             "decode": (dec, LegRequest(request_id, ids, params, LegKind.DECODE, tid, pre.peer)),
         }
         merged: asyncio.Queue = asyncio.Queue()
-        tasks = {name: asyncio.create_task(self._pump(name, w, leg, merged))
+        slots = {"prefill": pre_slot, "decode": None}
+        tasks = {name: asyncio.create_task(self._pump(name, w, leg, merged, slots[name]))
                  for name, (w, leg) in legs.items()}
         sent, ended, heard = 0, set(), set()
         try:
@@ -167,7 +236,7 @@ class Dispatcher:
                     log.warning("request %s: %s; retrying as a local leg", request_id, failure)
                     tasks["prefill"].cancel()
                     async for retried in self._local(request_id, prompt, params, hashes,
-                                                     tried=(dec,)):
+                                                     slot, tried=(dec,)):
                         yield retried
                     return
             raise LegFailed("both legs ended without finishing the request")
@@ -176,6 +245,7 @@ class Dispatcher:
                 task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await asyncio.gather(*tasks.values(), return_exceptions=True)
+            pre_slot.release()  # no-op when its leg ended (the pump released it)
 
     def _prefill_silent(self, request_id: str, pre: WorkerHandle) -> None:
         """The decode worker gave up waiting for the KV (its lease) and recomputed, and the
@@ -189,12 +259,19 @@ class Dispatcher:
                     request_id, pre.name)
 
     async def _pump(self, name: str, worker: WorkerHandle, leg: LegRequest,
-                    merged: asyncio.Queue) -> None:
+                    merged: asyncio.Queue, slot: Slot | None) -> None:
+        """Relays one leg; its own slot (the prefill's) frees when the leg ends."""
+        completed: int | None = None
         try:
             async for batch in self._leg(worker, leg):
                 merged.put_nowait((name, batch))
+                if batch[-1].final:
+                    completed = 0  # a prefill holds the prompt's KV only
         except LegFailed as e:
             merged.put_nowait((name, e))
+        finally:
+            if slot is not None:
+                slot.release(completed)
         merged.put_nowait((name, None))
 
     def _leg(self, worker: WorkerHandle, leg: LegRequest) -> AsyncIterator[EventBatch]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from pdserve.metrics import Registry
 from pdserve.router.worker_pool import WorkerPool
 
@@ -23,6 +25,34 @@ class RouterMetrics:
                                "Between consecutive tokens sent to the client.")
         self.e2e = r.histogram("pdserve_router_e2e_request_latency_seconds",
                                "From request arrival to the last byte sent.")
+        self._add_admission(r)
+        self._publishers: list[Callable[[], None]] = []
+
+    def _add_admission(self, r: Registry) -> None:
+        """Back-pressure (`admission.py`), per pool: prefill, or decode (decode and collocated
+        workers)."""
+        self.queue_depth = r.gauge("pdserve_router_queue_depth", "Requests waiting at the "
+                                   "router for a worker's slot.", ["pool"])
+        self.queue_capacity = r.gauge("pdserve_router_queue_capacity", "Places in the queue "
+                                      "(--max-queue, or the drain rate times "
+                                      "--max-queue-wait-s).", ["pool"])
+        self.drain_rate = r.gauge("pdserve_router_queue_drain_rate", "Requests a second the "
+                                  "pool completes while full: its slots over the measured "
+                                  "mean service time.", ["pool"])
+        self.admitted = r.counter("pdserve_router_admitted_total", "Requests given a worker's "
+                                  "slot.", ["pool"])
+        self.rejected = r.counter("pdserve_router_rejected_total", "Requests refused by "
+                                  "admission: queue_full (429), queue_timeout (503).",
+                                  ["pool", "reason"])
+        self.queue_wait = r.histogram("pdserve_router_queue_wait_seconds", "From arrival at "
+                                      "the pool's queue to the grant of a slot.", ["pool"])
+        self.worker_cap = r.gauge("pdserve_router_worker_inflight_cap", "Requests the worker "
+                                  "is given at once (--max-inflight-per-worker, or its batch "
+                                  "and KV limits).", ["worker", "role"])
+
+    def add_publisher(self, publish: Callable[[], None]) -> None:
+        """`publish()` copies some state into the metrics before each rendering."""
+        self._publishers.append(publish)
 
     def bind_pool(self, pool: WorkerPool) -> None:
         g = self.registry.gauge("pdserve_router_worker_healthy", "1 if the worker answers "
@@ -42,3 +72,5 @@ class RouterMetrics:
             self._healthy.set(1.0 if w.healthy else 0.0, worker=w.url, role=w.role)
             self._inflight.set(w.inflight, worker=w.url, role=w.role)
             self._refused.set(1.0 if w.refused else 0.0, worker=w.url, role=w.role)
+        for publish in self._publishers:
+            publish()

@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -94,6 +95,8 @@ class WorkerPool:
         self.health_interval_s, self.health_timeout_s = health_interval_s, health_timeout_s
         self.reference: dict[str, Any] | None = None  # the first accepted worker's details
         self._task: asyncio.Task | None = None
+        # called after every round: a worker that came back may take queued requests
+        self.on_refresh: Callable[[], None] = lambda: None
 
     def healthy(self, role: str) -> list[WorkerHandle]:
         return [w for w in self.workers if w.role == role and w.healthy]
@@ -121,6 +124,7 @@ class WorkerPool:
         answers = await asyncio.gather(*(self._ask(session, w) for w in self.workers))
         for worker, answer in zip(self.workers, answers, strict=True):
             self.judge(worker, answer)
+        self.on_refresh()
 
     def mark_failed(self, worker: WorkerHandle, why: str) -> None:
         if worker.healthy:

@@ -140,6 +140,7 @@ class Worker:
             "status": "ok", "role": self.settings.role.value,
             "model": self.settings.served_model_name, "max_model_len": e.config.max_model_len,
             "block_size": e.config.block_size, "dtype": e.config.dtype,
+            "max_num_seqs": e.config.max_num_seqs,
             "kv_layout": self.kv_layout,
             "peer": self.transport.local.to_json() if self.transport else None,
             "kv_blocks_total": load.kv_blocks_total, "kv_blocks_used": load.kv_blocks_used,
@@ -153,15 +154,17 @@ class Worker:
                             headers={"Content-Type": CONTENT_TYPE})
 
     async def steps(self, request: web.Request) -> web.Response:
-        """Engine steps that ended after `?since=` (wall-clock seconds; default: all kept)."""
+        """Engine steps that ended after `?since=` (wall-clock seconds; default: all kept), with
+        the worker's proof of the secret (the access middleware let only signed requests in)."""
         try:
             since = float(request.query.get("since", "0"))
         except ValueError:
             return web.json_response(ApiError(400, "since must be a number of seconds").body(),
                                      status=400)
         steps = self.loop.trace.since(since)
-        return web.json_response({"role": self.settings.role.value,
-                                  "fields": list(Step._fields), "steps": [list(s) for s in steps]})
+        return self.access.signed_json(request, {
+            "role": self.settings.role.value, "fields": list(Step._fields),
+            "steps": [list(s) for s in steps]})
 
     async def legs(self, request: web.Request) -> web.WebSocketResponse:
         return await self.channels.serve(request)
