@@ -13,6 +13,7 @@ planner/simulate/step_fit.py reads both.
 
 from __future__ import annotations
 
+import itertools
 import threading
 from collections import deque
 from typing import NamedTuple
@@ -49,3 +50,8 @@ class StepTrace:
         """Steps that ended after wall-clock time `t`, oldest first."""
         with self._lock:
             return [s for s in self._steps if s.end > t]
+
+    def newest_first(self, limit: int) -> list[Step]:
+        """The last `limit` steps, newest first."""
+        with self._lock:
+            return list(itertools.islice(reversed(self._steps), limit))

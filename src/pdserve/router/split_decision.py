@@ -1,0 +1,164 @@
+"""Conditional disaggregation from measured costs: prefill a prompt on a prefill worker and
+move its KV, or prefill it where it will decode.
+
+For a request whose uncached part on the chosen decode worker d is U tokens (the prefix it
+already holds is not recomputed), with every rate measured (`Speed`; workers report theirs in
+the signed /health, `workers/step_rates.py`; the link is learnt here from the split requests'
+own hand-over times, `LinkEstimate`):
+
+    t_remote = min over prefill workers p of (Q_p + U) / R_p  +  T_link(U x b)
+    t_local  = (Q_d + U) / R_d
+    stall    = min(U, C_d) / R_d     (the time one step of d's running streams gains)
+
+Q_w: prompt tokens this router sent to w whose prefill has not ended (`PrefillBacklog`: the
+router's own count, current, where a worker's report is a health interval old); R_w: w's
+prefill rate, tokens/s; b: KV bytes per token (2 x layers x KV heads x head dim x dtype bytes,
+the paged layout `transfer/layout.py` moves); C_d: d's prefill chunk (its token budget per step
+with chunked prefill; U without). Both estimates are queueing plus service time: the time to
+first token each path would give, apart from the common decode step.
+
+The request runs locally when d can take it without breaking its streams' latency target and
+local is no slower:
+
+    local  <=>  (d has no leg open or decode_step_d + stall <= tpot_target) and t_local <= t_remote
+
+(d's open legs are its streams and those about to start there, whose KV is on its way: a
+local prefill stalls both). So a loaded prefill pool sends prompts to decode workers with
+headroom, an idle cluster saves the transfer, a slow link keeps short prompts local, and a
+decode worker never takes a whole prompt that would freeze its streams for longer than the
+target (a chunked one takes it in bounded pieces). Until d's or
+every prefill worker's rate is measured there is no decision (`None`): the caller uses the
+fixed `--local-prefill-threshold` rule, which also stays available as an override.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from pdserve.transfer.layout import DTYPE_BYTES
+
+SAMPLES = 32  # hand-overs the link estimate remembers
+
+
+@dataclass(frozen=True)
+class Speed:
+    """One worker as the decision sees it."""
+
+    prefill_tokens_per_s: float | None  # measured; None until it prefilled something
+    decode_step_s: float | None = None  # measured decode-only step; None until it decoded
+    backlog_tokens: int = 0  # Q: prompt tokens sent here whose prefill has not ended
+    running: int = 0  # legs this router has open here: streams decoding, or about to
+    chunk_tokens: int | None = None  # prefill tokens per step when chunked; None: whole prompts
+
+    @classmethod
+    def of(cls, info: dict[str, Any], backlog_tokens: int, running: int) -> Speed:
+        """From a worker's signed /health details (`rates`, `chunk_tokens`)."""
+        rates = info.get("rates") or {}
+        return cls(_positive(rates.get("prefill_tokens_per_s")),
+                   _positive(rates.get("decode_step_s")), backlog_tokens, running,
+                   _positive_int(info.get("chunk_tokens")))
+
+
+@dataclass(frozen=True)
+class Decision:
+    local: bool
+    t_local_s: float
+    t_remote_s: float
+    prefill_index: int | None  # the prefill worker of t_remote (index into the list given)
+    reason: str
+
+
+class LinkEstimate:
+    """KV hand-over time as a function of its bytes, learnt from split requests: seconds =
+    bytes / bandwidth, bandwidth = sum of bytes / sum of seconds over the last SAMPLES
+    hand-overs (large hand-overs weigh most; the fixed cost of a session is spread over
+    them). Unmeasured: no cost, which favours the split as the fixed rule did."""
+
+    def __init__(self) -> None:
+        self._samples: deque[tuple[int, float]] = deque(maxlen=SAMPLES)
+
+    def observe(self, nbytes: int, seconds: float) -> None:
+        if nbytes > 0 and seconds > 0 and math.isfinite(seconds):
+            self._samples.append((nbytes, seconds))
+
+    @property
+    def bytes_per_s(self) -> float | None:
+        if not self._samples:
+            return None
+        return sum(b for b, _ in self._samples) / sum(s for _, s in self._samples)
+
+    def seconds(self, nbytes: int) -> float:
+        rate = self.bytes_per_s
+        return 0.0 if rate is None else nbytes / rate
+
+
+def decide(uncached: int, kv_bytes_per_token: int, decode: Speed, prefill: list[Speed],
+           link: LinkEstimate, tpot_target_s: float) -> Decision | None:
+    """The path for `uncached` prompt tokens on `decode`; None while a rate is unmeasured."""
+    measured = [(i, p) for i, p in enumerate(prefill) if p.prefill_tokens_per_s]
+    if not decode.prefill_tokens_per_s or not measured:
+        return None
+    transfer = link.seconds(uncached * kv_bytes_per_token)
+    t_remote, best = min(((p.backlog_tokens + uncached) / p.prefill_tokens_per_s + transfer, i)
+                         for i, p in measured)
+    rate = decode.prefill_tokens_per_s
+    t_local = (decode.backlog_tokens + uncached) / rate
+    stall = min(uncached, decode.chunk_tokens or uncached) / rate
+    step = decode.decode_step_s or 0.0
+    if decode.running and step + stall > tpot_target_s:
+        return Decision(False, t_local, t_remote, best,
+                        f"a local prefill would make {decode.running} streams' steps "
+                        f"{(step + stall) * 1e3:.0f} ms, over the {tpot_target_s * 1e3:.0f} ms "
+                        "target")
+    local = t_local <= t_remote
+    return Decision(local, t_local, t_remote, best,
+                    f"first token in ~{t_local * 1e3:.0f} ms locally against "
+                    f"~{t_remote * 1e3:.0f} ms split")
+
+
+class PrefillBacklog:
+    """Prompt tokens this router sent to each worker whose prefill has not ended (Q above):
+    `add` when a leg that prefills goes out, the returned call when its first event or its end
+    comes (calling it twice counts once)."""
+
+    def __init__(self) -> None:
+        self._tokens: dict[str, int] = {}
+
+    def tokens(self, worker: str) -> int:
+        return self._tokens.get(worker, 0)
+
+    def add(self, worker: str, tokens: int) -> Callable[[], None]:
+        self._tokens[worker] = self.tokens(worker) + tokens
+        done = False
+
+        def finish() -> None:
+            nonlocal done
+            if not done:
+                done = True
+                self._tokens[worker] -= tokens
+        return finish
+
+
+def kv_bytes_per_token(layout: dict[str, Any]) -> int:
+    """2 (K and V) x layers x KV heads x head dim x dtype bytes, from a worker's `kv_layout`;
+    0 when the layout is unknown (no link cost counted)."""
+    try:
+        return 2 * int(layout["num_layers"]) * int(layout["kv_heads"]) * \
+            int(layout["head_dim"]) * DTYPE_BYTES[layout["dtype"]]
+    except (KeyError, TypeError, ValueError):
+        return 0
+
+
+def _positive(value: object) -> float | None:
+    ok = isinstance(value, int | float) and not isinstance(value, bool) and value > 0 and \
+        math.isfinite(value)
+    return float(value) if ok else None
+
+
+def _positive_int(value: object) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 \
+        else None

@@ -1,0 +1,96 @@
+"""Conditional disaggregation from measured costs: where a prompt is prefilled."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdserve.router.split_decision import (
+    LinkEstimate,
+    PrefillBacklog,
+    Speed,
+    decide,
+    kv_bytes_per_token,
+)
+
+TPOT = 0.1
+BYTES = 1000  # KV bytes per token
+
+
+def _link(bytes_per_s: float) -> LinkEstimate:
+    link = LinkEstimate()
+    link.observe(int(bytes_per_s), 1.0)
+    return link
+
+
+def test_nothing_is_decided_until_the_rates_are_measured() -> None:
+    known = Speed(1000.0)
+    assert decide(500, BYTES, Speed(None), [known], LinkEstimate(), TPOT) is None
+    assert decide(500, BYTES, known, [Speed(None)], LinkEstimate(), TPOT) is None
+
+
+def test_an_idle_cluster_saves_the_transfer_and_a_decoding_worker_splits() -> None:
+    idle = decide(2000, BYTES, Speed(1000.0), [Speed(1000.0)], _link(1e9), TPOT)
+    assert idle.local  # 2.0 s either way, plus 2 ms of transfer when split
+    assert idle.t_local_s == pytest.approx(2.0) and idle.t_remote_s == pytest.approx(2.002)
+    assert idle.prefill_index == 0
+    decoding = Speed(1000.0, decode_step_s=0.02, running=1)
+    assert not decide(2000, BYTES, decoding, [Speed(1000.0)], _link(1e9), TPOT).local
+
+
+def test_a_loaded_prefill_pool_sends_the_prompt_to_an_idle_decode_worker() -> None:
+    busy = Speed(1000.0, backlog_tokens=6000)  # 6 s of queued prompts
+    d = decide(1500, BYTES, Speed(800.0), [busy], _link(1e9), TPOT)
+    assert d.local and d.t_local_s == pytest.approx(1.875) and d.t_remote_s > 7.5
+
+
+def test_a_decode_worker_never_freezes_its_streams_past_the_target() -> None:
+    busy = Speed(1000.0, backlog_tokens=6000)
+    decoding = Speed(800.0, decode_step_s=0.03, running=4)  # whole prompt: 1.9 s per step
+    d = decide(1500, BYTES, decoding, [busy], _link(1e9), TPOT)
+    assert not d.local and "4 streams" in d.reason and "100 ms target" in d.reason
+    chunked = Speed(800.0, decode_step_s=0.03, running=4, chunk_tokens=48)  # +60 ms per step
+    assert decide(1500, BYTES, chunked, [busy], _link(1e9), TPOT).local
+
+
+def test_a_slow_link_keeps_a_prompt_local_and_the_fastest_prefill_worker_is_named() -> None:
+    prefill = [Speed(500.0), Speed(2000.0)]
+    fast_link = decide(1000, BYTES, Speed(1000.0), prefill, _link(1e9), TPOT)
+    assert not fast_link.local and fast_link.prefill_index == 1
+    slow_link = decide(1000, BYTES, Speed(1000.0), prefill, _link(1e6), TPOT)  # 1 s to move
+    assert slow_link.local
+
+
+def test_the_link_is_learnt_as_bytes_over_seconds_of_recent_hand_overs() -> None:
+    link = LinkEstimate()
+    assert link.bytes_per_s is None and link.seconds(10**9) == 0.0
+    link.observe(3_000_000, 0.010)
+    link.observe(1_000_000, 0.010)
+    link.observe(0, 5.0)  # nothing moved: ignored
+    link.observe(10, float("nan"))  # ignored
+    assert link.bytes_per_s == pytest.approx(2e8)
+    assert link.seconds(2_000_000) == pytest.approx(0.01)
+
+
+def test_the_backlog_counts_each_leg_once() -> None:
+    backlog = PrefillBacklog()
+    done = backlog.add("p0", 700)
+    backlog.add("p0", 300)
+    assert backlog.tokens("p0") == 1000 and backlog.tokens("p1") == 0
+    done()
+    done()
+    assert backlog.tokens("p0") == 300
+
+
+def test_speed_reads_the_health_report_and_ignores_nonsense() -> None:
+    info = {"rates": {"prefill_tokens_per_s": 900.5, "decode_step_s": 0.02},
+            "chunk_tokens": 64}
+    assert Speed.of(info, 10, 2) == Speed(900.5, 0.02, 10, 2, 64)
+    bad = {"rates": {"prefill_tokens_per_s": -1, "decode_step_s": "x"}, "chunk_tokens": True}
+    assert Speed.of(bad, 0, 0) == Speed(None)
+    assert Speed.of({}, 0, 0) == Speed(None)
+
+
+def test_kv_bytes_per_token_from_the_layout() -> None:
+    layout = {"num_layers": 30, "kv_heads": 3, "head_dim": 64, "dtype": "bfloat16"}
+    assert kv_bytes_per_token(layout) == 2 * 30 * 3 * 64 * 2
+    assert kv_bytes_per_token({"dtype": "nope"}) == 0
