@@ -64,6 +64,23 @@ def test_mixed_has_its_bursts():
     assert len(short) > 20
 
 
+def test_diurnal_alternates_ingestion_and_chat_phases():
+    diurnal = Workload("diurnal", seed=3, phase_s=100)
+    specs = diurnal.requests(0.5, duration_s=300)
+    arrivals = [s.arrival_s for s in specs]
+    assert arrivals == sorted(arrivals) and arrivals[-1] < 300
+    phases = [[s for s in specs if k * 100 <= s.arrival_s < (k + 1) * 100] for k in range(3)]
+    for k, shape in ((0, RAG), (1, CHAT), (2, RAG)):
+        assert all(shape.prompt.lo <= len(s.prompt_token_ids) <= shape.prompt.hi
+                   for s in phases[k])
+    assert len(phases[0]) == pytest.approx(50, rel=0.4)  # 0.5 req/s for 100 s
+    assert len(phases[1]) == pytest.approx(400, rel=0.2)  # 8x faster
+    # the same requests in the same order whatever the phase length
+    short = Workload("diurnal", seed=3, phase_s=50).requests(0.5, duration_s=150)
+    assert [s.prompt_token_ids for s in short if len(s.prompt_token_ids) < RAG.prompt.lo][:20] \
+        == [s.prompt_token_ids for s in phases[1][:20]]
+
+
 @pytest.mark.parametrize("kwargs", [
     {"kind": "nope"},
     {"kind": "chat", "vocab": 20},
@@ -72,6 +89,7 @@ def test_mixed_has_its_bursts():
     {"kind": "chat", "input_len": 10, "output_len": 4},
     {"kind": "mixed", "burst_size": 0},
     {"kind": "mixed", "burst_every_s": 0},
+    {"kind": "diurnal", "phase_s": 0},
     {"kind": "rag", "max_model_len": 2063},  # needs 2,000 + 64
     {"kind": "mixed", "max_model_len": 2000},
     {"kind": "fixed", "input_len": 100, "output_len": 29, "max_model_len": 128},

@@ -243,6 +243,8 @@ def add_workload_args(add: Callable[..., object]) -> None:
         help="mixed workload: long prompts per burst (default: %(default)s)")
     add("--max-model-len", type=int, default=None,
         help="refuse a workload whose prompt + output can exceed this")
+    add("--phase-s", type=float, default=60.0,
+        help="diurnal workload: seconds of each phase (default: %(default)s)")
 
 
 def settings_from_args(args: argparse.Namespace) -> tuple[Workload, Load, Slo]:
@@ -251,12 +253,15 @@ def settings_from_args(args: argparse.Namespace) -> tuple[Workload, Load, Slo]:
     workload = Workload(kind=args.workload, seed=args.seed, vocab=args.vocab,
                         input_len=args.input_len, output_len=args.output_len,
                         burst_every_s=args.burst_every_s, burst_size=args.burst_size,
-                        max_model_len=args.max_model_len)
+                        max_model_len=args.max_model_len, phase_s=args.phase_s)
     rate = args.rate if args.rate is not None or args.concurrency is not None else DEFAULT_RATE
     duration = (args.duration if args.duration is not None or args.num_requests is not None
                 else DEFAULT_DURATION_S)
     load = Load(rate=rate, concurrency=args.concurrency, duration_s=duration,
                 num_requests=args.num_requests)
+    if workload.kind == "diurnal" and load.rate is None:
+        raise ValueError("the diurnal workload switches phases by time: give --rate (open "
+                         "loop), not --concurrency")
     _check_positive("timeout", args.timeout)
     if args.out is not None and not args.out.parent.is_dir():
         raise ValueError(f"--out: no directory {args.out.parent}")

@@ -14,6 +14,12 @@ seconds, not minutes:
   landing on running decodes (the head-of-line case). Its total rate is
   rate + burst_size / burst_every_s.
 - `fixed`: every prompt `input_len` tokens, every output `output_len` tokens.
+- `diurnal`: phases of `phase_s` seconds that alternate, starting with ingestion: rag-shaped
+  requests at `rate`, then chat-shaped ones at DIURNAL_CHAT_RATE x `rate`, then rag again...
+  (a run of 3 x phase_s is ingestion, chat, ingestion), so that the best static split of
+  prefill and decode workers is wrong for part of the run. Phase k's arrivals are a Poisson
+  stream of its own, started at k x phase_s and cut at (k + 1) x phase_s. Open loop only (a
+  closed loop has no clock to switch phases by).
 
 Invariants:
 - Lengths are drawn uniformly from inclusive ranges: n = lo + U{0, ..., hi - lo}.
@@ -44,12 +50,19 @@ from dataclasses import dataclass
 TOKEN_ID_LO = 1000
 TOKEN_ID_HI = 30000
 SMOLLM2_VOCAB = 49152
-WORKLOAD_KINDS = ("chat", "rag", "mixed", "fixed")
+WORKLOAD_KINDS = ("chat", "rag", "mixed", "fixed", "diurnal")
+# Chat phases of `diurnal` arrive this many times faster than its rag phases: a chat request
+# asks ~11x less prefill (160 against 1,750 prompt tokens on average) and about as much decode
+# (96 against 56 tokens), so at 8x the chat phase is decode-bound where the rag phase is
+# prefill-bound, at comparable total work.
+DIURNAL_CHAT_RATE = 8.0
+DIURNAL_PHASES = ("rag", "chat")
 WORKLOAD_HELP = {
     "chat": "short prompts (64-256 tokens), outputs 64-128: decode-heavy",
     "rag": "long prompts (1,500-2,000 tokens), outputs 48-64: prefill-heavy",
     "mixed": "chat, plus a burst of --burst-size rag prompts every --burst-every-s s",
     "fixed": "prompts of --input-len tokens, outputs of --output-len tokens",
+    "diurnal": "--phase-s of rag at --rate, then of chat at 8x --rate, alternating",
 }
 
 
@@ -103,6 +116,7 @@ class Workload:
     burst_every_s: float = 20.0  # mixed only
     burst_size: int = 4  # mixed only
     max_model_len: int | None = None
+    phase_s: float = 60.0  # diurnal only
 
     def __post_init__(self) -> None:
         if self.kind not in WORKLOAD_KINDS:
@@ -116,6 +130,8 @@ class Workload:
             raise ValueError(f"burst_every_s must be > 0, got {self.burst_every_s}")
         if self.burst_size < 1:
             raise ValueError(f"burst_size must be >= 1, got {self.burst_size}")
+        if not (math.isfinite(self.phase_s) and self.phase_s > 0):
+            raise ValueError(f"phase_s must be > 0 seconds, got {self.phase_s}")
         self._check_model_len()
 
     def _check_fixed(self) -> None:
@@ -145,12 +161,15 @@ class Workload:
             return {"fixed": Shape(LengthRange(self.input_len, self.input_len),
                                    LengthRange(self.output_len, self.output_len))}
         return {"chat": {"chat": CHAT}, "rag": {"rag": RAG},
-                "mixed": {"chat": CHAT, "burst": RAG}}[self.kind]
+                "mixed": {"chat": CHAT, "burst": RAG},
+                "diurnal": {"rag": RAG, "chat": CHAT}}[self.kind]
 
     def stream(self, rate: float) -> Iterator[RequestSpec]:
         """The endless trace in arrival order; `rate` (req/s) drives the Poisson stream."""
         if not (math.isfinite(rate) and rate > 0):
             raise ValueError(f"rate must be a finite number of requests/s > 0, got {rate}")
+        if self.kind == "diurnal":
+            return self._diurnal(rate)
         name = next(iter(self.shapes()))
         poisson = self._specs(name, _poisson_times(self._rng(name, "arrivals"), rate))
         if self.kind != "mixed":
@@ -183,19 +202,38 @@ class Workload:
             out |= {"input_len": self.input_len, "output_len": self.output_len}
         if self.kind == "mixed":
             out |= {"burst_every_s": self.burst_every_s, "burst_size": self.burst_size}
+        if self.kind == "diurnal":
+            out |= {"phase_s": self.phase_s, "chat_rate_factor": DIURNAL_CHAT_RATE}
         return out
 
     def _rng(self, stream: str, index: int | str) -> random.Random:
         return random.Random(f"pdserve-bench/{self.seed}/{stream}/{index}")
 
     def _specs(self, stream: str, times: Iterator[float]) -> Iterator[RequestSpec]:
+        for i, t in enumerate(times):
+            yield self._spec(stream, i, t)
+
+    def _spec(self, stream: str, index: int, arrival_s: float) -> RequestSpec:
         shape = self.shapes()[stream]
         lo, hi = token_id_range(self.vocab)
-        for i, t in enumerate(times):
-            rng = self._rng(stream, i)
-            n_prompt, n_out = shape.prompt.draw(rng), shape.output.draw(rng)
-            ids = tuple(rng.randrange(lo, hi) for _ in range(n_prompt))
-            yield RequestSpec(arrival_s=t, prompt_token_ids=ids, max_tokens=n_out)
+        rng = self._rng(stream, index)
+        n_prompt, n_out = shape.prompt.draw(rng), shape.output.draw(rng)
+        ids = tuple(rng.randrange(lo, hi) for _ in range(n_prompt))
+        return RequestSpec(arrival_s=arrival_s, prompt_token_ids=ids, max_tokens=n_out)
+
+    def _diurnal(self, rate: float) -> Iterator[RequestSpec]:
+        """Phase k: a Poisson stream of DIURNAL_PHASES[k % 2]'s shape on [k P, (k + 1) P);
+        request i of a shape is the same whatever the phase length."""
+        counts = dict.fromkeys(DIURNAL_PHASES, 0)
+        for k in itertools.count():
+            stream = DIURNAL_PHASES[k % 2]
+            phase_rate = rate * (DIURNAL_CHAT_RATE if stream == "chat" else 1.0)
+            rng = self._rng(f"phase{k}", "arrivals")
+            t = k * self.phase_s + rng.expovariate(phase_rate)
+            while t < (k + 1) * self.phase_s:
+                yield self._spec(stream, counts[stream], t)
+                counts[stream] += 1
+                t += rng.expovariate(phase_rate)
 
 
 def token_id_range(vocab: int) -> tuple[int, int]:
