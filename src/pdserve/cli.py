@@ -9,6 +9,7 @@ import time
 from pdserve.bench.cli import add_bench_parser
 from pdserve.cli_args import add_cpu_kernels_arg, add_device_arg, add_model_args
 from pdserve.cluster.up import add_up_parser
+from pdserve.ctl.cli import add_ctl_parser
 from pdserve.planner.cli import add_plan_parser
 from pdserve.planner.simulate.cli import add_simulate_parser
 from pdserve.router.app import add_router_parser
@@ -67,6 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_worker_parser(sub)
     add_router_parser(sub)
     add_up_parser(sub)
+    add_ctl_parser(sub)
     add_bench_parser(sub)
     add_plan_parser(sub)
     add_simulate_parser(sub)

@@ -12,8 +12,9 @@ import aiohttp
 import pytest
 
 from pdserve.internal_auth import InternalAuth
-from pdserve.router.worker_pool import WorkerPool
+from pdserve.router.worker_pool import DRAINING, FLIPPING, WorkerHandle, WorkerPool
 from tests.router.fake_worker import NAME, SECRET, FakeWorker, fake_workers, worker_info
+from tests.router.test_rate_limit import Clock
 
 
 def _pool(urls: dict[str, list[str]]) -> WorkerPool:
@@ -114,3 +115,55 @@ def test_a_worker_that_serves_another_model_name_never_becomes_the_reference() -
             assert pool.model_info is not None and pool.model_info["max_model_len"] == 512
 
     asyncio.run(go())
+
+
+def test_a_pool_may_start_empty_and_keys_name_static_workers_by_host_and_port() -> None:
+    assert _pool({}).workers == []
+    pool = _pool({"decode": ["http://127.0.0.1:8002/", "http://127.0.0.1:8002"]})
+    assert [w.key for w in pool.workers] == ["127.0.0.1:8002", "127.0.0.1:8002-2"]
+    assert all(not w.registered for w in pool.workers)
+
+
+def test_an_unheard_registered_worker_is_removed_after_the_grace_and_a_static_one_never() -> None:
+    async def go() -> None:
+        async with fake_workers(FakeWorker(worker_info()), FakeWorker(worker_info())) as urls, \
+                aiohttp.ClientSession() as session:
+            clock = Clock()
+            pool = WorkerPool({"decode": urls[:1]}, InternalAuth(SECRET), NAME, grace_s=10.0,
+                              clock=clock)
+            removed: list[tuple[str, str]] = []
+            pool.on_removed.append(lambda w, why: removed.append((w.key, why)))
+            joined = WorkerHandle(urls[1], "decode", key="w1", registered=True)
+            pool.add(joined)
+            await pool.refresh(session)
+            assert pool.healthy("decode") == pool.workers
+            clock.now += 60  # both answer every round: heard, kept
+            await pool.refresh(session)
+            assert [w.key for w in pool.workers] == [pool.workers[0].key, "w1"]
+        # both servers gone: 10 s unheard is the grace, a moment more removes the joined one
+        async with aiohttp.ClientSession() as session:
+            clock.now += 10.0
+            await pool.refresh(session)
+            assert len(pool.workers) == 2 and removed == []
+            clock.now += 0.5
+            await pool.refresh(session)
+            assert [w.url for w in pool.workers] == urls[:1]  # static: unhealthy, never removed
+            assert not pool.workers[0].healthy and removed == [("w1", "unheard")]
+            clock.now += 3600
+            await pool.refresh(session)
+            assert [w.url for w in pool.workers] == urls[:1]
+
+    asyncio.run(go())
+
+
+def test_a_worker_in_a_phase_gets_no_work_of_any_role() -> None:
+    pool = _pool({"decode": ["http://a:1", "http://b:1"]})
+    a, b = pool.workers
+    a.healthy = b.healthy = True
+    a.phase = FLIPPING
+    assert pool.healthy("decode") == [b]
+    assert (a.state, b.state) == ("flipping", "healthy")
+    b.phase = DRAINING
+    assert pool.healthy("decode") == [] and b.state == "draining"
+    b.phase, b.healthy = None, False
+    assert b.state == "unhealthy"

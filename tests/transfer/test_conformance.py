@@ -16,55 +16,100 @@ import torch
 from pdserve.common.model_config import ModelConfig
 from pdserve.engine.kv_cache import KVCache
 from pdserve.transfer.fake import FakeFabric
+from pdserve.transfer.layout import KVLayout
 from pdserve.transfer.peer import PeerId
-from pdserve.transfer.sessions import Mode
+from pdserve.transfer.receiver import RecvSession
+from pdserve.transfer.sender import SendSession
+from pdserve.transfer.sessions import Inbox, Mode
+from pdserve.transfer.state import TransferState
 from pdserve.transfer.tcp import TcpTransport
 from pdserve.transfer.transport import Transport
 from tests.conftest import engine_pair
 from tests.transfer.session_driver import check_sessions_end_to_end
 from tests.transfer.test_tcp import OPTS as TCP_OPTS
-from tests.transfer.test_tcp import SECRET, finish, mapping, pool, wait_for
+from tests.transfer.test_tcp import SECRET, finish, mapping, pool, stop_listening, wait_for
 
 POOL_BLOCKS = 400
 
 
-def _tcp(encrypt: bool = False) -> Callable[[], Transport]:
+Restart = Callable[[Transport], Transport]
+
+
+def other_instance(peer: PeerId) -> PeerId:
+    """The same address, another instance id."""
+    return dataclasses.replace(peer, instance_id=peer.instance_id % (2**64 - 1) + 1)
+
+
+def _tcp(encrypt: bool = False) -> tuple[Callable[[], Transport], Restart]:
     options = dataclasses.replace(TCP_OPTS, encrypt=encrypt)
-    return lambda: TcpTransport(secret=SECRET, options=options)
+
+    def restart(old: TcpTransport) -> Transport:
+        stop_listening(old)
+        return TcpTransport(port=old.local.port, secret=SECRET, options=options,
+                            instance_id=other_instance(old.local).instance_id)
+
+    return lambda: TcpTransport(secret=SECRET, options=options), restart
 
 
-def _nixl() -> Callable[[], Transport]:
+def _nixl() -> tuple[Callable[[], Transport], Restart]:
     pytest.importorskip("nixl_cu12")
     from pdserve.transfer.nixl import NixlTransport
     from tests.transfer.test_nixl import OPTS as NIXL_OPTS
 
-    return lambda: NixlTransport(secret=SECRET, options=NIXL_OPTS)
+    def restart(old: NixlTransport) -> Transport:
+        stop_listening(old._tcp)  # its control channel, where peers meet an instance
+        return NixlTransport(port=old.local.port, secret=SECRET, options=NIXL_OPTS,
+                             instance_id=other_instance(old.local).instance_id)
+
+    return lambda: NixlTransport(secret=SECRET, options=NIXL_OPTS), restart
 
 
-def _fake() -> Callable[[], Transport]:
+def _fake() -> tuple[Callable[[], Transport], Restart]:
     fabric, ports = FakeFabric(), itertools.count(1)
 
     def endpoint() -> Transport:
         port = next(ports)  # distinct addresses: a session's two ends must differ
         return fabric.endpoint(PeerId(port, "fake", port))
 
-    return endpoint
+    return endpoint, lambda old: fabric.restart(old.local)
+
+
+@dataclasses.dataclass
+class Transports:
+    """Endpoints of one transport kind, each with its pool registered, closed after the test.
+    `restart(old, pool)`: a new instance at `old`'s address (another instance id); `old`
+    stops answering there, and its peers learn of the restart from the new instance."""
+
+    new: Callable[[], Transport]
+    restarted: Restart
+    stack: contextlib.ExitStack
+    closes: bool
+
+    def make(self, cache: KVCache) -> Transport:
+        return self._registered(self.new(), cache)
+
+    def restart(self, old: Transport, cache: KVCache) -> Transport:
+        return self._registered(self.restarted(old), cache)
+
+    def _registered(self, tx: Transport, cache: KVCache) -> Transport:
+        if self.closes:
+            self.stack.callback(tx.close)
+        tx.register(cache)
+        return tx
 
 
 @pytest.fixture(params=["fake", "tcp", "tcp-aes", "nixl"])
-def make(request) -> Iterator[Callable[[KVCache], Transport]]:
-    """make(pool) -> a transport endpoint with `pool` registered, closed after the test."""
-    factory = {"fake": _fake, "tcp": _tcp, "tcp-aes": lambda: _tcp(encrypt=True),
-               "nixl": _nixl}[request.param]()
+def transports(request) -> Iterator[Transports]:
+    kinds = {"fake": _fake, "tcp": _tcp, "tcp-aes": lambda: _tcp(encrypt=True),
+             "nixl": _nixl}
     with contextlib.ExitStack() as stack:
-        def endpoint(cache: KVCache) -> Transport:
-            tx = factory()
-            if request.param != "fake":
-                stack.callback(tx.close)
-            tx.register(cache)
-            return tx
+        yield Transports(*kinds[request.param](), stack, request.param != "fake")
 
-        yield endpoint
+
+@pytest.fixture
+def make(transports: Transports) -> Callable[[KVCache], Transport]:
+    """make(pool) -> a transport endpoint with `pool` registered, closed after the test."""
+    return transports.make
 
 
 def move(direction: str, a: Transport, b: Transport, tid: int, src: list[int], dst: list[int],
@@ -160,15 +205,10 @@ def test_a_layer_range_write_lands_only_those_layers(make):
 @pytest.fixture
 def enforcing(make, request) -> Callable[[KVCache], Transport]:
     """`make`, for the transports whose target checks permits."""
-    if request.node.callspec.params["make"] == "nixl":
+    if request.node.callspec.params["transports"] == "nixl":
         pytest.skip("NIXL moves one-sided: the target cannot refuse a move "
                     "(nixl/transport.py, Permits)")
     return make
-
-
-def other_instance(peer: PeerId) -> PeerId:
-    """The same address, another instance id."""
-    return dataclasses.replace(peer, instance_id=peer.instance_id % (2**64 - 1) + 1)
 
 
 def attempt(direction: str, a: Transport, b: Transport, tid: int, src: list[int],
@@ -259,7 +299,82 @@ def engines(tiny_model):
 def test_sessions_run_unchanged(make, engines, mode, tiny_model, request):
     pre, dec = engines
     first_tid = 1000 + 10 * ["push", "pull", "push-layerwise"].index(mode) + 100 * [
-        "fake", "tcp", "tcp-aes", "nixl"].index(request.node.callspec.params["make"])
+        "fake", "tcp", "tcp-aes", "nixl"].index(request.node.callspec.params["transports"])
     check_sessions_end_to_end(pre, dec, make(pre.kv_cache), make(dec.kv_cache),
                               Mode.PULL if mode == "pull" else Mode.PUSH, first_tid,
                               tiny_model("llama"), streamed=mode == "push-layerwise")
+
+
+# -- a peer restarted at the same address --------------------------------------------------------
+
+LEASE_S = 60.0  # far beyond every wait below: a session that failed only at its lease times out
+
+
+def _sender(inbox: Inbox, tid: int, peer: PeerId, cache: KVCache,
+            blocks: list[int]) -> SendSession:
+    return SendSession(inbox, transfer_id=tid, peer=peer, cache=cache,
+                       layout=KVLayout.of_cache(cache, "m"), src_blocks=blocks, token0=7,
+                       lease_s=LEASE_S)
+
+
+def _receiver(inbox: Inbox, tid: int, peer: PeerId, cache: KVCache,
+              blocks: list[int]) -> RecvSession:
+    return RecvSession(inbox, transfer_id=tid, peer=peer, cache=cache,
+                       layout=KVLayout.of_cache(cache, "m"), dst_blocks=blocks,
+                       dst_generations=[1] * len(blocks), generation=lambda _: 1,
+                       lease_s=LEASE_S)
+
+
+def _poll_until(sessions: list[SendSession | RecvSession], done: Callable[[], bool]) -> None:
+    wait_for(lambda: [s.poll() for s in sessions] and done(), 10.0)
+
+
+@pytest.mark.parametrize("first", ["it dials us", "we dial it"])
+@pytest.mark.parametrize("restarted", ["decode", "prefill"])
+def test_a_restarted_peer_is_used_at_once_and_its_old_sessions_fail_at_once(
+        transports, restarted, first):
+    """Peer B restarts at its address (a new instance id, same host and port) while A holds
+    blocks for a transfer with the old instance: a send waiting for B's ACK (B the decode
+    side) or a reservation B was told of (B the prefill side). The first contact between A
+    and the new instance, whichever side makes it, fails A's session at once, saying B
+    restarted, with its blocks free; the next transfer with the new instance lands."""
+    a_pool, b_pool = pool(POOL_BLOCKS, seed=12), pool(POOL_BLOCKS, seed=13)
+    a, b = transports.make(a_pool), transports.make(b_pool)
+    a_in, b_in = Inbox(a), Inbox(b)
+    src, dst = mapping(5, seed=12, blocks=POOL_BLOCKS)
+    if restarted == "decode":  # A sends; B1 reserved, A wrote and waits for the ACK
+        held = _sender(a_in, 1, b.local, a_pool, src)
+        b_side = _receiver(b_in, 1, a.local, b_pool, dst)
+        b_side.poll()
+        _poll_until([held], lambda: held.state is TransferState.TRANSFERRING)
+    else:  # A receives; B1 has A's reservation and has not written yet
+        held = _receiver(a_in, 1, b.local, a_pool, dst)
+        held.poll()
+        wait_for(lambda: b_in.peek(1), 10.0)
+    assert not held.state.is_terminal and not held.blocks_reusable
+
+    new_pool = pool(POOL_BLOCKS, seed=14)
+    new = transports.restart(b, new_pool)
+    new_in = Inbox(new)
+    assert new.local.same_address(b.local) and new.local != b.local
+    a_sends = restarted == "decode"
+    a_pool.data.neg_()  # fresh bytes for the next transfer
+    new_pool.data.neg_()
+
+    def open_a() -> SendSession | RecvSession:
+        return _sender(a_in, 2, new.local, a_pool, src) if a_sends \
+            else _receiver(a_in, 2, new.local, a_pool, dst)
+
+    def open_new() -> SendSession | RecvSession:
+        return _receiver(new_in, 2, a.local, new_pool, dst) if a_sends \
+            else _sender(new_in, 2, a.local, new_pool, src)
+
+    opened = [open_new()] if first == "it dials us" else [open_a()]
+    _poll_until([*opened, held], lambda: held.state.is_terminal)
+    assert held.state is TransferState.FAILED and "restarted" in held.reason, held.reason
+    assert held.blocks_reusable
+    opened.append(open_a() if first == "it dials us" else open_new())
+    _poll_until(opened, lambda: all(s.state.is_terminal for s in opened))
+    assert [s.state for s in opened] == [TransferState.DONE] * 2, [s.reason for s in opened]
+    sent, landed = (a_pool, new_pool) if a_sends else (new_pool, a_pool)
+    assert torch.equal(landed.data[dst], sent.data[src])

@@ -8,6 +8,7 @@ import logging
 import os
 import random
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -59,6 +60,15 @@ def pair() -> Iterator[tuple[TcpTransport, TcpTransport, KVCache, KVCache]]:
     a_pool, b_pool = pool(400, seed=1), pool(400)
     with endpoint(a_pool) as a, endpoint(b_pool) as b:
         yield a, b, a_pool, b_pool
+
+
+def stop_listening(tx: TcpTransport) -> None:
+    """`tx` stops answering at its address while its connections stay up, as the old instance
+    looks to its peers when its host came back with a new one there and the old connections
+    are half-open: only contact with the new instance tells them. (Reaches into the endpoint:
+    nothing in pdserve closes a listener alone.)"""
+    tx._receive._listener.shutdown(socket.SHUT_RDWR)
+    tx._receive._listener.close()
 
 
 def finish(tx: Transport, handle: int, *others: Transport, timeout: float = 10.0) -> str:
@@ -142,11 +152,34 @@ def test_hello_from_a_new_instance_at_the_same_address_kills_the_old(pair):
         assert b.receive() == []
 
 
+def test_a_peer_killed_and_restarted_at_its_address_is_dialed_at_once(pair):
+    """B dies (its connections close) and comes back at the same port as a new instance, which
+    the router names: the first message and write to it go out at once (the old instance's
+    death does not make its address refuse the new one)."""
+    a, _, a_pool, _ = pair
+    with endpoint(pool(400)) as old:
+        a.send(old.local, b"to the old instance")
+        wait_for(lambda: old.receive())
+        port = old.local.port
+    wait_for(lambda: not a.peer_alive(old.local))
+    assert "closed" in a.why_dead(old.local)
+    new_pool = pool(400)
+    with endpoint(new_pool, port=port, instance_id=old.local.instance_id + 1) as new:
+        assert new.local.same_address(old.local) and a.peer_alive(new.local)
+        a.send(new.local, b"to the new instance")
+        wait_for(lambda: new.receive() == [(a.local, b"to the new instance")])
+        new.allow_writes(1, a.local, [3])
+        assert finish(a, a.write(1, [4], new.local, [3])) == "done"
+        assert torch.equal(new_pool.data[3], a_pool.data[4])
+        assert a.peer_alive(new.local) and not a.peer_alive(old.local)
+
+
 def test_dialing_a_peer_whose_address_answers_as_another_instance(pair):
     a, b, _, _ = pair
     ghost = PeerId(b.local.instance_id + 7, b.local.host, b.local.port)
     a.send(ghost, b"anyone?")
     wait_for(lambda: not a.peer_alive(ghost))
+    assert a.why_dead(ghost).startswith(f"restarted: instance {b.local.instance_id:016x}")
     assert a.peer_alive(b.local)
     assert b.receive() == []  # the handshake told us it was the wrong instance: nothing sent
 

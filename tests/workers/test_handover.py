@@ -12,17 +12,22 @@ from pdserve.common.sampling_params import SamplingParams
 from pdserve.engine.engine import Engine
 from pdserve.engine.outputs import EngineLoad
 from pdserve.legs.protocol import LegKind, LegRequest
+from pdserve.transfer.layout import KVLayout
 from pdserve.transfer.peer import PeerId
+from pdserve.transfer.tcp import TcpTransport
 from pdserve.workers.handover import HandOver, LegDropped, LegEnded, LegRecomputing
 from pdserve.workers.transfer_hub import (
     PeerClosed,
+    PeerDead,
     RecvBlocksFree,
     RecvDone,
     RecvFailed,
     SendEnded,
+    TransferHub,
 )
 from pdserve.workers.worker_metrics import WorkerMetrics
 from tests.conftest import engine_pair
+from tests.transfer.test_tcp import endpoint, stop_listening, wait_for
 
 PRE = PeerId(0x1111, "10.0.0.1", 7100)
 DEC = PeerId(0x2222, "10.0.0.2", 7200)
@@ -38,9 +43,11 @@ class RecordingHub:
         self.calls: list[tuple] = []
         self.send_opens = True
         self.active = 0
+        self.dead: dict[PeerId, str] = {}  # peers `expect` reports dead, and why
 
-    def expect(self, transfer_id: int) -> None:
-        self.calls.append(("expect", transfer_id))
+    def expect(self, transfer_id: int, peer: PeerId) -> str | None:
+        self.calls.append(("expect", transfer_id, peer))
+        return self.dead.get(peer)
 
     def open_recv(self, transfer_id: int, peer: PeerId, dst_blocks: Sequence[int]) -> None:
         self.calls.append(("open_recv", transfer_id, peer, list(dst_blocks)))
@@ -72,9 +79,11 @@ class Side:
         self.engine.add_remote_request(list(PROMPT), PARAMS, request_id=request_id)
         self.handover.expect(LegRequest(request_id, PROMPT, PARAMS, LegKind.DECODE, tid, PRE))
 
-    def take_prefill(self, request_id: str, params: SamplingParams = PARAMS) -> None:
+    def take_prefill(self, request_id: str, params: SamplingParams = PARAMS, tid: int = TID,
+                     decode: PeerId = DEC) -> None:
         self.engine.add_request(list(PROMPT), params, request_id=request_id, hand_over=True)
-        self.handover.expect(LegRequest(request_id, PROMPT, params, LegKind.PREFILL, TID, DEC))
+        self.handover.expect(LegRequest(request_id, PROMPT, params, LegKind.PREFILL, tid,
+                                        decode))
 
     def opened(self) -> list[tuple]:
         return [c for c in self.hub.calls if c[0] == "open_recv"]
@@ -213,3 +222,111 @@ def test_a_decode_side_that_closes_ends_the_prefill_leg_and_frees_its_blocks(pre
     assert pre.handover.advance([closed]) == [
         LegEnded("p", "the decode side closed the transfer: the client went away")]
     assert not pre.engine.requests
+
+
+# -- peers that died or restarted ------------------------------------------------------------------
+
+RESTARTED = "the peer PeerId(...) died (restarted: instance 0000000000002223 now answers at ...)"
+
+
+def test_a_prefill_leg_naming_a_decode_instance_known_dead_ends_before_any_compute(
+        pre: Side) -> None:
+    pre.hub.dead[DEC] = RESTARTED
+    pre.take_prefill("p")
+    assert pre.handover.advance([]) == [
+        LegEnded("p", f"no KV can move to the decode worker: {RESTARTED}")]
+    assert not pre.engine.requests and not pre.engine.has_compute_work()
+
+
+def test_a_decode_leg_naming_a_prefill_instance_known_dead_recomputes_at_once(dec: Side) -> None:
+    dec.hub.dead[PRE] = RESTARTED
+    dec.take_decode("r", TID)
+    assert dec.handover.advance([]) == [LegRecomputing("r", "r/recompute")]
+    assert "r" not in dec.engine.requests and not dec.opened()
+    assert dec.metrics.recomputes.value() == 1
+
+
+@pytest.mark.parametrize("kind", ["prefill", "decode"])
+def test_a_peer_that_dies_before_the_session_opens_ends_or_recomputes_the_leg(
+        pre: Side, dec: Side, kind: str) -> None:
+    side = pre if kind == "prefill" else dec
+    if kind == "prefill":
+        pre.take_prefill("p")
+    else:
+        dec.take_decode("r", TID)
+        dec.take_decode("b", TID_B)  # no room: its reservation waits, no session
+    dead = PeerDead(TID_B if kind == "decode" else TID, RESTARTED)
+    want = LegEnded("p", f"no KV can move to the decode worker: {RESTARTED}") \
+        if kind == "prefill" else LegRecomputing("b", "b/recompute")
+    assert side.handover.advance([dead]) == [want]
+    assert ("p" if kind == "prefill" else "b") not in side.engine.requests
+
+
+class HubSide:
+    """A prefill worker's engine and hand-over over a real transfer hub and TCP endpoint; the
+    lease is far beyond every wait, so only peer death can free what is held."""
+
+    LEASE_S = 60.0
+
+    def __init__(self, engine: Engine, tx: TcpTransport) -> None:
+        self.engine = engine
+        self.hub = TransferHub(tx, engine.kv_cache, KVLayout.of_cache(engine.kv_cache, "tiny"),
+                               engine.block_manager.generation, self.LEASE_S)
+        self.handover = HandOver(engine, self.hub, WorkerMetrics("prefill"))
+
+    def prefill(self, request_id: str, tid: int, decode: PeerId) -> None:
+        """A PREFILL leg up to token 0: its blocks are held for the send to `decode`."""
+        self.engine.add_request(list(PROMPT), PARAMS, request_id=request_id, hand_over=True)
+        self.handover.expect(LegRequest(request_id, PROMPT, PARAMS, LegKind.PREFILL, tid,
+                                        decode))
+        [out] = self.engine.step()
+        self.handover.send_kv(out)
+
+    def advance(self) -> list:
+        return self.handover.advance(self.hub.poll())
+
+    def used(self) -> int:
+        return self.engine.load().kv_blocks_used
+
+
+def test_a_decode_peer_that_dies_during_a_held_prefill_frees_the_blocks_at_once(
+        pre: Side) -> None:
+    """The decode worker dies before it reserved (it never dialed this worker): the prefill's
+    blocks come back at once, not at the lease."""
+    with endpoint(pre.engine.kv_cache) as tx, endpoint() as decode:
+        side = HubSide(pre.engine, tx)
+        side.prefill("p", TID, decode.local)
+        assert side.used() == 10
+        decode.close()
+        wait_for(lambda: side.advance() == [] and side.used() == 0, timeout=10.0)
+        assert not pre.engine.requests
+
+
+def test_a_restarted_decode_named_by_the_next_leg_frees_the_old_instance_blocks_at_once(
+        pre: Side) -> None:
+    """The decode worker restarts at its address while the old instance's connections stay up
+    (nothing closed them yet): the next PREFILL leg names the new instance, this worker meets
+    it at once, and the blocks held for the old instance come back; a leg that still names the
+    old instance ends before its prompt computes."""
+    with endpoint(pre.engine.kv_cache) as tx, endpoint() as old:
+        side = HubSide(pre.engine, tx)
+        old.send(tx.local, b"hello")  # the old instance met this worker
+        tx.send(old.local, b"hello")
+        wait_for(lambda: old.receive())
+        side.prefill("p", TID, old.local)
+        stop_listening(old)
+        with endpoint(port=old.local.port, instance_id=old.local.instance_id + 1) as new:
+            pre.engine.add_request(list(PROMPT), PARAMS, request_id="q", hand_over=True)
+            side.handover.expect(LegRequest("q", PROMPT, PARAMS, LegKind.PREFILL, TID_B,
+                                            new.local))
+            wait_for(lambda: side.advance() == [] and "p" not in pre.engine.requests,
+                     timeout=10.0)
+            assert "restarted" in tx.why_dead(old.local)
+            pre.engine.add_request(list(PROMPT), PARAMS, request_id="r", hand_over=True)
+            side.handover.expect(LegRequest("r", PROMPT, PARAMS, LegKind.PREFILL, 0xC3,
+                                            old.local))
+            [ended] = side.handover.advance([])
+            assert ended.engine_id == "r" and "restarted" in ended.message
+            assert set(pre.engine.requests) == {"q"}
+            pre.engine.abort("q")
+            assert side.used() == 0

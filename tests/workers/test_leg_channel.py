@@ -13,6 +13,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
+from pdserve.common.engine_options import Role
 from pdserve.common.sampling_params import SamplingParams
 from pdserve.config import EngineConfig
 from pdserve.engine.engine import Engine
@@ -21,6 +22,7 @@ from pdserve.legs.protocol import LegRequest, TokenEvent
 from pdserve.workers.engine_loop import Accepted, EngineLoop, _deliver
 from pdserve.workers.leg_channel import WorkerLegChannel, WorkerLegChannels
 from pdserve.workers.worker_metrics import WorkerMetrics
+from tests.workers.test_role_flip import Worker
 
 LONG = SamplingParams(max_tokens=900, temperature=0, ignore_eos=True)
 
@@ -31,9 +33,10 @@ def engine(tiny_model) -> Engine:
 
 
 @contextlib.asynccontextmanager
-async def channel(engine: Engine, metrics: WorkerMetrics | None = None
+async def channel(engine: Engine, metrics: WorkerMetrics | None = None,
+                  loop: EngineLoop | None = None
                   ) -> AsyncIterator[aiohttp.ClientWebSocketResponse]:
-    loop = EngineLoop(engine, None, metrics or WorkerMetrics("collocated"))
+    loop = loop or EngineLoop(engine, None, metrics or WorkerMetrics("collocated"))
     loop.start(asyncio.get_running_loop())
     channels = WorkerLegChannels(loop)
     app = web.Application()
@@ -96,6 +99,33 @@ def test_legs_stream_to_the_end_and_a_bad_leg_is_refused(engine: Engine) -> None
         assert sum(sorted(sid for sid, _, _ in m) == [1, 2] for m in messages) >= 8
 
     asyncio.run(go())
+
+
+def test_a_worker_changing_role_refuses_a_leg_as_unavailable_not_as_bad(tiny_model) -> None:
+    worker = Worker(tiny_model(), Role.COLLOCATED, 0x7100)  # with a KV endpoint: it may flip
+    engine, loop = worker.engine, worker.loop
+
+    async def go() -> None:
+        async with channel(engine, loop=loop) as ws:
+            await ws.send_bytes(open_frame(1, LegRequest("r1", tuple(range(3, 40)), LONG)))
+            first = parse_replies((await asyncio.wait_for(ws.receive(), 30)).data)
+            assert first[0][1] == 200  # running: the flip below waits for it
+            flip = loop.change_role(Role.DECODE, timeout_s=0.5)
+            await asyncio.sleep(0.1)
+            await ws.send_bytes(open_frame(2, LegRequest("r2", (6, 7), LONG)))
+            refused = []
+            while not refused:
+                got = parse_replies((await asyncio.wait_for(ws.receive(), 30)).data)
+                refused = [r for r in got if r[0] == 2]
+            assert refused[0][1] == 503 and b"changing role" in refused[0][2]
+            await ws.send_bytes(cancel_frame(1))
+            await asyncio.wait_for(flip, 30)
+            await wait_free(engine)
+
+    try:
+        asyncio.run(go())
+    finally:
+        worker.close()
 
 
 def test_cancel_and_a_closed_connection_free_the_blocks(engine: Engine) -> None:

@@ -24,12 +24,13 @@ from pdserve.transfer.messages import (
     decode_any,
     message_kind,
 )
-from pdserve.transfer.peer import PeerId
+from pdserve.transfer.peer import PeerId, restarted
 from pdserve.transfer.sessions import Mode
 from pdserve.workers.transfer_hub import (
     CLOSED_MEMORY_S,
     HubEvent,
     PeerClosed,
+    PeerDead,
     RecvBlocksFree,
     RecvDone,
     RecvFailed,
@@ -115,12 +116,12 @@ def w() -> World:
 
 
 def open_recv(w: World, tid: int = TID) -> None:
-    w.dec.expect(tid)
+    w.dec.expect(tid, PRE)
     w.dec.open_recv(tid, PRE, DST)
 
 
 def open_send(w: World, tid: int = TID) -> None:
-    w.pre.expect(tid)
+    w.pre.expect(tid, DEC)
     w.pre.open_send(tid, DEC, SRC, TOKEN0, LOGPROB0)
 
 
@@ -153,7 +154,7 @@ def test_transfer_lands_the_bytes_and_reports_once_on_each_side(mode):
 
 def test_a_reservation_that_arrives_before_the_prefill_finished_waits_for_its_session(w):
     open_recv(w)
-    w.pre.expect(TID)
+    w.pre.expect(TID, DEC)
     assert w.poll(3) == ([], [])  # the prefill is still computing: nothing to send yet
     w.pre.open_send(TID, DEC, SRC, TOKEN0, LOGPROB0)
     pre_events, dec_events = w.poll(2)
@@ -166,8 +167,8 @@ def test_a_reservation_that_arrives_before_the_prefill_finished_waits_for_its_se
 
 
 def test_prefill_finished_before_the_decode_opened_ends_the_expected_leg(w):
-    w.dec.expect(TID)
-    w.pre.expect(TID)
+    w.dec.expect(TID, PRE)
+    w.pre.expect(TID, DEC)
     w.pre.close_finished(TID, DEC)
     pre_events, dec_events = w.poll()
     assert dec_events == [PeerClosed(TID, FINISHED_AT_TOKEN0, finished=True)]
@@ -180,7 +181,7 @@ def test_prefill_finished_before_the_decode_opened_ends_the_expected_leg(w):
 def test_prefill_finished_while_the_decode_session_waits_fails_it_at_once(w):
     open_recv(w)
     w.dec.poll()  # the reservation is on its way
-    w.pre.expect(TID)
+    w.pre.expect(TID, DEC)
     w.pre.close_finished(TID, DEC)
     dec_events = w.dec.poll()  # no clock movement: well before the lease
     assert dec_events == [RecvFailed(TID, f"the sender aborted: {FINISHED_AT_TOKEN0}",
@@ -192,7 +193,7 @@ def test_prefill_finished_while_the_decode_session_waits_fails_it_at_once(w):
 def test_prefill_finished_with_the_closed_answer_in_the_same_batch(w):
     open_recv(w)
     w.dec.poll()  # the reservation is on its way
-    w.pre.expect(TID)
+    w.pre.expect(TID, DEC)
     w.pre.close_finished(TID, DEC)  # ABORT(finished at token 0)
     assert w.pre.poll() == []  # answers the late reservation: ABORT(closed at this peer)
     dec_events = w.dec.poll()  # the decode takes both ABORTs at once
@@ -204,8 +205,8 @@ def test_prefill_finished_with_the_closed_answer_in_the_same_batch(w):
 
 
 def test_decode_cancel_before_the_prefill_opened_closes_the_expected_transfer(w):
-    w.pre.expect(TID)
-    w.dec.expect(TID)
+    w.pre.expect(TID, DEC)
+    w.dec.expect(TID, PRE)
     w.dec.close(TID, PRE, CANCELLED)
     pre_events, dec_events = w.poll()
     assert pre_events == [PeerClosed(TID, CANCELLED, finished=False)]
@@ -215,25 +216,25 @@ def test_decode_cancel_before_the_prefill_opened_closes_the_expected_transfer(w)
 
 
 def test_decode_cancel_before_the_prefill_leg_arrived_still_closes_the_id(w):
-    w.dec.expect(TID)
+    w.dec.expect(TID, PRE)
     w.dec.close(TID, PRE, CANCELLED)
     assert w.poll() == ([], [])  # nobody expects it at the prefill: closed, nothing to report
     assert w.pre.is_closed(TID)
-    w.pre.expect(TID)  # the prefill leg arrives after the decode's ABORT overtook it
+    w.pre.expect(TID, DEC)  # the prefill leg arrives after the decode's ABORT overtook it
     assert w.pre.poll() == [PeerClosed(TID, CANCELLED, finished=False)]
 
 
 def test_finished_at_token0_that_overtakes_the_decode_leg_is_reported_on_expect(w):
-    w.pre.expect(TID)
+    w.pre.expect(TID, DEC)
     w.pre.close_finished(TID, DEC)
     assert w.dec.poll() == []  # nobody expects it at the decode yet
-    w.dec.expect(TID)
+    w.dec.expect(TID, PRE)
     assert w.dec.poll() == [PeerClosed(TID, FINISHED_AT_TOKEN0, finished=True)]
 
 
 def test_decode_abort_of_an_open_session_ends_both_without_the_lease(w):
     open_recv(w)
-    w.pre.expect(TID)
+    w.pre.expect(TID, DEC)
     w.dec.poll()  # reservation sent: a writer may now write, so the decode must hear back
     w.dec.abort(TID, "the client went away")
     reason = "aborted by the caller: the client went away"
@@ -251,7 +252,7 @@ def test_a_silent_sender_fails_the_transfer_at_the_lease_but_holds_the_blocks(w)
     recompute elsewhere in the pool, while the reserved blocks stay held until the sender
     wakes and confirms its fence."""
     open_recv(w)
-    w.pre.expect(TID)
+    w.pre.expect(TID, DEC)
     assert w.dec.poll() == []  # the reservation is out; the prefill hub is not polled (stalled)
     w.clock.now += LEASE
     assert w.dec.poll() == [RecvFailed(TID, "the lease expired", False, blocks_free=False)]
@@ -275,12 +276,50 @@ def test_prefill_abort_of_an_open_send_session(w):
     assert not w.dec_cache.data.any()  # no write was ever issued
 
 
+# -- peers that restart ----------------------------------------------------------------------------
+
+
+def test_a_restarted_sender_fails_the_open_receive_at_once_with_its_blocks_free(w):
+    open_recv(w)
+    w.dec.poll()  # the reservation is out: the old instance knows where to write
+    new = w.fabric.restart(PRE)
+    assert w.dec.poll() == [RecvFailed(TID, f"the sender {PRE} died ({restarted(new.local)})",
+                                       sender_finished=False, blocks_free=True)]
+    assert w.dec.active == 0
+
+
+def test_a_restarted_receiver_ends_the_held_send_at_once(w):
+    open_recv(w)
+    open_send(w)
+    w.dec.poll()
+    new = w.fabric.restart(DEC)
+    assert w.pre.poll() == [SendEnded(TID, False, f"the receiver {DEC} died "
+                                      f"({restarted(new.local)})", 0.0, w.nbytes)]
+
+
+def test_an_expected_transfer_whose_peer_restarts_is_closed_and_reported_at_once(w):
+    assert w.pre.expect(TID, DEC) is None
+    new = w.fabric.restart(DEC)
+    assert w.pre.poll() == [PeerDead(TID, f"the peer {DEC} died ({restarted(new.local)})")]
+    assert w.pre.is_closed(TID)
+    assert not w.pre.open_send(TID, DEC, SRC, TOKEN0, LOGPROB0)  # so the caller releases
+    assert w.pre.poll() == []
+
+
+def test_expect_refuses_a_peer_known_dead_and_takes_its_new_instance(w):
+    new = w.fabric.restart(PRE)
+    assert w.dec.expect(TID, PRE) == f"the peer {PRE} died ({restarted(new.local)})"
+    assert w.dec.is_closed(TID) and w.dec.poll() == []
+    assert w.dec.expect(TID + 1, new.local) is None
+    assert w.dec.poll() == [] and not w.dec.is_closed(TID + 1)
+
+
 # -- late and stray messages -----------------------------------------------------------------------
 
 
 def test_late_reservation_for_a_closed_transfer_is_answered_with_abort(w):
     w.fabric.inject(Fault("drop", target="message", message="abort", times=1))
-    w.pre.expect(TID)
+    w.pre.expect(TID, DEC)
     w.pre.close_finished(TID, DEC)  # this ABORT is lost on the way
     open_recv(w)
     pre_events, dec_events = w.poll(2)  # no clock movement: far from the lease
@@ -327,7 +366,7 @@ def sent_to_decode(w: World) -> list[str]:
 ])
 def test_unclaimed_messages_are_dropped_after_the_lease_unless_expected(w, expected, wait, kept):
     if expected:
-        w.pre.expect(TID)
+        w.pre.expect(TID, DEC)
     w.dec_tx.allow_writes(TID, PRE, DST)  # as the decode's RecvSession would, before it sends
     w.dec_tx.send(PRE, reservation(TID))
     assert w.pre.poll() == []
@@ -346,7 +385,7 @@ def test_unclaimed_messages_are_dropped_after_the_lease_unless_expected(w, expec
 def stream_layer0(w: World) -> None:
     """Decode reserves (the reservation is on its way); the prefill streams layer 0."""
     open_recv(w)
-    w.pre.expect(TID)
+    w.pre.expect(TID, DEC)
     w.dec.poll()
     w.pre.stream_layers(TID, DEC, SRC, 1)
 
@@ -392,6 +431,6 @@ def test_closing_a_streamed_transfer_fences_it_and_tells_the_decode(w):
 
 def test_pull_mode_ignores_layer_streaming():
     w = make_world(Mode.PULL)
-    w.pre.expect(TID)
+    w.pre.expect(TID, DEC)
     w.pre.stream_layers(TID, DEC, SRC, 1)
     assert w.pre.active == 0

@@ -1,6 +1,6 @@
 """The engine: one model, one KV pool, one scheduler; `step()` is schedule, run, update.
 
-Roles (config.role):
+Roles (config.role; `set_role` changes it while the engine holds no request):
 - COLLOCATED: prefill and decode.
 - PREFILL: a request stops after token 0 unless that token already finishes it. Its blocks
   stay held (state PREFILLED) and its output carries `kv_block_ids`, until `release()`.
@@ -69,10 +69,15 @@ class Engine:
 
     def add_request(
         self, prompt: str | list[int], params: SamplingParams | None = None,
-        request_id: str | None = None, hand_over: bool | None = None,
+        request_id: str | None = None, hand_over: bool | None = None, output_offset: int = 0,
     ) -> str:
+        """`output_offset`: the prompt ends with that many output tokens of a request moved here
+        (a continuation); its k-th new token is sampled as output position output_offset + k."""
+        if type(output_offset) is not int or output_offset < 0:
+            raise ValueError(f"output_offset must be an int >= 0, got {output_offset!r}")
         req = self._new_request(prompt, params, request_id, remote_prefill=False)
         req.hand_over = self.config.role == Role.PREFILL if hand_over is None else hand_over
+        req.output_offset = output_offset
         self.scheduler.add(req)
         return req.request_id
 
@@ -131,6 +136,21 @@ class Engine:
         self.block_manager.free(req)
         del self.requests[request_id]
 
+    @property
+    def role(self) -> Role:
+        return self.config.role
+
+    def set_role(self, role: Role) -> None:
+        """Take later requests in `role`; the model, the KV pool and its prefix cache stay.
+        Only while the engine holds no request (ValueError otherwise): a request's role-given
+        behaviour (hand-over at token 0, a reservation filled from outside) is fixed when it is
+        added, and its blocks must not outlive the role that gave them their meaning."""
+        if self.requests:
+            raise ValueError(f"the engine holds {len(self.requests)} request(s); its role "
+                             f"changes only when every request has finished or been released")
+        self.config = dataclasses.replace(self.config, role=Role(role))
+        self.scheduler.config = self.config
+
     def reserve_remote(self) -> None:
         """Decode role: reserve blocks for the queued remote requests the pool has room for now
         (first come, first served), e.g. after blocks were freed outside a step."""
@@ -175,7 +195,8 @@ class Engine:
                                      len(batch.requests), context)
         logits, sampling = self.runner.run(batch, self.on_layer)
         sampled = self.sampler(logits, [r.params for r in sampling],
-                               [r.num_output_tokens for r in sampling]) if sampling else None
+                               [r.output_offset + r.num_output_tokens for r in sampling]
+                               ) if sampling else None
         for req, n in zip(batch.requests, batch.num_new_tokens, strict=True):
             req.num_computed_tokens += n
             self.block_manager.commit_computed(req)

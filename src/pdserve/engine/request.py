@@ -58,6 +58,7 @@ class Request:
     num_preemptions: int = 0
     remote_prefill: bool = False  # decode role: the prompt's KV comes from a prefill engine
     hand_over: bool = False  # stop after token 0 and hold the blocks (PREFILLED) until release
+    output_offset: int = 0  # a continuation: output tokens of the request already in the prompt
     output_logprobs: list[float | None] = field(default_factory=list)
     output_top_logprobs: list[dict[int, float] | None] = field(default_factory=list)
     stop_reason: str | int | None = None

@@ -8,10 +8,11 @@ connection). A message is a header line, then a body:
   request); the worker cancels it and frees its blocks.
 - worker -> router: one or more replies, each a header line `<sid> <status> <length>` and
   `length` bytes of body. Status 200: `TokenEvent` lines (NDJSON), the leg's events that were
-  ready together, its last reply ending with its final event. A 4xx: a UTF-8 message, the
-  worker refused the leg and nothing more comes for it. The replies a worker has ready
-  together (every leg one engine step advanced) travel in one message: at 64 streams one
-  message a step instead of 64.
+  ready together, its last reply ending with its final event. A 4xx or 503: a UTF-8 message,
+  the worker refused the leg and nothing more comes for it (4xx: the leg is at fault, no
+  worker would take it; 503: this worker cannot take it now, another may). The replies a
+  worker has ready together (every leg one engine step advanced) travel in one message: at 64
+  streams one message a step instead of 64.
 
 When the connection closes, the worker cancels every leg it carried and the router fails every
 leg it had open on it. One HTTP request per leg (the design before) took 0.7 ms from the
@@ -45,8 +46,8 @@ def events_reply(sid: int, events: list[TokenEvent]) -> bytes:
 
 
 def refusal_reply(sid: int, status: int, message: str) -> bytes:
-    if not 400 <= status < 500:
-        raise ValueError(f"a refusal's status is a 4xx, not {status}")
+    if not (400 <= status < 500 or status == 503):
+        raise ValueError(f"a refusal's status is a 4xx or 503, not {status}")
     return _reply(sid, status, message.encode())
 
 

@@ -9,6 +9,11 @@ Leg kinds:
 - DECODE: reserve blocks, take the KV from the prefill worker `peer`, continue from token 0.
   If the transfer fails, the worker recomputes the prompt itself (same seed, same tokens).
 
+`output_offset` (LOCAL legs only): the leg continues a request whose first `output_offset` output
+tokens are the last tokens of its prompt (the router moved it off a failed worker); it samples
+output position `output_offset + k` where it would sample `k`, so a seeded request draws the
+tokens the first worker would have. Its events still count from 0 (the router shifts them).
+
 Events carry absolute positions (`index` of the first token, `text_offset` of the text), so the
 router can merge the prefill and decode streams of one request and drop what it has already
 sent (the decode stream repeats token 0). The router reads a leg's events in `EventBatch`es:
@@ -41,6 +46,7 @@ class LegRequest:
     kind: LegKind = LegKind.LOCAL
     transfer_id: int | None = None
     peer: PeerId | None = None  # the other worker's transfer endpoint
+    output_offset: int = 0  # output tokens already in the prompt's tail (a continuation)
 
     def __post_init__(self) -> None:
         if not isinstance(self.request_id, str) or not self.request_id:
@@ -50,6 +56,16 @@ class LegRequest:
         if remote != (self.transfer_id is not None) or remote != (self.peer is not None):
             raise ValueError(f"a {self.kind.value} leg needs transfer_id and peer exactly when "
                              "it is a prefill or decode leg")
+        self._check_offset()
+
+    def _check_offset(self) -> None:
+        n, prompt = self.output_offset, len(self.prompt_token_ids)
+        if type(n) is not int or n < 0 or (n and n >= prompt):
+            raise ValueError(f"output_offset must be an int in [0, {prompt}) (output tokens "
+                             f"at the end of the prompt), got {n!r}")
+        if n and self.kind is not LegKind.LOCAL:
+            raise ValueError(f"only a local leg continues a request; a {self.kind.value} leg "
+                             "needs output_offset 0")
 
     def to_json(self) -> dict[str, Any]:
         params = {f.name: getattr(self.params, f.name) for f in fields(self.params)}
@@ -62,6 +78,7 @@ class LegRequest:
             "kind": self.kind.value,
             "transfer_id": None if self.transfer_id is None else hex64(self.transfer_id),
             "peer": None if self.peer is None else self.peer.to_json(),
+            "output_offset": self.output_offset,
         }
 
     @classmethod
@@ -78,7 +95,8 @@ class LegRequest:
                 raise ValueError("prompt_token_ids must be a list of ints")
             return cls(obj["request_id"], tuple(ids), params, LegKind(obj.get("kind", "local")),
                        None if tid is None else parse_hex64("transfer_id", tid),
-                       None if peer is None else PeerId.from_json(peer))
+                       None if peer is None else PeerId.from_json(peer),
+                       obj.get("output_offset", 0))
         except (KeyError, TypeError) as e:
             raise ValueError(f"malformed leg request: {e!r}") from e
 

@@ -4,7 +4,10 @@ Life cycle.
 1. Read the cluster secret and the access settings (a bad one refuses before anything
    loads), load the tokenizer (the router renders chat templates and tokenizes; workers only
    ever see token ids), start the HTTP server and the health watcher (every worker's signed
-   `/health` once a second: readiness, transfer endpoint, load, compatibility).
+   `/health` once a second: readiness, transfer endpoint, load, compatibility). The pool may
+   start empty: workers started with `--register` join it, and leave it, while the router runs
+   (`registry.py`); operators list the pool and flip roles (`admin.py`, `flips.py`;
+   `pdserve ctl`).
 2. Serve. `/health` is 200 while some worker can finish a request (a decode or collocated
    worker is healthy); it says only that to anyone, and lists the workers (healthy, refused
    and why) to a request signed with the cluster secret. `/v1/*` and `/metrics` are guarded
@@ -53,16 +56,20 @@ from pdserve.router.access import (
     access_middleware,
     add_access_args,
 )
+from pdserve.router.admin import AdminApi
 from pdserve.router.admission_settings import (
     AdmissionSettings,
     add_admission_args,
     admission_from_args,
 )
 from pdserve.router.dispatch import Dispatcher, DispatchSettings, NoWorkers
+from pdserve.router.flips import RoleFlips
 from pdserve.router.leg_client import LegFailed, RouterLegChannels
 from pdserve.router.policies import PolicyName, make_policy
+from pdserve.router.pool_metrics import PoolMetrics
+from pdserve.router.registry import WorkerRegistry
 from pdserve.router.router_metrics import RouterMetrics
-from pdserve.router.worker_pool import WorkerPool
+from pdserve.router.worker_pool import WorkerHandle, WorkerPool
 
 log = logging.getLogger("pdserve.router")
 
@@ -81,16 +88,18 @@ class RouterSettings:
     access: AccessSettings = field(default_factory=AccessSettings)
     admission: AdmissionSettings = field(default_factory=AdmissionSettings)
     limits: RequestLimits = field(default_factory=RequestLimits)  # what its /v1 accepts
+    worker_grace_s: float = 10.0  # a registered worker unheard this long is removed
+    flip_timeout_s: float = 300.0  # the longest the router waits for a worker's role flip
     # the cluster secret shared with every worker (--secret-file)
     secret: bytes = field(kw_only=True, repr=False)
 
     def __post_init__(self) -> None:
         make_policy(self.policy)  # raises ValueError for an unknown name
         InternalAuth(self.secret)  # raises ValueError for a too-short secret
-        if not (self.decode or self.collocated):
-            raise ValueError("the router needs at least one --decode or --collocated worker")
-        if self.prefill and not self.decode:
-            raise ValueError("--prefill workers need at least one --decode worker")
+        if not self.worker_grace_s > 0:
+            raise ValueError("--worker-grace must be > 0 seconds")
+        if not self.flip_timeout_s > 0:
+            raise ValueError("--flip-timeout must be > 0 seconds")
 
     @property
     def name(self) -> str:
@@ -105,14 +114,17 @@ class Router:
         self.pool = WorkerPool({"prefill": list(settings.prefill),
                                 "decode": list(settings.decode),
                                 "collocated": list(settings.collocated)},
-                               self.auth, settings.name)
+                               self.auth, settings.name, grace_s=settings.worker_grace_s)
         self.metrics.bind_pool(self.pool)
+        self.pool_metrics = PoolMetrics(self.metrics, self.pool)
         tokenizer = load_tokenizer(resolve_model(settings.model))
         self.api = OpenAIServer(settings.name, tokenizer, self._max_model_len, self._generate,
                                 self.metrics, limits=settings.limits)
         self.session: aiohttp.ClientSession | None = None
         self.channels: RouterLegChannels | None = None
         self.dispatcher: Dispatcher | None = None
+        self.admin: AdminApi | None = None
+        self._dropping: set[asyncio.Task] = set()  # closing the channels of removed workers
 
     def _max_model_len(self) -> int | None:
         info = self.pool.model_info
@@ -126,8 +138,35 @@ class Router:
         self.dispatcher = Dispatcher(self.pool, make_policy(self.settings.policy),
                                      self.settings.dispatch, self.channels, self.metrics,
                                      self.settings.admission)
+        self.admin = self._admin()
+        self.pool.on_removed.append(self._drop_channel)
         await self.pool.refresh(self.session)
         self.pool.start(self.session)
+
+    def _admin(self) -> AdminApi:
+        session = self._session
+        registry = WorkerRegistry(self.pool, session, self.pool_metrics)
+        flips = RoleFlips(self.pool, self.auth, session, self._demand,
+                          self.settings.flip_timeout_s, self.pool_metrics)
+        return AdminApi(self.auth, self.pool, registry, flips, self._queued)
+
+    def _drop_channel(self, worker: WorkerHandle, reason: str) -> None:
+        task = asyncio.ensure_future(self.channels.drop(worker))
+        self._dropping.add(task)
+        task.add_done_callback(self._dropping.discard)
+
+    def _session(self) -> aiohttp.ClientSession:
+        assert self.session is not None, "the router was not started"
+        return self.session
+
+    def _queued(self, worker: WorkerHandle) -> int:
+        """Requests holding an admission slot on `worker` (in flight there)."""
+        return sum(q.held(worker) for q in self.dispatcher.queues.values())
+
+    def _demand(self, pool: str) -> int:
+        """Requests waiting for or holding a slot in admission pool `pool`."""
+        queue = self.dispatcher.queues[pool]
+        return queue.depth + sum(queue.held(w) for w in self.pool.workers)
 
     async def stop(self) -> None:
         await self.pool.stop()
@@ -141,6 +180,8 @@ class Router:
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.metrics_text)
         self.api.add_routes(app)
+        if self.admin is not None:
+            self.admin.add_routes(app)
         if self.settings.access.guarded:
             app.middlewares.append(access_middleware(self.settings.access, self._refused))
         return app
@@ -161,8 +202,8 @@ class Router:
         except PeerRefused as e:
             error = ApiError(401, str(e), code="invalid_internal_auth")
             return web.json_response(error.body(), status=401)
-        body["workers"] = [{"url": w.url, "role": w.role, "healthy": w.healthy,
-                            "inflight": w.inflight, "refused": w.refused}
+        body["workers"] = [{"name": w.key, "url": w.url, "role": w.role, "state": w.state,
+                            "healthy": w.healthy, "inflight": w.inflight, "refused": w.refused}
                            for w in self.pool.workers]
         raw = json.dumps(body).encode()
         return web.Response(body=raw, status=status, content_type="application/json",
@@ -198,7 +239,9 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
                    help="the name clients use in 'model' (default: --model as given); must "
                         "match the workers'")
     p.add_argument("--prefill", nargs="*", default=[], metavar="URL",
-                   help="prefill worker base URLs, e.g. http://127.0.0.1:8001")
+                   help="prefill worker base URLs, e.g. http://127.0.0.1:8001 (workers given "
+                        "here are never removed from the pool, only marked unhealthy; with no "
+                        "URL at all the router waits for workers started with --register)")
     p.add_argument("--decode", nargs="*", default=[], metavar="URL",
                    help="decode worker base URLs")
     p.add_argument("--collocated", nargs="*", default=[], metavar="URL",
@@ -213,6 +256,13 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
                         "a decode worker instead of being split (default: %(default)s)")
     p.add_argument("--connect-timeout", type=float, default=5.0,
                    help="seconds to connect to a worker (default: %(default)s)")
+    p.add_argument("--worker-grace", type=float, default=10.0, metavar="S",
+                   help="seconds a worker that registered itself (pdserve worker --register) "
+                        "may go without a heartbeat or an answered health check before it is "
+                        "removed from the pool (default: %(default)s)")
+    p.add_argument("--flip-timeout", type=float, default=300.0, metavar="S",
+                   help="seconds the router waits for a worker to drain and switch roles when "
+                        "asked to flip it (pdserve ctl flip) (default: %(default)s)")
     p.add_argument("--leg-timeout", type=float, default=60.0,
                    help="seconds a leg may stay silent before it counts as failed; keep it "
                         "above the workers' --kv-lease, the longest a decode worker waits for "
@@ -253,7 +303,8 @@ def settings_from_args(args: argparse.Namespace) -> RouterSettings:
                           host=args.host, port=args.port, prefill=tuple(args.prefill),
                           decode=tuple(args.decode), collocated=tuple(args.collocated),
                           policy=args.policy, dispatch=dispatch, access=access, secret=secret,
-                          admission=admission_from_args(args), limits=limits_from_args(args))
+                          admission=admission_from_args(args), limits=limits_from_args(args),
+                          worker_grace_s=args.worker_grace, flip_timeout_s=args.flip_timeout)
 
 
 async def serve(settings: RouterSettings) -> None:
@@ -263,7 +314,8 @@ async def serve(settings: RouterSettings) -> None:
     freeze_startup_heap()
     access = settings.access
     log.info("router listening on http://%s:%d/v1 (%d prefill, %d decode, %d collocated "
-             "workers, policy %s, %s, %s)", settings.host, settings.port, len(settings.prefill),
+             "workers given, more may register; policy %s, %s, %s)", settings.host,
+             settings.port, len(settings.prefill),
              len(settings.decode), len(settings.collocated), settings.policy,
              f"{len(access.api_keys)} API keys" if access.api_keys else "no API keys",
              f"rate limit {access.rate_limit.rate:g}/s burst {access.rate_limit.burst}"

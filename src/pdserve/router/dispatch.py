@@ -1,28 +1,51 @@
-"""The router's request path: pick local or disaggregated, send the legs, merge their events.
+"""The router's request path: pick local or disaggregated, send the legs, merge their events,
+and move the request when a worker fails it.
 
 Local path (no prefill pool, or the uncached part of the prompt is at most
 `local_prefill_threshold` tokens: conditional disaggregation): one LOCAL leg on a decode or
-collocated worker. If it fails before any token reached the client, once more elsewhere.
+collocated worker.
 
 Disaggregated path: a random 64-bit transfer id; the PREFILL leg (to a prefill worker, naming
 the decode worker's transfer endpoint) and the DECODE leg (naming the prefill's) are sent at
 once. Token 0 comes from the prefill leg as soon as it is sampled; the decode leg repeats it
 and continues (the caller drops repeated positions). If token 0 finished the request, the
-decode leg is closed at once. If the prefill leg fails, the decode worker's transfer fails
-too (peer death or lease) and it recomputes locally, so the decode leg alone completes the
-request; if the decode leg says it recomputed while the prefill leg never spoke, the prefill
-worker is stalled or cut off and is marked unhealthy at once (its next answered health check
-brings it back). If the decode leg fails before any token reached the client, the request is
-retried as a local leg; after that, the stream ends with an error.
+decode leg is closed at once.
+
+The fallback chain, when a worker fails a request (a leg lost, timed out, or ended with the
+worker's error; never when the worker refused the request as the client's fault, 4xx):
+1. A prefill leg that fails before either leg spoke: the legs go again, once, to another
+   healthy prefill worker with the same decode worker; else (or if that fails too) the request
+   runs as a LOCAL leg on the decode slot's worker (it prefills itself). A prefill leg that
+   fails after a leg spoke needs nothing: the decode worker's transfer fails too (peer death or
+   lease) and it recomputes locally. If the decode leg says it recomputed while the prefill leg
+   never spoke, the prefill worker is stalled or cut off and is marked failed at once.
+2. A local or decode leg that fails moves the request to a healthy decode or collocated worker
+   it has not tried: from the start if no token reached the client, else as a continuation
+   (`migration.py`: the prompt plus the tokens the client has, `max_tokens` reduced, the same
+   seed, sampling at the original output positions; its events shifted so the client's stream
+   only pauses). At most `max_migrations` moves a request, each after a pause
+   (`retry_backoff_s` doubling, at most 1 s).
+3. Then the request fails: an error response, or, once the stream started, an error event
+   and `[DONE]`.
+Each move's legs carry `<request id>.<n>`: the worker that failed may still hold the first.
+Known limits of a continuation: its worker recomputes the prompt and the tokens sent, and
+prefill arithmetic may differ from decode's in the last bits; a repeated token that differs
+from the one sent ends the stream with an error (`Diverged`). A stop string that spans the
+move is found by the router (`migration.Relay`); `logprobs` of the repeated tokens are not
+compared.
+
+Circuit breakers (`breaker.py`): every worker marked failed (`WorkerPool.mark_failed`) counts
+against its breaker; an open breaker takes the worker out of the admission pools (requests wait
+in the queue rather than fail), a half-open one lets one probe leg through.
 
 Admission (`admission.py`): a request first waits for a slot in the decode pool (decode and
 collocated workers; the chooser picks the path's worker among those with room), then, if it is
 split, for a slot in the prefill pool, both within one `--max-queue-wait-s`; its legs go out
 only once it holds every slot its path needs. The prefill slot frees when the prefill leg
-ends, the decode slot when the request does. A retry elsewhere moves the slot, never waits.
+ends, the decode slot when the request does. A move elsewhere moves the slot, never waits.
 
-Every request that may sample gets a seed here when it has none: a recompute or a retry then
-draws exactly the tokens the first attempt would have.
+Every request that may sample gets a seed here when it has none: a recompute, a retry or a
+continuation then draws exactly the tokens the first attempt would have.
 
 Events travel in batches (those a leg delivered together), so the client gets them in one write.
 """
@@ -36,19 +59,23 @@ import logging
 import secrets
 import time
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pdserve.common.block_hash import hash_blocks
 from pdserve.common.sampling_params import SamplingParams
-from pdserve.legs.protocol import EventBatch, LegKind, LegRequest
+from pdserve.legs.protocol import EventBatch, LegKind, LegRequest, TokenEvent
 from pdserve.router.admission import AdmissionQueue, Slot
 from pdserve.router.admission_settings import AdmissionSettings
+from pdserve.router.breaker import Breakers, BreakerSettings
 from pdserve.router.leg_client import LegFailed, RouterLegChannels
+from pdserve.router.migration import Delivered, Diverged, WorkerFailed, continuation
 from pdserve.router.policies import Policy
 from pdserve.router.router_metrics import RouterMetrics
 from pdserve.router.worker_pool import WorkerHandle, WorkerPool
 
 log = logging.getLogger("pdserve.router")
+
+MAX_BACKOFF_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -57,6 +84,9 @@ class DispatchSettings:
     connect_timeout_s: float = 5.0
     leg_timeout_s: float = 60.0  # longest silence on a leg before it counts as failed
     block_size: int = 16  # for prefix hashes until the cluster's block size is known
+    max_migrations: int = 2  # moves of a request to another worker after a failure
+    retry_backoff_s: float = 0.05  # the pause before a request's first move; doubles
+    breaker: BreakerSettings = field(default_factory=BreakerSettings)
 
     def __post_init__(self) -> None:
         if self.local_prefill_threshold < 0:
@@ -64,10 +94,45 @@ class DispatchSettings:
         for name in ("connect_timeout_s", "leg_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0 seconds")
+        if type(self.max_migrations) is not int or self.max_migrations < 0:
+            raise ValueError(f"max_migrations must be an int >= 0 (0: never move a request), "
+                             f"got {self.max_migrations!r}")
+        if not self.retry_backoff_s >= 0:
+            raise ValueError(f"retry_backoff_s must be >= 0 seconds, got "
+                             f"{self.retry_backoff_s!r}")
 
 
 class NoWorkers(Exception):
     """No healthy worker can serve the request now (HTTP 503)."""
+
+
+class _PrefillLost(Exception):
+    """The prefill leg failed before either leg spoke: the split can start over."""
+
+    def __init__(self, worker: WorkerHandle, error: LegFailed) -> None:
+        super().__init__(str(error))
+        self.worker = worker
+
+
+@dataclass(eq=False)
+class _Run:
+    """One admitted request across its attempts; `slot` is its decode pool slot, whose worker
+    runs the decode side; `tried` the decode-side workers that failed it."""
+
+    request_id: str
+    prompt: tuple[int, ...]
+    params: SamplingParams
+    hashes: list[int]
+    slot: Slot
+    delivered: Delivered = field(default_factory=Delivered)
+    tried: list[WorkerHandle] = field(default_factory=list)
+    moves: int = 0
+    prefill_retries: int = 0
+    attempts: int = 0
+
+    def next_leg_id(self) -> str:
+        self.attempts += 1
+        return self.request_id if self.attempts == 1 else f"{self.request_id}.{self.attempts}"
 
 
 class Dispatcher:
@@ -77,15 +142,19 @@ class Dispatcher:
         self.pool, self.policy, self.settings = pool, policy, settings
         self.channels, self.metrics = channels, metrics
         self.admission = admission or AdmissionSettings()
+        self.breakers = Breakers(settings.breaker)
         self.queues = {"decode": AdmissionQueue("decode", self._serving, self.admission, metrics),
-                       "prefill": AdmissionQueue("prefill", lambda: pool.healthy("prefill"),
+                       "prefill": AdmissionQueue("prefill", lambda: self._routable("prefill"),
                                                  self.admission, metrics)}
         pool.on_refresh = self.admit_waiting
+        pool.on_failed = self.breakers.failed
         for queue in self.queues.values():
             metrics.add_publisher(queue.publish)
+        metrics.add_publisher(lambda: self.breakers.publish(metrics, pool.workers))
 
     def admit_waiting(self) -> None:
-        """After a health round: a worker that came back takes waiting requests."""
+        """After a health round or a probe's success: a worker that came back takes waiting
+        requests."""
         for queue in self.queues.values():
             queue.admit_waiting()
 
@@ -96,47 +165,55 @@ class Dispatcher:
         if params.seed is None and not params.greedy:
             params = dataclasses.replace(params, seed=secrets.randbits(63))
         hashes = hash_blocks(prompt, self._block_size)
-        if not self._serving():
+        if not (self.pool.healthy("collocated") or self.pool.healthy("decode")):
             raise NoWorkers("no healthy decode or collocated worker")
         deadline = time.monotonic() + self.admission.max_queue_wait_s
         slot = await self.queues["decode"].acquire(
             lambda free: self._choose(free, len(prompt), hashes), len(prompt))
         generated: int | None = None  # set once the final event went out: a completion
         try:
-            async for batch in self._admitted(request_id, prompt, params, hashes, slot,
-                                              deadline):
-                if batch[-1].final:
-                    generated = _end(batch)
-                yield batch
+            run = _Run(request_id, tuple(prompt), params, hashes, slot)
+            async with contextlib.aclosing(self._admitted(run, deadline)) as batches:
+                async for batch in batches:  # closed first: the legs go before the slot
+                    if batch[-1].final:
+                        generated = _end(batch)
+                    yield batch
         finally:
             slot.release(generated)
 
-    async def _admitted(self, request_id: str, prompt: Sequence[int], params: SamplingParams,
-                        hashes: list[int], slot: Slot, deadline: float
-                        ) -> AsyncIterator[EventBatch]:
-        """The request on the worker of its decode slot: split (after a prefill slot) or
-        whole."""
-        dec = slot.worker
-        if self._split(dec, len(prompt), hashes):
+    async def _admitted(self, run: _Run, deadline: float) -> AsyncIterator[EventBatch]:
+        """The request on the worker of its decode slot, split (after a prefill slot) or whole,
+        then wherever the fallback chain moves it."""
+        if self._split(run.slot.worker, len(run.prompt), run.hashes):
             pre = await self.queues["prefill"].acquire(
-                lambda free: self.policy.choose(free, hashes), len(prompt),
+                lambda free: self.policy.choose(free, run.hashes), len(run.prompt),
                 deadline - time.monotonic())
             self.metrics.requests.inc(path="disaggregated")
-            async for batch in self._disaggregated(request_id, prompt, params, hashes, pre,
-                                                   slot):
-                yield batch
-            return
-        self.metrics.requests.inc(path="local")
-        async for batch in self._local(request_id, prompt, params, hashes, slot):
-            yield batch
+            attempt = self._disaggregated(run, pre)
+        else:
+            self.metrics.requests.inc(path="local")
+            attempt = self._local(run)
+        while True:
+            try:
+                async with contextlib.aclosing(attempt) as batches:
+                    async for batch in batches:
+                        run.delivered.add(batch)
+                        yield batch
+                return
+            except WorkerFailed as failed:
+                attempt = self._move(run, failed)
 
     @property
     def _block_size(self) -> int:
         return self.pool.block_size or self.settings.block_size
 
+    def _routable(self, role: str) -> list[WorkerHandle]:
+        """Healthy workers of `role` whose breakers let a new request through."""
+        return [w for w in self.pool.healthy(role) if self.breakers.allows(w)]
+
     def _serving(self) -> list[WorkerHandle]:
         """The decode pool: workers that can run a request whole or decode it."""
-        return self.pool.healthy("collocated") + self.pool.healthy("decode")
+        return self._routable("collocated") + self._routable("decode")
 
     def _uncached(self, worker: WorkerHandle, prompt_len: int, hashes: list[int]) -> int:
         return prompt_len - worker.prefix.match(hashes) * self._block_size
@@ -144,7 +221,7 @@ class Dispatcher:
     def _split(self, worker: WorkerHandle, prompt_len: int, hashes: list[int]) -> bool:
         """Conditional disaggregation: a decode worker, a prefill pool, and more uncached
         prompt on that worker than the local-prefill threshold."""
-        return (worker.role == "decode" and bool(self.pool.healthy("prefill")) and
+        return (worker.role == "decode" and bool(self._routable("prefill")) and
                 self._uncached(worker, prompt_len, hashes) > self.settings.local_prefill_threshold)
 
     def _choose(self, free: list[WorkerHandle], prompt_len: int, hashes: list[int]
@@ -152,100 +229,162 @@ class Dispatcher:
         """A new request's worker among those with room: the decode worker the policy picks
         if the request would be split there, else the policy's pick of them all."""
         decode = [w for w in free if w.role == "decode"]
-        if decode and self.pool.healthy("prefill"):
+        if decode and self._routable("prefill"):
             dec = self.policy.choose(decode, hashes)
             if self._split(dec, prompt_len, hashes):
                 return dec
         return self.policy.choose(free, hashes)
 
+    async def _pause(self, moves: int) -> None:
+        """Before the n-th move of a request: backoff, growing with n."""
+        if moves:
+            await asyncio.sleep(min(self.settings.retry_backoff_s * 2 ** (moves - 1),
+                                    MAX_BACKOFF_S))
+
+    # -- the fallback chain --------------------------------------------------------------------
+
+    def _move(self, run: _Run, failed: WorkerFailed) -> AsyncIterator[EventBatch]:
+        """The next attempt after `failed`: a local leg on a healthy worker the request has
+        not tried, from the start or continuing the client's stream. Raises when the request
+        moved `max_migrations` times or no worker is left."""
+        run.tried.append(failed.worker)
+        sent = len(run.delivered.token_ids)
+        if run.moves >= self.settings.max_migrations:
+            raise LegFailed(f"{failed} (the request already moved {run.moves} times)")
+        candidates = [w for w in self._serving() if w not in run.tried]
+        if not candidates:
+            if not sent:
+                raise NoWorkers("no healthy decode or collocated worker")
+            raise LegFailed(f"{failed}; no other healthy worker to continue on")
+        run.moves += 1
+        run.slot.move(self.policy.choose(candidates, run.hashes))
+        reason = f"{failed.kind} leg failed"
+        if sent:
+            self.metrics.migrations.inc(reason=reason)
+            log.warning("request %s: %s; continuing after token %d on %s", run.request_id,
+                        failed, sent, run.slot.worker.name)
+        else:
+            self.metrics.retries.inc(reason=reason)
+            log.warning("request %s: %s; retrying on %s", run.request_id, failed,
+                        run.slot.worker.name)
+        return self._local(run)
+
     # -- local -------------------------------------------------------------------------------
 
-    async def _local(self, request_id: str, prompt: Sequence[int], params: SamplingParams,
-                     hashes: list[int], slot: Slot, tried: Sequence[WorkerHandle] = ()
-                     ) -> AsyncIterator[EventBatch]:
-        """On the slot's worker; a retry (`tried` not empty) moves the slot to another one."""
-        if tried:
-            candidates = [w for w in self._serving() if w not in tried]
-            if not candidates:
-                raise NoWorkers("no healthy decode or collocated worker")
-            slot.move(self.policy.choose(candidates, hashes))
-        worker = slot.worker
-        worker.prefix.add(hashes)
-        leg = LegRequest(request_id, tuple(prompt), params)
-        sent = 0
+    async def _local(self, run: _Run) -> AsyncIterator[EventBatch]:
+        """One LOCAL leg on the decode slot's worker: the request whole, or its continuation
+        after the tokens the client has. Raises WorkerFailed when the worker fails it."""
+        await self._pause(run.moves)
+        worker = run.slot.worker
+        leg, relay = continuation(run.next_leg_id(), run.prompt, run.params, run.delivered)
+        worker.prefix.add(hash_blocks(leg.prompt_token_ids, self._block_size)
+                          if leg.output_offset else run.hashes)
         try:
-            async for batch in self._leg(worker, leg):
-                sent = max(sent, _end(batch))
-                yield batch
+            async with contextlib.aclosing(self._leg(worker, leg)) as batches:
+                async for batch in batches:
+                    batch, error = relay(batch)
+                    if batch:
+                        yield batch
+                        if batch[-1].final:  # the worker's, or a stop string across the move
+                            return
+                    if error is not None:
+                        raise WorkerFailed(worker, LegKind.LOCAL, LegFailed(error))
         except LegFailed as e:
-            if e.client_error or sent > 0 or len(tried) >= 1:
+            if isinstance(e, Diverged) or (e.client_error and not run.delivered.token_ids):
                 raise
-            self.pool.mark_failed(worker, str(e))
-            self.metrics.retries.inc(reason="local leg failed")
-            log.warning("request %s: %s; retrying on another worker", request_id, e)
-            async for batch in self._local(request_id, prompt, params, hashes, slot,
-                                           (*tried, worker)):
-                yield batch
+            raise WorkerFailed(worker, LegKind.LOCAL, e) from e
 
     # -- disaggregated -----------------------------------------------------------------------
 
-    async def _disaggregated(self, request_id: str, prompt: Sequence[int],
-                             params: SamplingParams, hashes: list[int], pre_slot: Slot,
-                             slot: Slot) -> AsyncIterator[EventBatch]:
-        pre, dec = pre_slot.worker, slot.worker
+    async def _disaggregated(self, run: _Run, pre_slot: Slot) -> AsyncIterator[EventBatch]:
+        """Split legs on the prefill slot's and the decode slot's workers; a prefill leg that
+        fails before either leg spoke is replaced (step 1 of the chain)."""
+        try:
+            while True:
+                try:
+                    async with contextlib.aclosing(self._split_legs(run, pre_slot)) as legs:
+                        async for batch in legs:
+                            yield batch
+                    return
+                except _PrefillLost as lost:
+                    if not self._prefill_elsewhere(run, pre_slot, lost):
+                        break
+                await self._pause(run.prefill_retries)
+        finally:
+            pre_slot.release()
+        async with contextlib.aclosing(self._local(run)) as local:
+            async for batch in local:
+                yield batch
+
+    def _prefill_elsewhere(self, run: _Run, pre_slot: Slot, lost: _PrefillLost) -> bool:
+        """Moves the prefill slot to another healthy prefill worker (once per request); False:
+        none, the decode worker prefills itself."""
+        others = [w for w in self._routable("prefill") if w is not lost.worker]
+        if run.prefill_retries or not others:
+            self.metrics.retries.inc(reason="prefill leg failed, local prefill")
+            log.warning("request %s: %s; prefilling on %s", run.request_id, lost,
+                        run.slot.worker.name)
+            return False
+        run.prefill_retries += 1
+        pre_slot.move(self.policy.choose(others, run.hashes))
+        self.metrics.retries.inc(reason="prefill leg failed, another prefill worker")
+        log.warning("request %s: %s; prefilling on %s", run.request_id, lost,
+                    pre_slot.worker.name)
+        return True
+
+    async def _split_legs(self, run: _Run, pre_slot: Slot) -> AsyncIterator[EventBatch]:
+        """One prefill and one decode leg, merged. Raises _PrefillLost, or WorkerFailed when
+        the decode leg fails."""
+        pre, dec = pre_slot.worker, run.slot.worker
         tid = secrets.randbits(64) or 1
-        pre.prefix.add(hashes)
-        dec.prefix.add(hashes)
-        ids = tuple(prompt)
+        pre.prefix.add(run.hashes)
+        dec.prefix.add(run.hashes)
+        leg_id, ids = run.next_leg_id(), run.prompt
         legs = {
-            "prefill": (pre, LegRequest(request_id, ids, params, LegKind.PREFILL, tid, dec.peer)),
-            "decode": (dec, LegRequest(request_id, ids, params, LegKind.DECODE, tid, pre.peer)),
+            "prefill": (pre, LegRequest(leg_id, ids, run.params, LegKind.PREFILL, tid, dec.peer)),
+            "decode": (dec, LegRequest(leg_id, ids, run.params, LegKind.DECODE, tid, pre.peer)),
         }
         merged: asyncio.Queue = asyncio.Queue()
         slots = {"prefill": pre_slot, "decode": None}
         tasks = {name: asyncio.create_task(self._pump(name, w, leg, merged, slots[name]))
                  for name, (w, leg) in legs.items()}
-        sent, ended, heard = 0, set(), set()
+        ended, heard, spoke = set(), set(), set()
         try:
             while len(ended) < len(tasks):
                 name, item = await merged.get()
                 if item is None:
                     ended.add(name)
                     continue
-                heard.add(name)
                 if name == "decode" and "prefill" not in heard and _recomputed(item):
-                    self._prefill_silent(request_id, pre)
-                if isinstance(item, LegFailed) and name == "prefill":
+                    self._prefill_silent(run.request_id, pre)
+                heard.add(name)
+                if name == "prefill" and not isinstance(item, LegFailed) and item[-1].error:
+                    item = LegFailed(item[-1].error)  # the prefill worker's own error
+                if isinstance(item, LegFailed):
                     if item.client_error:
                         raise item
-                    log.warning("request %s: %s; decode recomputes", request_id, item)
+                    if name == "decode":
+                        raise WorkerFailed(dec, LegKind.DECODE, item)
+                    if not spoke:
+                        raise _PrefillLost(pre, item)
+                    log.warning("request %s: %s; decode recomputes", run.request_id, item)
                     self.metrics.retries.inc(reason="prefill leg failed")
+                    pre_slot.release()
                     continue
-                batch, failure = (([], item) if isinstance(item, LegFailed)
-                                  else _relayed(name, item))
+                spoke.add(name)
+                batch, error = _relayed(name, item)
                 if batch:
-                    sent = max(sent, _end(batch))
                     yield batch
                     if batch[-1].final:
                         return
-                if failure is not None:
-                    if failure.client_error or sent > 0:
-                        raise failure
-                    self.pool.mark_failed(dec, str(failure))
-                    self.metrics.retries.inc(reason="decode leg failed")
-                    log.warning("request %s: %s; retrying as a local leg", request_id, failure)
-                    tasks["prefill"].cancel()
-                    async for retried in self._local(request_id, prompt, params, hashes,
-                                                     slot, tried=(dec,)):
-                        yield retried
-                    return
+                if error is not None:
+                    raise WorkerFailed(dec, LegKind.DECODE, LegFailed(error))
             raise LegFailed("both legs ended without finishing the request")
         finally:
             for task in tasks.values():
                 task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await asyncio.gather(*tasks.values(), return_exceptions=True)
-            pre_slot.release()  # no-op when its leg ended (the pump released it)
 
     def _prefill_silent(self, request_id: str, pre: WorkerHandle) -> None:
         """The decode worker gave up waiting for the KV (its lease) and recomputed, and the
@@ -260,22 +399,48 @@ class Dispatcher:
 
     async def _pump(self, name: str, worker: WorkerHandle, leg: LegRequest,
                     merged: asyncio.Queue, slot: Slot | None) -> None:
-        """Relays one leg; its own slot (the prefill's) frees when the leg ends."""
-        completed: int | None = None
+        """Relays one leg; its own slot (the prefill's) frees when the leg ends with its final
+        event (after a failure the caller moves or frees it)."""
         try:
             async for batch in self._leg(worker, leg):
                 merged.put_nowait((name, batch))
-                if batch[-1].final:
-                    completed = 0  # a prefill holds the prompt's KV only
+                if slot is not None and batch[-1].final:
+                    # measured only when it prefilled: a prefill holds the prompt's KV only
+                    slot.release(0 if batch[-1].error is None else None)
         except LegFailed as e:
             merged.put_nowait((name, e))
-        finally:
-            if slot is not None:
-                slot.release(completed)
         merged.put_nowait((name, None))
 
-    def _leg(self, worker: WorkerHandle, leg: LegRequest) -> AsyncIterator[EventBatch]:
-        return self.channels.stream(worker, leg, self.settings.leg_timeout_s)
+    # -- one leg -------------------------------------------------------------------------------
+
+    async def _leg(self, worker: WorkerHandle, leg: LegRequest) -> AsyncIterator[EventBatch]:
+        """The leg's batches, judging its worker: a leg lost, timed out, or ended with the
+        worker's error marks it failed (its breaker counts it); one that ended with its final
+        event is a success; a client's error, or a leg closed early, is neither."""
+        probe = self.breakers.started(worker)
+        succeeded = False
+        try:
+            async for batch in self.channels.stream(worker, leg, self.settings.leg_timeout_s):
+                if batch[-1].final:
+                    error = _worker_error(batch[-1])
+                    succeeded = error is None
+                    if error is not None:
+                        self.pool.mark_failed(worker, error)
+                yield batch
+        except LegFailed as e:
+            if not e.client_error:
+                self.pool.mark_failed(worker, str(e))
+            raise
+        finally:
+            self.breakers.ended(worker, succeeded, probe)
+            if probe and succeeded:
+                self.admit_waiting()
+
+
+def _worker_error(event: TokenEvent) -> str | None:
+    """The worker's error that ended its leg; a decode leg ended because token 0 finished the
+    request on the prefill side (`prefill_finished`) is no failure."""
+    return None if event.extra.get("prefill_finished") else event.error
 
 
 def _recomputed(item: EventBatch | LegFailed) -> bool:
@@ -287,9 +452,9 @@ def _end(batch: EventBatch) -> int:
     return batch[-1].index + len(batch[-1].token_ids)
 
 
-def _relayed(leg: str, batch: EventBatch) -> tuple[EventBatch, LegFailed | None]:
+def _relayed(leg: str, batch: EventBatch) -> tuple[EventBatch, str | None]:
     """What of a disaggregated request's batch from `leg` goes to the client, up to the final
-    event; and the decode leg's failure, if one of its events reports it (what came before it
+    event; and the decode leg's error, if one of its events reports it (what came before it
     still goes). The prefill leg's error is dropped (the decode leg reports its own side), and so
     is the decode leg's `prefill_finished` event (the prefill leg's final event ends the
     request). Token 0 from the prefill leg ends the request only if it finished it."""
@@ -302,7 +467,7 @@ def _relayed(leg: str, batch: EventBatch) -> tuple[EventBatch, LegFailed | None]
         elif event.extra.get("prefill_finished"):
             continue
         elif event.error is not None:
-            return out, LegFailed(event.error)
+            return out, event.error
         out.append(event)
         if event.final:
             break

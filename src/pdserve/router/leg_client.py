@@ -159,6 +159,13 @@ class RouterLegChannels:
                                                                 worker, self.connect_s)
         return channel.stream(leg, idle_s)
 
+    async def drop(self, worker: WorkerHandle) -> None:
+        """Closes and forgets the channel to a worker that left the pool (legs still open on
+        it fail)."""
+        channel = self._channels.pop(worker, None)
+        if channel is not None:
+            await channel.close()
+
     async def close(self) -> None:
         await asyncio.gather(*(c.close() for c in self._channels.values()))
 

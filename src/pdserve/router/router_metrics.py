@@ -19,6 +19,12 @@ class RouterMetrics:
         self.retries = r.counter("pdserve_router_retries_total",
                                  "Legs that failed and were retried or recomputed, by reason.",
                                  ["reason"])
+        self.migrations = r.counter("pdserve_router_migrations_total", "Streams continued on "
+                                    "another worker after tokens reached the client, by the "
+                                    "failed leg's kind.", ["reason"])
+        self.breaker_state = r.gauge("pdserve_router_worker_breaker_state", "The worker's "
+                                     "circuit breaker: 0 closed, 1 half-open (one probe), 2 "
+                                     "open (no new requests).", ["worker", "role"])
         self.ttft = r.histogram("pdserve_router_time_to_first_token_seconds",
                                 "From request arrival to the first token sent to the client.")
         self.itl = r.histogram("pdserve_router_inter_token_latency_seconds",

@@ -1,4 +1,11 @@
-"""The router's view of its workers: static URLs per role, health and load from `/health`.
+"""The router's view of its workers: who is in the pool, their health and load from `/health`.
+
+Members: the static URLs of the command line (`--prefill`, `--decode`, `--collocated`), which
+are never removed (only marked unhealthy), and workers that registered themselves
+(`registry.py`), which leave when they deregister or when neither a proved health check nor a
+heartbeat was heard from them for `grace_s`. Each member has a `key`: its `--name` when it
+registered, else its URL's host:port. A member in a `phase` (flipping its role, draining before
+it leaves) is given no new work of any role; `healthy(role)` lists only routable members.
 
 Every check is a signed request (`internal_auth.py`), and the worker's answer must carry its
 proof of the cluster secret: a worker that refuses the signature (401) or cannot prove the
@@ -25,9 +32,11 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import urlsplit
 
 import aiohttp
 
@@ -43,6 +52,7 @@ ROLES = ("prefill", "decode", "collocated")
 # this many in a row (a worker in a long step on a loaded core answers late, but it answers).
 SLOW_CHECKS_TO_FAIL = 3
 NOT_SHARED = "does not share the cluster secret"
+FLIPPING, DRAINING = "flipping", "draining"  # phases: no new work while in one
 
 
 @dataclass(eq=False)
@@ -57,6 +67,23 @@ class WorkerHandle:
     slow_checks: int = 0  # consecutive /health checks that timed out
     prefix: PrefixIndex = field(default_factory=PrefixIndex)
     instance: tuple[int | None, int | None] | None = None  # (peer instance id, pid) last seen
+    key: str = ""  # its name in the pool: --name when it registered, else host:port of `url`
+    registered: bool = False  # joined by itself: removed when it leaves or goes unheard
+    phase: str | None = None  # FLIPPING or DRAINING: given no new work of any role
+    last_heard: float = 0.0  # monotonic time of its last proved /health or heartbeat
+
+    def __post_init__(self) -> None:
+        if not self.key:
+            self.key = urlsplit(self.url).netloc or self.url
+
+    @property
+    def routable(self) -> bool:
+        return self.healthy and self.phase is None
+
+    @property
+    def state(self) -> str:
+        """healthy, unhealthy, or its phase (flipping, draining)."""
+        return self.phase or ("healthy" if self.healthy else "unhealthy")
 
     @property
     def load(self) -> float:
@@ -80,26 +107,68 @@ class Answer:
 
 
 class WorkerPool:
+    """`urls`: the static members per role (none at all: every worker registers). `grace_s`:
+    how long a registered member may go unheard before it is removed."""
+
     def __init__(self, urls: dict[str, list[str]], auth: InternalAuth, served_name: str,
-                 health_interval_s: float = 1.0, health_timeout_s: float = 2.0) -> None:
+                 health_interval_s: float = 1.0, health_timeout_s: float = 2.0,
+                 grace_s: float = 10.0, clock: Callable[[], float] = time.monotonic) -> None:
         bad = set(urls) - set(ROLES)
         if bad:
             raise ValueError(f"unknown worker roles {sorted(bad)}; use {ROLES}")
-        self.workers = [WorkerHandle(u.rstrip("/"), role) for role in ROLES
-                        for u in urls.get(role, [])]
-        if not self.workers:
-            raise ValueError("the router needs at least one worker URL")
-        if urls.get("prefill") and not urls.get("decode"):
-            raise ValueError("prefill workers need at least one decode worker to hand over to")
+        self.workers: list[WorkerHandle] = []
+        for role in ROLES:
+            for url in urls.get(role, []):
+                self.workers.append(WorkerHandle(url.rstrip("/"), role,
+                                                 key=self._free_key(url.rstrip("/"))))
         self.auth, self.served_name = auth, served_name
         self.health_interval_s, self.health_timeout_s = health_interval_s, health_timeout_s
+        self.grace_s, self.clock = grace_s, clock
         self.reference: dict[str, Any] | None = None  # the first accepted worker's details
         self._task: asyncio.Task | None = None
         # called after every round: a worker that came back may take queued requests
         self.on_refresh: Callable[[], None] = lambda: None
+        # called with each worker marked failed by a leg's failure (its circuit breaker counts)
+        self.on_failed: Callable[[WorkerHandle], None] = lambda worker: None
+        # called with each member removed and the reason ("deregistered", "unheard")
+        self.on_removed: list[Callable[[WorkerHandle, str], None]] = []
 
     def healthy(self, role: str) -> list[WorkerHandle]:
-        return [w for w in self.workers if w.role == role and w.healthy]
+        """The routable members of `role`: accepted, answering, and in no phase."""
+        return [w for w in self.workers if w.role == role and w.routable]
+
+    def find(self, key: str) -> WorkerHandle | None:
+        return next((w for w in self.workers if w.key == key), None)
+
+    def add(self, worker: WorkerHandle) -> None:
+        """A registered member joins (its key is unique: `registry.py` checks)."""
+        worker.last_heard = self.clock()
+        self.workers.append(worker)
+
+    def remove(self, worker: WorkerHandle, reason: str, detail: str = "") -> None:
+        """A registered member leaves (`reason`: "deregistered" or "unheard"); legs already on
+        it run on (their admission slots hold the handle until they end)."""
+        if worker in self.workers:
+            self.workers.remove(worker)
+            log.info("worker %s (%s) removed: %s%s", worker.key, worker.name, reason,
+                     f" ({detail})" if detail else "")
+            for removed in self.on_removed:
+                removed(worker, reason)
+
+    def heard(self, worker: WorkerHandle) -> None:
+        worker.last_heard = self.clock()
+
+    def expire(self) -> None:
+        """Removes the registered members unheard for longer than the grace period."""
+        now = self.clock()
+        for w in [w for w in self.workers if w.registered and now - w.last_heard > self.grace_s]:
+            self.remove(w, "unheard", f"for {now - w.last_heard:.1f} s, grace {self.grace_s:g} s")
+
+    def _free_key(self, url: str) -> str:
+        key = urlsplit(url).netloc or url
+        taken = {w.key for w in self.workers}
+        return next(k for k in (key, *(f"{key}-{i}" for i in range(2, len(taken) + 3)))
+                    if k not in taken)
 
     @property
     def model_info(self) -> dict[str, Any] | None:
@@ -120,23 +189,30 @@ class WorkerPool:
             await asyncio.gather(self._task, return_exceptions=True)
 
     async def refresh(self, session: aiohttp.ClientSession) -> None:
-        """One round: every worker asked at once, the answers judged in command-line order."""
-        answers = await asyncio.gather(*(self._ask(session, w) for w in self.workers))
-        for worker, answer in zip(self.workers, answers, strict=True):
+        """One round: every worker asked at once, the answers judged in command-line order
+        (then registration order); registered members unheard too long are removed."""
+        workers = list(self.workers)
+        answers = await asyncio.gather(*(self.ask(session, w) for w in workers))
+        for worker, answer in zip(workers, answers, strict=True):
+            if answer.info is not None:
+                self.heard(worker)
             self.judge(worker, answer)
+        self.expire()
         self.on_refresh()
 
     def mark_failed(self, worker: WorkerHandle, why: str) -> None:
         if worker.healthy:
             log.warning("worker %s marked unhealthy: %s", worker.name, why)
         worker.healthy = False
+        self.on_failed(worker)
 
     async def _watch(self, session: aiohttp.ClientSession) -> None:
         while True:
             await self.refresh(session)
             await asyncio.sleep(self.health_interval_s)
 
-    async def _ask(self, session: aiohttp.ClientSession, w: WorkerHandle) -> Answer:
+    async def ask(self, session: aiohttp.ClientSession, w: WorkerHandle) -> Answer:
+        """One signed health check of `w` (judged by `judge`)."""
         headers = self.auth.headers("GET", "/health")
         try:
             timeout = aiohttp.ClientTimeout(total=self.health_timeout_s)
@@ -187,6 +263,7 @@ class WorkerPool:
             return
         self._note_instance(w, peer, info.get("pid"))
         w.info, w.peer = info, peer
+        self._follow_role(w, info.get("role"))
         reason = incompatibility(info, self.reference, self.served_name)
         if reason is not None:
             self._refuse(w, reason)
@@ -206,6 +283,16 @@ class WorkerPool:
         if w.refused != reason:
             log.warning("worker %s refused, not routed to: %s", w.name, reason)
         w.refused, w.healthy = reason, False
+
+    @staticmethod
+    def _follow_role(w: WorkerHandle, reported: object) -> None:
+        """A registered member's role is the one it reports (it may have been flipped by a
+        call to the worker itself); a static member's is its command line's. Not while the
+        router flips it (the flip settles the role)."""
+        if w.registered and w.phase is None and reported in ROLES and reported != w.role:
+            log.warning("worker %s reports role %s (the router had %s): following it", w.key,
+                        reported, w.role)
+            w.role = str(reported)
 
     @staticmethod
     def _note_instance(w: WorkerHandle, peer: PeerId | None, pid: object) -> None:

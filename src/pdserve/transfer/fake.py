@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from pdserve.transfer.messages import decode_any, message_kind
-from pdserve.transfer.peer import PeerId
+from pdserve.transfer.peer import PeerId, restarted
 from pdserve.transfer.permits import Kind, Permits
 from pdserve.transfer.transport import MoveHandle, MoveStatus, layer_span
 
@@ -105,7 +105,7 @@ class FakeFabric:
         self.clock = clock
         self._pools: dict[PeerId, KVCache | None] = {}
         self._inboxes: dict[PeerId, list[_Envelope]] = {}
-        self._dead: set[PeerId] = set()
+        self._dead: dict[PeerId, str] = {}  # -> why
         self._moves: dict[MoveHandle, _Move] = {}
         self._permits: dict[PeerId, Permits] = {}
         self._faults: list[list] = []  # [Fault, remaining uses or None]
@@ -125,9 +125,9 @@ class FakeFabric:
     def permits(self, peer: PeerId) -> Permits:
         return self._permits[peer]
 
-    def kill(self, peer: PeerId) -> None:
+    def kill(self, peer: PeerId, why: str = "killed") -> None:
         """`peer` disappears: queued messages to it are lost, its moves end in error."""
-        self._dead.add(peer)
+        self._dead.setdefault(peer, why)
         self._pools.pop(peer, None)
         self._inboxes.pop(peer, None)
         for move in self._moves.values():
@@ -140,9 +140,11 @@ class FakeFabric:
         self._pools[peer] = pool
 
     def restart(self, peer: PeerId) -> FakeTransport:
-        """Kill `peer` and bring up a new instance at the same address."""
-        self.kill(peer)
-        return self.endpoint(PeerId(next(self._instances), peer.host, peer.port))
+        """Kill `peer` and bring up a new instance at the same address (every endpoint knows
+        at once, as a real one does at its first contact with the new instance)."""
+        new = PeerId(next(self._instances), peer.host, peer.port)
+        self.kill(peer, restarted(new))
+        return self.endpoint(new)
 
     def inject(self, fault: Fault) -> None:
         self._faults.append([fault, fault.times])
@@ -150,6 +152,11 @@ class FakeFabric:
     def alive(self, peer: PeerId) -> bool:
         self.progress()
         return peer in self._pools
+
+    def why_dead(self, peer: PeerId) -> str | None:
+        if self.alive(peer):
+            return None
+        return self._dead.get(peer, "not on this fabric")
 
     def _take_fault(self, kind: str, target: str, tid: int, msg: str | None = None) -> Fault | None:
         for entry in self._faults:
@@ -309,6 +316,12 @@ class FakeTransport:
 
     def peer_alive(self, peer: PeerId) -> bool:
         return self._fabric.alive(peer)
+
+    def why_dead(self, peer: PeerId) -> str | None:
+        return self._fabric.why_dead(peer)
+
+    def reach(self, peer: PeerId) -> None:
+        """Nothing to dial: the fabric knows every death at once."""
 
     def _own(self, handle: MoveHandle) -> MoveHandle:
         self._handles.add(handle)

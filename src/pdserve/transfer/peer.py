@@ -62,3 +62,8 @@ class PeerId:
     def from_json(cls, obj: object) -> PeerId:
         d = exact_keys("peer", obj, ["instance_id", "host", "port"])
         return cls(parse_hex64("peer.instance_id", d["instance_id"]), d["host"], d["port"])
+
+
+def restarted(new: PeerId) -> str:
+    """Why the instance before `new` at its address is dead, in every transport's words."""
+    return f"restarted: instance {new.instance_id:016x} now answers at {new.host}:{new.port}"

@@ -129,6 +129,10 @@ class Link:
     def peer_alive(self) -> bool:
         return self.transport.peer_alive(self.peer)
 
+    def peer_death(self) -> str:
+        """Why the peer is held dead (it died, or restarted), for a session's reason."""
+        return self.transport.why_dead(self.peer) or "dead"
+
     def self_alive(self) -> bool:
         return self.transport.peer_alive(self.local)
 
@@ -157,9 +161,12 @@ class Session(ABC):
     `RecvSession` for each side's life cycle).
 
     Invariants: the state only moves forward (`TransferStatus`); every `_fail` of a side
-    fences its own moves before it tells the peer. `_check_progress` fails the session when
-    this endpoint or the peer is dead (`peer_role` names the peer in the reason) or the lease
-    expired; a message from another instance at the peer's address fails it too.
+    fences its own moves before it tells the peer. Opening a session reaches the peer
+    (`Transport.reach`), so its death or restart is known on a poll soon after, with no message
+    needed. `_check_progress` fails the session when this endpoint or the peer is dead
+    (`peer_role` names the peer in the reason, with the transport's why: "restarted: ..."
+    when another instance took its address) or the lease expired; a message from another
+    instance at the peer's address fails it too.
     Lifetime: one transfer id, from its opening until the caller releases its blocks.
     """
 
@@ -172,6 +179,7 @@ class Session(ABC):
         self._cache, self._layout, self._mode = cache, layout, mode
         self._status = TransferStatus(start, clock)
         self._lease = Lease(lease_s, clock)
+        inbox.transport.reach(peer)
 
     @property
     def transfer_id(self) -> int:
@@ -198,7 +206,8 @@ class Session(ABC):
         if not self._link.self_alive():
             self._fail("this endpoint is dead", tell=False)
         elif not self._link.peer_alive():
-            self._fail(f"the {self.peer_role} {self._link.peer} died", tell=False)
+            self._fail(f"the {self.peer_role} {self._link.peer} died ({self._link.peer_death()})",
+                       tell=False)
         else:
             self._check_moves()
         if not self._status.is_terminal and self._lease.expired:

@@ -19,6 +19,12 @@ at its initiator, and no block of it is touched. A refused move never ends the c
 marks anyone dead. Invariant kept by the sessions: a permit exists only while its blocks are
 reserved or held for that transfer. Where the target cannot check a one-sided move (NIXL),
 the transport says so in its docstring.
+
+Peers (`PeerId`, one process lifetime each): an instance is alive until known dead, and dead
+for good. One instance answers at an address at a time, so the first authenticated contact
+with a new instance there (it dials us, or we dial the instance the router names and it
+answers) makes the old one dead at once, with "restarted" in `why_dead`; every session with
+the old one then fails on its next poll and its blocks are free (`sessions.py`).
 """
 
 from __future__ import annotations
@@ -101,5 +107,20 @@ class Transport(Protocol):
         ...
 
     def peer_alive(self, peer: PeerId) -> bool:
-        """The transport's view of whether that exact instance is still up."""
+        """The transport's view of whether that exact instance is still up: False once it is
+        known dead (it died, or another instance proved itself at its address: a restart),
+        for good. An instance not met yet is alive until contact shows otherwise, so a newer
+        instance the router names at a known address is dialed, not refused."""
+        ...
+
+    def why_dead(self, peer: PeerId) -> str | None:
+        """Why that instance is held dead ("restarted: instance ... now answers at ...", "the
+        connection closed", ...); None while `peer_alive`."""
+        ...
+
+    def reach(self, peer: PeerId) -> None:
+        """Make contact with `peer` now, without sending anything and without blocking: a
+        transport with connections dials it, so its death (or a restart at its address) is
+        known before a message must go to it. Called when a transfer with `peer` is announced
+        or opened; idempotent."""
         ...

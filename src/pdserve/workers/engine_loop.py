@@ -12,14 +12,15 @@ Life cycle of a leg (see `legs/protocol.py` for the kinds):
   local recompute when it never did (the first event says so: `extra.recomputed`).
 - cancel (client gone): the leg ends and its engine request is aborted, at once or, with a
   session open, once the session says the blocks are reusable.
+- while the worker changes role (`workers/role_flip.py`), a submitted leg is refused at once.
 
 Invariant: a leg's blocks return to the pool on every path: finish, cancel, transfer failure,
 peer death (the sessions' leases bound every wait).
 
-Threading: `submit`, `submit_to` and `cancel` are called from the HTTP thread and only enqueue
-commands (`workers/loop_commands.py`); results go back through `loop.call_soon_threadsafe`,
-batched once per iteration, and are put into the legs' sinks there, in the order they were
-emitted.
+Threading: `submit`, `submit_to`, `cancel` and `change_role` are called from the HTTP thread
+and only enqueue commands (`workers/loop_commands.py`); results go back through
+`loop.call_soon_threadsafe`, batched once per iteration, and are put into the legs' sinks
+there, in the order they were emitted.
 """
 
 from __future__ import annotations
@@ -32,17 +33,21 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+from pdserve.common.engine_options import Role
 from pdserve.engine.engine import Engine
 from pdserve.engine.outputs import RequestOutput
 from pdserve.legs.protocol import LegKind, LegRequest, TokenEvent
 from pdserve.workers.handover import HandOver, LegDropped, LegEnded, LegRecomputing, Outcome
 from pdserve.workers.hub_pump import HubPump
-from pdserve.workers.loop_commands import Cancel, Command, Sink, Stop, Submit
+from pdserve.workers.loop_commands import Cancel, Command, Flip, Sink, Stop, Submit
+from pdserve.workers.role_flip import FlipReply, RoleFlip
 from pdserve.workers.step_trace import Step, StepTrace
 from pdserve.workers.worker_metrics import WorkerMetrics
 
 log = logging.getLogger("pdserve.worker")
 
+# A refusal's extra key: this worker cannot take legs now, another may (the request is fine).
+UNAVAILABLE = "unavailable"
 IDLE_WAIT_S = 0.05  # nothing to do: wait this long for a command
 POLL_WAIT_S = 0.001  # transfers in flight, nothing to compute
 
@@ -79,8 +84,8 @@ class EngineLoop:
     def __init__(self, engine: Engine, pump: HubPump | None, metrics: WorkerMetrics,
                  stream_layers: bool = False) -> None:
         self.engine, self.pump, self.metrics = engine, pump, metrics
-        self.handover = None if pump is None else \
-            HandOver(engine, pump.hub, metrics, stream_layers)
+        self.handover = None if pump is None else HandOver(engine, pump.hub, metrics)
+        self._stream_layers = stream_layers and pump is not None
         self.trace = StepTrace()
         self._commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self._legs: dict[str, _Leg] = {}  # engine request id -> leg
@@ -88,6 +93,8 @@ class EngineLoop:
         self._aio: asyncio.AbstractEventLoop | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self.flip = RoleFlip(engine, metrics, pump is not None, self._emit)
+        self._arm_layer_hook()
 
     # -- the HTTP thread's side ----------------------------------------------------------------
 
@@ -111,6 +118,14 @@ class EngineLoop:
 
     def cancel(self, request_id: str) -> None:
         self._commands.put(Cancel(request_id))
+
+    def change_role(self, role: Role, timeout_s: float) -> asyncio.Future[object]:
+        """Change the role once what the worker holds has drained, within `timeout_s`
+        (`workers/role_flip.py`). Call on the HTTP thread's running loop; the future gets a
+        `FlipDone` or an `ApiError`."""
+        reply = FlipReply(asyncio.get_running_loop().create_future())
+        self._commands.put(Flip(Role(role), timeout_s, reply, time.perf_counter()))
+        return reply.future
 
     async def events(self, request_id: str, sink: QueueSink
                      ) -> AsyncIterator[list[TokenEvent]]:
@@ -168,6 +183,9 @@ class EngineLoop:
                 self.trace.record(Step.of(wall0, wall0 + seconds, stats))
             for out in outputs:
                 self._on_output(out)
+        if self.flip.flipping and self.flip.advance(holds_work=bool(
+                self._legs or self.engine.requests)):
+            self._arm_layer_hook()
 
     def _busy(self) -> bool:
         return self.engine.has_unfinished_requests() or bool(
@@ -190,11 +208,18 @@ class EngineLoop:
                     self._submit(cmd)
                 case Cancel():
                     self._cancel(cmd.request_id)
+                case Flip():
+                    self.flip.begin(cmd)
                 case Stop():
                     return
 
     def _submit(self, cmd: Submit) -> None:
         req, sink = cmd.req, cmd.sink
+        if self.flip.flipping:
+            refusal = _error(self.flip.refusal())
+            refusal.extra[UNAVAILABLE] = True  # not the request's fault: try another worker
+            self._emit(sink, refusal)
+            return
         if any(leg.req.request_id == req.request_id for leg in self._legs.values()):
             self._emit(sink, _error(f"request id {req.request_id!r} is already running here"))
             return
@@ -219,7 +244,14 @@ class EngineLoop:
             self.engine.add_remote_request(ids, req.params, request_id=req.request_id)
         else:
             self.engine.add_request(ids, req.params, request_id=req.request_id,
-                                    hand_over=req.kind is LegKind.PREFILL)
+                                    hand_over=req.kind is LegKind.PREFILL,
+                                    output_offset=req.output_offset)
+
+    def _arm_layer_hook(self) -> None:
+        """Layer-wise sending runs a hook after every layer of every step (on CUDA a stream
+        sync each): armed only in the role that hands prompts over."""
+        streams = self._stream_layers and self.engine.role is Role.PREFILL
+        self.engine.on_layer = self.handover.on_layer if streams else None
 
     def _cancel(self, request_id: str) -> None:
         leg = next((g for g in self._legs.values() if g.req.request_id == request_id), None)

@@ -24,9 +24,16 @@ the leg is taken):
   session says the blocks are reusable (`LegEnded` or `LegDropped`); a transfer with no session
   yet is closed at once (streamed writes fenced first) and the peer told, so it never waits out
   a lease, and the caller aborts the engine request.
+- peer death or restart: a leg naming a peer instance this worker knows dead (the router's
+  view lags a restart by up to a health check) ends at once, before any compute: a PREFILL leg
+  with an error, a DECODE leg by recomputing locally. A peer that dies or restarts later
+  (`PeerDead` for a transfer with no session yet; its session's failure otherwise) frees what
+  is held for it at once: the prefill's blocks, the decode's reservation (a dead writer writes
+  no more), with no lease to wait out.
 
 Invariant: every engine request of a transfer returns its blocks to the pool on every path:
-finish, cancel, transfer failure, peer death (the sessions' leases bound every wait).
+finish, cancel, transfer failure, peer death (the sessions' leases bound every wait for a
+peer that is alive but silent).
 Threading: the engine thread alone calls every method (`on_layer` from inside a step).
 """
 
@@ -44,6 +51,7 @@ from pdserve.legs.protocol import LegKind, LegRequest
 from pdserve.workers.transfer_hub import (
     HubEvent,
     PeerClosed,
+    PeerDead,
     RecvBlocksFree,
     RecvDone,
     RecvFailed,
@@ -115,22 +123,28 @@ class HandOver:
         # transfer id -> engine request still holding the reserved blocks of a failed transfer
         # whose writer is not known quiet (aborted on RecvBlocksFree)
         self._held: dict[int, str] = {}
+        self._early: list[Outcome] = []  # decided while taking a leg; returned by `advance`
 
     @property
     def sessions_open(self) -> bool:
         return bool(self.hub.active)
 
     def expect(self, req: LegRequest) -> None:
-        """The engine took `req` (a PREFILL or DECODE leg) under its request id."""
+        """The engine took `req` (a PREFILL or DECODE leg) under its request id. If its peer is
+        known dead, the leg's outcome is decided now (its engine request aborted, or
+        recomputing) and comes with the next `advance`, before the engine steps."""
         t = _Transfer(req)
         self._by_tid[req.transfer_id] = t
         self._by_engine_id[t.engine_id] = t
-        self.hub.expect(req.transfer_id)
+        dead = self.hub.expect(req.transfer_id, req.peer)
+        if dead is not None:
+            self._early.append(self._peer_dead(t, dead))
 
     def advance(self, events: Iterable[HubEvent]) -> list[Outcome]:
         """Apply the hub's events, then open a session for every reservation that got its
         blocks. The outcomes are for legs the caller may have ended already (ignore those)."""
-        outcomes = [o for e in events if (o := self._on_event(e)) is not None]
+        outcomes, self._early = self._early, []
+        outcomes += [o for e in events if (o := self._on_event(e)) is not None]
         self._open_reservations()
         return outcomes
 
@@ -204,6 +218,8 @@ class HandOver:
             else:  # a writer may still land bytes: hold the blocks, recompute in others
                 self._held[event.transfer_id] = t.engine_id
             return self._after_failure(t, event.reason, event.sender_finished)
+        if isinstance(event, PeerDead):
+            return self._peer_dead(t, event.reason)
         return self._peer_closed(t, event)
 
     def _received(self, t: _Transfer, event: RecvDone) -> Outcome | None:
@@ -221,6 +237,15 @@ class HandOver:
             self._forget(t)
             return LegEnded(t.engine_id, f"the decode side closed the transfer: {event.reason}")
         return self._after_failure(t, event.reason, event.finished)
+
+    def _peer_dead(self, t: _Transfer, reason: str) -> Outcome:
+        """No session yet and the peer is gone: no writer knows the reservation, and no reader
+        the prompt. The engine request goes (its compute with it); a decode leg recomputes."""
+        self.engine.abort(t.engine_id)
+        if t.req.kind is LegKind.PREFILL:
+            self._forget(t)
+            return LegEnded(t.engine_id, f"no KV can move to the decode worker: {reason}")
+        return self._after_failure(t, reason, False)
 
     def _after_failure(self, t: _Transfer, reason: str, sender_finished: bool) -> Outcome:
         """Decode leg: end it (cancelled, or token 0 finished it at the prefill) or recompute

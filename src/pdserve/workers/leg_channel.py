@@ -33,7 +33,7 @@ from aiohttp import WSMsgType, web
 from pdserve.eager import start_eagerly
 from pdserve.legs.frames import OPEN, events_reply, parse_request, refusal_reply
 from pdserve.legs.protocol import LegRequest, TokenEvent
-from pdserve.workers.engine_loop import Accepted, EngineLoop
+from pdserve.workers.engine_loop import UNAVAILABLE, Accepted, EngineLoop
 
 log = logging.getLogger("pdserve.worker")
 
@@ -136,7 +136,8 @@ class WorkerLegChannel:
         assert isinstance(item, TokenEvent)
         if not leg.accepted:  # the engine refused it: it holds nothing for it
             del self._legs[sid]
-            self._refuse(sid, item.error or "refused")
+            self._refuse(sid, item.error or "refused",
+                         503 if item.extra.get(UNAVAILABLE) else 400)
             self._log(leg, f"refused: {item.error}")
             return
         self._events.setdefault(sid, []).append(item)
@@ -151,8 +152,10 @@ class WorkerLegChannel:
             self.cancel(sid, "cancelled (the router's connection closed)")
         await asyncio.gather(*self._sends, return_exceptions=True)
 
-    def _refuse(self, sid: int, message: str) -> None:
-        self._refusals.append(refusal_reply(sid, 400, message))
+    def _refuse(self, sid: int, message: str, status: int = 400) -> None:
+        """400: the leg itself is at fault; 503: this worker cannot take it now (the router
+        sends it elsewhere)."""
+        self._refusals.append(refusal_reply(sid, status, message))
         self.flush()
 
     def flush(self) -> None:

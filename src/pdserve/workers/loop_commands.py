@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
+from pdserve.common.engine_options import Role
 from pdserve.legs.protocol import LegRequest
 
 
@@ -42,8 +43,19 @@ class Cancel:
 
 
 @dataclass(frozen=True)
+class Flip:
+    """Change the worker's role once what it holds has drained (`workers/role_flip.py`);
+    `reply` gets exactly one item, a `FlipDone` or an `ApiError`."""
+
+    role: Role
+    timeout_s: float  # the longest drain, counted from `issued`
+    reply: Sink
+    issued: float  # perf_counter() when the HTTP thread took the command
+
+
+@dataclass(frozen=True)
 class Stop:
     """Wake the engine thread so that it sees its stop flag."""
 
 
-Command = Submit | Cancel | Stop
+Command = Submit | Cancel | Flip | Stop

@@ -4,14 +4,18 @@ Life cycle.
 1. Pin to `--cpus` (compute threads = number of cores) and start the HTTP server at once:
    `/health` answers 503 while the model loads, so a supervisor can tell "loading" from
    "dead".
-2. Load the engine, open the transport (prefill and decode roles), register the KV pool,
-   start the engine thread; `/health` turns 200 and reports the transfer endpoint (`peer`)
-   and the load the router routes on.
+2. Load the engine, open the transport (every worker with the cluster secret, so that any
+   role can change to one that moves KV; not a collocated worker on a GPU with the tcp
+   transport, which moves host memory only), register the KV pool, start the engine thread;
+   `/health` turns 200 and reports the transfer endpoint (`peer`) and the load the router
+   routes on.
 3. Serve: `GET /internal/legs` is a router's leg channel (a WebSocket that carries all its
    legs: `workers/leg_channel.py`); with `--serve-public` the OpenAI endpoints run LOCAL legs
    for any client. A client that disconnects, or a router that cancels a leg or closes its
    channel, cancels the legs. Who may reach which endpoint: `workers/access.py` (internal ones
-   and the full `/health` need the cluster secret).
+   and the full `/health` need the cluster secret). `POST /internal/role` changes the role
+   live, without reloading (`workers/role_endpoint.py`, `workers/role_flip.py`); the signed
+   /health reports the current `role` and `state` ("serving" or "flipping").
 4. SIGTERM / SIGINT: stop accepting, stop the engine thread, close the transport, exit.
    Blocks held by unfinished legs die with the process; the peers see the transport close
    and free their side.
@@ -43,6 +47,9 @@ from pdserve.workers.engine_loop import EngineLoop, LegRefused
 from pdserve.workers.hub_pump import HubPump
 from pdserve.workers.leg_channel import WorkerLegChannels
 from pdserve.workers.oneshot import run_once_in_thread
+from pdserve.workers.register import Registration, start_registration
+from pdserve.workers.role_endpoint import change_role
+from pdserve.workers.role_flip import FLIPPING
 from pdserve.workers.settings import TransportName, WorkerSettings
 from pdserve.workers.step_trace import Step
 from pdserve.workers.transfer_hub import TransferHub
@@ -78,7 +85,7 @@ class Worker:
         layout = KVLayout.of_cache(self.engine.kv_cache, s.served_model_name)
         self.kv_layout = layout.to_json()
         hub = None
-        if s.needs_transport:
+        if _moves_kv(s):
             self.transport = _open_transport(s)
             self.transport.register(self.engine.kv_cache)
             hub = HubPump(TransferHub(self.transport, self.engine.kv_cache, layout,
@@ -121,6 +128,7 @@ class Worker:
         app.router.add_get("/metrics", self.metrics_text)
         app.router.add_get("/internal/legs", self.legs)
         app.router.add_get("/internal/steps", self.steps)
+        app.router.add_post("/internal/role", self.change_role)
         self.api.add_routes(app)
         app.middlewares.append(self.access.middleware())  # first: refusals before anything
         app.middlewares.append(_not_ready_guard(self))
@@ -137,7 +145,7 @@ class Worker:
     def info(self) -> dict[str, Any]:
         e, load = self.engine, self.engine.load()
         return {
-            "status": "ok", "role": self.settings.role.value,
+            "status": "ok", "role": e.role.value, "state": self.loop.flip.state,
             "model": self.settings.served_model_name, "max_model_len": e.config.max_model_len,
             "block_size": e.config.block_size, "dtype": e.config.dtype,
             "max_num_seqs": e.config.max_num_seqs,
@@ -162,9 +170,13 @@ class Worker:
             return web.json_response(ApiError(400, "since must be a number of seconds").body(),
                                      status=400)
         steps = self.loop.trace.since(since)
-        return self.access.signed_json(request, {
-            "role": self.settings.role.value, "fields": list(Step._fields),
+        return self.access.signed_json(request, {  # steps before role_since ran in another role
+            "role": self.engine.role.value, "role_since": self.loop.flip.role_since,
+            "fields": list(Step._fields),
             "steps": [list(s) for s in steps]})
+
+    async def change_role(self, request: web.Request) -> web.Response:
+        return await change_role(request, self.loop, self.access)
 
     async def legs(self, request: web.Request) -> web.WebSocketResponse:
         return await self.channels.serve(request)
@@ -180,8 +192,9 @@ class Worker:
             async with contextlib.aclosing(self.loop.events(request_id, sink)) as legs:
                 async for events in legs:
                     yield events
-        except LegRefused as e:
-            raise GenerateError(str(e), status=400) from e
+        except LegRefused as e:  # a worker changing role: try again, or elsewhere
+            raise GenerateError(str(e), status=503 if str(e).startswith(FLIPPING) else 400) \
+                from e
 
 
 def _not_ready_guard(worker: Worker):
@@ -193,6 +206,14 @@ def _not_ready_guard(worker: Worker):
         return await handler(request)
 
     return guard
+
+
+def _moves_kv(s: WorkerSettings) -> bool:
+    """Whether the worker opens a KV transfer endpoint: needed in the prefill and decode roles,
+    and opened in the collocated one too so that it can change to them (one idle endpoint and
+    its poller), where the cluster secret exists and the transport can reach the pool."""
+    tcp_on_gpu = s.transport is TransportName.TCP and s.engine.device.startswith("cuda")
+    return s.needs_transport or (s.secret is not None and not tcp_on_gpu)
 
 
 def _open_transport(s: WorkerSettings):
@@ -222,14 +243,18 @@ async def serve(settings: WorkerSettings) -> None:
     stop = stop_event()
     loading = asyncio.ensure_future(run_once_in_thread(worker.load, asyncio.get_running_loop(),
                                                        name="load"))
+    registration: Registration | None = None  # --register: joined once loaded
     try:
         done, _ = await asyncio.wait({loading, asyncio.ensure_future(stop.wait())},
                                      return_when=asyncio.FIRST_COMPLETED)
         if loading in done:
             loading.result()  # raises a load error (bad model folder...)
+            registration = start_registration(settings.join, settings.secret, worker.info)
             await stop.wait()
     finally:
         log.info("worker stopping")
+        if registration is not None:  # drains through the router, then leaves its pool
+            await registration.leave()
         with contextlib.suppress(Exception):
             await runner.cleanup()
         worker.close()

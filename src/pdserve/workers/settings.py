@@ -28,6 +28,7 @@ from pdserve.cli_args import add_cpu_kernels_arg, add_device_arg, parse_cpus, pa
 from pdserve.common.engine_options import DTYPE_NAMES, Role
 from pdserve.config import EngineConfig
 from pdserve.internal_auth import InternalAuth, read_secret_file
+from pdserve.workers.register import JoinSettings
 
 
 class TransportName(StrEnum):
@@ -63,10 +64,14 @@ class WorkerSettings:
     kv_encrypt: bool = False
     kv_layerwise: str = "auto"  # "on" | "off" | "auto" (on for CUDA engines)
     limits: RequestLimits = field(default_factory=RequestLimits)  # what its /v1 accepts
+    join: JoinSettings | None = None  # --register: join that router once loaded
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "role", Role(self.role))
         object.__setattr__(self, "transport", TransportName(self.transport))
+        if self.join is not None and self.secret is None:
+            raise ValueError("--register needs the cluster secret (--secret-file): the router "
+                             "accepts only workers that prove they hold it")
         if self.secret is None and not (self.role == Role.COLLOCATED and self.serve_public):
             raise ValueError(f"a {self.role} worker needs the cluster secret that authenticates "
                              "the router and KV transfers: give --secret-file (the same file "
@@ -174,6 +179,20 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="engine seed (default: %(default)s)")
     add_cpu_kernels_arg(p)
     add_limit_args(p)
+    add_join_args(p)
+
+
+def add_join_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("joining a running router")
+    g.add_argument("--register", default=None, metavar="URL",
+                   help="once loaded, join the router at URL (e.g. http://127.0.0.1:8000; "
+                        "same --secret-file), send it heartbeats, and on SIGTERM drain and "
+                        "leave its pool (default: wait to be named on a router's command line)")
+    g.add_argument("--name", default=None,
+                   help="this worker's name in the router's pool (default: HOST:PORT)")
+    g.add_argument("--drain-timeout", type=float, default=30.0, metavar="S",
+                   help="with --register: on SIGTERM, the longest to wait for this worker's "
+                        "legs to end before it leaves the pool (default: %(default)s)")
 
 
 def add_worker_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -232,6 +251,9 @@ class WorkerLaunch:
     seed: int = 0
     cpu_kernels: bool = True
     limits: RequestLimits = DEFAULT_LIMITS
+    register: str | None = None  # the router to join
+    name: str | None = None  # None: host:port
+    drain_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "role", Role(self.role))
@@ -251,7 +273,9 @@ _UNLESS_DEFAULT = (("--served-model-name", "served_model_name"), ("--kv-host", "
                    ("--secret-file", "secret_file"), ("--metrics-key-file", "metrics_key_file"),
                    ("--num-kv-blocks", "num_kv_blocks"), ("--block-size", "block_size"),
                    ("--max-model-len", "max_model_len"), ("--max-num-seqs", "max_num_seqs"),
-                   ("--max-num-batched-tokens", "max_num_batched_tokens"), ("--seed", "seed"))
+                   ("--max-num-batched-tokens", "max_num_batched_tokens"), ("--seed", "seed"),
+                   ("--register", "register"), ("--name", "name"),
+                   ("--drain-timeout", "drain_timeout_s"))
 _SWITCHES = (("--serve-public", "serve_public"), ("--kv-encrypt", "kv_encrypt"),
              ("--enable-chunked-prefill", "enable_chunked_prefill"))
 _DEFAULTS = {f.name: f.default for f in fields(WorkerLaunch)}
@@ -284,7 +308,8 @@ def launch_from_args(args: argparse.Namespace) -> WorkerLaunch:
         block_size=args.block_size, max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs, enable_chunked_prefill=args.enable_chunked_prefill,
         max_num_batched_tokens=args.max_num_batched_tokens, kv_lease_s=args.kv_lease,
-        seed=args.seed, cpu_kernels=args.cpu_kernels, limits=limits_from_args(args))
+        seed=args.seed, cpu_kernels=args.cpu_kernels, limits=limits_from_args(args),
+        register=args.register, name=args.name, drain_timeout_s=args.drain_timeout)
 
 
 def settings_from_args(args: argparse.Namespace) -> WorkerSettings:
@@ -308,4 +333,19 @@ def worker_settings(launch: WorkerLaunch) -> WorkerSettings:
         host=w.host, port=w.port, kv_host=w.kv_host or w.host, kv_port=w.kv_port,
         transport=w.transport, secret=secret, serve_public=w.serve_public,
         metrics_keys=metrics_keys, cpus=w.cpus, kv_lease_s=w.kv_lease_s,
-        kv_encrypt=w.kv_encrypt, kv_layerwise=w.kv_layerwise, limits=w.limits)
+        kv_encrypt=w.kv_encrypt, kv_layerwise=w.kv_layerwise, limits=w.limits,
+        join=join_settings(w))
+
+
+def join_settings(w: WorkerLaunch) -> JoinSettings | None:
+    """Where and as what the worker joins a router (`--register`), or None."""
+    if w.register is None:
+        if w.name is not None:
+            raise ValueError("--name names this worker in the pool it joins: give --register")
+        return None
+    if w.host in ("0.0.0.0", "::", ""):
+        raise ValueError(f"--register: the router reaches this worker at its --host, and "
+                         f"{w.host!r} is every address: give the one the router can reach")
+    host = f"[{w.host}]" if ":" in w.host else w.host
+    return JoinSettings(router=w.register, name=w.name or f"{host}:{w.port}",
+                        url=f"http://{host}:{w.port}", drain_timeout_s=w.drain_timeout_s)

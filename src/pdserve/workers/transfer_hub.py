@@ -15,6 +15,15 @@ arrive before the prefill finished); an ABORT among them closes the id and is re
 `PeerClosed` when the id is expected, so the leg waiting for it ends at once. Unclaimed
 messages are dropped after the lease.
 
+Peers that restart. `expect` names the peer instance the router paired the leg with and
+reaches it at once (`Transport.reach`: the TCP transport dials it), so the first authenticated
+contact with a restarted peer's new instance happens when a leg names it, not when the first
+KV must move: the old instance is dead from then on, and every session with it fails on the
+next poll with its blocks free (a `SendEnded`, or a `RecvFailed` with `blocks_free`). A peer
+already known dead is refused at `expect` (the id is closed; the caller ends or recomputes the
+leg before any compute), and one that dies while its id is still expected (no session yet) is
+reported as `PeerDead` on the next poll. No transfer waits out its lease for a dead peer.
+
 Threading: every public method holds the hub's lock while it runs, so the engine thread (which
 opens, aborts and closes transfers) and `HubPump`'s thread (which polls) may both call it; the
 sessions and the inbox see one caller at a time.
@@ -90,6 +99,14 @@ class SendEnded:
 
 
 @dataclass(frozen=True)
+class PeerDead:
+    """The peer of an expected transfer (no session yet) died or restarted: no KV will move."""
+
+    transfer_id: int
+    reason: str
+
+
+@dataclass(frozen=True)
 class PeerClosed:
     """The peer aborted an expected transfer before this side opened a session for it."""
 
@@ -98,7 +115,7 @@ class PeerClosed:
     finished: bool  # the peer's token 0 ended the request
 
 
-HubEvent = RecvDone | RecvFailed | RecvBlocksFree | SendEnded | PeerClosed
+HubEvent = RecvDone | RecvFailed | RecvBlocksFree | SendEnded | PeerClosed | PeerDead
 
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
@@ -125,7 +142,7 @@ class TransferHub:
         self._sends: dict[int, tuple[SendSession, float, int]] = {}
         self._recvs: dict[int, tuple[RecvSession, float, int]] = {}
         self._failed_held: set[int] = set()  # failure reported, blocks not yet quiet
-        self._expected: set[int] = set()
+        self._expected: dict[int, PeerId] = {}  # transfer id -> the peer the leg names
         self._closed: dict[int, float] = {}  # transfer id -> when it closed
         self._unclaimed_since: dict[int, float] = {}
         self._peer_aborts: dict[int, str] = {}  # closed by the peer before anyone expected it
@@ -146,14 +163,20 @@ class TransferHub:
         return transfer_id in self._closed
 
     @_locked
-    def expect(self, transfer_id: int) -> None:
-        """A leg waits for `transfer_id`. If the peer already aborted it (its ABORT overtook
-        the leg), the next `poll` reports that as PeerClosed."""
+    def expect(self, transfer_id: int, peer: PeerId) -> str | None:
+        """A leg waits for `transfer_id` with `peer`, which is reached now. If the peer already
+        aborted it (its ABORT overtook the leg), the next `poll` reports that as PeerClosed.
+        Returns why, if `peer` is known dead: the id is closed then, and no session will open."""
         if transfer_id in self._peer_aborts:
             reason = self._peer_aborts.pop(transfer_id)
             self._pending.append(PeerClosed(transfer_id, reason, reason == FINISHED_AT_TOKEN0))
-            return
-        self._expected.add(transfer_id)
+            return None
+        if not self.transport.peer_alive(peer):
+            self._closed[transfer_id] = self._clock()
+            return self._death(peer)
+        self._expected[transfer_id] = peer
+        self.transport.reach(peer)
+        return None
 
     @_locked
     def stream_layers(self, transfer_id: int, peer: PeerId, src_blocks: Sequence[int],
@@ -191,7 +214,7 @@ class TransferHub:
 
     def _open_send(self, transfer_id: int, peer: PeerId, src_blocks: Sequence[int],
                    token0: int | None, logprob: float | None) -> None:
-        self._expected.discard(transfer_id)
+        self._expected.pop(transfer_id, None)
         session = SendSession(self._inbox, transfer_id=transfer_id, peer=peer, cache=self.cache,
                               layout=self.layout, src_blocks=src_blocks, token0=token0,
                               token0_logprob=logprob, mode=self._mode, lease_s=self._lease_s,
@@ -200,7 +223,7 @@ class TransferHub:
 
     @_locked
     def open_recv(self, transfer_id: int, peer: PeerId, dst_blocks: Sequence[int]) -> None:
-        self._expected.discard(transfer_id)
+        self._expected.pop(transfer_id, None)
         session = RecvSession(
             self._inbox, transfer_id=transfer_id, peer=peer, cache=self.cache,
             layout=self.layout, dst_blocks=dst_blocks,
@@ -221,7 +244,7 @@ class TransferHub:
     def close(self, transfer_id: int, peer: PeerId | None, reason: str) -> None:
         """This side will never open a session for `transfer_id`; tell `peer`. A streamed
         session still open is aborted first (its writes fenced before its ABORT goes out)."""
-        self._expected.discard(transfer_id)
+        self._expected.pop(transfer_id, None)
         if transfer_id in self._sends:
             self._sends.pop(transfer_id)[0].abort(reason)
             self._closed[transfer_id] = self._clock()
@@ -267,8 +290,22 @@ class TransferHub:
             del self._recvs[tid]
             self._closed[tid] = self._clock()
         events += self._handle_unclaimed()
+        events += self._dead_expected()
         self._forget_old()
         return events
+
+    def _dead_expected(self) -> list[HubEvent]:
+        """Expected ids whose peer died or restarted before a session opened: closed, and
+        reported so that their legs end (prefill) or recompute (decode) now."""
+        alive = {peer: self.transport.peer_alive(peer) for peer in set(self._expected.values())}
+        dead = [(tid, peer) for tid, peer in self._expected.items() if not alive[peer]]
+        for tid, _ in dead:
+            del self._expected[tid]
+            self._closed[tid] = self._clock()
+        return [PeerDead(tid, self._death(peer)) for tid, peer in dead]
+
+    def _death(self, peer: PeerId) -> str:
+        return f"the peer {peer} died ({self.transport.why_dead(peer) or 'dead'})"
 
     # -- messages no session owns ------------------------------------------------------------
 
@@ -289,7 +326,7 @@ class TransferHub:
                 self._closed[tid] = self._clock()
                 reason = aborts[0].reason
                 if tid in self._expected:
-                    self._expected.discard(tid)
+                    del self._expected[tid]
                     events.append(PeerClosed(tid, reason, reason == FINISHED_AT_TOKEN0))
                 else:
                     self._peer_aborts[tid] = reason

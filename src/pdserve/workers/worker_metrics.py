@@ -14,8 +14,19 @@ _SIZE_BUCKETS = (2**12, 2**14, 2**16, 2**18, 2**20, 2**22, 2**24, 2**26, 2**28)
 
 class WorkerMetrics:
     def __init__(self, role: str) -> None:
+        """`role`: the worker's role at start; `flipped` follows every change."""
         self.registry = r = Registry()
-        self.role = role
+        self.role = r.gauge("pdserve_worker_role", "1 for the role the worker has now, 0 for "
+                            "the roles it had before.", ["role"])
+        self.role.set(1, role=role)
+        self.role_flips = r.counter("pdserve_role_flips_total",
+                                    "Live role changes that completed.", ["from", "to"])
+        self.role_flip_seconds = r.histogram("pdserve_role_flip_seconds",
+                                             "From a role-change command to serving in the new "
+                                             "role (the drain included).")
+        self.role_flip_timeouts = r.counter("pdserve_role_flip_timeouts_total",
+                                            "Role changes given up because the drain outlasted "
+                                            "its timeout (the role stayed).")
         self.legs = r.counter("pdserve_legs_total", "Legs accepted, by kind.", ["kind"])
         self.requests = r.counter("pdserve_request_success_total",
                                   "Finished requests, by finish reason.", ["finish_reason"])
@@ -68,6 +79,12 @@ class WorkerMetrics:
                 "Decode requests reserved or queued for blocks, waiting for their KV.",
                 fn=lambda: load().waiting_for_kv)
         r.gauge("pdserve_num_legs", "Legs streaming or transferring.", fn=num_legs)
+
+    def flipped(self, old: str, new: str, seconds: float) -> None:
+        self.role.set(0, role=old)
+        self.role.set(1, role=new)
+        self.role_flips.inc(**{"from": old, "to": new})
+        self.role_flip_seconds.observe(seconds)
 
     def observe_step(self, seconds: float) -> None:
         self.step.observe(seconds)

@@ -72,19 +72,24 @@ class NixlTransport:
       (`meta.agent_name`: instance id, host and port), so a restarted peer is another agent.
     - `register(pool)` (once) registers the pool's memory ("DRAM" for CPU, "VRAM" for CUDA) and
       prepares its per-block descriptor list (one descriptor per block, index = block id).
-    - First contact with a peer instance (a send, write or read to it, or any message from it)
-      sends it this endpoint's metadata once, as soon as a pool is registered. Its metadata,
-      when it arrives, adds its agent and prepares its block list. Metadata messages never
-      reach `receive`; a metadata message whose agent name does not match its authenticated
-      TCP source is dropped with a warning.
+    - First contact with a peer instance (a send, write, read or `reach` to it, or any message
+      from it) sends it this endpoint's metadata once, as soon as a pool is registered. Its
+      metadata, when it arrives, adds its agent and prepares its block list. Metadata messages
+      never reach `receive`; a metadata message whose agent name does not match its
+      authenticated TCP source is dropped with a warning.
     - Moves: `write` / `read` return a pending handle at once. The request is built from block
       ids (`make_prepped_xfer` over the two prepared lists) and posted as soon as the peer's
       metadata is known; state is advanced by `status`, `receive`, `write` and `read` (no
       thread of its own): NIXL DONE -> "done", ERR -> "error", the request released. A move
       whose peer sends no metadata within `meta_timeout_s`, or whose peer is dead for
       `dead_grace_s`, ends "error" (the NIXL request, if any, is kept until NIXL lets go).
-    - Peer death is the TCP transport's verdict (`peer_alive`, exact instance). A dead peer's
-      agent is removed (`remove_remote_agent`) once no NIXL request to it is held.
+    - Peer death is the TCP transport's verdict (`peer_alive`, `why_dead`, exact instance). A
+      dead peer's agent is removed (`remove_remote_agent`) once no NIXL request to it is held.
+      A restarted peer is another agent: the first authenticated contact with the new
+      instance (its HELLO, or its ACK when `reach` or a move dials the instance the router
+      names) makes the old one dead in the TCP transport; the old agent goes as above, pending
+      moves to it end "error" within `dead_grace_s` (or when NIXL reports them), and the new
+      agent is added from its own metadata.
     - `close()` (idempotent; also on leaving a `with` block) fences every move as `cancel`
       does, removes remote agents, deregisters the pool and closes the TCP transport.
 
@@ -210,6 +215,14 @@ class NixlTransport:
 
     def peer_alive(self, peer: PeerId) -> bool:
         return self._tcp.peer_alive(peer)
+
+    def why_dead(self, peer: PeerId) -> str | None:
+        return self._tcp.why_dead(peer)
+
+    def reach(self, peer: PeerId) -> None:
+        with self._lock:
+            self._contact(peer)
+        self._tcp.reach(peer)  # dials even before a pool is registered (no metadata yet)
 
     def close(self) -> None:
         with self._lock:

@@ -68,6 +68,11 @@ class HandshakeCut(ConnectionError):
     refused the HELLO, or it was at its connection limit. Nothing authenticated happened."""
 
 
+class PeerReplaced(ConnectionError):
+    """Another instance answered, authenticated, at the dialed peer's address: the dialed
+    instance is gone (it restarted). The message is why, for the peer table."""
+
+
 # -- sockets -------------------------------------------------------------------------------------
 
 

@@ -22,12 +22,13 @@ from typing import TYPE_CHECKING
 
 from pdserve.throttled_log import ThrottledLog
 from pdserve.transfer.auth import HandshakeAuth, PeerRefused
-from pdserve.transfer.peer import PeerId
+from pdserve.transfer.peer import PeerId, restarted
 from pdserve.transfer.tcp.frames import (
     HEADER,
     MAX_SMALL_BYTES,
     Frame,
     HandshakeCut,
+    PeerReplaced,
     ProtocolError,
     header,
     parse_header,
@@ -58,8 +59,8 @@ class BoundHandshake:
     def dial(self, sock: socket.socket, peer: PeerId) -> Wire:
         """HELLO addressed to `peer`, then wait for the HELLO_ACK bound to it for as long as
         the peer's host is up (see `TcpOptions`); a different instance answering means `peer`
-        restarted. HandshakeCut when the connection closes before any HELLO_ACK. The socket
-        is shut on any failure."""
+        restarted (PeerReplaced). HandshakeCut when the connection closes before any
+        HELLO_ACK. The socket is shut on any failure."""
         try:
             frame = self._greeting(Frame.HELLO, peer)
             hello = frame[HEADER.size:]
@@ -77,7 +78,7 @@ class BoundHandshake:
                 raise ProtocolError(f"{peer.host}:{peer.port} answered as {ack.peer}")
             self._seen(ack.peer)
             if ack.peer != peer:
-                raise ConnectionError(f"restarted: {ack.peer} answers at its address")
+                raise PeerReplaced(restarted(ack.peer))
             if (refused := self._cipher_mismatch(ack.peer, ack.cipher)) is not None:
                 raise refused
             return self._wire(sock, hello, envelope)

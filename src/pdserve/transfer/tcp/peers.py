@@ -1,10 +1,12 @@
 """The TCP endpoint's table of peer instances: which are alive, and the one place a peer dies.
 
 An instance is alive until it is declared dead (for good: a new instance at its address is
-another peer) or the endpoint closes; a newer instance seen at its address is the newest one
-there, and an older one at that address is dead (it restarted). `TcpTransport`'s docstring
-lists what may declare a peer dead. When one dies, each `PeerHolder` handed to `hold` lets go
-of what it holds for that peer (its moves fail, its connections close), in the order given.
+another peer) or the endpoint closes. An instance not met yet is alive too, so that the one
+the router names after a restart is dialed; the bound handshake then settles who answers at
+that address. The instance that last proved itself there with a bound greeting is the one
+there, and the one before it is dead (it restarted). `TcpTransport`'s docstring lists what may
+declare a peer dead. When one dies, each `PeerHolder` handed to `hold` lets go of what it holds
+for that peer (its moves fail, its connections close), in the order given.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import threading
 from typing import Protocol
 
 from pdserve.transfer.auth import PeerRefused
-from pdserve.transfer.peer import PeerId
+from pdserve.transfer.peer import PeerId, restarted
 
 log = logging.getLogger(__name__)
 
@@ -33,8 +35,8 @@ class PeerTable:
     def __init__(self, local: PeerId) -> None:
         self.local = local
         self._lock = threading.Lock()
-        self._current: dict[tuple[str, int], int] = {}  # address -> newest instance seen
-        self._dead: set[PeerId] = set()
+        self._current: dict[tuple[str, int], int] = {}  # address -> last proved there
+        self._dead: dict[PeerId, str] = {}  # -> why
         self._holders: tuple[PeerHolder, ...] = ()
         self._closed = False
 
@@ -47,17 +49,19 @@ class PeerTable:
         return self._closed
 
     def alive(self, peer: PeerId) -> bool:
+        return self.why_dead(peer) is None
+
+    def why_dead(self, peer: PeerId) -> str | None:
+        """None while `peer` is alive (met or not); else why it is held dead."""
         with self._lock:
             if self._closed:
-                return False
-            if peer == self.local:
-                return True
-            current = self._current.get((peer.host, peer.port), peer.instance_id)
-            return peer not in self._dead and current == peer.instance_id
+                return "this endpoint is closed"
+            return None if peer == self.local else self._dead.get(peer)
 
     def seen(self, peer: PeerId) -> None:
         """`peer` proved itself with a bound greeting (its HELLO to us, or its HELLO_ACK to our
-        HELLO); an older instance at its address is dead. PeerRefused for one known dead."""
+        HELLO); the instance that proved itself at that address before is dead (restarted).
+        PeerRefused for one known dead."""
         with self._lock:
             if peer in self._dead:
                 raise PeerRefused(f"instance {peer.instance_id:016x} is known dead")
@@ -65,14 +69,14 @@ class PeerTable:
             old = self._current.get(addr)
             self._current[addr] = peer.instance_id
         if old is not None and old != peer.instance_id:
-            self.died(PeerId(old, *addr), f"restarted as {peer.instance_id:016x}")
+            self.died(PeerId(old, *addr), restarted(peer))
 
     def died(self, peer: PeerId, why: str) -> None:
         """Mark that instance dead for good, then let every holder drop it (once)."""
         with self._lock:
             if peer in self._dead or self._closed:
                 return
-            self._dead.add(peer)
+            self._dead[peer] = why
         log.warning("peer %s is dead: %s", peer, why)
         for holder in self._holders:
             holder.drop_peer(peer)

@@ -21,7 +21,7 @@ import socket
 import threading
 
 from pdserve.transfer.peer import PeerId
-from pdserve.transfer.tcp.frames import Frame, HandshakeCut, header, shut, u32s
+from pdserve.transfer.tcp.frames import Frame, HandshakeCut, PeerReplaced, header, shut, u32s
 from pdserve.transfer.tcp.handshake import BoundHandshake
 from pdserve.transfer.tcp.moves import Move, MoveTable
 from pdserve.transfer.tcp.options import TcpOptions
@@ -60,6 +60,11 @@ class SendSide:
     def read_data(self, peer: PeerId, tid: int, mid: int, ids: tuple[int, ...]) -> None:
         """Queue the READ_DATA of blocks `ids` a permitted READ_REQUEST asked for."""
         self._put(peer, ("read_data", tid, mid, ids))
+
+    def reach(self, peer: PeerId) -> None:
+        """Make the sender to `peer` now, if it is alive and has none: its thread dials at once,
+        so a dead or replaced instance is known before anything must go to it."""
+        self._sender(peer)
 
     def drop_peer(self, peer: PeerId) -> None:
         with self._lock:
@@ -144,11 +149,13 @@ class JobWriter:
 class PeerSender:
     """The one outgoing connection to one peer instance and its daemon sender thread.
 
-    The thread dials on its first job (HELLO, then waits for the signed HELLO_ACK however long a
-    stalled peer takes, see `TcpOptions`), then sends queued jobs strictly in order on that one
-    connection. A connection the peer's address closes before any HELLO_ACK (it refused us, or
-    was at its connection limit: nothing authenticated) is dialed again, up to
-    `handshake_redials` times, with the jobs kept queued. A second daemon thread watches the
+    The thread dials as soon as it starts (the sender is made on the first job or `reach`:
+    HELLO, then it waits for the signed HELLO_ACK however long a stalled peer takes, see
+    `TcpOptions`), then sends queued jobs strictly in order on that one connection. Another
+    instance answering at the peer's address means the peer restarted: it is dead for good.
+    A connection the peer's address closes before any HELLO_ACK (it refused us, or was at its
+    connection limit: nothing authenticated) is dialed again, up to `handshake_redials` times,
+    with the jobs kept queued. A second daemon thread watches the
     connection: the acceptor never sends after HELLO_ACK, so EOF or reset means the peer is gone.
     Any other failure, or the last cut handshake, declares the peer dead in the peer table (see
     `TcpTransport`, "Peer death") and the thread ends; later jobs are dropped. `stop`
@@ -222,6 +229,8 @@ class PeerSender:
                              name=f"pdserve-tcp-watch-{self.peer.port}").start()
             while (job := self._jobs.get()) is not None and not self.stopped:
                 self._writer.run(wire, self.peer, job)
+        except PeerReplaced as e:
+            self._peers.died(self.peer, str(e))
         except (OSError, EOFError, ValueError) as e:
             if not self.stopped:
                 self._peers.died(self.peer, f"sending to it failed: {e}")

@@ -69,12 +69,14 @@ class TcpTransport:
       permitted" (a rate-limited warning; a late move of the permit's own peer after `revoke`
       only a debug line). A refusal never ends the connection or marks anyone dead.
     - Outgoing: frames to a peer instance travel on one connection this endpoint dials lazily
-      (first send / write / read), fed by that peer's `PeerSender` queue and thread
-      (`send_side.py`), so `send`, `write` and `read` never block. Dialing waits at most
-      `dial_timeout_s`.
-    - Peer death marks that exact instance dead for good: `peer_alive` is False, its pending
-      moves end in "error", messages to it are dropped; a new instance at the address is a
-      different peer. What may mark a peer P dead, and nothing else:
+      (first send / write / read, or `reach`), fed by that peer's `PeerSender` queue and thread
+      (`send_side.py`), so `send`, `write`, `read` and `reach` never block. Dialing waits at
+      most `dial_timeout_s`.
+    - Peer death marks that exact instance dead for good: `peer_alive` is False (`why_dead`
+      says why), its pending moves end in "error", messages to it are dropped; a new instance
+      at the address is a different peer. An instance not met yet is alive: the one the
+      router names after a restart is dialed, and its bound ACK makes the old one dead (2).
+      What may mark a peer P dead, and nothing else:
       (1) on a connection authenticated by the bound handshake with P (dialed: P's HELLO_ACK
       answered our HELLO; accepted: P's HELLO named us): EOF, a reset (keepalive turns a host
       that stopped answering into one), a failed send, a protocol error or a sealed record
@@ -169,6 +171,13 @@ class TcpTransport:
 
     def peer_alive(self, peer: PeerId) -> bool:
         return self._peers.alive(peer)
+
+    def why_dead(self, peer: PeerId) -> str | None:
+        return self._peers.why_dead(peer)
+
+    def reach(self, peer: PeerId) -> None:
+        if peer != self._local:
+            self._send.reach(peer)
 
     def peer_died(self, peer: PeerId, why: str) -> None:
         """Mark that instance dead for good and fail its pending moves (this endpoint's own

@@ -1,0 +1,309 @@
+"""A worker's live role change on real engine loops (tiny model) with real TCP transfer
+endpoints on loopback: the role changes only once what the worker holds has drained, legs
+that arrive meanwhile are refused with a clear message, a drain that outlasts its timeout
+leaves the role as it was, and every block is back in the pool after each change."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections.abc import Awaitable, Callable
+
+import pytest
+
+from pdserve.api.errors import ApiError
+from pdserve.common.engine_options import Role
+from pdserve.common.sampling_params import SamplingParams
+from pdserve.config import EngineConfig
+from pdserve.engine.engine import Engine
+from pdserve.legs.protocol import LegKind, LegRequest, TokenEvent
+from pdserve.transfer.layout import KVLayout
+from pdserve.transfer.tcp import TcpTransport
+from pdserve.workers.engine_loop import Accepted, EngineLoop
+from pdserve.workers.hub_pump import HubPump
+from pdserve.workers.role_flip import FLIPPING, FlipDone
+from pdserve.workers.transfer_hub import TransferHub
+from pdserve.workers.worker_metrics import WorkerMetrics
+
+SECRET = os.urandom(32)
+PROMPT = tuple(range(3, 40))
+SHORT = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+LONG = SamplingParams(max_tokens=150, temperature=0, ignore_eos=True)
+WAIT_S = 30.0
+
+
+class Worker:
+    """An engine loop with a KV transfer endpoint (as a worker with the cluster secret has)."""
+
+    def __init__(self, path, role: Role, instance_id: int, moves_kv: bool = True) -> None:
+        self.engine = Engine(EngineConfig(model=str(path), dtype="float32", max_model_len=256,
+                                          role=role))
+        self.metrics = WorkerMetrics(role.value)
+        self.transport = self.pump = None
+        if moves_kv:
+            self.transport = TcpTransport(secret=SECRET, instance_id=instance_id)
+            self.transport.register(self.engine.kv_cache)
+            layout = KVLayout.of_cache(self.engine.kv_cache, "tiny")
+            self.pump = HubPump(TransferHub(self.transport, self.engine.kv_cache, layout,
+                                            self.engine.block_generation, lease_s=10.0))
+            self.pump.start()
+        self.loop = EngineLoop(self.engine, self.pump, self.metrics)
+
+    def close(self) -> None:
+        self.loop.stop()
+        if self.pump is not None:
+            self.pump.stop()
+            self.transport.close()
+
+    @property
+    def blocks_used(self) -> int:
+        return self.engine.block_manager.num_used_blocks
+
+
+@pytest.fixture
+def make_worker(tiny_model) -> Callable[..., Worker]:
+    made: list[Worker] = []
+
+    def make(role: Role = Role.COLLOCATED, moves_kv: bool = True) -> Worker:
+        made.append(Worker(tiny_model(), role, 0x7000 + len(made), moves_kv))
+        return made[-1]
+
+    yield make
+    for w in made:
+        w.close()
+
+
+def _run(scenario: Callable[[], Awaitable[None]], *workers: Worker) -> None:
+    async def main() -> None:
+        for w in workers:
+            w.loop.start(asyncio.get_running_loop())
+        await scenario()
+
+    asyncio.run(main())
+
+
+async def _leg(sink: asyncio.Queue) -> list:
+    """Every item of a leg, up to its final event."""
+    items = []
+    while True:
+        items.append(await asyncio.wait_for(sink.get(), WAIT_S))
+        if isinstance(items[-1], TokenEvent) and items[-1].final:
+            return items
+
+
+def _tokens(items: list) -> list[int]:
+    assert isinstance(items[0], Accepted), items[0]
+    assert items[-1].error is None, items[-1].error
+    return [t for e in items[1:] for t in e.token_ids]
+
+
+async def _flip(w: Worker, role: Role, timeout_s: float = WAIT_S) -> FlipDone | ApiError:
+    return await asyncio.wait_for(w.loop.change_role(role, timeout_s), WAIT_S)
+
+
+async def _until(predicate: Callable[[], bool]) -> None:
+    deadline = time.monotonic() + WAIT_S
+    while not predicate():
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.005)
+
+
+def _greedy(w: Worker, params: SamplingParams) -> list[int]:
+    """The tokens the engine computes for PROMPT when nothing changes role."""
+    rid = w.engine.add_request(list(PROMPT), params, request_id="reference", hand_over=False)
+    tokens: list[int] = []
+    while w.engine.has_unfinished_requests():
+        for out in w.engine.step():
+            if out.request_id == rid:
+                tokens = out.outputs[0].token_ids
+    return list(tokens)
+
+
+def test_a_worker_with_no_work_takes_every_role_in_turn(make_worker) -> None:
+    w = make_worker()
+    turns = [Role.PREFILL, Role.DECODE, Role.COLLOCATED]
+
+    async def scenario() -> None:
+        old = Role.COLLOCATED
+        for role in turns:
+            done = await _flip(w, role)
+            assert isinstance(done, FlipDone), done
+            assert (done.from_role, done.to_role) == (old, role) and done.seconds > 0
+            assert done.body() == {"from": old.value, "to": role.value, "seconds": done.seconds}
+            assert w.engine.role is role and w.loop.flip.state == "serving"
+            items = await _leg(w.loop.submit(LegRequest(f"after-{role}", PROMPT, SHORT)))
+            assert len(_tokens(items)) == SHORT.max_tokens  # serves in the new role
+            assert w.blocks_used == 0
+            old = role
+
+    _run(scenario, w)
+    for old, new in zip([Role.COLLOCATED, *turns], turns, strict=False):
+        assert w.metrics.role_flips.value(**{"from": old.value, "to": new.value}) == 1
+    assert w.metrics.role.value(role="collocated") == 1
+    assert w.metrics.role.value(role="decode") == 0
+
+
+def test_the_new_role_is_the_one_new_legs_get(make_worker) -> None:
+    w = make_worker()
+    peer = w.transport.local
+
+    async def scenario() -> None:
+        assert isinstance(await _flip(w, Role.PREFILL), FlipDone)
+        decode = LegRequest("d", PROMPT, SHORT, LegKind.DECODE, 0xD1, peer)
+        refused = await _leg(w.loop.submit(decode))
+        assert refused[0].error == "add_remote_request() needs an engine in the decode role"
+
+    _run(scenario, w)
+    assert w.blocks_used == 0
+
+
+def test_a_flip_waits_for_a_running_leg_which_keeps_its_tokens(make_worker) -> None:
+    w = make_worker()
+    expected = _greedy(w, LONG)
+
+    async def scenario() -> None:
+        sink = w.loop.submit(LegRequest("r", PROMPT, LONG))
+        first = [await sink.get(), await sink.get()]  # accepted, and a first token: it runs
+        flip = asyncio.ensure_future(_flip(w, Role.DECODE))
+        await _until(lambda: w.loop.flip.state == "flipping")
+        assert w.engine.role is Role.COLLOCATED  # the leg still runs in the old role
+        done = await flip
+        assert isinstance(done, FlipDone) and done.to_role is Role.DECODE
+        items = first + [sink.get_nowait() for _ in range(sink.qsize())]
+        assert items[-1].final  # the leg had ended when the role changed
+        assert _tokens(items) == expected
+        assert w.blocks_used == 0
+
+    _run(scenario, w)
+    assert w.engine.role is Role.DECODE
+
+
+def test_a_leg_submitted_during_a_flip_is_refused_saying_why(make_worker) -> None:
+    w = make_worker()
+
+    async def scenario() -> None:
+        sink = w.loop.submit(LegRequest("r", PROMPT, LONG))
+        assert isinstance(await sink.get(), Accepted)
+        flip = asyncio.ensure_future(_flip(w, Role.PREFILL))
+        await _until(lambda: w.loop.flip.state == "flipping")
+        refused = await _leg(w.loop.submit(LegRequest("late", PROMPT, SHORT)))
+        assert len(refused) == 1 and refused[0].final
+        assert refused[0].error == (f"{FLIPPING} (collocated -> prefill); send the leg to "
+                                    f"another worker")
+        items = await _leg(sink)  # the running leg ends as usual
+        assert items[-1].error is None and items[-1].finish_reason == "length"
+        assert isinstance(await flip, FlipDone)
+
+    _run(scenario, w)
+    assert w.blocks_used == 0 and w.engine.role is Role.PREFILL
+
+
+def test_a_drain_past_its_timeout_keeps_the_role_and_takes_legs_again(make_worker,
+                                                                       monkeypatch) -> None:
+    w = make_worker()
+    real_step = w.engine.step
+
+    def slow_step():  # the running leg outlasts the drain's timeout whatever the machine
+        time.sleep(0.005)
+        return real_step()
+
+    monkeypatch.setattr(w.engine, "step", slow_step)
+
+    async def scenario() -> None:
+        sink = w.loop.submit(LegRequest("r", PROMPT, LONG))
+        assert isinstance(await sink.get(), Accepted)
+        refusal = await _flip(w, Role.DECODE, timeout_s=0.05)
+        assert isinstance(refusal, ApiError), refusal
+        assert (refusal.status, refusal.code) == (503, "drain_timeout")
+        assert refusal.message == ("the worker did not drain within 0.05 s; it keeps the role "
+                                   "collocated and takes legs again")
+        assert w.engine.role is Role.COLLOCATED and w.loop.flip.state == "serving"
+        later = await _leg(w.loop.submit(LegRequest("later", PROMPT, SHORT)))
+        assert len(_tokens(later)) == SHORT.max_tokens
+        items = await _leg(sink)
+        assert items[-1].error is None and items[-1].finish_reason == "length"
+        assert sum(len(e.token_ids) for e in items) == LONG.max_tokens
+
+    _run(scenario, w)
+    assert w.blocks_used == 0
+    assert w.metrics.role_flip_timeouts.value() == 1
+    assert w.metrics.role_flips.value(**{"from": "collocated", "to": "decode"}) == 0
+
+
+def test_the_same_role_a_second_flip_and_an_unreachable_role_are_conflicts(make_worker
+                                                                          ) -> None:
+    w = make_worker()
+    bare = make_worker(moves_kv=False)
+
+    async def scenario() -> None:
+        same = await _flip(w, Role.COLLOCATED)
+        assert isinstance(same, ApiError) and (same.status, same.code) == (409, "same_role")
+        assert same.message == "this worker is collocated already"
+        sink = w.loop.submit(LegRequest("r", PROMPT, LONG))
+        assert isinstance(await sink.get(), Accepted)
+        first = asyncio.ensure_future(_flip(w, Role.DECODE))
+        await _until(lambda: w.loop.flip.state == "flipping")
+        second = await _flip(w, Role.PREFILL)
+        assert isinstance(second, ApiError)
+        assert (second.status, second.code) == (409, "flip_in_progress")
+        assert second.message == "a role change to decode is in progress"
+        await _leg(sink)
+        assert isinstance(await first, FlipDone) and w.engine.role is Role.DECODE
+        unreachable = await _flip(bare, Role.DECODE)
+        assert isinstance(unreachable, ApiError)
+        assert (unreachable.status, unreachable.code) == (409, "role_unavailable")
+        assert bare.engine.role is Role.COLLOCATED
+
+    _run(scenario, w, bare)
+    assert w.blocks_used == 0
+
+
+def test_a_prefill_worker_changes_role_once_its_held_prefill_was_sent(make_worker) -> None:
+    """Token 0 leaves the prefill worker's blocks held for the decode worker; a flip waits for
+    the transfer to end (the blocks released), and the decode leg gets every token."""
+    pre, dec = make_worker(Role.PREFILL), make_worker(Role.DECODE)
+    expected = _greedy(pre, SHORT)
+    tid = 0xF11F
+
+    async def scenario() -> None:
+        prefill = LegRequest("p", PROMPT, SHORT, LegKind.PREFILL, tid, dec.transport.local)
+        token0 = await _leg(pre.loop.submit(prefill))
+        assert _tokens(token0) == expected[:1] and pre.blocks_used > 0  # held for the decode
+        flip = asyncio.ensure_future(_flip(pre, Role.COLLOCATED))
+        await asyncio.sleep(0.3)
+        assert not flip.done() and pre.loop.flip.state == "flipping"
+        assert pre.engine.role is Role.PREFILL
+        decode = LegRequest("p", PROMPT, SHORT, LegKind.DECODE, tid, pre.transport.local)
+        items = await _leg(dec.loop.submit(decode))
+        assert _tokens(items) == expected
+        done = await flip
+        assert isinstance(done, FlipDone) and (done.from_role, done.to_role) == \
+            (Role.PREFILL, Role.COLLOCATED)
+        assert pre.blocks_used == 0
+
+    _run(scenario, pre, dec)
+    assert dec.blocks_used == 0 and pre.engine.role is Role.COLLOCATED
+
+
+def test_the_engine_changes_role_only_when_it_holds_no_request(tiny_model) -> None:
+    engine = Engine(EngineConfig(model=str(tiny_model()), dtype="float32", max_model_len=256,
+                                 role=Role.PREFILL))
+    rid = engine.add_request(list(PROMPT), SHORT)  # the prefill role's default: hand over
+    out = engine.step()[0]
+    assert out.kv_block_ids  # token 0 sampled, blocks held
+    with pytest.raises(ValueError, match=r"holds 1 request\(s\); its role changes only when"):
+        engine.set_role(Role.DECODE)
+    assert engine.role is Role.PREFILL
+    engine.release(rid)
+    engine.set_role(Role.DECODE)
+    assert engine.role is Role.DECODE and engine.config.role is Role.DECODE
+    engine.add_remote_request(list(PROMPT), SHORT, request_id="remote")  # decode-only call
+    assert engine.reserved_blocks("remote")
+    engine.abort("remote")
+    engine.set_role(Role.COLLOCATED)
+    engine.add_request(list(PROMPT), SHORT, request_id="whole")
+    while engine.has_unfinished_requests():
+        outs = engine.step()
+    assert outs[-1].finished and outs[-1].kv_block_ids is None  # no hand-over now
+    assert engine.block_manager.num_used_blocks == 0
