@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import argparse
 
+from pdserve.bench.chaos.cli import DESCRIPTION as CHAOS_DESCRIPTION
+from pdserve.bench.chaos.cli import add_chaos_args, run_chaos_cli
 from pdserve.bench.compare import add_compare_args, run_compare_cli
 from pdserve.bench.serve.runner import add_bench_serve_args, run_bench_serve
 from pdserve.cli_args import add_cpu_kernels_arg, add_device_arg
@@ -17,7 +19,7 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
         "bench", help="benchmarks, each beside a baseline measured in the same run")
     kinds = bench.add_subparsers(dest="bench", required=True)
     for add in (_add_engine, _add_transfer, _add_layerwise, _add_serve, _add_compare,
-                _add_router, _add_hostile):
+                _add_router, _add_hostile, _add_chaos):
         add(kinds)
 
 
@@ -145,6 +147,15 @@ def _add_hostile(kinds: argparse._SubParsersAction) -> None:
                    help="the rest of the line goes to `pdserve up` (default: its defaults)")
     h.add_argument("--json", action="store_true", help="medians and every run as JSON")
     h.set_defaults(func=_bench_hostile)
+
+
+def _add_chaos(kinds: argparse._SubParsersAction) -> None:
+    chaos = kinds.add_parser(
+        "chaos", help="a cluster under streaming load while workers are killed, stopped and "
+                      "attacked: hung requests, leaked KV blocks, clean errors",
+        description=CHAOS_DESCRIPTION)
+    add_chaos_args(chaos)
+    chaos.set_defaults(func=run_chaos_cli)
 
 
 def _bench_engine(args: argparse.Namespace) -> int:
