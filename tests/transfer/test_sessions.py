@@ -231,12 +231,19 @@ def test_receiver_abort_mid_stream_fences_every_layer_write(w):
     settle(w, t)
 
 
-def test_a_prefill_that_never_reports_token0_fails_both_within_the_lease(w):
+def test_a_prefill_that_never_reports_token0_fails_both_at_the_receivers_lease(w):
+    """A streamed sender holds its own lease while its prompt computes (the wait is its
+    compute); the receiver, told nothing (no HOLD), gives up at its lease and the sender
+    follows on its ABORT."""
     t = open_transfer(w, PROMPTS[0], Mode.PUSH, stream=True)
     t.recv.poll()
     t.send.poll()
     t.send.layers_ready(w.pre.kv_cache.num_layers)  # every layer written, then silence
-    assert_failed_within_lease(w, t, pump(w, t))
+    took = pump(w, t)
+    assert t.recv.reason == "the lease expired"
+    assert t.send.reason == "the receiver aborted: the lease expired"
+    assert took <= LEASE + 2 * STEP
+    assert settle(w, t)[t.rid].outputs[0].finish_reason == "abort"
 
 
 def test_streaming_is_push_only(w):

@@ -372,7 +372,8 @@ def test_unclaimed_messages_are_dropped_after_the_lease_unless_expected(w, expec
     assert w.pre.poll() == []
     w.clock.now += wait
     assert w.pre.poll() == []
-    assert sent_to_decode(w) == []  # a stray message is not answered
+    # a stray message is not answered (an expected id tells the decode it is held, though)
+    assert sent_to_decode(w) == (["hold"] if expected else [])
     w.pre.open_send(TID, DEC, SRC, TOKEN0, LOGPROB0)
     w.pre.poll()
     # a kept reservation is served at once: descriptor, write, completion notice
@@ -434,3 +435,73 @@ def test_pull_mode_ignores_layer_streaming():
     w.pre.expect(TID, DEC)
     w.pre.stream_layers(TID, DEC, SRC, 1)
     assert w.pre.active == 0
+
+
+# -- holding: a transfer waiting for compute or room is not timed out --------------------------
+
+
+def run_leases(w: World, leases: int) -> None:
+    """Poll both hubs while `leases` leases pass, in steps of an eighth of one; nothing ends."""
+    for _ in range(8 * leases):
+        w.clock.now += LEASE / 8
+        assert w.poll() == ([], [])
+
+
+def test_an_expected_transfer_is_held_every_third_of_the_lease_until_closed(w):
+    w.pre.expect(TID, DEC)
+    start, held_at = w.clock.now, []
+    while w.clock.now < start + 3 * LEASE:
+        w.clock.now += LEASE / 16
+        w.pre.poll()
+        for _, data in w.dec_tx.receive():
+            assert decode_any(data) == ControlMessage(TID, PRE, ControlOp.HOLD)
+            held_at.append(w.clock.now)
+    gaps = [b - a for a, b in zip([start, *held_at], held_at, strict=False)]
+    assert len(held_at) >= 7
+    assert all(LEASE / 3 <= gap <= LEASE / 3 + LEASE / 16 for gap in gaps), gaps
+    w.pre.close(TID, DEC, CANCELLED)
+    w.clock.now += LEASE
+    w.pre.poll()
+    assert sent_to_decode(w) == ["abort"]  # and no HOLD after it
+
+
+def test_a_receive_waits_out_a_prefill_queued_for_three_leases_and_gets_the_kv(w):
+    w.dec.expect(TID, PRE)  # the reservation waits for room; the prefill is queued
+    w.pre.expect(TID, DEC)
+    run_leases(w, 1)  # each side holds the id for the other: dropped, never answered
+    w.dec.open_recv(TID, PRE, DST)
+    run_leases(w, 2)
+    assert w.pre.open_send(TID, DEC, SRC, TOKEN0, LOGPROB0)
+    pre_events, dec_events = w.poll(2)
+    assert dec_events == [RecvDone(TID, TOKEN0, LOGPROB0, 2 * LEASE, w.nbytes)]
+    assert pre_events == [SendEnded(TID, True, None, 0.0, w.nbytes)]
+    w.assert_quiet()
+
+
+def test_a_send_waits_out_a_reservation_queued_for_room_and_delivers(w):
+    w.dec.expect(TID, PRE)  # the decode pool has no room yet
+    open_send(w)
+    run_leases(w, 3)
+    w.dec.open_recv(TID, PRE, DST)
+    pre_events, dec_events = w.poll(2)
+    assert dec_events == [RecvDone(TID, TOKEN0, LOGPROB0, 0.0, w.nbytes)]
+    assert pre_events == [SendEnded(TID, True, None, 3 * LEASE, w.nbytes)]
+    w.assert_quiet()
+
+
+def test_a_streamed_prompt_that_computes_for_three_leases_still_lands(w):
+    stream_layer0(w)
+    run_leases(w, 3)
+    assert w.pre.open_send(TID, DEC, SRC, TOKEN0, LOGPROB0)
+    pre_events, dec_events = w.poll(2)
+    assert dec_events == [RecvDone(TID, TOKEN0, LOGPROB0, 3 * LEASE, w.nbytes)]
+    assert pre_events == [SendEnded(TID, True, None, 0.0, w.nbytes)]
+    assert torch.equal(w.dec_cache.data[DST], w.pre_cache.data[SRC])
+
+
+def test_a_hold_for_a_closed_transfer_is_answered_with_abort(w):
+    w.pre.close(TID, None, CANCELLED)
+    w.dec_tx.send(PRE, ControlMessage(TID, DEC, ControlOp.HOLD).encode())
+    assert w.pre.poll() == []
+    answers = [decode_any(data) for _, data in w.dec_tx.receive()]
+    assert answers == [ControlMessage(TID, PRE, ControlOp.ABORT, CLOSED_HERE)]

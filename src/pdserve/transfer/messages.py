@@ -12,8 +12,15 @@ blocks it lands in (decode), whichever of them writes the message (push or pull)
   (the receiver cannot write one: it does not know the sender's source block ids).
 - kind 4, `ControlMessage`: ABORT (with a reason), ABORT_ACK (the writer has stopped and will
   never write again), ACK (push: verified, the sender may free), RELEASE (pull: read and
-  verified, the sender may free). No body; the header names the author, which the session
+  verified, the sender may free), HOLD (either side: "this transfer is alive here and waits
+  for compute or for pool room, not for you": the peer's session renews its lease; sent
+  every lease/3 while the author holds the id without a session of its own, or, a prefill,
+  while the prompt still computes). No body; the header names the author, which the session
   checks against the peer it was set up with.
+
+Versions: a new control op is a change inside one cluster (every worker runs the same build),
+so HOLD did not change the protocol version. A build without it decodes HOLD as an unknown op,
+which its inbox counts and drops: its leases then run from its session's opening, as before.
 
 Wire format (language-neutral, versioned, no pickle; helpers in `wire.py`):
 
@@ -248,6 +255,7 @@ class ControlOp(StrEnum):
     ABORT_ACK = "abort_ack"
     ACK = "ack"
     RELEASE = "release"
+    HOLD = "hold"  # alive, waiting for compute or pool room: renews the peer's lease
 
 
 @dataclass(frozen=True)

@@ -36,6 +36,9 @@ class SendSession(Session):
     notice sent; the blocks are leased to the reader) -> DONE on the receiver's RELEASE.
     FAILED from any live state: lease expiry, write error, a dead peer or endpoint, a bad
     reservation, a message from a restarted receiver instance, the receiver's ABORT, abort().
+    The lease runs from token 0 (a streamed session holds it while the prompt computes: the
+    wait is this side's compute, which the receiver hears of as HOLDs) and the receiver's
+    HOLD (its reservation waits for pool room) renews it.
 
     Layer-wise streaming (push): a session opened with `token0=None` while the prompt is still
     being computed writes layers [sent, ready) of every block each time `layers_ready(ready)`
@@ -100,6 +103,8 @@ class SendSession(Session):
 
     def poll(self) -> TransferState:
         """Handle arrived messages, check the write, the peer and the lease. Never blocks."""
+        if self.prefilling:
+            self._lease.renew()  # the prompt is still computing here: nothing to time yet
         self._take_messages()
         if not self._status.is_terminal:
             self._check_progress()
@@ -115,6 +120,7 @@ class SendSession(Session):
         """Every layer is computed and token 0 sampled: the notice can follow the writes."""
         self._token0 = CompletionNotice(self._link.transfer_id, self._link.local, (), token0,
                                         token0_logprob)
+        self._lease.renew()
         self.layers_ready(self._layout.num_layers)
 
     def abort(self, reason: str) -> None:

@@ -13,7 +13,9 @@ named inside it are exactly the expected peer (instance id included). The same a
 another instance id is a restarted peer (STALE: the session fails); anything else is FOREIGN
 (ignored).
 
-`Lease` is a deadline on an injectable clock.
+`Lease` is a deadline on an injectable clock. It bounds the silence of a peer, not its queue:
+the peer's HOLD (it holds the transfer, waiting for compute or pool room) renews it, so a
+session waits as long as its peer keeps saying so, and one lease past the last word.
 
 `Session` holds what both sides of one transfer have: the link, the pool and its layout, the
 mode, the state and the lease, and the checks every poll makes (a message from a restarted
@@ -138,13 +140,17 @@ class Link:
 
 
 class Lease:
-    """A deadline `seconds` after creation on `clock`."""
+    """A deadline `seconds` after creation, or after the last `renew`, on `clock`."""
 
     def __init__(self, seconds: float, clock: Callable[[], float]) -> None:
         if not seconds > 0:
             raise ValueError(f"a lease lasts more than 0 seconds, got {seconds}")
-        self.clock = clock
+        self.clock, self.seconds = clock, seconds
         self.deadline = clock() + seconds
+
+    def renew(self) -> None:
+        """The deadline is `seconds` from now (never earlier than it was)."""
+        self.deadline = max(self.deadline, self.clock() + self.seconds)
 
     @property
     def expired(self) -> bool:
@@ -166,7 +172,8 @@ class Session(ABC):
     needed. `_check_progress` fails the session when this endpoint or the peer is dead
     (`peer_role` names the peer in the reason, with the transport's why: "restarted: ..."
     when another instance took its address) or the lease expired; a message from another
-    instance at the peer's address fails it too.
+    instance at the peer's address fails it too. The peer's HOLD renews the lease of a live
+    session (never a terminal one): the lease times the peer's silence, not its queue.
     Lifetime: one transfer id, from its opening until the caller releases its blocks.
     """
 
@@ -186,6 +193,10 @@ class Session(ABC):
         return self._link.transfer_id
 
     @property
+    def peer(self) -> PeerId:
+        return self._link.peer
+
+    @property
     def state(self) -> TransferState:
         return self._status.state
 
@@ -199,7 +210,12 @@ class Session(ABC):
             if trust is Trust.STALE:
                 self._fail(f"message from another instance of the {self.peer_role}'s address "
                            "(restarted peer); not trusted")
-            elif trust is Trust.TRUSTED:
+            elif trust is not Trust.TRUSTED:
+                continue
+            elif isinstance(msg, ControlMessage) and msg.op is ControlOp.HOLD:
+                if not self._status.is_terminal:
+                    self._lease.renew()
+            else:
                 self._on_message(msg)
 
     def _check_progress(self) -> None:

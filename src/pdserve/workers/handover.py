@@ -33,7 +33,8 @@ the leg is taken):
 
 Invariant: every engine request of a transfer returns its blocks to the pool on every path:
 finish, cancel, transfer failure, peer death (the sessions' leases bound every wait for a
-peer that is alive but silent).
+peer that is alive but silent; the hub's HOLDs keep them from running out while a transfer
+only waits for its prompt's compute or its reservation's room, `transfer_hub.py`).
 Threading: the engine thread alone calls every method (`on_layer` from inside a step).
 """
 

@@ -12,8 +12,19 @@ anything else an ABORT), so a peer never waits out its lease for a transfer that
 
 Messages for an id that was neither expected nor closed wait in the inbox (a reservation may
 arrive before the prefill finished); an ABORT among them closes the id and is reported as
-`PeerClosed` when the id is expected, so the leg waiting for it ends at once. Unclaimed
-messages are dropped after the lease.
+`PeerClosed` when the id is expected, so the leg waiting for it ends at once; the peer's HOLDs
+alone are dropped (nothing here waits on a lease yet). Unclaimed messages are dropped after
+the lease.
+
+Holding. While this side holds an id without moving its KV yet (expected: the prompt is queued
+or computing, or the reservation waits for pool room; or a streamed send whose prompt still
+computes), `poll` sends the peer a HOLD every `lease_s / 3`, and the peer's session renews its
+lease on each. So a lease times a peer's silence, not the queue ahead of its transfer: the
+leases start, in effect, when the transfer can start. A third of the lease lets two HOLDs in a
+row come late (a starved pump thread, a busy link) before a waiting peer gives up, and costs
+three small messages per lease per waiting transfer. The HOLDs come from `HubPump`'s thread,
+never the engine's, so a long engine step does not stop them; a peer that dies, stalls (SIGSTOP)
+or loses its pump stops sending them, and the lease ends the wait one lease after the last one.
 
 Peers that restart. `expect` names the peer instance the router paired the leg with and
 reaches it at once (`Transport.reach`: the TCP transport dials it), so the first authenticated
@@ -146,6 +157,7 @@ class TransferHub:
         self._closed: dict[int, float] = {}  # transfer id -> when it closed
         self._unclaimed_since: dict[int, float] = {}
         self._peer_aborts: dict[int, str] = {}  # closed by the peer before anyone expected it
+        self._held_at: dict[int, float] = {}  # held id -> when its last HOLD went (or expect)
         self._pending: list[HubEvent] = []
         self._lock = threading.Lock()
 
@@ -175,6 +187,7 @@ class TransferHub:
             self._closed[transfer_id] = self._clock()
             return self._death(peer)
         self._expected[transfer_id] = peer
+        self._held_at[transfer_id] = self._clock()
         self.transport.reach(peer)
         return None
 
@@ -291,8 +304,22 @@ class TransferHub:
             self._closed[tid] = self._clock()
         events += self._handle_unclaimed()
         events += self._dead_expected()
+        self._send_holds()
         self._forget_old()
         return events
+
+    def _send_holds(self) -> None:
+        """A HOLD to the peer of every id held here without its KV moving yet, every third of
+        the lease (see the module docstring)."""
+        now = self._clock()
+        held = dict(self._expected)
+        held |= {tid: s.peer for tid, (s, _, _) in self._sends.items() if s.prefilling}
+        for tid in self._held_at.keys() - held.keys():
+            del self._held_at[tid]
+        for tid, peer in held.items():
+            if now - self._held_at.setdefault(tid, now) >= self._lease_s / 3:
+                self._send(peer, tid, ControlOp.HOLD)
+                self._held_at[tid] = now
 
     def _dead_expected(self) -> list[HubEvent]:
         """Expected ids whose peer died or restarted before a session opened: closed, and
@@ -318,8 +345,11 @@ class TransferHub:
                 for source, msg in self._inbox.take(tid):
                     self._answer_closed(tid, source, msg)
                 continue
-            aborts = [m for _, m in self._inbox.peek(tid)
-                      if isinstance(m, ControlMessage) and m.op is ControlOp.ABORT]
+            waiting = [m for _, m in self._inbox.peek(tid)]
+            aborts = [m for m in waiting if _is_op(m, ControlOp.ABORT)]
+            if not aborts and all(_is_op(m, ControlOp.HOLD) for m in waiting):
+                self._inbox.take(tid)  # the peer waits, alive: nothing here to renew yet
+                continue
             if aborts:
                 for source, _ in self._inbox.take(tid):
                     self._send(source, tid, ControlOp.ABORT_ACK)  # we will never write
@@ -335,9 +365,9 @@ class TransferHub:
         return events
 
     def _answer_closed(self, tid: int, source: PeerId, msg: object) -> None:
-        if isinstance(msg, ControlMessage) and msg.op is ControlOp.ABORT:
+        if _is_op(msg, ControlOp.ABORT):
             self._send(source, tid, ControlOp.ABORT_ACK)
-        elif not (isinstance(msg, ControlMessage) and msg.op is ControlOp.ABORT_ACK):
+        elif not _is_op(msg, ControlOp.ABORT_ACK):  # a HOLD too: the peer's wait is over
             self._send(source, tid, ControlOp.ABORT, "the transfer is closed at this peer")
 
     def _forget_old(self) -> None:
@@ -359,3 +389,7 @@ class TransferHub:
 
     def _nbytes(self, num_blocks: int) -> int:
         return num_blocks * self.layout.num_layers * self.layout.slice_nbytes
+
+
+def _is_op(msg: object, op: ControlOp) -> bool:
+    return isinstance(msg, ControlMessage) and msg.op is op
