@@ -62,8 +62,8 @@ def test_default_layout_is_one_prefill_one_decode_then_router() -> None:
     assert _option(decode, "--kv-port") == ["8102"] and _option(decode, "--cpus") == ["1"]
     assert router.argv == (
         PY, "-m", "pdserve.cli", "router", "--host", "127.0.0.1", "--port", "8000",
-        "--model", "smollm2", "--policy", "least_loaded", "--local-prefill-threshold", "256",
-        "--leg-timeout", "60.0", "--secret-file", "/run/secret",
+        "--model", "smollm2", "--policy", "least_loaded", "--leg-timeout", "60.0",
+        "--secret-file", "/run/secret",
         "--prefill", "http://127.0.0.1:8001", "--decode", "http://127.0.0.1:8002")
     assert router.health_url == "http://127.0.0.1:8000/health"
     assert prefill.signed_health and decode.signed_health and router.signed_health
@@ -252,6 +252,29 @@ def test_leg_timeout_reaches_the_router() -> None:
         UpConfig(leg_timeout_s=-1)
     with pytest.raises(ValueError, match=r"--leg-timeout \(30.0 s\) must exceed --kv-lease"):
         UpConfig(leg_timeout_s=30.0, kv_lease_s=30.0)
+
+
+def test_split_options_reach_the_router_only_when_given() -> None:
+    config = UpConfig.from_args(_args("--local-prefill-threshold", "64", "--slo-tpot-ms", "50"))
+    router = plan_processes(config, SECRET)[-1]
+    assert _option(router, "--local-prefill-threshold") == ["64"]
+    assert _option(router, "--slo-tpot-ms") == ["50"]
+    default = plan_processes(UpConfig.from_args(_args()), SECRET)[-1]
+    assert "--local-prefill-threshold" not in default.argv and "--slo-tpot-ms" not in default.argv
+
+
+def test_elastic_options_reach_the_router_only_when_given() -> None:
+    config = UpConfig.from_args(_args("--elastic", "--slo-ttft-ms", "500", "--slo-tpot-ms", "50"))
+    router = plan_processes(config, SECRET)[-1]
+    assert "--elastic" in router.argv and _option(router, "--elastic") == []
+    assert _option(router, "--slo-ttft-ms") == ["500"]
+    assert _option(router, "--slo-tpot-ms") == ["50"]
+    default = plan_processes(UpConfig.from_args(_args()), SECRET)[-1]
+    assert "--elastic" not in default.argv and "--slo-ttft-ms" not in default.argv
+    with pytest.raises(ValueError, match="--elastic flips workers between prefill and decode"):
+        UpConfig.from_args(_args("--elastic", "--collocated", "1"))
+    with pytest.raises(ValueError, match="--slo-ttft-ms must be > 0"):
+        UpConfig.from_args(_args("--elastic", "--slo-ttft-ms", "0"))
 
 
 def test_admission_options_reach_the_router() -> None:

@@ -15,7 +15,7 @@ from pdserve.internal_auth import InternalAuth
 from pdserve.legs.protocol import EventBatch, LegKind, LegRequest, TokenEvent
 from pdserve.router.admission import Overloaded
 from pdserve.router.admission_settings import AdmissionSettings
-from pdserve.router.dispatch import Dispatcher, DispatchSettings
+from pdserve.router.dispatch import Dispatcher, DispatchSettings, NoWorkers
 from pdserve.router.leg_client import LegFailed
 from pdserve.router.policies import LeastLoaded
 from pdserve.router.router_metrics import RouterMetrics
@@ -139,5 +139,32 @@ def test_a_local_retry_moves_the_slot_to_the_other_worker() -> None:
         gate.set()
         assert (await task)[-1].final
         assert (q.held(d0), q.held(d1)) == (0, 0)
+
+    asyncio.run(go())
+
+
+def test_a_request_waits_for_a_decode_worker_that_is_coming_back() -> None:
+    async def go() -> None:
+        d = dispatcher(ScriptedLegs())
+        dec = worker(d, "http://d0")
+        dec.healthy = False  # restarting: its supervisor brings it back
+        task = asyncio.create_task(run(d, SHORT))
+        await asyncio.sleep(0.05)
+        assert not task.done() and d.queues["decode"].depth == 1
+        dec.healthy = True
+        d.admit_waiting()  # the health round that finds it answering again
+        events = await asyncio.wait_for(task, 5)
+        assert [t for e in events for t in e.token_ids] == [7, 8]
+
+    asyncio.run(go())
+
+
+def test_a_request_fails_at_once_when_no_worker_is_expected_back() -> None:
+    async def go() -> None:
+        d = dispatcher(ScriptedLegs())
+        dec = worker(d, "http://d0")
+        dec.healthy, dec.refused = False, "does not share the cluster secret"
+        with pytest.raises(NoWorkers, match="no healthy decode"):
+            await asyncio.wait_for(run(d, SHORT), 5)
 
     asyncio.run(go())

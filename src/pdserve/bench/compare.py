@@ -3,9 +3,12 @@ the other, on the same cores, in one run; one table with the ratio to the first.
 
 Each pdserve configuration is started here with `pdserve up` on the first `cores` cores
 (collocated: one worker on all of them; disagg: one prefill and one decode worker, the cores
-split between them), warmed up with two requests, measured with `bench serve`'s runner, and
-stopped before the next starts. Workers keep a ring of their engine steps; the steps of the
-measured interval are fetched before the stop (for the timeline picture). `--external
+split between them; elastic: disagg's workers, whose roles the router flips itself, `pdserve
+up --elastic`), warmed up with two requests, measured with `bench serve`'s runner, and
+stopped before the next starts. Before the stop the router's `pdserve_role_flips_total` is
+read: `role_flips` (all directions) and `role_flips_by` ("decode->prefill": n, ...). Workers
+keep a ring of their engine steps; the steps of the measured interval are fetched before the
+stop (for the timeline picture). `--external
 NAME=URL` adds a server someone else started (vLLM, see docs/vllm.md) to the same table.
 
 Repeats (`--repeats N`, default 1). Invariants:
@@ -32,6 +35,7 @@ import contextlib
 import json
 import math
 import os
+import re
 import shlex
 import signal
 import statistics
@@ -58,17 +62,23 @@ CONFIGS: dict[str, tuple[str, ...]] = {
     "collocated": ("--collocated", "1"),
     "collocated-chunked": ("--collocated", "1", "--enable-chunked-prefill"),
     "disagg": ("--prefill", "1", "--decode", "1"),
+    "elastic": ("--prefill", "1", "--decode", "1", "--elastic"),
 }
 EXTERNAL_READY_S = 900.0  # vLLM compiles its model graphs at start-up
 TABLE_KEYS = ("completed", "failed", "request_throughput", "output_throughput",
               "request_goodput", "mean_ttft_ms", "median_ttft_ms", "p90_ttft_ms", "p99_ttft_ms",
               "mean_tpot_ms", "median_tpot_ms", "p99_tpot_ms", "mean_itl_ms", "median_itl_ms",
-              "p90_itl_ms", "p99_itl_ms", "mean_e2el_ms", "median_e2el_ms", "p99_e2el_ms")
+              "p90_itl_ms", "p99_itl_ms", "mean_e2el_ms", "median_e2el_ms", "p99_e2el_ms",
+              "role_flips")
 # The numeric keys of `compute_metrics` (all of them but `errors`): what repeats take medians of.
 METRIC_KEYS: tuple[str, ...] = (
     "duration", "completed", "failed", "total_input_tokens", "total_output_tokens",
     "request_throughput", "request_goodput", "output_throughput", "total_token_throughput",
     *(key for name in ("ttft", "tpot", "itl", "e2el") for key in distribution_ms(name, [])))
+# Read from a pdserve cluster's router (none for an external server): medians over repeats too.
+CLUSTER_KEYS = ("role_flips",)
+FLIP_LINE = re.compile(r'^pdserve_role_flips_total\{from="(?P<old>\w+)",to="(?P<new>\w+)"\} '
+                       r"(?P<n>\S+)$")
 
 
 @dataclass(frozen=True)
@@ -138,6 +148,21 @@ def _worker_steps(up: UpProcess, since: float) -> dict[str, list[list[float]]]:
         index += 1
 
 
+def role_flips(router_url: str) -> dict[str, Any]:
+    """`role_flips` and `role_flips_by` ("decode->prefill": n) from the router's /metrics."""
+    with urllib.request.urlopen(router_url + "/metrics", timeout=5) as resp:
+        return flips_from_metrics(resp.read().decode())
+
+
+def flips_from_metrics(text: str) -> dict[str, Any]:
+    by: dict[str, int] = {}
+    for line in text.splitlines():
+        if (match := FLIP_LINE.match(line)) is not None:
+            key = f"{match['old']}->{match['new']}"
+            by[key] = by.get(key, 0) + round(float(match["n"]))
+    return {"role_flips": sum(by.values()), "role_flips_by": by}
+
+
 def _turn(s: CompareSettings, name: str, repeat: int) -> str:
     """The name of a run in progress lines; the repeat only shows when there are several."""
     return name if s.repeats == 1 else f"{name} (repeat {repeat + 1}/{s.repeats})"
@@ -152,7 +177,7 @@ def run_config(s: CompareSettings, name: str,
         _warm_up(up.url, s.model, s.workload)
         since = time.time()
         result = run_bench(up.url, s.model, s.workload, s.load, s.timeout_s, s.slo)
-        return result, _worker_steps(up, since)
+        return {**result, **role_flips(up.url.removesuffix("/v1"))}, _worker_steps(up, since)
     finally:
         up.stop()
 
@@ -247,9 +272,9 @@ def combine_repeats(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
     if len(runs) == 1:
         return runs[0]
     errors = [e for run in runs for e in run.get("errors", [])][:MAX_ERRORS]
-    repeats = [{k: run[k] for k in (*METRIC_KEYS, "errors") if k in run} for run in runs]
-    return {**runs[-1], **median_of_runs(runs, METRIC_KEYS), "errors": errors,
-            "repeats": repeats}
+    keys = (*METRIC_KEYS, *(k for k in CLUSTER_KEYS if any(k in run for run in runs)))
+    repeats = [{k: run[k] for k in (*keys, "errors") if k in run} for run in runs]
+    return {**runs[-1], **median_of_runs(runs, keys), "errors": errors, "repeats": repeats}
 
 
 def every_run_completed(results: Mapping[str, Mapping[str, Any]]) -> bool:
@@ -297,7 +322,8 @@ def add_compare_args(p: argparse.ArgumentParser) -> None:
                    help="cores every configuration gets (default: all, %(default)s)")
     p.add_argument("--model", default="smollm2", help="default: %(default)s")
     p.add_argument("--transport", choices=["tcp", "nixl"], default="tcp",
-                   help="KV transport of the disagg configuration (default: %(default)s)")
+                   help="KV transport of the disagg and elastic configurations "
+                        "(default: %(default)s)")
     p.add_argument("--local-prefill-threshold", type=int, default=None, metavar="TOKENS",
                    help="disagg: prompts up to this many uncached tokens run whole on the "
                         "decode worker (default: pdserve up's)")

@@ -34,6 +34,7 @@ from pdserve.router.admission_settings import (
     admission_from_args,
     admission_to_args,
 )
+from pdserve.router.elastic_settings import DEFAULT_SLO_TTFT_MS, elastic_to_args
 from pdserve.router.rate_limit import RateLimit
 from pdserve.workers.settings import (
     LAYERWISE,
@@ -70,7 +71,10 @@ class UpConfig:
     kv_cache_memory: str = "512MiB"
     max_model_len: int | None = None
     policy: str = "least_loaded"
-    local_prefill_threshold: int = 256
+    local_prefill_threshold: int | None = None  # None: the router decides from measured costs
+    slo_tpot_s: float = 0.1
+    elastic: bool = False  # the router flips workers between prefill and decode itself
+    slo_ttft_s: float = DEFAULT_SLO_TTFT_MS / 1000.0  # the elastic controller's TTFT target
     leg_timeout_s: float = 60.0
     ready_timeout_s: float = 300.0
     cpus: tuple[int, ...] = (0,)
@@ -103,9 +107,16 @@ class UpConfig:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
         if self.max_num_seqs is not None and self.max_num_seqs <= 0:
             raise ValueError(f"max_num_seqs must be positive, got {self.max_num_seqs}")
-        if self.local_prefill_threshold < 0:
+        if self.local_prefill_threshold is not None and self.local_prefill_threshold < 0:
             raise ValueError("local_prefill_threshold must be >= 0, got "
                              f"{self.local_prefill_threshold}")
+        if not self.slo_tpot_s > 0:
+            raise ValueError(f"--slo-tpot-ms must be > 0, got {self.slo_tpot_s * 1000:g}")
+        if not self.slo_ttft_s > 0:
+            raise ValueError(f"--slo-ttft-ms must be > 0, got {self.slo_ttft_s * 1000:g}")
+        if self.elastic and self.num_collocated:
+            raise ValueError("--elastic flips workers between prefill and decode: use it with "
+                             "--prefill and --decode, not --collocated")
         if not self.leg_timeout_s > 0:
             raise ValueError(f"--leg-timeout must be > 0 seconds, got {self.leg_timeout_s}")
         if not self.kv_lease_s > 0:
@@ -176,7 +187,8 @@ class UpConfig:
                    device=args.device, kv_cache_memory=args.kv_cache_memory,
                    max_model_len=args.max_model_len,
                    policy=args.policy, local_prefill_threshold=args.local_prefill_threshold,
-                   leg_timeout_s=args.leg_timeout,
+                   slo_tpot_s=args.slo_tpot_ms / 1000.0, leg_timeout_s=args.leg_timeout,
+                   elastic=args.elastic, slo_ttft_s=args.slo_ttft_ms / 1000.0,
                    ready_timeout_s=args.ready_timeout, cpus=cpus,
                    enable_chunked_prefill=args.enable_chunked_prefill,
                    max_num_batched_tokens=args.max_num_batched_tokens,
@@ -198,6 +210,15 @@ def worker_counts(prefill: int | None, decode: int | None,
             raise ValueError(f"--collocated must be >= 1, got {collocated}")
         return 0, 0, collocated
     return (1 if prefill is None else prefill), (1 if decode is None else decode), 0
+
+
+def _split_args(config: UpConfig) -> list[str]:
+    """The router's conditional-disaggregation flags, for those not at their defaults."""
+    argv = [] if config.local_prefill_threshold is None else \
+        ["--local-prefill-threshold", str(config.local_prefill_threshold)]
+    if config.slo_tpot_s != UpConfig.slo_tpot_s:
+        argv += ["--slo-tpot-ms", f"{config.slo_tpot_s * 1000:g}"]
+    return argv
 
 
 def base_url(host: str, port: int) -> str:
@@ -277,8 +298,9 @@ def _access_args(config: UpConfig) -> list[str]:
 def _router_spec(config: UpConfig, secret_file: Path) -> ProcessSpec:
     argv = [sys.executable, "-m", "pdserve.cli", "router", "--host", config.host,
             "--port", str(config.port), "--model", config.model, "--policy", config.policy,
-            "--local-prefill-threshold", str(config.local_prefill_threshold),
-            "--leg-timeout", str(config.leg_timeout_s), "--secret-file", str(secret_file),
+            *_split_args(config), *elastic_to_args(config.elastic, config.slo_ttft_s),
+            "--leg-timeout", str(config.leg_timeout_s),
+            "--secret-file", str(secret_file),
             *_metrics_key_args(config), *limits_to_args(config.limits), *_access_args(config),
             *admission_to_args(config.admission)]
     for role in ("prefill", "decode", "collocated"):

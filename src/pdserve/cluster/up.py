@@ -33,6 +33,7 @@ from pdserve.cluster.supervisor import ClusterError, run
 from pdserve.internal_auth import InternalAuth, read_secret_file
 from pdserve.router.access import add_client_access_args
 from pdserve.router.admission_settings import add_admission_args
+from pdserve.router.elastic_settings import add_elastic_args
 from pdserve.workers.settings import LAYERWISE, LAYERWISE_HELP
 
 __all__ = ["UpConfig", "add_up_parser", "plan_processes", "run_up"]
@@ -128,14 +129,20 @@ def _add_router_args(p: argparse.ArgumentParser) -> None:
                    help="how the router picks workers: round_robin in turn, least_loaded the "
                         "one with the fewest requests in flight, prefix the one most likely to "
                         "hold the prompt's prefix in its cache (default: %(default)s)")
-    p.add_argument("--local-prefill-threshold", type=int, default=256, metavar="TOKENS",
-                   help="prompts up to this many tokens are prefilled by the decode worker "
-                        "itself, skipping the transfer (default: %(default)s)")
+    p.add_argument("--local-prefill-threshold", type=int, default=None, metavar="TOKENS",
+                   help="a fixed rule: prompts whose uncached part is at most this many tokens "
+                        "are prefilled by the decode worker itself, skipping the transfer "
+                        "(default: decided per request from measured costs, see pdserve "
+                        "router --help)")
+    p.add_argument("--slo-tpot-ms", type=float, default=100.0, metavar="MS",
+                   help="time per output token a decode worker's streams should keep when it "
+                        "prefills a prompt itself (default: %(default)s)")
     p.add_argument("--leg-timeout", type=float, default=60.0, metavar="SECONDS",
                    help="longest silence of a worker on a request before the router gives up "
                         "on it (retried elsewhere if no token reached the client yet, else the "
                         "stream ends with an error) (default: %(default)s)")
     add_admission_args(p)
+    add_elastic_args(p)
 
 
 def _add_access_args(p: argparse.ArgumentParser) -> None:
@@ -191,8 +198,10 @@ def _workers_phrase(config: UpConfig) -> str:
 
 def _layout_line(config: UpConfig) -> str:
     cores = ",".join(map(str, config.cpus[:config.num_workers]))
+    elastic = " (elastic: it flips workers between prefill and decode)" if config.elastic \
+        else ""
     return (f"starting {_workers_phrase(config)} (model {config.model}, cores {cores}), "
-            f"then the router on port {config.port}")
+            f"then the router on port {config.port}{elastic}")
 
 
 def _note_kernel_build(config: UpConfig) -> None:

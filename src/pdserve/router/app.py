@@ -7,7 +7,7 @@ Life cycle.
    `/health` once a second: readiness, transfer endpoint, load, compatibility). The pool may
    start empty: workers started with `--register` join it, and leave it, while the router runs
    (`registry.py`); operators list the pool and flip roles (`admin.py`, `flips.py`;
-   `pdserve ctl`).
+   `pdserve ctl`), and with `--elastic` the router flips them itself (`elastic.py`).
 2. Serve. `/health` is 200 while some worker can finish a request (a decode or collocated
    worker is healthy); it says only that to anyone, and lists the workers (healthy, refused
    and why) to a request signed with the cluster secret. `/v1/*` and `/metrics` are guarded
@@ -57,12 +57,15 @@ from pdserve.router.access import (
     add_access_args,
 )
 from pdserve.router.admin import AdminApi
+from pdserve.router.admission import Overloaded
 from pdserve.router.admission_settings import (
     AdmissionSettings,
     add_admission_args,
     admission_from_args,
 )
 from pdserve.router.dispatch import Dispatcher, DispatchSettings, NoWorkers
+from pdserve.router.elastic_controller import ElasticController
+from pdserve.router.elastic_settings import ElasticSettings, add_elastic_args, elastic_from_args
 from pdserve.router.flips import RoleFlips
 from pdserve.router.leg_client import LegFailed, RouterLegChannels
 from pdserve.router.policies import PolicyName, make_policy
@@ -72,6 +75,9 @@ from pdserve.router.router_metrics import RouterMetrics
 from pdserve.router.worker_pool import WorkerHandle, WorkerPool
 
 log = logging.getLogger("pdserve.router")
+# Retry-After of a 503 when no worker can serve and none is expected back: a supervisor's
+# restart or a new worker's registration takes seconds, a health round one.
+NO_WORKERS_RETRY_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -90,6 +96,7 @@ class RouterSettings:
     limits: RequestLimits = field(default_factory=RequestLimits)  # what its /v1 accepts
     worker_grace_s: float = 10.0  # a registered worker unheard this long is removed
     flip_timeout_s: float = 300.0  # the longest the router waits for a worker's role flip
+    elastic: ElasticSettings | None = None  # --elastic: the router flips roles itself
     # the cluster secret shared with every worker (--secret-file)
     secret: bytes = field(kw_only=True, repr=False)
 
@@ -125,6 +132,7 @@ class Router:
         self.dispatcher: Dispatcher | None = None
         self.admin: AdminApi | None = None
         self._dropping: set[asyncio.Task] = set()  # closing the channels of removed workers
+        self.elastic: ElasticController | None = None
 
     def _max_model_len(self) -> int | None:
         info = self.pool.model_info
@@ -142,6 +150,11 @@ class Router:
         self.pool.on_removed.append(self._drop_channel)
         await self.pool.refresh(self.session)
         self.pool.start(self.session)
+        if self.settings.elastic is not None:
+            self.elastic = ElasticController(self.pool, self.dispatcher.queues,
+                                             self.dispatcher.paths.backlog, self.admin.flips,
+                                             self.settings.elastic)
+            self.elastic.start()
 
     def _admin(self) -> AdminApi:
         session = self._session
@@ -169,6 +182,8 @@ class Router:
         return queue.depth + sum(queue.held(w) for w in self.pool.workers)
 
     async def stop(self) -> None:
+        if self.elastic is not None:
+            await self.elastic.stop()
         await self.pool.stop()
         if self.channels is not None:
             await self.channels.close()
@@ -222,7 +237,7 @@ class Router:
         except LegFailed as e:
             raise GenerateError(str(e), e.status if e.client_error else 502) from e
         except NoWorkers as e:
-            raise GenerateError(str(e), 503) from e
+            raise Overloaded(f"{e}.", 503, "no_workers", NO_WORKERS_RETRY_S) from e
 
 
 def add_router_args(p: argparse.ArgumentParser) -> None:
@@ -251,9 +266,16 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
                    help="how a worker is picked in each pool: round_robin, least_loaded (fewest "
                         "legs in flight), or prefix (longest cached prefix, then least loaded) "
                         "(default: %(default)s)")
-    p.add_argument("--local-prefill-threshold", type=int, default=256,
-                   help="prompts whose uncached part is at most this many tokens run whole on "
-                        "a decode worker instead of being split (default: %(default)s)")
+    p.add_argument("--local-prefill-threshold", type=int, default=None, metavar="TOKENS",
+                   help="a fixed rule: prompts whose uncached part is at most this many tokens "
+                        "run whole on a decode worker, longer ones are split (default: decided "
+                        "per request from measured costs: each path's queue and prefill rate, "
+                        "the KV link's speed, and --slo-tpot-ms for the decode worker's streams; "
+                        "256 until the rates are measured)")
+    p.add_argument("--slo-tpot-ms", type=float, default=100.0, metavar="MS",
+                   help="time per output token the decode workers' streams should keep: a "
+                        "decode worker prefills a prompt itself only if its steps stay under "
+                        "this (default: %(default)s)")
     p.add_argument("--connect-timeout", type=float, default=5.0,
                    help="seconds to connect to a worker (default: %(default)s)")
     p.add_argument("--worker-grace", type=float, default=10.0, metavar="S",
@@ -270,6 +292,7 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     add_access_args(p)
     add_admission_args(p)
     add_limit_args(p)
+    add_elastic_args(p)
 
 
 def add_router_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -297,6 +320,7 @@ def settings_from_args(args: argparse.Namespace) -> RouterSettings:
     secret = read_secret_file(args.secret_file)
     access = access_from_args(args)
     dispatch = DispatchSettings(local_prefill_threshold=args.local_prefill_threshold,
+                                slo_tpot_s=args.slo_tpot_ms / 1000.0,
                                 connect_timeout_s=args.connect_timeout,
                                 leg_timeout_s=args.leg_timeout)
     return RouterSettings(model=args.model, served_model_name=args.served_model_name,
@@ -304,7 +328,8 @@ def settings_from_args(args: argparse.Namespace) -> RouterSettings:
                           decode=tuple(args.decode), collocated=tuple(args.collocated),
                           policy=args.policy, dispatch=dispatch, access=access, secret=secret,
                           admission=admission_from_args(args), limits=limits_from_args(args),
-                          worker_grace_s=args.worker_grace, flip_timeout_s=args.flip_timeout)
+                          worker_grace_s=args.worker_grace, flip_timeout_s=args.flip_timeout,
+                          elastic=elastic_from_args(args))
 
 
 async def serve(settings: RouterSettings) -> None:

@@ -1,9 +1,9 @@
 """The router's request path: pick local or disaggregated, send the legs, merge their events,
 and move the request when a worker fails it.
 
-Local path (no prefill pool, or the uncached part of the prompt is at most
-`local_prefill_threshold` tokens: conditional disaggregation): one LOCAL leg on a decode or
-collocated worker.
+Local path (no prefill pool, or conditional disaggregation chose a local prefill:
+`path_choice.py`, from measured costs or a fixed `--local-prefill-threshold`): one LOCAL leg on
+a decode or collocated worker.
 
 Disaggregated path: a random 64-bit transfer id; the PREFILL leg (to a prefill worker, naming
 the decode worker's transfer endpoint) and the DECODE leg (naming the prefill's) are sent at
@@ -39,7 +39,8 @@ against its breaker; an open breaker takes the worker out of the admission pools
 in the queue rather than fail), a half-open one lets one probe leg through.
 
 Admission (`admission.py`): a request first waits for a slot in the decode pool (decode and
-collocated workers; the chooser picks the path's worker among those with room), then, if it is
+collocated workers; the chooser picks the path's worker among those with room; also while
+none is healthy but one is expected back, e.g. restarting after a crash), then, if it is
 split, for a slot in the prefill pool, both within one `--max-queue-wait-s`; its legs go out
 only once it holds every slot its path needs. The prefill slot frees when the prefill leg
 ends, the decode slot when the request does. A move elsewhere moves the slot, never waits.
@@ -69,6 +70,7 @@ from pdserve.router.admission_settings import AdmissionSettings
 from pdserve.router.breaker import Breakers, BreakerSettings
 from pdserve.router.leg_client import LegFailed, RouterLegChannels
 from pdserve.router.migration import Delivered, Diverged, WorkerFailed, continuation
+from pdserve.router.path_choice import Choice, PathChoice
 from pdserve.router.policies import Policy
 from pdserve.router.router_metrics import RouterMetrics
 from pdserve.router.worker_pool import WorkerHandle, WorkerPool
@@ -80,7 +82,9 @@ MAX_BACKOFF_S = 1.0
 
 @dataclass(frozen=True)
 class DispatchSettings:
-    local_prefill_threshold: int = 256  # uncached prompt tokens run locally at or under this
+    # uncached prompt tokens run locally at or under this; None: decided from measured costs
+    local_prefill_threshold: int | None = None
+    slo_tpot_s: float = 0.1  # a local prefill may not make a decode worker's steps longer
     connect_timeout_s: float = 5.0
     leg_timeout_s: float = 60.0  # longest silence on a leg before it counts as failed
     block_size: int = 16  # for prefix hashes until the cluster's block size is known
@@ -89,9 +93,9 @@ class DispatchSettings:
     breaker: BreakerSettings = field(default_factory=BreakerSettings)
 
     def __post_init__(self) -> None:
-        if self.local_prefill_threshold < 0:
+        if self.local_prefill_threshold is not None and self.local_prefill_threshold < 0:
             raise ValueError("local_prefill_threshold must be >= 0 tokens")
-        for name in ("connect_timeout_s", "leg_timeout_s"):
+        for name in ("connect_timeout_s", "leg_timeout_s", "slo_tpot_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0 seconds")
         if type(self.max_migrations) is not int or self.max_migrations < 0:
@@ -142,6 +146,7 @@ class Dispatcher:
         self.pool, self.policy, self.settings = pool, policy, settings
         self.channels, self.metrics = channels, metrics
         self.admission = admission or AdmissionSettings()
+        self.paths = PathChoice(pool, settings.local_prefill_threshold, settings.slo_tpot_s)
         self.breakers = Breakers(settings.breaker)
         self.queues = {"decode": AdmissionQueue("decode", self._serving, self.admission, metrics),
                        "prefill": AdmissionQueue("prefill", lambda: self._routable("prefill"),
@@ -165,7 +170,7 @@ class Dispatcher:
         if params.seed is None and not params.greedy:
             params = dataclasses.replace(params, seed=secrets.randbits(63))
         hashes = hash_blocks(prompt, self._block_size)
-        if not (self.pool.healthy("collocated") or self.pool.healthy("decode")):
+        if not self._serving() and not self._coming_back():
             raise NoWorkers("no healthy decode or collocated worker")
         deadline = time.monotonic() + self.admission.max_queue_wait_s
         slot = await self.queues["decode"].acquire(
@@ -184,7 +189,10 @@ class Dispatcher:
     async def _admitted(self, run: _Run, deadline: float) -> AsyncIterator[EventBatch]:
         """The request on the worker of its decode slot, split (after a prefill slot) or whole,
         then wherever the fallback chain moves it."""
-        if self._split(run.slot.worker, len(run.prompt), run.hashes):
+        choice = self._path(run.slot.worker, len(run.prompt), run.hashes)
+        log.debug("request %s: %s on %s: %s", run.request_id,
+                  "split" if choice.split else "local", run.slot.worker.name, choice.why)
+        if choice.split:
             pre = await self.queues["prefill"].acquire(
                 lambda free: self.policy.choose(free, run.hashes), len(run.prompt),
                 deadline - time.monotonic())
@@ -215,14 +223,24 @@ class Dispatcher:
         """The decode pool: workers that can run a request whole or decode it."""
         return self._routable("collocated") + self._routable("decode")
 
+    def _coming_back(self) -> bool:
+        """Whether a decode-capable worker that cannot serve now is expected to (restarting,
+        behind an open breaker, flipping): a request then waits for it in the admission queue,
+        within `--max-queue-wait-s`, rather than failing at once. One refused for its secret or
+        configuration is not expected back."""
+        return any(w.role in ("decode", "collocated") and w.refused is None
+                   for w in self.pool.workers)
+
     def _uncached(self, worker: WorkerHandle, prompt_len: int, hashes: list[int]) -> int:
         return prompt_len - worker.prefix.match(hashes) * self._block_size
 
-    def _split(self, worker: WorkerHandle, prompt_len: int, hashes: list[int]) -> bool:
-        """Conditional disaggregation: a decode worker, a prefill pool, and more uncached
-        prompt on that worker than the local-prefill threshold."""
-        return (worker.role == "decode" and bool(self._routable("prefill")) and
-                self._uncached(worker, prompt_len, hashes) > self.settings.local_prefill_threshold)
+    def _path(self, worker: WorkerHandle, prompt_len: int, hashes: list[int]) -> Choice:
+        """Conditional disaggregation (`path_choice.py`): only a decode worker with a prefill
+        pool beside it may split."""
+        prefill = self._routable("prefill")
+        if worker.role != "decode" or not prefill:
+            return Choice(False, f"{worker.role} worker" if prefill else "no prefill worker")
+        return self.paths.choose(worker, self._uncached(worker, prompt_len, hashes), prefill)
 
     def _choose(self, free: list[WorkerHandle], prompt_len: int, hashes: list[int]
                 ) -> WorkerHandle:
@@ -231,7 +249,7 @@ class Dispatcher:
         decode = [w for w in free if w.role == "decode"]
         if decode and self._routable("prefill"):
             dec = self.policy.choose(decode, hashes)
-            if self._split(dec, prompt_len, hashes):
+            if self._path(dec, prompt_len, hashes).split:
                 return dec
         return self.policy.choose(free, hashes)
 
@@ -277,11 +295,15 @@ class Dispatcher:
         await self._pause(run.moves)
         worker = run.slot.worker
         leg, relay = continuation(run.next_leg_id(), run.prompt, run.params, run.delivered)
-        worker.prefix.add(hash_blocks(leg.prompt_token_ids, self._block_size)
-                          if leg.output_offset else run.hashes)
+        leg_hashes = hash_blocks(leg.prompt_token_ids, self._block_size) \
+            if leg.output_offset else run.hashes
+        prefilled = self.paths.prefilling(
+            worker, self._uncached(worker, len(leg.prompt_token_ids), leg_hashes))
+        worker.prefix.add(leg_hashes)
         try:
             async with contextlib.aclosing(self._leg(worker, leg)) as batches:
                 async for batch in batches:
+                    prefilled()
                     batch, error = relay(batch)
                     if batch:
                         yield batch
@@ -293,6 +315,8 @@ class Dispatcher:
             if isinstance(e, Diverged) or (e.client_error and not run.delivered.token_ids):
                 raise
             raise WorkerFailed(worker, LegKind.LOCAL, e) from e
+        finally:
+            prefilled()
 
     # -- disaggregated -----------------------------------------------------------------------
 
@@ -337,8 +361,11 @@ class Dispatcher:
         the decode leg fails."""
         pre, dec = pre_slot.worker, run.slot.worker
         tid = secrets.randbits(64) or 1
+        moved = self._uncached(dec, len(run.prompt), run.hashes)  # the KV the decode side needs
+        prefilled = self.paths.prefilling(pre, self._uncached(pre, len(run.prompt), run.hashes))
         pre.prefix.add(run.hashes)
         dec.prefix.add(run.hashes)
+        token0_at: float | None = None
         leg_id, ids = run.next_leg_id(), run.prompt
         legs = {
             "prefill": (pre, LegRequest(leg_id, ids, run.params, LegKind.PREFILL, tid, dec.peer)),
@@ -357,6 +384,13 @@ class Dispatcher:
                     continue
                 if name == "decode" and "prefill" not in heard and _recomputed(item):
                     self._prefill_silent(run.request_id, pre)
+                if name == "prefill":
+                    prefilled()
+                    if token0_at is None and not isinstance(item, LegFailed):
+                        token0_at = time.monotonic()
+                elif name not in heard and token0_at is not None and \
+                        not isinstance(item, LegFailed) and not _recomputed(item):
+                    self.paths.handed_over(moved, time.monotonic() - token0_at)
                 heard.add(name)
                 if name == "prefill" and not isinstance(item, LegFailed) and item[-1].error:
                     item = LegFailed(item[-1].error)  # the prefill worker's own error
@@ -381,6 +415,7 @@ class Dispatcher:
                     raise WorkerFailed(dec, LegKind.DECODE, LegFailed(error))
             raise LegFailed("both legs ended without finishing the request")
         finally:
+            prefilled()
             for task in tasks.values():
                 task.cancel()
             with contextlib.suppress(asyncio.CancelledError):

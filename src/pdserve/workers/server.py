@@ -51,6 +51,7 @@ from pdserve.workers.register import Registration, start_registration
 from pdserve.workers.role_endpoint import change_role
 from pdserve.workers.role_flip import FLIPPING
 from pdserve.workers.settings import TransportName, WorkerSettings
+from pdserve.workers.step_rates import SCAN, step_rates
 from pdserve.workers.step_trace import Step
 from pdserve.workers.transfer_hub import TransferHub
 from pdserve.workers.worker_metrics import WorkerMetrics
@@ -155,6 +156,9 @@ class Worker:
             "running": load.running, "waiting": load.waiting,
             "waiting_for_kv": load.waiting_for_kv, "legs": self.loop.num_legs,
             "load_seconds": self.load_seconds, "pid": os.getpid(),
+            "rates": step_rates(self.loop.trace.newest_first(SCAN)).to_json(),
+            "chunk_tokens": e.config.max_num_batched_tokens
+            if e.config.enable_chunked_prefill else None,
         }
 
     async def metrics_text(self, request: web.Request) -> web.Response:

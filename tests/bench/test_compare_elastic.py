@@ -1,0 +1,42 @@
+"""`pdserve bench compare`'s elastic configuration: `pdserve up --elastic` with disagg's
+workers, and the router's role flips read into the results and the table."""
+
+from __future__ import annotations
+
+from pdserve.bench.compare import (
+    CONFIGS,
+    METRIC_KEYS,
+    combine_repeats,
+    flips_from_metrics,
+    format_table,
+)
+
+METRICS = """# TYPE pdserve_role_flips_total counter
+pdserve_role_flips_total{from="decode",to="prefill"} 2
+pdserve_role_flips_total{from="prefill",to="decode"} 1
+pdserve_worker_role{worker="127.0.0.1:8002",role="prefill"} 1
+"""
+
+
+def test_elastic_is_disagg_with_the_router_flipping_roles() -> None:
+    assert CONFIGS["elastic"] == (*CONFIGS["disagg"], "--elastic")
+
+
+def test_flips_are_read_from_the_routers_metrics() -> None:
+    assert flips_from_metrics(METRICS) == {
+        "role_flips": 3, "role_flips_by": {"decode->prefill": 2, "prefill->decode": 1}}
+    assert flips_from_metrics("") == {"role_flips": 0, "role_flips_by": {}}
+
+
+def test_flips_are_a_row_of_the_table_and_a_median_over_repeats() -> None:
+    runs = [{**dict.fromkeys(METRIC_KEYS, 1.0), "errors": [], "role_flips": n}
+            for n in (0, 3, 1)]
+    combined = combine_repeats(runs)
+    assert combined["role_flips"] == 1 and [r["role_flips"] for r in combined["repeats"]] == \
+        [0, 3, 1]
+    external = combine_repeats([{**dict.fromkeys(METRIC_KEYS, 1.0), "errors": []}] * 2)
+    assert "role_flips" not in external
+    table = format_table({"disagg": {"role_flips": 0}, "elastic": {"role_flips": 2},
+                          "vllm": {}})
+    row = next(line for line in table.splitlines() if line.startswith("role_flips"))
+    assert row.split()[1:] == ["0", "2", "n/a"]

@@ -1,0 +1,219 @@
+"""The elastic decision (`router/elastic.py`) on hand-built observations: which worker flips to
+which role, when (sustained pressure, never within the cool-down), and when it must not (the
+other side's headroom, the last worker of a role, a worker flipping or unhealthy)."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Iterable
+
+import pytest
+
+from pdserve.router.app import add_router_args, settings_from_args
+from pdserve.router.elastic import (
+    FlipPlan,
+    Memory,
+    Observation,
+    WorkerView,
+    decide,
+    prefill_wait_s,
+    tally,
+)
+from pdserve.router.elastic_settings import ElasticSettings
+
+S = ElasticSettings(ttft_target_s=1.0, tpot_target_s=0.1, interval_s=2.0, sustain_ticks=3,
+                    cooldown_s=30.0)
+
+
+def pre(key: str, backlog: int = 0, rate: float | None = 1000.0, **kw) -> WorkerView:
+    return WorkerView(key, "prefill", kw.pop("routable", True), backlog_tokens=backlog,
+                      prefill_tokens_per_s=rate, **kw)
+
+
+def dec(key: str, inflight: int = 0, step: float | None = 0.01, used: int = 0,
+        role: str = "decode", **kw) -> WorkerView:
+    return WorkerView(key, role, kw.pop("routable", True), inflight=inflight, decode_step_s=step,
+                      kv_used=used, kv_total=100, prefill_tokens_per_s=500.0, **kw)
+
+
+def obs(now: float, *workers: WorkerView, **kw) -> Observation:
+    return Observation(now, tuple(workers), **kw)
+
+
+def prefill_bound(now: float) -> Observation:
+    """2000 tokens to prefill at 1000 tokens/s: a 2 s wait, over half the 1 s TTFT target;
+    the decode workers are calm."""
+    return obs(now, pre("p1", backlog=2000), dec("d1", inflight=3, used=10),
+               dec("d2", inflight=1, used=5))
+
+
+def decode_bound(now: float) -> Observation:
+    """The decode side's KV is 90% used; the prefill workers are idle."""
+    return obs(now, pre("p1", backlog=100), pre("p2"), dec("d1", used=90))
+
+
+def run(observations: Iterable[Observation], memory: Memory | None = None,
+        settings: ElasticSettings = S) -> list[FlipPlan | None]:
+    """The plan of each tick, as the controller makes them (each plan is carried out)."""
+    plans, memory = [], memory or Memory()
+    for o in observations:
+        memory = tally(memory, o, settings)
+        plan = decide(o, memory, settings)
+        if plan is not None:
+            memory = memory.flipped(o.now)
+        plans.append(plan)
+    return plans
+
+
+def test_sustained_prefill_pressure_flips_the_least_loaded_decode_worker() -> None:
+    plans = run(prefill_bound(t) for t in (0.0, 2.0, 4.0))
+    assert plans[:2] == [None, None]  # not before sustain_ticks observations
+    assert plans[2] is not None and (plans[2].worker, plans[2].to) == ("d2", "prefill")
+    assert "prefill wait ~2000 ms over 0.5 x the 1000 ms TTFT target for 3 ticks" in \
+        plans[2].reason
+
+
+def test_a_pressure_interrupted_starts_counting_again() -> None:
+    calm = obs(4.0, pre("p1"), dec("d1"), dec("d2"))
+    ticks = [prefill_bound(0.0), prefill_bound(2.0), calm, prefill_bound(6.0),
+             prefill_bound(8.0)]
+    assert run(ticks) == [None] * 5
+    assert run([*ticks, prefill_bound(10.0)])[-1] is not None
+
+
+def test_the_cool_down_follows_every_flip() -> None:
+    times = [0.0, 2.0, 4.0, *(4.0 + 2 * i for i in range(1, 16))]  # up to 34 s
+    plans = run(prefill_bound(t) for t in times)
+    flips = [(t, p.worker) for t, p in zip(times, plans, strict=True) if p is not None]
+    assert flips == [(4.0, "d2"), (34.0, "d2")]  # 30 s after the first, pressure still on
+
+
+def test_a_failed_flip_starts_the_cool_down_too() -> None:
+    memory = Memory(prefill_ticks=5).flipped(10.0)
+    assert memory == Memory(last_flip_at=10.0)
+    later = tally(tally(tally(memory, prefill_bound(12), S), prefill_bound(14), S),
+                  prefill_bound(16), S)
+    assert decide(prefill_bound(16.0), later, S) is None
+    assert decide(prefill_bound(40.0), later, S) is not None
+
+
+@pytest.mark.parametrize("workers", [
+    (pre("p1", backlog=2000), dec("d1")),  # the only decode worker
+    (pre("p1", backlog=2000), dec("d1"), dec("d2", routable=False)),  # the other is down
+    (pre("p1", backlog=2000), dec("d1"), dec("d2", phase="draining", routable=False)),
+])
+def test_never_the_last_decode_capable_worker(workers: tuple[WorkerView, ...]) -> None:
+    assert run(obs(t, *workers) for t in (0.0, 2.0, 4.0, 6.0)) == [None] * 4
+
+
+def test_a_collocated_worker_counts_as_decode_capable() -> None:
+    plans = run(obs(t, pre("p1", backlog=2000), dec("d1"), dec("c1", role="collocated"))
+                for t in (0.0, 2.0, 4.0))
+    assert plans[-1] is not None and (plans[-1].worker, plans[-1].to) == ("d1", "prefill")
+
+
+@pytest.mark.parametrize(("d1", "d2", "kw"), [
+    (dec("d1", step=0.04), dec("d2", step=0.01), {}),  # 40 ms x 2/1 = 80 ms > 0.6 x 100 ms
+    (dec("d1", used=35), dec("d2", used=30), {}),  # 65 of the 100 blocks left: over 60%
+    (dec("d1"), dec("d2"), {"decode_waiting": 1}),  # requests wait for a decode slot
+])
+def test_no_flip_to_prefill_without_decode_headroom(d1: WorkerView, d2: WorkerView,
+                                                    kw: dict) -> None:
+    ticks = [obs(t, pre("p1", backlog=2000), d1, d2, **kw) for t in (0.0, 2.0, 4.0, 6.0)]
+    assert run(ticks) == [None] * 4
+
+
+@pytest.mark.parametrize(("decode", "kw", "why"), [
+    (dec("d1", used=90), {}, "decode KV 90% used (>= 85%)"),
+    (dec("d1", step=0.09), {}, "decode step 90 ms (>= 0.8 x the 100 ms TPOT target)"),
+    (dec("d1"), {"decode_waiting": 4}, "4 requests wait for a decode slot"),
+])
+def test_sustained_decode_pressure_flips_the_least_loaded_prefill_worker(
+        decode: WorkerView, kw: dict, why: str) -> None:
+    ticks = [obs(t, pre("p1", backlog=100), pre("p2"), decode, **kw) for t in (0.0, 2.0, 4.0)]
+    plans = run(ticks)
+    assert plans[:2] == [None, None]
+    assert plans[2] is not None and (plans[2].worker, plans[2].to) == ("p2", "decode")
+    assert plans[2].reason.startswith(f"{why} for 3 ticks; the prefill side keeps headroom "
+                                      "(wait ~100 ms projected without it)")
+
+
+def test_no_flip_to_decode_without_prefill_headroom() -> None:
+    # 400 tokens at 2 x 1000 tokens/s: 0.2 s, no prefill pressure; on one worker 0.4 s, over
+    # the quarter of the target a flip may leave
+    ticks = [obs(t, pre("p1", backlog=200), pre("p2", backlog=200), dec("d1", used=90))
+             for t in (0.0, 2.0, 4.0, 6.0)]
+    assert run(ticks) == [None] * 4
+
+
+def test_the_last_prefill_worker_flips_only_with_no_split_request() -> None:
+    def tick(t: float, demand: int) -> Observation:
+        return obs(t, pre("p1"), dec("d1", used=90), prefill_demand=demand)
+
+    assert run(tick(t, 1) for t in (0.0, 2.0, 4.0, 6.0)) == [None] * 4
+    plans = run(tick(t, 0) for t in (0.0, 2.0, 4.0))  # the decode worker prefills locally
+    assert plans[-1] is not None and (plans[-1].worker, plans[-1].to) == ("p1", "decode")
+
+
+def test_no_flip_of_a_worker_flipping_or_unhealthy() -> None:
+    down = dec("d2", inflight=0, routable=False)  # the least loaded, but unhealthy
+    plans = run(obs(t, pre("p1", backlog=2000), dec("d1", inflight=2), down, dec("d3", 5))
+                for t in (0.0, 2.0, 4.0))
+    assert plans[-1] is not None and plans[-1].worker == "d1"
+    flipping = dec("d2", phase="flipping", routable=False)
+    assert run(obs(t, pre("p1", backlog=2000), dec("d1"), flipping, dec("d3"))
+               for t in (0.0, 2.0, 4.0, 6.0)) == [None] * 4
+
+
+def test_decode_pressure_does_not_count_while_the_prefill_side_is_the_bottleneck() -> None:
+    # requests wait for decode slots held by requests that wait for their prefill
+    o = obs(0.0, pre("p1", backlog=2000), pre("p2", backlog=2000), dec("d1"), decode_waiting=9)
+    memory = tally(tally(Memory(), o, S), o, S)
+    assert (memory.prefill_ticks, memory.decode_ticks) == (2, 0)
+
+
+def test_an_unmeasured_prefill_rate_is_no_pressure() -> None:
+    o = obs(0.0, pre("p1", backlog=5000, rate=None), dec("d1"), dec("d2"))
+    assert prefill_wait_s(o) is None
+    assert run(obs(t, *o.workers) for t in (0.0, 2.0, 4.0)) == [None] * 3
+    assert prefill_wait_s(obs(0.0, pre("p1", rate=None))) == 0.0  # nothing to prefill
+
+
+def test_pressure_alternating_within_the_cool_down_flips_at_most_once() -> None:
+    every_tick = [prefill_bound(t) if i % 2 else decode_bound(t)
+                  for i, t in enumerate(2.0 * i for i in range(20))]
+    assert run(every_tick) == [None] * 20  # never sustained
+    # prefill pressure long enough to flip, then decode pressure, all within 30 s
+    swings = [*(prefill_bound(2.0 * i) for i in range(3)),
+              *(decode_bound(6.0 + 2.0 * i) for i in range(6)),
+              *(prefill_bound(18.0 + 2.0 * i) for i in range(6))]
+    assert [p.to for p in run(swings) if p is not None] == ["prefill"]
+
+
+def test_a_flip_to_prefill_leaves_no_pressure_to_flip_back() -> None:
+    """Under the load that caused it, the configuration after the flip is calm on the decode
+    side: the projections kept it under the triggers."""
+    after = [obs(t, pre("p1", backlog=1000), pre("d2"), dec("d1", inflight=4, used=15,
+                                                            step=0.02))
+             for t in range(40, 80, 2)]
+    assert run(after, Memory(last_flip_at=4.0)) == [None] * 20
+
+
+def _parse(*argv: str) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    add_router_args(p)
+    return p.parse_args(list(argv))
+
+
+def test_router_flags(tmp_path) -> None:
+    secret = tmp_path / "secret"
+    secret.write_bytes(b"s" * 32)
+    secret.chmod(0o600)
+    base = ("--secret-file", str(secret))
+    assert settings_from_args(_parse(*base)).elastic is None
+    elastic = settings_from_args(_parse(*base, "--elastic", "--slo-ttft-ms", "500",
+                                        "--slo-tpot-ms", "50")).elastic
+    assert elastic == ElasticSettings(ttft_target_s=0.5, tpot_target_s=0.05)
+    assert settings_from_args(_parse(*base, "--elastic")).elastic == ElasticSettings()
+    with pytest.raises(ValueError, match="--slo-ttft-ms must be a number > 0"):
+        settings_from_args(_parse(*base, "--elastic", "--slo-ttft-ms", "0"))
