@@ -168,3 +168,23 @@ def test_a_request_fails_at_once_when_no_worker_is_expected_back() -> None:
             await asyncio.wait_for(run(d, SHORT), 5)
 
     asyncio.run(go())
+
+
+def test_a_request_whose_only_worker_died_waits_for_it_to_come_back() -> None:
+    async def go() -> None:
+        legs = ScriptedLegs()
+        d = dispatcher(legs)
+        dec = worker(d, "http://d0")
+        legs.failing.add(dec.url)  # killed: its leg fails, the router marks it failed
+        task = asyncio.create_task(run(d, SHORT))
+        await until(lambda: not dec.healthy, "marked failed")
+        await asyncio.sleep(0.3)
+        assert not task.done()  # waiting for it, not failed at once
+        assert d.queues["decode"].queue_capacity() > 0  # sized from the worker it expects
+        legs.failing.clear()
+        dec.healthy = True  # restarted by its supervisor
+        events = await asyncio.wait_for(task, 5)
+        assert [t for e in events for t in e.token_ids] == [7, 8]
+        assert [url for url, kind in legs.opened if kind is LegKind.LOCAL] == [dec.url] * 2
+
+    asyncio.run(go())

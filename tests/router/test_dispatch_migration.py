@@ -44,7 +44,8 @@ def dispatcher(model: ScriptedModel, decode: int = 2, prefill: int = 1,
     metrics = RouterMetrics()
     metrics.bind_pool(pool)
     return Dispatcher(pool, LeastLoaded(), dispatch, model, metrics,
-                      AdmissionSettings(max_inflight_per_worker=4, max_queue=4))
+                      AdmissionSettings(max_inflight_per_worker=4, max_queue=4,
+                                        max_queue_wait_s=0.5))  # for a worker to come back
 
 
 async def collect(d: Dispatcher, prompt: list[int], params: SamplingParams

@@ -22,10 +22,17 @@ def _link(bytes_per_s: float) -> LinkEstimate:
     return link
 
 
-def test_nothing_is_decided_until_the_rates_are_measured() -> None:
-    known = Speed(1000.0)
-    assert decide(500, BYTES, Speed(None), [known], LinkEstimate(), TPOT) is None
-    assert decide(500, BYTES, known, [Speed(None)], LinkEstimate(), TPOT) is None
+def test_nothing_is_decided_until_a_rate_is_measured() -> None:
+    assert decide(500, BYTES, Speed(None), [Speed(None)], LinkEstimate(), TPOT) is None
+
+
+def test_an_unmeasured_worker_counts_at_the_measured_rate() -> None:
+    # a prefill worker that never prefilled still gets prompts when the decode worker is busy
+    busy = Speed(1000.0, decode_step_s=0.02, running=3)
+    d = decide(200, BYTES, busy, [Speed(None)], LinkEstimate(), TPOT)
+    assert not d.local and d.t_remote_s == pytest.approx(0.2)
+    idle_decode = decide(200, BYTES, Speed(None), [Speed(500.0)], LinkEstimate(), TPOT)
+    assert idle_decode.t_local_s == pytest.approx(0.4)
 
 
 def test_an_idle_cluster_saves_the_transfer_and_a_decoding_worker_splits() -> None:

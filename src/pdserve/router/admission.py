@@ -90,12 +90,17 @@ class _Waiter:
 
 
 class AdmissionQueue:
-    """`members()` returns the pool's routable workers now (healthy ones of its roles)."""
+    """`members()` returns the pool's routable workers now (healthy ones of its roles);
+    `expected()` those it counts on (also the ones restarting or behind an open breaker;
+    default: the members): the queue's capacity and Retry-After are sized from theirs, so a
+    worker's restart does not shrink the queue to nothing while requests wait for it."""
 
     def __init__(self, pool: str, members: Callable[[], Sequence[WorkerHandle]],
                  settings: AdmissionSettings, metrics: RouterMetrics | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 expected: Callable[[], Sequence[WorkerHandle]] | None = None) -> None:
         self.pool, self.members, self.settings = pool, members, settings
+        self.expected = expected or members
         self.metrics, self.clock = metrics, clock
         self.capacity = PoolCapacity(settings)
         self._held: dict[WorkerHandle, int] = {}
@@ -111,8 +116,11 @@ class AdmissionQueue:
     def caps(self) -> dict[WorkerHandle, int]:
         return {w: self.capacity.worker_cap(w.info) for w in self.members()}
 
+    def expected_caps(self) -> list[int]:
+        return [self.capacity.worker_cap(w.info) for w in self.expected()]
+
     def queue_capacity(self) -> int:
-        return self.capacity.queue_capacity(self.caps().values())
+        return self.capacity.queue_capacity(self.expected_caps())
 
     async def acquire(self, choose: Chooser, tokens: int, wait_s: float | None = None) -> Slot:
         """A slot on the worker `choose` picks among those with room, at once or after waiting
@@ -197,7 +205,7 @@ class AdmissionQueue:
     def _refused(self, status: int, code: str, message: str) -> Overloaded:
         if self.metrics is not None:
             self.metrics.rejected.inc(pool=self.pool, reason=code)
-        wait = self.capacity.retry_after_s(self.depth, self.caps().values())
+        wait = self.capacity.retry_after_s(self.depth, self.expected_caps())
         return Overloaded(message, status, code, wait)
 
     def _publish_depth(self) -> None:
@@ -209,9 +217,8 @@ class AdmissionQueue:
         if self.metrics is None:
             return
         caps = self.caps()
-        self.metrics.queue_capacity.set(self.capacity.queue_capacity(caps.values()),
-                                        pool=self.pool)
-        self.metrics.drain_rate.set(self.capacity.drain_rate(sum(caps.values())),
-                                    pool=self.pool)
+        expected = self.expected_caps()
+        self.metrics.queue_capacity.set(self.capacity.queue_capacity(expected), pool=self.pool)
+        self.metrics.drain_rate.set(self.capacity.drain_rate(sum(expected)), pool=self.pool)
         for worker, cap in caps.items():
             self.metrics.worker_cap.set(cap, worker=worker.url, role=worker.role)

@@ -25,6 +25,8 @@ worker's error; never when the worker refused the request as the client's fault,
    seed, sampling at the original output positions; its events shifted so the client's stream
    only pauses). At most `max_migrations` moves a request, each after a pause
    (`retry_backoff_s` doubling, at most 1 s).
+   With no such worker but one expected back (restarting after a crash, behind an open
+   breaker), the request waits for the first to serve again, within `--max-queue-wait-s`.
 3. Then the request fails: an error response, or, once the stream started, an error event
    and `[DONE]`.
 Each move's legs carry `<request id>.<n>`: the worker that failed may still hold the first.
@@ -78,6 +80,7 @@ from pdserve.router.worker_pool import WorkerHandle, WorkerPool
 log = logging.getLogger("pdserve.router")
 
 MAX_BACKOFF_S = 1.0
+COMEBACK_POLL_S = 0.1  # how often a request waiting for a worker to serve again looks
 
 
 @dataclass(frozen=True)
@@ -148,7 +151,8 @@ class Dispatcher:
         self.admission = admission or AdmissionSettings()
         self.paths = PathChoice(pool, settings.local_prefill_threshold, settings.slo_tpot_s)
         self.breakers = Breakers(settings.breaker)
-        self.queues = {"decode": AdmissionQueue("decode", self._serving, self.admission, metrics),
+        self.queues = {"decode": AdmissionQueue("decode", self._serving, self.admission, metrics,
+                                                expected=self._expected),
                        "prefill": AdmissionQueue("prefill", lambda: self._routable("prefill"),
                                                  self.admission, metrics)}
         pool.on_refresh = self.admit_waiting
@@ -223,13 +227,17 @@ class Dispatcher:
         """The decode pool: workers that can run a request whole or decode it."""
         return self._routable("collocated") + self._routable("decode")
 
+    def _expected(self) -> list[WorkerHandle]:
+        """The decode pool's workers that serve or are expected to again (not refused)."""
+        return [w for w in self.pool.workers
+                if w.role in ("decode", "collocated") and w.refused is None]
+
     def _coming_back(self) -> bool:
         """Whether a decode-capable worker that cannot serve now is expected to (restarting,
         behind an open breaker, flipping): a request then waits for it in the admission queue,
         within `--max-queue-wait-s`, rather than failing at once. One refused for its secret or
         configuration is not expected back."""
-        return any(w.role in ("decode", "collocated") and w.refused is None
-                   for w in self.pool.workers)
+        return bool(self._expected())
 
     def _uncached(self, worker: WorkerHandle, prompt_len: int, hashes: list[int]) -> int:
         return prompt_len - worker.prefix.match(hashes) * self._block_size
@@ -263,29 +271,52 @@ class Dispatcher:
 
     def _move(self, run: _Run, failed: WorkerFailed) -> AsyncIterator[EventBatch]:
         """The next attempt after `failed`: a local leg on a healthy worker the request has
-        not tried, from the start or continuing the client's stream. Raises when the request
-        moved `max_migrations` times or no worker is left."""
+        not tried, from the start or continuing the client's stream; with none, on the first
+        decode-capable worker to serve again (a restarted one too) within the queue wait.
+        Raises when the request moved `max_migrations` times or no worker is expected."""
         run.tried.append(failed.worker)
         sent = len(run.delivered.token_ids)
         if run.moves >= self.settings.max_migrations:
             raise LegFailed(f"{failed} (the request already moved {run.moves} times)")
         candidates = [w for w in self._serving() if w not in run.tried]
-        if not candidates:
+        if not candidates and not self._coming_back():
             if not sent:
                 raise NoWorkers("no healthy decode or collocated worker")
             raise LegFailed(f"{failed}; no other healthy worker to continue on")
         run.moves += 1
-        run.slot.move(self.policy.choose(candidates, run.hashes))
         reason = f"{failed.kind} leg failed"
-        if sent:
-            self.metrics.migrations.inc(reason=reason)
-            log.warning("request %s: %s; continuing after token %d on %s", run.request_id,
-                        failed, sent, run.slot.worker.name)
-        else:
-            self.metrics.retries.inc(reason=reason)
-            log.warning("request %s: %s; retrying on %s", run.request_id, failed,
-                        run.slot.worker.name)
-        return self._local(run)
+        (self.metrics.migrations if sent else self.metrics.retries).inc(reason=reason)
+        return self._moved(run, failed, candidates)
+
+    async def _moved(self, run: _Run, failed: WorkerFailed, candidates: list[WorkerHandle]
+                     ) -> AsyncIterator[EventBatch]:
+        if not candidates:
+            log.warning("request %s: %s; waiting for a decode worker to serve again",
+                        run.request_id, failed)
+            candidates = await self._serving_again(run, failed)
+        run.slot.move(self.policy.choose(candidates, run.hashes))
+        sent = len(run.delivered.token_ids)
+        log.warning("request %s: %s; %s on %s", run.request_id, failed,
+                    f"continuing after token {sent}" if sent else "retrying",
+                    run.slot.worker.name)
+        async with contextlib.aclosing(self._local(run)) as local:
+            async for batch in local:
+                yield batch
+
+    async def _serving_again(self, run: _Run, failed: WorkerFailed) -> list[WorkerHandle]:
+        """The decode-capable workers that serve, once one does (a restarted worker is back
+        after its model loads: seconds). After the queue wait: NoWorkers if the client has no
+        token yet, else the stream ends with the failure."""
+        deadline = time.monotonic() + self.admission.max_queue_wait_s
+        while not (serving := self._serving()):
+            if time.monotonic() >= deadline or not self._coming_back():
+                within = f"within {self.admission.max_queue_wait_s:g} s"
+                if run.delivered.token_ids:
+                    raise LegFailed(f"{failed}; no other healthy worker to continue on (none "
+                                    f"came back {within})")
+                raise NoWorkers(f"no healthy decode or collocated worker came back {within}")
+            await asyncio.sleep(COMEBACK_POLL_S)
+        return serving
 
     # -- local -------------------------------------------------------------------------------
 

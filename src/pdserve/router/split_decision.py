@@ -26,9 +26,9 @@ local is no slower:
 local prefill stalls both). So a loaded prefill pool sends prompts to decode workers with
 headroom, an idle cluster saves the transfer, a slow link keeps short prompts local, and a
 decode worker never takes a whole prompt that would freeze its streams for longer than the
-target (a chunked one takes it in bounded pieces). Until d's or
-every prefill worker's rate is measured there is no decision (`None`): the caller uses the
-fixed `--local-prefill-threshold` rule, which also stays available as an override.
+target (a chunked one takes it in bounded pieces). A worker not measured yet counts at the
+mean of the measured ones; until none is measured there is no decision (`None`): the caller
+uses the fixed `--local-prefill-threshold` rule, which also stays available as an override.
 """
 
 from __future__ import annotations
@@ -98,14 +98,18 @@ class LinkEstimate:
 
 def decide(uncached: int, kv_bytes_per_token: int, decode: Speed, prefill: list[Speed],
            link: LinkEstimate, tpot_target_s: float) -> Decision | None:
-    """The path for `uncached` prompt tokens on `decode`; None while a rate is unmeasured."""
-    measured = [(i, p) for i, p in enumerate(prefill) if p.prefill_tokens_per_s]
-    if not decode.prefill_tokens_per_s or not measured:
+    """The path for `uncached` prompt tokens on `decode`; None while no rate is measured.
+    A worker not measured yet is taken to prefill as fast as the measured ones (the same
+    model on the same kind of machine, as far as the router knows; their mean): else a prefill
+    worker that never got a prompt would never be measured, and never get one."""
+    known = [w.prefill_tokens_per_s for w in (decode, *prefill) if w.prefill_tokens_per_s]
+    if not known:
         return None
+    prior = sum(known) / len(known)
     transfer = link.seconds(uncached * kv_bytes_per_token)
-    t_remote, best = min(((p.backlog_tokens + uncached) / p.prefill_tokens_per_s + transfer, i)
-                         for i, p in measured)
-    rate = decode.prefill_tokens_per_s
+    t_remote, best = min(((p.backlog_tokens + uncached) / (p.prefill_tokens_per_s or prior)
+                          + transfer, i) for i, p in enumerate(prefill))
+    rate = decode.prefill_tokens_per_s or prior
     t_local = (decode.backlog_tokens + uncached) / rate
     stall = min(uncached, decode.chunk_tokens or uncached) / rate
     step = decode.decode_step_s or 0.0
