@@ -24,7 +24,7 @@ from tests.serve.test_serving import client
 PREFILL, DECODE = 0, 1
 LEASE_S = 20.0  # blocks held for a dead instance until the lease would fail the waits below
 FREE_S = 5.0  # every block is back well inside the lease
-AFTER = 16  # long prompts sent at once right after the restart
+AFTER = 32  # long prompts sent at once right after the restart
 RECOMPUTES = "pdserve_kv_recomputes_total"
 SPLIT = 'pdserve_router_requests_total{path="disaggregated"}'
 
