@@ -65,7 +65,12 @@ class QueueSink(asyncio.Queue):
 
 
 class LegRefused(Exception):
-    """The engine refused a leg (its message says why); it holds nothing for it."""
+    """The engine refused a leg (its message says why); it holds nothing for it.
+    `unavailable`: this worker cannot take legs now (another may), not the leg's fault."""
+
+    def __init__(self, message: str, unavailable: bool = False) -> None:
+        super().__init__(message)
+        self.unavailable = unavailable
 
 
 @dataclass(eq=False)
@@ -139,7 +144,7 @@ class EngineLoop:
             first = await sink.get()
             if not isinstance(first, Accepted):
                 finished = True  # refused: the engine holds nothing for it
-                raise LegRefused(first.error)
+                raise LegRefused(first.error, bool(first.extra.get(UNAVAILABLE)))
             while not finished:
                 events = await _ready_events(sink)
                 finished = any(e.final for e in events)

@@ -49,7 +49,6 @@ from pdserve.workers.leg_channel import WorkerLegChannels
 from pdserve.workers.oneshot import run_once_in_thread
 from pdserve.workers.register import Registration, start_registration
 from pdserve.workers.role_endpoint import change_role
-from pdserve.workers.role_flip import FLIPPING
 from pdserve.workers.settings import TransportName, WorkerSettings
 from pdserve.workers.step_rates import SCAN, step_rates
 from pdserve.workers.step_trace import Step
@@ -196,9 +195,8 @@ class Worker:
             async with contextlib.aclosing(self.loop.events(request_id, sink)) as legs:
                 async for events in legs:
                     yield events
-        except LegRefused as e:  # a worker changing role: try again, or elsewhere
-            raise GenerateError(str(e), status=503 if str(e).startswith(FLIPPING) else 400) \
-                from e
+        except LegRefused as e:  # 503: a worker changing role, try again or elsewhere
+            raise GenerateError(str(e), status=503 if e.unavailable else 400) from e
 
 
 def _not_ready_guard(worker: Worker):
