@@ -277,6 +277,33 @@ def test_elastic_options_reach_the_router_only_when_given() -> None:
         UpConfig.from_args(_args("--elastic", "--slo-ttft-ms", "0"))
 
 
+def test_elastic_timing_reaches_the_router_only_when_given() -> None:
+    config = UpConfig.from_args(_args("--elastic", "--elastic-interval-s", "0.5",
+                                      "--elastic-sustain-ticks", "5",
+                                      "--elastic-cooldown-s", "12"))
+    router = plan_processes(config, SECRET)[-1]
+    assert (_option(router, "--elastic-interval-s"), _option(router, "--elastic-sustain-ticks"),
+            _option(router, "--elastic-cooldown-s")) == (["0.5"], ["5"], ["12.0"])
+    assert "--slo-ttft-ms" not in router.argv
+    default = plan_processes(UpConfig.from_args(_args("--elastic")), SECRET)[-1]
+    assert not [a for a in default.argv if a.startswith("--elastic-")]
+    unused = plan_processes(UpConfig.from_args(_args("--elastic-cooldown-s", "12")), SECRET)[-1]
+    assert not [a for a in unused.argv if a.startswith("--elastic")]
+
+
+@pytest.mark.parametrize(("argv", "match"), [
+    (["--elastic-interval-s", "0"], r"--elastic-interval-s must be a number > 0, got 0.0"),
+    (["--elastic-cooldown-s", "nan"], r"--elastic-cooldown-s must be a number > 0, got nan"),
+    (["--elastic-sustain-ticks", "0"], r"--elastic-sustain-ticks must be an integer >= 1, got 0"),
+])
+def test_bad_elastic_timing_is_refused_before_anything_starts(argv: list[str],
+                                                              match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        UpConfig.from_args(_args("--elastic", *argv))
+    with pytest.raises(ValueError, match=match):  # a mistake without --elastic too
+        UpConfig.from_args(_args(*argv))
+
+
 def test_admission_options_reach_the_router() -> None:
     config = UpConfig.from_args(_args("--max-queue", "0", "--max-queue-wait-s", "2.5",
                                       "--max-inflight-per-worker", "3"))

@@ -19,7 +19,7 @@ from pdserve.router.elastic import (
     prefill_wait_s,
     tally,
 )
-from pdserve.router.elastic_settings import ElasticSettings
+from pdserve.router.elastic_settings import ElasticSettings, elastic_to_args
 
 S = ElasticSettings(ttft_target_s=1.0, tpot_target_s=0.1, interval_s=2.0, sustain_ticks=3,
                     cooldown_s=30.0)
@@ -217,3 +217,38 @@ def test_router_flags(tmp_path) -> None:
     assert settings_from_args(_parse(*base, "--elastic")).elastic == ElasticSettings()
     with pytest.raises(ValueError, match="--slo-ttft-ms must be a number > 0"):
         settings_from_args(_parse(*base, "--elastic", "--slo-ttft-ms", "0"))
+
+
+def test_router_timing_flags(tmp_path) -> None:
+    secret = tmp_path / "secret"
+    secret.write_bytes(b"s" * 32)
+    secret.chmod(0o600)
+    base = ("--secret-file", str(secret), "--elastic")
+    elastic = settings_from_args(_parse(*base, "--elastic-interval-s", "0.5",
+                                        "--elastic-sustain-ticks", "5",
+                                        "--elastic-cooldown-s", "12")).elastic
+    assert elastic == ElasticSettings(interval_s=0.5, sustain_ticks=5, cooldown_s=12.0)
+    assert (elastic_to_args(elastic) == ["--elastic", "--elastic-interval-s", "0.5",
+                                         "--elastic-sustain-ticks", "5",
+                                         "--elastic-cooldown-s", "12.0"])
+    assert elastic_to_args(ElasticSettings()) == ["--elastic"] and elastic_to_args(None) == []
+    for argv, match in [(("--elastic-interval-s", "-1"), "--elastic-interval-s must be a "
+                                                         "number > 0, got -1.0"),
+                        (("--elastic-cooldown-s", "inf"), "--elastic-cooldown-s must be a "
+                                                          "number > 0, got inf"),
+                        (("--elastic-sustain-ticks", "0"), "--elastic-sustain-ticks must be "
+                                                           "an integer >= 1, got 0")]:
+        with pytest.raises(ValueError, match=match):
+            settings_from_args(_parse(*base, *argv))
+        with pytest.raises(ValueError, match=match):  # checked without --elastic too
+            settings_from_args(_parse(*base[:2], *argv))
+
+
+def test_timing_flags_are_in_the_elastic_section_of_help() -> None:
+    p = argparse.ArgumentParser()
+    add_router_args(p)
+    sections = p.format_help().split("\n\n")
+    elastic = next(s for s in sections if s.startswith("elastic pools"))
+    for flag in ("--elastic ", "--elastic-interval-s", "--elastic-sustain-ticks",
+                 "--elastic-cooldown-s"):
+        assert flag in elastic

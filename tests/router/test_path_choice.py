@@ -6,7 +6,8 @@ from __future__ import annotations
 import os
 
 from pdserve.internal_auth import InternalAuth
-from pdserve.router.path_choice import UNMEASURED_THRESHOLD, PathChoice
+from pdserve.router.path_choice import UNMEASURED_THRESHOLD, PathChoice, Reason
+from pdserve.router.router_metrics import RouterMetrics
 from pdserve.router.worker_pool import WorkerPool
 
 LAYOUT = {"model_id": "m", "dtype": "bfloat16", "block_size": 16, "num_layers": 30,
@@ -63,3 +64,68 @@ def test_measured_rates_and_the_router_s_backlog_decide() -> None:
     assert paths.backlog.tokens(pre.key) == 0
     paths.handed_over(1000, 1.5)  # a slow link: 1.5 s to move 1,000 tokens' KV
     assert not paths.choose(dec, 1000, [pre]).split
+
+
+def _sample(metrics: RouterMetrics, line: str) -> float:
+    """The value of one sample line of /metrics, by its name and labels."""
+    text = metrics.registry.render()
+    return float(next(s for s in text.splitlines() if s.startswith(line + " ")).split()[-1])
+
+
+def test_each_rule_is_counted_once_per_recorded_choice() -> None:
+    pool = WorkerPool({"prefill": ["http://127.0.0.1:9001"], "decode": ["http://127.0.0.1:9002"],
+                       "collocated": ["http://127.0.0.1:9003"]},
+                      InternalAuth(os.urandom(32)), "m")
+    pre, dec, col = pool.workers
+    metrics = RouterMetrics()
+    fixed = PathChoice(pool, threshold=100, tpot_target_s=0.1, metrics=metrics)
+    measured = PathChoice(pool, threshold=None, tpot_target_s=0.1, metrics=metrics)
+    choices = [fixed.choose(col, 500, [pre]), fixed.choose(dec, 500, []),
+               fixed.choose(dec, 500, [pre]), fixed.choose(dec, 50, [pre]),
+               measured.choose(dec, UNMEASURED_THRESHOLD + 1, [pre])]
+    assert [(c.split, c.reason) for c in choices] == [
+        (False, Reason.COLLOCATED_WORKER), (False, Reason.NO_PREFILL_WORKER),
+        (True, Reason.THRESHOLD), (False, Reason.THRESHOLD), (True, Reason.UNMEASURED)]
+    assert "collocated worker" in choices[0].why and "no prefill worker" in choices[1].why
+    assert metrics.split_decisions.value(path="disaggregated", reason="threshold") == 0
+    for choice in choices:
+        fixed.record(choice)
+    counts = {(path, reason): 1.0 for path, reason in [
+        ("local", "collocated_worker"), ("local", "no_prefill_worker"),
+        ("disaggregated", "threshold"), ("local", "threshold"),
+        ("disaggregated", "unmeasured")]}
+    for (path, reason), n in counts.items():
+        assert metrics.split_decisions.value(path=path, reason=reason) == n
+    assert metrics.split_estimate.count(path="local") == 0  # no measured-cost decision yet
+
+
+def test_a_measured_cost_decision_records_both_paths_estimates() -> None:
+    pool = _pool()
+    pre, dec = pool.workers
+    _rates(pre, 1000.0)
+    _rates(dec, 500.0, 0.02)
+    metrics = RouterMetrics()
+    paths = PathChoice(pool, threshold=None, tpot_target_s=0.1, metrics=metrics)
+    idle = paths.choose(dec, 1000, [pre])  # 2 s locally against 1 s split
+    assert idle.split and idle.reason == Reason.MEASURED_COST
+    dec.inflight = 2  # a whole 1,000-token prefill would stall its 2 streams for 2 s
+    busy = paths.choose(dec, 250, [pre])  # 0.5 s locally against 0.25 s split, and 0.52 s steps
+    assert busy.split and busy.reason == Reason.TPOT_TARGET
+    paths.record(idle)
+    paths.record(busy)
+    paths.record(paths.choose(dec, 250, []))  # no estimates without a decision
+    assert metrics.split_decisions.value(path="disaggregated", reason="measured_cost") == 1
+    assert metrics.split_decisions.value(path="disaggregated", reason="tpot_target") == 1
+    assert _sample(metrics, 'pdserve_router_split_estimate_seconds_sum{path="local"}') == 2.5
+    assert _sample(metrics, 'pdserve_router_split_estimate_seconds_sum{path="disaggregated"}'
+                   ) == 1.25
+    assert _sample(metrics, 'pdserve_router_split_estimate_seconds_bucket'
+                            '{path="local",le="0.5"}') == 1
+    assert _sample(metrics, 'pdserve_router_split_estimate_seconds_count{path="local"}') == 2
+
+
+def test_without_metrics_recording_is_a_no_op() -> None:
+    pool = _pool()
+    pre, dec = pool.workers
+    paths = PathChoice(pool, threshold=100, tpot_target_s=0.1)
+    paths.record(paths.choose(dec, 500, [pre]))

@@ -55,8 +55,10 @@ def test_a_decode_worker_never_freezes_its_streams_past_the_target() -> None:
     decoding = Speed(800.0, decode_step_s=0.03, running=4)  # whole prompt: 1.9 s per step
     d = decide(1500, BYTES, decoding, [busy], _link(1e9), TPOT)
     assert not d.local and "4 streams" in d.reason and "100 ms target" in d.reason
+    assert d.over_tpot_target
     chunked = Speed(800.0, decode_step_s=0.03, running=4, chunk_tokens=48)  # +60 ms per step
-    assert decide(1500, BYTES, chunked, [busy], _link(1e9), TPOT).local
+    within = decide(1500, BYTES, chunked, [busy], _link(1e9), TPOT)
+    assert within.local and not within.over_tpot_target
 
 
 def test_a_slow_link_keeps_a_prompt_local_and_the_fastest_prefill_worker_is_named() -> None:

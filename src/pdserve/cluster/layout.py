@@ -34,7 +34,14 @@ from pdserve.router.admission_settings import (
     admission_from_args,
     admission_to_args,
 )
-from pdserve.router.elastic_settings import DEFAULT_SLO_TTFT_MS, elastic_to_args
+from pdserve.router.elastic_settings import (
+    DEFAULT_COOLDOWN_S,
+    DEFAULT_INTERVAL_S,
+    DEFAULT_SLO_TTFT_MS,
+    DEFAULT_SUSTAIN_TICKS,
+    ElasticSettings,
+    elastic_to_args,
+)
 from pdserve.router.rate_limit import RateLimit
 from pdserve.workers.settings import (
     LAYERWISE,
@@ -75,6 +82,9 @@ class UpConfig:
     slo_tpot_s: float = 0.1
     elastic: bool = False  # the router flips workers between prefill and decode itself
     slo_ttft_s: float = DEFAULT_SLO_TTFT_MS / 1000.0  # the elastic controller's TTFT target
+    elastic_interval_s: float = DEFAULT_INTERVAL_S  # the elastic controller's timing
+    elastic_sustain_ticks: int = DEFAULT_SUSTAIN_TICKS
+    elastic_cooldown_s: float = DEFAULT_COOLDOWN_S
     leg_timeout_s: float = 60.0
     ready_timeout_s: float = 300.0
     cpus: tuple[int, ...] = (0,)
@@ -114,6 +124,7 @@ class UpConfig:
             raise ValueError(f"--slo-tpot-ms must be > 0, got {self.slo_tpot_s * 1000:g}")
         if not self.slo_ttft_s > 0:
             raise ValueError(f"--slo-ttft-ms must be > 0, got {self.slo_ttft_s * 1000:g}")
+        self._elastic_settings()  # ValueError naming a bad --elastic-* flag
         if self.elastic and self.num_collocated:
             raise ValueError("--elastic flips workers between prefill and decode: use it with "
                              "--prefill and --decode, not --collocated")
@@ -170,6 +181,17 @@ class UpConfig:
         return (["prefill"] * self.num_prefill + ["decode"] * self.num_decode
                 + ["collocated"] * self.num_collocated)
 
+    @property
+    def elastic_settings(self) -> ElasticSettings | None:
+        """The router's elastic controller; None without --elastic."""
+        return self._elastic_settings() if self.elastic else None
+
+    def _elastic_settings(self) -> ElasticSettings:
+        return ElasticSettings(ttft_target_s=self.slo_ttft_s, tpot_target_s=self.slo_tpot_s,
+                               interval_s=self.elastic_interval_s,
+                               sustain_ticks=self.elastic_sustain_ticks,
+                               cooldown_s=self.elastic_cooldown_s)
+
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> UpConfig:
         """From `pdserve up` options; checks --cpus against the cores this process may use."""
@@ -189,6 +211,9 @@ class UpConfig:
                    policy=args.policy, local_prefill_threshold=args.local_prefill_threshold,
                    slo_tpot_s=args.slo_tpot_ms / 1000.0, leg_timeout_s=args.leg_timeout,
                    elastic=args.elastic, slo_ttft_s=args.slo_ttft_ms / 1000.0,
+                   elastic_interval_s=args.elastic_interval_s,
+                   elastic_sustain_ticks=args.elastic_sustain_ticks,
+                   elastic_cooldown_s=args.elastic_cooldown_s,
                    ready_timeout_s=args.ready_timeout, cpus=cpus,
                    enable_chunked_prefill=args.enable_chunked_prefill,
                    max_num_batched_tokens=args.max_num_batched_tokens,
@@ -298,7 +323,7 @@ def _access_args(config: UpConfig) -> list[str]:
 def _router_spec(config: UpConfig, secret_file: Path) -> ProcessSpec:
     argv = [sys.executable, "-m", "pdserve.cli", "router", "--host", config.host,
             "--port", str(config.port), "--model", config.model, "--policy", config.policy,
-            *_split_args(config), *elastic_to_args(config.elastic, config.slo_ttft_s),
+            *_split_args(config), *elastic_to_args(config.elastic_settings),
             "--leg-timeout", str(config.leg_timeout_s),
             "--secret-file", str(secret_file),
             *_metrics_key_args(config), *limits_to_args(config.limits), *_access_args(config),

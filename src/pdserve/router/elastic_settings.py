@@ -1,7 +1,8 @@
-"""The router's elastic-pool options (`--elastic`, `--slo-ttft-ms`; the TPOT target is the
-router's `--slo-tpot-ms`, which the split decision uses too). One frozen `ElasticSettings`
-per router when `--elastic` is given, None otherwise; `elastic_to_args` writes them back for
-`pdserve up`.
+"""The router's elastic-pool options (`--elastic`, `--slo-ttft-ms`, the controller's timing
+`--elastic-interval-s`, `--elastic-sustain-ticks`, `--elastic-cooldown-s`; the TPOT target is
+the router's `--slo-tpot-ms`, which the split decision uses too). One frozen `ElasticSettings`
+per router when `--elastic` is given, None otherwise (the values are checked either way);
+`elastic_to_args` writes them back for `pdserve up`.
 
 Invariants: every duration is a finite number of seconds > 0, `sustain_ticks` an int >= 1.
 """
@@ -33,13 +34,14 @@ class ElasticSettings:
 
     def __post_init__(self) -> None:
         for name, flag in (("ttft_target_s", "--slo-ttft-ms"), ("tpot_target_s", "--slo-tpot-ms"),
-                           ("interval_s", "interval_s"), ("cooldown_s", "cooldown_s")):
+                           ("interval_s", "--elastic-interval-s"),
+                           ("cooldown_s", "--elastic-cooldown-s")):
             value = getattr(self, name)
             if not (isinstance(value, int | float) and value > 0 and math.isfinite(value)):
                 raise ValueError(f"{flag} must be a number > 0, got {value!r}")
         ticks = self.sustain_ticks
         if not (isinstance(ticks, int) and not isinstance(ticks, bool) and ticks >= 1):
-            raise ValueError(f"sustain_ticks must be an integer >= 1, got {ticks!r}")
+            raise ValueError(f"--elastic-sustain-ticks must be an integer >= 1, got {ticks!r}")
 
 
 def add_elastic_args(p: argparse.ArgumentParser) -> None:
@@ -53,19 +55,43 @@ def add_elastic_args(p: argparse.ArgumentParser) -> None:
                    help="time to first token to keep, with --elastic: a decode worker becomes a "
                         "prefill worker when the expected wait for a prefill stays above half "
                         "of this (default: %(default)s)")
+    g.add_argument("--elastic-interval-s", type=float, default=DEFAULT_INTERVAL_S,
+                   metavar="SECONDS",
+                   help="with --elastic: how often the router observes the pools "
+                        "(default: %(default)s)")
+    g.add_argument("--elastic-sustain-ticks", type=int, default=DEFAULT_SUSTAIN_TICKS,
+                   metavar="N",
+                   help="with --elastic: observations in a row that must show the same "
+                        "pressure before a worker flips (default: %(default)s)")
+    g.add_argument("--elastic-cooldown-s", type=float, default=DEFAULT_COOLDOWN_S,
+                   metavar="SECONDS",
+                   help="with --elastic: how long the pools are left alone after each flip "
+                        "attempt, done or not (default: %(default)s)")
 
 
 def elastic_from_args(args: argparse.Namespace) -> ElasticSettings | None:
-    """None without --elastic; ValueError for a bad target, naming the flag."""
-    if not args.elastic:
-        return None
-    return ElasticSettings(ttft_target_s=args.slo_ttft_ms / 1000.0,
-                           tpot_target_s=args.slo_tpot_ms / 1000.0)
+    """None without --elastic; ValueError for a bad value, naming the flag, with or without."""
+    settings = ElasticSettings(ttft_target_s=args.slo_ttft_ms / 1000.0,
+                               tpot_target_s=args.slo_tpot_ms / 1000.0,
+                               interval_s=args.elastic_interval_s,
+                               sustain_ticks=args.elastic_sustain_ticks,
+                               cooldown_s=args.elastic_cooldown_s)
+    return settings if args.elastic else None
 
 
-def elastic_to_args(elastic: bool, slo_ttft_s: float) -> list[str]:
-    """The router flags for these `pdserve up` options (none at their defaults)."""
-    argv = ["--elastic"] if elastic else []
-    if slo_ttft_s != DEFAULT_SLO_TTFT_MS / 1000.0:
-        argv += ["--slo-ttft-ms", f"{slo_ttft_s * 1000:g}"]
+def elastic_to_args(settings: ElasticSettings | None) -> list[str]:
+    """The router flags that give `settings` back through `elastic_from_args` (none for None
+    or a default; the TPOT target is the router's --slo-tpot-ms, which the split options
+    carry)."""
+    if settings is None:
+        return []
+    argv = ["--elastic"]
+    if settings.ttft_target_s != DEFAULT_SLO_TTFT_MS / 1000.0:
+        argv += ["--slo-ttft-ms", f"{settings.ttft_target_s * 1000:g}"]
+    if settings.interval_s != DEFAULT_INTERVAL_S:
+        argv += ["--elastic-interval-s", repr(settings.interval_s)]
+    if settings.sustain_ticks != DEFAULT_SUSTAIN_TICKS:
+        argv += ["--elastic-sustain-ticks", str(settings.sustain_ticks)]
+    if settings.cooldown_s != DEFAULT_COOLDOWN_S:
+        argv += ["--elastic-cooldown-s", repr(settings.cooldown_s)]
     return argv

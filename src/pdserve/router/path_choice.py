@@ -2,9 +2,14 @@
 measurements it needs: the prompt tokens each worker still has to prefill (`PrefillBacklog`)
 and the KV link's speed (`LinkEstimate`), both learnt from the router's own legs.
 
-Rule (`split_decision.py` has the formulas): a fixed `--local-prefill-threshold` when one is
-given (uncached tokens at most that run locally); else the measured-cost decision, which falls
-back to UNMEASURED_THRESHOLD until the workers have reported their rates.
+Rule (`split_decision.py` has the formulas): only a decode worker with a routable prefill
+worker beside it may split; then a fixed `--local-prefill-threshold` when one is given
+(uncached tokens at most that run locally); else the measured-cost decision, which falls back
+to UNMEASURED_THRESHOLD until the workers have reported their rates. Each rule has its
+`Reason`, the label of `pdserve_router_split_decisions_total`.
+
+`choose` may run several times for one request (while the dispatcher picks its worker);
+`record` counts the choice the request took, once per request.
 
 Lifetime: one per dispatcher; every method runs on the router's event loop.
 """
@@ -13,7 +18,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from enum import StrEnum
 
+from pdserve.router.router_metrics import RouterMetrics
 from pdserve.router.split_decision import (
     Decision,
     LinkEstimate,
@@ -29,33 +36,64 @@ from pdserve.router.worker_pool import WorkerHandle, WorkerPool
 UNMEASURED_THRESHOLD = 256
 
 
+class Reason(StrEnum):
+    """Which rule made a choice: one value per branch of `PathChoice.choose`."""
+
+    COLLOCATED_WORKER = "collocated_worker"  # the worker is no decode worker: it runs it whole
+    NO_PREFILL_WORKER = "no_prefill_worker"  # no routable prefill worker
+    THRESHOLD = "threshold"  # the fixed --local-prefill-threshold
+    UNMEASURED = "unmeasured"  # no rate measured yet: UNMEASURED_THRESHOLD
+    MEASURED_COST = "measured_cost"  # the two paths' estimated times
+    TPOT_TARGET = "tpot_target"  # a local prefill would break the decode streams' TPOT target
+
+
 @dataclass(frozen=True)
 class Choice:
     split: bool
-    why: str
+    why: str  # for the log
+    reason: Reason  # which rule chose: the metric's label
     decision: Decision | None = None  # the measured-cost decision, when one was made
 
 
 class PathChoice:
-    def __init__(self, pool: WorkerPool, threshold: int | None, tpot_target_s: float) -> None:
+    def __init__(self, pool: WorkerPool, threshold: int | None, tpot_target_s: float,
+                 metrics: RouterMetrics | None = None) -> None:
         self.pool, self.threshold, self.tpot_target_s = pool, threshold, tpot_target_s
+        self.metrics = metrics
         self.backlog = PrefillBacklog()
         self.link = LinkEstimate()
 
-    def choose(self, decode: WorkerHandle, uncached: int, prefill: list[WorkerHandle]
+    def choose(self, worker: WorkerHandle, uncached: int, prefill: list[WorkerHandle]
                ) -> Choice:
-        """Whether `uncached` prompt tokens on `decode` go to one of `prefill` (not empty)."""
+        """Whether `uncached` prompt tokens on `worker` go to one of `prefill` (the routable
+        prefill workers, possibly none)."""
+        if worker.role != "decode":
+            return Choice(False, f"{worker.role} worker", Reason.COLLOCATED_WORKER)
+        if not prefill:
+            return Choice(False, "no prefill worker", Reason.NO_PREFILL_WORKER)
         if self.threshold is not None:
             return Choice(uncached > self.threshold,
                           f"{uncached} uncached tokens, --local-prefill-threshold "
-                          f"{self.threshold}")
-        decision = decide(uncached, self.kv_bytes_per_token, self._speed(decode),
+                          f"{self.threshold}", Reason.THRESHOLD)
+        decision = decide(uncached, self.kv_bytes_per_token, self._speed(worker),
                           [self._speed(p) for p in prefill], self.link, self.tpot_target_s)
         if decision is None:
             return Choice(uncached > UNMEASURED_THRESHOLD,
                           f"{uncached} uncached tokens; rates not measured yet, fixed rule "
-                          f"({UNMEASURED_THRESHOLD})")
-        return Choice(not decision.local, decision.reason, decision)
+                          f"({UNMEASURED_THRESHOLD})", Reason.UNMEASURED)
+        reason = Reason.TPOT_TARGET if decision.over_tpot_target else Reason.MEASURED_COST
+        return Choice(not decision.local, decision.reason, reason, decision)
+
+    def record(self, choice: Choice) -> None:
+        """Count the choice a request took (call once per request); its paths' estimated times
+        too when the measured-cost decision was made."""
+        if self.metrics is None:
+            return
+        path = "disaggregated" if choice.split else "local"
+        self.metrics.split_decisions.inc(path=path, reason=choice.reason.value)
+        if choice.decision is not None:
+            self.metrics.split_estimate.observe(choice.decision.t_remote_s, path="disaggregated")
+            self.metrics.split_estimate.observe(choice.decision.t_local_s, path="local")
 
     def prefilling(self, worker: WorkerHandle, tokens: int) -> Callable[[], None]:
         """A leg that prefills `tokens` went to `worker`; call the result at its first event or

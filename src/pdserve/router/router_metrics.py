@@ -32,6 +32,7 @@ class RouterMetrics:
         self.e2e = r.histogram("pdserve_router_e2e_request_latency_seconds",
                                "From request arrival to the last byte sent.")
         self._add_admission(r)
+        self._add_split(r)
         self._publishers: list[Callable[[], None]] = []
 
     def _add_admission(self, r: Registry) -> None:
@@ -55,6 +56,22 @@ class RouterMetrics:
         self.worker_cap = r.gauge("pdserve_router_worker_inflight_cap", "Requests the worker "
                                   "is given at once (--max-inflight-per-worker, or its batch "
                                   "and KV limits).", ["worker", "role"])
+
+    def _add_split(self, r: Registry) -> None:
+        """Conditional disaggregation (`path_choice.py`): one count and, for a measured-cost
+        decision, one estimate of each path per request."""
+        self.split_decisions = r.counter(
+            "pdserve_router_split_decisions_total", "Requests by the path chosen (local or "
+            "disaggregated) and the rule that chose it: collocated_worker, no_prefill_worker, "
+            "threshold (--local-prefill-threshold), unmeasured (rates not measured yet: the "
+            "default threshold), measured_cost (the two paths' estimated times), tpot_target "
+            "(a local prefill would break the decode streams' --slo-tpot-ms).",
+            ["path", "reason"])
+        self.split_estimate = r.histogram(
+            "pdserve_router_split_estimate_seconds", "The measured-cost decision's estimated "
+            "time to first token of each path (queued and own prompt tokens over the prefill "
+            "rate, plus the KV transfer when disaggregated), per request it was made for.",
+            ["path"])
 
     def add_publisher(self, publish: Callable[[], None]) -> None:
         """`publish()` copies some state into the metrics before each rendering."""

@@ -69,7 +69,10 @@ class Decision:
     t_local_s: float
     t_remote_s: float
     prefill_index: int | None  # the prefill worker of t_remote (index into the list given)
-    reason: str
+    reason: str  # for the log
+    # True: split because a local prefill would break the decode streams' TPOT target, whatever
+    # the two times; False: the times decided
+    over_tpot_target: bool = False
 
 
 class LinkEstimate:
@@ -117,7 +120,7 @@ def decide(uncached: int, kv_bytes_per_token: int, decode: Speed, prefill: list[
         return Decision(False, t_local, t_remote, best,
                         f"a local prefill would make {decode.running} streams' steps "
                         f"{(step + stall) * 1e3:.0f} ms, over the {tpot_target_s * 1e3:.0f} ms "
-                        "target")
+                        "target", over_tpot_target=True)
     local = t_local <= t_remote
     return Decision(local, t_local, t_remote, best,
                     f"first token in ~{t_local * 1e3:.0f} ms locally against "
