@@ -2,7 +2,8 @@
 token is a function of the whole context, the seed and its output position (as a seeded
 sampler's draw is), so a continuation that gets the right prompt and `output_offset` yields
 exactly the tokens the first worker would have. Each worker's behaviour is scripted by URL:
-lose the leg after some tokens, refuse it, hold text back, sample otherwise."""
+lose the leg after some tokens, hand it back (as a worker changing role does), refuse it, hold
+text back, sample otherwise."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import asyncio
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
-from pdserve.legs.protocol import EventBatch, LegKind, LegRequest, TokenEvent
+from pdserve.legs.protocol import MOVED, EventBatch, LegKind, LegRequest, TokenEvent
 from pdserve.router.leg_client import LegFailed
 from pdserve.router.worker_pool import WorkerHandle
 
@@ -41,6 +42,8 @@ class Opened:
 @dataclass
 class ScriptedModel:
     lose_after: dict[str, int] = field(default_factory=dict)  # URL -> tokens, then lost
+    # URL -> tokens, then handed back (once per URL: a worker changes role once)
+    hand_back_after: dict[str, int] = field(default_factory=dict)
     refuse: dict[str, int] = field(default_factory=dict)  # URL -> status it refuses with
     lost_at_connect: set[str] = field(default_factory=set)  # any leg there fails at once
     hold_back: dict[str, set[int]] = field(default_factory=dict)  # URL -> positions held
@@ -86,6 +89,10 @@ class ScriptedModel:
         for k in range(leg.params.max_tokens):
             if k == self.lose_after.get(url, -1):
                 raise LegFailed(f"{url} closed the {leg.kind.value} leg before its end")
+            if k == self.hand_back_after.get(url, -1):
+                del self.hand_back_after[url]
+                yield [TokenEvent(k, [], len(text), "", final=True, extra={MOVED: True})]
+                return
             token = self._token(url, leg, ctx, k)
             ctx.append(token)
             pending += text_of(token)

@@ -205,9 +205,9 @@ def test_output_offset_travels_in_the_leg_protocol_and_is_checked() -> None:
     for bad in (-1, 4, True, 1.0):
         with pytest.raises(ValueError, match="output_offset must be an int in"):
             LegRequest("r", (1, 2, 3, 4), GREEDY, output_offset=bad)
-    with pytest.raises(ValueError, match="only a local leg continues a request"):
-        LegRequest("r", (1, 2), GREEDY, LegKind.DECODE, 7, PeerId(1, "127.0.0.1", 9),
-                   output_offset=1)
+    split = LegRequest("r", (1, 2), GREEDY, LegKind.DECODE, 7, PeerId(1, "127.0.0.1", 9),
+                       output_offset=1)  # a split continuation's
+    assert LegRequest.from_json(json.loads(json.dumps(split.to_json()))) == split
 
 
 def worker_of(d: Dispatcher, url: str):

@@ -1,7 +1,7 @@
 """A real `pdserve worker` process changes role over signed HTTP (`POST /internal/role`) without
 restarting or reloading: the endpoint refuses strangers and bad bodies, the worker reports its
-new role, serves in it, refuses new requests while it drains, and keeps its role when the
-drain outlasts the timeout."""
+new role, serves in it, refuses new requests while a client's own stream holds a change to
+prefill, and keeps its role when that drain outlasts the timeout."""
 
 from __future__ import annotations
 
@@ -203,7 +203,7 @@ def test_requests_during_a_flip_are_refused_with_503_until_it_ends(worker: str) 
 
 def test_a_drain_past_its_timeout_keeps_the_role(worker: str) -> None:
     stream = Stream(worker)
-    status, answer = _role(worker, {"role": "decode", "timeout_s": 0.05})
+    status, answer = _role(worker, {"role": "prefill", "timeout_s": 0.05})
     assert status == 503 and answer["error"]["code"] == "drain_timeout"
     info = _health(worker)
     assert (info["role"], info["state"]) == ("collocated", "serving")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 from collections.abc import AsyncIterator
 
@@ -18,13 +19,14 @@ from pdserve.common.sampling_params import SamplingParams
 from pdserve.config import EngineConfig
 from pdserve.engine.engine import Engine
 from pdserve.legs.frames import cancel_frame, open_frame, parse_replies
-from pdserve.legs.protocol import LegRequest, TokenEvent
+from pdserve.legs.protocol import MOVED, LegKind, LegRequest, TokenEvent
 from pdserve.workers.engine_loop import Accepted, EngineLoop, _deliver
 from pdserve.workers.leg_channel import WorkerLegChannel, WorkerLegChannels
 from pdserve.workers.worker_metrics import WorkerMetrics
 from tests.workers.test_role_flip import Worker
 
 LONG = SamplingParams(max_tokens=900, temperature=0, ignore_eos=True)
+SHORT = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 
 
 @pytest.fixture
@@ -102,15 +104,17 @@ def test_legs_stream_to_the_end_and_a_bad_leg_is_refused(engine: Engine) -> None
 
 
 def test_a_worker_changing_role_refuses_a_leg_as_unavailable_not_as_bad(tiny_model) -> None:
-    worker = Worker(tiny_model(), Role.COLLOCATED, 0x7100)  # with a KV endpoint: it may flip
-    engine, loop = worker.engine, worker.loop
+    pre = Worker(tiny_model(), Role.PREFILL, 0x7100)  # with a KV endpoint: it may flip
+    dec = Worker(tiny_model(), Role.DECODE, 0x7101)
+    prefill = LegRequest("r1", tuple(range(3, 40)), SHORT, LegKind.PREFILL, 0xF1,
+                         dec.transport.local)
 
     async def go() -> None:
-        async with channel(engine, loop=loop) as ws:
-            await ws.send_bytes(open_frame(1, LegRequest("r1", tuple(range(3, 40)), LONG)))
-            first = parse_replies((await asyncio.wait_for(ws.receive(), 30)).data)
-            assert first[0][1] == 200  # running: the flip below waits for it
-            flip = loop.change_role(Role.DECODE, timeout_s=0.5)
+        dec.loop.start(asyncio.get_running_loop())
+        async with channel(pre.engine, loop=pre.loop) as ws:
+            await ws.send_bytes(open_frame(1, prefill))
+            await replies(ws, 1)  # token 0; its blocks wait for the decode side
+            flip = pre.loop.change_role(Role.COLLOCATED, timeout_s=30)  # waits for the send
             await asyncio.sleep(0.1)
             await ws.send_bytes(open_frame(2, LegRequest("r2", (6, 7), LONG)))
             refused = []
@@ -118,9 +122,36 @@ def test_a_worker_changing_role_refuses_a_leg_as_unavailable_not_as_bad(tiny_mod
                 got = parse_replies((await asyncio.wait_for(ws.receive(), 30)).data)
                 refused = [r for r in got if r[0] == 2]
             assert refused[0][1] == 503 and b"changing role" in refused[0][2]
-            await ws.send_bytes(cancel_frame(1))
+            decode = dataclasses.replace(prefill, kind=LegKind.DECODE, peer=pre.transport.local)
+            sink = dec.loop.submit(decode)
+            while not getattr(await asyncio.wait_for(sink.get(), 30), "final", False):
+                pass  # the decode side takes the KV: the send ends, and so does the flip
             await asyncio.wait_for(flip, 30)
-            await wait_free(engine)
+            await wait_free(pre.engine)
+
+    try:
+        asyncio.run(go())
+    finally:
+        pre.close()
+        dec.close()
+
+
+def test_a_routers_leg_is_handed_back_by_a_worker_becoming_a_prefill_worker(tiny_model
+                                                                           ) -> None:
+    worker = Worker(tiny_model(), Role.DECODE, 0x7102)
+
+    async def go() -> None:
+        async with channel(worker.engine, loop=worker.loop) as ws:
+            await ws.send_bytes(open_frame(1, LegRequest("r1", tuple(range(3, 40)), LONG)))
+            first = parse_replies((await asyncio.wait_for(ws.receive(), 30)).data)  # it runs
+            flip = worker.loop.change_role(Role.PREFILL, timeout_s=30)
+            events = [TokenEvent.from_line(line) for got in [first, *await replies(ws, 1)]
+                      for _, _, body in got for line in body.splitlines()]
+            assert events[-1].final and events[-1].extra == {MOVED: True}
+            assert events[-1].error is None and events[-1].index == sum(
+                len(e.token_ids) for e in events)
+            await asyncio.wait_for(flip, 30)
+            await wait_free(worker.engine)
 
     try:
         asyncio.run(go())
@@ -178,7 +209,7 @@ class _Loop:
     def __init__(self) -> None:
         self.sinks: list = []
 
-    def submit_to(self, req: LegRequest, sink) -> None:
+    def submit_to(self, req: LegRequest, sink, movable: bool = False) -> None:
         self.sinks.append(sink)
 
     def cancel(self, request_id: str) -> None:

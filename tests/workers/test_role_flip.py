@@ -1,11 +1,15 @@
 """A worker's live role change on real engine loops (tiny model) with real TCP transfer
-endpoints on loopback: the role changes only once what the worker holds has drained, legs
-that arrive meanwhile are refused with a clear message, a drain that outlasts its timeout
-leaves the role as it was, and every block is back in the pool after each change."""
+endpoints on loopback: the role changes once nothing moves KV in or out; running streams go on
+in a decode or collocated role, a router's stream on a worker becoming a prefill worker is
+handed back with its KV left in the prefix cache (a client's own request holds the flip until
+it ends); legs that arrive meanwhile are refused with a clear message, a drain that outlasts
+its timeout leaves the role as it was, and every block is back in the pool after each
+change."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import time
 from collections.abc import Awaitable, Callable
@@ -17,10 +21,10 @@ from pdserve.common.engine_options import Role
 from pdserve.common.sampling_params import SamplingParams
 from pdserve.config import EngineConfig
 from pdserve.engine.engine import Engine
-from pdserve.legs.protocol import LegKind, LegRequest, TokenEvent
+from pdserve.legs.protocol import MOVED, LegKind, LegRequest, TokenEvent
 from pdserve.transfer.layout import KVLayout
 from pdserve.transfer.tcp import TcpTransport
-from pdserve.workers.engine_loop import Accepted, EngineLoop
+from pdserve.workers.engine_loop import Accepted, EngineLoop, QueueSink
 from pdserve.workers.hub_pump import HubPump
 from pdserve.workers.role_flip import FLIPPING, FlipDone
 from pdserve.workers.transfer_hub import TransferHub
@@ -158,25 +162,85 @@ def test_the_new_role_is_the_one_new_legs_get(make_worker) -> None:
     assert w.blocks_used == 0
 
 
-def test_a_flip_waits_for_a_running_leg_which_keeps_its_tokens(make_worker) -> None:
+def test_a_running_stream_goes_on_in_the_decode_role_without_holding_the_flip(make_worker
+                                                                            ) -> None:
     w = make_worker()
     expected = _greedy(w, LONG)
 
     async def scenario() -> None:
         sink = w.loop.submit(LegRequest("r", PROMPT, LONG))
         first = [await sink.get(), await sink.get()]  # accepted, and a first token: it runs
-        flip = asyncio.ensure_future(_flip(w, Role.DECODE))
-        await _until(lambda: w.loop.flip.state == "flipping")
-        assert w.engine.role is Role.COLLOCATED  # the leg still runs in the old role
-        done = await flip
+        done = await _flip(w, Role.DECODE)
         assert isinstance(done, FlipDone) and done.to_role is Role.DECODE
-        items = first + [sink.get_nowait() for _ in range(sink.qsize())]
-        assert items[-1].final  # the leg had ended when the role changed
+        assert w.engine.role is Role.DECODE and w.engine.has_unfinished_requests()
+        items = first + await _leg(sink)  # the stream went on across the change
         assert _tokens(items) == expected
         assert w.blocks_used == 0
 
     _run(scenario, w)
     assert w.engine.role is Role.DECODE
+
+
+def _movable(w: Worker, req: LegRequest) -> asyncio.Queue:
+    """A router's leg (the leg channel submits those)."""
+    sink = QueueSink()
+    w.loop.submit_to(req, sink, movable=True)
+    return sink
+
+
+def test_a_routers_stream_is_handed_back_and_its_kv_feeds_the_continuation(make_worker
+                                                                           ) -> None:
+    """Becoming a prefill worker, the worker hands the router's running stream back after the
+    tokens it sent, its KV left in the prefix cache; the continuation's prefill there hits that
+    cache and its decode elsewhere gets the KV: together exactly the undisturbed tokens."""
+    w, dec = make_worker(Role.DECODE), make_worker(Role.DECODE)
+    expected = _greedy(w, LONG)
+    tid = 0xBAC
+
+    async def scenario() -> None:
+        sink = _movable(w, LegRequest("r", PROMPT, LONG))
+        items = [await sink.get()]
+        while len(_tokens(items + [TokenEvent(0, [], 0, "")])) < 40:  # 40 tokens in
+            items.append(await asyncio.wait_for(sink.get(), WAIT_S))
+        done = await _flip(w, Role.PREFILL)
+        assert isinstance(done, FlipDone) and w.engine.role is Role.PREFILL
+        items += await _leg(sink)
+        moved = items[-1]
+        assert moved.extra == {MOVED: True} and moved.error is None and not moved.token_ids
+        sent = _tokens(items)
+        assert len(sent) >= 40 and sent == expected[:len(sent)] and moved.index == len(sent)
+        assert w.blocks_used == 0 and w.metrics.handed_back.value() == 1
+        rest = dataclasses.replace(LONG, max_tokens=LONG.max_tokens - len(sent))
+        context = (*PROMPT, *sent)
+        prefill = LegRequest("r.2", context, rest, LegKind.PREFILL, tid, dec.transport.local,
+                             output_offset=len(sent))
+        token0 = await _leg(w.loop.submit(prefill))
+        block = w.engine.config.block_size
+        assert token0[-1].cached_tokens == (len(context) - 1) // block * block  # its own KV
+        decode = dataclasses.replace(prefill, kind=LegKind.DECODE, peer=w.transport.local)
+        assert sent + _tokens(await _leg(dec.loop.submit(decode))) == expected
+
+    _run(scenario, w, dec)
+    assert w.blocks_used == 0 and dec.blocks_used == 0
+
+
+def test_a_clients_own_stream_holds_a_flip_to_prefill_until_it_ends(make_worker) -> None:
+    w = make_worker()
+    expected = _greedy(w, LONG)
+
+    async def scenario() -> None:
+        sink = w.loop.submit(LegRequest("r", PROMPT, LONG))  # no router to continue it
+        first = [await sink.get(), await sink.get()]
+        flip = asyncio.ensure_future(_flip(w, Role.PREFILL))
+        await _until(lambda: w.loop.flip.state == "flipping")
+        assert w.engine.role is Role.COLLOCATED
+        done = await flip
+        assert isinstance(done, FlipDone) and done.to_role is Role.PREFILL
+        items = first + [sink.get_nowait() for _ in range(sink.qsize())]
+        assert items[-1].final and _tokens(items) == expected  # it had ended, whole
+        assert w.blocks_used == 0
+
+    _run(scenario, w)
 
 
 def test_a_leg_submitted_during_a_flip_is_refused_saying_why(make_worker) -> None:
@@ -213,7 +277,7 @@ def test_a_drain_past_its_timeout_keeps_the_role_and_takes_legs_again(make_worke
     async def scenario() -> None:
         sink = w.loop.submit(LegRequest("r", PROMPT, LONG))
         assert isinstance(await sink.get(), Accepted)
-        refusal = await _flip(w, Role.DECODE, timeout_s=0.05)
+        refusal = await _flip(w, Role.PREFILL, timeout_s=0.05)
         assert isinstance(refusal, ApiError), refusal
         assert (refusal.status, refusal.code) == (503, "drain_timeout")
         assert refusal.message == ("the worker did not drain within 0.05 s; it keeps the role "
@@ -228,7 +292,7 @@ def test_a_drain_past_its_timeout_keeps_the_role_and_takes_legs_again(make_worke
     _run(scenario, w)
     assert w.blocks_used == 0
     assert w.metrics.role_flip_timeouts.value() == 1
-    assert w.metrics.role_flips.value(**{"from": "collocated", "to": "decode"}) == 0
+    assert w.metrics.role_flips.value(**{"from": "collocated", "to": "prefill"}) == 0
 
 
 def test_the_same_role_a_second_flip_and_an_unreachable_role_are_conflicts(make_worker
@@ -242,14 +306,14 @@ def test_the_same_role_a_second_flip_and_an_unreachable_role_are_conflicts(make_
         assert same.message == "this worker is collocated already"
         sink = w.loop.submit(LegRequest("r", PROMPT, LONG))
         assert isinstance(await sink.get(), Accepted)
-        first = asyncio.ensure_future(_flip(w, Role.DECODE))
+        first = asyncio.ensure_future(_flip(w, Role.PREFILL))  # held by the client's stream
         await _until(lambda: w.loop.flip.state == "flipping")
-        second = await _flip(w, Role.PREFILL)
+        second = await _flip(w, Role.DECODE)
         assert isinstance(second, ApiError)
         assert (second.status, second.code) == (409, "flip_in_progress")
-        assert second.message == "a role change to decode is in progress"
+        assert second.message == "a role change to prefill is in progress"
         await _leg(sink)
-        assert isinstance(await first, FlipDone) and w.engine.role is Role.DECODE
+        assert isinstance(await first, FlipDone) and w.engine.role is Role.PREFILL
         unreachable = await _flip(bare, Role.DECODE)
         assert isinstance(unreachable, ApiError)
         assert (unreachable.status, unreachable.code) == (409, "role_unavailable")
@@ -286,13 +350,13 @@ def test_a_prefill_worker_changes_role_once_its_held_prefill_was_sent(make_worke
     assert dec.blocks_used == 0 and pre.engine.role is Role.COLLOCATED
 
 
-def test_the_engine_changes_role_only_when_it_holds_no_request(tiny_model) -> None:
+def test_the_engine_changes_role_only_while_no_request_moves_kv(tiny_model) -> None:
     engine = Engine(EngineConfig(model=str(tiny_model()), dtype="float32", max_model_len=256,
                                  role=Role.PREFILL))
     rid = engine.add_request(list(PROMPT), SHORT)  # the prefill role's default: hand over
     out = engine.step()[0]
     assert out.kv_block_ids  # token 0 sampled, blocks held
-    with pytest.raises(ValueError, match=r"holds 1 request\(s\); its role changes only when"):
+    with pytest.raises(ValueError, match=r"hand KV over or wait for it; its role changes only"):
         engine.set_role(Role.DECODE)
     assert engine.role is Role.PREFILL
     engine.release(rid)
@@ -300,10 +364,14 @@ def test_the_engine_changes_role_only_when_it_holds_no_request(tiny_model) -> No
     assert engine.role is Role.DECODE and engine.config.role is Role.DECODE
     engine.add_remote_request(list(PROMPT), SHORT, request_id="remote")  # decode-only call
     assert engine.reserved_blocks("remote")
+    with pytest.raises(ValueError, match="hand KV over or wait for it"):
+        engine.set_role(Role.COLLOCATED)
     engine.abort("remote")
     engine.set_role(Role.COLLOCATED)
     engine.add_request(list(PROMPT), SHORT, request_id="whole")
+    engine.step()
+    engine.set_role(Role.PREFILL)  # a request that runs whole goes on in any role
     while engine.has_unfinished_requests():
         outs = engine.step()
-    assert outs[-1].finished and outs[-1].kv_block_ids is None  # no hand-over now
+    assert outs[-1].finished and outs[-1].kv_block_ids is None  # no hand-over for it
     assert engine.block_manager.num_used_blocks == 0

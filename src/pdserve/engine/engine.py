@@ -1,6 +1,6 @@
 """The engine: one model, one KV pool, one scheduler; `step()` is schedule, run, update.
 
-Roles (config.role; `set_role` changes it while the engine holds no request):
+Roles (config.role; `set_role` changes it while no request moves KV in or out):
 - COLLOCATED: prefill and decode.
 - PREFILL: a request stops after token 0 unless that token already finishes it. Its blocks
   stay held (state PREFILLED) and its output carries `kv_block_ids`, until `release()`.
@@ -83,12 +83,16 @@ class Engine:
 
     def add_remote_request(
         self, prompt_token_ids: list[int], params: SamplingParams | None = None,
-        request_id: str | None = None,
+        request_id: str | None = None, output_offset: int = 0,
     ) -> str:
-        """Decode role: queue a request whose prompt KV will be written into its blocks."""
+        """Decode role: queue a request whose prompt KV will be written into its blocks.
+        `output_offset` as for `add_request` (a continuation whose KV comes from elsewhere)."""
         if self.config.role != Role.DECODE:
             raise ValueError("add_remote_request() needs an engine in the decode role")
+        if type(output_offset) is not int or output_offset < 0:
+            raise ValueError(f"output_offset must be an int >= 0, got {output_offset!r}")
         req = self._new_request(prompt_token_ids, params, request_id, remote_prefill=True)
+        req.output_offset = output_offset
         self.scheduler.add(req)
         self.scheduler.reserve_remote()
         return req.request_id
@@ -142,14 +146,22 @@ class Engine:
 
     def set_role(self, role: Role) -> None:
         """Take later requests in `role`; the model, the KV pool and its prefix cache stay.
-        Only while the engine holds no request (ValueError otherwise): a request's role-given
-        behaviour (hand-over at token 0, a reservation filled from outside) is fixed when it is
-        added, and its blocks must not outlive the role that gave them their meaning."""
-        if self.requests:
-            raise ValueError(f"the engine holds {len(self.requests)} request(s); its role "
-                             f"changes only when every request has finished or been released")
+        A request's role-given behaviour (hand-over at token 0, a reservation filled from
+        outside) is fixed when it is added, so requests that run whole (decoding, or a local
+        prompt) go on in any role; the role changes only while no request moves KV in or out
+        (`moves_kv`; ValueError otherwise), so that no held or reserved block outlives the role
+        that gave it its meaning."""
+        if self.moves_kv():
+            raise ValueError("requests of this engine hand KV over or wait for it; its role "
+                             "changes only once they have been released or have their KV")
         self.config = dataclasses.replace(self.config, role=Role(role))
         self.scheduler.config = self.config
+
+    def moves_kv(self) -> bool:
+        """Some request hands its KV over (computing its prompt for that, or PREFILLED) or
+        waits for KV written from outside."""
+        return any(r.hand_over or r.state == RequestState.WAITING_FOR_KV
+                   for r in self.requests.values())
 
     def reserve_remote(self) -> None:
         """Decode role: reserve blocks for the queued remote requests the pool has room for now

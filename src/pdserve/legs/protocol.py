@@ -9,10 +9,14 @@ Leg kinds:
 - DECODE: reserve blocks, take the KV from the prefill worker `peer`, continue from token 0.
   If the transfer fails, the worker recomputes the prompt itself (same seed, same tokens).
 
-`output_offset` (LOCAL legs only): the leg continues a request whose first `output_offset` output
-tokens are the last tokens of its prompt (the router moved it off a failed worker); it samples
-output position `output_offset + k` where it would sample `k`, so a seeded request draws the
-tokens the first worker would have. Its events still count from 0 (the router shifts them).
+`output_offset`: the leg continues a request whose first `output_offset` output tokens are the
+last tokens of its prompt (the router moved it off a failed worker, or one that changed role);
+it samples output position `output_offset + k` where it would sample `k`, so a seeded request
+draws the tokens the first worker would have. Its events still count from 0 (the router shifts
+them). A split continuation gives its PREFILL and DECODE legs the same offset.
+
+A final event with `extra.moved` (and no error) hands the leg back: the worker stopped it after
+the tokens it sent (it changed role), and the router continues the request elsewhere.
 
 Events carry absolute positions (`index` of the first token, `text_offset` of the text), so the
 router can merge the prefill and decode streams of one request and drop what it has already
@@ -30,6 +34,10 @@ from typing import Any
 from pdserve.common.sampling_params import SamplingParams
 from pdserve.transfer.peer import PeerId
 from pdserve.transfer.wire import hex64, parse_hex64
+
+# A final event's extra key: the worker handed the leg back (it changed role); the router
+# continues the request elsewhere from the tokens it has.
+MOVED = "moved"
 
 
 class LegKind(StrEnum):
@@ -63,9 +71,6 @@ class LegRequest:
         if type(n) is not int or n < 0 or (n and n >= prompt):
             raise ValueError(f"output_offset must be an int in [0, {prompt}) (output tokens "
                              f"at the end of the prompt), got {n!r}")
-        if n and self.kind is not LegKind.LOCAL:
-            raise ValueError(f"only a local leg continues a request; a {self.kind.value} leg "
-                             "needs output_offset 0")
 
     def to_json(self) -> dict[str, Any]:
         params = {f.name: getattr(self.params, f.name) for f in fields(self.params)}

@@ -29,6 +29,12 @@ worker's error; never when the worker refused the request as the client's fault,
    breaker), the request waits for the first to serve again, within `--max-queue-wait-s`.
 3. Then the request fails: an error response, or, once the stream started, an error event
    and `[DONE]`.
+A leg its worker hands back (a final event with `extra.moved`: the worker became a prefill
+worker, `workers/role_flip.py`) is no failure: the request continues from the tokens the client
+has, split, with its prefill on that worker (the leg's KV is in its prefix cache, so only the
+last partial block is computed) and its decode on another decode worker, the KV moved as for
+any split request; on a collocated worker it continues locally. This counts against neither
+the breaker nor `max_migrations`, only against `MAX_HAND_BACKS`.
 Each move's legs carry `<request id>.<n>`: the worker that failed may still hold the first.
 Known limits of a continuation: its worker recomputes the prompt and the tokens sent, and
 prefill arithmetic may differ from decode's in the last bits; a repeated token that differs
@@ -66,7 +72,7 @@ from dataclasses import dataclass, field
 
 from pdserve.common.block_hash import hash_blocks
 from pdserve.common.sampling_params import SamplingParams
-from pdserve.legs.protocol import EventBatch, LegKind, LegRequest, TokenEvent
+from pdserve.legs.protocol import MOVED, EventBatch, LegKind, LegRequest, TokenEvent
 from pdserve.router.admission import AdmissionQueue, Slot
 from pdserve.router.admission_settings import AdmissionSettings
 from pdserve.router.breaker import Breakers, BreakerSettings
@@ -81,6 +87,7 @@ log = logging.getLogger("pdserve.router")
 
 MAX_BACKOFF_S = 1.0
 COMEBACK_POLL_S = 0.1  # how often a request waiting for a worker to serve again looks
+MAX_HAND_BACKS = 16  # a request handed back more often fails (workers flipping without end)
 
 
 @dataclass(frozen=True)
@@ -113,6 +120,15 @@ class NoWorkers(Exception):
     """No healthy worker can serve the request now (HTTP 503)."""
 
 
+class _HandedBack(Exception):
+    """`worker` handed the request's leg back after the tokens the client has (it changed
+    role); the leg left its KV in that worker's prefix cache."""
+
+    def __init__(self, worker: WorkerHandle) -> None:
+        super().__init__(f"{worker.name} handed the request back")
+        self.worker = worker
+
+
 class _PrefillLost(Exception):
     """The prefill leg failed before either leg spoke: the split can start over."""
 
@@ -134,6 +150,7 @@ class _Run:
     delivered: Delivered = field(default_factory=Delivered)
     tried: list[WorkerHandle] = field(default_factory=list)
     moves: int = 0
+    hand_backs: int = 0
     prefill_retries: int = 0
     attempts: int = 0
 
@@ -149,7 +166,8 @@ class Dispatcher:
         self.pool, self.policy, self.settings = pool, policy, settings
         self.channels, self.metrics = channels, metrics
         self.admission = admission or AdmissionSettings()
-        self.paths = PathChoice(pool, settings.local_prefill_threshold, settings.slo_tpot_s)
+        self.paths = PathChoice(pool, settings.local_prefill_threshold, settings.slo_tpot_s,
+                                metrics)
         self.breakers = Breakers(settings.breaker)
         self.queues = {"decode": AdmissionQueue("decode", self._serving, self.admission, metrics,
                                                 expected=self._expected),
@@ -194,6 +212,7 @@ class Dispatcher:
         """The request on the worker of its decode slot, split (after a prefill slot) or whole,
         then wherever the fallback chain moves it."""
         choice = self._path(run.slot.worker, len(run.prompt), run.hashes)
+        self.paths.record(choice)
         log.debug("request %s: %s on %s: %s", run.request_id,
                   "split" if choice.split else "local", run.slot.worker.name, choice.why)
         if choice.split:
@@ -214,6 +233,8 @@ class Dispatcher:
                 return
             except WorkerFailed as failed:
                 attempt = self._move(run, failed)
+            except _HandedBack as back:
+                attempt = self._hand_back(run, back.worker)
 
     @property
     def _block_size(self) -> int:
@@ -245,10 +266,8 @@ class Dispatcher:
     def _path(self, worker: WorkerHandle, prompt_len: int, hashes: list[int]) -> Choice:
         """Conditional disaggregation (`path_choice.py`): only a decode worker with a prefill
         pool beside it may split."""
-        prefill = self._routable("prefill")
-        if worker.role != "decode" or not prefill:
-            return Choice(False, f"{worker.role} worker" if prefill else "no prefill worker")
-        return self.paths.choose(worker, self._uncached(worker, prompt_len, hashes), prefill)
+        return self.paths.choose(worker, self._uncached(worker, prompt_len, hashes),
+                                 self._routable("prefill"))
 
     def _choose(self, free: list[WorkerHandle], prompt_len: int, hashes: list[int]
                 ) -> WorkerHandle:
@@ -293,7 +312,7 @@ class Dispatcher:
         if not candidates:
             log.warning("request %s: %s; waiting for a decode worker to serve again",
                         run.request_id, failed)
-            candidates = await self._serving_again(run, failed)
+            candidates = await self._serving_again(run, failed, ())
         run.slot.move(self.policy.choose(candidates, run.hashes))
         sent = len(run.delivered.token_ids)
         log.warning("request %s: %s; %s on %s", run.request_id, failed,
@@ -303,12 +322,13 @@ class Dispatcher:
             async for batch in local:
                 yield batch
 
-    async def _serving_again(self, run: _Run, failed: WorkerFailed) -> list[WorkerHandle]:
-        """The decode-capable workers that serve, once one does (a restarted worker is back
-        after its model loads: seconds). After the queue wait: NoWorkers if the client has no
-        token yet, else the stream ends with the failure."""
+    async def _serving_again(self, run: _Run, failed: Exception,
+                             exclude: Sequence[WorkerHandle]) -> list[WorkerHandle]:
+        """The decode-capable workers but `exclude` that serve, once one does (a restarted
+        worker is back after its model loads: seconds). After the queue wait: NoWorkers if the
+        client has no token yet, else the stream ends with `failed`."""
         deadline = time.monotonic() + self.admission.max_queue_wait_s
-        while not (serving := self._serving()):
+        while not (serving := [w for w in self._serving() if w not in exclude]):
             if time.monotonic() >= deadline or not self._coming_back():
                 within = f"within {self.admission.max_queue_wait_s:g} s"
                 if run.delivered.token_ids:
@@ -317,6 +337,35 @@ class Dispatcher:
                 raise NoWorkers(f"no healthy decode or collocated worker came back {within}")
             await asyncio.sleep(COMEBACK_POLL_S)
         return serving
+
+    async def _hand_back(self, run: _Run, source: WorkerHandle) -> AsyncIterator[EventBatch]:
+        """The next attempt after `source` handed the request back: split with the prefill on
+        `source` (its prefix cache holds the KV) and the decode on another decode worker; local
+        on a collocated one, or when that prefill leg fails before either leg spoke."""
+        run.hand_backs += 1
+        if run.hand_backs > MAX_HAND_BACKS:
+            raise LegFailed(f"the request was handed back {MAX_HAND_BACKS} times by workers "
+                            f"changing role")
+        self.metrics.migrations.inc(reason="handed back by a worker changing role")
+        candidates = [w for w in self._serving() if w is not source]
+        if not candidates:
+            candidates = await self._serving_again(run, _HandedBack(source), (source,))
+        run.slot.move(self.policy.choose(candidates, run.hashes))
+        dec = run.slot.worker
+        log.info("request %s: %s handed it back after token %d (changing role); continuing on "
+                 "%s", run.request_id, source.name, len(run.delivered.token_ids), dec.name)
+        if dec.role == "decode" and source.peer is not None:
+            try:
+                async with contextlib.aclosing(self._split_legs(run, source, None)) as legs:
+                    async for batch in legs:
+                        yield batch
+                return
+            except _PrefillLost as lost:
+                self.metrics.retries.inc(reason="prefill leg failed, local prefill")
+                log.warning("request %s: %s; prefilling on %s", run.request_id, lost, dec.name)
+        async with contextlib.aclosing(self._local(run)) as local:
+            async for batch in local:
+                yield batch
 
     # -- local -------------------------------------------------------------------------------
 
@@ -335,6 +384,7 @@ class Dispatcher:
             async with contextlib.aclosing(self._leg(worker, leg)) as batches:
                 async for batch in batches:
                     prefilled()
+                    batch, moved = _without_moved(batch)
                     batch, error = relay(batch)
                     if batch:
                         yield batch
@@ -342,6 +392,8 @@ class Dispatcher:
                             return
                     if error is not None:
                         raise WorkerFailed(worker, LegKind.LOCAL, LegFailed(error))
+                    if moved:
+                        raise _HandedBack(worker)
         except LegFailed as e:
             if isinstance(e, Diverged) or (e.client_error and not run.delivered.token_ids):
                 raise
@@ -357,7 +409,8 @@ class Dispatcher:
         try:
             while True:
                 try:
-                    async with contextlib.aclosing(self._split_legs(run, pre_slot)) as legs:
+                    async with contextlib.aclosing(
+                            self._split_legs(run, pre_slot.worker, pre_slot)) as legs:
                         async for batch in legs:
                             yield batch
                     return
@@ -387,20 +440,27 @@ class Dispatcher:
                     pre_slot.worker.name)
         return True
 
-    async def _split_legs(self, run: _Run, pre_slot: Slot) -> AsyncIterator[EventBatch]:
-        """One prefill and one decode leg, merged. Raises _PrefillLost, or WorkerFailed when
-        the decode leg fails."""
-        pre, dec = pre_slot.worker, run.slot.worker
+    async def _split_legs(self, run: _Run, pre: WorkerHandle, pre_slot: Slot | None
+                          ) -> AsyncIterator[EventBatch]:
+        """One prefill leg on `pre` and one decode leg on the decode slot's worker, merged: the
+        request from the start, or its continuation after the tokens the client has (`pre_slot`
+        None: a hand-back's, which holds no prefill slot). Raises _PrefillLost, _HandedBack, or
+        WorkerFailed when the decode leg fails."""
+        dec = run.slot.worker
         tid = secrets.randbits(64) or 1
-        moved = self._uncached(dec, len(run.prompt), run.hashes)  # the KV the decode side needs
-        prefilled = self.paths.prefilling(pre, self._uncached(pre, len(run.prompt), run.hashes))
-        pre.prefix.add(run.hashes)
-        dec.prefix.add(run.hashes)
+        leg, relay = continuation(run.next_leg_id(), run.prompt, run.params, run.delivered)
+        ids = leg.prompt_token_ids
+        hashes = hash_blocks(ids, self._block_size) if leg.output_offset else run.hashes
+        kv_tokens = self._uncached(dec, len(ids), hashes)  # the KV the decode side needs
+        prefilled = self.paths.prefilling(pre, self._uncached(pre, len(ids), hashes))
+        pre.prefix.add(hashes)
+        dec.prefix.add(hashes)
         token0_at: float | None = None
-        leg_id, ids = run.next_leg_id(), run.prompt
         legs = {
-            "prefill": (pre, LegRequest(leg_id, ids, run.params, LegKind.PREFILL, tid, dec.peer)),
-            "decode": (dec, LegRequest(leg_id, ids, run.params, LegKind.DECODE, tid, pre.peer)),
+            "prefill": (pre, dataclasses.replace(leg, kind=LegKind.PREFILL, transfer_id=tid,
+                                                 peer=dec.peer)),
+            "decode": (dec, dataclasses.replace(leg, kind=LegKind.DECODE, transfer_id=tid,
+                                                peer=pre.peer)),
         }
         merged: asyncio.Queue = asyncio.Queue()
         slots = {"prefill": pre_slot, "decode": None}
@@ -413,6 +473,9 @@ class Dispatcher:
                 if item is None:
                     ended.add(name)
                     continue
+                moved = False
+                if name == "decode" and not isinstance(item, LegFailed):
+                    item, moved = _without_moved(item)
                 if name == "decode" and "prefill" not in heard and _recomputed(item):
                     self._prefill_silent(run.request_id, pre)
                 if name == "prefill":
@@ -421,7 +484,7 @@ class Dispatcher:
                         token0_at = time.monotonic()
                 elif name not in heard and token0_at is not None and \
                         not isinstance(item, LegFailed) and not _recomputed(item):
-                    self.paths.handed_over(moved, time.monotonic() - token0_at)
+                    self.paths.handed_over(kv_tokens, time.monotonic() - token0_at)
                 heard.add(name)
                 if name == "prefill" and not isinstance(item, LegFailed) and item[-1].error:
                     item = LegFailed(item[-1].error)  # the prefill worker's own error
@@ -434,16 +497,20 @@ class Dispatcher:
                         raise _PrefillLost(pre, item)
                     log.warning("request %s: %s; decode recomputes", run.request_id, item)
                     self.metrics.retries.inc(reason="prefill leg failed")
-                    pre_slot.release()
+                    if pre_slot is not None:
+                        pre_slot.release()
                     continue
                 spoke.add(name)
                 batch, error = _relayed(name, item)
+                batch, _ = relay(batch)  # no error is left in it
                 if batch:
                     yield batch
                     if batch[-1].final:
                         return
                 if error is not None:
                     raise WorkerFailed(dec, LegKind.DECODE, LegFailed(error))
+                if moved:
+                    raise _HandedBack(dec)
             raise LegFailed("both legs ended without finishing the request")
         finally:
             prefilled()
@@ -507,6 +574,14 @@ def _worker_error(event: TokenEvent) -> str | None:
     """The worker's error that ended its leg; a decode leg ended because token 0 finished the
     request on the prefill side (`prefill_finished`) is no failure."""
     return None if event.extra.get("prefill_finished") else event.error
+
+
+def _without_moved(batch: EventBatch) -> tuple[EventBatch, bool]:
+    """The batch without the event that hands the leg back, and whether it had one (always
+    the last: it ends the leg)."""
+    if batch and batch[-1].extra.get(MOVED):
+        return batch[:-1], True
+    return batch, False
 
 
 def _recomputed(item: EventBatch | LegFailed) -> bool:

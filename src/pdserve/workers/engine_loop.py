@@ -13,6 +13,10 @@ Life cycle of a leg (see `legs/protocol.py` for the kinds):
 - cancel (client gone): the leg ends and its engine request is aborted, at once or, with a
   session open, once the session says the blocks are reusable.
 - while the worker changes role (`workers/role_flip.py`), a submitted leg is refused at once.
+  A router's running LOCAL or DECODE leg on a worker becoming a prefill worker is handed back:
+  its request is aborted with its computed KV left in the prefix cache, and its final event
+  says `extra.moved` (no error): the router continues the request from the tokens it has, its
+  prompt prefilled here from that cache and the KV moved to a decode worker.
 
 Invariant: a leg's blocks return to the pool on every path: finish, cancel, transfer failure,
 peer death (the sessions' leases bound every wait).
@@ -36,7 +40,7 @@ from dataclasses import dataclass
 from pdserve.common.engine_options import Role
 from pdserve.engine.engine import Engine
 from pdserve.engine.outputs import RequestOutput
-from pdserve.legs.protocol import LegKind, LegRequest, TokenEvent
+from pdserve.legs.protocol import MOVED, LegKind, LegRequest, TokenEvent
 from pdserve.workers.handover import HandOver, LegDropped, LegEnded, LegRecomputing, Outcome
 from pdserve.workers.hub_pump import HubPump
 from pdserve.workers.loop_commands import Cancel, Command, Flip, Sink, Stop, Submit
@@ -80,9 +84,11 @@ class _Leg:
     engine_id: str
     arrived: float  # when the HTTP thread submitted it (a step may run before the engine
     # thread takes it: that wait is the client's too)
+    movable: bool = False  # a router's leg: a role change may hand it back (`Submit`)
     cancelled: bool = False
     last_token_at: float | None = None
     recomputed: bool = False  # a decode leg whose KV never came: its first event says so
+    sent: tuple[int, int] = (0, 0)  # output tokens and characters in its events so far
 
 
 class EngineLoop:
@@ -118,8 +124,8 @@ class EngineLoop:
         self.submit_to(req, sink)
         return sink
 
-    def submit_to(self, req: LegRequest, sink: Sink) -> None:
-        self._commands.put(Submit(req, sink, time.perf_counter()))
+    def submit_to(self, req: LegRequest, sink: Sink, movable: bool = False) -> None:
+        self._commands.put(Submit(req, sink, time.perf_counter(), movable))
 
     def cancel(self, request_id: str) -> None:
         self._commands.put(Cancel(request_id))
@@ -188,9 +194,33 @@ class EngineLoop:
                 self.trace.record(Step.of(wall0, wall0 + seconds, stats))
             for out in outputs:
                 self._on_output(out)
-        if self.flip.flipping and self.flip.advance(holds_work=bool(
-                self._legs or self.engine.requests)):
+        if self.flip.flipping:
+            self._advance_flip()
+
+    def _advance_flip(self) -> None:
+        """Switch once no request moves KV in or out and every leg left runs in the new role;
+        becoming a prefill worker, the router's running legs are handed back then (all in the
+        iteration that switches, so a leg the router sends for them is not refused)."""
+        to_prefill = self.flip.target is Role.PREFILL
+        held = self.engine.moves_kv() or (to_prefill and any(
+            not leg.movable or leg.cancelled for leg in self._legs.values()))
+        if not held and to_prefill:
+            for leg in list(self._legs.values()):
+                self._hand_back(leg)
+        if self.flip.advance(holds_work=held):
             self._arm_layer_hook()
+
+    def _hand_back(self, leg: _Leg) -> None:
+        """End a running leg for the router to continue elsewhere: its blocks go back to the
+        pool, the computed ones staying in the prefix cache for the prefill of its
+        continuation."""
+        if leg.req.transfer_id is not None:
+            self.handover.finished(leg.engine_id)
+        self.engine.abort(leg.engine_id)
+        tokens, chars = leg.sent
+        self._end(leg, TokenEvent(index=tokens, token_ids=[], text_offset=chars, text="",
+                                  extra={MOVED: True}))
+        self.metrics.handed_back.inc()
 
     def _busy(self) -> bool:
         return self.engine.has_unfinished_requests() or bool(
@@ -233,7 +263,7 @@ class EngineLoop:
         except ValueError as e:
             self._emit(sink, _error(str(e)))
             return
-        leg = _Leg(req, sink, req.request_id, cmd.arrived)
+        leg = _Leg(req, sink, req.request_id, cmd.arrived, cmd.movable)
         self._legs[leg.engine_id] = leg
         if req.transfer_id is not None:
             self.handover.expect(req)
@@ -246,7 +276,8 @@ class EngineLoop:
             raise ValueError(f"this worker has no transfer endpoint; it cannot take a "
                              f"{req.kind.value} leg")
         if req.kind is LegKind.DECODE:
-            self.engine.add_remote_request(ids, req.params, request_id=req.request_id)
+            self.engine.add_remote_request(ids, req.params, request_id=req.request_id,
+                                           output_offset=req.output_offset)
         else:
             self.engine.add_request(ids, req.params, request_id=req.request_id,
                                     hand_over=req.kind is LegKind.PREFILL,
@@ -315,6 +346,7 @@ class EngineLoop:
             self.metrics.observe_tokens(leg.arrived, leg.last_token_at, now, n_new)
             leg.last_token_at = now
         first = len(c.token_ids) - n_new
+        leg.sent = (len(c.token_ids), len(c.text))
         return TokenEvent(
             index=first, token_ids=list(c.new_token_ids),
             text_offset=len(c.text) - len(c.new_text), text=c.new_text,

@@ -118,7 +118,7 @@ class WorkerLegChannel:
             self._refuse(sid, f"bad leg request: {e}")
             return
         self._legs[sid] = _OpenLeg(leg)
-        self.loop.submit_to(leg, _Sink(self, sid))
+        self.loop.submit_to(leg, _Sink(self, sid), movable=True)
 
     def cancel(self, sid: int, why: str) -> None:
         leg = self._legs.pop(sid, None)

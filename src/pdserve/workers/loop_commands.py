@@ -33,6 +33,9 @@ class Submit:
     req: LegRequest
     sink: Sink
     arrived: float  # perf_counter() at submission: a leg's latency counts from here
+    # a router's leg: a role change may hand it back for the router to continue elsewhere (a
+    # client's own /v1 request has no one to continue it: a role change waits for it)
+    movable: bool = False
 
 
 @dataclass(frozen=True)

@@ -10,20 +10,26 @@ Life cycle of a flip (at most one at a time):
    worker is flipping: every leg submitted from now on is refused with `FLIPPING` (a final error
    event: the leg channel answers it as a refusal, the worker's own /v1 with 503), and the
    signed /health says `"state": "flipping"`.
-3. Draining: what the worker holds runs on, untouched: local and decode legs to their last
-   token (a decode leg waiting for its KV first gets it, or recomputes after its lease), held
-   prefills until their transfers end and their blocks are released, a failed reception's
-   blocks until its writer is quiet. `advance`, after every iteration of the engine loop, sees
-   whether anything is left.
-4. Drained (no leg, the engine holds no request): `Engine.set_role`; the reply is `FlipDone`
-   (200: from, to, seconds from the command to now) and the worker serves in its new role.
+3. Draining: what moves KV finishes first, while every running stream keeps decoding: held
+   prefills until their transfers end and their blocks are released, a decode leg waiting for
+   its KV until it has it (or recomputes after its lease), a failed reception's blocks until
+   its writer is quiet. `advance`, after every iteration of the engine loop, is told whether
+   anything still holds the flip.
+4. Then, in one iteration of the engine loop (`EngineLoop._advance_flip`): running streams
+   go on in a decode or collocated role; a worker becoming a prefill worker hands the router's
+   running legs back (the router continues each on a decode worker, its prompt prefilled here
+   from the prefix cache the leg left and the KV moved: `router/dispatch.py`), while a client's
+   own /v1 request, which no router can continue, holds the flip until it ends. `Engine.set_role`;
+   the reply is `FlipDone` (200: from, to, seconds from the command to now) and the worker
+   serves in its new role.
 5. The deadline (`timeout_s` after the command) comes first: the reply is 503, the role is
    unchanged and legs are taken again.
 
-Invariants: the role changes only on the engine thread and only while the engine holds no
-request, so every request ends in the role it started in; a flip never ends a leg; every `Flip`
-gets exactly one reply. Threading: the engine thread alone calls `begin` and `advance`; the
-HTTP thread only reads `state`.
+Invariants: the role changes only on the engine thread and only while no request moves KV in
+or out, so a hand-over or reservation ends in the role that began it; a running stream either
+goes on or is handed back whole (the router has every token it produced); every `Flip` gets
+exactly one reply. Threading: the engine thread alone calls `begin` and `advance`; the HTTP
+thread only reads `state`.
 """
 
 from __future__ import annotations
@@ -77,6 +83,11 @@ class RoleFlip:
     def flipping(self) -> bool:
         return self._flip is not None
 
+    @property
+    def target(self) -> Role | None:
+        """The role a flip under way goes to."""
+        return None if self._flip is None else self._flip.role
+
     def refusal(self) -> str:
         """Why a leg submitted now is refused (while flipping)."""
         assert self._flip is not None
@@ -94,8 +105,8 @@ class RoleFlip:
                  self.engine.role.value, cmd.role.value, cmd.timeout_s)
 
     def advance(self, holds_work: bool) -> bool:
-        """After an iteration of the engine loop: switch if nothing is held, give up past the
-        deadline. True: the role changed just now."""
+        """After an iteration of the engine loop: switch unless something still holds the flip,
+        give up past the deadline. True: the role changed just now."""
         cmd = self._flip
         if cmd is None:
             return False

@@ -30,6 +30,10 @@ class WorkerMetrics:
         self.legs = r.counter("pdserve_legs_total", "Legs accepted, by kind.", ["kind"])
         self.requests = r.counter("pdserve_request_success_total",
                                   "Finished requests, by finish reason.", ["finish_reason"])
+        self.handed_back = r.counter(
+            "pdserve_legs_handed_back_total",
+            "Running legs handed back to the router by a role change, to continue on another "
+            "worker with their KV.")
         self.cancelled = r.counter("pdserve_requests_cancelled_total",
                                    "Legs cancelled because the client or router went away.")
         self.recomputes = r.counter("pdserve_kv_recomputes_total",
