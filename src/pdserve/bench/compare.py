@@ -55,7 +55,7 @@ from pdserve.bench.serve.runner import (
     run_bench,
     settings_from_args,
 )
-from pdserve.bench.serve.workloads import Workload
+from pdserve.bench.serve.workloads import WORKLOAD_KINDS, Workload
 from pdserve.cluster.up_process import UpProcess, get_json
 
 CONFIGS: dict[str, tuple[str, ...]] = {
@@ -327,7 +327,7 @@ def add_compare_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--local-prefill-threshold", type=int, default=None, metavar="TOKENS",
                    help="disagg: prompts up to this many uncached tokens run whole on the "
                         "decode worker (default: pdserve up's)")
-    p.add_argument("--workload", default="mixed", choices=["chat", "rag", "mixed", "fixed"],
+    p.add_argument("--workload", default="mixed", choices=WORKLOAD_KINDS,
                    help="see `pdserve bench serve --help` (default: %(default)s)")
     loop = p.add_mutually_exclusive_group()
     loop.add_argument("--rate", type=float, default=None,
