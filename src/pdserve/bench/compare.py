@@ -7,9 +7,15 @@ split between them; elastic: disagg's workers, whose roles the router flips itse
 up --elastic`), warmed up with two requests, measured with `bench serve`'s runner, and
 stopped before the next starts. Before the stop the router's `pdserve_role_flips_total` is
 read: `role_flips` (all directions) and `role_flips_by` ("decode->prefill": n, ...). Workers
-keep a ring of their engine steps; the steps of the measured interval are fetched before the
-stop (for the timeline picture). `--external
-NAME=URL` adds a server someone else started (vLLM, see docs/vllm.md) to the same table.
+keep a ring of their engine steps and a history of their roles; both, over the measured run,
+are fetched before the stop: the steps for the timeline picture, the roles for `workers` (per
+worker: `index` and `url` in `pdserve up`'s order, `roles` as the worker gave them,
+`role_seconds` spent in each role during the run, `flips` completed in it; `bench/role_time.py`)
+and `run_window` (the run's wall-clock start and end). Workers are named by their role when the
+measured run began, numbered per role in `pdserve up`'s order ("prefill-0"): one name for the
+whole run, whatever flips came later. The table gets a line of each flipping configuration's
+seconds per role. `--external NAME=URL` adds a server someone else started (vLLM, see
+docs/vllm.md) to the same table.
 
 Repeats (`--repeats N`, default 1). Invariants:
 - Every configuration, pdserve's and external ones alike, replays the same trace (same seed)
@@ -23,8 +29,8 @@ Repeats (`--repeats N`, default 1). Invariants:
 - The table and `--out` give, per configuration, the median over its runs of every metric
   (`median_of_runs`; the same vLLM `bench serve` names as one run); ratios are ratios of
   medians. `--out` keeps every run's metrics, in run order, under `repeats`.
-- The step traces (`X.steps.json`), the `requests` in `--out`, and the `--plots` pictures are
-  those of the last round.
+- The step traces (`X.steps.json`), the `requests`, `workers` and `run_window` in `--out`, and
+  the `--plots` pictures are those of the last round.
 - With N = 1 every output is exactly that of a single run (no `repeats` key).
 """
 
@@ -48,6 +54,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pdserve.bench.role_time import flips_within, format_role_seconds, role_at, role_seconds
 from pdserve.bench.serve.metrics import MAX_ERRORS, Slo, distribution_ms
 from pdserve.bench.serve.runner import (
     Load,
@@ -133,19 +140,30 @@ def _warm_up(url: str, model: str, workload: Workload) -> None:
             resp.read()
 
 
-def _worker_steps(up: UpProcess, since: float) -> dict[str, list[list[float]]]:
-    steps, index, counts = {}, 0, {}
+def _workers(up: UpProcess, start: float, end: float
+             ) -> tuple[dict[str, list[list[float]]], dict[str, dict[str, Any]]]:
+    """(steps, `workers` entry) of every worker over the run [start, end], by worker name."""
+    steps, workers, index, counts = {}, {}, 0, {}
     while True:
+        url = up.worker_url(index)
         try:
-            health = up.health(index)
+            trace = up.internal_json(f"{url}/internal/steps?since={start!r}")
         except OSError:
-            return steps
-        role = health["role"]
+            return steps, workers
+        role = role_at(trace["roles"], start)
         name = f"{role}-{counts.get(role, 0)}"
         counts[role] = counts.get(role, 0) + 1
-        steps[name] = up.internal_json(
-            f"{up.worker_url(index)}/internal/steps?since={since}")["steps"]
+        steps[name] = trace["steps"]
+        workers[name] = worker_roles(index, url, trace["roles"], start, end)
         index += 1
+
+
+def worker_roles(index: int, url: str, roles: list[dict[str, Any]], start: float,
+                 end: float) -> dict[str, Any]:
+    """A worker's `workers` entry for the run [start, end] (wall-clock seconds)."""
+    return {"index": index, "url": url, "roles": roles,
+            "role_seconds": role_seconds(roles, start, end),
+            "flips": len(flips_within(roles, start, end))}
 
 
 def role_flips(router_url: str) -> dict[str, Any]:
@@ -175,9 +193,12 @@ def run_config(s: CompareSettings, name: str,
     up = UpProcess(s.model, *CONFIGS[name], "--cpus", s.cpus, *s.up_args)
     try:
         _warm_up(up.url, s.model, s.workload)
-        since = time.time()
+        start = time.time()
         result = run_bench(up.url, s.model, s.workload, s.load, s.timeout_s, s.slo)
-        return {**result, **role_flips(up.url.removesuffix("/v1"))}, _worker_steps(up, since)
+        end = time.time()
+        steps, workers = _workers(up, start, end)
+        return {**result, **role_flips(up.url.removesuffix("/v1")), "workers": workers,
+                "run_window": [start, end]}, steps
     finally:
         up.stop()
 
@@ -304,7 +325,23 @@ def format_table(results: dict[str, dict[str, Any]], repeats: int = 1) -> str:
     if repeats > 1:
         lines.append(f"each value is the median of {repeats} runs (--out keeps every run under "
                      "'repeats')")
-    return "\n".join(lines)
+    return "\n".join(lines + _role_lines(results, repeats))
+
+
+def changed_role(result: Mapping[str, Any]) -> bool:
+    """Whether a worker of this configuration changed role during its (last) run."""
+    return any(w["flips"] for w in result.get("workers", {}).values())
+
+
+def _role_lines(results: Mapping[str, Mapping[str, Any]], repeats: int) -> list[str]:
+    """Seconds per role of each worker, for configurations whose workers changed role."""
+    flipped = {n: r["workers"] for n, r in results.items() if changed_role(r)}
+    if not flipped:
+        return []
+    run = "the last run" if repeats > 1 else "the run"
+    return [f"time in each role during {run}:"] + [
+        f"  {n}: " + format_role_seconds({w: info["role_seconds"] for w, info in ws.items()})
+        for n, ws in flipped.items()]
 
 
 def add_compare_args(p: argparse.ArgumentParser) -> None:
@@ -392,9 +429,22 @@ def run_compare_cli(args: argparse.Namespace) -> int:
         args.out.write_text(json.dumps(results, indent=1) + "\n")
         args.out.with_suffix(".steps.json").write_text(json.dumps(traces) + "\n")
     if args.plots is not None:
-        from pdserve.bench.plots import latency_cdfs, step_timeline
-
-        paths = latency_cdfs({n: r["requests"] for n, r in results.items()}, args.plots)
-        paths.append(step_timeline(traces, args.plots / "timeline.png"))
+        paths = pictures(results, traces, args.plots)
         print("pictures: " + ", ".join(str(p) for p in paths))
     return 0 if every_run_completed(results) else 1
+
+
+def pictures(results: Mapping[str, Mapping[str, Any]], traces: Mapping[str, Any],
+             out_dir: Path) -> list[Path]:
+    """ttft_cdf.png, itl_cdf.png, timeline.png, and roles.png when a configuration's workers
+    changed role during its run."""
+    from pdserve.bench.plots import latency_cdfs, role_timeline, step_timeline
+
+    roles = {n: {w: info["roles"] for w, info in results[n].get("workers", {}).items()}
+             for n in traces}
+    paths = latency_cdfs({n: r["requests"] for n, r in results.items()}, out_dir)
+    paths.append(step_timeline(traces, out_dir / "timeline.png", roles=roles))
+    flipped = {n: tuple(results[n]["run_window"]) for n in traces if changed_role(results[n])}
+    if flipped:
+        paths.append(role_timeline(traces, roles, flipped, out_dir / "roles.png"))
+    return paths

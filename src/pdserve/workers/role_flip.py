@@ -45,6 +45,7 @@ from pdserve.api.errors import SERVER_ERROR, ApiError
 from pdserve.common.engine_options import Role
 from pdserve.engine.engine import Engine
 from pdserve.workers.loop_commands import Flip, Sink
+from pdserve.workers.role_history import RoleHistory
 from pdserve.workers.worker_metrics import WorkerMetrics
 
 log = logging.getLogger("pdserve.worker")
@@ -73,7 +74,12 @@ class RoleFlip:
                  emit: Callable[[Sink, object], None]) -> None:
         self.engine, self.metrics, self.moves_kv, self._emit = engine, metrics, moves_kv, emit
         self._flip: Flip | None = None
-        self.role_since = time.time()  # wall clock: when the current role began
+        self.history = RoleHistory(engine.role, time.time())  # every completed change
+
+    @property
+    def role_since(self) -> float:
+        """Wall clock: when the current role began."""
+        return self.history.current.since
 
     @property
     def state(self) -> str:
@@ -115,7 +121,7 @@ class RoleFlip:
             old = self.engine.role
             self.engine.set_role(cmd.role)
             self._end(FlipDone(old, cmd.role, seconds))
-            self.role_since = time.time()
+            self.history.changed(cmd.role, time.time(), seconds)
             self.metrics.flipped(old.value, cmd.role.value, seconds)
             log.info("role changed %s -> %s in %.3f s", old.value, cmd.role.value, seconds)
             return True

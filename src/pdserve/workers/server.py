@@ -166,7 +166,12 @@ class Worker:
 
     async def steps(self, request: web.Request) -> web.Response:
         """Engine steps that ended after `?since=` (wall-clock seconds; default: all kept), with
-        the worker's proof of the secret (the access middleware let only signed requests in)."""
+        the worker's proof of the secret (the access middleware let only signed requests in).
+        Body: "role" and "role_since" (the current role, since when), "fields" (`Step._fields`),
+        "steps" (one list per step, oldest first), "roles" (the role in force at `since` and
+        each change after it, oldest first: {"role", "since", "from", "flip_seconds"},
+        `workers/role_history.py`; "from" and "flip_seconds" are null for the role the worker
+        started in)."""
         try:
             since = float(request.query.get("since", "0"))
         except ValueError:
@@ -176,7 +181,8 @@ class Worker:
         return self.access.signed_json(request, {  # steps before role_since ran in another role
             "role": self.engine.role.value, "role_since": self.loop.flip.role_since,
             "fields": list(Step._fields),
-            "steps": [list(s) for s in steps]})
+            "steps": [list(s) for s in steps],
+            "roles": [span.to_json() for span in self.loop.flip.history.since(since)]})
 
     async def change_role(self, request: web.Request) -> web.Response:
         return await change_role(request, self.loop, self.access)

@@ -2,7 +2,9 @@
 
 A bounded ring (the last `capacity` steps), always on: one tuple per step, recorded by the
 engine thread, read by `GET /internal/steps?since=T` (its "fields" are `Step._fields`). Times are
-wall-clock seconds (`time.time()`) so traces of several workers on one machine line up.
+wall-clock seconds (`time.time()`) so traces of several workers on one machine line up. The
+endpoint also returns the worker's roles over the same interval ("roles": the role in force at
+`since` and each change after it, `workers/role_history.py`), so each step's role is known.
 
 Fields after the times are the step's `StepStats` (`Engine.take_step_stats`): prompt tokens
 computed, decode tokens, requests in the batch, and decode_context, the summed context of the
