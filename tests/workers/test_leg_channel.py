@@ -22,6 +22,7 @@ from pdserve.legs.frames import cancel_frame, open_frame, parse_replies
 from pdserve.legs.protocol import MOVED, LegKind, LegRequest, TokenEvent
 from pdserve.workers.engine_loop import Accepted, EngineLoop, _deliver
 from pdserve.workers.leg_channel import WorkerLegChannel, WorkerLegChannels
+from pdserve.workers.parked import ParkedLegs
 from pdserve.workers.worker_metrics import WorkerMetrics
 from tests.workers.test_role_flip import Worker
 
@@ -139,6 +140,7 @@ def test_a_worker_changing_role_refuses_a_leg_as_unavailable_not_as_bad(tiny_mod
 def test_a_routers_leg_is_handed_back_by_a_worker_becoming_a_prefill_worker(tiny_model
                                                                            ) -> None:
     worker = Worker(tiny_model(), Role.DECODE, 0x7102)
+    worker.loop.parked = ParkedLegs(park_s=0.05)  # no continuation comes: released soon
 
     async def go() -> None:
         async with channel(worker.engine, loop=worker.loop) as ws:

@@ -26,6 +26,7 @@ from pdserve.transfer.layout import KVLayout
 from pdserve.transfer.tcp import TcpTransport
 from pdserve.workers.engine_loop import Accepted, EngineLoop, QueueSink
 from pdserve.workers.hub_pump import HubPump
+from pdserve.workers.parked import ParkedLegs
 from pdserve.workers.role_flip import FLIPPING, FlipDone
 from pdserve.workers.transfer_hub import TransferHub
 from pdserve.workers.worker_metrics import WorkerMetrics
@@ -188,11 +189,12 @@ def _movable(w: Worker, req: LegRequest) -> asyncio.Queue:
     return sink
 
 
-def test_a_routers_stream_is_handed_back_and_its_kv_feeds_the_continuation(make_worker
-                                                                           ) -> None:
+def test_a_routers_stream_is_handed_back_and_its_parked_kv_feeds_the_continuation(make_worker
+                                                                                  ) -> None:
     """Becoming a prefill worker, the worker hands the router's running stream back after the
-    tokens it sent, its KV left in the prefix cache; the continuation's prefill there hits that
-    cache and its decode elsewhere gets the KV: together exactly the undisturbed tokens."""
+    tokens it sent, parking its KV; the continuation's prefill leg there (resuming that leg)
+    sends the KV as it is, token 0 being the last token the stream sent, and its decode
+    elsewhere goes on: together exactly the undisturbed tokens."""
     w, dec = make_worker(Role.DECODE), make_worker(Role.DECODE)
     expected = _greedy(w, LONG)
     tid = 0xBAC
@@ -209,19 +211,52 @@ def test_a_routers_stream_is_handed_back_and_its_kv_feeds_the_continuation(make_
         assert moved.extra == {MOVED: True} and moved.error is None and not moved.token_ids
         sent = _tokens(items)
         assert len(sent) >= 40 and sent == expected[:len(sent)] and moved.index == len(sent)
-        assert w.blocks_used == 0 and w.metrics.handed_back.value() == 1
-        rest = dataclasses.replace(LONG, max_tokens=LONG.max_tokens - len(sent))
-        context = (*PROMPT, *sent)
-        prefill = LegRequest("r.2", context, rest, LegKind.PREFILL, tid, dec.transport.local,
-                             output_offset=len(sent))
+        assert w.blocks_used > 0 and len(w.loop.parked) == 1  # parked for the continuation
+        assert w.metrics.handed_back.value() == 1
+        k = len(sent) - 1  # the KV of every token but the last one sent is computed
+        rest = dataclasses.replace(LONG, max_tokens=LONG.max_tokens - k)
+        prefill = LegRequest("r.2", (*PROMPT, *sent[:k]), rest, LegKind.PREFILL, tid,
+                             dec.transport.local, output_offset=k, resume="r")
+        steps = len(w.loop.trace.newest_first(10_000))
         token0 = await _leg(w.loop.submit(prefill))
-        block = w.engine.config.block_size
-        assert token0[-1].cached_tokens == (len(context) - 1) // block * block  # its own KV
-        decode = dataclasses.replace(prefill, kind=LegKind.DECODE, peer=w.transport.local)
-        assert sent + _tokens(await _leg(dec.loop.submit(decode))) == expected
+        assert _tokens(token0) == [sent[k]]
+        assert len(w.loop.trace.newest_first(10_000)) == steps  # nothing computed for it
+        decode = dataclasses.replace(prefill, kind=LegKind.DECODE, peer=w.transport.local,
+                                     resume=None)
+        assert sent[:k] + _tokens(await _leg(dec.loop.submit(decode))) == expected
+        await _until(lambda: w.blocks_used == 0)  # released once the KV was sent
+        assert not w.loop.parked
 
     _run(scenario, w, dec)
-    assert w.blocks_used == 0 and dec.blocks_used == 0
+    assert dec.blocks_used == 0
+
+
+def test_parked_kv_nobody_claims_is_released_and_a_late_resume_computes(make_worker) -> None:
+    w, dec = make_worker(Role.DECODE), make_worker(Role.DECODE)
+    w.loop.parked = ParkedLegs(park_s=0.05)
+    expected = _greedy(w, LONG)
+
+    async def scenario() -> None:
+        sink = _movable(w, LegRequest("r", PROMPT, LONG))
+        first = [await sink.get(), await sink.get()]
+        assert isinstance(await _flip(w, Role.COLLOCATED), FlipDone)  # a stream goes on
+        assert isinstance(await _flip(w, Role.PREFILL), FlipDone)  # and is handed back
+        sent = _tokens(first + await _leg(sink))
+        await _until(lambda: w.blocks_used == 0)  # nobody came for it
+        k = len(sent) - 1
+        rest = dataclasses.replace(LONG, max_tokens=LONG.max_tokens - k)
+        late = LegRequest("r.2", (*PROMPT, *sent[:k]), rest, LegKind.PREFILL, 0x1A7E,
+                          dec.transport.local, output_offset=k, resume="r")
+        steps = len(w.loop.trace.newest_first(10_000))
+        assert _tokens(await _leg(w.loop.submit(late))) == [expected[k]]
+        assert len(w.loop.trace.newest_first(10_000)) > steps  # computed (from its prefix cache)
+        decode = dataclasses.replace(late, kind=LegKind.DECODE, peer=w.transport.local,
+                                     resume=None)
+        assert sent[:k] + _tokens(await _leg(dec.loop.submit(decode))) == expected
+        await _until(lambda: w.blocks_used == 0)
+
+    _run(scenario, w, dec)
+    assert dec.blocks_used == 0
 
 
 def test_a_clients_own_stream_holds_a_flip_to_prefill_until_it_ends(make_worker) -> None:
@@ -375,3 +410,23 @@ def test_the_engine_changes_role_only_while_no_request_moves_kv(tiny_model) -> N
         outs = engine.step()
     assert outs[-1].finished and outs[-1].kv_block_ids is None  # no hand-over for it
     assert engine.block_manager.num_used_blocks == 0
+
+
+def test_a_parked_request_hands_over_only_a_prefix_whose_kv_it_computed(tiny_model) -> None:
+    engine = Engine(EngineConfig(model=str(tiny_model()), dtype="float32", max_model_len=256))
+    rid = engine.add_request(list(PROMPT), SHORT)
+    assert not engine.park(rid)  # waiting: nothing sampled yet
+    for _ in range(5):
+        engine.step()
+    tokens = list(engine.requests[rid].token_ids)  # the prompt and 5 output tokens
+    assert engine.park(rid) and not engine.park(rid)  # parked once
+    assert not engine.has_unfinished_requests() and engine.moves_kv()
+    for bad in (tokens, tokens[:len(PROMPT) - 1], [*tokens[:-2], 0]):
+        with pytest.raises(ValueError, match="holds no computed KV for that prompt"):
+            engine.hand_over_parked(rid, bad)
+    engine.hand_over_parked(rid, tokens[:-1])
+    out = engine.step()[0]
+    assert out.request_id == rid and out.outputs[0].token_ids == [tokens[-1]]
+    assert out.kv_block_ids == engine.requests[rid].block_ids[:3]  # 41 tokens, 16 per block
+    engine.release(rid)
+    assert engine.block_manager.num_used_blocks == 0 and not engine.moves_kv()

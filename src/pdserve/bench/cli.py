@@ -9,6 +9,8 @@ import argparse
 from pdserve.bench.chaos.cli import DESCRIPTION as CHAOS_DESCRIPTION
 from pdserve.bench.chaos.cli import add_chaos_args, run_chaos_cli
 from pdserve.bench.compare import add_compare_args, run_compare_cli
+from pdserve.bench.flip.cli import DESCRIPTION as FLIP_DESCRIPTION
+from pdserve.bench.flip.cli import add_flip_args, run_flip_cli
 from pdserve.bench.serve.runner import add_bench_serve_args, run_bench_serve
 from pdserve.cli_args import add_cpu_kernels_arg, add_device_arg
 
@@ -19,7 +21,7 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
         "bench", help="benchmarks, each beside a baseline measured in the same run")
     kinds = bench.add_subparsers(dest="bench", required=True)
     for add in (_add_engine, _add_transfer, _add_layerwise, _add_serve, _add_compare,
-                _add_router, _add_hostile, _add_chaos):
+                _add_router, _add_hostile, _add_chaos, _add_flip):
         add(kinds)
 
 
@@ -156,6 +158,15 @@ def _add_chaos(kinds: argparse._SubParsersAction) -> None:
         description=CHAOS_DESCRIPTION)
     add_chaos_args(chaos)
     chaos.set_defaults(func=run_chaos_cli)
+
+
+def _add_flip(kinds: argparse._SubParsersAction) -> None:
+    flip = kinds.add_parser(
+        "flip", help="live role flips under a streaming load: flip seconds, failed requests, "
+                     "outputs changed, KV blocks leaked",
+        description=FLIP_DESCRIPTION)
+    add_flip_args(flip)
+    flip.set_defaults(func=run_flip_cli)
 
 
 def _bench_engine(args: argparse.Namespace) -> int:

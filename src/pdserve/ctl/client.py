@@ -23,7 +23,12 @@ _OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 
 class CtlError(Exception):
-    """A failed call, in words for the operator (the command exits 1)."""
+    """A failed call, in words for the operator (the command exits 1); `status` is the
+    router's HTTP status when it answered with an error, else None."""
+
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 @dataclass(frozen=True)
@@ -45,7 +50,7 @@ class RouterClient:
             with _OPENER.open(request, timeout=self.timeout_s) as resp:
                 raw, proof = resp.read(), resp.headers.get(PROOF_HEADER)
         except urllib.error.HTTPError as e:
-            raise CtlError(_refusal(e.code, e.read())) from None
+            raise CtlError(_refusal(e.code, e.read()), e.code) from None
         except (urllib.error.URLError, HTTPException, OSError) as e:
             reason = getattr(e, "reason", None) or e
             raise CtlError(f"cannot reach the router at {self.url}: {reason}") from None

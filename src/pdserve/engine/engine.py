@@ -10,6 +10,10 @@ Roles (config.role; `set_role` changes it while no request moves KV in or out):
   the pool has room; `reserved_blocks()` says when), filled from outside, and the request joins
   the decode batch at `kv_ready()` with the token 0 that the prefill side sampled.
 
+Any role can also `park` a running request (its decoding stops, its blocks are held, PREFILLED)
+and hand the KV of a prefix of its tokens over as a prefill would (`hand_over_parked`): a worker
+changing role hands its streams to another worker this way, without computing anything again.
+
 Every request ends with all its blocks back in the pool: finished and aborted requests free
 theirs at once, preempted ones are recomputed, PREFILLED ones at `release()`.
 """
@@ -31,7 +35,7 @@ from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.kv_cache import KVCache
 from pdserve.engine.model.loader import eos_token_ids, load_model
 from pdserve.engine.output_processor import OutputProcessor
-from pdserve.engine.outputs import EngineLoad, RequestOutput, StepStats
+from pdserve.engine.outputs import CompletionOutput, EngineLoad, RequestOutput, StepStats
 from pdserve.engine.request import Request, RequestState
 from pdserve.engine.runner import LayerHook, ModelRunner
 from pdserve.engine.sampler import Sampler
@@ -138,7 +142,44 @@ class Engine:
         if req.state != RequestState.PREFILLED:
             raise ValueError(f"request {request_id} is not prefilled and holding blocks")
         self.block_manager.free(req)
+        self.outputs.drop(request_id)
         del self.requests[request_id]
+
+    def park(self, request_id: str) -> bool:
+        """Stop a running request that has sampled a token and whose every other token has its
+        KV computed (any decoding request between steps), holding its blocks (PREFILLED) for
+        `hand_over_parked` and then `release`. False, nothing changed: it is not one (waiting,
+        still computing its prompt, or handing over already)."""
+        req = self.requests.get(request_id)
+        if req is None or req.state != RequestState.RUNNING or req.hand_over or \
+                not req.output_token_ids or req.num_computed_tokens != req.num_tokens - 1:
+            return False
+        self.scheduler.running.remove(req)
+        req.state, req.hand_over = RequestState.PREFILLED, True
+        return True
+
+    def hand_over_parked(self, request_id: str, prompt_token_ids: list[int]) -> None:
+        """The parked request's KV of `prompt_token_ids`, a prefix of its tokens whose KV is
+        computed and that ends at or after its own prompt, goes out as a prefill's: the output,
+        returned by the next `step`, carries the blocks that hold it and, as token 0, the
+        request's token after that prefix (with its logprobs when they were asked for)."""
+        req = self._get(request_id)
+        n = len(prompt_token_ids)
+        if req.state != RequestState.PREFILLED or \
+                not req.num_prompt_tokens <= n <= req.num_computed_tokens or \
+                req.token_ids[:n] != list(prompt_token_ids):
+            raise ValueError(f"request {request_id} holds no computed KV for that prompt")
+        token, at = req.token_ids[n], n - req.num_prompt_tokens  # its output position
+        wants = req.params.logprobs is not None
+        self._pending.append(RequestOutput(
+            request_id=request_id, prompt=None, prompt_token_ids=list(prompt_token_ids),
+            outputs=[CompletionOutput(
+                index=0, text="", token_ids=[token], finish_reason=None,
+                logprobs=[req.output_logprobs[at]] if wants else None,
+                top_logprobs=[req.output_top_logprobs[at]] if req.params.logprobs else None,
+                new_token_ids=[token])],
+            finished=False, num_cached_tokens=n,
+            kv_block_ids=req.block_ids[:self.block_manager.blocks_needed(n)]))
 
     @property
     def role(self) -> Role:

@@ -73,6 +73,10 @@ class OutputProcessor:
             return RequestState.FINISHED_LENGTH
         return None
 
+    def drop(self, request_id: str) -> None:
+        """Forget a request that ends without a finished output (a released hand-over)."""
+        self._states.pop(request_id, None)
+
     def make_output(self, req: Request, kv_block_ids: list[int] | None = None) -> RequestOutput:
         """A cumulative snapshot plus what is new since the previous one for this request."""
         state = self._states[req.request_id]

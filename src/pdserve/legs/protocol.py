@@ -16,7 +16,11 @@ draws the tokens the first worker would have. Its events still count from 0 (the
 them). A split continuation gives its PREFILL and DECODE legs the same offset.
 
 A final event with `extra.moved` (and no error) hands the leg back: the worker stopped it after
-the tokens it sent (it changed role), and the router continues the request elsewhere.
+the tokens it sent (it changed role), keeping its KV parked for a while, and the router
+continues the request elsewhere. `resume` (PREFILL legs only) names such a leg on the same
+worker: when its KV is still parked there and covers the prompt, that KV is sent and the token
+after the prompt is token 0, nothing computed (so the continuation's tokens are those of the
+undisturbed run); otherwise the prompt is computed as for any prefill.
 
 Events carry absolute positions (`index` of the first token, `text_offset` of the text), so the
 router can merge the prefill and decode streams of one request and drop what it has already
@@ -55,6 +59,7 @@ class LegRequest:
     transfer_id: int | None = None
     peer: PeerId | None = None  # the other worker's transfer endpoint
     output_offset: int = 0  # output tokens already in the prompt's tail (a continuation)
+    resume: str | None = None  # a PREFILL leg: the handed-back leg whose parked KV to send
 
     def __post_init__(self) -> None:
         if not isinstance(self.request_id, str) or not self.request_id:
@@ -64,6 +69,10 @@ class LegRequest:
         if remote != (self.transfer_id is not None) or remote != (self.peer is not None):
             raise ValueError(f"a {self.kind.value} leg needs transfer_id and peer exactly when "
                              "it is a prefill or decode leg")
+        if self.resume is not None and (self.kind is not LegKind.PREFILL or
+                                        not isinstance(self.resume, str) or not self.resume):
+            raise ValueError("resume names a handed-back leg (a non-empty string), on a "
+                             "prefill leg only")
         self._check_offset()
 
     def _check_offset(self) -> None:
@@ -84,6 +93,7 @@ class LegRequest:
             "transfer_id": None if self.transfer_id is None else hex64(self.transfer_id),
             "peer": None if self.peer is None else self.peer.to_json(),
             "output_offset": self.output_offset,
+            "resume": self.resume,
         }
 
     @classmethod
@@ -101,7 +111,7 @@ class LegRequest:
             return cls(obj["request_id"], tuple(ids), params, LegKind(obj.get("kind", "local")),
                        None if tid is None else parse_hex64("transfer_id", tid),
                        None if peer is None else PeerId.from_json(peer),
-                       obj.get("output_offset", 0))
+                       obj.get("output_offset", 0), obj.get("resume"))
         except (KeyError, TypeError) as e:
             raise ValueError(f"malformed leg request: {e!r}") from e
 

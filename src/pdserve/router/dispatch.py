@@ -121,12 +121,12 @@ class NoWorkers(Exception):
 
 
 class _HandedBack(Exception):
-    """`worker` handed the request's leg back after the tokens the client has (it changed
-    role); the leg left its KV in that worker's prefix cache."""
+    """`worker` handed the request's leg `leg_id` back after the tokens the client has (it
+    changed role), its KV parked there for a resumed PREFILL leg."""
 
-    def __init__(self, worker: WorkerHandle) -> None:
+    def __init__(self, worker: WorkerHandle, leg_id: str) -> None:
         super().__init__(f"{worker.name} handed the request back")
-        self.worker = worker
+        self.worker, self.leg_id = worker, leg_id
 
 
 class _PrefillLost(Exception):
@@ -234,7 +234,7 @@ class Dispatcher:
             except WorkerFailed as failed:
                 attempt = self._move(run, failed)
             except _HandedBack as back:
-                attempt = self._hand_back(run, back.worker)
+                attempt = self._hand_back(run, back)
 
     @property
     def _block_size(self) -> int:
@@ -338,10 +338,11 @@ class Dispatcher:
             await asyncio.sleep(COMEBACK_POLL_S)
         return serving
 
-    async def _hand_back(self, run: _Run, source: WorkerHandle) -> AsyncIterator[EventBatch]:
-        """The next attempt after `source` handed the request back: split with the prefill on
-        `source` (its prefix cache holds the KV) and the decode on another decode worker; local
-        on a collocated one, or when that prefill leg fails before either leg spoke."""
+    async def _hand_back(self, run: _Run, back: _HandedBack) -> AsyncIterator[EventBatch]:
+        """The next attempt after a worker handed the request back: split, with the prefill on
+        that worker resuming the parked KV and the decode on another decode worker; local on a
+        collocated one, or when that prefill leg fails before either leg spoke."""
+        source = back.worker
         run.hand_backs += 1
         if run.hand_backs > MAX_HAND_BACKS:
             raise LegFailed(f"the request was handed back {MAX_HAND_BACKS} times by workers "
@@ -356,7 +357,8 @@ class Dispatcher:
                  "%s", run.request_id, source.name, len(run.delivered.token_ids), dec.name)
         if dec.role == "decode" and source.peer is not None:
             try:
-                async with contextlib.aclosing(self._split_legs(run, source, None)) as legs:
+                async with contextlib.aclosing(
+                        self._split_legs(run, source, None, back.leg_id)) as legs:
                     async for batch in legs:
                         yield batch
                 return
@@ -393,7 +395,7 @@ class Dispatcher:
                     if error is not None:
                         raise WorkerFailed(worker, LegKind.LOCAL, LegFailed(error))
                     if moved:
-                        raise _HandedBack(worker)
+                        raise _HandedBack(worker, leg.request_id)
         except LegFailed as e:
             if isinstance(e, Diverged) or (e.client_error and not run.delivered.token_ids):
                 raise
@@ -440,15 +442,19 @@ class Dispatcher:
                     pre_slot.worker.name)
         return True
 
-    async def _split_legs(self, run: _Run, pre: WorkerHandle, pre_slot: Slot | None
-                          ) -> AsyncIterator[EventBatch]:
+    async def _split_legs(self, run: _Run, pre: WorkerHandle, pre_slot: Slot | None,
+                          resume: str | None = None) -> AsyncIterator[EventBatch]:
         """One prefill leg on `pre` and one decode leg on the decode slot's worker, merged: the
-        request from the start, or its continuation after the tokens the client has (`pre_slot`
-        None: a hand-back's, which holds no prefill slot). Raises _PrefillLost, _HandedBack, or
+        request from the start, or its continuation after the tokens the client has. A
+        hand-back's (`resume`: the leg `pre` handed back; no prefill slot) starts before the
+        last token the client has, whose KV that worker never computed: its prefill leg sends
+        the parked KV and repeats that token as token 0. Raises _PrefillLost, _HandedBack, or
         WorkerFailed when the decode leg fails."""
         dec = run.slot.worker
         tid = secrets.randbits(64) or 1
-        leg, relay = continuation(run.next_leg_id(), run.prompt, run.params, run.delivered)
+        before = len(run.delivered.token_ids) - 1 if resume is not None else None
+        leg, relay = continuation(run.next_leg_id(), run.prompt, run.params, run.delivered,
+                                  None if before is None else max(before, 0))
         ids = leg.prompt_token_ids
         hashes = hash_blocks(ids, self._block_size) if leg.output_offset else run.hashes
         kv_tokens = self._uncached(dec, len(ids), hashes)  # the KV the decode side needs
@@ -458,7 +464,7 @@ class Dispatcher:
         token0_at: float | None = None
         legs = {
             "prefill": (pre, dataclasses.replace(leg, kind=LegKind.PREFILL, transfer_id=tid,
-                                                 peer=dec.peer)),
+                                                 peer=dec.peer, resume=resume)),
             "decode": (dec, dataclasses.replace(leg, kind=LegKind.DECODE, transfer_id=tid,
                                                 peer=pre.peer)),
         }
@@ -510,7 +516,7 @@ class Dispatcher:
                 if error is not None:
                     raise WorkerFailed(dec, LegKind.DECODE, LegFailed(error))
                 if moved:
-                    raise _HandedBack(dec)
+                    raise _HandedBack(dec, legs["decode"][1].request_id)
             raise LegFailed("both legs ended without finishing the request")
         finally:
             prefilled()

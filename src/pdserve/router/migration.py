@@ -56,6 +56,11 @@ class Delivered:
     chars: int = 0  # the text's length
     resume_at: tuple[int, int] = (0, 0)
     _parts: list[str] = field(default_factory=list)  # the text, joined when it is read
+    _points: list[tuple[int, int]] = field(default_factory=lambda: [(0, 0)])  # every resume_at
+
+    def resume_before(self, tokens: int) -> tuple[int, int]:
+        """The last point at or before `tokens` at which every token's text was sent."""
+        return max((p for p in self._points if p[0] <= tokens), default=(0, 0))
 
     @property
     def text(self) -> str:
@@ -77,12 +82,14 @@ class Delivered:
             if event.text and end > self.resume_at[0]:
                 # the worker's detokenizer emits text only once every token so far has its text
                 self.resume_at = (end, event.text_offset + len(event.text))
+                self._points.append(self.resume_at)
 
 
 def continuation(leg_id: str, prompt: Sequence[int], params: SamplingParams,
-                 delivered: Delivered) -> tuple[LegRequest, Relay]:
-    """The LOCAL leg that continues the request from `delivered.resume_at`, and its relay."""
-    tokens, chars = delivered.resume_at
+                 delivered: Delivered, before: int | None = None) -> tuple[LegRequest, Relay]:
+    """The LOCAL leg that continues the request from `delivered.resume_at`, or from the last
+    such point at or before output token `before`; and its relay."""
+    tokens, chars = delivered.resume_at if before is None else delivered.resume_before(before)
     leg = LegRequest(leg_id, (*prompt, *delivered.token_ids[:tokens]),
                      dataclasses.replace(params, max_tokens=params.max_tokens - tokens),
                      output_offset=tokens)

@@ -14,9 +14,11 @@ Life cycle of a leg (see `legs/protocol.py` for the kinds):
   session open, once the session says the blocks are reusable.
 - while the worker changes role (`workers/role_flip.py`), a submitted leg is refused at once.
   A router's running LOCAL or DECODE leg on a worker becoming a prefill worker is handed back:
-  its request is aborted with its computed KV left in the prefix cache, and its final event
-  says `extra.moved` (no error): the router continues the request from the tokens it has, its
-  prompt prefilled here from that cache and the KV moved to a decode worker.
+  its final event says `extra.moved` (no error) and its engine request is parked, blocks held
+  (`workers/parked.py`); the router continues the request on a decode worker, and its resumed
+  PREFILL leg here sends the parked KV as it is, token 0 being the next token the stream had
+  (`Engine.hand_over_parked`), so nothing is computed twice and the tokens are those of the
+  undisturbed run. Unclaimed, the parked request is released after `PARK_S`.
 
 Invariant: a leg's blocks return to the pool on every path: finish, cancel, transfer failure,
 peer death (the sessions' leases bound every wait).
@@ -44,6 +46,7 @@ from pdserve.legs.protocol import MOVED, LegKind, LegRequest, TokenEvent
 from pdserve.workers.handover import HandOver, LegDropped, LegEnded, LegRecomputing, Outcome
 from pdserve.workers.hub_pump import HubPump
 from pdserve.workers.loop_commands import Cancel, Command, Flip, Sink, Stop, Submit
+from pdserve.workers.parked import ParkedLegs
 from pdserve.workers.role_flip import FlipReply, RoleFlip
 from pdserve.workers.step_trace import Step, StepTrace
 from pdserve.workers.worker_metrics import WorkerMetrics
@@ -105,6 +108,7 @@ class EngineLoop:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self.flip = RoleFlip(engine, metrics, pump is not None, self._emit)
+        self.parked = ParkedLegs()
         self._arm_layer_hook()
 
     # -- the HTTP thread's side ----------------------------------------------------------------
@@ -176,6 +180,8 @@ class EngineLoop:
 
     def _iterate(self) -> None:
         self._take_commands()
+        for engine_id in self.parked.expired():
+            self.engine.release(engine_id)
         if self.handover is not None:
             for outcome in self.handover.advance(self.pump.take_events()):
                 self._apply(outcome)
@@ -201,22 +207,27 @@ class EngineLoop:
         """Switch once no request moves KV in or out and every leg left runs in the new role;
         becoming a prefill worker, the router's running legs are handed back then (all in the
         iteration that switches, so a leg the router sends for them is not refused)."""
+        for engine_id in self.parked.all():  # unclaimed since the last flip: they had time
+            self.engine.release(engine_id)
         to_prefill = self.flip.target is Role.PREFILL
         held = self.engine.moves_kv() or (to_prefill and any(
             not leg.movable or leg.cancelled for leg in self._legs.values()))
-        if not held and to_prefill:
-            for leg in list(self._legs.values()):
-                self._hand_back(leg)
         if self.flip.advance(holds_work=held):
             self._arm_layer_hook()
+            if to_prefill:
+                for leg in list(self._legs.values()):
+                    self._hand_back(leg)
 
     def _hand_back(self, leg: _Leg) -> None:
-        """End a running leg for the router to continue elsewhere: its blocks go back to the
-        pool, the computed ones staying in the prefix cache for the prefill of its
-        continuation."""
+        """End a running leg for the router to continue elsewhere, its request parked (or, if
+        it cannot be, still computing its prompt, aborted: its computed blocks stay in the
+        prefix cache)."""
         if leg.req.transfer_id is not None:
             self.handover.finished(leg.engine_id)
-        self.engine.abort(leg.engine_id)
+        if self.engine.park(leg.engine_id):
+            self.parked.add(leg.req.request_id, leg.engine_id)
+        else:
+            self.engine.abort(leg.engine_id)
         tokens, chars = leg.sent
         self._end(leg, TokenEvent(index=tokens, token_ids=[], text_offset=chars, text="",
                                   extra={MOVED: True}))
@@ -258,17 +269,37 @@ class EngineLoop:
         if any(leg.req.request_id == req.request_id for leg in self._legs.values()):
             self._emit(sink, _error(f"request id {req.request_id!r} is already running here"))
             return
-        try:
-            self._add_to_engine(req)
-        except ValueError as e:
-            self._emit(sink, _error(str(e)))
-            return
-        leg = _Leg(req, sink, req.request_id, cmd.arrived, cmd.movable)
+        engine_id = self._take_parked(req)
+        if engine_id is None:
+            try:
+                self._add_to_engine(req)
+            except ValueError as e:
+                self._emit(sink, _error(str(e)))
+                return
+        leg = _Leg(req, sink, engine_id or req.request_id, cmd.arrived, cmd.movable)
         self._legs[leg.engine_id] = leg
         if req.transfer_id is not None:
-            self.handover.expect(req)
+            self.handover.expect(req, leg.engine_id)
         self._emit(sink, Accepted())
         self.metrics.legs.inc(kind=req.kind.value)
+
+    def _take_parked(self, req: LegRequest) -> str | None:
+        """A resumed PREFILL leg whose parked request holds the KV of its prompt: that request's
+        engine id, its KV on the way out as a prefill's (`Engine.hand_over_parked`). None: the
+        leg computes its prompt (a parked request that does not fit is released)."""
+        if req.resume is None or self.handover is None:
+            return None
+        engine_id = self.parked.take(req.resume)
+        if engine_id is None:
+            return None
+        try:
+            self.engine.hand_over_parked(engine_id, list(req.prompt_token_ids))
+        except ValueError as e:
+            log.info("leg %s: parked %s not resumed (%s); computing its prompt",
+                     req.request_id, req.resume, e)
+            self.engine.release(engine_id)
+            return None
+        return engine_id
 
     def _add_to_engine(self, req: LegRequest) -> None:
         ids = list(req.prompt_token_ids)
@@ -366,6 +397,8 @@ class EngineLoop:
     def _fail_all(self, reason: str) -> None:
         """After a bug: end every leg. Reserved blocks with an open session are freed only
         when that session says no writer can touch them (the hand-over's usual path)."""
+        for engine_id in self.parked.all():
+            self.engine.release(engine_id)
         for leg in list(self._legs.values()):
             if self.handover is not None and self.handover.fail(leg.engine_id, reason):
                 self._emit(leg.sink, _error(reason))

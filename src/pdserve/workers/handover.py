@@ -101,16 +101,14 @@ class _Stage(IntEnum):
 
 @dataclass(eq=False)
 class _Transfer:
-    """One leg's transfer. Its engine request id is the leg's request id (a recompute runs
-    under another id, and its transfer is forgotten then)."""
+    """One leg's transfer and its engine request: the leg's request id, or the parked request
+    a resumed PREFILL leg sends (a recompute runs under another id, and its transfer is
+    forgotten then)."""
 
     req: LegRequest
+    engine_id: str
     stage: _Stage = _Stage.QUEUED
     cancelled: bool = False
-
-    @property
-    def engine_id(self) -> str:
-        return self.req.request_id
 
 
 class HandOver:
@@ -130,11 +128,12 @@ class HandOver:
     def sessions_open(self) -> bool:
         return bool(self.hub.active)
 
-    def expect(self, req: LegRequest) -> None:
-        """The engine took `req` (a PREFILL or DECODE leg) under its request id. If its peer is
-        known dead, the leg's outcome is decided now (its engine request aborted, or
-        recomputing) and comes with the next `advance`, before the engine steps."""
-        t = _Transfer(req)
+    def expect(self, req: LegRequest, engine_id: str | None = None) -> None:
+        """The engine took `req` (a PREFILL or DECODE leg) under its request id, or under
+        `engine_id` (a parked request). If its peer is known dead, the leg's outcome is decided
+        now (its engine request aborted, or recomputing) and comes with the next `advance`,
+        before the engine steps."""
+        t = _Transfer(req, engine_id or req.request_id)
         self._by_tid[req.transfer_id] = t
         self._by_engine_id[t.engine_id] = t
         dead = self.hub.expect(req.transfer_id, req.peer)

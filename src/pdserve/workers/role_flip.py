@@ -17,9 +17,9 @@ Life cycle of a flip (at most one at a time):
    anything still holds the flip.
 4. Then, in one iteration of the engine loop (`EngineLoop._advance_flip`): running streams
    go on in a decode or collocated role; a worker becoming a prefill worker hands the router's
-   running legs back (the router continues each on a decode worker, its prompt prefilled here
-   from the prefix cache the leg left and the KV moved: `router/dispatch.py`), while a client's
-   own /v1 request, which no router can continue, holds the flip until it ends. `Engine.set_role`;
+   running legs back, their KV parked (the router continues each on a decode worker, the KV
+   sent from here as it is: `router/dispatch.py`, `workers/parked.py`), while a client's own
+   /v1 request, which no router can continue, holds the flip until it ends. `Engine.set_role`;
    the reply is `FlipDone` (200: from, to, seconds from the command to now) and the worker
    serves in its new role.
 5. The deadline (`timeout_s` after the command) comes first: the reply is 503, the role is

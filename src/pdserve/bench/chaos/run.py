@@ -43,7 +43,7 @@ def model_vocab(model: str) -> int:
     return ModelConfig.from_folder(resolve_model(model)).vocab_size
 
 
-async def _drain(clients: list[asyncio.Task], limit_s: float) -> None:
+async def drain_clients(clients: list[asyncio.Task], limit_s: float) -> None:
     _, late = await asyncio.wait(clients, timeout=limit_s)
     for task in late:
         task.cancel()
@@ -88,7 +88,7 @@ async def _load_and_faults(up: UpProcess, s: ChaosSettings, workers: Workers
         try:
             await asyncio.sleep(s.duration_s)
             stop.set()
-            await _drain(clients, DRAIN_BOUNDS * s.hung_after_s)
+            await drain_clients(clients, DRAIN_BOUNDS * s.hung_after_s)
             records: list[FaultRecord] = await asyncio.gather(*faults)
         finally:
             for task in [*clients, *faults]:
@@ -115,7 +115,7 @@ def run(s: ChaosSettings) -> dict[str, Any]:
 
 
 @contextmanager
-def _sigterm_interrupts() -> Iterator[None]:
+def sigterm_interrupts() -> Iterator[None]:
     """SIGTERM raises KeyboardInterrupt inside (as Ctrl-C does), so the cluster is stopped."""
     def interrupt(signum: int, frame: object) -> None:
         raise KeyboardInterrupt
@@ -132,7 +132,7 @@ def main(s: ChaosSettings, as_json: bool) -> int:
           f"{', '.join(s.faults)}; starting pdserve up {' '.join(s.up_argv())}",
           file=sys.stderr, flush=True)
     try:
-        with _sigterm_interrupts():
+        with sigterm_interrupts():
             report = run(s)
     except KeyboardInterrupt:
         print("pdserve bench chaos: interrupted; the cluster is stopped", file=sys.stderr)
