@@ -19,7 +19,7 @@ def allowed_imports() -> dict[str, set[str] | None]:
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
         if len(cells) != 3 or not cells[0].startswith("`"):
             continue
-        parts = re.findall(r"`([a-z_]+)`", cells[0])
+        parts = re.findall(r"`([a-z_][a-z0-9_]*)`", cells[0])
         allowed = None if cells[2] == EVERY_PART else \
             {p.strip() for p in cells[2].split(",") if p.strip()}
         for part in parts:

@@ -10,9 +10,11 @@ from pdserve.bench.cli import add_bench_parser
 from pdserve.cli_args import add_cpu_kernels_arg, add_device_arg, add_model_args
 from pdserve.cluster.up import add_up_parser
 from pdserve.ctl.cli import add_ctl_parser
+from pdserve.k8s.cli import add_k8s_parser, add_operator_parser
 from pdserve.planner.cli import add_plan_parser
 from pdserve.planner.simulate.cli import add_simulate_parser
 from pdserve.router.app import add_router_parser
+from pdserve.testbed.cli import add_testbed_parser
 from pdserve.workers.settings import add_worker_parser
 
 
@@ -72,6 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_parser(sub)
     add_plan_parser(sub)
     add_simulate_parser(sub)
+    add_k8s_parser(sub)
+    add_operator_parser(sub)
+    add_testbed_parser(sub)
     return parser
 
 

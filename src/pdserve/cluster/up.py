@@ -30,10 +30,12 @@ from pdserve.cluster.layout import (
 from pdserve.cluster.ports import check_ports_free
 from pdserve.cluster.secret import remove_secret, remove_stale_secrets, write_secret
 from pdserve.cluster.supervisor import ClusterError, run
+from pdserve.cluster.testbed_hosts import enter_router_host, load_placement, place
 from pdserve.internal_auth import InternalAuth, read_secret_file
 from pdserve.router.access import add_client_access_args
 from pdserve.router.admission_settings import add_admission_args
 from pdserve.router.elastic_settings import add_elastic_args
+from pdserve.testbed.topology import DEFAULT_PREFIX
 from pdserve.workers.settings import LAYERWISE, LAYERWISE_HELP
 
 __all__ = ["UpConfig", "add_up_parser", "plan_processes", "run_up"]
@@ -92,6 +94,11 @@ def _add_layout_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ready-timeout", type=float, default=300.0, metavar="SECONDS",
                    help="give up (and stop everything) if the workers and the router are not "
                         "all healthy within this time (default: %(default)s)")
+    p.add_argument("--testbed", nargs="?", const=DEFAULT_PREFIX, default=None, metavar="PREFIX",
+                   help="run across the hosts of a `pdserve testbed` (its prefix; default "
+                        f"{DEFAULT_PREFIX}): the router on host 'router', prefill workers on "
+                        "p0, p1..., decode workers on d0, d1... (--host is then theirs; see "
+                        "docs/testbed.md)")
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -169,13 +176,20 @@ def run_up(args: argparse.Namespace) -> int:
     the secret directories that runs killed before their cleanup left behind.
     """
     config = UpConfig.from_args(args)
+    placement = None
+    if args.testbed is not None:
+        placement, config = load_placement(args.testbed, config)
     for folder in remove_stale_secrets():
         print(f"removed {folder}, left by a pdserve up that is gone", file=sys.stderr)
     secret = config.secret_file or write_secret()
     try:
         auth = InternalAuth(read_secret_file(secret))
         specs = plan_processes(config, secret)
-        check_ports_free(config.host, planned_ports(config))
+        if placement is None:
+            check_ports_free(config.host, planned_ports(config))
+        else:
+            specs = place(specs, config, placement)
+            enter_router_host(placement)
         print(_layout_line(config), file=sys.stderr, flush=True)
         _note_kernel_build(config)
         return run([specs[:-1], specs[-1:]], config.ready_timeout_s,

@@ -228,10 +228,11 @@ def _open_transport(s: WorkerSettings):
     if s.transport is TransportName.NIXL:
         from pdserve.transfer.nixl import NixlTransport
 
-        return NixlTransport(s.kv_host, s.kv_port, secret=s.secret)
+        return NixlTransport(s.kv_host, s.kv_port, secret=s.secret,
+                             advertise_host=s.kv_advertise)
     from pdserve.transfer.tcp import TcpOptions, TcpTransport
 
-    return TcpTransport(s.kv_host, s.kv_port, secret=s.secret,
+    return TcpTransport(s.kv_host, s.kv_port, secret=s.secret, advertise_host=s.kv_advertise,
                         options=TcpOptions(encrypt=s.kv_encrypt))
 
 

@@ -53,6 +53,7 @@ class WorkerSettings:
     port: int = 8001
     kv_host: str = "127.0.0.1"
     kv_port: int = 0  # 0: any free port
+    kv_advertise: str | None = None  # the KV endpoint's host in its peer id (None: kv_host)
     transport: TransportName = TransportName.TCP
     # the cluster secret; None only for a collocated worker that serves /v1 itself
     secret: bytes | None = field(default=None, repr=False)
@@ -81,6 +82,8 @@ class WorkerSettings:
             InternalAuth(self.secret)  # ValueError for a too-short secret
         if not 0 < self.port < 65536 or not 0 <= self.kv_port < 65536:
             raise ValueError("ports must be in 1-65535 (kv port 0: any free port)")
+        if self.kv_advertise is not None:
+            check_advertise(self.kv_advertise)
         if self.cpus is not None:
             allowed = os.sched_getaffinity(0)
             if not self.cpus or not set(self.cpus) <= allowed:
@@ -133,6 +136,11 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-port", type=int, default=0,
                    help="KV transfer port (default: any free port; the router learns it from "
                         "/health)")
+    p.add_argument("--advertise", default=None, metavar="ADDR",
+                   help="the address the router and the other workers reach this worker at, "
+                        "for HTTP (--register) and KV transfers (the host in its /health "
+                        "'peer'), when it binds another one, e.g. --host 0.0.0.0 on a machine "
+                        "others reach at ADDR (default: --host; for KV, --kv-host when given)")
     p.add_argument("--transport", choices=[t.value for t in TransportName], default="tcp",
                    help="KV transfer plane: tcp (no dependencies) or nixl (UCX; needs "
                         "nixl-cu12) (default: %(default)s)")
@@ -233,6 +241,7 @@ class WorkerLaunch:
     port: int = 8001
     kv_host: str | None = None  # None: host
     kv_port: int = 0
+    advertise: str | None = None  # None: host (and kv_host for KV)
     transport: TransportName = TransportName.TCP
     secret_file: Path | None = None
     serve_public: bool = False
@@ -258,6 +267,8 @@ class WorkerLaunch:
     def __post_init__(self) -> None:
         object.__setattr__(self, "role", Role(self.role))
         object.__setattr__(self, "transport", TransportName(self.transport))
+        if self.advertise is not None:
+            check_advertise(self.advertise)
         if self.cpus is not None and (not self.cpus or min(self.cpus) < 0):
             raise ValueError(f"--cpus must name cores numbered from 0, got {self.cpus}")
 
@@ -270,6 +281,7 @@ _ALWAYS = (("--role", "role"), ("--model", "model"), ("--dtype", "dtype"),
            ("--kv-cache-memory", "kv_cache_memory"), ("--kv-layerwise", "kv_layerwise"),
            ("--kv-lease", "kv_lease_s"))
 _UNLESS_DEFAULT = (("--served-model-name", "served_model_name"), ("--kv-host", "kv_host"),
+                   ("--advertise", "advertise"),
                    ("--secret-file", "secret_file"), ("--metrics-key-file", "metrics_key_file"),
                    ("--num-kv-blocks", "num_kv_blocks"), ("--block-size", "block_size"),
                    ("--max-model-len", "max_model_len"), ("--max-num-seqs", "max_num_seqs"),
@@ -300,8 +312,8 @@ def launch_from_args(args: argparse.Namespace) -> WorkerLaunch:
     return WorkerLaunch(
         role=Role(args.role), model=args.model, served_model_name=args.served_model_name,
         dtype=args.dtype, device=args.device, host=args.host, port=args.port,
-        kv_host=args.kv_host, kv_port=args.kv_port, transport=args.transport,
-        secret_file=args.secret_file, serve_public=args.serve_public,
+        kv_host=args.kv_host, kv_port=args.kv_port, advertise=args.advertise,
+        transport=args.transport, secret_file=args.secret_file, serve_public=args.serve_public,
         metrics_key_file=args.metrics_key_file, kv_encrypt=args.kv_encrypt,
         kv_layerwise=args.kv_layerwise, cpus=parse_cpus(args.cpus) if args.cpus else None,
         kv_cache_memory=args.kv_cache_memory, num_kv_blocks=args.num_kv_blocks,
@@ -331,7 +343,8 @@ def worker_settings(launch: WorkerLaunch) -> WorkerSettings:
     return WorkerSettings(
         role=w.role, engine=engine, served_model_name=w.served_model_name or w.model,
         host=w.host, port=w.port, kv_host=w.kv_host or w.host, kv_port=w.kv_port,
-        transport=w.transport, secret=secret, serve_public=w.serve_public,
+        kv_advertise=kv_advertise(w), transport=w.transport, secret=secret,
+        serve_public=w.serve_public,
         metrics_keys=metrics_keys, cpus=w.cpus, kv_lease_s=w.kv_lease_s,
         kv_encrypt=w.kv_encrypt, kv_layerwise=w.kv_layerwise, limits=w.limits,
         join=join_settings(w))
@@ -343,9 +356,29 @@ def join_settings(w: WorkerLaunch) -> JoinSettings | None:
         if w.name is not None:
             raise ValueError("--name names this worker in the pool it joins: give --register")
         return None
-    if w.host in ("0.0.0.0", "::", ""):
+    reached = w.advertise or w.host
+    if reached in WILDCARDS:
         raise ValueError(f"--register: the router reaches this worker at its --host, and "
-                         f"{w.host!r} is every address: give the one the router can reach")
-    host = f"[{w.host}]" if ":" in w.host else w.host
+                         f"{w.host!r} is every address: give the one the router can reach "
+                         "(--advertise ADDR)")
+    host = f"[{reached}]" if ":" in reached else reached
     return JoinSettings(router=w.register, name=w.name or f"{host}:{w.port}",
                         url=f"http://{host}:{w.port}", drain_timeout_s=w.drain_timeout_s)
+
+
+WILDCARDS = ("0.0.0.0", "::", "")
+
+
+def check_advertise(address: str) -> None:
+    """ValueError unless `address` is one a peer can dial (not a wildcard, no spaces)."""
+    if address in WILDCARDS or any(c.isspace() for c in address):
+        raise ValueError(f"--advertise must be the one address others reach this worker at, "
+                         f"not {address!r}")
+
+
+def kv_advertise(w: WorkerLaunch) -> str | None:
+    """The KV endpoint's host in its peer id: --kv-host when given as one address (a KV
+    network of its own), else --advertise, else None (the bound address)."""
+    if w.kv_host is not None and w.kv_host not in WILDCARDS:
+        return None
+    return w.advertise

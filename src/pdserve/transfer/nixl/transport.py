@@ -121,10 +121,11 @@ class NixlTransport:
 
     def __init__(self, local_host: str = "127.0.0.1", port: int = 0, *, secret: bytes,
                  instance_id: int | None = None, advertise_port: int | None = None,
-                 options: NixlOptions | None = None) -> None:
+                 advertise_host: str | None = None, options: NixlOptions | None = None) -> None:
         self.options = options or NixlOptions()
         self._tcp = TcpTransport(local_host, port, secret=secret, instance_id=instance_id,
-                                 advertise_port=advertise_port, options=self.options.tcp)
+                                 advertise_port=advertise_port, advertise_host=advertise_host,
+                                 options=self.options.tcp)
         self._name = agent_name(self._tcp.local)
         self._agent = make_agent(self._name, self.options)
         self._lock = threading.RLock()

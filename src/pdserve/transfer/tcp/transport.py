@@ -48,8 +48,10 @@ class TcpTransport:
     Life cycle.
     - Construction binds and listens on `local_host:port` (0: a free port) and starts one daemon
       accept thread. `local` is this instance: `instance_id` (default: the process's) at the
-      advertised address (`advertise_port`, default: the real port; tests use it to simulate a
-      restarted peer at the same address).
+      advertised address (`advertise_host`, default: `local_host`, the address peers dial
+      when this endpoint binds a wildcard or another host's view differs;
+      `advertise_port`, default: the real port; tests use it to simulate a restarted peer at
+      the same address).
     - Incoming: at most `max_connections` accepted connections at a time (one more is closed at
       once), each with one daemon reader thread. It first expects, within `handshake_timeout_s`
       of the accept, a HELLO (`hello.py`) signed with the shared secret (`HandshakeAuth`)
@@ -108,10 +110,10 @@ class TcpTransport:
 
     def __init__(self, local_host: str = "127.0.0.1", port: int = 0, *, secret: bytes,
                  instance_id: int | None = None, advertise_port: int | None = None,
-                 options: TcpOptions | None = None) -> None:
+                 advertise_host: str | None = None, options: TcpOptions | None = None) -> None:
         self.options = options or TcpOptions()
         listener = socket.create_server((local_host, port))
-        self._local = PeerId(instance_id or process_instance_id(), local_host,
+        self._local = PeerId(instance_id or process_instance_id(), advertise_host or local_host,
                              advertise_port or listener.getsockname()[1])
         throttled = ThrottledLog(log)
         self._peers = PeerTable(self._local)

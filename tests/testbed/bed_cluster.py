@@ -1,0 +1,95 @@
+"""`pdserve up --testbed` as a child process, with a tiny fp32 model, and a client inside the
+testbed: the router answers only on its host's address, so every request (and every signed
+health check) is made from a thread that entered the router's namespace."""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from pdserve.cluster.up_process import UpProcess, get_signed_json
+from pdserve.testbed import lifecycle
+from pdserve.testbed.namespaces import entered
+from pdserve.testbed.state import BedState
+from pdserve.testbed.topology import LinkShape, Topology
+from tests.testbed.conftest import assert_nothing_left, fresh_prefix, skip_without_namespaces
+
+MAX_TOKENS = 16
+
+
+class BedCluster(UpProcess):
+    """Workers in `bed`'s order of roles: worker 0 prefill on p0, worker 1 decode on d0."""
+
+    def __init__(self, bed: BedState, model: Path, *args: str) -> None:
+        self.bed = bed
+        super().__init__(model, "--testbed", bed.topology.prefix, "--dtype", "float32",
+                         "--kv-cache-memory", "16MiB", "--max-model-len", "512", *args)
+        self.url = f"http://{self.address('router')}:{self.port}/v1"
+
+    def address(self, host: str) -> str:
+        return self.bed.topology.address(host)
+
+    def worker_url(self, index: int) -> str:
+        host = ("p0", "d0")[index]
+        return f"http://{self.address(host)}:{self.port + 1 + index}"
+
+    @contextmanager
+    def inside(self) -> Iterator[None]:
+        """This thread on the router's host for the block."""
+        with entered(self.bed.topology.namespace("router")):
+            yield
+
+    def internal_json(self, url: str) -> dict:
+        with self.inside():
+            return get_signed_json(self.auth, url)
+
+    def metrics(self, index: int) -> str:
+        with self.inside(), urllib.request.urlopen(self.worker_url(index) + "/metrics",
+                                                   timeout=5) as r:
+            return r.read().decode()
+
+    def complete(self, prompt: list[int], max_tokens: int, timeout_s: float = 60.0) -> dict:
+        body = json.dumps({"model": self.model, "prompt": prompt, "max_tokens": max_tokens,
+                           "temperature": 0, "ignore_eos": True}).encode()
+        request = urllib.request.Request(self.url + "/completions", body,
+                                         {"Content-Type": "application/json"})
+        with self.inside(), urllib.request.urlopen(request, timeout=timeout_s) as r:
+            return json.loads(r.read())
+
+
+def metric_value(text: str, name: str) -> float:
+    """The value of metric line `name` (0 when absent: a counter never incremented)."""
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[-1])
+    return 0.0
+
+
+@contextmanager
+def cluster_on_bed(model: Path, *args: str) -> Iterator[BedCluster]:
+    """A testbed (router, p0, d0 on 1 Gb/s links) with a cluster on it (`pdserve up` ARGS),
+    both removed afterwards, whatever happened."""
+    skip_without_namespaces()
+    prefix = fresh_prefix()
+    try:
+        bed = lifecycle.up(Topology(("router", "p0", "d0"), prefix), LinkShape(gbps=1))
+        cluster = BedCluster(bed, model, *args)
+        try:
+            yield cluster
+        finally:
+            cluster.stop()
+    finally:
+        lifecycle.down(prefix)
+        assert_nothing_left(prefix)
+
+
+def offline_texts(model: str, prompts: list[list[int]]) -> list[str]:
+    """The offline engine's greedy texts on one host (MAX_TOKENS each, EOS ignored)."""
+    from pdserve import LLM, SamplingParams
+
+    llm = LLM(model=model, dtype="float32", max_model_len=512)
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+    return [o.outputs[0].text for o in llm.generate(prompts, params, use_tqdm=False)]

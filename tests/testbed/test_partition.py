@@ -1,0 +1,67 @@
+"""A partition (every packet dropped, both ways) between the prefill host and the decode host
+of a running cluster: split requests still end, in bounded time (the KV lease, or the TCP
+keepalive that finds the peer gone, whichever comes first), with the one-host greedy tokens
+(the decode worker recomputes what it could not receive), and no KV block stays used on
+either side. The router's own links to both hosts are untouched."""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from pdserve.testbed import lifecycle
+from tests.testbed.bed_cluster import (
+    MAX_TOKENS,
+    BedCluster,
+    cluster_on_bed,
+    metric_value,
+    offline_texts,
+)
+from tests.testbed.test_cross_host import RECV_BYTES, THRESHOLD
+
+LEASE_S = 3.0
+KEEPALIVE_S = 12.0  # the tcp transport's keepalive finds a silent peer within ~10 s
+PREFILL, DECODE = 0, 1
+RECOMPUTES = "pdserve_kv_recomputes_total"
+
+
+def prompts() -> list[list[int]]:
+    rng = random.Random(23)
+    return [[rng.randrange(500) for _ in range(n)] for n in (60, 120, 200, 90)]
+
+
+@pytest.fixture
+def bed_cluster(tiny_model) -> Iterator[BedCluster]:
+    with cluster_on_bed(tiny_model(), "--local-prefill-threshold", str(THRESHOLD),
+                        "--kv-lease", str(LEASE_S)) as cluster:
+        yield cluster
+
+
+def test_a_partition_between_prefill_and_decode_hosts_ends_requests_and_leaks_no_block(
+        bed_cluster: BedCluster) -> None:
+    c, prefix = bed_cluster, bed_cluster.bed.topology.prefix
+    expected = offline_texts(c.model, prompts())
+    first, during, after = prompts()[0], prompts()[1:3], prompts()[3]
+    assert c.complete(first, MAX_TOKENS)["choices"][0]["text"] == expected[0]
+    assert metric_value(c.metrics(DECODE), RECV_BYTES) > 0  # the link carried KV before
+
+    lifecycle.partition(prefix, "p0", "d0")
+    for prompt, text in zip(during, expected[1:3], strict=True):
+        t0 = time.monotonic()
+        got = c.complete(prompt, MAX_TOKENS, timeout_s=60)["choices"][0]["text"]
+        assert time.monotonic() - t0 < max(LEASE_S, KEEPALIVE_S) + 10
+        assert got == text
+    assert metric_value(c.metrics(DECODE), RECOMPUTES) >= 1
+    c.wait_blocks_free([PREFILL, DECODE], timeout=LEASE_S + KEEPALIVE_S + 10)
+
+    lifecycle.heal(prefix, "p0", "d0")
+    recomputes = metric_value(c.metrics(DECODE), RECOMPUTES)
+    assert c.complete(after, MAX_TOKENS)["choices"][0]["text"] == expected[3]
+    c.wait_blocks_free([PREFILL, DECODE])
+    if metric_value(c.metrics(DECODE), RECOMPUTES) > recomputes:
+        pytest.xfail("after the partition heals the workers still hold each other dead (a "
+                     "keepalive timeout ends a peer instance for good), so the request was "
+                     "recomputed on the decode host instead of using the healed link")
