@@ -28,6 +28,10 @@ class Namespace:
         """The namespace's link goes down: its host stops answering, with no reset or FIN."""
         _ip("netns", "exec", self.name, "ip", "link", "set", self.inner_link, "down")
 
+    def mend(self) -> None:
+        """The link comes back up (after `cut`): the host answers again."""
+        _ip("netns", "exec", self.name, "ip", "link", "set", self.inner_link, "up")
+
 
 def _ip(*args: str) -> None:
     subprocess.run(["ip", *args], check=True, capture_output=True, text=True)

@@ -20,8 +20,9 @@ import torch
 
 from pdserve.common.model_config import ModelConfig
 from pdserve.engine.kv_cache import KVCache
+from pdserve.transfer.auth import PeerRefused
 from pdserve.transfer.peer import PeerId
-from pdserve.transfer.tcp import TcpOptions, TcpTransport
+from pdserve.transfer.tcp import TcpOptions, TcpTransport, peers
 from pdserve.transfer.transport import Transport
 from tests.transfer.netns import network_namespace
 
@@ -334,6 +335,45 @@ def test_a_host_that_stops_answering_is_dead_within_the_keepalive_bound():
         started = time.monotonic()
         wait_for(lambda: not a.peer_alive(peer), 10.0)
         assert time.monotonic() - started < 1 + 2 * 1 + 2
+
+
+def test_a_peer_lost_behind_a_cut_link_is_reached_again_once_the_link_is_back(monkeypatch):
+    """A lost link is no restart: once the link is back (and the short retry pause passed), the
+    same instance is dialed again and answers; a peer that restarted stays dead for good."""
+    monkeypatch.setattr(peers, "LOST_RETRY_S", 0.5)
+    fast = replace(OPTS, keepalive_idle_s=1, keepalive_interval_s=1, keepalive_probes=2)
+    with network_namespace() as ns, echo_peer(ns.inside, ns.name) as (_, peer), \
+            TcpTransport(ns.outside, secret=SECRET, options=fast) as a:
+        a.send(peer, b"1")
+        wait_for(lambda: a.receive() == [(peer, b"echo 1")], 10.0)
+        ns.cut()
+        wait_for(lambda: not a.peer_alive(peer), 10.0)
+        assert "sending to it failed" in a.why_dead(peer) or "ended" in a.why_dead(peer)
+        ns.mend()
+        wait_for(lambda: a.peer_alive(peer), 5.0)
+        a.send(peer, b"2")
+        wait_for(lambda: a.receive() == [(peer, b"echo 2")], 10.0)
+
+
+def test_a_lost_peer_is_dead_for_a_pause_a_restarted_one_for_good() -> None:
+    now = [0.0]
+    table = peers.PeerTable(PeerId(1, "127.0.0.1", 1), clock=lambda: now[0])
+    lost, old, new = PeerId(2, "10.0.0.2", 9), PeerId(3, "10.0.0.3", 9), PeerId(4, "10.0.0.3", 9)
+    table.died(lost, "connection reset", lost=True)
+    table.seen(old)
+    table.seen(new)  # another instance at old's address: old restarted
+    assert table.why_dead(lost) == "connection reset" and table.why_dead(old) is not None
+    now[0] = peers.LOST_RETRY_S
+    assert table.alive(lost) and not table.alive(old)
+    table.died(lost, "connection reset", lost=True)
+    table.seen(lost)  # it greeted us again: alive at once
+    assert table.alive(lost)
+    with pytest.raises(PeerRefused):
+        table.seen(old)
+    table.died(lost, "connection reset", lost=True)
+    table.died(lost, "a sealed record failed its tag")  # then for good
+    now[0] += 10 * peers.LOST_RETRY_S
+    assert table.why_dead(lost) == "a sealed record failed its tag"
 
 
 # -- the cancel fence ----------------------------------------------------------------------------

@@ -130,8 +130,9 @@ class ReceiveSide:
                 while True:
                     self._dispatch(wire, peer, *wire.recv_header())
         except (OSError, EOFError, ValueError) as e:
-            if peer is not None and not self._closed:
-                self._peers.died(peer, f"incoming connection ended: {e}")
+            if peer is not None and not self._closed:  # a protocol error is no lost link
+                self._peers.died(peer, f"incoming connection ended: {e}",
+                                 lost=not isinstance(e, ValueError))
         finally:
             shut(conn)
             with self._lock:

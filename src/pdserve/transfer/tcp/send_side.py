@@ -232,8 +232,9 @@ class PeerSender:
         except PeerReplaced as e:
             self._peers.died(self.peer, str(e))
         except (OSError, EOFError, ValueError) as e:
-            if not self.stopped:
-                self._peers.died(self.peer, f"sending to it failed: {e}")
+            if not self.stopped:  # a protocol error is no lost link
+                self._peers.died(self.peer, f"sending to it failed: {e}",
+                                 lost=not isinstance(e, ValueError))
         finally:
             shut(self.sock)
 
@@ -243,4 +244,4 @@ class PeerSender:
             while sock is not None and sock.recv(1 << 12):
                 pass  # the acceptor never sends after HELLO_ACK; ignore stray bytes
         if not self.stopped:
-            self._peers.died(self.peer, "connection closed by the peer")
+            self._peers.died(self.peer, "connection closed by the peer", lost=True)

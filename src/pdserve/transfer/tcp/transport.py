@@ -74,9 +74,12 @@ class TcpTransport:
       (first send / write / read, or `reach`), fed by that peer's `PeerSender` queue and thread
       (`send_side.py`), so `send`, `write`, `read` and `reach` never block. Dialing waits at
       most `dial_timeout_s`.
-    - Peer death marks that exact instance dead for good: `peer_alive` is False (`why_dead`
-      says why), its pending moves end in "error", messages to it are dropped; a new instance
-      at the address is a different peer. An instance not met yet is alive: the one the
+    - Peer death marks that exact instance dead: `peer_alive` is False (`why_dead` says why),
+      its pending moves end in "error", messages to it are dropped; a new instance at the
+      address is a different peer. A death by a lost link (EOF, a reset, a failed send or
+      dial, a connection closed before any HELLO_ACK) lasts until the instance greets us
+      again or `peers.LOST_RETRY_S` pass (a partition heals, `peers.py`); any other is for
+      good. An instance not met yet is alive: the one the
       router names after a restart is dialed, and its bound ACK makes the old one dead (2).
       What may mark a peer P dead, and nothing else:
       (1) on a connection authenticated by the bound handshake with P (dialed: P's HELLO_ACK
@@ -93,8 +96,7 @@ class TcpTransport:
       Nothing on an incoming connection that has not completed the bound handshake (refused,
       misaddressed, slow, malformed, over the cap) marks anyone dead or changes any state.
       A stalled peer is not dead: a connection its kernel accepted waits for its HELLO_ACK as
-      long as the host answers keepalive, with the jobs queued behind it. (Declaring it dead
-      would break the pair for good once it wakes: each side would refuse the other.)
+      long as the host answers keepalive, with the jobs queued behind it.
     - `close()` (idempotent; also on leaving a `with` block) fails every pending move, shuts
       down every socket (waking every thread) and joins the threads briefly; afterwards
       nothing is delivered, moves end in "error" and `peer_alive(local)` is False.
@@ -183,7 +185,7 @@ class TcpTransport:
 
     def peer_died(self, peer: PeerId, why: str) -> None:
         """Mark that instance dead for good and fail its pending moves (this endpoint's own
-        verdict: NIXL could not fence a move to it)."""
+        verdict: NIXL could not fence a move to it, so it might still write with its keys)."""
         self._peers.died(peer, why)
 
     def close(self) -> None:
