@@ -56,7 +56,8 @@ def test_default_layout_is_one_prefill_one_decode_then_router() -> None:
         "--role": ["prefill"], "--model": ["smollm2"], "--dtype": ["bfloat16"],
         "--device": ["cpu"], "--host": ["127.0.0.1"], "--port": ["8001"], "--kv-port": ["8101"],
         "--transport": ["tcp"], "--secret-file": ["/run/secret"], "--cpus": ["0"],
-        "--kv-cache-memory": ["512MiB"], "--kv-layerwise": ["auto"], "--kv-lease": ["30.0"]}
+        "--kv-cache-memory": ["512MiB"], "--kv-layerwise": ["auto"], "--kv-lease": ["30.0"],
+        "--slo-tpot-ms": ["100.0"]}  # a split layout's workers keep their streams within it
     assert (prefill.name, prefill.health_url) == ("prefill-0", "http://127.0.0.1:8001/health")
     assert (decode.name, decode.health_url) == ("decode-0", "http://127.0.0.1:8002/health")
     assert _option(decode, "--kv-port") == ["8102"] and _option(decode, "--cpus") == ["1"]

@@ -59,6 +59,12 @@ def test_a_decode_worker_never_freezes_its_streams_past_the_target() -> None:
     chunked = Speed(800.0, decode_step_s=0.03, running=4, chunk_tokens=48)  # +60 ms per step
     within = decide(1500, BYTES, chunked, [busy], _link(1e9), TPOT)
     assert within.local and not within.over_tpot_target
+    # a worker that paces its chunks to a target no looser than the router's needs no check,
+    # even where its measured rate (mixed steps counted whole) makes the chunk look long
+    paced = Speed(200.0, decode_step_s=0.06, running=4, chunk_tokens=16, paced_tpot_s=0.1)
+    assert decide(1500, BYTES, paced, [busy], _link(1e9), TPOT).local
+    loose = Speed(200.0, decode_step_s=0.06, running=4, chunk_tokens=16, paced_tpot_s=0.2)
+    assert not decide(1500, BYTES, loose, [busy], _link(1e9), TPOT).local
 
 
 def test_a_slow_link_keeps_a_prompt_local_and_the_fastest_prefill_worker_is_named() -> None:

@@ -204,6 +204,17 @@ class Engine:
         return any(r.hand_over or r.state == RequestState.WAITING_FOR_KV
                    for r in self.requests.values())
 
+    def set_prefill_chunk(self, tokens: int | None) -> None:
+        """While a request decodes, compute at most `tokens` prompt tokens per step (None: no
+        cap beyond the step budget); see `scheduler.py`."""
+        if tokens is not None and (type(tokens) is not int or tokens < 1):
+            raise ValueError(f"a prefill chunk is an int >= 1 tokens or None, got {tokens!r}")
+        self.scheduler.prefill_chunk = tokens
+
+    @property
+    def prefill_chunk(self) -> int | None:
+        return self.scheduler.prefill_chunk
+
     def reserve_remote(self) -> None:
         """Decode role: reserve blocks for the queued remote requests the pool has room for now
         (first come, first served), e.g. after blocks were freed outside a step."""

@@ -7,6 +7,11 @@ reaches its length samples a new token. Running requests go first, oldest first,
 are never starved by new prompts; waiting requests are admitted in arrival order while the
 budget, the sequence cap and the free blocks allow.
 
+A prefill chunk (`prefill_chunk`, set by the worker from its measured rates and TPOT target:
+`workers/prefill_budget.py`) caps the prompt tokens of a step while any request decodes: prompts
+then go in chunks of at most that many tokens (chunking on, whatever the config says), so that
+the streams' steps stay short; with no request decoding the step budget alone applies.
+
 Memory: a request is admitted only with blocks for all its current tokens, and a decode step
 needs at most one new block. When none is free the newest running request is preempted: its
 blocks are freed and it waits to be recomputed. Requests in WAITING_FOR_KV are never
@@ -55,6 +60,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.waiting_for_kv: list[Request] = []  # decode role: reserved or queued for blocks
         self.num_preemptions = 0  # since start, for metrics and tests
+        self.prefill_chunk: int | None = None  # most prompt tokens per step beside decodes
 
     def add(self, req: Request) -> None:
         if req.remote_prefill:
@@ -69,9 +75,9 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
-        budget = self._schedule_running(out, budget)
+        budget, prefill = self._schedule_running(out, budget, self._prefill_budget(budget))
         if not out.preempted:
-            self._schedule_waiting(out, budget)
+            self._schedule_waiting(out, budget, prefill)
         self.reserve_remote()
         return out
 
@@ -91,11 +97,26 @@ class Scheduler:
 
     # -- internals ----------------------------------------------------------------------------
 
-    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+    def _prefill_budget(self, budget: int) -> int:
+        """The step's prompt tokens: the prefill chunk while a request decodes, else the
+        budget."""
+        if self.prefill_chunk is not None and any(
+                r.num_tokens - r.num_computed_tokens == 1 for r in self.running):
+            return min(budget, self.prefill_chunk)
+        return budget
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int, prefill: int
+                          ) -> tuple[int, int]:
+        """Running requests, oldest first: decodes, and prompts within `prefill` tokens (one
+        past it waits this step). The budgets left."""
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            left = req.num_tokens - req.num_computed_tokens
+            n = min(left, budget) if left == 1 else min(left, budget, prefill)
+            if n <= 0:
+                i += 1
+                continue
             while not self.bm.can_append(req):
                 victim = self.running[-1]
                 self._preempt(victim, out)
@@ -105,26 +126,29 @@ class Scheduler:
                 self.bm.append(req)
                 out.add(req, n)
                 budget -= n
+                prefill -= n if left > 1 else 0
                 i += 1
                 continue
             break  # `req` itself was preempted: nothing after it runs either
-        return budget
+        return budget, prefill
 
-    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        chunked = self.config.enable_chunked_prefill
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int, prefill: int) -> None:
+        chunked = self.config.enable_chunked_prefill or prefill < budget  # a cap chunks too
+        while self.waiting and min(budget, prefill) > 0 and \
+                len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
+            limit = min(budget, prefill)
             cached = len(self.bm.match_prefix(req.token_ids)) * self.bm.block_size
             remaining = req.num_tokens - cached
-            if (remaining > budget and not chunked) or not self.bm.can_allocate(req):
+            if (remaining > limit and not chunked) or not self.bm.can_allocate(req):
                 break
             self.bm.allocate(req)
             self.waiting.popleft()
             req.state = RequestState.RUNNING
             self.running.append(req)
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            n = min(req.num_tokens - req.num_computed_tokens, limit)
             out.add(req, n)
-            budget -= n
+            budget, prefill = budget - n, prefill - n
 
     def reserve_remote(self) -> None:
         for req in self.waiting_for_kv:

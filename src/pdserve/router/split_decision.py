@@ -20,7 +20,14 @@ first token each path would give, apart from the common decode step.
 The request runs locally when d can take it without breaking its streams' latency target and
 local is no slower:
 
-    local  <=>  (d has no leg open or decode_step_d + stall <= tpot_target) and t_local <= t_remote
+    local  <=>  (d has no leg open or d paces its chunks or decode_step_d + stall <= tpot_target)
+                and t_local <= t_remote
+
+A worker started with `--slo-tpot-ms` (at most the router's) paces its chunks: it sizes them
+from its own measured rates so that a step with streams stays within that target
+(`workers/prefill_budget.py`, reported as `chunk_tpot_s`), so its stall needs no check here;
+its R_d, measured over steps that also decoded, is the slower rate such a chunked prompt
+progresses at, which t_local then counts.
 
 (d's open legs are its streams and those about to start there, whose KV is on its way: a
 local prefill stalls both). So a loaded prefill pool sends prompts to decode workers with
@@ -53,14 +60,18 @@ class Speed:
     backlog_tokens: int = 0  # Q: prompt tokens sent here whose prefill has not ended
     running: int = 0  # legs this router has open here: streams decoding, or about to
     chunk_tokens: int | None = None  # prefill tokens per step when chunked; None: whole prompts
+    # the worker sizes its chunk itself so that a step stays within this (its --slo-tpot-ms,
+    # `workers/prefill_budget.py`); None: a fixed chunk, or whole prompts
+    paced_tpot_s: float | None = None
 
     @classmethod
     def of(cls, info: dict[str, Any], backlog_tokens: int, running: int) -> Speed:
-        """From a worker's signed /health details (`rates`, `chunk_tokens`)."""
+        """From a worker's signed /health details (`rates`, `chunk_tokens`,
+        `chunk_tpot_s`)."""
         rates = info.get("rates") or {}
         return cls(_positive(rates.get("prefill_tokens_per_s")),
                    _positive(rates.get("decode_step_s")), backlog_tokens, running,
-                   _positive_int(info.get("chunk_tokens")))
+                   _positive_int(info.get("chunk_tokens")), _positive(info.get("chunk_tpot_s")))
 
 
 @dataclass(frozen=True)
@@ -116,7 +127,8 @@ def decide(uncached: int, kv_bytes_per_token: int, decode: Speed, prefill: list[
     t_local = (decode.backlog_tokens + uncached) / rate
     stall = min(uncached, decode.chunk_tokens or uncached) / rate
     step = decode.decode_step_s or 0.0
-    if decode.running and step + stall > tpot_target_s:
+    paced = decode.paced_tpot_s is not None and decode.paced_tpot_s <= tpot_target_s
+    if decode.running and not paced and step + stall > tpot_target_s:
         return Decision(False, t_local, t_remote, best,
                         f"a local prefill would make {decode.running} streams' steps "
                         f"{(step + stall) * 1e3:.0f} ms, over the {tpot_target_s * 1e3:.0f} ms "

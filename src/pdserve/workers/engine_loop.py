@@ -47,7 +47,9 @@ from pdserve.workers.handover import HandOver, LegDropped, LegEnded, LegRecomput
 from pdserve.workers.hub_pump import HubPump
 from pdserve.workers.loop_commands import Cancel, Command, Flip, Sink, Stop, Submit
 from pdserve.workers.parked import ParkedLegs
+from pdserve.workers.prefill_budget import REFRESH_S, prefill_chunk
 from pdserve.workers.role_flip import FlipReply, RoleFlip
+from pdserve.workers.step_rates import SCAN
 from pdserve.workers.step_trace import Step, StepTrace
 from pdserve.workers.worker_metrics import WorkerMetrics
 
@@ -96,8 +98,12 @@ class _Leg:
 
 class EngineLoop:
     def __init__(self, engine: Engine, pump: HubPump | None, metrics: WorkerMetrics,
-                 stream_layers: bool = False) -> None:
+                 stream_layers: bool = False, tpot_target_s: float | None = None) -> None:
+        """`tpot_target_s`: local prompts beside decoding streams go in chunks that keep a
+        step within it (`workers/prefill_budget.py`); None: whole prompts."""
         self.engine, self.pump, self.metrics = engine, pump, metrics
+        self.tpot_target_s = tpot_target_s
+        self._chunk_at = 0.0  # when the prefill chunk was last recomputed
         self.handover = None if pump is None else HandOver(engine, pump.hub, metrics)
         self._stream_layers = stream_layers and pump is not None
         self.trace = StepTrace()
@@ -200,8 +206,17 @@ class EngineLoop:
                 self.trace.record(Step.of(wall0, wall0 + seconds, stats))
             for out in outputs:
                 self._on_output(out)
+            self._refresh_prefill_chunk()
         if self.flip.flipping:
             self._advance_flip()
+
+    def _refresh_prefill_chunk(self) -> None:
+        if self.tpot_target_s is None or time.monotonic() < self._chunk_at + REFRESH_S:
+            return
+        self._chunk_at = time.monotonic()
+        self.engine.set_prefill_chunk(prefill_chunk(
+            self.tpot_target_s, self.trace.newest_first(SCAN),
+            self.engine.config.block_size))
 
     def _advance_flip(self) -> None:
         """Switch once no request moves KV in or out and every leg left runs in the new role;

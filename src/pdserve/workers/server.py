@@ -92,7 +92,8 @@ class Worker:
                                       self.engine.block_generation, s.kv_lease_s))
             hub.start()
         self.pump = hub
-        loop = EngineLoop(self.engine, hub, self.metrics, stream_layers=s.stream_layers)
+        loop = EngineLoop(self.engine, hub, self.metrics, stream_layers=s.stream_layers,
+                          tpot_target_s=s.tpot_target_s)
         self.metrics.bind_engine(self.engine, lambda: loop.num_legs)
         self.api.tokenizer = self.engine.tokenizer
         self.channels = WorkerLegChannels(loop)
@@ -156,8 +157,10 @@ class Worker:
             "waiting_for_kv": load.waiting_for_kv, "legs": self.loop.num_legs,
             "load_seconds": self.load_seconds, "pid": os.getpid(),
             "rates": step_rates(self.loop.trace.newest_first(SCAN)).to_json(),
-            "chunk_tokens": e.config.max_num_batched_tokens
-            if e.config.enable_chunked_prefill else None,
+            "chunk_tokens": e.prefill_chunk or (e.config.max_num_batched_tokens
+                                                if e.config.enable_chunked_prefill else None),
+            # the chunk above is paced to keep a step within this (--slo-tpot-ms)
+            "chunk_tpot_s": self.loop.tpot_target_s if e.prefill_chunk is not None else None,
         }
 
     async def metrics_text(self, request: web.Request) -> web.Response:

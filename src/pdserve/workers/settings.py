@@ -66,6 +66,8 @@ class WorkerSettings:
     kv_layerwise: str = "auto"  # "on" | "off" | "auto" (on for CUDA engines)
     limits: RequestLimits = field(default_factory=RequestLimits)  # what its /v1 accepts
     join: JoinSettings | None = None  # --register: join that router once loaded
+    # --slo-tpot-ms: prompts beside decoding streams go in chunks that keep a step within it
+    tpot_target_s: float | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "role", Role(self.role))
@@ -91,6 +93,8 @@ class WorkerSettings:
                                  f"cores this process may use: {sorted(allowed)}")
         if not self.kv_lease_s > 0:
             raise ValueError("--kv-lease must be > 0 seconds")
+        if self.tpot_target_s is not None and not self.tpot_target_s > 0:
+            raise ValueError(f"--slo-tpot-ms must be > 0, got {self.tpot_target_s * 1e3:g}")
         if self.kv_layerwise not in LAYERWISE:
             raise ValueError(f"--kv-layerwise must be one of {', '.join(LAYERWISE)}, got "
                              f"{self.kv_layerwise!r}")
@@ -184,6 +188,11 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-lease", type=float, default=30.0,
                    help="seconds a KV reservation or a held prefill may wait for the other "
                         "side before it is freed (default: %(default)s)")
+    p.add_argument("--slo-tpot-ms", type=float, default=None, metavar="MS",
+                   help="time per output token to keep for the streams decoding here: a prompt "
+                        "computed beside them (a local prefill on a decode worker) goes in "
+                        "chunks sized from this worker's measured rates so that a step stays "
+                        "within it (default: whole prompts)")
     p.add_argument("--seed", type=int, default=0, help="engine seed (default: %(default)s)")
     add_cpu_kernels_arg(p)
     add_limit_args(p)
@@ -257,6 +266,7 @@ class WorkerLaunch:
     enable_chunked_prefill: bool = False
     max_num_batched_tokens: int | None = None
     kv_lease_s: float = 30.0
+    slo_tpot_ms: float | None = None
     seed: int = 0
     cpu_kernels: bool = True
     limits: RequestLimits = DEFAULT_LIMITS
@@ -286,6 +296,7 @@ _UNLESS_DEFAULT = (("--served-model-name", "served_model_name"), ("--kv-host", "
                    ("--num-kv-blocks", "num_kv_blocks"), ("--block-size", "block_size"),
                    ("--max-model-len", "max_model_len"), ("--max-num-seqs", "max_num_seqs"),
                    ("--max-num-batched-tokens", "max_num_batched_tokens"), ("--seed", "seed"),
+                   ("--slo-tpot-ms", "slo_tpot_ms"),
                    ("--register", "register"), ("--name", "name"),
                    ("--drain-timeout", "drain_timeout_s"))
 _SWITCHES = (("--serve-public", "serve_public"), ("--kv-encrypt", "kv_encrypt"),
@@ -320,7 +331,8 @@ def launch_from_args(args: argparse.Namespace) -> WorkerLaunch:
         block_size=args.block_size, max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs, enable_chunked_prefill=args.enable_chunked_prefill,
         max_num_batched_tokens=args.max_num_batched_tokens, kv_lease_s=args.kv_lease,
-        seed=args.seed, cpu_kernels=args.cpu_kernels, limits=limits_from_args(args),
+        slo_tpot_ms=args.slo_tpot_ms, seed=args.seed, cpu_kernels=args.cpu_kernels,
+        limits=limits_from_args(args),
         register=args.register, name=args.name, drain_timeout_s=args.drain_timeout)
 
 
@@ -347,7 +359,8 @@ def worker_settings(launch: WorkerLaunch) -> WorkerSettings:
         serve_public=w.serve_public,
         metrics_keys=metrics_keys, cpus=w.cpus, kv_lease_s=w.kv_lease_s,
         kv_encrypt=w.kv_encrypt, kv_layerwise=w.kv_layerwise, limits=w.limits,
-        join=join_settings(w))
+        join=join_settings(w),
+        tpot_target_s=None if w.slo_tpot_ms is None else w.slo_tpot_ms / 1000.0)
 
 
 def join_settings(w: WorkerLaunch) -> JoinSettings | None:

@@ -1,0 +1,62 @@
+"""The prefill chunk (`Engine.set_prefill_chunk`): while a request decodes, a step computes at
+most that many prompt tokens, so a long prompt goes in chunks beside the stream and the stream
+gets a token every step; with nothing decoding the prompt goes whole; the tokens are the ones
+of an engine without the cap."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdserve.common.sampling_params import SamplingParams
+from pdserve.config import EngineConfig
+from pdserve.engine.engine import Engine
+
+GREEDY = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+LONG_PROMPT = [(t * 13) % 480 + 5 for t in range(150)]
+SHORT_PROMPT = list(range(5, 25))
+
+
+def _engine(path) -> Engine:
+    return Engine(EngineConfig(model=str(path), dtype="float32", max_model_len=512))
+
+
+def _run(engine: Engine, chunk: int | None) -> tuple[dict[str, list[int]], list[tuple[int, int]]]:
+    """Every request's tokens, and each step's (prompt tokens, decode tokens)."""
+    engine.set_prefill_chunk(chunk)
+    stream = engine.add_request(SHORT_PROMPT, GREEDY, request_id="stream")
+    engine.step()  # the stream's prompt, whole: nothing decodes yet
+    engine.add_request(LONG_PROMPT, GREEDY, request_id="long")
+    tokens, steps = {}, []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                tokens[out.request_id] = out.outputs[0].token_ids
+        stats = engine.take_step_stats()
+        if stats is not None:
+            steps.append((stats.prefill_tokens, stats.decode_tokens))
+    assert stream in tokens
+    return tokens, steps
+
+
+def test_a_long_prompt_goes_in_chunks_beside_a_stream_with_the_same_tokens(tiny_model) -> None:
+    whole_tokens, whole_steps = _run(_engine(tiny_model()), None)
+    chunked_tokens, chunked_steps = _run(_engine(tiny_model()), 32)
+    assert chunked_tokens == whole_tokens
+    assert max(p for p, _ in whole_steps) == len(LONG_PROMPT)  # one step froze the stream
+    prompt_steps = [(p, d) for p, d in chunked_steps if p]
+    assert [p for p, _ in prompt_steps] == [32, 32, 32, 32, 22]  # 150 tokens, 32 a step
+    assert all(d >= 1 for _, d in prompt_steps)  # the stream decoded in every one of them
+
+
+def test_with_nothing_decoding_the_prompt_goes_whole(tiny_model) -> None:
+    engine = _engine(tiny_model())
+    engine.set_prefill_chunk(16)
+    engine.add_request(LONG_PROMPT, GREEDY)
+    engine.step()
+    assert engine.take_step_stats().prefill_tokens == len(LONG_PROMPT)
+
+
+@pytest.mark.parametrize("bad", [0, -3, 2.5, True])
+def test_a_chunk_is_a_positive_int_or_none(tiny_model, bad) -> None:
+    with pytest.raises(ValueError, match="a prefill chunk is an int >= 1 tokens or None"):
+        _engine(tiny_model()).set_prefill_chunk(bad)
