@@ -252,3 +252,18 @@ def test_timing_flags_are_in_the_elastic_section_of_help() -> None:
     for flag in ("--elastic ", "--elastic-interval-s", "--elastic-sustain-ticks",
                  "--elastic-cooldown-s"):
         assert flag in elastic
+
+
+def test_an_idle_prefill_side_beside_busy_decoders_becomes_decode() -> None:
+    def tick(t: float, streams: int, backlog: int = 0, demand: int = 0) -> Observation:
+        return obs(t, pre("p1", backlog=backlog), dec("d1", inflight=streams),
+                   prefill_demand=demand)
+
+    plans = run(tick(t, 16) for t in (0.0, 2.0, 4.0))
+    assert plans[:2] == [None, None] and plans[2] is not None
+    assert (plans[2].worker, plans[2].to) == ("p1", "decode")
+    assert plans[2].reason.startswith("the prefill side idle while every decode-capable worker "
+                                      "streams >= 2 requests for 3 ticks")
+    assert run(tick(t, 1) for t in (0.0, 2.0, 4.0, 6.0)) == [None] * 4  # one stream: no gain
+    assert run(tick(t, 16, backlog=600) for t in (0.0, 2.0, 4.0, 6.0)) == [None] * 4  # busy
+    assert run(tick(t, 16, demand=1) for t in (0.0, 2.0, 4.0, 6.0)) == [None] * 4  # in use

@@ -19,8 +19,11 @@ Quantities, per observation (`Observation`, built each tick):
 
 Prefill pressure: W(S) > PREFILL_HIGH x TTFT. Decode pressure, when there is no prefill
 pressure (a decode queue may only be requests held up by the prefill side): D_q > 0, or
-K(D) >= KV_HIGH, or s(D) >= STEP_HIGH x TPOT. The memory counts the ticks each pressure was
-seen in a row (`tally`).
+K(D) >= KV_HIGH, or s(D) >= STEP_HIGH x TPOT. An idle prefill side: prefill workers with
+W(S) <= PREFILL_CALM x TTFT while every routable decode-capable worker has at least
+BUSY_STREAMS legs in flight (the targets are met, but a prefill worker's core waits for prompts
+that the decode workers' paced local prefills could take, while every stream shares the decode
+cores). The memory counts the ticks each was seen in a row (`tally`).
 
 Rules (`decide`), at most one flip per tick:
 - none within `cooldown_s` of the last flip attempt, nor while any worker is flipping or
@@ -33,9 +36,10 @@ Rules (`decide`), at most one flip per tick:
       s' = s(D) x |D| / |D'|                                 <= STEP_CALM x TPOT
   (its streams' load spread over the others; step time proportional to the batch is the
   bound: a step is at most linear in its streams);
-- prefill -> decode after `sustain_ticks` of decode pressure, flipping the routable prefill
-  worker with the smallest backlog (then the fewest legs), when the prefill side keeps
-  headroom without it (S' = S minus that worker, or D when no prefill worker is left):
+- prefill -> decode after `sustain_ticks` of decode pressure, or of an idle prefill side,
+  flipping the routable prefill worker with the smallest backlog (then the fewest legs), when
+  the prefill side keeps headroom without it (S' = S minus that worker, or D when no prefill
+  worker is left):
       W' = (sum_{S u S'} Q_w + N_q) / sum_{S'} R_w           <= PREFILL_CALM x TTFT
   and, if it is the last prefill worker, no split request holds or waits for a prefill slot.
 
@@ -72,6 +76,9 @@ STEP_CALM = 0.6
 KV_HIGH = 0.85
 # Room for the streams of the worker taken away, with a quarter of the pool to spare.
 KV_CALM = 0.6
+# Legs in flight on every decode-capable worker for the prefill side's idleness to count: the
+# streams would spread over one more decode worker (one stream alone gains nothing from it).
+BUSY_STREAMS = 2
 
 
 @dataclass(frozen=True)
@@ -108,6 +115,7 @@ class Memory:
 
     prefill_ticks: int = 0  # consecutive ticks with prefill pressure
     decode_ticks: int = 0  # consecutive ticks with decode pressure
+    idle_ticks: int = 0  # consecutive ticks with an idle prefill side beside busy decoders
     last_flip_at: float | None = None  # when the last flip attempt ended
 
     def flipped(self, now: float) -> Memory:
@@ -149,14 +157,25 @@ def decode_pressure(obs: Observation, s: ElasticSettings) -> str | None:
     return None
 
 
+def prefill_idle(obs: Observation, s: ElasticSettings) -> bool:
+    """Prefill workers with a calm wait while every decode-capable worker is busy."""
+    wait = prefill_wait_s(obs)
+    serving = obs.routable(*DECODE_CAPABLE)
+    return bool(obs.routable("prefill")) and bool(serving) and wait is not None and \
+        wait <= PREFILL_CALM * s.ttft_target_s and all(w.inflight >= BUSY_STREAMS
+                                                       for w in serving)
+
+
 def tally(memory: Memory, obs: Observation, s: ElasticSettings) -> Memory:
     """The memory after one more observation."""
     wait = prefill_wait_s(obs)
     prefill = wait is not None and wait > PREFILL_HIGH * s.ttft_target_s
     decode = not prefill and decode_pressure(obs, s) is not None
+    idle = not decode and prefill_idle(obs, s)
     return dataclasses.replace(memory,
                                prefill_ticks=memory.prefill_ticks + 1 if prefill else 0,
-                               decode_ticks=memory.decode_ticks + 1 if decode else 0)
+                               decode_ticks=memory.decode_ticks + 1 if decode else 0,
+                               idle_ticks=memory.idle_ticks + 1 if idle else 0)
 
 
 def decide(obs: Observation, memory: Memory, s: ElasticSettings) -> FlipPlan | None:
@@ -169,6 +188,8 @@ def decide(obs: Observation, memory: Memory, s: ElasticSettings) -> FlipPlan | N
         return _to_prefill(obs, memory, s)
     if memory.decode_ticks >= s.sustain_ticks:
         return _to_decode(obs, memory, s)
+    if memory.idle_ticks >= s.sustain_ticks:
+        return _to_decode(obs, memory, s, idle=True)
     return None
 
 
@@ -193,7 +214,8 @@ def _to_prefill(obs: Observation, memory: Memory, s: ElasticSettings) -> FlipPla
                     f"KV {kv or 0.0:.0%} projected)")
 
 
-def _to_decode(obs: Observation, memory: Memory, s: ElasticSettings) -> FlipPlan | None:
+def _to_decode(obs: Observation, memory: Memory, s: ElasticSettings, idle: bool = False
+               ) -> FlipPlan | None:
     prefill = obs.routable("prefill")
     if not prefill:
         return None
@@ -203,9 +225,13 @@ def _to_decode(obs: Observation, memory: Memory, s: ElasticSettings) -> FlipPlan
     wait = prefill_wait_s(obs, without=worker.key)
     if wait is None or wait > PREFILL_CALM * s.ttft_target_s:
         return None
-    why = decode_pressure(obs, s) or "decode pressure"
+    if idle:
+        why, ticks = (f"the prefill side idle while every decode-capable worker streams "
+                      f">= {BUSY_STREAMS} requests"), memory.idle_ticks
+    else:
+        why, ticks = decode_pressure(obs, s) or "decode pressure", memory.decode_ticks
     return FlipPlan(worker.key, "decode",
-                    f"{why} for {memory.decode_ticks} ticks; the prefill side keeps headroom "
+                    f"{why} for {ticks} ticks; the prefill side keeps headroom "
                     f"(wait ~{wait * 1e3:.0f} ms projected without it)")
 
 
