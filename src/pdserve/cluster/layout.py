@@ -301,8 +301,11 @@ def _worker_spec(config: UpConfig, index: int, role: str, secret_file: Path) -> 
         max_num_seqs=config.max_num_seqs or MAX_NUM_SEQS,
         enable_chunked_prefill=config.enable_chunked_prefill,
         max_num_batched_tokens=config.max_num_batched_tokens, kv_lease_s=config.kv_lease_s,
-        # split layouts: a decode worker's local prefills keep its streams within the target
-        slo_tpot_ms=None if Role(role) is Role.COLLOCATED else config.slo_tpot_s * 1000.0,
+        # elastic pools: local prefills on decode workers are paced to keep their streams within
+        # the target, the prefill capacity the controller counts on when it takes a prefill
+        # worker away; elsewhere whole prompts, whose greedy tokens do not depend on the load
+        # (a chunk's bf16 arithmetic differs from the whole prompt's: docs/design.md)
+        slo_tpot_ms=config.slo_tpot_s * 1000.0 if config.elastic else None,
         cpu_kernels=config.cpu_kernels, limits=config.limits)
     argv = (sys.executable, "-m", "pdserve.cli", "worker", *worker_argv(launch))
     return ProcessSpec(worker_name(config, index), argv, worker_url(config, index) + "/health",
