@@ -30,10 +30,11 @@ worker's error; never when the worker refused the request as the client's fault,
 3. Then the request fails: an error response, or, once the stream started, an error event
    and `[DONE]`.
 A leg its worker hands back (a final event with `extra.moved`: the worker became a prefill
-worker, `workers/role_flip.py`) is no failure: the request continues from the tokens the client
-has, split, with its prefill on that worker (the leg's KV is in its prefix cache, so only the
-last partial block is computed) and its decode on another decode worker, the KV moved as for
-any split request; on a collocated worker it continues locally. This counts against neither
+worker, `workers/role_flip.py`) is no failure: the request continues split, from just before
+the last token the client has, with its prefill leg on that worker resuming the parked leg
+(`LegRequest.resume`: the leg's own KV is sent, nothing computed, and that token repeated as
+token 0) and its decode leg on another decode worker, the KV moved as for any split request;
+on a collocated worker it continues locally. This counts against neither
 the breaker nor `max_migrations`, only against `MAX_HAND_BACKS`.
 Each move's legs carry `<request id>.<n>`: the worker that failed may still hold the first.
 Known limits of a continuation: its worker recomputes the prompt and the tokens sent, and
@@ -350,7 +351,7 @@ class Dispatcher:
         self.metrics.migrations.inc(reason="handed back by a worker changing role")
         candidates = [w for w in self._serving() if w is not source]
         if not candidates:
-            candidates = await self._serving_again(run, _HandedBack(source), (source,))
+            candidates = await self._serving_again(run, back, (source,))
         run.slot.move(self.policy.choose(candidates, run.hashes))
         dec = run.slot.worker
         log.info("request %s: %s handed it back after token %d (changing role); continuing on "

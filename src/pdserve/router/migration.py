@@ -54,9 +54,13 @@ class Delivered:
 
     token_ids: list[int] = field(default_factory=list)
     chars: int = 0  # the text's length
-    resume_at: tuple[int, int] = (0, 0)
     _parts: list[str] = field(default_factory=list)  # the text, joined when it is read
-    _points: list[tuple[int, int]] = field(default_factory=lambda: [(0, 0)])  # every resume_at
+    # every point at which the text of every token sent was sent, oldest first
+    _points: list[tuple[int, int]] = field(default_factory=lambda: [(0, 0)])
+
+    @property
+    def resume_at(self) -> tuple[int, int]:
+        return self._points[-1]
 
     def resume_before(self, tokens: int) -> tuple[int, int]:
         """The last point at or before `tokens` at which every token's text was sent."""
@@ -81,8 +85,7 @@ class Delivered:
             end = event.index + len(event.token_ids)
             if event.text and end > self.resume_at[0]:
                 # the worker's detokenizer emits text only once every token so far has its text
-                self.resume_at = (end, event.text_offset + len(event.text))
-                self._points.append(self.resume_at)
+                self._points.append((end, event.text_offset + len(event.text)))
 
 
 def continuation(leg_id: str, prompt: Sequence[int], params: SamplingParams,

@@ -43,7 +43,8 @@ class ParkedLegs:
         return [self._by_leg.pop(leg)[0] for leg in gone]
 
     def all(self) -> list[str]:
-        """Every parked engine id, no longer parked (the loop is failing every leg)."""
+        """Every parked engine id, no longer parked (the loop fails every leg, or a new flip
+        begins: what the last one parked had its time)."""
         ids = [engine_id for engine_id, _ in self._by_leg.values()]
         self._by_leg.clear()
         return ids
