@@ -323,14 +323,22 @@ def test_keepalive_probes_do_not_end_a_stopped_peer_and_a_kill_does():
         wait_for(lambda: not a.peer_alive(peer), 3.0)
 
 
-def test_a_host_that_stops_answering_is_dead_within_the_keepalive_bound():
-    """The peer's host vanishes (its network link goes down in its own namespace: no reset, no
-    FIN, nothing): keepalive ends the peer within idle + interval x probes, not TCP's hours."""
+@contextlib.contextmanager
+def _echoing_across_a_namespace() -> Iterator[tuple]:
+    """An endpoint (fast keepalive) that has heard an echo peer in its own network namespace:
+    (the namespace, the peer, the endpoint)."""
     fast = replace(OPTS, keepalive_idle_s=1, keepalive_interval_s=1, keepalive_probes=2)
     with network_namespace() as ns, echo_peer(ns.inside, ns.name) as (_, peer), \
             TcpTransport(ns.outside, secret=SECRET, options=fast) as a:
         a.send(peer, b"1")
         wait_for(lambda: a.receive() == [(peer, b"echo 1")], 10.0)
+        yield ns, peer, a
+
+
+def test_a_host_that_stops_answering_is_dead_within_the_keepalive_bound():
+    """The peer's host vanishes (its network link goes down in its own namespace: no reset, no
+    FIN, nothing): keepalive ends the peer within idle + interval x probes, not TCP's hours."""
+    with _echoing_across_a_namespace() as (ns, peer, a):
         ns.cut()
         started = time.monotonic()
         wait_for(lambda: not a.peer_alive(peer), 10.0)
@@ -339,13 +347,9 @@ def test_a_host_that_stops_answering_is_dead_within_the_keepalive_bound():
 
 def test_a_peer_lost_behind_a_cut_link_is_reached_again_once_the_link_is_back(monkeypatch):
     """A lost link is no restart: once the link is back (and the short retry pause passed), the
-    same instance is dialed again and answers; a peer that restarted stays dead for good."""
+    same instance is dialed again and answers."""
     monkeypatch.setattr(peers, "LOST_RETRY_S", 0.5)
-    fast = replace(OPTS, keepalive_idle_s=1, keepalive_interval_s=1, keepalive_probes=2)
-    with network_namespace() as ns, echo_peer(ns.inside, ns.name) as (_, peer), \
-            TcpTransport(ns.outside, secret=SECRET, options=fast) as a:
-        a.send(peer, b"1")
-        wait_for(lambda: a.receive() == [(peer, b"echo 1")], 10.0)
+    with _echoing_across_a_namespace() as (ns, peer, a):
         ns.cut()
         wait_for(lambda: not a.peer_alive(peer), 10.0)
         assert "sending to it failed" in a.why_dead(peer) or "ended" in a.why_dead(peer)
