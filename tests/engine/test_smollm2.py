@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from pdserve import LLM, SamplingParams
 from pdserve.common.model_folder import resolve_model
@@ -38,3 +39,35 @@ def test_bf16_chat_answers_paris():
                    SamplingParams(temperature=0, max_tokens=16))
     assert "Paris" in out.outputs[0].text
     assert out.outputs[0].finish_reason == "stop"
+
+
+def test_bf16_prompts_chunked_beside_a_stream_sample_the_same_logits_as_whole():
+    """Pacing's premise: a 300-token prompt prefilled in chunks of 64 beside a decoding
+    request gives every sampled logit the bits of the whole-prompt prefill. (PyTorch's SDPA
+    over the gathered chunk did not: 0 of 12 logit rows equal, 6 of 12 argmaxes.)"""
+    prompt = [(t * 13) % 4800 + 5 for t in range(300)]
+    rows = {}
+    for chunk in (None, 64):
+        llm = LLM(model="smollm2", dtype="bfloat16", max_model_len=512,
+                  enable_prefix_caching=False)
+        engine, seen = llm.engine, []
+        run = engine.runner.run
+
+        def recording(batch, on_layer=None, run=run, seen=seen):
+            logits, sampling = run(batch, on_layer)
+            seen += [row.clone() for row, r in zip(logits, sampling, strict=True)
+                     if r.request_id == "long"]
+            return logits, sampling
+
+        engine.runner.run = recording
+        engine.set_prefill_chunk(chunk)
+        params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+        engine.add_request(list(range(5, 25)), params, request_id="stream")
+        engine.step()
+        engine.add_request(prompt, params, request_id="long")
+        while engine.has_unfinished_requests():
+            engine.step()
+        assert engine.block_manager.num_used_blocks == 0
+        rows[chunk] = seen
+    assert len(rows[None]) == len(rows[64]) == 12
+    assert all(torch.equal(a, b) for a, b in zip(rows[None], rows[64], strict=True))

@@ -30,6 +30,11 @@ def _new_group(first: Request, req: Request) -> bool:
     return ctx > GROUP_MIN_TOKENS and ctx > 2 * (first.num_computed_tokens + 1)
 
 
+def _in_prompt(req: Request) -> bool:
+    """The request's next token to compute is one of its prompt's."""
+    return req.num_computed_tokens < req.num_prompt_tokens
+
+
 @dataclass
 class ModelInputs:
     input_ids: torch.Tensor  # [T]
@@ -67,20 +72,22 @@ class ModelRunner:
 
     def prepare(self, batch: SchedulerOutput) -> ModelInputs:
         pairs = list(zip(batch.requests, batch.num_new_tokens, strict=True))
-        prefills = [(r, n) for r, n in pairs if n > 1]
+        # a prompt's tokens always go through prefill attention, even one alone (the last of a
+        # chunked prompt, or all a prefix-cache hit left), so that a prompt position's result
+        # is the same however the prompt was cut
+        prefills = [(r, n) for r, n in pairs if n > 1 or _in_prompt(r)]
         # shortest context first, so that decode_groups are runs of consecutive rows
-        decodes = sorted(((r, n) for r, n in pairs if n == 1),
+        decodes = sorted(((r, n) for r, n in pairs if n == 1 and not _in_prompt(r)),
                          key=lambda p: p[0].num_computed_tokens)
         ids: list[int] = []
         pos: list[int] = []
         seqs: list[PrefillSeq] = []
         sample_rows: list[int] = []
         sampling: list[Request] = []
-        for req, n in prefills + decodes:
+        for i, (req, n) in enumerate(prefills + decodes):
             start = req.num_computed_tokens
-            if n > 1:
-                seqs.append(PrefillSeq(len(ids), n, start + n, self._long(req.block_ids),
-                                       self._prefill_mask(start, n)))
+            if i < len(prefills):
+                seqs.append(PrefillSeq(len(ids), n, start + n, self._long(req.block_ids)))
             ids.extend(req.token_ids[start : start + n])
             pos.extend(range(start, start + n))
             if start + n == req.num_tokens:
@@ -105,14 +112,6 @@ class ModelRunner:
                 hi = min(start + n, (b + 1) * self.block_size)
                 blocks.extend([req.block_ids[b]] * (hi - lo))
         return self._long(blocks)
-
-    def _prefill_mask(self, start: int, n: int) -> torch.Tensor | None:
-        """Causal mask of n queries at positions [start, start + n) over [0, start + n)."""
-        if start == 0:
-            return None  # plain causal attention over this step's K/V
-        ctx = start + n
-        q_pos = torch.arange(start, ctx, device=self.device)
-        return torch.arange(ctx, device=self.device)[None, :] <= q_pos[:, None]  # [n, ctx]
 
     def _decode_groups(self, reqs: list[Request], first_row: int) -> list[DecodeGroup]:
         """Decode requests (sorted by context) in groups attended at once: a group grows until

@@ -2,8 +2,11 @@
 
 Each step writes the new tokens' K and V into their slots first, then attends:
 - prefill (a request computing several tokens): its query tokens against K/V of positions
-  [0, context_len), taken straight from the fresh K/V when nothing was cached before, else
-  gathered from its blocks; causal with the query offset.
+  [0, context_len), causal with the query offset. With the compiled CPU operators, one flash
+  attention kernel reads every position from the pool in place (csrc/prefill_attention.cpp);
+  its result for a position does not depend on how the prompt was chunked or what was
+  cached. Otherwise PyTorch's SDPA, over the fresh K/V when nothing was cached before, else
+  over K/V gathered from the blocks.
 - decode (one token per request): in groups of similar context length (`DecodeGroup`, formed
   by the runner), each group at once: its requests' blocks gathered into a padded
   [B, max_blocks * block_size] context, padding masked out. One group for the whole batch
@@ -27,7 +30,18 @@ class PrefillSeq:
     num_tokens: int  # query tokens this step
     context_len: int  # positions attended: cached + new
     block_ids: torch.Tensor  # [num_blocks] long
-    mask: torch.Tensor | None  # [n, context_len] bool, None when nothing was cached before
+
+    @functools.cached_property
+    def mask(self) -> torch.Tensor | None:
+        """[n, context_len] bool: the causal mask of the n queries at positions [start,
+        context_len), None when nothing was cached before (plain causal attention over this
+        step's K/V). The SDPA path only: built on first use, shared by every layer."""
+        start = self.context_len - self.num_tokens
+        if start == 0:
+            return None
+        device = self.block_ids.device
+        q_pos = torch.arange(start, self.context_len, device=device)
+        return torch.arange(self.context_len, device=device)[None, :] <= q_pos[:, None]
 
 
 @dataclass
@@ -80,9 +94,14 @@ def paged_attention(
     if not meta.prefills and len(meta.decode_groups) == 1:  # one steady group: no copies
         return decode(q, k_cache, v_cache, meta.decode_groups[0], scale)
     out = torch.empty_like(q)
+    flash = fused is not None and fused.prefill_attention_available()
     for seq in meta.prefills:
         rows = slice(seq.token_start, seq.token_start + seq.num_tokens)
-        out[rows] = _prefill(q[rows], k[rows], v[rows], k_cache, v_cache, seq, scale)
+        if flash:  # over the pool in place: the new rows' K/V were stored above
+            out[rows] = fused.prefill_attention(q[rows], k_cache, v_cache, seq.block_ids,
+                                                seq.context_len, scale)
+        else:
+            out[rows] = _prefill(q[rows], k[rows], v[rows], k_cache, v_cache, seq, scale)
     for group in meta.decode_groups:
         out[group.rows] = decode(q[group.rows], k_cache, v_cache, group, scale)
     return out

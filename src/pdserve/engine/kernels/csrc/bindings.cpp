@@ -16,6 +16,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_", &pdserve::rope_, kFree);
   m.def("store_kv_", &pdserve::store_kv_, kFree);
   m.def("decode_attention", &pdserve::decode_attention, kFree);
+  m.def("prefill_attention_available", &pdserve::prefill_attention_available);
+  m.def("prefill_attention", &pdserve::prefill_attention, kFree);
   m.def("argmax_rows", &pdserve::argmax_rows, kFree);
   m.def("amx_available", &pdserve::amx_available);
   m.def("amx_pack", &pdserve::amx_pack, kFree);

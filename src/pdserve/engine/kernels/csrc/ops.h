@@ -44,6 +44,17 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
                             const at::Tensor& v_cache, const at::Tensor& block_tables,
                             const at::Tensor& lens, double scale);
 
+// Whether this build has the prefill attention kernel (it needs AVX512-BF16).
+bool prefill_attention_available();
+
+// Causal attention of one prefill's n new rows over its paged context of context_len
+// positions (the new rows are its last n, their K and V already stored): q [n, H, D] (rows
+// may be strided); k_cache, v_cache [num_blocks, block_size, KVH, D]; block_table [>= blocks
+// of context_len] int64. -> [n, H, D]. A row's result does not depend on n (chunking).
+at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k_cache,
+                             const at::Tensor& v_cache, const at::Tensor& block_table,
+                             int64_t context_len, double scale);
+
 // x [B, V] bf16 -> [B] int64: each row's first maximum, as torch.max(dim=-1).indices (a
 // NaN counts as the maximum).
 at::Tensor argmax_rows(const at::Tensor& x);
