@@ -23,6 +23,9 @@ def test_a_token_costs_two_flops_per_linear_weight_plus_attention(tiny_model, ar
     head = 2 * cfg.vocab_size * cfg.hidden_size  # a prefill samples once, from its last token
     assert prefill_flops_per_token(cfg, 100) == pytest.approx(
         2 * weights - head + head / 100 + 50 * per_position)
+    # 50 computed after 100 cached: each attends to the cached 100 and half of the 50
+    assert prefill_flops_per_token(cfg, 50, cached=100) == pytest.approx(
+        2 * weights - head + head / 50 + 125 * per_position)
 
 
 def test_the_bound_is_the_lower_roof():

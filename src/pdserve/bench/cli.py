@@ -28,16 +28,21 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
 def _add_engine(kinds: argparse._SubParsersAction) -> None:
     eng = kinds.add_parser(
         "engine", help="decode and prefill tok/s vs transformers and the roofline",
-        description="Decode tok/s at several batch sizes and prefill tok/s for one long "
-                    "prompt, each beside transformers generate() in the same process and the "
-                    "roofline from this machine's measured memory bandwidth and matmul peak. "
-                    "Medians of --repeats runs.")
+        description="Decode tok/s at several batch sizes and prefill tok/s at several prompt "
+                    "lengths (and with half a prompt in the prefix cache), each beside "
+                    "transformers generate() in the same process and the roofline from this "
+                    "machine's measured memory bandwidth and matmul peak. Medians of --repeats "
+                    "runs.")
     eng.add_argument("--model", default="smollm2", help="default: %(default)s")
     eng.add_argument("--batches", default="1,8,32", help="decode batch sizes (default: "
                                                          "%(default)s)")
     eng.add_argument("--decode-steps", type=int, default=32, help="default: %(default)s")
-    eng.add_argument("--prompt-len", type=int, default=1000,
-                     help="prefill prompt tokens (default: %(default)s)")
+    eng.add_argument("--prompt-lens", default="512,1000,2048,8191",
+                     help="prefill prompt lengths in tokens (default: %(default)s; 8,191 is "
+                          "SmolLM2's 8,192 positions less the sampled token)")
+    eng.add_argument("--cached-len", type=int, default=2048,
+                     help="the prefix-cache row's prompt, its first half cached (default: "
+                          "%(default)s; 0: no such row)")
     eng.add_argument("--repeats", type=int, default=3, help="default: %(default)s")
     eng.add_argument("--json", action="store_true", help="one JSON object per measurement")
     add_cpu_kernels_arg(eng)
@@ -174,7 +179,8 @@ def _bench_engine(args: argparse.Namespace) -> int:
 
     batches = tuple(int(b) for b in args.batches.split(","))
     return main(BenchSettings(model=args.model, batches=batches, decode_steps=args.decode_steps,
-                              prompt_len=args.prompt_len, repeats=args.repeats,
+                              prompt_lens=tuple(int(n) for n in args.prompt_lens.split(",")),
+                              cached_len=args.cached_len, repeats=args.repeats,
                               cpu_kernels=args.cpu_kernels), args.json)
 
 

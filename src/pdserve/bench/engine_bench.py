@@ -15,9 +15,13 @@ at the start and at the end of the bench (a shared machine's neighbours only eve
   (Williams et al. 2009, "Roofline"); `of bound` is the share of that. Where the matmul peak
   is low against the bandwidth (no AMX: 32-row decode on AVX512-BF16 is compute-bound), the
   compute roof is the lower one.
-- prefill tok/s for one prompt of `prompt_len` tokens: one engine step; transformers: one
-  `generate()` of 1 token. roofline: peak bf16 matmul FLOP/s measured here over the FLOPs per
-  prompt token (2 x matmul parameters + attention, Kaplan et al. 2020, eq. 2.1 style count).
+- prefill tok/s for one prompt of each of `prompt_lens` tokens: one engine step; transformers:
+  one `generate()` of 1 token. roofline: peak bf16 matmul FLOP/s measured here over the FLOPs
+  per prompt token (2 x matmul parameters + attention, Kaplan et al. 2020, eq. 2.1 style count).
+- prefill with a prefix-cache hit: a prompt of `cached_len` tokens whose first half is in the
+  prefix cache (the same half was prefilled just before), so the step computes the second half
+  against the cached first: tok/s of the computed tokens, with their FLOPs (attention over the
+  cached half too). transformers has no prefix cache in generate(): no baseline ("-").
 """
 
 from __future__ import annotations
@@ -47,9 +51,10 @@ class BenchRow:
     batch: int
     prompt_tokens: int
     pdserve_tok_s: float
-    transformers_tok_s: float
+    transformers_tok_s: float | None  # None: no like-for-like baseline (a prefix-cache hit)
     roofline_tok_s: float
     compute_roof_tok_s: float
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache, not computed
 
     @property
     def bound_tok_s(self) -> float:
@@ -60,7 +65,9 @@ class BenchRow:
         return self.pdserve_tok_s / self.bound_tok_s
 
     @property
-    def vs_transformers(self) -> float:
+    def vs_transformers(self) -> float | None:
+        if self.transformers_tok_s is None:
+            return None
         return self.pdserve_tok_s / self.transformers_tok_s
 
     @property
@@ -74,16 +81,27 @@ class BenchSettings:
     batches: tuple[int, ...] = (1, 8, 32)
     decode_prompt_len: int = 32
     decode_steps: int = 32
-    prompt_len: int = 1000
+    # 8,191: SmolLM2's 8,192 positions, less the one sampled token
+    prompt_lens: tuple[int, ...] = (512, 1000, 2048, 8191)
+    cached_len: int = 2048  # the prefix-cache row's prompt, half cached; 0: no such row
     repeats: int = 3
     cpu_kernels: bool = True  # False: the engine on PyTorch operators only (the A/B baseline)
 
     def __post_init__(self) -> None:
         if not self.batches or min(self.batches) <= 0:
             raise ValueError("batches must be positive integers")
-        for name in ("decode_prompt_len", "decode_steps", "prompt_len", "repeats"):
+        if not self.prompt_lens or min(self.prompt_lens) <= 0:
+            raise ValueError("prompt lengths must be positive integers")
+        if self.cached_len < 0 or self.cached_len == 1:
+            raise ValueError(f"cached_len must be 0 (no prefix-cache row) or at least 2, got "
+                             f"{self.cached_len}")
+        for name in ("decode_prompt_len", "decode_steps", "repeats"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+
+    @property
+    def max_prompt(self) -> int:
+        return max(*self.prompt_lens, self.cached_len, self.decode_prompt_len)
 
 
 def memory_bandwidth(repeats: int = 5) -> float:
@@ -121,9 +139,10 @@ def flops_per_token(cfg: ModelConfig, context: float, lm_head_share: float = 1.0
     return 2 * matmul + attention + 2 * cfg.vocab_size * h * lm_head_share
 
 
-def prefill_flops_per_token(cfg: ModelConfig, prompt_len: int) -> float:
-    """A prompt token attends to half the causal context on average; the LM head runs once."""
-    return flops_per_token(cfg, prompt_len / 2, 1 / prompt_len)
+def prefill_flops_per_token(cfg: ModelConfig, prompt_len: int, cached: int = 0) -> float:
+    """A computed prompt token attends to the `cached` positions and half the causal context of
+    the `prompt_len` computed ones on average; the LM head runs once."""
+    return flops_per_token(cfg, cached + prompt_len / 2, 1 / prompt_len)
 
 
 class _Prompts:
@@ -155,14 +174,31 @@ def pdserve_decode(engine: Engine, prompts: _Prompts, batch: int, s: BenchSettin
     return batch * s.decode_steps / statistics.median(run() for _ in range(s.repeats))
 
 
-def pdserve_prefill(engine: Engine, prompts: _Prompts, s: BenchSettings) -> float:
-    def run() -> None:
-        engine.add_request(prompts(1, s.prompt_len)[0], SamplingParams(max_tokens=1))
-        engine.step()
-        if engine.has_unfinished_requests():
-            raise RuntimeError("the prompt did not prefill in one step")
+def _prefill_once(engine: Engine, prompt: list[int]) -> None:
+    engine.add_request(prompt, SamplingParams(max_tokens=1))
+    engine.step()
+    if engine.has_unfinished_requests():
+        raise RuntimeError("the prompt did not prefill in one step")
 
-    return s.prompt_len / median_seconds(run, s.repeats)
+
+def pdserve_prefill(engine: Engine, prompts: _Prompts, length: int, repeats: int) -> float:
+    return length / median_seconds(lambda: _prefill_once(engine, prompts(1, length)[0]),
+                                   repeats)
+
+
+def pdserve_cached_prefill(engine: Engine, prompts: _Prompts, length: int,
+                           repeats: int) -> float:
+    """tok/s of the second half of a `length`-token prompt whose first half (whole blocks) is
+    in the prefix cache: each run prefills a fresh first half untimed, then times the prompt."""
+    half = length // 2 // engine.config.block_size * engine.config.block_size
+    times = []
+    for _ in range(repeats + 1):  # the first is the warm-up
+        prompt = prompts(1, length)[0]
+        _prefill_once(engine, prompt[:half] + prompts(1, 1)[0])  # caches the half's blocks
+        t0 = time.perf_counter()
+        _prefill_once(engine, prompt)
+        times.append(time.perf_counter() - t0)
+    return (length - half) / statistics.median(times[1:])
 
 
 def hf_generate_seconds(model, ids: torch.Tensor, new_tokens: int, repeats: int) -> float:
@@ -189,10 +225,13 @@ def run_bench(s: BenchSettings, log: Callable[[str], None]) -> list[BenchRow]:
     path = resolve_model(s.model)
     cfg = ModelConfig.from_folder(path)
     log(f"loading {s.model} (bf16) into pdserve and transformers ...")
-    engine = Engine(EngineConfig(model=s.model, dtype="bfloat16",
-                                 max_model_len=max(s.prompt_len, s.decode_prompt_len) + 64 +
-                                 s.decode_steps, enable_prefix_caching=False,
-                                 cpu_kernels=s.cpu_kernels))
+    if s.max_prompt >= cfg.max_context:
+        raise ValueError(f"prompts of {s.max_prompt} tokens leave no position to sample in "
+                         f"{s.model}'s {cfg.max_context}")
+    engine = Engine(EngineConfig(
+        model=s.model, dtype="bfloat16",
+        max_model_len=min(cfg.max_context, s.max_prompt + 64 + s.decode_steps),
+        enable_prefix_caching=s.cached_len > 0, cpu_kernels=s.cpu_kernels))
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
     prompts = _Prompts(cfg.vocab_size)
     roofs = _measure_roofs()  # here and again at the end: the best of both is the roof
@@ -203,18 +242,32 @@ def run_bench(s: BenchSettings, log: Callable[[str], None]) -> list[BenchRow]:
         log(f"decode, batch {batch} ...")
         runs.append(("decode", batch, s.decode_prompt_len,
                      pdserve_decode(engine, prompts, batch, s), hf_decode(hf, prompts, batch, s)))
-    log(f"prefill, {s.prompt_len}-token prompt ...")
-    hf_prefill = s.prompt_len / hf_generate_seconds(
-        hf, torch.tensor(prompts(1, s.prompt_len)), 1, s.repeats)
-    runs.append(("prefill", 1, s.prompt_len, pdserve_prefill(engine, prompts, s), hf_prefill))
+    for length in s.prompt_lens:
+        log(f"prefill, {length}-token prompt ...")
+        hf_prefill = length / hf_generate_seconds(
+            hf, torch.tensor(prompts(1, length)), 1, s.repeats)
+        runs.append(("prefill", 1, length, pdserve_prefill(engine, prompts, length, s.repeats),
+                     hf_prefill))
+    if s.cached_len:
+        log(f"prefill, {s.cached_len}-token prompt, its first half in the prefix cache ...")
+        cached = pdserve_cached_prefill(engine, prompts, s.cached_len, s.repeats)
     bandwidth, flops = (max(a, b) for a, b in zip(roofs, _measure_roofs(), strict=True))
     log(f"roofs (best of the start and the end): memory read {bandwidth / 1e9:.1f} GB/s, "
         f"bf16 matmul {flops / 1e9:.0f} GFLOP/s")
     step_floor = weight_bytes_per_step(cfg, 2) / bandwidth
     decode_roof = flops / flops_per_token(cfg, s.decode_prompt_len + s.decode_steps / 2)
-    prefill_roof = flops / prefill_flops_per_token(cfg, s.prompt_len)
-    return [BenchRow(*run, run[1] / step_floor, decode_roof) if run[0] == "decode"
-            else BenchRow(*run, prefill_roof, prefill_roof) for run in runs]
+    rows = []
+    for run in runs:
+        if run[0] == "decode":
+            rows.append(BenchRow(*run, run[1] / step_floor, decode_roof))
+        else:
+            roof = flops / prefill_flops_per_token(cfg, run[2])
+            rows.append(BenchRow(*run, roof, roof))
+    if s.cached_len:
+        half = s.cached_len // 2 // engine.config.block_size * engine.config.block_size
+        roof = flops / prefill_flops_per_token(cfg, s.cached_len - half, cached=half)
+        rows.append(BenchRow("prefill", 1, s.cached_len, cached, None, roof, roof, half))
+    return rows
 
 
 def _measure_roofs() -> tuple[float, float]:
@@ -231,13 +284,15 @@ def _operators(engine: Engine) -> str:
 
 
 def format_table(rows: list[BenchRow]) -> str:
-    head = (f"{'phase':<8}{'batch':>6}{'prompt':>8}{'pdserve tok/s':>15}"
+    head = (f"{'phase':<8}{'batch':>6}{'prompt':>8}{'cached':>8}{'pdserve tok/s':>15}"
             f"{'transformers':>14}{'x HF':>7}{'roofline':>10}{'of roofline':>13}"
             f"{'compute roof':>14}{'of bound':>10}")
     lines = [head, "-" * len(head)]
     for r in rows:
-        lines.append(f"{r.phase:<8}{r.batch:>6}{r.prompt_tokens:>8}{r.pdserve_tok_s:>15.1f}"
-                     f"{r.transformers_tok_s:>14.1f}{r.vs_transformers:>7.2f}"
+        hf = "-" if r.transformers_tok_s is None else f"{r.transformers_tok_s:.1f}"
+        ratio = "-" if r.vs_transformers is None else f"{r.vs_transformers:.2f}"
+        lines.append(f"{r.phase:<8}{r.batch:>6}{r.prompt_tokens:>8}{r.cached_tokens:>8}"
+                     f"{r.pdserve_tok_s:>15.1f}{hf:>14}{ratio:>7}"
                      f"{r.roofline_tok_s:>10.0f}{r.of_roofline:>12.0%}"
                      f"{r.compute_roof_tok_s:>15.0f}{r.of_bound:>9.0%}")
     return "\n".join(lines)
@@ -247,7 +302,8 @@ def main(s: BenchSettings, as_json: bool) -> int:
     rows = run_bench(s, lambda msg: print(msg, file=sys.stderr, flush=True))
     if as_json:
         for r in rows:
-            print(json.dumps(asdict(r) | {"vs_transformers": round(r.vs_transformers, 3),
+            ratio = None if r.vs_transformers is None else round(r.vs_transformers, 3)
+            print(json.dumps(asdict(r) | {"vs_transformers": ratio,
                                           "of_roofline": round(r.of_roofline, 3),
                                           "of_bound": round(r.of_bound, 3)}))
     else:

@@ -49,6 +49,16 @@ def test_fit_recovers_the_linear_machine():
     assert p.max_rel_error == pytest.approx(0, abs=1e-9) and p.fit_rows == 4
 
 
+def test_a_prefix_cache_row_counts_only_the_tokens_it_computed():
+    rows = bench_rows()
+    cached_row = {"phase": "prefill", "batch": 1, "prompt_tokens": 2048, "cached_tokens": 1024,
+                  "pdserve_tok_s": PREFILL_TOK_S, "transformers_tok_s": None,
+                  "roofline_tok_s": 5000.0}
+    p = fit_bench_rows([*rows, cached_row])  # 1,024 computed tokens at the same rate
+    assert p.prefill_per_token_s == pytest.approx(1 / PREFILL_TOK_S)
+    assert p.max_rel_error == pytest.approx(0, abs=1e-9)
+
+
 def test_profile_steps_reproduce_every_row_within_one_percent():
     rows = bench_rows()
     for context_s in (0.0, 3e-7):  # with and without a KV-read term
@@ -147,6 +157,8 @@ def test_bad_profiles_name_the_field(patch, message):
     ([{"phase": "decode", "batch": 0, "prompt_tokens": 1, "pdserve_tok_s": 1}],
      "row 1: batch must be a positive integer"),
     ([{"phase": "decode", "batch": 1, "prompt_tokens": 1}], "pdserve_tok_s must be a positive"),
+    ([{"phase": "prefill", "batch": 1, "prompt_tokens": 8, "pdserve_tok_s": 1,
+       "cached_tokens": 8}], r"cached_tokens must be an integer in \[0, prompt_tokens\)"),
     (bench_rows()[:3], "no prefill row to fit"),
     (bench_rows()[3:], "no decode row to fit"),
 ])

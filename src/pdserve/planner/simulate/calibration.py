@@ -282,7 +282,13 @@ def _bench_point(row: Any, where: str, context_token_s: float) -> tuple[str, Ben
     if row["phase"] == "decode":
         seconds = batch / tok_s
         return "decode", BenchPoint(batch, seconds, seconds - context_token_s * batch * prompt)
-    return "prefill", BenchPoint(batch * prompt, batch * prompt / tok_s, batch * prompt / tok_s)
+    # a prefix-cache row's tok/s counts the tokens it computed, not the cached ones
+    cached = row.get("cached_tokens", 0)
+    if isinstance(cached, bool) or not isinstance(cached, int) or not 0 <= cached < prompt:
+        raise ValueError(f"{where}: cached_tokens must be an integer in [0, prompt_tokens), got "
+                         f"{cached!r}")
+    computed = batch * (prompt - cached)
+    return "prefill", BenchPoint(computed, computed / tok_s, computed / tok_s)
 
 
 def fit_bench_rows(rows: Sequence[Any], context_token_s: float = 0.0, source: str = "",
