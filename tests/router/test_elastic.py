@@ -5,6 +5,7 @@ other side's headroom, the last worker of a role, a worker flipping or unhealthy
 from __future__ import annotations
 
 import argparse
+import math
 from collections.abc import Iterable
 
 import pytest
@@ -14,9 +15,11 @@ from pdserve.router.elastic import (
     FlipPlan,
     Memory,
     Observation,
+    StageLoad,
     WorkerView,
     decide,
     prefill_wait_s,
+    stage_load,
     tally,
 )
 from pdserve.router.elastic_settings import ElasticSettings, elastic_to_args
@@ -26,8 +29,12 @@ S = ElasticSettings(ttft_target_s=1.0, tpot_target_s=0.1, interval_s=2.0, sustai
 
 
 def pre(key: str, backlog: int = 0, rate: float | None = 1000.0, **kw) -> WorkerView:
+    """A prefill worker whose backlog is what a steady stream leaves: over the 10 s window of
+    `obs` it was sent 4 prompts of the backlog's size (at 2,000 tokens, 800 tokens/s: 80% of
+    its rate), unless `sent_prompts` and `sent_tokens` say."""
+    arrived = {"sent_prompts": 4 if backlog else 0, "sent_tokens": 4 * backlog}
     return WorkerView(key, "prefill", kw.pop("routable", True), backlog_tokens=backlog,
-                      prefill_tokens_per_s=rate, **kw)
+                      prefill_tokens_per_s=rate, **{**arrived, **kw})
 
 
 def dec(key: str, inflight: int = 0, step: float | None = 0.01, used: int = 0,
@@ -37,7 +44,8 @@ def dec(key: str, inflight: int = 0, step: float | None = 0.01, used: int = 0,
 
 
 def obs(now: float, *workers: WorkerView, **kw) -> Observation:
-    return Observation(now, tuple(workers), **kw)
+    """With an arrival window of 10 s in which no prompt arrived, unless `window_s` says."""
+    return Observation(now, tuple(workers), **{"window_s": 10.0, **kw})
 
 
 def prefill_bound(now: float) -> Observation:
@@ -134,8 +142,9 @@ def test_sustained_decode_pressure_flips_the_least_loaded_prefill_worker(
     plans = run(ticks)
     assert plans[:2] == [None, None]
     assert plans[2] is not None and (plans[2].worker, plans[2].to) == ("p2", "decode")
-    assert plans[2].reason.startswith(f"{why} for 3 ticks; the prefill side keeps headroom "
-                                      "(wait ~100 ms projected without it)")
+    assert plans[2].reason == (f"{why} for 3 ticks; the prefill side keeps headroom (wait "
+                               "~100 ms projected without it; at the 40 prompt tokens/s of the "
+                               "last 10 s busy 4% of the time, a prompt waiting ~4 ms)")
 
 
 def test_no_flip_to_decode_without_prefill_headroom() -> None:
@@ -267,3 +276,53 @@ def test_an_idle_prefill_side_beside_busy_decoders_becomes_decode() -> None:
     assert run(tick(t, 1) for t in (0.0, 2.0, 4.0, 6.0)) == [None] * 4  # one stream: no gain
     assert run(tick(t, 16, backlog=600) for t in (0.0, 2.0, 4.0, 6.0)) == [None] * 4  # busy
     assert run(tick(t, 16, demand=1) for t in (0.0, 2.0, 4.0, 6.0)) == [None] * 4  # in use
+
+
+def test_a_stages_load_is_the_queueing_of_the_windows_arrivals() -> None:
+    p1 = pre("p1", sent_prompts=8, sent_tokens=4000)  # 400 tokens/s over the 10 s window
+    p2 = pre("p2", rate=None)  # never prefilled: counts at the mean measured rate, 750
+    o = obs(0.0, p1, p2, dec("d1"))  # d1 prefills 500 tokens/s
+    alone = stage_load(o, [p1], [p1])
+    assert (alone.tokens_per_s, alone.rho) == (400.0, 0.4)
+    assert alone.wait_s == pytest.approx(0.4 / 0.6 * 500 / 1000)  # a 500-token mean prompt
+    both = stage_load(o, [p1, p2], [p1, p2])
+    assert both.rho == pytest.approx(400 / 1750)
+    assert both.wait_s == pytest.approx(both.rho / (1 - both.rho) * 500 / 875)
+    at_d1 = stage_load(o, [dec("d1")], [p1, p2])  # 400 tokens/s on 500
+    assert at_d1.rho == 0.8 and at_d1.wait_s == pytest.approx(0.8 / 0.2 * 500 / 500)
+    twice = stage_load(o, [dec("d1")], [p1, pre("p3", sent_prompts=8, sent_tokens=4000)])
+    assert (twice.rho, twice.wait_s) == (1.6, math.inf)  # the queue grows without bound
+    assert stage_load(obs(0.0, p1, window_s=0.0), [p1], [p1]) is None  # no window yet
+    unmeasured = pre("p1", rate=None, sent_prompts=1, sent_tokens=100)
+    assert stage_load(obs(0.0, unmeasured), [unmeasured], [unmeasured]) is None
+    assert stage_load(obs(0.0, pre("p1")), [pre("p1")], [pre("p1")]) == StageLoad(0, 0, 0)
+
+
+def test_no_prefill_worker_is_taken_away_from_arrivals_the_rest_cannot_keep_up_with() -> None:
+    """The prefill worker's queue is empty right now and the decode worker's too, but 600
+    prompt tokens/s arrived at the two over the window: the decode worker alone prefills
+    500. With the arrivals of a calm stream (60 tokens/s) the same instant flips it."""
+    def tick(t: float, sent: int) -> Observation:
+        return obs(t, pre("p1", sent_prompts=2, sent_tokens=sent // 2),
+                   dec("d1", inflight=4, sent_prompts=2, sent_tokens=sent // 2))
+
+    assert run(tick(t, 6000) for t in range(0, 20)) == [None] * 20
+    plans = run(tick(t, 600) for t in range(0, 3))
+    assert plans[-1] is not None and (plans[-1].worker, plans[-1].to) == ("p1", "decode")
+    assert plans[-1].reason.endswith("(wait ~0 ms projected without it; at the 60 prompt "
+                                     "tokens/s of the last 10 s busy 12% of the time, a prompt "
+                                     "waiting ~41 ms)")
+
+
+def test_no_flip_away_from_prefill_before_arrivals_were_measured() -> None:
+    ticks = [obs(t, pre("p1"), dec("d1", inflight=8), window_s=0.0) for t in range(10)]
+    assert run(ticks) == [None] * 10
+
+
+def test_a_backlog_the_rates_call_calm_is_no_prefill_pressure() -> None:
+    """One long prompt queued on a prefill worker that gets one a minute: its wait is over
+    half the TTFT target for seconds, but the stage is idle most of the time."""
+    quiet = [obs(t, pre("p1", backlog=3000, sent_prompts=1, sent_tokens=3000),
+                 dec("d1", inflight=1), dec("d2"), window_s=60.0) for t in range(10)]
+    assert run(quiet) == [None] * 10
+    assert run(obs(t, *o.workers, window_s=0.0) for t, o in enumerate(quiet))[2] is not None

@@ -29,7 +29,7 @@ def _run(tiny_model: Callable[..., Path], fakes: list[FlippingWorker],
          elastic: ElasticSettings | None, body) -> None:
     async def go() -> None:
         async with workers(*fakes) as urls:
-            pools = {"prefill": (urls[0],), "decode": (urls[1], urls[2])}
+            pools = {"prefill": (urls[0],), "decode": tuple(urls[1:])}
             async with router(tiny_model(), elastic=elastic, **pools) as (r, _):
                 await body(r)
 
@@ -104,3 +104,34 @@ def test_without_elastic_nothing_flips(tiny_model: Callable[..., Path]) -> None:
     _run(tiny_model, fakes, None, body)
     assert [f.flips for f in fakes] == [0, 0, 0]
 
+
+
+def test_an_idle_prefill_worker_becomes_decode_once_the_arrivals_let_the_decoders_take_it(
+        tiny_model: Callable[..., Path]) -> None:
+    """The prefill worker gets nothing and the decode worker streams, but prompts arrive at
+    the decode worker at ~10,000 tokens/s, 10x what it prefills: the prefill worker stays.
+    Once they stop and the controller's window no longer holds them, it becomes decode."""
+    fakes = _fakes()[:2]
+
+    async def body(r: Router) -> None:
+        prefill, decode = r.pool.workers
+        decode.inflight = 4
+
+        async def arrive() -> None:
+            while True:
+                r.dispatcher.paths.prefilling(decode, 100)()
+                await asyncio.sleep(0.01)
+
+        arrivals = asyncio.create_task(arrive())
+        await asyncio.sleep(1.0)  # 20 ticks, each with the idle trigger on
+        assert prefill.role == "prefill" and fakes[0].flips == 0
+        assert r.elastic.memory.idle_ticks >= FAST.sustain_ticks
+        arrivals.cancel()
+        for _ in range(200):
+            if prefill.role == "decode":
+                break
+            await asyncio.sleep(0.05)
+        assert [w.role for w in r.pool.workers] == ["decode", "decode"]
+
+    _run(tiny_model, fakes, FAST, body)
+    assert [f.flips for f in fakes] == [1, 0]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import os
+import threading
 import time
 from collections.abc import Awaitable, Callable
 
@@ -430,3 +431,49 @@ def test_a_parked_request_hands_over_only_a_prefix_whose_kv_it_computed(tiny_mod
     assert out.kv_block_ids == engine.requests[rid].block_ids[:3]  # 41 tokens, 16 per block
     engine.release(rid)
     assert engine.block_manager.num_used_blocks == 0 and not engine.moves_kv()
+
+
+def test_a_reservation_waiting_for_a_busy_prefill_worker_is_handed_back_not_waited_for(
+        make_worker) -> None:
+    """Becoming a prefill worker, a decode worker hands back the router's reservations whose
+    KV has not come rather than wait for their prefills: here the prefill worker is stuck in a
+    step for another request, the prompt not even taken, and the flip is done all the same.
+    The leg ends handed back before any token; the reservation's blocks are free; the prefill
+    worker, once it goes on, ends its leg without an error and holds no block either."""
+    pre, dec = make_worker(Role.PREFILL), make_worker(Role.DECODE)
+    token0 = _greedy(pre, SHORT)[:1]
+    entered, gate = threading.Event(), threading.Event()
+    real_step = pre.engine.step
+
+    def busy_step():  # the first step waits for the gate: the worker is busy
+        entered.set()
+        assert gate.wait(WAIT_S)
+        return real_step()
+
+    pre.engine.step = busy_step
+    tid = 0xB05
+
+    async def scenario() -> None:
+        busy = pre.loop.submit(LegRequest("busy", PROMPT, SHORT))
+        await _until(entered.is_set)
+        prefill = pre.loop.submit(LegRequest("r", PROMPT, SHORT, LegKind.PREFILL, tid,
+                                             dec.transport.local))
+        decode = _movable(dec, LegRequest("r", PROMPT, SHORT, LegKind.DECODE, tid,
+                                          pre.transport.local))
+        await _until(lambda: dec.blocks_used > 0)  # reserved, the reservation sent
+        done = await _flip(dec, Role.PREFILL)
+        assert isinstance(done, FlipDone) and dec.engine.role is Role.PREFILL
+        assert not gate.is_set() and pre.loop.num_legs == 1  # "r" not even taken there
+        items = [decode.get_nowait() for _ in range(decode.qsize())]
+        assert isinstance(items[0], Accepted) and len(items) == 2
+        assert items[1].final and items[1].error is None and items[1].extra == {MOVED: True}
+        assert (items[1].index, items[1].token_ids) == (0, [])
+        assert dec.blocks_used == 0 and dec.metrics.handed_back.value() == 1
+        gate.set()
+        assert len(_tokens(await _leg(busy))) == SHORT.max_tokens
+        ended = await _leg(prefill)
+        assert ended[-1].error is None  # handed back too, or token 0 if it computed first
+        assert ended[-1].extra == {MOVED: True} or _tokens(ended) == token0
+        await _until(lambda: pre.blocks_used == 0)
+
+    _run(scenario, pre, dec)

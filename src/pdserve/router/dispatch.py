@@ -34,8 +34,12 @@ worker, `workers/role_flip.py`) is no failure: the request continues split, from
 the last token the client has, with its prefill leg on that worker resuming the parked leg
 (`LegRequest.resume`: the leg's own KV is sent, nothing computed, and that token repeated as
 token 0) and its decode leg on another decode worker, the KV moved as for any split request;
-on a collocated worker it continues locally. This counts against neither
-the breaker nor `max_migrations`, only against `MAX_HAND_BACKS`.
+on a collocated worker it continues locally. A decode leg handed back before its KV came (a
+reservation: its final event at position 0, nothing parked) starts over from where its legs
+began, with another decode worker and the same prefill worker, whose own leg the decode side's
+hand-back ends (also `extra.moved`, no failure); tokens the client has are repeated and
+checked. This counts against neither the breaker nor `max_migrations`, only against
+`MAX_HAND_BACKS`.
 Each move's legs carry `<request id>.<n>`: the worker that failed may still hold the first.
 Known limits of a continuation: its worker recomputes the prompt and the tokens sent, and
 prefill arithmetic may differ from decode's in the last bits; a repeated token that differs
@@ -123,11 +127,14 @@ class NoWorkers(Exception):
 
 class _HandedBack(Exception):
     """`worker` handed the request's leg `leg_id` back after the tokens the client has (it
-    changed role), its KV parked there for a resumed PREFILL leg."""
+    changed role), its KV parked there for a resumed PREFILL leg; or, with `restart` (an
+    output position), a DECODE leg whose KV had not come, nothing parked: the next attempt
+    begins where those legs began, its prefill on `prefill` if it still takes prompts."""
 
-    def __init__(self, worker: WorkerHandle, leg_id: str) -> None:
+    def __init__(self, worker: WorkerHandle, leg_id: str, restart: int | None = None,
+                 prefill: WorkerHandle | None = None) -> None:
         super().__init__(f"{worker.name} handed the request back")
-        self.worker, self.leg_id = worker, leg_id
+        self.worker, self.leg_id, self.restart, self.prefill = worker, leg_id, restart, prefill
 
 
 class _PrefillLost(Exception):
@@ -342,7 +349,9 @@ class Dispatcher:
     async def _hand_back(self, run: _Run, back: _HandedBack) -> AsyncIterator[EventBatch]:
         """The next attempt after a worker handed the request back: split, with the prefill on
         that worker resuming the parked KV and the decode on another decode worker; local on a
-        collocated one, or when that prefill leg fails before either leg spoke."""
+        collocated one, or when that prefill leg fails before either leg spoke. A reservation
+        handed back (`back.restart`) starts over from where its legs began, split with the
+        same prefill worker if it still takes prompts (else the policy's pick), or local."""
         source = back.worker
         run.hand_backs += 1
         if run.hand_backs > MAX_HAND_BACKS:
@@ -356,28 +365,40 @@ class Dispatcher:
         dec = run.slot.worker
         log.info("request %s: %s handed it back after token %d (changing role); continuing on "
                  "%s", run.request_id, source.name, len(run.delivered.token_ids), dec.name)
-        if dec.role == "decode" and source.peer is not None:
+        pre, resume = (source, back.leg_id) if back.restart is None else \
+            (self._prefill_for(run, back.prefill), None)
+        if dec.role == "decode" and pre is not None and pre.peer is not None:
             try:
                 async with contextlib.aclosing(
-                        self._split_legs(run, source, None, back.leg_id)) as legs:
+                        self._split_legs(run, pre, None, resume, back.restart)) as legs:
                     async for batch in legs:
                         yield batch
                 return
             except _PrefillLost as lost:
                 self.metrics.retries.inc(reason="prefill leg failed, local prefill")
                 log.warning("request %s: %s; prefilling on %s", run.request_id, lost, dec.name)
-        async with contextlib.aclosing(self._local(run)) as local:
+        async with contextlib.aclosing(self._local(run, back.restart)) as local:
             async for batch in local:
                 yield batch
 
+    def _prefill_for(self, run: _Run, last: WorkerHandle | None) -> WorkerHandle | None:
+        """The prefill worker of a restarted split: `last` while it takes prompts (what it
+        computed of the prompt is in its prefix cache), else the policy's pick; None: none."""
+        routable = self._routable("prefill")
+        if last in routable:
+            return last
+        return self.policy.choose(routable, run.hashes) if routable else None
+
     # -- local -------------------------------------------------------------------------------
 
-    async def _local(self, run: _Run) -> AsyncIterator[EventBatch]:
+    async def _local(self, run: _Run, before: int | None = None) -> AsyncIterator[EventBatch]:
         """One LOCAL leg on the decode slot's worker: the request whole, or its continuation
-        after the tokens the client has. Raises WorkerFailed when the worker fails it."""
+        after the tokens the client has (from output token `before` at the latest). Raises
+        WorkerFailed when the worker fails it."""
         await self._pause(run.moves)
         worker = run.slot.worker
-        leg, relay = continuation(run.next_leg_id(), run.prompt, run.params, run.delivered)
+        leg, relay = continuation(run.next_leg_id(), run.prompt, run.params, run.delivered,
+                                  before)
         leg_hashes = hash_blocks(leg.prompt_token_ids, self._block_size) \
             if leg.output_offset else run.hashes
         prefilled = self.paths.prefilling(
@@ -395,7 +416,7 @@ class Dispatcher:
                             return
                     if error is not None:
                         raise WorkerFailed(worker, LegKind.LOCAL, LegFailed(error))
-                    if moved:
+                    if moved is not None:
                         raise _HandedBack(worker, leg.request_id)
         except LegFailed as e:
             if isinstance(e, Diverged) or (e.client_error and not run.delivered.token_ids):
@@ -444,18 +465,22 @@ class Dispatcher:
         return True
 
     async def _split_legs(self, run: _Run, pre: WorkerHandle, pre_slot: Slot | None,
-                          resume: str | None = None) -> AsyncIterator[EventBatch]:
+                          resume: str | None = None, before: int | None = None
+                          ) -> AsyncIterator[EventBatch]:
         """One prefill leg on `pre` and one decode leg on the decode slot's worker, merged: the
-        request from the start, or its continuation after the tokens the client has. A
-        hand-back's (`resume`: the leg `pre` handed back; no prefill slot) starts before the
-        last token the client has, whose KV that worker never computed: its prefill leg sends
-        the parked KV and repeats that token as token 0. Raises _PrefillLost, _HandedBack, or
-        WorkerFailed when the decode leg fails."""
+        request from the start, or its continuation after the tokens the client has (from
+        output token `before` at the latest). A hand-back's (`resume`: the leg `pre` handed
+        back; no prefill slot) starts before the last token the client has, whose KV that
+        worker never computed: its prefill leg sends the parked KV and repeats that token as
+        token 0. Raises _PrefillLost, _HandedBack (a decode leg handed back before any token
+        of its own: with `restart`, these legs' start), or WorkerFailed when the decode leg
+        fails."""
         dec = run.slot.worker
         tid = secrets.randbits(64) or 1
-        before = len(run.delivered.token_ids) - 1 if resume is not None else None
+        if resume is not None:
+            before = max(len(run.delivered.token_ids) - 1, 0)
         leg, relay = continuation(run.next_leg_id(), run.prompt, run.params, run.delivered,
-                                  None if before is None else max(before, 0))
+                                  before)
         ids = leg.prompt_token_ids
         hashes = hash_blocks(ids, self._block_size) if leg.output_offset else run.hashes
         kv_tokens = self._uncached(dec, len(ids), hashes)  # the KV the decode side needs
@@ -480,13 +505,15 @@ class Dispatcher:
                 if item is None:
                     ended.add(name)
                     continue
-                moved = False
-                if name == "decode" and not isinstance(item, LegFailed):
+                moved = None
+                if not isinstance(item, LegFailed):
                     item, moved = _without_moved(item)
                 if name == "decode" and "prefill" not in heard and _recomputed(item):
                     self._prefill_silent(run.request_id, pre)
                 if name == "prefill":
                     prefilled()
+                    if moved is not None:
+                        continue  # its decode leg was handed back: that leg says so
                     if token0_at is None and not isinstance(item, LegFailed):
                         token0_at = time.monotonic()
                 elif name not in heard and token0_at is not None and \
@@ -516,7 +543,9 @@ class Dispatcher:
                         return
                 if error is not None:
                     raise WorkerFailed(dec, LegKind.DECODE, LegFailed(error))
-                if moved:
+                if moved == 0:  # a reservation: nothing parked
+                    raise _HandedBack(dec, legs["decode"][1].request_id, leg.output_offset, pre)
+                if moved is not None:
                     raise _HandedBack(dec, legs["decode"][1].request_id)
             raise LegFailed("both legs ended without finishing the request")
         finally:
@@ -546,7 +575,8 @@ class Dispatcher:
                 merged.put_nowait((name, batch))
                 if slot is not None and batch[-1].final:
                     # measured only when it prefilled: a prefill holds the prompt's KV only
-                    slot.release(0 if batch[-1].error is None else None)
+                    prefilled = batch[-1].error is None and not batch[-1].extra.get(MOVED)
+                    slot.release(0 if prefilled else None)
         except LegFailed as e:
             merged.put_nowait((name, e))
         merged.put_nowait((name, None))
@@ -583,12 +613,12 @@ def _worker_error(event: TokenEvent) -> str | None:
     return None if event.extra.get("prefill_finished") else event.error
 
 
-def _without_moved(batch: EventBatch) -> tuple[EventBatch, bool]:
-    """The batch without the event that hands the leg back, and whether it had one (always
-    the last: it ends the leg)."""
+def _without_moved(batch: EventBatch) -> tuple[EventBatch, int | None]:
+    """The batch without the event that hands the leg back (always the last: it ends the
+    leg), and that event's position in the leg (the tokens the leg sent); None: none."""
     if batch and batch[-1].extra.get(MOVED):
-        return batch[:-1], True
-    return batch, False
+        return batch[:-1], batch[-1].index
+    return batch, None
 
 
 def _recomputed(item: EventBatch | LegFailed) -> bool:

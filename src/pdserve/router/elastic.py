@@ -1,6 +1,6 @@
 """Elastic pools: whether one worker should change role now, from one observation of the pools
-and the controller's memory. Pure: no clock, no I/O (`elastic_controller.py` observes, keeps
-the memory and flips through `RoleFlips`, the admin endpoint's path).
+and the controller's memory. Pure: no clock, no I/O (`elastic_controller.py` observes and
+measures, keeps the memory and flips through `RoleFlips`, the admin endpoint's path).
 
 Quantities, per observation (`Observation`, built each tick):
 
@@ -8,22 +8,48 @@ Quantities, per observation (`Observation`, built each tick):
              decode-capable (decode, collocated) workers, which then prefill every prompt
     Q_w      prompt tokens sent to w whose prefill has not ended (the dispatcher's backlog)
     N_q      prompt tokens of the split requests waiting for a prefill slot
-    R_w      w's measured prefill rate, tokens/s (its signed /health `rates`); unmeasured
-             workers add no rate
+    R_w      w's measured prefill rate, tokens/s (its signed /health `rates`)
     W(S)     = (sum_{w in S} Q_w + N_q) / sum_{w in S} R_w
-             the expected wait of a new prompt before its prefill starts (0 with no tokens;
-             unknown with tokens and no measured rate)
+             the wait, at this instant, of a new prompt before its prefill starts (0 with no
+             tokens; unknown with tokens and no measured rate; unmeasured workers add no rate)
+    T        the arrival window: a recent stretch of time, at least the sustain window and
+             holding at least 8 prompts when the last ~60 s had them (`elastic_window.py`)
+    A_w, n_w the uncached prompt tokens, and the prompts, the router sent w to prefill in T
+    lam(X)   = sum_{w in X} A_w / T, the prompt tokens per second arriving at the workers X
+    m(X)     = sum_{w in X} A_w / sum_{w in X} n_w, their mean prompt
+    rho(S|X) = lam(X) / sum_{w in S} R_w, the busy fraction of stage S prefilling what arrives
+             at X (here a worker not measured yet counts at the mean of the measured rates:
+             the same model on the same kind of machine; unknown when none is measured)
+    Wq(S|X)  = rho / (1 - rho) x m(X) / Rbar(S), Rbar(S) the mean rate of S's workers: the mean
+             wait of a prompt before its prefill starts, in the steady state (infinite for
+             rho >= 1)
     D        the routable decode-capable workers; D_q requests waiting for a decode slot
     K(D)     = sum_{w in D} kv_used / sum_{w in D} kv_total, the KV use of the decode side
     s(D)     the slowest measured decode-only step in D (the floor of its streams' ITL)
 
-Prefill pressure: W(S) > PREFILL_HIGH x TTFT. Decode pressure, when there is no prefill
+Why rates (queueing). A stage that receives lam tokens/s and prefills mu = sum R_w tokens/s has
+utilization rho = lam / mu. With rho >= 1 its queue grows without bound, whatever it holds at
+one instant; below 1 a prompt waits Wq = rho / (1 - rho) x its service time on average (M/M/1:
+Poisson arrivals; prompts of like lengths wait less, M/D/1 halves it; several workers sharing
+the arrivals wait less than one worker at the same rho, so one mean worker's bound is safe for
+them). The instant's backlog W(S) says nothing about rho: under a steady stream of long prompts
+that one prefill worker cannot keep up with (the router then prefills part of them on the
+decode workers), the prefill worker's backlog is empty between two arrivals, and an idle
+trigger judged from it took that lull for idleness, flipped the worker away and brought the
+overload onto the decode side, which flipped a worker back (three flips in 90 s). Judged from
+lam over T, a lull between two prompts is a small part of the window.
+
+Prefill pressure: W(S) > PREFILL_HIGH x TTFT, unless the rates over the window put S in the
+calm band a flip away from it must leave (rho(S|S) <= RHO_CALM and Wq(S|S) <= PREFILL_CALM x
+TTFT: one long prompt's own prefill, or a few prompts of a quiet stream, is no trend; unknown
+rates do not hold pressure back). Decode pressure, when there is no prefill
 pressure (a decode queue may only be requests held up by the prefill side): D_q > 0, or
-K(D) >= KV_HIGH, or s(D) >= STEP_HIGH x TPOT. An idle prefill side: prefill workers with
-W(S) <= PREFILL_CALM x TTFT while every routable decode-capable worker has at least
-BUSY_STREAMS legs in flight (the targets are met, but a prefill worker's core waits for prompts
-that the decode workers' paced local prefills could take, while every stream shares the decode
-cores). The memory counts the ticks each was seen in a row (`tally`).
+K(D) >= KV_HIGH, or s(D) >= STEP_HIGH x TPOT. An idle prefill side: prefill workers busy at
+most half the time over the window, rho(S|S) <= RHO_IDLE, with nothing waiting now, W(S) <=
+PREFILL_CALM x TTFT, while every routable decode-capable worker has at least BUSY_STREAMS legs
+in flight (the targets are met, but a prefill worker's core waits for prompts that the decode
+workers' paced local prefills could take, while every stream shares the decode cores). The
+memory counts the ticks each was seen in a row (`tally`).
 
 Rules (`decide`), at most one flip per tick:
 - none within `cooldown_s` of the last flip attempt, nor while any worker is flipping or
@@ -39,20 +65,28 @@ Rules (`decide`), at most one flip per tick:
 - prefill -> decode after `sustain_ticks` of decode pressure, or of an idle prefill side,
   flipping the routable prefill worker with the smallest backlog (then the fewest legs), when
   the prefill side keeps headroom without it (S' = S minus that worker, or D when no prefill
-  worker is left):
-      W' = (sum_{S u S'} Q_w + N_q) / sum_{S'} R_w           <= PREFILL_CALM x TTFT
-  and, if it is the last prefill worker, no split request holds or waits for a prefill slot.
+  worker is left), both now and in the steady state of the arrivals measured:
+      W'   = (sum_{S u S'} Q_w + N_q) / sum_{S'} R_w         <= PREFILL_CALM x TTFT
+      rho' = rho(S' | S u S')                                <= RHO_CALM
+      Wq'  = Wq(S' | S u S')                                 <= PREFILL_CALM x TTFT
+  (S' takes every prompt that now arrives at S and at S'), and, if it is the last prefill
+  worker, no split request holds or waits for a prefill slot. Under a steady overload of the
+  prefill side rho' > 1 > RHO_CALM, so no prefill worker is ever flipped away, however empty
+  its queue is between two prompts.
 
 Hysteresis: each flip's projection must land inside the calm band of the pressure it could
-create (K' <= KV_CALM < KV_HIGH, s' <= STEP_CALM x TPOT < STEP_HIGH x TPOT, W' <=
-PREFILL_CALM x TTFT < PREFILL_HIGH x TTFT), so under a steady load a flip never produces the
-pressure that would flip the worker back; noise is absorbed by `sustain_ticks` and the
-cool-down.
+create (K' <= KV_CALM < KV_HIGH, s' <= STEP_CALM x TPOT < STEP_HIGH x TPOT, W' <= PREFILL_CALM
+x TTFT < PREFILL_HIGH x TTFT, and rho' and Wq' inside the very band that holds prefill
+pressure back), so under a steady load a flip never produces the pressure that would flip the
+worker back; noise is absorbed by `sustain_ticks` and the cool-down. (Time-averaged, W(S) is
+Wq: a Poisson arrival sees the time average of the work queued, PASTA; so Wq' <= PREFILL_CALM
+x TTFT keeps W(S') at half the trigger on average.)
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -79,6 +113,12 @@ KV_CALM = 0.6
 # Legs in flight on every decode-capable worker for the prefill side's idleness to count: the
 # streams would spread over one more decode worker (one stream alone gains nothing from it).
 BUSY_STREAMS = 2
+# Busy at most half the time over the window: the prefill stage is not what limits the cluster.
+RHO_IDLE = 0.5
+# The busiest a stage may be left by a flip that takes a worker from it: the window's rate is
+# off by ~35% (8 prompts), and 0.7 x 1.35 still drains; from 0.7 on, Wq grows steeply
+# (rho / (1 - rho): 2.3 service times at 0.7, 9 at 0.9).
+RHO_CALM = 0.7
 
 
 @dataclass(frozen=True)
@@ -95,6 +135,8 @@ class WorkerView:
     decode_step_s: float | None = None
     kv_used: int = 0
     kv_total: int = 0
+    sent_prompts: int = 0  # n_w: prompts sent to it to prefill within the window
+    sent_tokens: int = 0  # A_w: their uncached tokens
 
 
 @dataclass(frozen=True)
@@ -104,6 +146,7 @@ class Observation:
     prefill_waiting_tokens: int = 0  # N_q
     prefill_demand: int = 0  # split requests holding or waiting for a prefill slot
     decode_waiting: int = 0  # D_q
+    window_s: float = 0.0  # T, the arrival window (0: none yet, so no rate is known)
 
     def routable(self, *roles: str) -> list[WorkerView]:
         return [w for w in self.workers if w.routable and w.role in roles]
@@ -130,6 +173,15 @@ class FlipPlan:
     reason: str
 
 
+@dataclass(frozen=True)
+class StageLoad:
+    """A prefill stage under the prompts that arrived over the window."""
+
+    tokens_per_s: float  # lam(X)
+    rho: float  # rho(S|X)
+    wait_s: float  # Wq(S|X); infinite for rho >= 1
+
+
 def prefill_wait_s(obs: Observation, without: str | None = None) -> float | None:
     """W: the expected wait at the prefill stage (S, or S' without worker `without`); None
     when there are tokens to prefill and no measured rate."""
@@ -140,6 +192,39 @@ def prefill_wait_s(obs: Observation, without: str | None = None) -> float | None
         return 0.0
     rate = sum(w.prefill_tokens_per_s or 0.0 for w in stage)
     return tokens / rate if rate > 0 else None
+
+
+def stage_load(obs: Observation, stage: list[WorkerView], fed: Iterable[WorkerView]
+               ) -> StageLoad | None:
+    """`stage` prefilling every prompt the window sent to the workers `fed`; None with no
+    window yet, or with prompts and no rate measured anywhere."""
+    if obs.window_s <= 0:
+        return None
+    fed = list(fed)
+    tokens, prompts = sum(w.sent_tokens for w in fed), sum(w.sent_prompts for w in fed)
+    if tokens <= 0:
+        return StageLoad(0.0, 0.0, 0.0)
+    measured = [w.prefill_tokens_per_s for w in obs.workers if w.prefill_tokens_per_s]
+    if not stage or not measured:
+        return None
+    prior = sum(measured) / len(measured)
+    capacity = sum(w.prefill_tokens_per_s or prior for w in stage)
+    arrivals = tokens / obs.window_s
+    rho = arrivals / capacity
+    service = tokens / max(prompts, 1) / (capacity / len(stage))
+    return StageLoad(arrivals, rho, rho / (1 - rho) * service if rho < 1 else math.inf)
+
+
+def prefill_pressure(obs: Observation, s: ElasticSettings) -> bool:
+    """A new prompt waits longer than PREFILL_HIGH x TTFT now, and the rates over the window
+    do not put the stage in the calm band (the backlog of one long prompt, or of a few in a
+    quiet stream, is no trend)."""
+    wait = prefill_wait_s(obs)
+    if wait is None or wait <= PREFILL_HIGH * s.ttft_target_s:
+        return False
+    stage = _stage(obs, None)
+    load = stage_load(obs, stage, stage)
+    return load is None or not _calm(load, s)
 
 
 def decode_pressure(obs: Observation, s: ElasticSettings) -> str | None:
@@ -158,18 +243,19 @@ def decode_pressure(obs: Observation, s: ElasticSettings) -> str | None:
 
 
 def prefill_idle(obs: Observation, s: ElasticSettings) -> bool:
-    """Prefill workers with a calm wait while every decode-capable worker is busy."""
-    wait = prefill_wait_s(obs)
-    serving = obs.routable(*DECODE_CAPABLE)
-    return bool(obs.routable("prefill")) and bool(serving) and wait is not None and \
-        wait <= PREFILL_CALM * s.ttft_target_s and all(w.inflight >= BUSY_STREAMS
-                                                       for w in serving)
+    """Prefill workers busy at most RHO_IDLE of the window, nothing waiting for them now,
+    while every decode-capable worker streams."""
+    prefill, serving = obs.routable("prefill"), obs.routable(*DECODE_CAPABLE)
+    if not prefill or not serving or any(w.inflight < BUSY_STREAMS for w in serving):
+        return False
+    wait, load = prefill_wait_s(obs), stage_load(obs, prefill, prefill)
+    return wait is not None and wait <= PREFILL_CALM * s.ttft_target_s and \
+        load is not None and load.rho <= RHO_IDLE
 
 
 def tally(memory: Memory, obs: Observation, s: ElasticSettings) -> Memory:
     """The memory after one more observation."""
-    wait = prefill_wait_s(obs)
-    prefill = wait is not None and wait > PREFILL_HIGH * s.ttft_target_s
+    prefill = prefill_pressure(obs, s)
     decode = not prefill and decode_pressure(obs, s) is not None
     idle = not decode and prefill_idle(obs, s)
     return dataclasses.replace(memory,
@@ -225,6 +311,10 @@ def _to_decode(obs: Observation, memory: Memory, s: ElasticSettings, idle: bool 
     wait = prefill_wait_s(obs, without=worker.key)
     if wait is None or wait > PREFILL_CALM * s.ttft_target_s:
         return None
+    rest = _stage(obs, worker.key)
+    load = stage_load(obs, rest, {w.key: w for w in [*_stage(obs, None), *rest]}.values())
+    if load is None or not _calm(load, s):
+        return None
     if idle:
         why, ticks = (f"the prefill side idle while every decode-capable worker streams "
                       f">= {BUSY_STREAMS} requests"), memory.idle_ticks
@@ -232,7 +322,15 @@ def _to_decode(obs: Observation, memory: Memory, s: ElasticSettings, idle: bool 
         why, ticks = decode_pressure(obs, s) or "decode pressure", memory.decode_ticks
     return FlipPlan(worker.key, "decode",
                     f"{why} for {ticks} ticks; the prefill side keeps headroom "
-                    f"(wait ~{wait * 1e3:.0f} ms projected without it)")
+                    f"(wait ~{wait * 1e3:.0f} ms projected without it; at the "
+                    f"{load.tokens_per_s:.0f} prompt tokens/s of the last {obs.window_s:.0f} s "
+                    f"busy {load.rho:.0%} of the time, a prompt waiting "
+                    f"~{load.wait_s * 1e3:.0f} ms)")
+
+
+def _calm(load: StageLoad, s: ElasticSettings) -> bool:
+    """The band a flip away from the prefill stage must leave it in."""
+    return load.rho <= RHO_CALM and load.wait_s <= PREFILL_CALM * s.ttft_target_s
 
 
 def _stage(obs: Observation, without: str | None) -> list[WorkerView]:

@@ -13,10 +13,15 @@ import argparse
 import math
 from dataclasses import dataclass
 
-DEFAULT_INTERVAL_S = 2.0  # two health rounds (1 s apart) per observation: each sees new data
+# One health round (1 s apart) per observation: each sees new rates. The arrivals the router
+# counts itself are current at every tick.
+DEFAULT_INTERVAL_S = 1.0
 DEFAULT_SLO_TTFT_MS = 2000.0
-# Pressure must be seen this many ticks in a row before a flip: 3 ticks of 2 s span six health
-# reports, so a burst the queues absorb in a few seconds never flips anyone; a trend does.
+# Pressure must be seen this many ticks in a row before a flip: 3 ticks of 1 s span three
+# health reports, so a burst the queues absorb within seconds never flips anyone; a trend does.
+# A flip away from the prefill side also needs the arrival rate measured over a window of at
+# least these 3 s that holds 8 prompts (`elastic.py`, `elastic_window.py`), so it can act ~3 s
+# after a decode-bound load began without taking a lull between long prompts for idleness.
 DEFAULT_SUSTAIN_TICKS = 3
 # After every flip (done, refused or failed) the pools are left alone this long: the flipped
 # worker first drains its legs, the rates in /health are medians over the last 64 steps, and

@@ -139,19 +139,35 @@ def decide(uncached: int, kv_bytes_per_token: int, decode: Speed, prefill: list[
                     f"~{t_remote * 1e3:.0f} ms split")
 
 
+@dataclass(frozen=True)
+class Sent:
+    """Prompts, and their uncached tokens, a router sent to one worker to prefill."""
+
+    prompts: int = 0
+    tokens: int = 0
+
+
 class PrefillBacklog:
     """Prompt tokens this router sent to each worker whose prefill has not ended (Q above):
     `add` when a leg that prefills goes out, the returned call when its first event or its end
-    comes (calling it twice counts once)."""
+    comes (calling it twice counts once). `sent` counts every prompt sent to each worker since
+    the router started, for rates measured over time (the elastic controller's)."""
 
     def __init__(self) -> None:
         self._tokens: dict[str, int] = {}
+        self._sent: dict[str, Sent] = {}
 
     def tokens(self, worker: str) -> int:
         return self._tokens.get(worker, 0)
 
+    def sent(self) -> dict[str, Sent]:
+        """Per worker: the prompts and prompt tokens sent to it to prefill, ever (a copy)."""
+        return dict(self._sent)
+
     def add(self, worker: str, tokens: int) -> Callable[[], None]:
         self._tokens[worker] = self.tokens(worker) + tokens
+        total = self._sent.get(worker, Sent())
+        self._sent[worker] = Sent(total.prompts + 1, total.tokens + tokens)
         done = False
 
         def finish() -> None:

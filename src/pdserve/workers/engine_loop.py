@@ -18,7 +18,9 @@ Life cycle of a leg (see `legs/protocol.py` for the kinds):
   (`workers/parked.py`); the router continues the request on a decode worker, and its resumed
   PREFILL leg here sends the parked KV as it is, token 0 being the next token the stream had
   (`Engine.hand_over_parked`), so nothing is computed twice and the tokens are those of the
-  undisturbed run. Unclaimed, the parked request is released after `PARK_S`.
+  undisturbed run. Unclaimed, the parked request is released after `PARK_S`. A router's
+  DECODE leg still waiting for its KV is handed back as soon as such a flip begins, before
+  any token (`HandOver.hand_back`); the router starts it over elsewhere.
 
 Invariant: a leg's blocks return to the pool on every path: finish, cancel, transfer failure,
 peer death (the sessions' leases bound every wait).
@@ -43,7 +45,14 @@ from pdserve.common.engine_options import Role
 from pdserve.engine.engine import Engine
 from pdserve.engine.outputs import RequestOutput
 from pdserve.legs.protocol import MOVED, LegKind, LegRequest, TokenEvent
-from pdserve.workers.handover import HandOver, LegDropped, LegEnded, LegRecomputing, Outcome
+from pdserve.workers.handover import (
+    HandOver,
+    LegDropped,
+    LegEnded,
+    LegHandedBack,
+    LegRecomputing,
+    Outcome,
+)
 from pdserve.workers.hub_pump import HubPump
 from pdserve.workers.loop_commands import Cancel, Command, Flip, Sink, Stop, Submit
 from pdserve.workers.parked import ParkedLegs
@@ -225,6 +234,11 @@ class EngineLoop:
         for engine_id in self.parked.all():  # unclaimed since the last flip: they had time
             self.engine.release(engine_id)
         to_prefill = self.flip.target is Role.PREFILL
+        if to_prefill:  # a reservation waits for a prefill that may not have started yet
+            for leg in [g for g in self._legs.values() if g.movable and not g.cancelled]:
+                if self.handover.hand_back(leg.engine_id):
+                    self._end(leg, _moved(leg))
+                    self.metrics.handed_back.inc()
         held = self.engine.moves_kv() or (to_prefill and any(
             not leg.movable or leg.cancelled for leg in self._legs.values()))
         if self.flip.advance(holds_work=held):
@@ -243,9 +257,7 @@ class EngineLoop:
             self.parked.add(leg.req.request_id, leg.engine_id)
         else:
             self.engine.abort(leg.engine_id)
-        tokens, chars = leg.sent
-        self._end(leg, TokenEvent(index=tokens, token_ids=[], text_offset=chars, text="",
-                                  extra={MOVED: True}))
+        self._end(leg, _moved(leg))
         self.metrics.handed_back.inc()
 
     def _busy(self) -> bool:
@@ -362,6 +374,8 @@ class EngineLoop:
                 self._legs[leg.engine_id] = leg
             case LegDropped():
                 del self._legs[leg.engine_id]
+            case LegHandedBack():
+                self._end(leg, _moved(leg))
 
     # -- engine outputs ------------------------------------------------------------------------
 
@@ -445,6 +459,12 @@ def _deliver(batch: list[tuple[Sink, object]]) -> None:
         sink.put_nowait(item)
     for sink in dict.fromkeys(sink for sink, _ in batch):
         sink.delivered()
+
+
+def _moved(leg: _Leg) -> TokenEvent:
+    """The final event of a leg handed back after what it sent."""
+    tokens, chars = leg.sent
+    return TokenEvent(index=tokens, token_ids=[], text_offset=chars, text="", extra={MOVED: True})
 
 
 def _error(message: str) -> TokenEvent:

@@ -24,6 +24,13 @@ the leg is taken):
   session says the blocks are reusable (`LegEnded` or `LegDropped`); a transfer with no session
   yet is closed at once (streamed writes fenced first) and the peer told, so it never waits out
   a lease, and the caller aborts the engine request.
+- hand-back (this worker becomes a prefill worker, `workers/role_flip.py`): a DECODE leg whose
+  KV has not come is given up as a cancel is (`hand_back`), but the caller ends the leg at
+  once, handed back, and the peer is told why (`HANDED_BACK`): its prefill, queued or
+  computing, stops there, and its PREFILL leg ends handed back too (`LegHandedBack`), no
+  error. The router continues the request from where these legs began, with another decode
+  worker. The reservation's blocks are freed as a cancel's are: at once with no session, else
+  once no writer can touch them (a round trip to a live sender), which the flip waits for.
 - peer death or restart: a leg naming a peer instance this worker knows dead (the router's
   view lags a restart by up to a health check) ends at once, before any compute: a PREFILL leg
   with an error, a DECODE leg by recomputing locally. A peer that dies or restarts later
@@ -65,6 +72,9 @@ log = logging.getLogger("pdserve.worker")
 
 CLIENT_GONE = "the client went away"
 CANCELLED = "the request was cancelled"
+# Why a decode worker gave a transfer up, as its ABORT says it (the sender finds it in the
+# reason it gets, which a receiving session prefixes).
+HANDED_BACK = "the decode worker handed the request back (it changes role)"
 
 
 @dataclass(frozen=True)
@@ -91,7 +101,15 @@ class LegDropped:
     engine_id: str
 
 
-Outcome = LegEnded | LegRecomputing | LegDropped
+@dataclass(frozen=True)
+class LegHandedBack:
+    """The decode side handed the request back before its KV moved: this PREFILL leg's
+    request was aborted, and the leg ends handed back (`extra.moved`), no error."""
+
+    engine_id: str
+
+
+Outcome = LegEnded | LegRecomputing | LegDropped | LegHandedBack
 
 
 class _Stage(IntEnum):
@@ -175,6 +193,18 @@ class HandOver:
         now (a transfer not yet open is closed first, and the peer told)."""
         return self._end_early(engine_id, CLIENT_GONE, CANCELLED)
 
+    def hand_back(self, engine_id: str) -> bool:
+        """Give up the KV of DECODE leg `engine_id` if it has not come (see the module
+        docstring); True: the caller ends the leg now, handed back (its reservation is freed
+        here, at once or once no writer can touch it; any outcome for it comes for a leg
+        already ended). False: no such leg (its KV came, or it recomputes), nothing done."""
+        t = self._by_engine_id.get(engine_id)
+        if t is None or t.req.kind is not LegKind.DECODE or t.cancelled:
+            return False
+        if not self._end_early(engine_id, HANDED_BACK, HANDED_BACK):
+            self.engine.abort(engine_id)
+        return True
+
     def fail(self, engine_id: str, reason: str) -> bool:
         """The loop ends the leg after a bug. True: as for `cancel`, its session is being
         aborted (the outcome comes for a leg already ended). False: the caller aborts the
@@ -235,6 +265,8 @@ class HandOver:
         self.engine.abort(t.engine_id)
         if t.req.kind is LegKind.PREFILL:
             self._forget(t)
+            if HANDED_BACK in event.reason:
+                return LegHandedBack(t.engine_id)
             return LegEnded(t.engine_id, f"the decode side closed the transfer: {event.reason}")
         return self._after_failure(t, event.reason, event.finished)
 

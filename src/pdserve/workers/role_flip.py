@@ -13,8 +13,12 @@ Life cycle of a flip (at most one at a time):
 3. Draining: what moves KV finishes first, while every running stream keeps decoding: held
    prefills until their transfers end and their blocks are released, a decode leg waiting for
    its KV until it has it (or recomputes after its lease), a failed reception's blocks until
-   its writer is quiet. `advance`, after every iteration of the engine loop, is told whether
-   anything still holds the flip.
+   its writer is quiet. A worker becoming a prefill worker does not wait for the prefills its
+   reservations wait for (queued behind others on a busy prefill worker, they may not have
+   started): the router's decode legs whose KV has not come are handed back at once, their
+   transfers given up (`HandOver.hand_back`), so the flip waits only until no writer can
+   touch their blocks (a round trip). `advance`, after every iteration of the engine loop, is
+   told whether anything still holds the flip.
 4. Then, in one iteration of the engine loop (`EngineLoop._advance_flip`): running streams
    go on in a decode or collocated role; a worker becoming a prefill worker hands the router's
    running legs back, their KV parked (the router continues each on a decode worker, the KV
