@@ -19,7 +19,7 @@
 //   s_j   = scale x q_r . k_j                          (fp32 sums of bf16 products)
 //   m'    = max(m, max_j s_j)                          (masked keys j > pos_r count as -inf)
 //   p_j   = exp(s_j - m'),  rounded to bf16            (the weights multiply V in bf16)
-//   l'    = l x exp(m - m') + sum_j p_j                (the rounded p_j: the same weights)
+//   l'    = l x exp(m - m') + sum_j p_j                (fp32 sums of the unrounded p_j)
 //   o'    = o x exp(m - m') + sum_j p_j v_j            (fp32 accumulators)
 // and at the end out_r = o / l. A row takes exactly the tiles 0 .. (pos_r / 64), in order,
 // with the same arithmetic whatever item, block or step it is computed in: a position's output
@@ -52,7 +52,7 @@ namespace pdserve {
 namespace {
 
 constexpr int64_t kTile = 64;  // keys per tile: 4 vectors of 16 fp32 scores
-constexpr int64_t kPos = 16;   // query positions per work item
+constexpr int64_t kPos = 32;   // query positions per work item
 constexpr int kRows = 6;       // rows per register block: 6 x 4 accumulators (24 of 32 zmm)
 
 // The KV heads' packed tiles: tile t of head g at (g * tiles + t) * tile_pairs. The buffer is
@@ -168,9 +168,10 @@ Packed pack(const Pool& pool, int64_t kvh, int64_t len) {
   return out;
 }
 
-// s[r][0..64) = scale x (q_r . k_j) for R rows: q rows as bf16 pairs, kt a packed K tile.
+// s[r][0..64) = scale x (q_r . k_j) for R rows: q rows as bf16 pairs, `half` apart (one base
+// address and constant offsets: no pointer per row to keep in a register), kt a packed K tile.
 template <int R>
-void scores(const uint32_t* const* q, int64_t half, const uint32_t* kt, float scale, float* s) {
+void scores(const uint32_t* q, int64_t half, const uint32_t* kt, float scale, float* s) {
   __m512 acc[R][4];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_setzero_ps();
@@ -178,7 +179,7 @@ void scores(const uint32_t* const* q, int64_t half, const uint32_t* kt, float sc
     __m512bh b[4];
     for (int c = 0; c < 4; ++c) b[c] = (__m512bh)_mm512_loadu_si512(kt + p * kTile + c * 16);
     for (int r = 0; r < R; ++r) {
-      const __m512bh a = (__m512bh)_mm512_set1_epi32(static_cast<int>(q[r][p]));
+      const __m512bh a = (__m512bh)_mm512_set1_epi32(static_cast<int>(q[r * half + p]));
       for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], a, b[c]);
     }
   }
@@ -188,9 +189,9 @@ void scores(const uint32_t* const* q, int64_t half, const uint32_t* kt, float sc
 }
 
 // o[r][c0 .. c0 + 64) = o x alpha[r] + sum_j p[r][j] v_j over a tile, for R rows: p rows as
-// bf16 pairs (32 key pairs), vt a packed V tile, o rows `d` floats apart.
+// bf16 pairs (32 key pairs, rows 32 apart), vt a packed V tile, o rows `d` floats apart.
 template <int R>
-void accumulate(const uint32_t* const* p, const uint32_t* vt, int64_t d, int64_t c0,
+void accumulate(const uint32_t* p, const uint32_t* vt, int64_t d, int64_t c0,
                 const float* alpha, float* o) {
   __m512 acc[R][4];
   for (int r = 0; r < R; ++r)
@@ -201,7 +202,7 @@ void accumulate(const uint32_t* const* p, const uint32_t* vt, int64_t d, int64_t
     for (int c = 0; c < 4; ++c)
       b[c] = (__m512bh)_mm512_loadu_si512(vt + j * d + c0 + c * 16);
     for (int r = 0; r < R; ++r) {
-      const __m512bh a = (__m512bh)_mm512_set1_epi32(static_cast<int>(p[r][j]));
+      const __m512bh a = (__m512bh)_mm512_set1_epi32(static_cast<int>(p[r * kTile / 2 + j]));
       for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], a, b[c]);
     }
   }
@@ -214,7 +215,7 @@ void by_rows(int64_t rows, F f) {  // f(first, count) over register blocks of kR
   for (int64_t r = 0; r < rows; r += kRows) f(r, std::min<int64_t>(kRows, rows - r));
 }
 
-void scores_rows(const uint32_t* const* q, int64_t n, int64_t half, const uint32_t* kt,
+void scores_rows(const uint32_t* q, int64_t n, int64_t half, const uint32_t* kt,
                  float scale, float* s) {
   switch (n) {
     case 6: return scores<6>(q, half, kt, scale, s);
@@ -226,7 +227,7 @@ void scores_rows(const uint32_t* const* q, int64_t n, int64_t half, const uint32
   }
 }
 
-void accumulate_rows(const uint32_t* const* p, int64_t n, const uint32_t* vt, int64_t d,
+void accumulate_rows(const uint32_t* p, int64_t n, const uint32_t* vt, int64_t d,
                      int64_t c0, const float* alpha, float* o) {
   switch (n) {
     case 6: return accumulate<6>(p, vt, d, c0, alpha, o);
@@ -236,6 +237,24 @@ void accumulate_rows(const uint32_t* const* p, int64_t n, const uint32_t* vt, in
     case 2: return accumulate<2>(p, vt, d, c0, alpha, o);
     default: return accumulate<1>(p, vt, d, c0, alpha, o);
   }
+}
+
+// exp(x) for x <= 0 (a score less the row's maximum; -inf gives 0) as 2^y, y = x log2(e):
+// n = round(y), f = y - n in [-1/2, 1/2], 2^f = e^(f ln 2) by its Taylor series to degree 5
+// (relative error below (ln 2 / 2)^6 / 6! = 2.4e-6, far under the bf16 rounding of the
+// weights, 2^-9), and VSCALEFPS multiplies by 2^n, flushing to 0 below fp32's range. About
+// half the instructions of ATen's exp_u20, which guards the whole float range.
+inline __m512 exp_nonpositive(__m512 x) {
+  const __m512 y = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504f));  // log2(e)
+  const __m512 n = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 t = _mm512_mul_ps(_mm512_sub_ps(y, n), _mm512_set1_ps(0.693147181f));  // f ln 2
+  __m512 p = _mm512_set1_ps(1.f / 120);
+  p = _mm512_fmadd_ps(p, t, _mm512_set1_ps(1.f / 24));
+  p = _mm512_fmadd_ps(p, t, _mm512_set1_ps(1.f / 6));
+  p = _mm512_fmadd_ps(p, t, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, t, _mm512_set1_ps(1.f));
+  p = _mm512_fmadd_ps(p, t, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
 }
 
 // One row's online-softmax update for one tile (see the file comment): s [64] scores with
@@ -252,19 +271,18 @@ float softmax_tile(const float* s, int64_t valid, float& m, float& l, uint32_t* 
                                                        _mm512_max_ps(x[2], x[3])));
   const float next = std::max(m, top);
   const float alpha = std::exp(m - next);  // 0 on the first tile (m = -inf)
-  const Vec mv(next);
+  const __m512 mv = _mm512_set1_ps(next);
   __m512 sum = _mm512_setzero_ps();
   for (int c = 0; c < 4; c += 2) {
     const int64_t keep0 = std::clamp<int64_t>(valid - c * 16, 0, 16);
     const int64_t keep1 = std::clamp<int64_t>(valid - c * 16 - 16, 0, 16);
     const __m512 e0 = _mm512_maskz_mov_ps(static_cast<__mmask16>((1u << keep0) - 1u),
-                                          (Vec(x[c]) - mv).exp_u20());
+                                          exp_nonpositive(_mm512_sub_ps(x[c], mv)));
     const __m512 e1 = _mm512_maskz_mov_ps(static_cast<__mmask16>((1u << keep1) - 1u),
-                                          (Vec(x[c + 1]) - mv).exp_u20());
+                                          exp_nonpositive(_mm512_sub_ps(x[c + 1], mv)));
     const __m512bh pb = _mm512_cvtne2ps_pbh(e1, e0);  // [e0 | e1] rounded to bf16
     _mm512_storeu_si512(p + c * 8, (__m512i)pb);
-    const auto [r0, r1] = load_bf16(reinterpret_cast<const bf16*>(p + c * 8));
-    sum = _mm512_add_ps(sum, _mm512_add_ps(r0, r1));
+    sum = _mm512_add_ps(sum, _mm512_add_ps(e0, e1));
   }
   m = next;
   l = l * alpha + _mm512_reduce_add_ps(sum);
@@ -276,22 +294,21 @@ struct Item {
 };
 
 // The rows of one item: G heads x up to kPos positions, position-major.
-void attend_item(const Item& it, const at::Tensor& q, int64_t start, int64_t len, int64_t n,
-                 int64_t group, float scale, const Packed& packed, bf16* out, int64_t heads) {
+void attend_item(const Item& it, const at::Tensor& q, int64_t start, int64_t n, int64_t group,
+                 float scale, const Packed& packed, bf16* out, int64_t heads) {
   const int64_t d = q.size(2), half = d / 2;
   const int64_t positions = std::min(kPos, n - it.first), rows = positions * group;
-  std::vector<const uint32_t*> qrows(rows), prows(rows);
+  std::vector<uint32_t> qrows(rows * half), p(rows * kTile / 2);  // bf16 pairs, row-major
   std::vector<float> s(rows * kTile), o(rows * d, 0.f), m(rows), l(rows, 0.f), alpha(rows);
-  std::vector<uint32_t> p(rows * kTile / 2);
   std::vector<int64_t> limit(rows);  // keys each row attends: pos + 1
   std::fill(m.begin(), m.end(), -std::numeric_limits<float>::infinity());
   const bf16* qp = q.data_ptr<bf16>();
   for (int64_t i = 0; i < positions; ++i)
     for (int64_t h = 0; h < group; ++h) {
       const int64_t r = i * group + h;
-      qrows[r] = reinterpret_cast<const uint32_t*>(
-          qp + (it.first + i) * q.stride(0) + (it.g * group + h) * q.stride(1));
-      prows[r] = &p[r * kTile / 2];
+      std::memcpy(&qrows[r * half],
+                  qp + (it.first + i) * q.stride(0) + (it.g * group + h) * q.stride(1),
+                  d * sizeof(bf16));
       limit[r] = start + it.first + i + 1;
     }
   const int64_t tiles = (start + it.first + positions + kTile - 1) / kTile;
@@ -303,7 +320,7 @@ void attend_item(const Item& it, const at::Tensor& q, int64_t start, int64_t len
     while (skip < rows && limit[skip] <= first_key) ++skip;
     const int64_t live = rows - skip;
     by_rows(live, [&](int64_t r, int64_t c) {
-      scores_rows(&qrows[skip + r], c, half, packed.k_tile(it.g, t), scale,
+      scores_rows(&qrows[(skip + r) * half], c, half, packed.k_tile(it.g, t), scale,
                   &s[(skip + r) * kTile]);
     });
     for (int64_t r = skip; r < rows; ++r)
@@ -311,16 +328,18 @@ void attend_item(const Item& it, const at::Tensor& q, int64_t start, int64_t len
                               &p[r * kTile / 2]);
     for (int64_t c0 = 0; c0 < d; c0 += kTile)  // 4 vectors of 16 dimensions at a time
       by_rows(live, [&](int64_t r, int64_t c) {
-        accumulate_rows(&prows[skip + r], c, packed.v_tile(it.g, t), d, c0, &alpha[skip + r],
-                        &o[(skip + r) * d]);
+        accumulate_rows(&p[(skip + r) * kTile / 2], c, packed.v_tile(it.g, t), d, c0,
+                        &alpha[skip + r], &o[(skip + r) * d]);
       });
   }
   for (int64_t i = 0; i < positions; ++i)
     for (int64_t h = 0; h < group; ++h) {
       const int64_t r = i * group + h;
-      const float inv = 1.f / l[r];
-      for (int64_t e = 0; e < d; ++e) o[r * d + e] *= inv;
-      to_bf16(&o[r * d], out + ((it.first + i) * heads + it.g * group + h) * d, d);
+      const Vec inv(1.f / l[r]);
+      bf16* dst = out + ((it.first + i) * heads + it.g * group + h) * d;
+      for (int64_t e = 0; e < d; e += kBVec)
+        store_bf16(dst + e, Vec::loadu(&o[r * d + e]) * inv,
+                   Vec::loadu(&o[r * d + e + kVec]) * inv);
     }
 }
 
@@ -369,7 +388,7 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k_cache,
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
     for (int64_t i = next++; i < items; i = next++) {
       const Item it{i % kvh, (blocks - 1 - i / kvh) * kPos};  // the longest rows first
-      attend_item(it, q, start, context_len, n, group, static_cast<float>(scale), packed, op, h);
+      attend_item(it, q, start, n, group, static_cast<float>(scale), packed, op, h);
     }
   });
   return out;
