@@ -20,8 +20,8 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     bench = subparsers.add_parser(
         "bench", help="benchmarks, each beside a baseline measured in the same run")
     kinds = bench.add_subparsers(dest="bench", required=True)
-    for add in (_add_engine, _add_transfer, _add_layerwise, _add_serve, _add_compare,
-                _add_router, _add_hostile, _add_chaos, _add_flip):
+    for add in (_add_engine, _add_attention, _add_transfer, _add_layerwise, _add_serve,
+                _add_compare, _add_router, _add_hostile, _add_chaos, _add_flip):
         add(kinds)
 
 
@@ -62,6 +62,25 @@ def _add_transfer(kinds: argparse._SubParsersAction) -> None:
     xfer.add_argument("--repeats", type=int, default=3, help="default: %(default)s")
     xfer.add_argument("--json", action="store_true", help="one JSON object per measurement")
     xfer.set_defaults(func=_bench_transfer)
+
+
+def _add_attention(kinds: argparse._SubParsersAction) -> None:
+    att = kinds.add_parser(
+        "attention", help="the compiled prefill attention vs PyTorch's SDPA, same shapes",
+        description="One layer's causal prefill attention at several prompt lengths, "
+                    "pdserve's compiled kernel over a paged pool beside PyTorch's SDPA on the "
+                    "same K/V (bf16, this process's threads): milliseconds, GFLOP/s over the "
+                    "causal pairs, and the speed-up. Medians of --repeats runs of each.")
+    att.add_argument("--prompt-lens", default="512,1000,2048,8191",
+                     help="query rows (default: %(default)s)")
+    att.add_argument("--cached", type=int, default=0,
+                     help="context positions before the prompt, as after a prefix-cache hit "
+                          "or earlier chunks (default: %(default)s)")
+    att.add_argument("--shape", default="9,3,64",
+                     help="heads,kv_heads,head_dim (default: %(default)s, SmolLM2-135M)")
+    att.add_argument("--repeats", type=int, default=5, help="default: %(default)s")
+    att.add_argument("--json", action="store_true", help="one JSON object per length")
+    att.set_defaults(func=_bench_attention)
 
 
 def _add_layerwise(kinds: argparse._SubParsersAction) -> None:
@@ -172,6 +191,19 @@ def _add_flip(kinds: argparse._SubParsersAction) -> None:
         description=FLIP_DESCRIPTION)
     add_flip_args(flip)
     flip.set_defaults(func=run_flip_cli)
+
+
+def _bench_attention(args: argparse.Namespace) -> int:
+    from pdserve.bench.attention_bench import AttentionSettings, main
+
+    try:
+        heads, kv_heads, head_dim = (int(x) for x in args.shape.split(","))
+        lengths = tuple(int(n) for n in args.prompt_lens.split(","))
+    except ValueError:
+        raise ValueError("--shape takes three integers (heads,kv_heads,head_dim) and "
+                         "--prompt-lens a comma-separated list of integers") from None
+    return main(AttentionSettings(lengths, args.cached, heads, kv_heads, head_dim,
+                                  args.repeats), args.json)
 
 
 def _bench_engine(args: argparse.Namespace) -> int:
