@@ -56,7 +56,8 @@ def test_default_layout_is_one_prefill_one_decode_then_router() -> None:
         "--role": ["prefill"], "--model": ["smollm2"], "--dtype": ["bfloat16"],
         "--device": ["cpu"], "--host": ["127.0.0.1"], "--port": ["8001"], "--kv-port": ["8101"],
         "--transport": ["tcp"], "--secret-file": ["/run/secret"], "--cpus": ["0"],
-        "--kv-cache-memory": ["512MiB"], "--kv-layerwise": ["auto"], "--kv-lease": ["30.0"]}
+        "--kv-cache-memory": ["512MiB"], "--kv-layerwise": ["auto"], "--kv-lease": ["30.0"],
+        "--slo-tpot-ms": ["100.0"]}  # a split layout's workers keep their streams within it
     assert (prefill.name, prefill.health_url) == ("prefill-0", "http://127.0.0.1:8001/health")
     assert (decode.name, decode.health_url) == ("decode-0", "http://127.0.0.1:8002/health")
     assert _option(decode, "--kv-port") == ["8102"] and _option(decode, "--cpus") == ["1"]
@@ -269,12 +270,14 @@ def test_elastic_options_reach_the_router_only_when_given() -> None:
     assert "--elastic" in router.argv and _option(router, "--elastic") == []
     assert _option(router, "--slo-ttft-ms") == ["500"]
     assert _option(router, "--slo-tpot-ms") == ["50"]
-    # elastic pools pace their workers' local prefills to the TPOT target; static ones do not
+    # split layouts pace their workers' local prefills to the TPOT target; collocated-only
+    # ones prefill whole prompts
     for worker in plan_processes(config, SECRET)[:-1]:
         assert _option(worker, "--slo-tpot-ms") == ["50.0"]
-    *static_workers, default = plan_processes(UpConfig.from_args(_args()), SECRET)
+    default = plan_processes(UpConfig.from_args(_args()), SECRET)[-1]
     assert "--elastic" not in default.argv and "--slo-ttft-ms" not in default.argv
-    assert not any("--slo-tpot-ms" in w.argv for w in static_workers)
+    collocated = plan_processes(UpConfig.from_args(_args("--collocated", "2")), SECRET)[:-1]
+    assert len(collocated) == 2 and not any("--slo-tpot-ms" in w.argv for w in collocated)
     with pytest.raises(ValueError, match="--elastic flips workers between prefill and decode"):
         UpConfig.from_args(_args("--elastic", "--collocated", "1"))
     with pytest.raises(ValueError, match="--slo-ttft-ms must be > 0"):

@@ -301,15 +301,20 @@ def _worker_spec(config: UpConfig, index: int, role: str, secret_file: Path) -> 
         max_num_seqs=config.max_num_seqs or MAX_NUM_SEQS,
         enable_chunked_prefill=config.enable_chunked_prefill,
         max_num_batched_tokens=config.max_num_batched_tokens, kv_lease_s=config.kv_lease_s,
-        # elastic pools: local prefills on decode workers are paced to keep their streams within
-        # the target, the prefill capacity the controller counts on when it takes a prefill
-        # worker away; elsewhere whole prompts, whose greedy tokens do not depend on the load
-        # (a chunk's bf16 arithmetic differs from the whole prompt's: docs/design.md)
-        slo_tpot_ms=config.slo_tpot_s * 1000.0 if config.elastic else None,
+        # a split layout paces local prefills on its decode workers to keep their streams
+        # within the target (the capacity the split decision and the elastic controller count
+        # on); a collocated-only layout prefills whole prompts unless chunked prefill is asked
+        slo_tpot_ms=config.slo_tpot_s * 1000.0 if _splits(config) else None,
         cpu_kernels=config.cpu_kernels, limits=config.limits)
     argv = (sys.executable, "-m", "pdserve.cli", "worker", *worker_argv(launch))
     return ProcessSpec(worker_name(config, index), argv, worker_url(config, index) + "/health",
                        restart=True, signed_health=True)
+
+
+def _splits(config: UpConfig) -> bool:
+    """The layout has prefill workers, so the router may split requests (always with
+    --elastic, which may flip a worker to prefill)."""
+    return config.elastic or "prefill" in config.roles
 
 
 def _metrics_key_args(config: UpConfig) -> list[str]:
