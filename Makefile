@@ -26,8 +26,8 @@ demo: setup  ## generate text from the default model (SmolLM2-135M-Instruct)
 lint: setup
 	$(PY) -m ruff check src tests
 
-test: lint  ## everything, including the slow SmolLM2 parity tests
-	$(PY) -m pytest -q
+test: lint  ## everything, including the slow SmolLM2 parity tests (and the 20 slowest)
+	$(PY) -m pytest -q --durations=20
 
 test-fast: lint  ## skip tests marked slow
 	$(PY) -m pytest -q -m "not slow"
