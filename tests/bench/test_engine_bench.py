@@ -7,7 +7,12 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM
 
-from pdserve.bench.engine_bench import BenchRow, flops_per_token, prefill_flops_per_token
+from pdserve.bench.engine_bench import (
+    BenchRow,
+    BenchSettings,
+    flops_per_token,
+    prefill_flops_per_token,
+)
 from pdserve.common.model_config import ModelConfig
 
 
@@ -36,3 +41,14 @@ def test_the_bound_is_the_lower_roof():
     assert (memory_bound.bound_tok_s, memory_bound.of_bound) == (100.0, 0.5)
     assert (compute_bound.bound_tok_s, compute_bound.of_bound) == (1000.0, 0.5)
     assert compute_bound.of_roofline == pytest.approx(500 / 3200)
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"prompt_lens": ()}, "prompt lengths must be positive"),
+    ({"cached_len": 1}, "cached_len must be 0 .* or at least 2"),
+    ({"chunk": -1}, "chunk must be 0"),
+    ({"cached_len": 0, "chunk": 256}, "positive with a cached_len prompt"),
+])
+def test_bad_settings_say_what_to_fix(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        BenchSettings(**kwargs)

@@ -43,6 +43,9 @@ def _add_engine(kinds: argparse._SubParsersAction) -> None:
     eng.add_argument("--cached-len", type=int, default=2048,
                      help="the prefix-cache row's prompt, its first half cached (default: "
                           "%(default)s; 0: no such row)")
+    eng.add_argument("--chunk", type=int, default=256,
+                     help="also prefill the --cached-len prompt this many tokens a step "
+                          "(default: %(default)s; 0: no such row)")
     eng.add_argument("--repeats", type=int, default=3, help="default: %(default)s")
     eng.add_argument("--json", action="store_true", help="one JSON object per measurement")
     add_cpu_kernels_arg(eng)
@@ -212,7 +215,8 @@ def _bench_engine(args: argparse.Namespace) -> int:
     batches = tuple(int(b) for b in args.batches.split(","))
     return main(BenchSettings(model=args.model, batches=batches, decode_steps=args.decode_steps,
                               prompt_lens=tuple(int(n) for n in args.prompt_lens.split(",")),
-                              cached_len=args.cached_len, repeats=args.repeats,
+                              cached_len=args.cached_len, chunk=args.chunk,
+                              repeats=args.repeats,
                               cpu_kernels=args.cpu_kernels), args.json)
 
 

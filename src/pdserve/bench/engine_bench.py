@@ -22,6 +22,10 @@ at the start and at the end of the bench (a shared machine's neighbours only eve
   prefix cache (the same half was prefilled just before), so the step computes the second half
   against the cached first: tok/s of the computed tokens, with their FLOPs (attention over the
   cached half too). transformers has no prefix cache in generate(): no baseline ("-").
+- chunked prefill: the same `cached_len` prompt in steps of `chunk` tokens (a second engine with
+  that token budget per step), against the same roof as a whole prompt: per token, chunks
+  should cost what the whole prompt costs (each step re-reads the earlier positions' KV from
+  the pool, the same attention work in other steps).
 """
 
 from __future__ import annotations
@@ -55,6 +59,7 @@ class BenchRow:
     roofline_tok_s: float
     compute_roof_tok_s: float
     cached_tokens: int = 0  # prompt tokens served from the prefix cache, not computed
+    chunk_tokens: int = 0  # prompt tokens per step when the prompt went in chunks; 0: whole
 
     @property
     def bound_tok_s(self) -> float:
@@ -84,6 +89,7 @@ class BenchSettings:
     # 8,191: SmolLM2's 8,192 positions, less the one sampled token
     prompt_lens: tuple[int, ...] = (512, 1000, 2048, 8191)
     cached_len: int = 2048  # the prefix-cache row's prompt, half cached; 0: no such row
+    chunk: int = 256  # the chunked row's tokens per step (its prompt: cached_len); 0: no row
     repeats: int = 3
     cpu_kernels: bool = True  # False: the engine on PyTorch operators only (the A/B baseline)
 
@@ -95,6 +101,9 @@ class BenchSettings:
         if self.cached_len < 0 or self.cached_len == 1:
             raise ValueError(f"cached_len must be 0 (no prefix-cache row) or at least 2, got "
                              f"{self.cached_len}")
+        if self.chunk < 0 or (self.chunk and not self.cached_len):
+            raise ValueError(f"chunk must be 0 (no chunked row) or positive with a cached_len "
+                             f"prompt, got {self.chunk}")
         for name in ("decode_prompt_len", "decode_steps", "repeats"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
@@ -219,6 +228,21 @@ def hf_decode(model, prompts: _Prompts, batch: int, s: BenchSettings) -> float:
     return batch * s.decode_steps / max(full - first, 1e-9)
 
 
+def pdserve_chunked_prefill(s: BenchSettings, prompts: _Prompts, max_model_len: int) -> float:
+    """tok/s of a `cached_len`-token prompt computed `chunk` tokens a step, on an engine whose
+    step budget is `chunk` (the same prompts as the whole-prompt rows: random ids)."""
+    engine = Engine(EngineConfig(model=s.model, dtype="bfloat16", max_model_len=max_model_len,
+                                 enable_prefix_caching=False, enable_chunked_prefill=True,
+                                 max_num_batched_tokens=s.chunk, cpu_kernels=s.cpu_kernels))
+
+    def run() -> None:
+        engine.add_request(prompts(1, s.cached_len)[0], SamplingParams(max_tokens=1))
+        while engine.has_unfinished_requests():
+            engine.step()
+
+    return s.cached_len / median_seconds(run, s.repeats)
+
+
 def run_bench(s: BenchSettings, log: Callable[[str], None]) -> list[BenchRow]:
     from transformers import AutoModelForCausalLM
 
@@ -251,6 +275,9 @@ def run_bench(s: BenchSettings, log: Callable[[str], None]) -> list[BenchRow]:
     if s.cached_len:
         log(f"prefill, {s.cached_len}-token prompt, its first half in the prefix cache ...")
         cached = pdserve_cached_prefill(engine, prompts, s.cached_len, s.repeats)
+    if s.chunk:
+        log(f"prefill, {s.cached_len}-token prompt in chunks of {s.chunk} ...")
+        chunked = pdserve_chunked_prefill(s, prompts, engine.config.max_model_len)
     bandwidth, flops = (max(a, b) for a, b in zip(roofs, _measure_roofs(), strict=True))
     log(f"roofs (best of the start and the end): memory read {bandwidth / 1e9:.1f} GB/s, "
         f"bf16 matmul {flops / 1e9:.0f} GFLOP/s")
@@ -267,6 +294,10 @@ def run_bench(s: BenchSettings, log: Callable[[str], None]) -> list[BenchRow]:
         half = s.cached_len // 2 // engine.config.block_size * engine.config.block_size
         roof = flops / prefill_flops_per_token(cfg, s.cached_len - half, cached=half)
         rows.append(BenchRow("prefill", 1, s.cached_len, cached, None, roof, roof, half))
+    if s.chunk:
+        roof = flops / prefill_flops_per_token(cfg, s.cached_len)
+        rows.append(BenchRow("prefill", 1, s.cached_len, chunked, None, roof, roof,
+                             chunk_tokens=s.chunk))
     return rows
 
 
@@ -284,14 +315,15 @@ def _operators(engine: Engine) -> str:
 
 
 def format_table(rows: list[BenchRow]) -> str:
-    head = (f"{'phase':<8}{'batch':>6}{'prompt':>8}{'cached':>8}{'pdserve tok/s':>15}"
+    head = (f"{'phase':<8}{'batch':>6}{'prompt':>8}{'cached':>8}{'chunk':>7}{'pdserve tok/s':>15}"
             f"{'transformers':>14}{'x HF':>7}{'roofline':>10}{'of roofline':>13}"
             f"{'compute roof':>14}{'of bound':>10}")
     lines = [head, "-" * len(head)]
     for r in rows:
         hf = "-" if r.transformers_tok_s is None else f"{r.transformers_tok_s:.1f}"
         ratio = "-" if r.vs_transformers is None else f"{r.vs_transformers:.2f}"
-        lines.append(f"{r.phase:<8}{r.batch:>6}{r.prompt_tokens:>8}{r.cached_tokens:>8}"
+        chunk = r.chunk_tokens or "-"
+        lines.append(f"{r.phase:<8}{r.batch:>6}{r.prompt_tokens:>8}{r.cached_tokens:>8}{chunk:>7}"
                      f"{r.pdserve_tok_s:>15.1f}{hf:>14}{ratio:>7}"
                      f"{r.roofline_tok_s:>10.0f}{r.of_roofline:>12.0%}"
                      f"{r.compute_roof_tok_s:>15.0f}{r.of_bound:>9.0%}")
