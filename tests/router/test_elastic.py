@@ -300,8 +300,10 @@ def test_a_stages_load_is_the_queueing_of_the_windows_arrivals() -> None:
 
 def test_no_prefill_worker_is_taken_away_from_arrivals_the_rest_cannot_keep_up_with() -> None:
     """The prefill worker's queue is empty right now and the decode worker's too, but 600
-    prompt tokens/s arrived at the two over the window: the decode worker alone prefills
-    500. With the arrivals of a calm stream (60 tokens/s) the same instant flips it."""
+    prompt tokens/s of 1,500-token prompts arrived at the two over the window: once p1 is a
+    decode worker too, the two prefill in paced chunks at d1's measured 500 each, busy 60%
+    of the time, a prompt waiting ~4.5 s. With the arrivals of a calm stream (60 tokens/s)
+    the same instant flips it."""
     def tick(t: float, sent: int) -> Observation:
         return obs(t, pre("p1", sent_prompts=2, sent_tokens=sent // 2),
                    dec("d1", inflight=4, sent_prompts=2, sent_tokens=sent // 2))
@@ -310,13 +312,28 @@ def test_no_prefill_worker_is_taken_away_from_arrivals_the_rest_cannot_keep_up_w
     plans = run(tick(t, 600) for t in range(0, 3))
     assert plans[-1] is not None and (plans[-1].worker, plans[-1].to) == ("p1", "decode")
     assert plans[-1].reason.endswith("(wait ~0 ms projected without it; at the 60 prompt "
-                                     "tokens/s of the last 10 s busy 12% of the time, a prompt "
-                                     "waiting ~41 ms)")
+                                     "tokens/s of the last 10 s busy 6% of the time, a prompt "
+                                     "waiting ~19 ms)")
 
 
 def test_no_flip_away_from_prefill_before_arrivals_were_measured() -> None:
     ticks = [obs(t, pre("p1"), dec("d1", inflight=8), window_s=0.0) for t in range(10)]
     assert run(ticks) == [None] * 10
+
+
+def test_the_last_prefill_worker_counts_as_a_paced_decode_worker_once_flipped() -> None:
+    """Once the last prefill worker p1 is a decode worker it prefills in paced chunks beside
+    d1, at d1's measured 500 tokens/s: 900 prompt tokens/s would keep the two busy 90% of
+    the time (over RHO_CALM): no flip; 300 tokens/s of 150-token prompts, 30%, with a ~130 ms
+    wait: it flips (d1 alone, at 60%, would have been refused)."""
+    def tick(t: float, sent: int) -> Observation:
+        return obs(t, pre("p1", sent_prompts=10, sent_tokens=sent // 2),
+                   dec("d1", inflight=4, sent_prompts=10, sent_tokens=sent // 2))
+
+    assert run(tick(t, 9000) for t in range(0, 10)) == [None] * 10
+    plans = run(tick(t, 3000) for t in range(0, 3))
+    assert plans[-1] is not None and (plans[-1].worker, plans[-1].to) == ("p1", "decode")
+    assert "busy 30% of the time, a prompt waiting ~129 ms" in plans[-1].reason
 
 
 def test_a_backlog_the_rates_call_calm_is_no_prefill_pressure() -> None:

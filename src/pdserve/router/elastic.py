@@ -64,8 +64,9 @@ Rules (`decide`), at most one flip per tick:
   bound: a step is at most linear in its streams);
 - prefill -> decode after `sustain_ticks` of decode pressure, or of an idle prefill side,
   flipping the routable prefill worker with the smallest backlog (then the fewest legs), when
-  the prefill side keeps headroom without it (S' = S minus that worker, or D when no prefill
-  worker is left), both now and in the steady state of the arrivals measured:
+  the prefill side keeps headroom without it (S' = S minus that worker, or, when no prefill
+  worker is left, D and the worker itself, which then prefills in paced chunks at the rate D's
+  workers measure), both now and in the steady state of the arrivals measured:
       W'   = (sum_{S u S'} Q_w + N_q) / sum_{S'} R_w         <= PREFILL_CALM x TTFT
       rho' = rho(S' | S u S')                                <= RHO_CALM
       Wq'  = Wq(S' | S u S')                                 <= PREFILL_CALM x TTFT
@@ -311,7 +312,7 @@ def _to_decode(obs: Observation, memory: Memory, s: ElasticSettings, idle: bool 
     wait = prefill_wait_s(obs, without=worker.key)
     if wait is None or wait > PREFILL_CALM * s.ttft_target_s:
         return None
-    rest = _stage(obs, worker.key)
+    rest = _after_flip(obs, worker)
     load = stage_load(obs, rest, {w.key: w for w in [*_stage(obs, None), *rest]}.values())
     if load is None or not _calm(load, s):
         return None
@@ -331,6 +332,19 @@ def _to_decode(obs: Observation, memory: Memory, s: ElasticSettings, idle: bool 
 def _calm(load: StageLoad, s: ElasticSettings) -> bool:
     """The band a flip away from the prefill stage must leave it in."""
     return load.rho <= RHO_CALM and load.wait_s <= PREFILL_CALM * s.ttft_target_s
+
+
+def _after_flip(obs: Observation, worker: WorkerView) -> list[WorkerView]:
+    """The prefill stage once `worker` is a decode worker: the other prefill workers, or, when
+    it was the last, every decode-capable worker, itself included (it prefills there too, in
+    paced chunks beside its streams: at the rate the decode-capable workers measure, not at its
+    own whole-prompt rate)."""
+    rest = _stage(obs, worker.key)
+    if obs.routable("prefill") != [worker]:
+        return rest
+    paced = [w.prefill_tokens_per_s for w in rest if w.prefill_tokens_per_s]
+    rate = sum(paced) / len(paced) if paced else None
+    return [*rest, dataclasses.replace(worker, prefill_tokens_per_s=rate)]
 
 
 def _stage(obs: Observation, without: str | None) -> list[WorkerView]:
