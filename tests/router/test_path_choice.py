@@ -62,7 +62,7 @@ def test_measured_rates_and_the_router_s_backlog_decide() -> None:
     finished()
     finished()
     assert paths.backlog.tokens(pre.key) == 0
-    paths.handed_over(1000, 1.5)  # a slow link: 1.5 s to move 1,000 tokens' KV
+    paths.handed_over(pre, dec, 1000, 1.5)  # a slow link: 1.5 s to move 1,000 tokens' KV
     assert not paths.choose(dec, 1000, [pre]).split
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pdserve.router.split_decision import (
-    LinkEstimate,
+    LinkTime,
     PrefillBacklog,
     Speed,
     decide,
@@ -16,22 +16,23 @@ TPOT = 0.1
 BYTES = 1000  # KV bytes per token
 
 
-def _link(bytes_per_s: float) -> LinkEstimate:
-    link = LinkEstimate()
-    link.observe(int(bytes_per_s), 1.0)
-    return link
+def _link(bytes_per_s: float, fixed_s: float = 0.0) -> list[LinkTime]:
+    return [lambda nbytes: fixed_s + nbytes / bytes_per_s]
+
+
+NO_LINK: list[LinkTime] = [lambda nbytes: 0.0]  # not measured: no cost
 
 
 def test_nothing_is_decided_until_a_rate_is_measured() -> None:
-    assert decide(500, BYTES, Speed(None), [Speed(None)], LinkEstimate(), TPOT) is None
+    assert decide(500, BYTES, Speed(None), [Speed(None)], NO_LINK, TPOT) is None
 
 
 def test_an_unmeasured_worker_counts_at_the_measured_rate() -> None:
     # a prefill worker that never prefilled still gets prompts when the decode worker is busy
     busy = Speed(1000.0, decode_step_s=0.02, running=3)
-    d = decide(200, BYTES, busy, [Speed(None)], LinkEstimate(), TPOT)
+    d = decide(200, BYTES, busy, [Speed(None)], NO_LINK, TPOT)
     assert not d.local and d.t_remote_s == pytest.approx(0.2)
-    idle_decode = decide(200, BYTES, Speed(None), [Speed(500.0)], LinkEstimate(), TPOT)
+    idle_decode = decide(200, BYTES, Speed(None), [Speed(500.0)], NO_LINK, TPOT)
     assert idle_decode.t_local_s == pytest.approx(0.4)
 
 
@@ -69,21 +70,25 @@ def test_a_decode_worker_never_freezes_its_streams_past_the_target() -> None:
 
 def test_a_slow_link_keeps_a_prompt_local_and_the_fastest_prefill_worker_is_named() -> None:
     prefill = [Speed(500.0), Speed(2000.0)]
-    fast_link = decide(1000, BYTES, Speed(1000.0), prefill, _link(1e9), TPOT)
+    fast_link = decide(1000, BYTES, Speed(1000.0), prefill, _link(1e9) * 2, TPOT)
     assert not fast_link.local and fast_link.prefill_index == 1
-    slow_link = decide(1000, BYTES, Speed(1000.0), prefill, _link(1e6), TPOT)  # 1 s to move
+    slow_link = decide(1000, BYTES, Speed(1000.0), prefill, _link(1e6) * 2, TPOT)  # 1 s to move
     assert slow_link.local
 
 
-def test_the_link_is_learnt_as_bytes_over_seconds_of_recent_hand_overs() -> None:
-    link = LinkEstimate()
-    assert link.bytes_per_s is None and link.seconds(10**9) == 0.0
-    link.observe(3_000_000, 0.010)
-    link.observe(1_000_000, 0.010)
-    link.observe(0, 5.0)  # nothing moved: ignored
-    link.observe(10, float("nan"))  # ignored
-    assert link.bytes_per_s == pytest.approx(2e8)
-    assert link.seconds(2_000_000) == pytest.approx(0.01)
+def test_each_prefill_worker_counts_with_its_own_link_to_the_decode_worker() -> None:
+    # the decode worker is 1 s behind: either prefill worker is 0.5 s away, behind its link
+    decode = Speed(1000.0, backlog_tokens=1000)
+    same = [Speed(1000.0), Speed(1000.0)]
+    slow_first = decide(500, BYTES, decode, same, _link(1e6) + _link(1e9), TPOT)  # 0.5 s, 0.5 ms
+    assert not slow_first.local and slow_first.prefill_index == 1
+    assert slow_first.t_remote_each_s == pytest.approx((1.0, 0.5005))
+    slow_second = decide(500, BYTES, decode, same, _link(1e9) + _link(1e6), TPOT)
+    assert not slow_second.local and slow_second.prefill_index == 0
+    # every link slow (a fixed 2 s, or 2 s of bytes): the prompt stays on the decode worker
+    both_slow = decide(500, BYTES, decode, same, _link(1e9, 2.0) + _link(2.5e5), TPOT)
+    assert both_slow.local and both_slow.t_local_s == pytest.approx(1.5)
+    assert both_slow.t_remote_each_s == pytest.approx((2.5005, 2.5))
 
 
 def test_the_backlog_counts_each_leg_once() -> None:

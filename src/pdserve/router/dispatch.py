@@ -225,7 +225,7 @@ class Dispatcher:
                   "split" if choice.split else "local", run.slot.worker.name, choice.why)
         if choice.split:
             pre = await self.queues["prefill"].acquire(
-                lambda free: self.policy.choose(free, run.hashes), len(run.prompt),
+                lambda free: self._prefill_worker(run, choice, free), len(run.prompt),
                 deadline - time.monotonic())
             self.metrics.requests.inc(path="disaggregated")
             attempt = self._disaggregated(run, pre)
@@ -287,6 +287,18 @@ class Dispatcher:
             if self._path(dec, prompt_len, hashes).split:
                 return dec
         return self.policy.choose(free, hashes)
+
+    def _prefill_worker(self, run: _Run, choice: Choice, free: list[WorkerHandle]
+                        ) -> WorkerHandle:
+        """The prefill worker of a split among those with room: after a measured-cost
+        decision, the policy's pick of those through which the first token is estimated
+        soonest (each one's queue, rate and link to the decode worker: a slow link to one
+        prefill host sends the prompt to another); else the policy's pick of them all."""
+        if choice.decision is not None:
+            dec = run.slot.worker
+            free = self.paths.fastest_prefill(
+                dec, self._uncached(dec, len(run.prompt), run.hashes), free)
+        return self.policy.choose(free, run.hashes)
 
     async def _pause(self, moves: int) -> None:
         """Before the n-th move of a request: backoff, growing with n."""
@@ -518,7 +530,7 @@ class Dispatcher:
                         token0_at = time.monotonic()
                 elif name not in heard and token0_at is not None and \
                         not isinstance(item, LegFailed) and not _recomputed(item):
-                    self.paths.handed_over(kv_tokens, time.monotonic() - token0_at)
+                    self.paths.handed_over(pre, dec, kv_tokens, time.monotonic() - token0_at)
                 heard.add(name)
                 if name == "prefill" and not isinstance(item, LegFailed) and item[-1].error:
                     item = LegFailed(item[-1].error)  # the prefill worker's own error

@@ -1,6 +1,7 @@
 """The router's choice between the split path and a local prefill, per request, and the
 measurements it needs: the prompt tokens each worker still has to prefill (`PrefillBacklog`)
-and the KV link's speed (`LinkEstimate`), both learnt from the router's own legs.
+and each KV link's speed (`link_estimates.py`: one estimate per prefill and decode worker
+pair), both learnt from the router's own legs.
 
 Rule (`split_decision.py` has the formulas): only a decode worker with a routable prefill
 worker beside it may split; then a fixed `--local-prefill-threshold` when one is given
@@ -19,11 +20,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
+from functools import partial
 
+from pdserve.router.link_estimates import LinkEstimates
 from pdserve.router.router_metrics import RouterMetrics
 from pdserve.router.split_decision import (
     Decision,
-    LinkEstimate,
     PrefillBacklog,
     Speed,
     decide,
@@ -61,7 +63,10 @@ class PathChoice:
         self.pool, self.threshold, self.tpot_target_s = pool, threshold, tpot_target_s
         self.metrics = metrics
         self.backlog = PrefillBacklog()
-        self.link = LinkEstimate()
+        self.links = LinkEstimates()
+        if metrics is not None:
+            metrics.add_publisher(
+                lambda: self.links.publish(metrics.link_bandwidth, metrics.link_fixed))
 
     def choose(self, worker: WorkerHandle, uncached: int, prefill: list[WorkerHandle]
                ) -> Choice:
@@ -75,8 +80,7 @@ class PathChoice:
             return Choice(uncached > self.threshold,
                           f"{uncached} uncached tokens, --local-prefill-threshold "
                           f"{self.threshold}", Reason.THRESHOLD)
-        decision = decide(uncached, self.kv_bytes_per_token, self._speed(worker),
-                          [self._speed(p) for p in prefill], self.link, self.tpot_target_s)
+        decision = self._decide(worker, uncached, prefill)
         if decision is None:
             return Choice(uncached > UNMEASURED_THRESHOLD,
                           f"{uncached} uncached tokens; rates not measured yet, fixed rule "
@@ -100,15 +104,37 @@ class PathChoice:
         its end."""
         return self.backlog.add(worker.key, tokens)
 
-    def handed_over(self, tokens: int, seconds: float) -> None:
-        """A split request's KV for `tokens` prompt tokens took `seconds` from the prefill's
-        token 0 to the decode leg's first event."""
-        self.link.observe(tokens * self.kv_bytes_per_token, seconds)
+    def fastest_prefill(self, worker: WorkerHandle, uncached: int, free: list[WorkerHandle]
+                        ) -> list[WorkerHandle]:
+        """Those of `free` (prefill workers with room) through which the split of `uncached`
+        tokens to `worker` is estimated to give the first token soonest (their queues, rates
+        and links to `worker`): several when their estimates are equal, all of them while no
+        rate is measured."""
+        decision = self._decide(worker, uncached, free)
+        if decision is None:
+            return free
+        best = min(decision.t_remote_each_s)
+        return [w for w, t in zip(free, decision.t_remote_each_s, strict=True) if t <= best]
+
+    def handed_over(self, prefill: WorkerHandle, decode: WorkerHandle, tokens: int,
+                    seconds: float) -> None:
+        """A split request's KV for `tokens` prompt tokens took `seconds` from `prefill`'s
+        token 0 to `decode`'s first event."""
+        self.links.observe(prefill.url, decode.url, tokens * self.kv_bytes_per_token, seconds)
 
     @property
     def kv_bytes_per_token(self) -> int:
         layout = (self.pool.reference or {}).get("kv_layout")
         return kv_bytes_per_token(layout) if isinstance(layout, dict) else 0
+
+    def _decide(self, worker: WorkerHandle, uncached: int, prefill: list[WorkerHandle]
+                ) -> Decision | None:
+        """The measured-cost decision for `worker` with each of `prefill` over its own link."""
+        table = self.links.table()
+        return decide(uncached, self.kv_bytes_per_token, self._speed(worker),
+                      [self._speed(p) for p in prefill],
+                      [partial(table.seconds, p.url, worker.url) for p in prefill],
+                      self.tpot_target_s)
 
     def _speed(self, worker: WorkerHandle) -> Speed:
         return Speed.of(worker.info, self.backlog.tokens(worker.key), worker.inflight)

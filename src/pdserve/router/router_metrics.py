@@ -72,6 +72,14 @@ class RouterMetrics:
             "time to first token of each path (queued and own prompt tokens over the prefill "
             "rate, plus the KV transfer when disaggregated), per request it was made for.",
             ["path"])
+        self.link_bandwidth = r.gauge(
+            "pdserve_router_link_bytes_per_second", "The KV link from a prefill worker to a "
+            "decode worker (URLs), learnt from their recent hand-overs: seconds = fixed + "
+            "bytes / this; 0 once none is in memory (the link counts at the others' mean).",
+            ["prefill", "decode"])
+        self.link_fixed = r.gauge(
+            "pdserve_router_link_fixed_seconds", "The fixed part of a hand-over's time on the "
+            "link (see pdserve_router_link_bytes_per_second).", ["prefill", "decode"])
 
     def add_publisher(self, publish: Callable[[], None]) -> None:
         """`publish()` copies some state into the metrics before each rendering."""

@@ -4,16 +4,18 @@ move its KV, or prefill it where it will decode.
 For a request whose uncached part on the chosen decode worker d is U tokens (the prefix it
 already holds is not recomputed), with every rate measured (`Speed`; workers report theirs in
 the signed /health, `workers/step_rates.py`; the link is learnt here from the split requests'
-own hand-over times, `LinkEstimate`):
+own hand-over times, per (prefill, decode) pair, `link_estimates.py`):
 
-    t_remote = min over prefill workers p of (Q_p + U) / R_p  +  T_link(U x b)
+    t_remote = min over prefill workers p of (Q_p + U) / R_p  +  T_link(p, d)(U x b)
     t_local  = (Q_d + U) / R_d
     stall    = min(U, C_d) / R_d     (the time one step of d's running streams gains)
 
 Q_w: prompt tokens this router sent to w whose prefill has not ended (`PrefillBacklog`: the
 router's own count, current, where a worker's report is a health interval old); R_w: w's
 prefill rate, tokens/s; b: KV bytes per token (2 x layers x KV heads x head dim x dtype bytes,
-the paged layout `transfer/layout.py` moves); C_d: d's prefill chunk (its token budget per step
+the paged layout `transfer/layout.py` moves); T_link(p, d): the hand-over time on the link
+from p to d (a slow link to one prefill host sends prompts to another, or keeps them local
+when every link is slow); C_d: d's prefill chunk (its token budget per step
 with chunked prefill; U without). Both estimates are queueing plus service time: the time to
 first token each path would give, apart from the common decode step.
 
@@ -41,14 +43,13 @@ uses the fixed `--local-prefill-threshold` rule, which also stays available as a
 from __future__ import annotations
 
 import math
-from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from pdserve.transfer.layout import DTYPE_BYTES
 
-SAMPLES = 32  # hand-overs the link estimate remembers
+LinkTime = Callable[[int], float]  # KV bytes -> seconds to hand them over on one link
 
 
 @dataclass(frozen=True)
@@ -84,35 +85,13 @@ class Decision:
     # True: split because a local prefill would break the decode streams' TPOT target, whatever
     # the two times; False: the times decided
     over_tpot_target: bool = False
-
-
-class LinkEstimate:
-    """KV hand-over time as a function of its bytes, learnt from split requests: seconds =
-    bytes / bandwidth, bandwidth = sum of bytes / sum of seconds over the last SAMPLES
-    hand-overs (large hand-overs weigh most; the fixed cost of a session is spread over
-    them). Unmeasured: no cost, which favours the split as the fixed rule did."""
-
-    def __init__(self) -> None:
-        self._samples: deque[tuple[int, float]] = deque(maxlen=SAMPLES)
-
-    def observe(self, nbytes: int, seconds: float) -> None:
-        if nbytes > 0 and seconds > 0 and math.isfinite(seconds):
-            self._samples.append((nbytes, seconds))
-
-    @property
-    def bytes_per_s(self) -> float | None:
-        if not self._samples:
-            return None
-        return sum(b for b, _ in self._samples) / sum(s for _, s in self._samples)
-
-    def seconds(self, nbytes: int) -> float:
-        rate = self.bytes_per_s
-        return 0.0 if rate is None else nbytes / rate
+    t_remote_each_s: tuple[float, ...] = ()  # t_remote through each prefill worker given
 
 
 def decide(uncached: int, kv_bytes_per_token: int, decode: Speed, prefill: list[Speed],
-           link: LinkEstimate, tpot_target_s: float) -> Decision | None:
+           links: Sequence[LinkTime], tpot_target_s: float) -> Decision | None:
     """The path for `uncached` prompt tokens on `decode`; None while no rate is measured.
+    `links[i]`: the hand-over time on the link from `prefill[i]` to `decode`.
     A worker not measured yet is taken to prefill as fast as the measured ones (the same
     model on the same kind of machine, as far as the router knows; their mean): else a prefill
     worker that never got a prompt would never be measured, and never get one."""
@@ -120,9 +99,10 @@ def decide(uncached: int, kv_bytes_per_token: int, decode: Speed, prefill: list[
     if not known:
         return None
     prior = sum(known) / len(known)
-    transfer = link.seconds(uncached * kv_bytes_per_token)
-    t_remote, best = min(((p.backlog_tokens + uncached) / (p.prefill_tokens_per_s or prior)
-                          + transfer, i) for i, p in enumerate(prefill))
+    nbytes = uncached * kv_bytes_per_token
+    each = tuple((p.backlog_tokens + uncached) / (p.prefill_tokens_per_s or prior) + link(nbytes)
+                 for p, link in zip(prefill, links, strict=True))
+    t_remote, best = min((t, i) for i, t in enumerate(each))
     rate = decode.prefill_tokens_per_s or prior
     t_local = (decode.backlog_tokens + uncached) / rate
     stall = min(uncached, decode.chunk_tokens or uncached) / rate
@@ -132,11 +112,11 @@ def decide(uncached: int, kv_bytes_per_token: int, decode: Speed, prefill: list[
         return Decision(False, t_local, t_remote, best,
                         f"a local prefill would make {decode.running} streams' steps "
                         f"{(step + stall) * 1e3:.0f} ms, over the {tpot_target_s * 1e3:.0f} ms "
-                        "target", over_tpot_target=True)
+                        "target", over_tpot_target=True, t_remote_each_s=each)
     local = t_local <= t_remote
     return Decision(local, t_local, t_remote, best,
                     f"first token in ~{t_local * 1e3:.0f} ms locally against "
-                    f"~{t_remote * 1e3:.0f} ms split")
+                    f"~{t_remote * 1e3:.0f} ms split", t_remote_each_s=each)
 
 
 @dataclass(frozen=True)
