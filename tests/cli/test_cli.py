@@ -32,22 +32,29 @@ def test_generate_bad_model_is_a_clear_error():
 @pytest.mark.parametrize("operators", [[], ["--no-cpu-kernels"]])
 def test_bench_engine_json_rows(tiny_model, operators):
     res = _pdserve("bench", "engine", "--model", str(tiny_model("llama")), "--batches", "1,2",
-                   "--decode-steps", "2", "--prompt-len", "24", "--repeats", "1", "--json",
-                   *operators)
+                   "--decode-steps", "2", "--prompt-lens", "24,40", "--cached-len", "48",
+                   "--chunk", "16", "--repeats", "1", "--json", *operators)
     assert res.returncode == 0, res.stderr
     assert "pdserve on PyTorch operators" in res.stderr  # head_dim 16: never the fused ones
     rows = [json.loads(line) for line in res.stdout.splitlines()]
-    assert [(r["phase"], r["batch"]) for r in rows] == [("decode", 1), ("decode", 2),
-                                                        ("prefill", 1)]
+    assert [(r["phase"], r["batch"], r["prompt_tokens"], r["cached_tokens"], r["chunk_tokens"])
+            for r in rows] == [("decode", 1, 32, 0, 0), ("decode", 2, 32, 0, 0),
+                               ("prefill", 1, 24, 0, 0), ("prefill", 1, 40, 0, 0),
+                               ("prefill", 1, 48, 16, 0),  # half of 48 in whole blocks of 16
+                               ("prefill", 1, 48, 0, 16)]
     for r in rows:
-        for key in ("pdserve_tok_s", "transformers_tok_s", "roofline_tok_s",
-                    "compute_roof_tok_s"):
+        for key in ("pdserve_tok_s", "roofline_tok_s", "compute_roof_tok_s"):
             assert r[key] > 0
+        # no transformers baseline for a prefix-cache hit or a chunked prompt
+        baseline = r["cached_tokens"] == 0 and r["chunk_tokens"] == 0
+        assert (r["transformers_tok_s"] is not None) == baseline
         bound = min(r["roofline_tok_s"], r["compute_roof_tok_s"])
         assert r["of_bound"] == round(r["pdserve_tok_s"] / bound, 3)
-    # the compute roof does not depend on the batch; prefill's roofline is its compute roof
+    # the compute roof does not depend on the batch; prefill's roofline is its compute roof;
+    # the chunked prompt has the whole prompt's roof
     assert rows[0]["compute_roof_tok_s"] == rows[1]["compute_roof_tok_s"]
-    assert rows[2]["compute_roof_tok_s"] == rows[2]["roofline_tok_s"]
+    assert all(r["compute_roof_tok_s"] == r["roofline_tok_s"] for r in rows[2:])
+    assert rows[4]["compute_roof_tok_s"] != rows[5]["compute_roof_tok_s"]
 
 
 def test_bench_transfer_json_rows():
