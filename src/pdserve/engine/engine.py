@@ -253,7 +253,7 @@ class Engine:
             return outputs
         context = sum(r.num_computed_tokens + n
                       for r, n in zip(batch.requests, batch.num_new_tokens, strict=True)
-                      if r.num_computed_tokens >= r.num_prompt_tokens)
+                      if not r.computing_prompt)
         self._step_stats = StepStats(batch.num_prefill_tokens,
                                      batch.num_tokens - batch.num_prefill_tokens,
                                      len(batch.requests), context)

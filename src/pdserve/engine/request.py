@@ -81,5 +81,10 @@ class Request:
         return len(self.token_ids)
 
     @property
+    def computing_prompt(self) -> bool:
+        """The next token to compute is one of the prompt's (a prefill, whole or a chunk)."""
+        return self.num_computed_tokens < self.num_prompt_tokens
+
+    @property
     def finish_reason(self) -> str | None:
         return FINISH_REASONS.get(self.state)

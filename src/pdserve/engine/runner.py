@@ -30,11 +30,6 @@ def _new_group(first: Request, req: Request) -> bool:
     return ctx > GROUP_MIN_TOKENS and ctx > 2 * (first.num_computed_tokens + 1)
 
 
-def _in_prompt(req: Request) -> bool:
-    """The request's next token to compute is one of its prompt's."""
-    return req.num_computed_tokens < req.num_prompt_tokens
-
-
 @dataclass
 class ModelInputs:
     input_ids: torch.Tensor  # [T]
@@ -75,9 +70,9 @@ class ModelRunner:
         # a prompt's tokens always go through prefill attention, even one alone (the last of a
         # chunked prompt, or all a prefix-cache hit left), so that a prompt position's result
         # is the same however the prompt was cut
-        prefills = [(r, n) for r, n in pairs if n > 1 or _in_prompt(r)]
+        prefills = [(r, n) for r, n in pairs if n > 1 or r.computing_prompt]
         # shortest context first, so that decode_groups are runs of consecutive rows
-        decodes = sorted(((r, n) for r, n in pairs if n == 1 and not _in_prompt(r)),
+        decodes = sorted(((r, n) for r, n in pairs if n == 1 and not r.computing_prompt),
                          key=lambda p: p[0].num_computed_tokens)
         ids: list[int] = []
         pos: list[int] = []

@@ -45,7 +45,7 @@ class SchedulerOutput:
     def num_prefill_tokens(self) -> int:
         """Tokens of prompts being computed (a chunk, or a whole prompt); the rest decode."""
         return sum(n for r, n in zip(self.requests, self.num_new_tokens, strict=True)
-                   if r.num_computed_tokens < r.num_prompt_tokens)
+                   if r.computing_prompt)
 
     def add(self, req: Request, n: int) -> None:
         self.requests.append(req)
