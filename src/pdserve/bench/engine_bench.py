@@ -195,11 +195,16 @@ def pdserve_prefill(engine: Engine, prompts: _Prompts, length: int, repeats: int
                                    repeats)
 
 
+def cached_half(length: int, block_size: int) -> int:
+    """The prefix-cache row's cached tokens: the first half of its prompt, in whole blocks."""
+    return length // 2 // block_size * block_size
+
+
 def pdserve_cached_prefill(engine: Engine, prompts: _Prompts, length: int,
                            repeats: int) -> float:
     """tok/s of the second half of a `length`-token prompt whose first half (whole blocks) is
     in the prefix cache: each run prefills a fresh first half untimed, then times the prompt."""
-    half = length // 2 // engine.config.block_size * engine.config.block_size
+    half = cached_half(length, engine.config.block_size)
     times = []
     for _ in range(repeats + 1):  # the first is the warm-up
         prompt = prompts(1, length)[0]
@@ -291,7 +296,7 @@ def run_bench(s: BenchSettings, log: Callable[[str], None]) -> list[BenchRow]:
             roof = flops / prefill_flops_per_token(cfg, run[2])
             rows.append(BenchRow(*run, roof, roof))
     if s.cached_len:
-        half = s.cached_len // 2 // engine.config.block_size * engine.config.block_size
+        half = cached_half(s.cached_len, engine.config.block_size)
         roof = flops / prefill_flops_per_token(cfg, s.cached_len - half, cached=half)
         rows.append(BenchRow("prefill", 1, s.cached_len, cached, None, roof, roof, half))
     if s.chunk:
