@@ -130,7 +130,7 @@ class LlamaForCausalLM(nn.Module):
     """`fused`: pdserve's compiled CPU operators (`pdserve.engine.kernels.cpu_ops()`), for a
     bf16 model on CPU, or None for PyTorch operators throughout."""
 
-    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding,
+    def __init__(self, cfg: ModelConfig, max_positions: int, device: torch.device | str,
                  fused: ModuleType | None = None) -> None:
         super().__init__()
         self.cfg = cfg
@@ -141,7 +141,8 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        self.rope = rope
+        with torch.device(device):  # real tables, also while the layers are built on meta
+            self.rope = RotaryEmbedding(cfg, max_positions, device)
 
     @torch.inference_mode()
     def forward(

@@ -6,27 +6,26 @@ import json
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from pdserve.common.model_config import ModelConfig
 from pdserve.engine.kernels import cpu_ops, supports
-from pdserve.engine.model.llama import LlamaForCausalLM
+from pdserve.engine.model.registry import model_class
 from pdserve.engine.model.packed_linear import can_pack, pack_linears
-from pdserve.engine.model.rope import RotaryEmbedding
 from pdserve.engine.model.weights import load_weights
 
 
 def load_model(
     path: Path, cfg: ModelConfig, dtype: torch.dtype, device: str, max_positions: int,
     cpu_kernels: bool = True,
-) -> LlamaForCausalLM:
+) -> nn.Module:
     """`cpu_kernels`: run a bf16 model on CPU with pdserve's compiled operators where they
     build here (`pdserve.engine.kernels`); PyTorch operators otherwise."""
-    rope = RotaryEmbedding(cfg, max_positions, device)
     fused = None
     if cpu_kernels and device == "cpu" and dtype == torch.bfloat16 and supports(cfg):
         fused = cpu_ops()
     with torch.device("meta"):  # no time spent initialising weights that are overwritten
-        model = LlamaForCausalLM(cfg, rope, fused)
+        model = model_class(cfg.architecture)(cfg, max_positions, device, fused)
     model.to_empty(device=device)
     model.to(dtype)
     if cfg.tie_word_embeddings:  # to_empty() makes new parameters: tie them again
