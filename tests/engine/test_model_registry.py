@@ -11,5 +11,5 @@ def test_each_supported_architecture_has_a_class() -> None:
 
 
 def test_an_unknown_architecture_names_the_supported_ones() -> None:
-    with pytest.raises(ValueError, match="unsupported architecture 'GPT2LMHeadModel'.*Llama"):
+    with pytest.raises(ValueError, match=r"unsupported architecture 'GPT2LMHeadModel'.*Llama"):
         model_class("GPT2LMHeadModel")

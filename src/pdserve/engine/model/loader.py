@@ -10,8 +10,8 @@ from torch import nn
 
 from pdserve.common.model_config import ModelConfig
 from pdserve.engine.kernels import cpu_ops, supports
-from pdserve.engine.model.registry import model_class
 from pdserve.engine.model.packed_linear import can_pack, pack_linears
+from pdserve.engine.model.registry import model_class
 from pdserve.engine.model.weights import load_weights
 
 
