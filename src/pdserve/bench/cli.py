@@ -59,11 +59,23 @@ def _add_transfer(kinds: argparse._SubParsersAction) -> None:
                     "transport, push (write) and pull (read), beside memcpy and a raw loopback "
                     "socket measured in the same run; then the fixed overhead of a whole push "
                     "session for a 1,000-token SmolLM2-shaped prompt and the CRC32C cost. "
-                    "Medians of --repeats runs.")
+                    "Medians of --repeats runs. With --testbed (root): between two hosts of a "
+                    "testbed made for the run, over links shaped to each --link-gbps: bulk "
+                    "Gb/s against the link's rate, and bursts of --concurrent transfers with "
+                    "and without the link window (each transfer's tail against the ideal, and "
+                    "the latency of control messages sent meanwhile).")
     xfer.add_argument("--sizes", default="1,4,16,64,256",
                       help="payload sizes in MiB (default: %(default)s)")
     xfer.add_argument("--repeats", type=int, default=3, help="default: %(default)s")
     xfer.add_argument("--json", action="store_true", help="one JSON object per measurement")
+    xfer.add_argument("--testbed", action="store_true",
+                      help="measure across two testbed hosts over a shaped link (root)")
+    xfer.add_argument("--link-gbps", default="1,10",
+                      help="with --testbed: link rates in Gb/s (default: %(default)s)")
+    xfer.add_argument("--delay-ms", type=float, default=0.0,
+                      help="with --testbed: one-way link delay (needs netem; default: 0)")
+    xfer.add_argument("--concurrent", default="1,8,32",
+                      help="with --testbed: transfers started at once (default: %(default)s)")
     xfer.set_defaults(func=_bench_transfer)
 
 
@@ -221,6 +233,12 @@ def _bench_engine(args: argparse.Namespace) -> int:
 
 
 def _bench_transfer(args: argparse.Namespace) -> int:
+    if args.testbed:
+        from pdserve.bench import link_bench
+
+        return link_bench.main([float(g) for g in args.link_gbps.split(",")], args.delay_ms,
+                               [int(n) for n in args.concurrent.split(",")], args.repeats,
+                               args.json)
     from pdserve.bench.transfer_bench import main
 
     return main([int(m) for m in args.sizes.split(",")], args.repeats, args.json)

@@ -1,10 +1,11 @@
 """The TCP endpoint's moves: each write or read this endpoint started, and its fence.
 
-A move is "pending" until its peer answers (WRITE_DONE / WRITE_ERROR), its READ_DATA has
-landed, or it fails; then "done" or "error", never back. While a thread sends a write's bytes
-or lands a read's, the move is `busy` on that connection; `cancel` marks it cancelled (no
-next step starts) and waits for it to be quiet before it returns: the fence the sessions rely
-on. Every field of a `Move` is guarded by its `MoveTable`'s lock.
+A move is "pending" until its peer answers (a WRITE_DONE for each of a write's frames, or a
+WRITE_ERROR), its READ_DATA has landed, or it fails; then "done" or "error", never back.
+While a thread sends a write's frame or lands a read's bytes, the move is `busy` on that
+connection; `cancel` marks it cancelled (no next frame or step starts) and waits for it to
+be quiet before it returns: the fence the sessions rely on. Every field of a `Move` is
+guarded by its `MoveTable`'s lock.
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ class Move:
     local_blocks: tuple[int, ...]
     remote_blocks: tuple[int, ...]
     layers: tuple[int, int] | None = None  # a write's [first, end) layers; None: every layer
+    frames: int = 0  # a write's frames (known once its first one is sent)
+    frames_done: int = 0  # of those, answered WRITE_DONE
     status: MoveStatus = "pending"
     cancelled: bool = False
     busy: bool = False
@@ -92,6 +95,21 @@ class MoveTable:
         with self._lock:
             move.busy = False
             self._lock.notify_all()
+
+    def expect_frames(self, move: Move, frames: int) -> None:
+        """A write goes out in `frames` frames; it is done when each is answered WRITE_DONE."""
+        with self._lock:
+            move.frames = frames
+
+    def frame_done(self, move: Move) -> bool:
+        """One of a write's frames landed: done once every frame has; False when cancelled."""
+        with self._lock:
+            if move.cancelled:
+                return False
+            move.frames_done += 1
+            if move.frames_done >= move.frames:
+                self._finish(move, "done")
+            return True
 
     def settle(self, move: Move, status: MoveStatus) -> bool:
         """pending -> `status` unless the move was cancelled (its transfer ended here); False

@@ -31,7 +31,13 @@ class TcpOptions:
     reader thread each); one more is closed at once, with a rate-limited warning. Each peer
     instance that talks to this endpoint holds one (its own dialed connection; this endpoint's
     connection to it is counted at the peer), and a connection that has not authenticated
-    holds its slot for at most `handshake_timeout_s`: keep it above the number of workers."""
+    holds its slot for at most `handshake_timeout_s`: keep it above the number of workers.
+
+    `frame_s` cuts a write into WRITE frames of about that many seconds of the connection's
+    measured send rate, and caps the bytes its socket holds not yet sent (TCP_NOTSENT_LOWAT) to
+    one frame (`frame_pace.py`): a control message then waits behind bulk data for about
+    2 x `frame_s` plus what is already in flight (`send_queue.py`). 0: one frame a write and
+    the kernel's unsent limit (megabytes), the order of arrival only."""
 
     dial_timeout_s: float = 1.0
     handshake_timeout_s: float = 2.0
@@ -43,6 +49,7 @@ class TcpOptions:
     keepalive_idle_s: int = 5
     keepalive_interval_s: int = 1
     keepalive_probes: int = 5
+    frame_s: float = 0.002
 
     @property
     def cipher(self) -> str:
@@ -60,6 +67,9 @@ class TcpOptions:
         if not isinstance(self.handshake_redials, int) or self.handshake_redials < 0:
             raise ValueError("TcpOptions.handshake_redials must be a whole number >= 0, got "
                              f"{self.handshake_redials!r}")
+        if not self.frame_s >= 0:
+            raise ValueError(f"TcpOptions.frame_s must be >= 0 (0: whole writes), got "
+                             f"{self.frame_s!r}")
         if self.max_queued < 1:
             raise ValueError(f"TcpOptions.max_queued must be >= 1, got {self.max_queued}")
 

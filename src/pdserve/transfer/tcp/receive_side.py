@@ -239,7 +239,8 @@ class ReceiveSide:
         reason = wire.recv_exact(plen).decode("utf-8", "replace")
         move = self._moves.owned(peer, mid, "read" if ftype is Frame.READ_ERROR else "write")
         # a cancelled move's transfer ended here: a refusal is expected
-        settled = self._moves.settle(move, "done" if ftype is Frame.WRITE_DONE else "error")
+        settled = (self._moves.frame_done(move) if ftype is Frame.WRITE_DONE
+                   else self._moves.settle(move, "error"))
         if ftype is not Frame.WRITE_DONE:
             (log.debug if not settled else log.warning)("%s move %d failed at %s: %s",
                                                         move.kind, mid, peer, reason)

@@ -1,37 +1,46 @@
 """The TCP endpoint's send side: one outgoing connection per peer instance, fed by a queue.
 
 Everything this endpoint sends to a peer (control messages, writes, read requests, and the
-answers and READ_DATA its receive side owes that peer) is a job on that peer's queue, sent in
-order by that peer's `PeerSender` thread on the one connection it dialed. So `send`, `write`
-and `read` never block, and a write's bytes are on the connection ahead of any control message
-queued after it (the fence the sessions rely on; see `TcpTransport`).
+answers and READ_DATA its receive side owes that peer) is a job on that peer's `SendQueue`,
+sent by that peer's `PeerSender` thread on the one connection it dialed. So `send`, `write`
+and `read` never block. Control messages and answers go ahead of queued bulk data; a write
+goes out in frames of about `TcpOptions.frame_s` of the link (`chunks.py`, `frame_pace.py`),
+so a control message waits for at most one frame, and the socket holds at most one frame not
+yet sent (TCP_NOTSENT_LOWAT), so it does not wait behind megabytes in the kernel either. A sender
+fences its write before it queues an ABORT (`MoveTable.cancel`), so the write's frames that
+went out are on the connection ahead of the ABORT (the order the sessions rely on; see
+`TcpTransport`).
 
 Collaborators, given at construction: the options, the handshake (dialing), the pool gate
 (block views, the read permits checked again as READ_DATA goes out), the move table (a write is
-claimed while its bytes go out), and the peer table (who is alive; where a failed connection
-is reported).
+claimed while each frame's bytes go out), and the peer table (who is alive; where a failed
+connection is reported).
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import queue
 import socket
 import threading
 
 from pdserve.transfer.peer import PeerId
+from pdserve.transfer.tcp import chunks
+from pdserve.transfer.tcp.frame_pace import FramePace
 from pdserve.transfer.tcp.frames import Frame, HandshakeCut, PeerReplaced, header, shut, u32s
 from pdserve.transfer.tcp.handshake import BoundHandshake
 from pdserve.transfer.tcp.moves import Move, MoveTable
 from pdserve.transfer.tcp.options import TcpOptions
 from pdserve.transfer.tcp.peers import PeerTable
 from pdserve.transfer.tcp.pool import PoolGate
+from pdserve.transfer.tcp.send_queue import Job, SendQueue
 from pdserve.transfer.tcp.wire import Wire
 
 log = logging.getLogger(__name__)
 
-Job = tuple  # ("control", bytes) | ("move", Move) | ("read_data", tid, mid, ids) | ("answer", ..)
+# Jobs: ("control", bytes) | ("move", Move) | ("write", Move, [Chunk], next index)
+#       | ("read_data", tid, mid, ids) | ("answer", frame, tid, mid, reason)
+URGENT = frozenset({"control", "answer"})
 
 
 class SendSide:
@@ -82,7 +91,8 @@ class SendSide:
 
     def _put(self, peer: PeerId, job: Job) -> bool:
         sender = self._sender(peer)
-        return sender is not None and sender.put(job)
+        urgent = job[0] in URGENT or (job[0] == "move" and job[1].kind == "read")
+        return sender is not None and sender.jobs.put(job, urgent)
 
     def _sender(self, peer: PeerId) -> PeerSender | None:
         """The live sender to `peer`, made on first use; None if closed or the peer is dead."""
@@ -101,38 +111,59 @@ class JobWriter:
     def __init__(self, gate: PoolGate, moves: MoveTable) -> None:
         self._gate, self._moves = gate, moves
 
-    def run(self, wire: Wire, peer: PeerId, job: Job) -> None:
+    def run(self, wire: Wire, peer: PeerId, job: Job, pace: FramePace | None) -> Job | None:
+        """Send `job`, or a write's next frame (sized by `pace`; None: whole writes); the rest
+        of the write, if any, to resume."""
         kind = job[0]
         if kind == "control":
             wire.send([header(Frame.CONTROL, plen=len(job[1])), job[1]])
         elif kind == "move":
-            self._send_move(wire, job[1])
+            return self._send_move(wire, job[1], pace)
+        elif kind == "write":
+            return self._send_frame(wire, *job[1:], pace)
         elif kind == "read_data":
             self._send_read_data(wire, peer, *job[1:])
         else:  # ("answer", frame, tid, mid, reason bytes)
             _, ftype, tid, mid, reason = job
             wire.send([header(ftype, 0, tid, mid, len(reason)), reason])
+        return None
 
-    def _send_move(self, wire: Wire, move: Move) -> None:
+    def _send_move(self, wire: Wire, move: Move, pace: FramePace | None) -> Job | None:
         n, ids = len(move.remote_blocks), u32s(move.remote_blocks)
         if move.kind == "read":
             if self._moves.claim(move, wire.sock):
                 self._moves.release(move)  # the request itself touches no pool
                 wire.send([header(Frame.READ_REQUEST, n, move.transfer_id, move.handle,
                                   len(ids)), ids])
-            return
+            return None
+        pool = self._gate.pool
+        assert pool is not None
+        first, end = move.layers or (0, pool.num_layers)
+        budget = 0 if pace is None else pace.bytes
+        frames = chunks.plan(n, first, end, pool.layer_nbytes, budget)
+        self._moves.expect_frames(move, len(frames))
+        return self._send_frame(wire, move, frames, 0, pace)
+
+    def _send_frame(self, wire: Wire, move: Move, frames: list[chunks.Chunk], i: int,
+                    pace: FramePace | None) -> Job | None:
+        """Frame i of a write (unless it was fenced); the job of the frames after it."""
         pool = self._gate.pool
         assert pool is not None
         if not self._moves.claim(move, wire.sock):
-            return
-        first, end = move.layers or (0, pool.num_layers)
-        prefix = u32s([first, end]) + ids
+            return None
+        c = frames[i]
+        remote, local = move.remote_blocks[c.blocks], move.local_blocks[c.blocks]
+        prefix = u32s([c.first, c.end]) + u32s(remote)
+        nbytes = len(remote) * (c.end - c.first) * pool.layer_nbytes
         try:
-            head = header(Frame.WRITE, n, move.transfer_id, move.handle,
-                          len(prefix) + n * (end - first) * pool.layer_nbytes)
-            wire.send([head, prefix, *(pool.view(b, (first, end)) for b in move.local_blocks)])
+            head = header(Frame.WRITE, len(remote), move.transfer_id, move.handle,
+                          len(prefix) + nbytes)
+            wire.send([head, prefix, *(pool.view(b, (c.first, c.end)) for b in local)])
+            if pace is not None:
+                pace.observe(wire.sock)
         finally:
             self._moves.release(move)
+        return ("write", move, frames, i + 1) if i + 1 < len(frames) else None
 
     def _send_read_data(self, wire: Wire, peer: PeerId, tid: int, mid: int,
                         ids: tuple[int, ...]) -> None:
@@ -151,7 +182,7 @@ class PeerSender:
 
     The thread dials as soon as it starts (the sender is made on the first job or `reach`:
     HELLO, then it waits for the signed HELLO_ACK however long a stalled peer takes, see
-    `TcpOptions`), then sends queued jobs strictly in order on that one connection. Another
+    `TcpOptions`), then sends its jobs in the `SendQueue`'s order on that one connection. Another
     instance answering at the peer's address means the peer restarted: it is dead for good.
     A connection the peer's address closes before any HELLO_ACK (it refused us, or was at its
     connection limit: nothing authenticated) is dialed again, up to `handshake_redials` times,
@@ -168,17 +199,12 @@ class PeerSender:
         self._writer, self._peers = writer, peers
         self.sock: socket.socket | None = None  # the wire's socket, once dialed
         self._stopping = threading.Event()
-        self._jobs: queue.Queue[Job | None] = queue.Queue(options.max_queued)
+        self.jobs = SendQueue(options.max_queued)
+        self._pace = FramePace(options.frame_s) if options.frame_s > 0 else None
+        self._unsent = 0  # the socket's TCP_NOTSENT_LOWAT, once set
         self.thread = threading.Thread(target=self._run, daemon=True,
                                        name=f"pdserve-tcp-send-{peer.host}:{peer.port}")
         self.thread.start()
-
-    def put(self, job: Job) -> bool:
-        try:
-            self._jobs.put_nowait(job)
-        except queue.Full:
-            return False
-        return True
 
     @property
     def stopped(self) -> bool:
@@ -186,8 +212,7 @@ class PeerSender:
 
     def stop(self) -> None:
         self._stopping.set()
-        with contextlib.suppress(queue.Full):
-            self._jobs.put_nowait(None)
+        self.jobs.stop()
         shut(self.sock)
 
     def _dial(self) -> Wire | None:
@@ -227,8 +252,11 @@ class PeerSender:
                 return
             threading.Thread(target=self._watch, daemon=True,
                              name=f"pdserve-tcp-watch-{self.peer.port}").start()
-            while (job := self._jobs.get()) is not None and not self.stopped:
-                self._writer.run(wire, self.peer, job)
+            while (job := self.jobs.get()) is not None and not self.stopped:
+                self._limit_unsent(wire.sock)
+                rest = self._writer.run(wire, self.peer, job, self._pace)
+                if rest is not None:
+                    self.jobs.resume(rest)
         except PeerReplaced as e:
             self._peers.died(self.peer, str(e))
         except (OSError, EOFError, ValueError) as e:
@@ -237,6 +265,16 @@ class PeerSender:
                                  lost=not isinstance(e, ValueError))
         finally:
             shut(self.sock)
+
+    def _limit_unsent(self, sock: socket.socket) -> None:
+        """Keep the socket's unsent bytes at about one frame (set again when the frame size
+        moved by 2x or more since)."""
+        if self._pace is None:
+            return
+        want = self._pace.bytes
+        if not self._unsent or not self._unsent / 2 < want < 2 * self._unsent:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NOTSENT_LOWAT, want)
+            self._unsent = want
 
     def _watch(self) -> None:
         sock = self.sock

@@ -1,0 +1,250 @@
+"""`pdserve bench transfer --testbed`: KV moves between two hosts over a shaped link.
+
+The run makes its own testbed (hosts p0 and d0, a name prefix of its own, every link shaped
+to the rate under test) and removes it at the end, also on failure; root is needed. Both
+endpoints live in this process, each bound inside its host's network namespace, so every byte
+crosses the shaped veth link and both ends read one clock. The payload is a 1,000-token
+prompt's KV in SmolLM2's shape (bf16, 63 blocks of 368,640 bytes, 23 MB).
+
+Rows (Gb/s are 1e9 bits per second, as links are rated):
+- bulk, per transport (tcp, tcp-aes): one push at a time, median of `repeats`: `gbps` and
+  `of_link` = gbps / the link's rate.
+- burst, tcp, with the link window (`TcpOptions.frame_s`, the default) and without it (whole
+  writes, kernel buffers): N pushes started at once; each one's time from the start to
+  "done" against the ideal N x bytes / link rate (`p99_of_ideal`, nearest rank over every
+  transfer of every repeat), and control messages sent every `PING_S` while the burst runs
+  (`control_p50_ms`, `control_p99_ms`: one-way, sent to delivered).
+
+NIXL is not measured here: two UCX endpoints of one process talk through shared memory, not
+the link.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+import logging
+import os
+import statistics
+import struct
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
+
+from pdserve.bench.transfer_bench import BLOCK_SIZE, PROMPT_TOKENS, SECRET, _pool, _wait
+from pdserve.testbed import lifecycle
+from pdserve.testbed.namespaces import entered
+from pdserve.testbed.topology import LinkShape, Topology
+from pdserve.transfer.tcp import TcpOptions, TcpTransport
+
+PING_S = 0.005
+_STAMP = struct.Struct("<d")
+OPTIONS = {"tcp": TcpOptions(), "tcp-aes": TcpOptions(encrypt=True),
+           "tcp-whole": TcpOptions(frame_s=0)}
+
+
+@dataclass(frozen=True)
+class BulkRow:
+    transport: str
+    link_gbps: float
+    delay_ms: float
+    bytes: int
+    gbps: float
+    of_link: float
+
+
+@dataclass(frozen=True)
+class BurstRow:
+    window: bool
+    link_gbps: float
+    delay_ms: float
+    concurrent: int
+    bytes_each: int
+    p50_ms: float
+    p99_ms: float
+    ideal_ms: float
+    p99_of_ideal: float
+    control_p50_ms: float
+    control_p99_ms: float
+    control_messages: int
+
+
+@dataclass
+class Pair:
+    """A sender endpoint on p0 and a receiver on d0, the sender already connected."""
+
+    w: TcpTransport
+    r: TcpTransport
+
+
+@contextlib.contextmanager
+def _bed(shape: LinkShape) -> Iterator[Topology]:
+    topology = Topology(("p0", "d0"), prefix=f"pdb{os.getpid() % 100000}x{next(_beds)}-")
+    lifecycle.up(topology, shape)
+    try:
+        yield topology
+    finally:
+        lifecycle.down(topology.prefix)
+
+
+_beds = itertools.count()
+
+
+@contextlib.contextmanager
+def _pair(topology: Topology, options: TcpOptions, num_blocks: int) -> Iterator[Pair]:
+    with entered(topology.namespace("d0")):
+        r = TcpTransport(topology.address("d0"), secret=SECRET, options=options)
+    with entered(topology.namespace("p0")):
+        w = TcpTransport(topology.address("p0"), secret=SECRET, options=options)
+        w.reach(r.local)  # its sender thread starts here, inside p0
+    try:
+        w.register(_pool(num_blocks))
+        r.register(_pool(num_blocks))
+        yield Pair(w, r)
+    finally:
+        w.close()
+        r.close()
+
+
+def bulk(topology: Topology, shape: LinkShape, transport: str, repeats: int) -> BulkRow:
+    n = -(-PROMPT_TOKENS // BLOCK_SIZE)
+    ids = list(range(n))
+    tids = itertools.count(1)
+    with _pair(topology, OPTIONS[transport], n) as p:
+        def once() -> None:
+            tid = next(tids)
+            p.r.allow_writes(tid, p.w.local, ids)
+            _wait(p.w, p.w.write(tid, ids, p.r.local, ids))
+            p.r.revoke(tid)
+
+        once()  # warm-up: the connection's handshake and first frames
+        secs = statistics.median(_timed(once) for _ in range(repeats))
+        nbytes = n * p.w._gate.pool.block_nbytes
+    gbps = nbytes * 8 / secs / 1e9
+    return BulkRow(transport, shape.gbps, shape.delay_ms, nbytes, gbps, gbps / shape.gbps)
+
+
+def burst(topology: Topology, shape: LinkShape, window: bool, concurrent: int,
+          repeats: int) -> BurstRow:
+    n = -(-PROMPT_TOKENS // BLOCK_SIZE)
+    ids = list(range(n))
+    tids = itertools.count(1)
+    times: list[float] = []
+    control: list[float] = []
+    with _pair(topology, OPTIONS["tcp" if window else "tcp-whole"], n) as p:
+        nbytes = n * p.w._gate.pool.block_nbytes
+        for _ in range(repeats + 1):  # the first is a warm-up
+            took, lat = _one_burst(p, [next(tids) for _ in range(concurrent)], ids)
+            if _ > 0:
+                times += took
+                control += lat
+    ideal = concurrent * nbytes * 8 / (shape.gbps * 1e9)
+    p99 = _rank(times, 0.99)
+    return BurstRow(window, shape.gbps, shape.delay_ms, concurrent, nbytes,
+                    _rank(times, 0.5) * 1e3, p99 * 1e3, ideal * 1e3, p99 / ideal,
+                    _rank(control, 0.5) * 1e3, _rank(control, 0.99) * 1e3, len(control))
+
+
+def _one_burst(p: Pair, tids: list[int], ids: list[int]) -> tuple[list[float], list[float]]:
+    """Start one write per transfer id at once; (each one's seconds to "done", the one-way
+    latencies of the control messages sent meanwhile)."""
+    for tid in tids:
+        p.r.allow_writes(tid, p.w.local, ids)
+    done = threading.Event()
+    latencies: list[float] = []
+    pinger = threading.Thread(target=_ping, args=(p, done), daemon=True)
+    catcher = threading.Thread(target=_catch, args=(p, done, latencies), daemon=True)
+    start = time.perf_counter()
+    handles = {p.w.write(tid, ids, p.r.local, ids): tid for tid in tids}
+    pinger.start()
+    catcher.start()
+    took = []
+    pending = set(handles)
+    while pending:
+        for h in list(pending):
+            status = p.w.status(h)
+            if status != "pending":
+                if status != "done":
+                    raise RuntimeError(f"a benchmark write ended {status!r}")
+                took.append(time.perf_counter() - start)
+                pending.discard(h)
+        time.sleep(0.0005)
+    done.set()
+    pinger.join()
+    catcher.join()
+    for tid in tids:
+        p.r.revoke(tid)
+    return took, latencies
+
+
+def _ping(p: Pair, done: threading.Event) -> None:
+    while not done.wait(PING_S):
+        p.w.send(p.r.local, _STAMP.pack(time.perf_counter()))
+
+
+def _catch(p: Pair, done: threading.Event, latencies: list[float]) -> None:
+    while True:
+        now = time.perf_counter()
+        latencies += [now - _STAMP.unpack(m)[0] for _, m in p.r.receive()]
+        if done.is_set():
+            return
+        time.sleep(0.0002)
+
+
+def _timed(fn: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def _rank(values: list[float], q: float) -> float:
+    """Nearest-rank quantile (0.0 for no values)."""
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q * len(ordered)) - 1))]
+
+
+def run(link_gbps: list[float], delay_ms: float, concurrent: list[int], repeats: int,
+        log: Callable[[str], None]) -> tuple[list[BulkRow], list[BurstRow]]:
+    bulks: list[BulkRow] = []
+    bursts: list[BurstRow] = []
+    for gbps in link_gbps:
+        shape = LinkShape(gbps=gbps, delay_ms=delay_ms)
+        with _bed(shape) as topology:
+            for transport in ("tcp", "tcp-aes"):
+                log(f"{gbps:g} Gb/s: {transport} bulk ...")
+                bulks.append(bulk(topology, shape, transport, repeats))
+            for n, window in itertools.product(concurrent, (True, False)):
+                log(f"{gbps:g} Gb/s: {n} at once, window {'on' if window else 'off'} ...")
+                bursts.append(burst(topology, shape, window, n, repeats))
+    return bulks, bursts
+
+
+def main(link_gbps: list[float], delay_ms: float, concurrent: list[int], repeats: int,
+         as_json: bool) -> int:
+    if not link_gbps or min(link_gbps) <= 0 or not concurrent or min(concurrent) < 1 \
+            or repeats < 1:
+        raise ValueError("--link-gbps must be positive, --concurrent and --repeats at least 1")
+    logging.getLogger("pdserve.transfer").setLevel(logging.ERROR)
+    bulks, bursts = run(link_gbps, delay_ms, concurrent, repeats,
+                        lambda m: print(m, file=sys.stderr, flush=True))
+    if as_json:
+        for row in [*bulks, *bursts]:
+            kind = "bulk" if isinstance(row, BulkRow) else "burst"
+            print(json.dumps({"kind": kind, "testbed": True} | asdict(row)))
+        return 0
+    print(f"{'transport':<10}{'link Gb/s':>10}{'MB':>7}{'Gb/s':>8}{'of link':>9}")
+    for b in bulks:
+        print(f"{b.transport:<10}{b.link_gbps:>10g}{b.bytes / 1e6:>7.1f}{b.gbps:>8.2f}"
+              f"{b.of_link:>9.0%}")
+    print(f"\n{'window':<7}{'link':>6}{'N':>4}{'p50 ms':>9}{'p99 ms':>9}{'ideal ms':>10}"
+          f"{'p99/ideal':>10}{'ctl p50':>9}{'ctl p99':>9}")
+    for r in bursts:
+        print(f"{'on' if r.window else 'off':<7}{r.link_gbps:>6g}{r.concurrent:>4}"
+              f"{r.p50_ms:>9.0f}{r.p99_ms:>9.0f}{r.ideal_ms:>10.0f}{r.p99_of_ideal:>10.2f}"
+              f"{r.control_p50_ms:>9.1f}{r.control_p99_ms:>9.1f}")
+    return 0

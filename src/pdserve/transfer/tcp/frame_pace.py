@@ -1,0 +1,50 @@
+"""How big one connection's bulk frames are: about `frame_s` of the link's delivery rate.
+
+A control message waits behind at most the frame on the wire plus the socket's unsent bytes
+(`send_queue.py`), so both follow the link: on a 1 Gb/s link 2 ms is 250 KB, on loopback at
+2 GB/s it is 4 MB (small frames there cost more in per-frame work than they save). The rate
+is the kernel's own estimate for the connection, TCP_INFO's `tcpi_delivery_rate` (Linux 4.9+;
+bytes acknowledged per second over recent round trips, the BBR paper's delivery rate, Cardwell
+et al. 2016), read after each bulk frame. Timing our own sends instead would read the speed of
+copying into a socket buffer that is not yet full and grow the frames without bound. Where
+the kernel gives no rate (another OS, no data acknowledged yet), the size stays at `START`.
+
+Invariant: `MIN_BYTES <= bytes <= MAX_BYTES`. One per connection, used by its sender thread
+only.
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+
+MIN_BYTES = 64 * 1024
+MAX_BYTES = 16 * 1024 * 1024
+START = 256 * 1024
+# struct tcp_info (include/uapi/linux/tcp.h): tcpi_delivery_rate is the u64 at byte 160
+_DELIVERY_RATE = struct.Struct("<Q")
+_DELIVERY_RATE_AT = 160
+_TCP_INFO_BYTES = _DELIVERY_RATE_AT + _DELIVERY_RATE.size
+
+
+class FramePace:
+    def __init__(self, frame_s: float) -> None:
+        self._frame_s = frame_s
+        self.bytes = START
+
+    def observe(self, sock: socket.socket) -> None:
+        """Size the next frame from the connection's current delivery rate."""
+        rate = delivery_rate(sock)
+        if rate:
+            self.bytes = max(MIN_BYTES, min(MAX_BYTES, int(rate * self._frame_s)))
+
+
+def delivery_rate(sock: socket.socket) -> int:
+    """The kernel's delivery rate of `sock` in bytes per second; 0 where it gives none."""
+    try:
+        info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, _TCP_INFO_BYTES)
+    except OSError:
+        return 0
+    if len(info) < _TCP_INFO_BYTES:
+        return 0
+    return _DELIVERY_RATE.unpack_from(info, _DELIVERY_RATE_AT)[0]

@@ -1,0 +1,34 @@
+"""Transfers that respect the link, across two testbed hosts (`pdserve bench transfer
+--testbed`'s measurements): control messages do not wait behind a burst of KV writes when the
+link window is on, and do when it is off (whole writes, kernel buffers); either way the burst
+keeps the link busy."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from pdserve.bench import link_bench
+from pdserve.testbed.state import BedState
+from pdserve.testbed.topology import LinkShape
+
+SHAPE = LinkShape(gbps=1)
+BURST = 4
+
+
+def test_control_messages_pass_a_burst_of_writes_only_with_the_window(
+        make_bed: Callable[..., BedState]) -> None:
+    bed = make_bed(("p0", "d0"), SHAPE)
+    on = link_bench.burst(bed.topology, SHAPE, window=True, concurrent=BURST, repeats=1)
+    off = link_bench.burst(bed.topology, SHAPE, window=False, concurrent=BURST, repeats=1)
+    one_write_ms = on.ideal_ms / BURST  # one write's bytes at the link's rate
+    assert on.control_messages > 10 and off.control_messages > 10
+    assert on.control_p99_ms < one_write_ms / 4, on
+    assert off.control_p50_ms > one_write_ms / 4, off
+    for row in (on, off):  # FIFO per peer: the last write ends near N x one write's time
+        assert row.p99_of_ideal < 1.5, row
+
+
+def test_bulk_writes_fill_most_of_the_link(make_bed: Callable[..., BedState]) -> None:
+    bed = make_bed(("p0", "d0"), SHAPE)
+    row = link_bench.bulk(bed.topology, SHAPE, "tcp", repeats=2)
+    assert row.of_link > 0.6, row
