@@ -34,7 +34,8 @@ LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "llama3-rope"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "llama3-rope", "qwen3",
+                                  "qwen3_moe"])
 def test_logits_match_transformers(tiny_model, arch):
     path = (tiny_model("llama", rope_scaling=LLAMA3_ROPE) if arch == "llama3-rope"
             else tiny_model(arch))
@@ -46,7 +47,7 @@ def test_logits_match_transformers(tiny_model, arch):
     assert llm.engine.block_manager.num_used_blocks == 0
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "qwen3_moe"])
 @pytest.mark.parametrize("chunked", [False, True])
 def test_greedy_batch_matches_transformers(tiny_model, arch, chunked):
     path = tiny_model(arch)

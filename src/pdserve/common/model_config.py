@@ -11,7 +11,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
+from pdserve.common.mla_config import MlaConfig
+from pdserve.common.moe_config import MOE_ARCHITECTURES, MoeConfig
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM",
+                           "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM",
+                           "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+# Decoders with RMSNorm on each q and k head before RoPE (`qk_norm`).
+QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+# Decoders with Multi-head Latent Attention (`mla` set): their rotary part may use YaRN.
+MLA_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 
 _REQUIRED = (
     "vocab_size",
@@ -41,6 +50,9 @@ class ModelConfig:
     sliding_window: int | None = None  # Mistral: caps the usable context
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
     bos_token_id: int | None = None
+    mla: MlaConfig | None = None  # DeepSeek-V2/V3: latent KV (see mla_config.py)
+    moe: MoeConfig | None = None  # Qwen3-MoE, DeepSeek-V2/V3: routed experts (moe_config.py)
+    qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k before RoPE
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -60,9 +72,26 @@ class ModelConfig:
         if self.attention_bias and self.architecture != "Qwen2ForCausalLM":
             raise ValueError("config.json: attention_bias is only supported for Qwen2 (q/k/v "
                              "biases); this Llama/Mistral variant would need an o_proj bias too")
-        rope_type = (self.rope_scaling or {}).get("rope_type", "default")
-        if rope_type not in ("default", "llama3"):
-            raise ValueError(f"config.json: rope_scaling type {rope_type!r} is not supported")
+        if (self.moe is not None) != (self.architecture in MOE_ARCHITECTURES):
+            raise ValueError(f"{self.architecture}: the MoE fields must be given exactly for "
+                             f"{', '.join(MOE_ARCHITECTURES)}")
+        if self.qk_norm and self.architecture not in QK_NORM_ARCHITECTURES:
+            raise ValueError(f"{self.architecture}: q/k norm is only supported for "
+                             f"{', '.join(QK_NORM_ARCHITECTURES)}")
+        if (self.mla is not None) != (self.architecture in MLA_ARCHITECTURES):
+            raise ValueError(f"{self.architecture}: the MLA fields must be given exactly for "
+                             f"{', '.join(MLA_ARCHITECTURES)}")
+        self._check_rope_scaling()
+
+    def _check_rope_scaling(self) -> None:
+        scaling = self.rope_scaling or {}
+        rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+        allowed = ("default", "yarn") if self.mla is not None else ("default", "llama3")
+        if rope_type not in allowed:
+            raise ValueError(f"config.json: rope_scaling type {rope_type!r} is not supported for "
+                             f"{self.architecture}; supported: {', '.join(allowed)}")
+        if rope_type == "yarn" and not isinstance(scaling.get("factor"), int | float):
+            raise ValueError("config.json: rope_scaling of type 'yarn' needs a numeric 'factor'")
 
     @property
     def max_context(self) -> int:
@@ -72,7 +101,11 @@ class ModelConfig:
         return self.max_position_embeddings
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
-        """K and V for every layer: 2 x layers x kv_heads x head_dim x bytes."""
+        """K and V for every layer: 2 x layers x kv_heads x head_dim x bytes; with MLA the
+        latent and rotary key: layers x (kv_lora_rank + qk_rope_head_dim) x bytes (DeepSeek-V2
+        paper, arXiv 2405.04434, section 2.1.2; the planner's `kv_math` formula)."""
+        if self.mla is not None:
+            return self.num_layers * self.mla.latent_dim * dtype_bytes
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
 
     @classmethod
@@ -84,13 +117,17 @@ class ModelConfig:
         if missing:
             raise ValueError(f"config.json is missing required field(s): {', '.join(missing)}")
         num_heads = int(cfg["num_attention_heads"])
+        arch = archs[0]
+        mla = MlaConfig.from_hf_dict(cfg) if arch in MLA_ARCHITECTURES else None
+        # MLA: the q.k width of a head (DeepSeek's config.json head_dim is the rotary part)
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // num_heads
+        if mla is not None:
+            head_dim = mla.qk_head_dim
         rope_theta, rope_scaling = _rope_fields(cfg)
         if cfg.get("mlp_bias"):
             raise ValueError("config.json: mlp_bias is not supported")
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
-        arch = archs[0]
         return cls(
             architecture=arch,
             vocab_size=int(cfg["vocab_size"]),
@@ -110,6 +147,9 @@ class ModelConfig:
                             else None),
             eos_token_ids=tuple(int(e) for e in eos_ids),
             bos_token_id=cfg.get("bos_token_id"),
+            mla=mla,
+            moe=MoeConfig.from_hf_dict(cfg, arch),
+            qk_norm=arch in QK_NORM_ARCHITECTURES,
         )
 
     @classmethod

@@ -6,6 +6,12 @@ holding every layer's K and V: moving a request's KV is one region per block, th
 descriptors a transfer can have (NIXL moves few large regions much faster than many small
 ones). A (block, layer) slice is still contiguous for layer-wise streaming.
 Attention reads a layer through a strided view, gathering blocks by id.
+
+A model with Multi-head Latent Attention (`ModelConfig.mla`, DeepSeek-V2/V3) keeps a latent
+pool instead: [num_blocks, num_layers, 1, block_size, 1, kv_lora_rank + qk_rope_head_dim], one
+row per token per layer (the normalised latent c_KV, then the rotated key shared by every
+head). The same axes, with the K/V axis and the head axis of size 1, so blocks and (block,
+layer) slices stay contiguous and the transfer plane moves them unchanged.
 """
 
 from __future__ import annotations
@@ -28,14 +34,21 @@ class KVCache:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.num_layers = model.num_layers
-        # [num_blocks, layers, 2, block_size, kv_heads, head_dim]
-        shape = (num_blocks, model.num_layers, 2, block_size, model.num_kv_heads, model.head_dim)
+        self.is_latent = model.mla is not None
+        if model.mla is not None:  # [num_blocks, layers, 1, block_size, 1, latent_dim]
+            shape = (num_blocks, model.num_layers, 1, block_size, 1, model.mla.latent_dim)
+        else:  # [num_blocks, layers, 2, block_size, kv_heads, head_dim]
+            shape = (num_blocks, model.num_layers, 2, block_size, model.num_kv_heads,
+                     model.head_dim)
         if torch.device(device).type == "cpu":  # blocks are read at random: huge pages
             self.data = huge_pages.zeros(shape, dtype)
         else:
             self.data = torch.zeros(shape, dtype=dtype, device=device)
-        # per layer: K and V views of [num_blocks, block_size, kv_heads, head_dim]
-        self.layers = [(self.data[:, i, 0], self.data[:, i, 1]) for i in range(self.num_layers)]
+        # per layer: K and V views of [num_blocks, block_size, kv_heads, head_dim]; latent:
+        # a 1-tuple, the view [num_blocks, block_size, latent_dim]
+        self.layers: list[tuple[torch.Tensor, ...]] = (
+            [(self.data[:, i, 0, :, 0],) for i in range(self.num_layers)] if self.is_latent
+            else [(self.data[:, i, 0], self.data[:, i, 1]) for i in range(self.num_layers)])
 
     @staticmethod
     def bytes_per_block(model: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -46,7 +59,8 @@ class KVCache:
         return self.data[0].numel() * self.data.element_size()
 
     def block(self, block_id: int) -> torch.Tensor:
-        """One block's KV for every layer: [layers, 2, block_size, kv_heads, head_dim]."""
+        """One block's KV for every layer: [layers, 2, block_size, kv_heads, head_dim]
+        (latent: [layers, 1, block_size, 1, latent_dim])."""
         return self.data[block_id]
 
     def copy_blocks_from(self, src: KVCache, src_ids: list[int], dst_ids: list[int],

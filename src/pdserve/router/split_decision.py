@@ -47,7 +47,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from pdserve.transfer.layout import DTYPE_BYTES
+from pdserve.transfer.layout import DTYPE_BYTES, LAYOUT_PAGED_MLA
 
 LinkTime = Callable[[int], float]  # KV bytes -> seconds to hand them over on one link
 
@@ -159,12 +159,14 @@ class PrefillBacklog:
 
 
 def kv_bytes_per_token(layout: dict[str, Any]) -> int:
-    """2 (K and V) x layers x KV heads x head dim x dtype bytes, from a worker's `kv_layout`;
-    0 when the layout is unknown (no link cost counted)."""
+    """2 (K and V) x layers x KV heads x head dim x dtype bytes, from a worker's `kv_layout`
+    (the latent pool of MLA: layers x latent width x dtype bytes, its head_dim being the latent
+    and kv_heads 1); 0 when the layout is unknown (no link cost counted)."""
     try:
-        return 2 * int(layout["num_layers"]) * int(layout["kv_heads"]) * \
+        rows = 1 if layout.get("layout") == LAYOUT_PAGED_MLA else 2
+        return rows * int(layout["num_layers"]) * int(layout["kv_heads"]) * \
             int(layout["head_dim"]) * DTYPE_BYTES[layout["dtype"]]
-    except (KeyError, TypeError, ValueError):
+    except (AttributeError, KeyError, TypeError, ValueError):
         return 0
 
 

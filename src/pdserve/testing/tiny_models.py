@@ -26,8 +26,25 @@ from safetensors.torch import save_file
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
+from pdserve.testing.tiny_deepseek import DEEPSEEK_ARCHITECTURES, deepseek_defaults
+
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                 "mistral": "MistralForCausalLM"}
+                 "mistral": "MistralForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                 "qwen3_moe": "Qwen3MoeForCausalLM", **DEEPSEEK_ARCHITECTURES}
+# Written by transformers' own `save_pretrained` (its config.json layout and tensor names,
+# e.g. one tensor per expert), with odd sizes: 6 heads over 3 KV heads of width 12, and for
+# qwen3_moe 5 experts, 2 per token, layer 1 dense (`mlp_only_layers`).
+_SAVED_BY_TRANSFORMERS = {
+    "qwen3": {"num_hidden_layers": 3, "num_attention_heads": 6, "num_key_value_heads": 3,
+              "head_dim": 12, "intermediate_size": 96, "use_sliding_window": False,
+              "sliding_window": None, "tie_word_embeddings": True},
+    "qwen3_moe": {"num_hidden_layers": 3, "num_attention_heads": 6, "num_key_value_heads": 3,
+                  "head_dim": 12, "intermediate_size": 96, "use_sliding_window": False,
+                  "sliding_window": None, "num_experts": 5, "num_experts_per_tok": 2,
+                  "moe_intermediate_size": 40, "norm_topk_prob": True, "mlp_only_layers": [1],
+                  "decoder_sparse_step": 1},
+    **{arch: deepseek_defaults(arch) for arch in DEEPSEEK_ARCHITECTURES},
+}
 
 BOS, EOS, PAD = "<|endoftext|>", "<|im_end|>", "<|pad|>"
 SPECIAL_TOKENS = (BOS, "<|im_start|>", EOS, PAD)  # ids 0..3, in this order
@@ -114,7 +131,8 @@ def _hf_config(arch: str, vocab_size: int, overrides: dict[str, Any]) -> dict[st
         "max_position_embeddings": 1024,
         "rms_norm_eps": 1e-6,
         # Not the 10000 default, so a loader that misreads the base fails the parity tests.
-        "rope_theta": {"llama": 100000.0, "qwen2": 1000000.0, "mistral": 500.0}[arch],
+        "rope_theta": {"llama": 100000.0, "qwen2": 1000000.0, "mistral": 500.0, "qwen3": 20000.0,
+                       "qwen3_moe": 50000.0, "deepseek_v3": 5000.0, "deepseek_v2": 5000.0}[arch],
         "hidden_act": "silu",
         "tie_word_embeddings": arch == "llama",
         "bos_token_id": tok.bos_token_id,
@@ -126,6 +144,7 @@ def _hf_config(arch: str, vocab_size: int, overrides: dict[str, Any]) -> dict[st
         cfg.update(use_sliding_window=False, sliding_window=None)
     if arch == "mistral":
         cfg["sliding_window"] = 512  # below max_position_embeddings so the context cap shows
+    cfg.update(_SAVED_BY_TRANSFORMERS.get(arch, {}))
     cfg.update(overrides)
     return cfg
 
@@ -185,10 +204,28 @@ def write_tiny_model(path: Path, arch: str = "llama", *, seed: int = 0, init_std
         raise ValueError(f"vocab_size={cfg['vocab_size']} is below the tokenizer's {len(tok)}")
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    weights = _random_weights(_param_shapes(cfg), seed, init_std)
-    save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
-    (path / "config.json").write_text(json.dumps(cfg, indent=2))
+    if arch in _SAVED_BY_TRANSFORMERS:
+        _save_with_transformers(cfg, path, seed, init_std)
+    else:
+        weights = _random_weights(_param_shapes(cfg), seed, init_std)
+        save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
+        (path / "config.json").write_text(json.dumps(cfg, indent=2))
     gen_cfg = {k: cfg[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
     (path / "generation_config.json").write_text(json.dumps(gen_cfg, indent=2))
     tok.save_pretrained(path, save_jinja_files=False)  # chat template in tokenizer_config
     return path
+
+
+def _save_with_transformers(cfg: dict[str, Any], path: Path, seed: int, std: float) -> None:
+    """transformers builds the model from `cfg`, takes `_random_weights` over its own
+    parameter names (a tied lm_head is not drawn) and writes config.json and the weights."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    fields = {k: v for k, v in cfg.items() if k not in ("model_type", "architectures")}
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(cfg["model_type"], **fields),
+                                             dtype=torch.float32)
+    tied = cfg["tie_word_embeddings"]
+    shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()
+              if not (tied and name == "lm_head.weight")}
+    model.load_state_dict(_random_weights(shapes, seed, std), strict=not tied)
+    model.save_pretrained(path)

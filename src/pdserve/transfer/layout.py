@@ -16,11 +16,15 @@ from pdserve.transfer.wire import U32, exact_keys, require_int, require_str
 if TYPE_CHECKING:
     from pdserve.engine.kv_cache import KVCache
 
-# The pool layout of `engine/kv_cache.py`; a (block, layer) slice is [2, block_size, kv_heads,
-# head_dim]. A latent (MLA) pool will add its own name and slice shape here.
+# The pool layouts of `engine/kv_cache.py`. Paged K/V: a (block, layer) slice is [2, block_size,
+# kv_heads, head_dim]. Latent (MLA): a slice is [1, block_size, 1, latent], each token's row the
+# normalised c_KV then the rotated key; its KVLayout has kv_heads 1 and head_dim = latent width
+# (kv_lora_rank + qk_rope_head_dim).
 LAYOUT_PAGED_KV = "paged_kv[block,layer,kv=2,token,kv_head,head_dim]"
+LAYOUT_PAGED_MLA = "paged_mla[block,layer,token,latent]"
 _SLICE_SHAPES = {
     LAYOUT_PAGED_KV: lambda lay: (2, lay.block_size, lay.kv_heads, lay.head_dim),
+    LAYOUT_PAGED_MLA: lambda lay: (1, lay.block_size, 1, lay.head_dim),
 }
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1}
 
@@ -52,18 +56,27 @@ class KVLayout:
         if type(self.layout) is not str or self.layout not in _SLICE_SHAPES:
             raise ValueError(f"KVLayout.layout {self.layout!r} unknown; this build knows "
                              f"{sorted(_SLICE_SHAPES)}")
+        if self.layout == LAYOUT_PAGED_MLA and self.kv_heads != 1:
+            raise ValueError(f"KVLayout.kv_heads must be 1 for {LAYOUT_PAGED_MLA} (one latent "
+                             f"row per token), got {self.kv_heads}")
 
     @classmethod
     def of_cache(cls, cache: KVCache, model_id: str) -> KVLayout:
-        """The layout of an engine's `KVCache` (the paged layout)."""
+        """The layout of an engine's `KVCache` (paged K/V, or the latent pool of MLA)."""
         _, num_layers, _, block_size, kv_heads, head_dim = cache.data.shape
         dtype = str(cache.data.dtype).removeprefix("torch.")
-        return cls(model_id, dtype, block_size, num_layers, kv_heads, head_dim)
+        layout = LAYOUT_PAGED_MLA if cache.is_latent else LAYOUT_PAGED_KV
+        return cls(model_id, dtype, block_size, num_layers, kv_heads, head_dim, layout)
 
     @property
     def slice_shape(self) -> tuple[int, ...]:
         """Shape of one (block, layer) slice of the pool."""
         return _SLICE_SHAPES[self.layout](self)
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Pool bytes one token takes over every layer: a slice's bytes / block_size x layers."""
+        return self.slice_nbytes // self.block_size * self.num_layers
 
     @property
     def slice_nbytes(self) -> int:

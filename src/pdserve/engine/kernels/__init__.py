@@ -48,8 +48,10 @@ BUILD_CORE_SECONDS = 100  # compiler time of a build over its sources (110 s on 
 
 def supports(cfg: ModelConfig) -> bool:
     """Whether the operators cover this model: decode attention is compiled for head sizes 64
-    and 128 with up to 8 query heads per KV head (csrc/decode_attention.cpp, `pick`)."""
-    return cfg.head_dim in (64, 128) and cfg.num_heads // cfg.num_kv_heads <= 8
+    and 128 with up to 8 query heads per KV head (csrc/decode_attention.cpp, `pick`), for the
+    Llama family only (MLA, MoE and q/k-norm models run on PyTorch operators)."""
+    return (cfg.mla is None and cfg.moe is None and not cfg.qk_norm
+            and cfg.head_dim in (64, 128) and cfg.num_heads // cfg.num_kv_heads <= 8)
 
 
 def build_facts() -> BuildFacts:

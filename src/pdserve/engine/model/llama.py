@@ -21,6 +21,7 @@ from pdserve.engine.kv_cache import KVCache
 from pdserve.engine.model.attention import AttentionMetadata, paged_attention
 from pdserve.engine.model.packed_linear import KernelLinear
 from pdserve.engine.model.rope import RotaryEmbedding, StepRope
+from pdserve.engine.model.weights import copy_weights
 
 
 class RMSNorm(nn.Module):
@@ -196,17 +197,7 @@ class LlamaForCausalLM(nn.Module):
     def load_hf_weights(self, weights: dict[str, torch.Tensor]) -> None:
         """Copy a HF state dict in, fusing q/k/v and gate/up; any missing tensor is an error."""
         fused = _fuse(weights, self.cfg)
-        own = self.state_dict()
-        missing = [k for k in own if k not in fused]
-        if missing:
-            raise ValueError(f"weights are missing {len(missing)} tensors, e.g. {missing[:3]}")
-        for name, param in own.items():
-            src = fused[name]
-            if src.shape != param.shape:
-                raise ValueError(f"weight {name}: shape {tuple(src.shape)}, "
-                                 f"model expects {tuple(param.shape)}")
-            with torch.no_grad():
-                param.copy_(src)
+        copy_weights(self, fused)
 
 
 def _fuse(w: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:

@@ -10,12 +10,18 @@ from __future__ import annotations
 from torch import nn
 
 from pdserve.common.model_config import SUPPORTED_ARCHITECTURES
+from pdserve.engine.model.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from pdserve.engine.model.llama import LlamaForCausalLM
+from pdserve.engine.model.qwen3 import Qwen3ForCausalLM
 
 MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
+    "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
+    "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3ForCausalLM,
 }
 
 

@@ -34,6 +34,22 @@ def load_weights(path: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     return weights
 
 
+def copy_weights(module: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+    """Fill every parameter and buffer of `module`'s state dict from `tensors` by name;
+    ValueError for a missing tensor or a shape that differs (extra tensors are ignored)."""
+    own = module.state_dict()
+    missing = [k for k in own if k not in tensors]
+    if missing:
+        raise ValueError(f"weights are missing {len(missing)} tensors, e.g. {missing[:3]}")
+    for name, param in own.items():
+        src = tensors[name]
+        if src.shape != param.shape:
+            raise ValueError(f"weight {name}: shape {tuple(src.shape)}, "
+                             f"model expects {tuple(param.shape)}")
+        with torch.no_grad():
+            param.copy_(src)
+
+
 def _load_safetensors(file: Path) -> dict[str, torch.Tensor]:
     try:
         return load_file(str(file))

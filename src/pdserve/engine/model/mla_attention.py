@@ -1,0 +1,130 @@
+"""Multi-head Latent Attention over the latent pool (DeepSeek-V2 paper, arXiv 2405.04434,
+section 2.1.2, eqs. 9-19; transformers' `DeepseekV3Attention`).
+
+Per token t, with r = kv_lora_rank, d_n = qk_nope_head_dim, d_r = qk_rope_head_dim, d_v =
+v_head_dim, H heads:
+  q_t = W_UQ norm(W_DQ h_t)  (or W_Q h_t without q_lora_rank), split per head into
+        q_nope [H, d_n] and q_rope [H, d_r], q_rope rotated              (eqs. 12-13, 37-38)
+  [c_t, k_rope_t] = W_DKV h_t (kv_a_proj_with_mqa); c_t = norm(c_t) [r]; k_rope_t rotated,
+        [d_r], shared by every head                                        (eqs. 9, 14)
+  k_nope = W_UK c_t, v = W_UV c_t per head (kv_b_proj = [W_UK; W_UV] per head) (eqs. 10-11)
+  o_t,h = sum_s softmax_s(scale (q_nope . k_nope_s + q_rope . k_rope_s)) v_s    (eq. 18)
+The pool keeps only [c_t, k_rope_t] per token and layer (`engine/kv_cache.py`).
+
+Prefill expands the latent of every context position (the cached prefix read from the pool)
+into per-head k and v and attends causally with SDPA. Decode uses the absorbed form (paper,
+section 2.1.2 "during inference"): q_nope . (W_UK c) = (W_UK^T q_nope) . c, so each head's
+query moves into latent space, all heads attend one shared [c, k_rope] row per position (MQA
+over the latent: no per-head K/V is ever built), and the latent-space output goes through W_UV.
+The softmax scale is 1/sqrt(d_n + d_r) times YaRN's mscale^2 (`yarn.softmax_scale`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pdserve.common.model_config import ModelConfig
+from pdserve.engine.model.attention import AttentionMetadata, DecodeGroup, PrefillSeq
+from pdserve.engine.model.llama import RMSNorm
+from pdserve.engine.model.mla_rope import MlaStepRope
+from pdserve.engine.model.yarn import softmax_scale
+
+# transformers builds q_a_layernorm and kv_a_layernorm with this eps, not config.rms_norm_eps
+LATENT_NORM_EPS = 1e-6
+
+
+class MlaAttention(nn.Module):
+    """`w_uk`, `w_uv`: kv_b_proj's key and value halves per head, copied out by `absorb()`
+    once the weights are loaded (the linear itself may be repacked afterwards)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        mla = cfg.mla
+        assert mla is not None
+        self.h, self.r = cfg.num_heads, mla.kv_lora_rank
+        self.d_nope, self.d_rope, self.d_v = mla.qk_nope_head_dim, mla.qk_rope_head_dim, \
+            mla.v_head_dim
+        hidden, qk = cfg.hidden_size, mla.qk_head_dim
+        self.q_lora = mla.q_lora_rank is not None
+        if mla.q_lora_rank is not None:
+            self.q_a_proj = nn.Linear(hidden, mla.q_lora_rank, bias=False)
+            self.q_a_layernorm = RMSNorm(mla.q_lora_rank, LATENT_NORM_EPS, None)
+            self.q_b_proj = nn.Linear(mla.q_lora_rank, self.h * qk, bias=False)
+        else:
+            self.q_proj = nn.Linear(hidden, self.h * qk, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(hidden, self.r + self.d_rope, bias=False)
+        self.kv_a_layernorm = RMSNorm(self.r, LATENT_NORM_EPS, None)
+        self.kv_b_proj = nn.Linear(self.r, self.h * (self.d_nope + self.d_v), bias=False)
+        self.o_proj = nn.Linear(self.h * self.d_v, hidden, bias=False)
+        self.register_buffer("w_uk", torch.empty(self.h, self.d_nope, self.r), persistent=False)
+        self.register_buffer("w_uv", torch.empty(self.h, self.d_v, self.r), persistent=False)
+        self.scale = softmax_scale(cfg)
+
+    @torch.no_grad()
+    def absorb(self) -> None:
+        """Split kv_b_proj's weight [H (d_n + d_v), r] into w_uk [H, d_n, r], w_uv [H, d_v, r]."""
+        w = self.kv_b_proj.weight.view(self.h, self.d_nope + self.d_v, self.r)
+        self.w_uk.copy_(w[:, : self.d_nope])
+        self.w_uv.copy_(w[:, self.d_nope :])
+
+    def forward(self, x: torch.Tensor, rope: MlaStepRope, kv: tuple[torch.Tensor, ...],
+                meta: AttentionMetadata) -> torch.Tensor:
+        (cache,) = kv  # [num_blocks, block_size, r + d_r]
+        t = x.shape[0]
+        if self.q_lora:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))[0])  # [T, H (d_n + d_r)]
+        else:
+            q = self.q_proj(x)
+        q_nope, q_rope = q.view(t, self.h, -1).split([self.d_nope, self.d_rope], dim=-1)
+        q_rope = rope.rotate(q_rope)  # [T, H, d_r]
+        c, k_rope = self.kv_a_proj_with_mqa(x).split([self.r, self.d_rope], dim=-1)
+        c = self.kv_a_layernorm(c)[0]  # [T, r]
+        k_rope = rope.rotate(k_rope[:, None, :])[:, 0]  # [T, d_r]
+        latent = torch.cat([c, k_rope], dim=-1)  # [T, r + d_r]
+        cache[meta.slot_blocks, meta.slot_offsets] = latent
+        o = x.new_empty(t, self.h, self.d_v)  # [T, H, d_v]
+        for seq in meta.prefills:
+            rows = slice(seq.token_start, seq.token_start + seq.num_tokens)
+            o[rows] = self._prefill(q_nope[rows], q_rope[rows], latent[rows], cache, seq)
+        for group in meta.decode_groups:
+            o[group.rows] = self._decode(q_nope[group.rows], q_rope[group.rows], cache, group)
+        return self.o_proj(o.reshape(t, self.h * self.d_v))
+
+    def _prefill(self, q_nope: torch.Tensor, q_rope: torch.Tensor, latent: torch.Tensor,
+                 cache: torch.Tensor, seq: PrefillSeq) -> torch.Tensor:
+        """q_nope [n, H, d_n], q_rope [n, H, d_r], latent: this step's rows [n, r + d_r]
+        -> [n, H, d_v]."""
+        if seq.mask is not None:  # earlier positions are in the pool, not in this step's rows
+            blocks = cache.index_select(0, seq.block_ids)  # [nb, block_size, r + d_r]
+            latent = blocks.flatten(0, 1)[: seq.context_len]  # [L, r + d_r]
+        length = latent.shape[0]
+        c, k_rope = latent.split([self.r, self.d_rope], dim=-1)  # [L, r], [L, d_r]
+        kv = self.kv_b_proj(c).view(length, self.h, self.d_nope + self.d_v)  # [L, H, d_n + d_v]
+        k_nope, v = kv.split([self.d_nope, self.d_v], dim=-1)
+        k = torch.cat([k_nope, k_rope[:, None, :].expand(length, self.h, self.d_rope)],
+                      dim=-1)  # [L, H, d_n + d_r]
+        q = torch.cat([q_nope, q_rope], dim=-1)  # [n, H, d_n + d_r]
+        o = F.scaled_dot_product_attention(
+            q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+            attn_mask=seq.mask, is_causal=seq.mask is None, scale=self.scale,
+        )  # [1, H, n, d_v]
+        return o[0].transpose(0, 1)  # [n, H, d_v]
+
+    def _decode(self, q_nope: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor,
+                group: DecodeGroup) -> torch.Tensor:
+        """q_nope [B, H, d_n], q_rope [B, H, d_r] -> [B, H, d_v], over the group's paged
+        latent, never expanded per head."""
+        b, length = q_nope.shape[0], group.mask.shape[-1]
+        latent = cache.index_select(0, group.blocks).view(b, 1, length, -1)  # [B, 1, L, r+d_r]
+        # (W_UK^T q_nope) per head: [B, H, d_n] x [H, d_n, r] -> [B, H, r]
+        q_latent = torch.einsum("bhn,hnr->bhr", q_nope, self.w_uk)
+        q = torch.cat([q_latent, q_rope], dim=-1)[:, None]  # [B, 1, H, r + d_r]
+        # The H heads are H queries of one shared latent "head" (MQA): scores = q_latent . c +
+        # q_rope . k_rope; the values are the latents c themselves.
+        o_latent = F.scaled_dot_product_attention(
+            q, latent, latent[..., : self.r], attn_mask=group.mask, scale=self.scale,
+        )  # [B, 1, H, r]
+        # W_UV per head: [B, H, r] x [H, d_v, r] -> [B, H, d_v]
+        return torch.einsum("bhr,hvr->bhv", o_latent[:, 0], self.w_uv)

@@ -1,0 +1,95 @@
+"""Qwen3 and Qwen3-MoE decoders: the Llama layer with an RMSNorm over each q and k head before
+RoPE (transformers' `Qwen3Attention`: `q_norm`, `k_norm` of width head_dim), and in Qwen3-MoE
+a sparse block of routed experts (softmax top-k, no shared experts) in the layers
+`MoeConfig.is_moe_layer` picks, the dense MLP (`intermediate_size`) in the others.
+
+Everything but the layers is `LlamaForCausalLM`'s (embeddings, rotary tables, forward loop,
+logits, q|k|v and gate|up fusing at load). These models run on PyTorch operators:
+`kernels.supports` is False for them, and `fused` is ignored.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+import torch
+from torch import nn
+
+from pdserve.common.model_config import ModelConfig
+from pdserve.common.moe_config import MoeConfig
+from pdserve.engine.model.attention import AttentionMetadata, paged_attention
+from pdserve.engine.model.llama import MLP, LlamaForCausalLM, RMSNorm
+from pdserve.engine.model.moe import Experts, stack_expert_weights
+from pdserve.engine.model.moe_gate import Router
+from pdserve.engine.model.rope import StepRope
+
+
+class Qwen3Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.h, self.kvh, self.d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.qkv_proj = nn.Linear(cfg.hidden_size, (self.h + 2 * self.kvh) * self.d, bias=False)
+        self.o_proj = nn.Linear(self.h * self.d, cfg.hidden_size, bias=False)
+        self.q_norm = RMSNorm(self.d, cfg.rms_norm_eps, None)
+        self.k_norm = RMSNorm(self.d, cfg.rms_norm_eps, None)
+        self.scale = self.d**-0.5
+
+    def forward(self, x: torch.Tensor, rope: StepRope, kv: tuple,
+                meta: AttentionMetadata) -> torch.Tensor:
+        t, q_width, qk_width = x.shape[0], self.h * self.d, (self.h + self.kvh) * self.d
+        qkv = self.qkv_proj(x)  # [T, (H + 2 KVH) D]
+        q = self.q_norm(qkv[:, :q_width].view(t, self.h, self.d))[0]  # [T, H, D]
+        k = self.k_norm(qkv[:, q_width:qk_width].view(t, self.kvh, self.d))[0]  # [T, KVH, D]
+        qk = torch.cat([q, k], dim=1).view(t, qk_width)  # [T, (H + KVH) D]
+        q, k = rope.rotate(qk, self.h + self.kvh, self.d).split([self.h, self.kvh], dim=1)
+        v = qkv[:, qk_width:].view(t, self.kvh, self.d)  # [T, KVH, D]
+        o = paged_attention(q, k, v, *kv, meta, self.scale, None)  # [T, H, D]
+        return self.o_proj(o.reshape(t, q_width))
+
+
+class SparseMoeBlock(nn.Module):
+    """Qwen3-MoE's MoE MLP (transformers' `Qwen3MoeSparseMoeBlock`): `gate.weight [E, hidden]`
+    and the stacked `experts`."""
+
+    def __init__(self, hidden_size: int, moe: MoeConfig) -> None:
+        super().__init__()
+        self.gate = Router(hidden_size, moe)
+        self.experts = Experts(moe.num_experts, hidden_size, moe.intermediate_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.gate(x)  # [T, k] each
+        return self.experts(x, ids, weights)  # [T, hidden]
+
+
+class Qwen3DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, index: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, None)
+        self.self_attn = Qwen3Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, None)
+        moe = cfg.moe is not None and cfg.moe.is_moe_layer(index)
+        self.mlp = SparseMoeBlock(cfg.hidden_size, cfg.moe) if moe else MLP(cfg, None)
+
+    def forward(self, x, residual, rope, kv, meta):
+        """As `llama.DecoderLayer.forward`: returns (this layer's output, residual before it)."""
+        h, residual = self.input_layernorm(x, residual)
+        h, residual = self.post_attention_layernorm(self.self_attn(h, rope, kv, meta), residual)
+        return self.mlp(h), residual
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    """Qwen3ForCausalLM and Qwen3MoeForCausalLM (which layers are MoE comes from `cfg.moe`)."""
+
+    def __init__(self, cfg: ModelConfig, max_positions: int, device: torch.device | str,
+                 fused: ModuleType | None = None) -> None:
+        super().__init__(cfg, max_positions, device, None)
+        self.layers = nn.ModuleList(Qwen3DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+
+    def load_hf_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        """As Llama's, with each MoE layer's experts stacked first (either checkpoint layout)."""
+        own = {k.removeprefix("model."): v for k, v in weights.items()}
+        for i, layer in enumerate(self.layers):
+            if isinstance(layer.mlp, SparseMoeBlock):
+                own |= stack_expert_weights(own, f"layers.{i}.mlp.experts.",
+                                            self.cfg.moe.num_experts)
+        super().load_hf_weights(own)
