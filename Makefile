@@ -8,7 +8,7 @@ PROMPT ?= What is the capital of France?
 # the package's extras: test for a checkout (CI), gguf,k8s for the image (Dockerfile)
 EXTRAS ?= test
 
-.PHONY: setup demo test test-fast lint bench-engine
+.PHONY: setup demo test test-fast soak lint bench-engine
 
 setup: $(VENV)/.installed
 
@@ -26,11 +26,14 @@ demo: setup  ## generate text from the default model (SmolLM2-135M-Instruct)
 lint: setup
 	$(PY) -m ruff check src tests
 
-test: lint  ## everything, including the slow SmolLM2 parity tests (and the 20 slowest)
-	$(PY) -m pytest -q --durations=20
+test: lint  ## everything but the soak tests, with the slow SmolLM2 parity tests (and the 20 slowest)
+	$(PY) -m pytest -q --durations=20 -m "not soak"
 
-test-fast: lint  ## skip tests marked slow
-	$(PY) -m pytest -q -m "not slow"
+test-fast: lint  ## skip tests marked slow or soak
+	$(PY) -m pytest -q -m "not slow and not soak"
+
+soak: setup  ## the soak tests: minutes of load under faults (root: testbed namespaces)
+	$(PY) -m pytest -q -m soak
 
 bench-engine: setup
 	$(VENV)/bin/pdserve bench engine
