@@ -6,11 +6,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from dataclasses import replace
+from pathlib import Path
 
 from pdserve.planner.cost import DEFAULT_MBU, DEFAULT_MFU, Efficiency
 from pdserve.planner.hardware import HARDWARE, get_hardware
 from pdserve.planner.kv_math import DTYPE_BYTES, dtype_bytes
+from pdserve.planner.measured_link import MeasuredLink, parse_link_gbps
 from pdserve.planner.model_shape import PRESETS, load_model_shape
 from pdserve.planner.plan import (
     DEFAULT_MAX_DECODE_BATCH,
@@ -60,8 +63,12 @@ def _add_workload_args(p: argparse.ArgumentParser) -> None:
                    help="prompt length in tokens (the KV that moves)")
     p.add_argument("--output-tokens", type=int, required=True,
                    help="generated tokens per request (token 0 comes from prefill)")
-    p.add_argument("--link-gbps", type=float, required=True,
-                   help="link speed per GPU between prefill and decode, in Gb/s (e.g. 100, 400)")
+    p.add_argument("--link-gbps", required=True,
+                   help="link speed per GPU between prefill and decode, in Gb/s (e.g. 100, "
+                        "400), or a running router's URL (http://HOST:PORT): the median rate "
+                        "of the KV links it measured")
+    p.add_argument("--metrics-key-file", default=None,
+                   help="with a router URL: a file holding the key its /metrics asks for")
     p.add_argument("--kv-dtype", default="bf16",
                    help=f"KV cache format: {', '.join(DTYPE_BYTES)} (default: %(default)s)")
     p.add_argument("--weight-dtype", default=None,
@@ -94,10 +101,21 @@ def run_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _link_gbps(args: argparse.Namespace) -> float:
+    key = None
+    if args.metrics_key_file:
+        key = Path(args.metrics_key_file).read_text().strip()
+    link = parse_link_gbps(args.link_gbps, key)
+    if isinstance(link, MeasuredLink):
+        print(link.describe(), file=sys.stderr)
+        return link.gbps
+    return link
+
+
 def _make(args: argparse.Namespace) -> Plan:
     """Validate in order: workload numbers, device, weight format, then the model."""
     workload = Workload(prompt_tokens=args.prompt_tokens, output_tokens=args.output_tokens,
-                        link_gbps=args.link_gbps, kv_dtype=args.kv_dtype, tp=args.tp,
+                        link_gbps=_link_gbps(args), kv_dtype=args.kv_dtype, tp=args.tp,
                         decode_batch=args.decode_batch,
                         efficiency=Efficiency(mfu=args.mfu, mbu=args.mbu))
     hardware = get_hardware(args.gpu)
