@@ -118,7 +118,7 @@ def _settings(repeats: int) -> CompareSettings:
 def test_repeats_run_in_rounds_and_keep_the_last_rounds_steps(monkeypatch) -> None:
     calls: list[tuple[str, int]] = []
 
-    def fake_config(s, name, repeat=0):
+    def fake_config(s, name, repeat=0, bed=None):
         calls.append((name, repeat))
         return _run(100.0 * (len(calls)), 6, [], f"{name}{repeat}"), {"w": [[repeat]]}
 

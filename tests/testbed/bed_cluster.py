@@ -1,6 +1,5 @@
-"""`pdserve up --testbed` as a child process, with a tiny fp32 model, and a client inside the
-testbed: the router answers only on its host's address, so every request (and every signed
-health check) is made from a thread that entered the router's namespace."""
+"""`pdserve up --testbed` as a child process (`BedUpProcess`) with a tiny fp32 model, and a
+client inside the testbed."""
 
 from __future__ import annotations
 
@@ -10,9 +9,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from pdserve.cluster.up_process import UpProcess, get_signed_json
+from pdserve.cluster.bed_up_process import BedUpProcess
 from pdserve.testbed import lifecycle
-from pdserve.testbed.namespaces import entered
 from pdserve.testbed.state import BedState
 from pdserve.testbed.topology import LinkShape, Topology
 from tests.testbed.conftest import assert_nothing_left, fresh_prefix, skip_without_namespaces
@@ -20,31 +18,16 @@ from tests.testbed.conftest import assert_nothing_left, fresh_prefix, skip_witho
 MAX_TOKENS = 16
 
 
-class BedCluster(UpProcess):
+class BedCluster(BedUpProcess):
     """Workers in `bed`'s order of roles: worker 0 prefill on p0, worker 1 decode on d0."""
 
     def __init__(self, bed: BedState, model: Path, *args: str) -> None:
-        self.bed = bed
-        super().__init__(model, "--testbed", bed.topology.prefix, "--dtype", "float32",
-                         "--kv-cache-memory", "16MiB", "--max-model-len", "512", *args)
-        self.url = f"http://{self.address('router')}:{self.port}/v1"
-
-    def address(self, host: str) -> str:
-        return self.bed.topology.address(host)
+        super().__init__(bed, model, "--dtype", "float32", "--kv-cache-memory", "16MiB",
+                         "--max-model-len", "512", *args)
 
     def worker_url(self, index: int) -> str:
         host = ("p0", "d0")[index]
         return f"http://{self.address(host)}:{self.port + 1 + index}"
-
-    @contextmanager
-    def inside(self) -> Iterator[None]:
-        """This thread on the router's host for the block."""
-        with entered(self.bed.topology.namespace("router")):
-            yield
-
-    def internal_json(self, url: str) -> dict:
-        with self.inside():
-            return get_signed_json(self.auth, url)
 
     def metrics(self, index: int) -> str:
         with self.inside(), urllib.request.urlopen(self.worker_url(index) + "/metrics",

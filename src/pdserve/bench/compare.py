@@ -17,6 +17,13 @@ whole run, whatever flips came later. The table gets a line of each flipping con
 seconds per role. `--external NAME=URL` adds a server someone else started (vLLM, see
 docs/vllm.md) to the same table.
 
+`--testbed` (root) runs every pdserve configuration across the hosts of a testbed made for the
+compare run (router, p0, d0; every link shaped to `--link-gbps`) and removed after it: the
+client, the warm-up and every metrics read run inside the router's host, so requests cross the
+router's link and KV the p0-d0 one. `disagg-local` and `disagg-remote` are disagg with the
+split rule fixed (every prompt prefilled on the decode worker, or every prompt on the prefill
+worker), the baselines of the measured-cost rule that plain disagg uses.
+
 Repeats (`--repeats N`, default 1). Invariants:
 - Every configuration, pdserve's and external ones alike, replays the same trace (same seed)
   N times, in rounds: round r runs each configuration once, in the order given (pdserve's,
@@ -49,7 +56,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -63,12 +70,19 @@ from pdserve.bench.serve.runner import (
     settings_from_args,
 )
 from pdserve.bench.serve.workloads import WORKLOAD_KINDS, Workload
+from pdserve.cluster.bed_up_process import BedUpProcess
 from pdserve.cluster.up_process import UpProcess, get_json
+from pdserve.testbed import lifecycle
+from pdserve.testbed.state import BedState
+from pdserve.testbed.topology import LinkShape, Topology
 
 CONFIGS: dict[str, tuple[str, ...]] = {
     "collocated": ("--collocated", "1"),
     "collocated-chunked": ("--collocated", "1", "--enable-chunked-prefill"),
     "disagg": ("--prefill", "1", "--decode", "1"),
+    "disagg-local": ("--prefill", "1", "--decode", "1", "--local-prefill-threshold",
+                     str(2**31 - 1)),
+    "disagg-remote": ("--prefill", "1", "--decode", "1", "--local-prefill-threshold", "0"),
     "elastic": ("--prefill", "1", "--decode", "1", "--elastic"),
 }
 EXTERNAL_READY_S = 900.0  # vLLM compiles its model graphs at start-up
@@ -101,6 +115,7 @@ class CompareSettings:
     up_args: tuple[str, ...] = ()
     starts: tuple[tuple[str, str], ...] = ()  # external name -> command that serves it
     repeats: int = 1  # runs of each configuration, interleaved in rounds
+    testbed: LinkShape | None = None  # run pdserve's configurations across testbed hosts
 
     def __post_init__(self) -> None:
         if self.repeats < 1:
@@ -145,10 +160,10 @@ def _workers(up: UpProcess, start: float, end: float
     """(steps, `workers` entry) of every worker over the run [start, end], by worker name."""
     steps, workers, index, counts = {}, {}, 0, {}
     while True:
-        url = up.worker_url(index)
         try:
+            url = up.worker_url(index)
             trace = up.internal_json(f"{url}/internal/steps?since={start!r}")
-        except OSError:
+        except OSError:  # past the last worker
             return steps, workers
         role = role_at(trace["roles"], start)
         name = f"{role}-{counts.get(role, 0)}"
@@ -186,19 +201,23 @@ def _turn(s: CompareSettings, name: str, repeat: int) -> str:
     return name if s.repeats == 1 else f"{name} (repeat {repeat + 1}/{s.repeats})"
 
 
-def run_config(s: CompareSettings, name: str,
-               repeat: int = 0) -> tuple[dict[str, Any], dict[str, list]]:
+def run_config(s: CompareSettings, name: str, repeat: int = 0,
+               bed: BedState | None = None) -> tuple[dict[str, Any], dict[str, list]]:
+    where = f" across testbed {bed.topology.prefix}" if bed is not None else ""
     print(f"== {_turn(s, name, repeat)}: pdserve up {' '.join(CONFIGS[name])} on cores "
-          f"{s.cpus}", file=sys.stderr, flush=True)
-    up = UpProcess(s.model, *CONFIGS[name], "--cpus", s.cpus, *s.up_args)
+          f"{s.cpus}{where}", file=sys.stderr, flush=True)
+    args = (*CONFIGS[name], "--cpus", s.cpus, *s.up_args)
+    up = BedUpProcess(bed, s.model, *args) if bed is not None else UpProcess(s.model, *args)
+    client = up.inside() if isinstance(up, BedUpProcess) else contextlib.nullcontext()
     try:
-        _warm_up(up.url, s.model, s.workload)
-        start = time.time()
-        result = run_bench(up.url, s.model, s.workload, s.load, s.timeout_s, s.slo)
-        end = time.time()
+        with client:
+            _warm_up(up.url, s.model, s.workload)
+            start = time.time()
+            result = run_bench(up.url, s.model, s.workload, s.load, s.timeout_s, s.slo)
+            end = time.time()
+            flips = role_flips(up.url.removesuffix("/v1"))
         steps, workers = _workers(up, start, end)
-        return {**result, **role_flips(up.url.removesuffix("/v1")), "workers": workers,
-                "run_window": [start, end]}, steps
+        return {**result, **flips, "workers": workers, "run_window": [start, end]}, steps
     finally:
         up.stop()
 
@@ -252,13 +271,29 @@ def run_compare(s: CompareSettings) -> tuple[dict[str, dict], dict[str, dict]]:
     `combine_repeats` of that configuration's runs, the traces are those of the last round."""
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in s.names}
     traces: dict[str, dict] = {}
-    for repeat in range(s.repeats):
-        for name in s.configs:
-            result, traces[name] = run_config(s, name, repeat)
-            runs[name].append(result)
-        for name, url in s.externals:
-            runs[name].append(run_external(s, name, url, repeat))
+    with _testbed(s.testbed) as bed:
+        for repeat in range(s.repeats):
+            for name in s.configs:
+                result, traces[name] = run_config(s, name, repeat, bed)
+                runs[name].append(result)
+            for name, url in s.externals:
+                runs[name].append(run_external(s, name, url, repeat))
     return {name: combine_repeats(r) for name, r in runs.items()}, traces
+
+
+@contextlib.contextmanager
+def _testbed(shape: LinkShape | None) -> Iterator[BedState | None]:
+    """A testbed of hosts router, p0 and d0 with links of `shape` for the run (removed after
+    it, also on failure), or None without a shape."""
+    if shape is None:
+        yield None
+        return
+    prefix = f"pdc{os.getpid() % 100000}-"
+    bed = lifecycle.up(Topology(("router", "p0", "d0"), prefix), shape)
+    try:
+        yield bed
+    finally:
+        lifecycle.down(prefix)
 
 
 def median_of_runs(runs: Sequence[Mapping[str, Any]],
@@ -379,6 +414,11 @@ def add_compare_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--slo-tpot-ms", type=float, default=None, help="goodput: TPOT bound")
     p.add_argument("--slo-e2e-ms", type=float, default=None, help="goodput: E2E bound")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per request")
+    p.add_argument("--testbed", action="store_true",
+                   help="run pdserve's configurations across the hosts of a testbed made for "
+                        "the run (router, p0, d0; root): requests and KV cross shaped links")
+    p.add_argument("--link-gbps", type=float, default=1.0,
+                   help="with --testbed: every link's rate in Gb/s (default: %(default)s)")
     p.add_argument("--repeats", type=int, default=1, metavar="N",
                    help="replay the same trace N times against each configuration, in rounds "
                         "(A, B, C, A, B, C, ...), each run a fresh start; the table and --out "
@@ -401,7 +441,8 @@ def settings(args: argparse.Namespace) -> CompareSettings:
     return CompareSettings(
         configs=tuple(c for c in args.configs.split(",") if c), externals=tuple(externals),
         cores=args.cores, model=args.model, workload=workload, load=load, slo=slo,
-        timeout_s=args.timeout, up_args=_up_args(args), starts=starts, repeats=args.repeats)
+        timeout_s=args.timeout, up_args=_up_args(args), starts=starts, repeats=args.repeats,
+        testbed=LinkShape(gbps=args.link_gbps) if args.testbed else None)
 
 
 def _pairs(items: list[str], option: str, shape: str) -> tuple[tuple[str, str], ...]:
