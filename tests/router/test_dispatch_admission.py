@@ -139,6 +139,10 @@ def test_a_local_retry_moves_the_slot_to_the_other_worker() -> None:
         gate.set()
         assert (await task)[-1].final
         assert (q.held(d0), q.held(d1)) == (0, 0)
+        # one arrival, at the worker the request first went to: the retry is no new prompt
+        sent = d.paths.backlog.sent()
+        assert sum(s.prompts for s in sent.values()) == 1 and sent[d0.key].prompts == 1
+        assert d.paths.backlog.tokens(d1.key) == 0  # its backlog came and went
 
     asyncio.run(go())
 

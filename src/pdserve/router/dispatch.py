@@ -161,6 +161,7 @@ class _Run:
     hand_backs: int = 0
     prefill_retries: int = 0
     attempts: int = 0
+    prefilled_once: bool = False  # a leg that prefills went out (later ones are no arrival)
 
     def next_leg_id(self) -> str:
         self.attempts += 1
@@ -414,7 +415,9 @@ class Dispatcher:
         leg_hashes = hash_blocks(leg.prompt_token_ids, self._block_size) \
             if leg.output_offset else run.hashes
         prefilled = self.paths.prefilling(
-            worker, self._uncached(worker, len(leg.prompt_token_ids), leg_hashes))
+            worker, self._uncached(worker, len(leg.prompt_token_ids), leg_hashes),
+            arrival=not run.prefilled_once)
+        run.prefilled_once = True
         worker.prefix.add(leg_hashes)
         try:
             async with contextlib.aclosing(self._leg(worker, leg)) as batches:
@@ -496,7 +499,9 @@ class Dispatcher:
         ids = leg.prompt_token_ids
         hashes = hash_blocks(ids, self._block_size) if leg.output_offset else run.hashes
         kv_tokens = self._uncached(dec, len(ids), hashes)  # the KV the decode side needs
-        prefilled = self.paths.prefilling(pre, self._uncached(pre, len(ids), hashes))
+        prefilled = self.paths.prefilling(pre, self._uncached(pre, len(ids), hashes),
+                                          arrival=not run.prefilled_once)
+        run.prefilled_once = True
         pre.prefix.add(hashes)
         dec.prefix.add(hashes)
         token0_at: float | None = None

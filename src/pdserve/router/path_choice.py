@@ -99,10 +99,11 @@ class PathChoice:
             self.metrics.split_estimate.observe(choice.decision.t_remote_s, path="disaggregated")
             self.metrics.split_estimate.observe(choice.decision.t_local_s, path="local")
 
-    def prefilling(self, worker: WorkerHandle, tokens: int) -> Callable[[], None]:
-        """A leg that prefills `tokens` went to `worker`; call the result at its first event or
-        its end."""
-        return self.backlog.add(worker.key, tokens)
+    def prefilling(self, worker: WorkerHandle, tokens: int,
+                   arrival: bool = True) -> Callable[[], None]:
+        """A leg that prefills `tokens` went to `worker` (`arrival`: the request's first such
+        leg); call the result at its first event or its end."""
+        return self.backlog.add(worker.key, tokens, arrival)
 
     def fastest_prefill(self, worker: WorkerHandle, uncached: int, free: list[WorkerHandle]
                         ) -> list[WorkerHandle]:

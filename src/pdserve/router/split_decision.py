@@ -130,8 +130,10 @@ class Sent:
 class PrefillBacklog:
     """Prompt tokens this router sent to each worker whose prefill has not ended (Q above):
     `add` when a leg that prefills goes out, the returned call when its first event or its end
-    comes (calling it twice counts once). `sent` counts every prompt sent to each worker since
-    the router started, for rates measured over time (the elastic controller's)."""
+    comes (calling it twice counts once). `sent` counts every request's prompt once, at the
+    worker its first prefilling leg went to, since the router started, for arrival rates
+    measured over time (the elastic controller's); a leg that restarts a request elsewhere
+    (a retry, a hand-back) adds to the backlog but is no new arrival."""
 
     def __init__(self) -> None:
         self._tokens: dict[str, int] = {}
@@ -144,10 +146,11 @@ class PrefillBacklog:
         """Per worker: the prompts and prompt tokens sent to it to prefill, ever (a copy)."""
         return dict(self._sent)
 
-    def add(self, worker: str, tokens: int) -> Callable[[], None]:
+    def add(self, worker: str, tokens: int, arrival: bool = True) -> Callable[[], None]:
         self._tokens[worker] = self.tokens(worker) + tokens
-        total = self._sent.get(worker, Sent())
-        self._sent[worker] = Sent(total.prompts + 1, total.tokens + tokens)
+        if arrival:
+            total = self._sent.get(worker, Sent())
+            self._sent[worker] = Sent(total.prompts + 1, total.tokens + tokens)
         done = False
 
         def finish() -> None:
