@@ -1,5 +1,6 @@
 """Measured runs: bench serve/compare results as traces, the measured layout, and
-`pdserve simulate --compare-measured` printing simulated medians beside measured ones."""
+`pdserve simulate --compare-measured` printing simulated figures beside measured ones, each
+against its tolerance."""
 
 from __future__ import annotations
 
@@ -16,7 +17,12 @@ from pdserve.planner.simulate.measured_compare import (
     measured_layout,
     render_comparison,
 )
-from pdserve.planner.simulate.measured_run import MeasuredRun, load_measured_run, read_trace_file
+from pdserve.planner.simulate.measured_run import (
+    METRICS,
+    MeasuredRun,
+    load_measured_run,
+    read_trace_file,
+)
 from pdserve.planner.simulate.trace import TraceRequest
 from tests.planner.cli_run import run_pdserve
 from tests.planner.simulate.step_files import (
@@ -40,7 +46,9 @@ def test_a_serve_result_becomes_a_sorted_trace_of_every_request(tmp_path):
     assert run.trace == (TraceRequest(0.0, 100, 20), TraceRequest(1.0, 200, 1),
                          TraceRequest(2.5, 300, 40))  # the failed one as a one-token request
     assert (run.completed, run.failed, run.config) == (2, 1, None)
-    assert run.medians_ms == {"median_ttft_ms": 100.0, "median_itl_ms": 20.0}
+    assert run.measured == {"median_ttft_ms": 100.0, "p99_ttft_ms": None,
+                            "median_itl_ms": 20.0, "p99_itl_ms": 99.0, "request_goodput": None,
+                            "output_throughput": None}  # what the file has
 
 
 def test_compare_results_need_a_config_unless_they_hold_one(tmp_path):
@@ -85,8 +93,8 @@ def test_trace_reads_results_files_and_still_jsonl(tmp_path):
 
 
 def run_of(config: str | None, ttft: float | None = 100.0, itl: float | None = 20.0):
-    return MeasuredRun("r.json", config, (TraceRequest(0, 5, 2),),
-                       {"median_ttft_ms": ttft, "median_itl_ms": itl}, 1, 0)
+    figures = dict.fromkeys(METRICS) | {"median_ttft_ms": ttft, "median_itl_ms": itl}
+    return MeasuredRun("r.json", config, (TraceRequest(0, 5, 2),), figures, 1, 0)
 
 
 def test_bench_compare_names_fix_the_layout_and_pdserve_limits():
@@ -106,17 +114,30 @@ def test_other_runs_take_exactly_one_layout_from_flags():
             measured_layout(run, layouts)
 
 
+def _simulated(**figures: float) -> dict[str, float | None]:
+    return dict.fromkeys(METRICS) | figures
+
+
 def test_relative_errors_and_the_verdict():
-    c = compare(run_of("disagg"), "disagg 1P+1D", {"median_ttft_ms": 130.0,
-                                                   "median_itl_ms": 19.0, "p99_itl_ms": 1.0})
-    assert c.error("median_ttft_ms") == pytest.approx(0.3)
+    run = MeasuredRun("r.json", "disagg", (TraceRequest(0, 5, 2),),
+                      _simulated(median_ttft_ms=100.0, median_itl_ms=20.0, p99_itl_ms=100.0,
+                                 request_goodput=0.5), 1, 0)
+    c = compare(run, "disagg 1P+1D", _simulated(median_ttft_ms=120.0, median_itl_ms=19.0,
+                                                p99_itl_ms=130.0, request_goodput=0.55))
+    assert c.error("median_ttft_ms") == pytest.approx(0.2)
     assert c.error("median_itl_ms") == pytest.approx(-0.05)
-    assert c.worst == pytest.approx(0.3)
+    assert c.error("request_goodput") == pytest.approx(0.1)
+    assert c.worst == pytest.approx(0.3 / 0.35)  # the P99 ITL: 30% of its 35%
     text = render_comparison(c)
-    assert "median TTFT (ms)" in text and "+30.0%" in text and "-5.0%" in text
-    assert "largest |error| 30.0%: NOT within 25%" in text
-    none = compare(run_of(None, ttft=0.0, itl=None), "x", {"median_ttft_ms": 1.0,
-                                                          "median_itl_ms": 2.0})
+    assert re.search(r"median TTFT \(ms\) +100\.00 +120\.00 +\+20\.0%  \(within 25%\)", text)
+    assert re.search(r"P99 ITL \(ms\) +100\.00 +130\.00 +\+30\.0%  \(within 35%\)", text)
+    assert "goodput (req/s)" in text
+    assert "every figure within its tolerance" in text and "NOT" not in text
+    worse = compare(run, "x", _simulated(median_ttft_ms=130.0))
+    assert worse.worst == pytest.approx(1.2)
+    assert "largest |error| / tolerance 1.20: NOT every figure" in render_comparison(worse)
+    none = compare(run_of(None, ttft=0.0, itl=None), "x", _simulated(median_ttft_ms=1.0,
+                                                                     median_itl_ms=2.0))
     assert none.error("median_ttft_ms") is None and none.worst is None
 
 
@@ -150,7 +171,7 @@ def test_cli_calibrated_on_run_a_predicts_run_b(files, capsys):
     assert f"measured run {results}:disagg (1 ok, 0 failed) vs simulated disagg 1P+1D" in out
     assert re.search(r"median TTFT \(ms\) +231\.00 +210\.00 +-9\.1%", out)
     assert re.search(r"median ITL \(ms\) +20\.00 +22\.00 +\+10\.0%", out)
-    assert "largest |error| 10.0%: within 25%" in out
+    assert "(within 35%)" in out and "largest |error| / tolerance" in out
 
 
 def test_cli_json_carries_the_comparison(files, capsys):
@@ -159,9 +180,12 @@ def test_cli_json_carries_the_comparison(files, capsys):
                               f"{results}:collocated", "--json")
     data = json.loads(out)
     assert rc == 0 and [r["label"] for r in data["results"]] == ["colloc 1"]
-    ttft = data["measured"]["metrics"]["median_ttft_ms"]
-    assert ttft["simulated"] == pytest.approx(SIM_TTFT_MS)
-    assert ttft["rel_error"] == pytest.approx(SIM_TTFT_MS / 231 - 1)
+    compared = data["measured"]
+    assert set(compared["measured"]) == set(compared["simulated"]) == set(METRICS)
+    assert compared["measured"]["median_ttft_ms"] == 231.0
+    assert compared["simulated"]["median_ttft_ms"] == pytest.approx(SIM_TTFT_MS)
+    assert compared["rel_error"]["median_ttft_ms"] == pytest.approx(SIM_TTFT_MS / 231 - 1)
+    assert compared["tolerance"]["p99_itl_ms"] == 0.35
     assert data["costs"]["model"] == "smollm2-135m" and data["costs"]["gpu"] == "cpu"
 
 

@@ -5,8 +5,9 @@ returns the exit status (0, or 2 after `pdserve: error: ...` on bad input).
 
 Measured runs: --calibrate takes a worker steps file (calibration_source.py), --trace a bench
 serve/compare results file (measured_run.py), and --compare-measured RESULTS[:CONFIG] simulates
-that run's requests on its own layout and prints the simulated median TTFT and ITL beside the
-measured ones (measured_compare.py, which also says how the layout is found).
+that run's requests on its own layout and prints the simulated median and P99 TTFT and ITL,
+goodput and output throughput beside the measured ones, each against its tolerance
+(measured_compare.py, which also says how the layout is found).
 """
 
 from __future__ import annotations
@@ -87,7 +88,8 @@ def add_simulate_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="a `bench serve` or `bench compare` --out file: simulate its requests "
                         "(unless --trace/--workload) on its layout (from a bench compare "
                         "configuration name, else --layouts) and print the simulated median "
-                        "TTFT and ITL beside the measured ones")
+                        "and P99 TTFT and ITL, goodput (give the run's --slo-* bounds) and "
+                        "output throughput beside the measured ones")
     p.add_argument("--json", action="store_true", help="print one JSON object, not a table")
     p.set_defaults(func=run_simulate)
 

@@ -1,5 +1,5 @@
 """Measured serving runs as simulator input: the results JSON of `pdserve bench serve --out` or
-`pdserve bench compare --out`, replayed as a trace and compared by its medians.
+`pdserve bench compare --out`, replayed as a trace and compared by its figures (METRICS).
 
 Shapes, told apart by shape:
 - a serve result: an object with "requests", a list of {start_s, prompt_tokens, output_tokens,
@@ -13,8 +13,8 @@ from the run's first send), prompt_tokens, output_tokens, sorted by arrival (sta
 that failed before its first token reports output_tokens 0; it is replayed as a one-token
 request (it still queued and most likely prefilled; the result does not keep the max_tokens it
 asked for).
-Measured medians cover the successful requests only (bench serve's metrics); a run with none
-has None there.
+Measured figures cover the successful requests only (bench serve's metrics); a run with none
+has None there, as has a result written before a figure was recorded.
 """
 
 from __future__ import annotations
@@ -33,7 +33,9 @@ from pdserve.planner.simulate.file_spec import (
 )
 from pdserve.planner.simulate.trace import TraceRequest, json_row, read_trace_jsonl, request_at
 
-METRICS = ("median_ttft_ms", "median_itl_ms")
+# What a simulation is held to, by vLLM `bench serve` key (ms, requests/s, tokens/s).
+METRICS = ("median_ttft_ms", "p99_ttft_ms", "median_itl_ms", "p99_itl_ms", "request_goodput",
+           "output_throughput")
 
 
 def is_serve_result(data: Any) -> bool:
@@ -47,20 +49,20 @@ def is_compare_result(data: Any) -> bool:
 
 @dataclass(frozen=True)
 class MeasuredRun:
-    """One measured run: where it came from, its requests as a trace, its measured medians (ms)
-    by vLLM key (METRICS), and how many requests succeeded and failed."""
+    """One measured run: where it came from, its requests as a trace, its measured figures by
+    vLLM key (METRICS), and how many requests succeeded and failed."""
 
     label: str
     config: str | None
     trace: tuple[TraceRequest, ...]
-    medians_ms: dict[str, float | None]
+    measured: dict[str, float | None]
     completed: int
     failed: int
 
     def __post_init__(self) -> None:
         if not self.trace:
             raise ValueError(f"{self.label}: the run holds no requests")
-        for key, value in self.medians_ms.items():
+        for key, value in self.measured.items():
             if value is not None and (isinstance(value, bool)
                                       or not isinstance(value, int | float)
                                       or not (value >= 0 and math.isfinite(value))):
