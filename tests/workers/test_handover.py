@@ -26,7 +26,6 @@ from pdserve.workers.transfer_hub import (
     TransferHub,
 )
 from pdserve.workers.worker_metrics import WorkerMetrics
-from tests.conftest import engine_pair
 from tests.transfer.test_tcp import endpoint, stop_listening, wait_for
 
 PRE = PeerId(0x1111, "10.0.0.1", 7100)
@@ -90,16 +89,6 @@ class Side:
 
     def used(self) -> int:
         return self.engine.load().kv_blocks_used
-
-
-@pytest.fixture
-def dec(tiny_model) -> Side:
-    return Side(engine_pair(tiny_model(), decode_blocks=16)[1])
-
-
-@pytest.fixture
-def pre(tiny_model) -> Side:
-    return Side(engine_pair(tiny_model())[0])
 
 
 def transferring(side: Side) -> list[int]:

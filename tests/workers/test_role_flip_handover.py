@@ -5,22 +5,9 @@ the prefill side, told so, ends its own leg handed back, with no error and no bl
 
 from __future__ import annotations
 
-import pytest
-
 from pdserve.workers.handover import HANDED_BACK, LegEnded, LegHandedBack
 from pdserve.workers.transfer_hub import PeerClosed, RecvDone, RecvFailed
-from tests.conftest import engine_pair
 from tests.workers.test_handover import DEC, PRE, TID, TID_B, Side, transferring
-
-
-@pytest.fixture
-def dec(tiny_model) -> Side:
-    return Side(engine_pair(tiny_model(), decode_blocks=16)[1])
-
-
-@pytest.fixture
-def pre(tiny_model) -> Side:
-    return Side(engine_pair(tiny_model())[0])
 
 
 def test_a_reservation_with_a_session_is_given_up_and_freed_once_the_writer_is_quiet(
