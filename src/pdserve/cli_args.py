@@ -42,6 +42,14 @@ def add_cpu_kernels_arg(p: argparse.ArgumentParser) -> None:
                         "built once into the pdserve cache on first use)")
 
 
+def add_tensor_parallel_arg(p: argparse.ArgumentParser) -> None:
+    """--tensor-parallel-size: the engine's processes (`pdserve.engine.parallel`)."""
+    p.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
+                   help="compute each step on N processes of this machine, each on its share "
+                        "of the cores, the attention heads, the MLP and the KV pool "
+                        "(collocated only; default: %(default)s)")
+
+
 def parse_size(text: str) -> int:
     """Bytes from "512MiB", "2G", "1048576" (binary units, whatever the spelling)."""
     m = _SIZE.match(str(text))

@@ -29,6 +29,10 @@ class EngineConfig:
     # bf16 on CPU: pdserve's compiled operators (fused norms, rotary, activation, decode
     # attention; `pdserve.engine.kernels`). False runs PyTorch operators only.
     cpu_kernels: bool = True
+    # Processes computing each step, Megatron-style (`pdserve.engine.parallel`): attention
+    # heads and MLP columns split across them, each holding its heads' share of the KV pool
+    # (kv_cache_bytes each). Collocated serving only.
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "role", Role(self.role))
@@ -49,4 +53,12 @@ class EngineConfig:
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
         check_device(self.device)
+        if type(self.tensor_parallel_size) is not int or self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be an int >= 1, got "
+                             f"{self.tensor_parallel_size!r}")
+        if self.tensor_parallel_size > 1 and self.role != Role.COLLOCATED:
+            raise ValueError(f"a {self.role.value} engine moves its KV to or from other "
+                             f"engines, and moving the KV of a tensor-parallel engine (its pool "
+                             f"split by heads over {self.tensor_parallel_size} processes) is "
+                             f"not built: use role collocated, or tensor_parallel_size 1")
 

@@ -15,10 +15,22 @@ Prompt = str | list[int]
 
 
 class LLM:
-    """A collocated engine driven to completion for a batch of prompts."""
+    """A collocated engine driven to completion for a batch of prompts.
+    `LLM(tensor_parallel_size=N)` computes on N processes (`pdserve.engine.parallel`)."""
 
     def __init__(self, model: str = "smollm2", dtype: str = "bfloat16", **engine_args) -> None:
         self.engine = Engine(EngineConfig(model=model, dtype=dtype, **engine_args))
+
+    def close(self) -> None:
+        """Stop the engine's other processes (tensor parallelism); also when the object goes
+        away or the interpreter exits."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def get_tokenizer(self):
         return self.engine.tokenizer

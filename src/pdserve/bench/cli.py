@@ -12,7 +12,7 @@ from pdserve.bench.compare import add_compare_args, run_compare_cli
 from pdserve.bench.flip.cli import DESCRIPTION as FLIP_DESCRIPTION
 from pdserve.bench.flip.cli import add_flip_args, run_flip_cli
 from pdserve.bench.serve.runner import add_bench_serve_args, run_bench_serve
-from pdserve.cli_args import add_cpu_kernels_arg, add_device_arg
+from pdserve.cli_args import add_cpu_kernels_arg, add_device_arg, add_tensor_parallel_arg
 
 
 def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -21,7 +21,7 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
         "bench", help="benchmarks, each beside a baseline measured in the same run")
     kinds = bench.add_subparsers(dest="bench", required=True)
     for add in (_add_engine, _add_attention, _add_transfer, _add_layerwise, _add_serve,
-                _add_compare, _add_router, _add_hostile, _add_chaos, _add_flip):
+                _add_compare, _add_router, _add_hostile, _add_chaos, _add_flip, _add_moe):
         add(kinds)
 
 
@@ -49,7 +49,37 @@ def _add_engine(kinds: argparse._SubParsersAction) -> None:
     eng.add_argument("--repeats", type=int, default=3, help="default: %(default)s")
     eng.add_argument("--json", action="store_true", help="one JSON object per measurement")
     add_cpu_kernels_arg(eng)
+    add_tensor_parallel_arg(eng)
     eng.set_defaults(func=_bench_engine)
+
+
+def _add_moe(kinds: argparse._SubParsersAction) -> None:
+    moe = kinds.add_parser(
+        "moe", help="MoE decode: bytes a step reads (only the chosen experts) vs its time",
+        description="Decode steps of a DeepSeek-V3-shaped and a Qwen3-MoE-shaped random-weight "
+                    "model (bf16, written to a temporary folder) at each batch size: the weight "
+                    "bytes a step must read (dense tensors plus the experts its routers chose, "
+                    "recorded by hooks), the step time turned into bytes at this machine's read "
+                    "bandwidth measured in the same run, their ratio (1.0: only the needed "
+                    "bytes, at full bandwidth), and the bytes if every expert were read. "
+                    "Medians of --repeats runs.")
+    moe.add_argument("--models", default="deepseek_v3,qwen3_moe", help="default: %(default)s")
+    moe.add_argument("--batches", default="1,4", help="decode batch sizes (default: "
+                                                      "%(default)s)")
+    moe.add_argument("--hidden", type=int, default=1024, help="hidden size (default: "
+                                                              "%(default)s)")
+    moe.add_argument("--experts", type=int, default=64,
+                     help="routed experts per MoE layer (default: %(default)s)")
+    moe.add_argument("--expert-width", type=int, default=512,
+                     help="one expert's SwiGLU width (default: %(default)s)")
+    moe.add_argument("--layers", type=int, default=4, help="default: %(default)s")
+    moe.add_argument("--prompt-len", type=int, default=16, help="default: %(default)s")
+    moe.add_argument("--decode-steps", type=int, default=16, help="default: %(default)s")
+    moe.add_argument("--repeats", type=int, default=3, help="default: %(default)s")
+    moe.add_argument("--threads", type=int, default=None,
+                     help="torch threads for the steps and the bandwidth (default: every core)")
+    moe.add_argument("--json", action="store_true", help="one JSON object per measurement")
+    moe.set_defaults(func=_bench_moe)
 
 
 def _add_transfer(kinds: argparse._SubParsersAction) -> None:
@@ -228,8 +258,24 @@ def _bench_engine(args: argparse.Namespace) -> int:
     return main(BenchSettings(model=args.model, batches=batches, decode_steps=args.decode_steps,
                               prompt_lens=tuple(int(n) for n in args.prompt_lens.split(",")),
                               cached_len=args.cached_len, chunk=args.chunk,
-                              repeats=args.repeats,
-                              cpu_kernels=args.cpu_kernels), args.json)
+                              repeats=args.repeats, cpu_kernels=args.cpu_kernels,
+                              tensor_parallel_size=args.tensor_parallel_size), args.json)
+
+
+def _bench_moe(args: argparse.Namespace) -> int:
+    from pdserve.bench.moe_bench import MoeBenchSettings, main
+    from pdserve.bench.moe_models import MoeBenchShape
+
+    try:
+        models = tuple(args.models.split(","))
+        batches = tuple(int(b) for b in args.batches.split(","))
+    except ValueError:
+        raise ValueError("--batches takes a comma-separated list of integers") from None
+    shape = MoeBenchShape(hidden_size=args.hidden, num_experts=args.experts,
+                          expert_width=args.expert_width, num_layers=args.layers)
+    return main(MoeBenchSettings(models=models, batches=batches, shape=shape,
+                                 prompt_len=args.prompt_len, decode_steps=args.decode_steps,
+                                 repeats=args.repeats, threads=args.threads), args.json)
 
 
 def _bench_transfer(args: argparse.Namespace) -> int:

@@ -92,6 +92,9 @@ class BenchSettings:
     chunk: int = 256  # the chunked row's tokens per step (its prompt: cached_len); 0: no row
     repeats: int = 3
     cpu_kernels: bool = True  # False: the engine on PyTorch operators only (the A/B baseline)
+    # the engine on N processes, each on its share of this process's cores; this process is
+    # rank 0, so transformers and the roofs then run on rank 0's share only
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if not self.batches or min(self.batches) <= 0:
@@ -238,14 +241,18 @@ def pdserve_chunked_prefill(s: BenchSettings, prompts: _Prompts, max_model_len: 
     step budget is `chunk` (the same prompts as the whole-prompt rows: random ids)."""
     engine = Engine(EngineConfig(model=s.model, dtype="bfloat16", max_model_len=max_model_len,
                                  enable_prefix_caching=False, enable_chunked_prefill=True,
-                                 max_num_batched_tokens=s.chunk, cpu_kernels=s.cpu_kernels))
+                                 max_num_batched_tokens=s.chunk, cpu_kernels=s.cpu_kernels,
+                                 tensor_parallel_size=s.tensor_parallel_size))
 
     def run() -> None:
         engine.add_request(prompts(1, s.cached_len)[0], SamplingParams(max_tokens=1))
         while engine.has_unfinished_requests():
             engine.step()
 
-    return s.cached_len / median_seconds(run, s.repeats)
+    try:
+        return s.cached_len / median_seconds(run, s.repeats)
+    finally:
+        engine.close()
 
 
 def run_bench(s: BenchSettings, log: Callable[[str], None]) -> list[BenchRow]:
@@ -260,12 +267,14 @@ def run_bench(s: BenchSettings, log: Callable[[str], None]) -> list[BenchRow]:
     engine = Engine(EngineConfig(
         model=s.model, dtype="bfloat16",
         max_model_len=min(cfg.max_context, s.max_prompt + 64 + s.decode_steps),
-        enable_prefix_caching=s.cached_len > 0, cpu_kernels=s.cpu_kernels))
+        enable_prefix_caching=s.cached_len > 0, cpu_kernels=s.cpu_kernels,
+        tensor_parallel_size=s.tensor_parallel_size))
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
     prompts = _Prompts(cfg.vocab_size)
     roofs = _measure_roofs()  # here and again at the end: the best of both is the roof
     log(f"measured: memory read {roofs[0] / 1e9:.1f} GB/s, bf16 matmul {roofs[1] / 1e9:.0f} "
-        f"GFLOP/s, {torch.get_num_threads()} threads; pdserve on {_operators(engine)}")
+        f"GFLOP/s, {torch.get_num_threads()} threads; pdserve on {_operators(engine)}"
+        f"{_ranks(s.tensor_parallel_size)}")
     runs = []
     for batch in s.batches:
         log(f"decode, batch {batch} ...")
@@ -280,6 +289,7 @@ def run_bench(s: BenchSettings, log: Callable[[str], None]) -> list[BenchRow]:
     if s.cached_len:
         log(f"prefill, {s.cached_len}-token prompt, its first half in the prefix cache ...")
         cached = pdserve_cached_prefill(engine, prompts, s.cached_len, s.repeats)
+    engine.close()  # before the chunked row's engine: each splits this process's cores
     if s.chunk:
         log(f"prefill, {s.cached_len}-token prompt in chunks of {s.chunk} ...")
         chunked = pdserve_chunked_prefill(s, prompts, engine.config.max_model_len)
@@ -308,6 +318,10 @@ def run_bench(s: BenchSettings, log: Callable[[str], None]) -> list[BenchRow]:
 
 def _measure_roofs() -> tuple[float, float]:
     return memory_bandwidth(), matmul_flops(torch.bfloat16)
+
+
+def _ranks(size: int) -> str:
+    return "" if size == 1 else f", {size} tensor-parallel ranks (these numbers: rank 0's share)"
 
 
 def _operators(engine: Engine) -> str:

@@ -12,6 +12,8 @@ Every number is a median of `repeats`, measured in this run:
 - overhead: a 1,000-token prompt's KV (63 blocks, ~23 MB) through a full push session
   (reservation, descriptor, write, CRC32C, notice, verification) between two endpoints, minus
   a bare write of the same blocks; and the CRC32C of those slices on its own.
+- KV bytes per token (`kv_per_token.py`): DeepSeek-V3's latent pool against a GQA model of the
+  same width, from the engine's own pools, checked against the planner (no timing).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import torch
 
+from pdserve.bench.kv_per_token import format_kv_rows, kv_per_token_rows
 from pdserve.bench.timing import median_seconds
 from pdserve.common.model_config import ModelConfig
 from pdserve.engine.block_manager import BlockManager
@@ -251,12 +254,15 @@ def main(sizes_mib: list[int], repeats: int, as_json: bool) -> int:
     say = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
     if "nixl" not in available_transports():
         say("nixl: skipped (pip install nixl-cu12 to measure it)")
+    kv_rows = kv_per_token_rows()  # configs and one-block pools only: no weights, no moves
     rows, overheads = run(sizes_mib, repeats, say)
     if as_json:
         for r in rows:
             print(json.dumps(asdict(r)))
         for o in overheads:
             print(json.dumps({"kind": "overhead"} | asdict(o)))
+        for k in kv_rows:
+            print(json.dumps({"kind": "kv_per_token"} | asdict(k) | {"ratio": round(k.ratio, 4)}))
         return 0
     print(f"{'transport':<10}{'mode':<6}{'MiB':>8}{'GB/s':>8}{'memcpy':>8}{'socket':>8}"
           f"{'of memcpy':>11}{'of socket':>11}")
@@ -269,4 +275,5 @@ def main(sizes_mib: list[int], repeats: int, as_json: bool) -> int:
               f"session {o.session_ms:.1f} ms, bare write {o.bare_write_ms:.1f} ms, overhead "
               f"{o.overhead_ms:.1f} ms; CRC32C {o.crc32c_ms:.2f} ms "
               f"({o.crc32c_ms / o.session_ms:.0%} of the session)")
+    print(f"\n{format_kv_rows(kv_rows)}")
     return 0

@@ -36,6 +36,8 @@ from pdserve.engine.kv_cache import KVCache
 from pdserve.engine.model.loader import eos_token_ids, load_model
 from pdserve.engine.output_processor import OutputProcessor
 from pdserve.engine.outputs import CompletionOutput, EngineLoad, RequestOutput, StepStats
+from pdserve.engine.parallel.rank_group import RankGroup
+from pdserve.engine.parallel.shard_plan import check_tensor_parallel, largest_share, shard_plan
 from pdserve.engine.request import Request, RequestState
 from pdserve.engine.runner import LayerHook, ModelRunner
 from pdserve.engine.sampler import Sampler
@@ -50,14 +52,28 @@ class Engine:
         self.model_config = ModelConfig.from_folder(path)
         self.config = config = _resolve(config, self.model_config)
         self.tokenizer = load_tokenizer(path)
-        self.model = load_model(path, self.model_config, torch_dtype(config), config.device,
-                                config.max_model_len, config.cpu_kernels)
-        self.kv_cache = KVCache(self.model_config, _num_blocks(config, self.model_config),
+        tp = config.tensor_parallel_size
+        # tensor parallel: rank 0's share, every rank's pool sized for the largest share
+        plan = shard_plan(self.model_config, tp, 0) if tp > 1 else None
+        num_blocks = _num_blocks(config, self.model_config if plan is None
+                                 else largest_share(self.model_config, tp))
+        self.ranks = RankGroup(config, path, num_blocks) if plan is not None else None
+        try:
+            self.model = load_model(path, self.model_config, torch_dtype(config),
+                                    config.device, config.max_model_len, config.cpu_kernels,
+                                    shard=plan)
+            if self.ranks is not None:
+                self.ranks.connect(self.model, torch.device(config.device))
+        except BaseException:
+            self.close()
+            raise
+        self.kv_cache = KVCache(self.model_config if plan is None
+                                else plan.local_config(self.model_config), num_blocks,
                                 config.block_size, torch_dtype(config), config.device)
         self.block_manager = BlockManager(self.kv_cache.num_blocks, config.block_size,
                                           config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.block_manager)
-        self.runner = ModelRunner(self.model, self.kv_cache, config.device)
+        self.runner = ModelRunner(self.model, self.kv_cache, config.device, self.ranks)
         self.sampler = Sampler(config.seed, self.model.fused)
         self.outputs = OutputProcessor(self.tokenizer, eos_token_ids(path, self.tokenizer),
                                        config.max_model_len)
@@ -68,6 +84,12 @@ class Engine:
         # Called inside step() after each layer (ModelRunner.run): layer-wise KV streaming.
         self.on_layer: LayerHook | None = None
         self._ids = itertools.count()
+
+    def close(self) -> None:
+        """Stop the other ranks of a tensor-parallel engine (bounded wait; idempotent). An
+        engine with one rank holds nothing to stop."""
+        if self.ranks is not None:
+            self.ranks.close()
 
     # -- requests ------------------------------------------------------------------------------
 
@@ -350,6 +372,7 @@ def _resolve(config: EngineConfig, model: ModelConfig) -> EngineConfig:
                          f"or raise the budget")
     if config.device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"device {config.device!r} requested but CUDA is not available")
+    check_tensor_parallel(model, config.tensor_parallel_size)
     return dataclasses.replace(config, max_model_len=max_len, max_num_batched_tokens=budget)
 
 

@@ -6,6 +6,7 @@ decoding request, so attention can batch every decode at once.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -14,6 +15,7 @@ import torch
 from pdserve.engine.kv_cache import KVCache
 from pdserve.engine.model.attention import AttentionMetadata, DecodeGroup, PrefillSeq
 from pdserve.engine.model.llama import LlamaForCausalLM
+from pdserve.engine.parallel.rank_group import RankGroup
 from pdserve.engine.request import Request
 from pdserve.engine.scheduler import SchedulerOutput
 
@@ -40,8 +42,13 @@ class ModelInputs:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, device: str) -> None:
+    """`ranks`: the other ranks of a tensor-parallel engine, sent every step's inputs before
+    this rank's forward."""
+
+    def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, device: str,
+                 ranks: RankGroup | None = None) -> None:
         self.model = model
+        self.ranks = ranks
         self.kv_cache = kv_cache
         self.device = device
         self.block_size = kv_cache.block_size
@@ -58,8 +65,10 @@ class ModelRunner:
                 if self.kv_cache.data.is_cuda:
                     torch.cuda.current_stream().synchronize()
                 on_layer(i, batch)
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.meta,
-                            after)
+        with (contextlib.nullcontext() if self.ranks is None else
+              self.ranks.step(inputs.input_ids, inputs.positions, inputs.meta)):
+            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.meta,
+                                after)
         if not inputs.sampling:
             return hidden.new_empty(0, self.model.cfg.vocab_size), []
         rows = torch.tensor(inputs.sample_rows, device=hidden.device)

@@ -24,7 +24,13 @@ from pdserve.api.limits import (
     limits_to_args,
 )
 from pdserve.bearer import read_key_file
-from pdserve.cli_args import add_cpu_kernels_arg, add_device_arg, parse_cpus, parse_size
+from pdserve.cli_args import (
+    add_cpu_kernels_arg,
+    add_device_arg,
+    add_tensor_parallel_arg,
+    parse_cpus,
+    parse_size,
+)
 from pdserve.common.engine_options import DTYPE_NAMES, Role
 from pdserve.config import EngineConfig
 from pdserve.internal_auth import InternalAuth, read_secret_file
@@ -195,6 +201,7 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
                         "within it (default: whole prompts)")
     p.add_argument("--seed", type=int, default=0, help="engine seed (default: %(default)s)")
     add_cpu_kernels_arg(p)
+    add_tensor_parallel_arg(p)
     add_limit_args(p)
     add_join_args(p)
 
@@ -269,6 +276,7 @@ class WorkerLaunch:
     slo_tpot_ms: float | None = None
     seed: int = 0
     cpu_kernels: bool = True
+    tensor_parallel_size: int = 1
     limits: RequestLimits = DEFAULT_LIMITS
     register: str | None = None  # the router to join
     name: str | None = None  # None: host:port
@@ -297,6 +305,7 @@ _UNLESS_DEFAULT = (("--served-model-name", "served_model_name"), ("--kv-host", "
                    ("--max-model-len", "max_model_len"), ("--max-num-seqs", "max_num_seqs"),
                    ("--max-num-batched-tokens", "max_num_batched_tokens"), ("--seed", "seed"),
                    ("--slo-tpot-ms", "slo_tpot_ms"),
+                   ("--tensor-parallel-size", "tensor_parallel_size"),
                    ("--register", "register"), ("--name", "name"),
                    ("--drain-timeout", "drain_timeout_s"))
 _SWITCHES = (("--serve-public", "serve_public"), ("--kv-encrypt", "kv_encrypt"),
@@ -332,7 +341,7 @@ def launch_from_args(args: argparse.Namespace) -> WorkerLaunch:
         max_num_seqs=args.max_num_seqs, enable_chunked_prefill=args.enable_chunked_prefill,
         max_num_batched_tokens=args.max_num_batched_tokens, kv_lease_s=args.kv_lease,
         slo_tpot_ms=args.slo_tpot_ms, seed=args.seed, cpu_kernels=args.cpu_kernels,
-        limits=limits_from_args(args),
+        tensor_parallel_size=args.tensor_parallel_size, limits=limits_from_args(args),
         register=args.register, name=args.name, drain_timeout_s=args.drain_timeout)
 
 
@@ -351,7 +360,7 @@ def worker_settings(launch: WorkerLaunch) -> WorkerSettings:
         num_kv_blocks=w.num_kv_blocks, kv_cache_bytes=parse_size(w.kv_cache_memory),
         max_num_seqs=w.max_num_seqs, max_num_batched_tokens=w.max_num_batched_tokens,
         max_model_len=w.max_model_len, enable_chunked_prefill=w.enable_chunked_prefill,
-        seed=w.seed, cpu_kernels=w.cpu_kernels)
+        seed=w.seed, cpu_kernels=w.cpu_kernels, tensor_parallel_size=w.tensor_parallel_size)
     return WorkerSettings(
         role=w.role, engine=engine, served_model_name=w.served_model_name or w.model,
         host=w.host, port=w.port, kv_host=w.kv_host or w.host, kv_port=w.kv_port,

@@ -11,6 +11,8 @@ Parameter names (under a decoder layer's `mlp.`): `gate.weight [E, hidden]`,
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -36,8 +38,9 @@ class SharedExperts(nn.Module):
 
 class DeepseekMoE(nn.Module):
     """Built on any device (meta included); filled by the owner's weight copy after
-    `convert_moe_weights`. Runs on PyTorch operators in the model's dtype; the router's
-    logits are fp32 as in transformers."""
+    `convert_moe_weights`. Runs on PyTorch operators in the model's dtype, except the router:
+    its weight and score bias stay fp32 whatever `.to(dtype)` asks (`_apply`), and its logits
+    are fp32, as in transformers."""
 
     def __init__(self, hidden_size: int, cfg: MoeConfig) -> None:
         super().__init__()
@@ -48,6 +51,19 @@ class DeepseekMoE(nn.Module):
         self.experts = Experts(cfg.num_experts, hidden_size, cfg.intermediate_size)
         self.shared_experts = SharedExperts(hidden_size,
                                             cfg.intermediate_size * cfg.n_shared_experts)
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True):
+        """What `.to()`, `.to_empty()`, `.bfloat16()` run on every tensor: the router's
+        tensors follow a move to another device but are never cast, so loading copies the
+        checkpoint's fp32 values into fp32 (transformers' `_keep_in_fp32_modules_strict`)."""
+        kept = {name: t.data for name, t in
+                [*self.gate.named_parameters(), *self.gate.named_buffers()]}
+        super()._apply(fn, recurse)
+        for name, before in kept.items():
+            now = getattr(self.gate, name)
+            if now.dtype != before.dtype:
+                now.data = before.to(now.device)
+        return self
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden]."""

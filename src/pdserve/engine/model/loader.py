@@ -10,17 +10,25 @@ from torch import nn
 
 from pdserve.common.model_config import ModelConfig
 from pdserve.engine.kernels import cpu_ops, supports
-from pdserve.engine.model.packed_linear import can_pack, pack_linears
+from pdserve.engine.model.packed_experts import pack_experts
+from pdserve.engine.model.packed_linear import can_pack, linear_kernel, pack_linears
 from pdserve.engine.model.registry import model_class
 from pdserve.engine.model.weights import load_weights
+from pdserve.engine.parallel.shard_plan import ShardPlan
+from pdserve.engine.parallel.shard_weights import shard_weights
 
 
 def load_model(
     path: Path, cfg: ModelConfig, dtype: torch.dtype, device: str, max_positions: int,
-    cpu_kernels: bool = True,
+    cpu_kernels: bool = True, shard: ShardPlan | None = None,
 ) -> nn.Module:
     """`cpu_kernels`: run a bf16 model on CPU with pdserve's compiled operators where they
-    build here (`pdserve.engine.kernels`); PyTorch operators otherwise."""
+    build here (`pdserve.engine.kernels`); PyTorch operators otherwise. `shard`: one
+    tensor-parallel rank's share of the heads and MLP columns (`engine/parallel/`)."""
+    weights = load_weights(path, dtype)
+    if shard is not None:
+        weights = shard_weights(weights, shard, cfg.head_dim)
+        cfg = shard.local_config(cfg)
     fused = None
     if cpu_kernels and device == "cpu" and dtype == torch.bfloat16 and supports(cfg):
         fused = cpu_ops()
@@ -30,9 +38,11 @@ def load_model(
     model.to(dtype)
     if cfg.tie_word_embeddings:  # to_empty() makes new parameters: tie them again
         model.lm_head.weight = model.embed_tokens.weight
-    model.load_hf_weights(load_weights(path, dtype))
+    model.load_hf_weights(weights)
     if can_pack(device):
         pack_linears(model, fused)
+        if cpu_kernels and dtype == torch.bfloat16 and cfg.moe is not None:
+            pack_experts(model, linear_kernel(cpu_ops()))  # routed experts on our kernels
     return model.eval()
 
 

@@ -2,10 +2,14 @@
 
 Layout as transformers 5 keeps it in memory (`Qwen3MoeExperts`, `DeepseekV3Experts`):
 `gate_up_proj [E, 2I, hidden]` (gate rows, then up rows) and `down_proj [E, hidden, I]`.
-Checkpoints store one module per expert; `stack_expert_weights` builds this layout.
+Checkpoints store one module per expert; `stack_expert_weights` builds this layout. A bf16
+model on CPU runs them as `packed_experts.PackedExperts` (the same grouping,
+`run_chosen_experts`, on pdserve's linear kernels).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -26,30 +30,39 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor,
                 topk_weights: torch.Tensor) -> torch.Tensor:
-        """x [T, hidden], topk_ids [T, k] (long), topk_weights [T, k] -> [T, hidden].
-
-        Sums like transformers' default ("grouped_mm") experts: each slot's output times its
-        weight (in the promoted dtype: fp32 for DeepSeek's fp32 weights), then the k slots of a
-        token summed in slot order, then cast to x's dtype."""
-        t, k = topk_ids.shape
-        flat_ids = topk_ids.reshape(-1)  # [T*k]
-        order = flat_ids.argsort(stable=True)  # [T*k]: slots grouped by expert
-        counts = torch.bincount(flat_ids, minlength=self.num_experts).tolist()  # [E]
-        xs = x[order // k]  # [T*k, hidden]: each slot's token, in expert order
-        ys = torch.empty_like(xs)  # [T*k, hidden]
-        start = 0
-        for e, n in enumerate(counts):
-            if n:
-                ys[start : start + n] = self._expert(e, xs[start : start + n])
-                start += n
-        weighted = ys * topk_weights.reshape(-1)[order, None]  # [T*k, hidden]
-        slots = torch.empty_like(weighted)
-        slots[order] = weighted  # back to (token, slot) order
-        return slots.view(t, k, x.shape[1]).sum(dim=1).to(x.dtype)  # [T, hidden]
+        """x [T, hidden], topk_ids [T, k] (long), topk_weights [T, k] -> [T, hidden]."""
+        return run_chosen_experts(x, topk_ids, topk_weights, self.num_experts, self._expert)
 
     def _expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         gate, up = F.linear(x, self.gate_up_proj[e]).split(self.inter, dim=-1)  # [n, I] each
         return F.linear(F.silu(gate) * up, self.down_proj[e])  # [n, hidden]
+
+
+def run_chosen_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                       num_experts: int,
+                       expert: Callable[[int, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """x [T, hidden], topk_ids [T, k] (long), topk_weights [T, k] -> [T, hidden]: the
+    (token, slot) pairs grouped by expert, `expert(e, rows [n, hidden]) -> [n, hidden]` called
+    once per chosen expert (never for an unchosen one), in expert order.
+
+    Sums like transformers' default ("grouped_mm") experts: each slot's output times its
+    weight (in the promoted dtype: fp32 for DeepSeek's fp32 weights), then the k slots of a
+    token summed in slot order, then cast to x's dtype."""
+    t, k = topk_ids.shape
+    flat_ids = topk_ids.reshape(-1)  # [T*k]
+    order = flat_ids.argsort(stable=True)  # [T*k]: slots grouped by expert
+    counts = torch.bincount(flat_ids, minlength=num_experts).tolist()  # [E]
+    xs = x[order // k]  # [T*k, hidden]: each slot's token, in expert order
+    ys = torch.empty_like(xs)  # [T*k, hidden]
+    start = 0
+    for e, n in enumerate(counts):
+        if n:
+            ys[start : start + n] = expert(e, xs[start : start + n])
+            start += n
+    weighted = ys * topk_weights.reshape(-1)[order, None]  # [T*k, hidden]
+    slots = torch.empty_like(weighted)
+    slots[order] = weighted  # back to (token, slot) order
+    return slots.view(t, k, x.shape[1]).sum(dim=1).to(x.dtype)  # [T, hidden]
 
 
 def stack_expert_weights(weights: dict[str, torch.Tensor], prefix: str,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import torch
@@ -10,12 +11,21 @@ from safetensors.torch import load_file
 
 from pdserve.common.model_folder import INDEX_FILE, read_index, weight_files
 
+# Tensors loaded as stored, not cast to the model's dtype: DeepSeek's router weight and score
+# bias, which transformers keeps in fp32 whatever the model's dtype
+# (`_keep_in_fp32_modules_strict`) and `DeepseekMoE` holds in fp32, so routing sees the
+# checkpoint's values bit for bit. A
+# Qwen3-MoE router has the same name and a parameter of the model's dtype: `copy_weights`
+# rounds it into that dtype exactly as a cast here would.
+KEEP_STORED_DTYPE = re.compile(r"(^|\.)mlp\.gate\.(weight|e_score_correction_bias)$")
+
 
 def load_weights(path: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """Every tensor of the folder's safetensors, by HF parameter name, floats cast to `dtype`.
 
     Names are exactly as stored: a tied-embedding model has no `lm_head.weight`. Integer
-    tensors keep their dtype. Each name appears in exactly one shard.
+    tensors and the routers' `KEEP_STORED_DTYPE` tensors keep their dtype. Each name appears in
+    exactly one shard.
     """
     path = Path(path)
     weights: dict[str, torch.Tensor] = {}
@@ -25,7 +35,8 @@ def load_weights(path: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
         if duplicated:
             raise ValueError(f"{file} repeats tensor(s) of another shard: {sorted(duplicated)}")
         for name, tensor in part.items():
-            weights[name] = tensor.to(dtype) if tensor.is_floating_point() else tensor
+            cast = tensor.is_floating_point() and not KEEP_STORED_DTYPE.search(name)
+            weights[name] = tensor.to(dtype) if cast else tensor
     index = path / INDEX_FILE
     if index.is_file():
         absent = read_index(index).keys() - weights.keys()

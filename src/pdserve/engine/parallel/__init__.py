@@ -1,0 +1,17 @@
+"""Tensor parallelism inside one engine (Megatron-LM's split, Shoeybi et al. 2019).
+
+An engine with `tensor_parallel_size` N is N processes on one host. Rank 0 is the engine
+process itself: it schedules, owns the block manager, samples. Ranks 1..N-1 are children it
+spawns at construction (`rank_group.py`), each running `rank_process.py`: receive a step's
+inputs, run the forward, nothing else. Every rank holds
+- its share of the attention heads (`shard_plan.py`: whole KV heads with their query heads,
+  or one KV head replicated on N / kv_heads ranks) and of the MLP columns, sliced from the full
+  tensors at load (`shard_weights.py`): q|k|v and gate|up column-parallel, o_proj and down
+  row-parallel, followed by a sum over the ranks (`row_parallel.py`; through shared memory on
+  an x86-64 CPU, `shm_all_reduce.py`, else a process group, `collective.py`);
+- its heads' KV pool, with the same number of blocks as every other rank: a block id means
+  the same token slots everywhere, so rank 0's block manager serves every pool;
+- the whole embedding, norms and LM head (after the last sum every rank has the full hidden
+  state; only rank 0 computes logits).
+Each rank is pinned to its own share of the cores (`cpu_split.py`).
+"""

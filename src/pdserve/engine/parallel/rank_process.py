@@ -1,0 +1,85 @@
+"""A child rank (1..N-1) of a tensor-parallel engine, in its own process.
+
+Its life: pin itself to its cores, load its shard of the model and its KV pool (and map the
+shared-memory all-reduce), answer READY (or why loading failed) on its pipe, wait for
+CONNECT, join the engine's process group where it has no shared-memory all-reduce, then
+run every step rank 0 sends (`StepMessage`) through its model, taking part in the all-reduces,
+until rank 0 sends None or goes away (the pipe closes, or a collective fails). It samples
+nothing: logits are rank 0's.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from pdserve.common.model_config import ModelConfig
+from pdserve.config import EngineConfig
+from pdserve.engine.kv_cache import KVCache
+from pdserve.engine.model.loader import load_model
+from pdserve.engine.parallel.collective import Collective, join_store
+from pdserve.engine.parallel.cpu_split import pin
+from pdserve.engine.parallel.row_parallel import make_row_parallel
+from pdserve.engine.parallel.shard_plan import shard_plan
+from pdserve.engine.parallel.shm_all_reduce import SharedMemoryAllReduce
+from pdserve.engine.parallel.step_message import from_message
+
+READY, CONNECT = "ready", "connect"
+
+
+@dataclass(frozen=True)
+class RankSpec:
+    config: EngineConfig  # the engine's, resolved (max_model_len set)
+    path: Path  # the model folder
+    rank: int
+    size: int
+    cpus: tuple[int, ...]
+    store_port: int
+    num_blocks: int  # every rank's pool has rank 0's block count
+    device: str  # this rank's
+    shm_path: str | None  # the shared-memory all-reduce's mapping, or None: a process group
+
+
+def rank_main(spec: RankSpec, conn: Connection) -> None:
+    pin(spec.cpus)
+    parent = os.getppid()
+    try:
+        model, kv_cache = load_rank(spec)
+        shm = None if spec.shm_path is None else SharedMemoryAllReduce(
+            spec.shm_path, spec.rank, spec.size, lambda: os.getppid() == parent)
+    except Exception as e:  # reported to rank 0, which raises it
+        conn.send(f"rank {spec.rank} could not load its shard: {type(e).__name__}: {e}")
+        return
+    conn.send(READY)
+    if _receive(conn) != CONNECT:
+        return
+    device = torch.device(spec.device)
+    make_row_parallel(model, shm or Collective(join_store(spec.store_port, spec.size),
+                                               spec.rank, spec.size, device))
+    while (msg := _receive(conn)) is not None:
+        input_ids, positions, meta = from_message(msg, device)
+        model(input_ids, positions, kv_cache, meta)
+
+
+def load_rank(spec: RankSpec) -> tuple[nn.Module, KVCache]:
+    c = spec.config
+    cfg = ModelConfig.from_folder(spec.path)
+    dtype = getattr(torch, c.dtype)
+    plan = shard_plan(cfg, spec.size, spec.rank)
+    model = load_model(spec.path, cfg, dtype, spec.device, c.max_model_len, c.cpu_kernels,
+                       shard=plan)
+    return model, KVCache(plan.local_config(cfg), spec.num_blocks, c.block_size, dtype,
+                          spec.device)
+
+
+def _receive(conn: Connection) -> object:
+    """The next message; None once rank 0 has gone away."""
+    try:
+        return conn.recv()
+    except EOFError:
+        return None
