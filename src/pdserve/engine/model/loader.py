@@ -29,9 +29,10 @@ def load_model(
     if shard is not None:
         weights = shard_weights(weights, shard, cfg.head_dim)
         cfg = shard.local_config(cfg)
-    fused = None
-    if cpu_kernels and device == "cpu" and dtype == torch.bfloat16 and supports(cfg):
-        fused = cpu_ops()
+    # the operators: every bf16 CPU model's linears and experts; the rest of the layer only
+    # for the models they cover (`supports`)
+    ops = cpu_ops() if cpu_kernels and device == "cpu" and dtype == torch.bfloat16 else None
+    fused = ops if ops is not None and supports(cfg) else None
     with torch.device("meta"):  # no time spent initialising weights that are overwritten
         model = model_class(cfg.architecture)(cfg, max_positions, device, fused)
     model.to_empty(device=device)
@@ -40,9 +41,8 @@ def load_model(
         model.lm_head.weight = model.embed_tokens.weight
     model.load_hf_weights(weights)
     if can_pack(device):
-        pack_linears(model, fused)
-        if cpu_kernels and dtype == torch.bfloat16 and cfg.moe is not None:
-            pack_experts(model, linear_kernel(cpu_ops()))  # routed experts on our kernels
+        pack_linears(model, ops)
+        pack_experts(model, linear_kernel(ops))  # routed experts on our kernels, if any
     return model.eval()
 
 
