@@ -37,7 +37,7 @@ def test_the_images_only_install_is_make_setup() -> None:
 def test_the_readme_names_the_same_set_up() -> None:
     readme = (ROOT / "README.md").read_text()
     assert IMAGE_SETUP in readme
-    assert "Both run `make setup` first, the one set-up recipe" in readme
+    assert "Each runs `make setup` first, the one set-up recipe" in readme
 
 
 def test_the_readmes_commands_run_the_same_recipe() -> None:

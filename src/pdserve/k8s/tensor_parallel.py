@@ -10,20 +10,19 @@ What is checked, and where the model's shape comes from:
 
 With a known shape, `tensorParallelSize` must divide the attention heads, and the KV heads
 must divide among the ranks or be replicated over them (TP a multiple of the KV heads), as in
-vLLM. A worker takes `--tensor-parallel-size` only if its command line has that option: until
-it does, render refuses a pool with `tensorParallelSize` > 1 (a pod that asked for 8 devices
-and used one would misstate what runs).
+vLLM. Workers run `--tensor-parallel-size` only collocated: a prefill or decode worker refuses
+it at start, since the KV hand-over between pools of different tensor parallelism is not
+built. So render refuses a pool with `tensorParallelSize` > 1 (a pod that asked for 8 devices
+and never started would misstate what runs).
 """
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
 from pdserve.k8s.spec import PoolSpec
 from pdserve.planner.model_shape import ModelShape, load_model_shape
 
-TP_FLAG = "--tensor-parallel-size"
 SMOLLM2_PRESET = "smollm2-135m"
 
 
@@ -52,24 +51,13 @@ def check_heads(pool: PoolSpec, shape: ModelShape) -> None:
                          f"multiple of them")
 
 
-def worker_takes_tp() -> bool:
-    """Whether `pdserve worker` has `--tensor-parallel-size`."""
-    from pdserve.workers.settings import add_worker_args
-
-    parser = argparse.ArgumentParser(add_help=False)
-    add_worker_args(parser)
-    _, unknown = parser.parse_known_args([TP_FLAG, "2"])
-    return not unknown
-
-
 def tp_args(pool: PoolSpec) -> list[str]:
     """The worker options that ask for the pool's tensor parallelism (none for 1)."""
     tp = pool.tensor_parallel_size
     if tp == 1:
         return []
-    if not worker_takes_tp():
-        raise ValueError(f"spec.{pool.role}Pool.tensorParallelSize is {tp}, but pdserve workers "
-                         "do not run tensor parallelism yet (one worker computes on one "
-                         "device): set tensorParallelSize: 1, with more replicas for more "
-                         "throughput")
-    return [TP_FLAG, str(tp)]
+    raise ValueError(f"spec.{pool.role}Pool.tensorParallelSize is {tp}, but pdserve workers "
+                     f"do not run tensor parallelism yet in a {pool.role} pool (only "
+                     "collocated workers do: the KV hand-over between pools of different "
+                     "tensor parallelism is not built): set tensorParallelSize: 1, with more "
+                     "replicas for more throughput")
