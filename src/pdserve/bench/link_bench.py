@@ -34,13 +34,24 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 
-from pdserve.bench.transfer_bench import BLOCK_SIZE, PROMPT_TOKENS, SECRET, _pool, _wait
+import torch
+
+from pdserve.bench.transfer_bench import (
+    BLOCK_SIZE,
+    PROMPT_TOKENS,
+    SECRET,
+    SMOLLM2,
+    smollm2_pool,
+    wait_done,
+)
+from pdserve.engine.kv_cache import KVCache
 from pdserve.testbed import lifecycle
 from pdserve.testbed.namespaces import entered
 from pdserve.testbed.topology import LinkShape, Topology
 from pdserve.transfer.tcp import TcpOptions, TcpTransport
 
 PING_S = 0.005
+BLOCK_BYTES = KVCache.bytes_per_block(SMOLLM2, BLOCK_SIZE, torch.bfloat16)  # 368,640
 _STAMP = struct.Struct("<d")
 OPTIONS = {"tcp": TcpOptions(), "tcp-aes": TcpOptions(encrypt=True),
            "tcp-whole": TcpOptions(frame_s=0)}
@@ -101,8 +112,8 @@ def _pair(topology: Topology, options: TcpOptions, num_blocks: int) -> Iterator[
         w = TcpTransport(topology.address("p0"), secret=SECRET, options=options)
         w.reach(r.local)  # its sender thread starts here, inside p0
     try:
-        w.register(_pool(num_blocks))
-        r.register(_pool(num_blocks))
+        w.register(smollm2_pool(num_blocks))
+        r.register(smollm2_pool(num_blocks))
         yield Pair(w, r)
     finally:
         w.close()
@@ -117,12 +128,12 @@ def bulk(topology: Topology, shape: LinkShape, transport: str, repeats: int) -> 
         def once() -> None:
             tid = next(tids)
             p.r.allow_writes(tid, p.w.local, ids)
-            _wait(p.w, p.w.write(tid, ids, p.r.local, ids))
+            wait_done(p.w, p.w.write(tid, ids, p.r.local, ids))
             p.r.revoke(tid)
 
         once()  # warm-up: the connection's handshake and first frames
         secs = statistics.median(_timed(once) for _ in range(repeats))
-        nbytes = n * p.w._gate.pool.block_nbytes
+    nbytes = n * BLOCK_BYTES
     gbps = nbytes * 8 / secs / 1e9
     return BulkRow(transport, shape.gbps, shape.delay_ms, nbytes, gbps, gbps / shape.gbps)
 
@@ -135,7 +146,7 @@ def burst(topology: Topology, shape: LinkShape, window: bool, concurrent: int,
     times: list[float] = []
     control: list[float] = []
     with _pair(topology, OPTIONS["tcp" if window else "tcp-whole"], n) as p:
-        nbytes = n * p.w._gate.pool.block_nbytes
+        nbytes = n * BLOCK_BYTES
         for _ in range(repeats + 1):  # the first is a warm-up
             took, lat = _one_burst(p, [next(tids) for _ in range(concurrent)], ids)
             if _ > 0:

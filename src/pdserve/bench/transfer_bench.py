@@ -96,7 +96,8 @@ class OverheadRow:
     crc32c_ms: float
 
 
-def _pool(num_blocks: int) -> KVCache:
+def smollm2_pool(num_blocks: int) -> KVCache:
+    """A bf16 pool of SmolLM2's KV shape, filled with seeded random bits."""
     cache = KVCache(SMOLLM2, num_blocks, BLOCK_SIZE, torch.bfloat16)
     cache.data.view(torch.int16).random_(generator=torch.Generator().manual_seed(0))
     return cache
@@ -107,7 +108,7 @@ def _host(conn, transport: str, num_blocks: int) -> None:
     parent (its PeerId is the answer) every move of transfer 1. Control messages are pumped
     meanwhile (a NIXL endpoint answers metadata requests from `receive`)."""
     tx = TRANSPORTS[transport]()
-    tx.register(_pool(num_blocks))
+    tx.register(smollm2_pool(num_blocks))
     conn.send(tx.local.to_json())
     parent = PeerId.from_json(conn.recv())
     tx.allow_writes(1, parent, list(range(num_blocks)))
@@ -118,7 +119,8 @@ def _host(conn, transport: str, num_blocks: int) -> None:
     tx.close()
 
 
-def _wait(tx: Transport, handle: int) -> None:
+def wait_done(tx: Transport, handle: int) -> None:
+    """Poll a move until it ends (pumping control messages); RuntimeError unless "done"."""
     while (status := tx.status(handle)) == "pending":
         tx.receive()
         time.sleep(0.0002)
@@ -156,14 +158,14 @@ def socket_gbps(nbytes: int, repeats: int) -> float:
 def move_gbps(transport: str, sizes_mib: list[int], repeats: int) -> list[tuple[str, int, float]]:
     """(mode, bytes, GB/s) for each size, moving between this process and a child."""
     nbytes = max(sizes_mib) * 2**20
-    blocks = -(-nbytes // _pool(1).block_nbytes)
+    blocks = -(-nbytes // smollm2_pool(1).block_nbytes)
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
     proc = ctx.Process(target=_host, args=(child, transport, blocks), daemon=True)
     proc.start()
     tx = TRANSPORTS[transport]()
     try:
-        local = _pool(blocks)
+        local = smollm2_pool(blocks)
         tx.register(local)
         peer = PeerId.from_json(parent.recv())
         parent.send(tx.local.to_json())
@@ -173,7 +175,7 @@ def move_gbps(transport: str, sizes_mib: list[int], repeats: int) -> list[tuple[
             n = -(-mib * 2**20 // local.block_nbytes)
             ids = list(range(n))
             for mode, verb in (("push", tx.write), ("pull", tx.read)):
-                secs = median_seconds(lambda verb=verb, ids=ids: _wait(
+                secs = median_seconds(lambda verb=verb, ids=ids: wait_done(
                     tx, verb(1, ids, peer, ids)), repeats)
                 out.append((mode, n * local.block_nbytes, n * local.block_nbytes / secs / 1e9))
         return out
@@ -186,7 +188,7 @@ def move_gbps(transport: str, sizes_mib: list[int], repeats: int) -> list[tuple[
 def session_overhead(transport: str, repeats: int) -> OverheadRow:
     """A 1,000-token prompt through a push session vs a bare write, both endpoints here."""
     n = -(-PROMPT_TOKENS // BLOCK_SIZE)
-    pre_pool, dec_pool = _pool(n), _pool(n)
+    pre_pool, dec_pool = smollm2_pool(n), smollm2_pool(n)
     bm = BlockManager(n, BLOCK_SIZE, enable_prefix_caching=False)
     layout = KVLayout.of_cache(pre_pool, "smollm2-shape")
     ids = list(range(n))
@@ -214,7 +216,7 @@ def session_overhead(transport: str, repeats: int) -> OverheadRow:
         def bare_write() -> None:
             tid = next(tids)
             dec.allow_writes(tid, pre.local, ids)
-            _wait(pre, pre.write(tid, ids, dec.local, ids))
+            wait_done(pre, pre.write(tid, ids, dec.local, ids))
 
         session_s = median_seconds(session, repeats)
         bare_s = median_seconds(bare_write, repeats)
