@@ -1,11 +1,13 @@
 """Transfers that respect the link, across two testbed hosts (`pdserve bench transfer
 --testbed`'s measurements): control messages do not wait behind a burst of KV writes when the
 link window is on, and do when it is off (whole writes, kernel buffers); either way the burst
-keeps the link busy."""
+keeps the link busy; tcp and NIXL (UCX kept on the link) pushes fill most of it."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+
+import pytest
 
 from pdserve.bench import link_bench
 from pdserve.testbed.state import BedState
@@ -32,3 +34,10 @@ def test_bulk_writes_fill_most_of_the_link(make_bed: Callable[..., BedState]) ->
     bed = make_bed(("p0", "d0"), SHAPE)
     row = link_bench.bulk(bed.topology, SHAPE, "tcp", repeats=2)
     assert row.of_link > 0.6, row
+
+
+def test_nixl_pushes_across_hosts_fill_most_of_the_link(make_bed: Callable[..., BedState]) -> None:
+    pytest.importorskip("nixl_cu12")
+    bed = make_bed(("p0", "d0"), SHAPE)
+    row = link_bench.nixl_bulk(bed.topology, SHAPE, repeats=2)
+    assert row.transport == "nixl" and row.of_link > 0.6, row

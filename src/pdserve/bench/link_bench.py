@@ -15,8 +15,8 @@ Rows (Gb/s are 1e9 bits per second, as links are rated):
   transfer of every repeat), and control messages sent every `PING_S` while the burst runs
   (`control_p50_ms`, `control_p99_ms`: one-way, sent to delivered).
 
-NIXL is not measured here: two UCX endpoints of one process talk through shared memory, not
-the link.
+NIXL's bulk row (where nixl-cu12 is installed) pushes into a pool a child process hosts on d0
+(`link_nixl.py`): two UCX endpoints of one process would talk through shared memory.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from pdserve.bench import link_nixl
 from pdserve.bench.transfer_bench import (
     BLOCK_SIZE,
     PROMPT_TOKENS,
@@ -138,6 +139,13 @@ def bulk(topology: Topology, shape: LinkShape, transport: str, repeats: int) -> 
     return BulkRow(transport, shape.gbps, shape.delay_ms, nbytes, gbps, gbps / shape.gbps)
 
 
+def nixl_bulk(topology: Topology, shape: LinkShape, repeats: int) -> BulkRow:
+    n = -(-PROMPT_TOKENS // BLOCK_SIZE)
+    secs = link_nixl.push_seconds(topology, n, repeats)
+    gbps = n * BLOCK_BYTES * 8 / secs / 1e9
+    return BulkRow("nixl", shape.gbps, shape.delay_ms, n * BLOCK_BYTES, gbps, gbps / shape.gbps)
+
+
 def burst(topology: Topology, shape: LinkShape, window: bool, concurrent: int,
           repeats: int) -> BurstRow:
     n = -(-PROMPT_TOKENS // BLOCK_SIZE)
@@ -229,6 +237,9 @@ def run(link_gbps: list[float], delay_ms: float, concurrent: list[int], repeats:
             for transport in ("tcp", "tcp-aes"):
                 log(f"{gbps:g} Gb/s: {transport} bulk ...")
                 bulks.append(bulk(topology, shape, transport, repeats))
+            if link_nixl.nixl_available():
+                log(f"{gbps:g} Gb/s: nixl bulk ...")
+                bulks.append(nixl_bulk(topology, shape, repeats))
             for n, window in itertools.product(concurrent, (True, False)):
                 log(f"{gbps:g} Gb/s: {n} at once, window {'on' if window else 'off'} ...")
                 bursts.append(burst(topology, shape, window, n, repeats))
