@@ -1,11 +1,12 @@
-"""The NIXL row of `pdserve bench transfer --testbed`: pushes from host p0 into a pool that a
-child process hosts on d0.
+"""The NIXL row of `pdserve bench transfer --testbed`: pushes from a child process on host p0
+into a pool that a child process hosts on d0.
 
-Two UCX endpoints of one process would talk through shared memory, so the receiver is a child
-process that enters d0's namespace before anything else. Both ends are told to use the host's
-link and TCP only (UCX_NET_DEVICES, UCX_TLS, as `pdserve up --testbed` tells its workers):
-otherwise UCX would take shared memory between two hosts that are one machine. This process's
-endpoint is made, and every move is started and polled, from a thread inside p0.
+Both ends are child processes that enter their host's namespace before anything else: UCX
+keeps process-wide state (its own threads and sockets) from its first use, so an endpoint made
+in this process, which may have used NIXL before, could dial from the wrong namespace, and two
+endpoints of one process would talk through shared memory anyway. Both are told to use the
+host's link and TCP only (UCX_NET_DEVICES, UCX_TLS, as `pdserve up --testbed` tells its
+workers): otherwise UCX would take shared memory between two hosts that are one machine.
 """
 
 from __future__ import annotations
@@ -15,11 +16,14 @@ import multiprocessing as mp
 import os
 import statistics
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
+from multiprocessing.context import BaseContext
+from multiprocessing.process import BaseProcess
 
 from pdserve.bench.transfer_bench import SECRET, smollm2_pool, wait_done
-from pdserve.testbed.namespaces import enter_for_good, entered
+from pdserve.testbed.namespaces import enter_for_good
 from pdserve.testbed.topology import HOST_LINK, Topology
 from pdserve.transfer.peer import PeerId
 
@@ -36,24 +40,46 @@ def nixl_available() -> bool:
 
 def push_seconds(topology: Topology, num_blocks: int, repeats: int) -> float:
     """Median seconds of one push of `num_blocks` SmolLM2-shaped blocks from p0 to d0 (after
-    one warm-up push)."""
-    from pdserve.transfer.nixl import NixlTransport
-
-    ids = list(range(num_blocks))
-    with _ucx_on_the_link(), _receiver(topology, num_blocks) as peer_of, \
-            entered(topology.namespace("p0")):
-        tx = NixlTransport(topology.address("p0"), secret=SECRET)
-        try:
-            tx.register(smollm2_pool(num_blocks))
-            peer = peer_of(tx.local)
-            times = []
-            for _ in range(repeats + 1):
-                start = time.perf_counter()
-                wait_done(tx, tx.write(1, ids, peer, ids))
-                times.append(time.perf_counter() - start)
-        finally:
-            tx.close()
+    one warm-up push), timed in the pushing process."""
+    ctx = mp.get_context("spawn")
+    with _ucx_on_the_link():
+        receiver, pusher = _start(ctx, _host, topology, "d0", num_blocks), \
+            _start(ctx, _push, topology, "p0", num_blocks)
+    try:
+        target = receiver.conn.recv()  # the receiver's PeerId
+        pusher.conn.send(target)
+        receiver.conn.send(pusher.conn.recv())  # the pusher's PeerId: it is permitted
+        pusher.conn.send(receiver.conn.recv())  # "permitted": go
+        pusher.conn.send(repeats)
+        times = pusher.conn.recv()
+    finally:
+        for child in (pusher, receiver):
+            child.stop()
     return statistics.median(times[1:])
+
+
+@dataclass
+class _Child:
+    conn: Connection
+    proc: BaseProcess
+
+    def stop(self) -> None:
+        with contextlib.suppress(OSError):
+            self.conn.send("stop")
+        self.proc.join(10)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join(5)
+
+
+def _start(ctx: BaseContext, target: Callable[..., None], topology: Topology, host: str,
+           num_blocks: int) -> _Child:
+    ours, theirs = ctx.Pipe()
+    proc = ctx.Process(target=target, daemon=True,
+                       args=(theirs, topology.namespace(host), topology.address(host),
+                             num_blocks))
+    proc.start()
+    return _Child(ours, proc)
 
 
 @contextlib.contextmanager
@@ -70,34 +96,8 @@ def _ucx_on_the_link() -> Iterator[None]:
                 os.environ[key] = value
 
 
-@contextlib.contextmanager
-def _receiver(topology: Topology, num_blocks: int) -> Iterator:
-    """A child on d0 hosting the pool; yields peer_of(our PeerId) -> its PeerId, once it
-    permits our writes of transfer 1."""
-    ctx = mp.get_context("spawn")
-    ours, theirs = ctx.Pipe()
-    proc = ctx.Process(target=_host, daemon=True,
-                       args=(theirs, topology.namespace("d0"), topology.address("d0"),
-                             num_blocks))
-    proc.start()
-
-    def peer_of(local: PeerId) -> PeerId:
-        peer = PeerId.from_json(ours.recv())
-        ours.send(local.to_json())
-        ours.recv()  # permitted
-        return peer
-
-    try:
-        yield peer_of
-    finally:
-        ours.send("stop")
-        proc.join(10)
-        if proc.is_alive():
-            proc.kill()
-
-
 def _host(conn: Connection, namespace: str, address: str, num_blocks: int) -> None:
-    """Child process: inside d0, host a pool and permit the parent's writes until told to
+    """Child process: inside d0, host a pool and permit the pusher's writes until told to
     stop (pumping control messages meanwhile: NIXL answers metadata requests there)."""
     enter_for_good(namespace)
     from pdserve.transfer.nixl import NixlTransport
@@ -105,9 +105,32 @@ def _host(conn: Connection, namespace: str, address: str, num_blocks: int) -> No
     tx = NixlTransport(address, secret=SECRET)
     tx.register(smollm2_pool(num_blocks))
     conn.send(tx.local.to_json())
-    parent = PeerId.from_json(conn.recv())
-    tx.allow_writes(1, parent, list(range(num_blocks)))
+    pusher = PeerId.from_json(conn.recv())
+    tx.allow_writes(1, pusher, list(range(num_blocks)))
     conn.send("permitted")
     while not conn.poll(0.001):
         tx.receive()
     tx.close()
+
+
+def _push(conn: Connection, namespace: str, address: str, num_blocks: int) -> None:
+    """Child process: inside p0, push `num_blocks` blocks into the receiver once told to go,
+    warm-up first, and send back every push's seconds."""
+    enter_for_good(namespace)
+    from pdserve.transfer.nixl import NixlTransport
+
+    tx = NixlTransport(address, secret=SECRET)
+    try:
+        tx.register(smollm2_pool(num_blocks))
+        peer = PeerId.from_json(conn.recv())
+        conn.send(tx.local.to_json())
+        conn.recv()  # the receiver permits our writes
+        ids, times = list(range(num_blocks)), []
+        for _ in range(conn.recv() + 1):
+            start = time.perf_counter()
+            wait_done(tx, tx.write(1, ids, peer, ids))
+            times.append(time.perf_counter() - start)
+        conn.send(times)
+        conn.recv()  # stop
+    finally:
+        tx.close()
