@@ -50,7 +50,8 @@ def test_a_degraded_prefill_link_moves_long_prompts_to_local_prefill_until_it_he
     c, prefix, rng = bed_cluster, bed_cluster.bed.topology.prefix, random.Random(5)
     labels = f'{{prefill="{c.worker_url(PREFILL)}",decode="{c.worker_url(DECODE)}"}}'
     assert _pairs_until(c, rng, split=True), "on the fast link no prompt went to p0"
-    assert _hand_over_s(_router_metrics(c), labels) > 0
+    fast_s = _hand_over_s(_router_metrics(c), labels)
+    assert fast_s > 0
 
     lifecycle.set_link(prefix, "p0", gbps=SLOW_GBPS)
     assert _pairs_until(c, rng, split=False), "with p0's link slow prompts still went there"
@@ -59,9 +60,9 @@ def test_a_degraded_prefill_link_moves_long_prompts_to_local_prefill_until_it_he
         _pair(c, rng)  # while the link is slow, prompts stay on the decode host
     after = _router_metrics(c)
     assert metric_value(after, SPLIT) == split
-    # because the link measured slow: a prompt's hand-over longer than its prefill on p0
-    prefill_s = PROMPT_TOKENS / c.health(PREFILL)["rates"]["prefill_tokens_per_s"]
-    assert _hand_over_s(after, labels) > prefill_s
+    # because the link measured slow: a prompt's hand-over estimate well above the fast
+    # link's (how it compares with the prefill times is the split rule's, measured per step)
+    assert _hand_over_s(after, labels) > 2 * fast_s
 
     lifecycle.set_link(prefix, "p0", gbps=FAST_GBPS)
     _until_forgotten(c, labels)
