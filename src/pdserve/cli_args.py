@@ -46,8 +46,9 @@ def add_tensor_parallel_arg(p: argparse.ArgumentParser) -> None:
     """--tensor-parallel-size: the engine's processes (`pdserve.engine.parallel`)."""
     p.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
                    help="compute each step on N processes of this machine, each on its share "
-                        "of the cores, the attention heads, the MLP and the KV pool "
-                        "(collocated only; default: %(default)s)")
+                        "of the cores, the attention heads and the MLP; on the CPU the ranks "
+                        "share one KV pool, so a prefill worker at one size hands KV to a "
+                        "decode worker at any other (default: %(default)s)")
 
 
 def parse_size(text: str) -> int:

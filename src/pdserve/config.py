@@ -56,9 +56,11 @@ class EngineConfig:
         if type(self.tensor_parallel_size) is not int or self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be an int >= 1, got "
                              f"{self.tensor_parallel_size!r}")
-        if self.tensor_parallel_size > 1 and self.role != Role.COLLOCATED:
-            raise ValueError(f"a {self.role.value} engine moves its KV to or from other "
-                             f"engines, and moving the KV of a tensor-parallel engine (its pool "
-                             f"split by heads over {self.tensor_parallel_size} processes) is "
-                             f"not built: use role collocated, or tensor_parallel_size 1")
+        if (self.tensor_parallel_size > 1 and self.role != Role.COLLOCATED
+                and not self.device.startswith("cpu")):
+            raise ValueError(f"a {self.role.value} engine on {self.device} moves its KV to or "
+                             f"from other engines, and the KV of a tensor-parallel engine on "
+                             f"CUDA is a pool per device, which the transfer plane does not "
+                             f"move: use role collocated, tensor_parallel_size 1, or the CPU "
+                             f"(whose ranks share one pool)")
 

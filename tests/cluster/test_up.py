@@ -113,6 +113,11 @@ def test_three_prefill_two_decode_on_two_cores() -> None:
     (["--max-num-seqs", "0"], "max_num_seqs must be positive"),
     (["--ready-timeout", "0"], "timeout"),
     (["--transport", "nixl", "--kv-encrypt"], "tcp transport only"),
+    (["--prefill-tp", "0"], "--prefill-tp must be an int >= 1, got 0"),
+    (["--collocated", "1", "--decode-tp", "2"], "use --collocated-tp with --collocated"),
+    (["--collocated-tp", "2"], "use --prefill-tp and --decode-tp"),
+    (["--device", "cuda", "--transport", "nixl", "--prefill-tp", "2"],
+     "share one KV pool among their ranks on the CPU only"),
 ])
 def test_bad_options_raise_value_error(argv: list[str], match: str) -> None:
     with pytest.raises(ValueError, match=match):
@@ -193,6 +198,21 @@ def test_cores_are_split_evenly_when_there_are_enough() -> None:
     assert _option(one[0], "--cpus") == ["0,1"]
     four = plan_processes(UpConfig(num_prefill=1, num_decode=1, cpus=(0, 1, 2, 3, 4)), SECRET)
     assert [_option(w, "--cpus") for w in four[:2]] == [["0,1"], ["2,3,4"]]
+
+
+def test_tensor_parallel_workers_get_a_core_share_per_rank_and_their_size() -> None:
+    assert _args("--prefill-tp", "2").prefill_tp == 2
+    workers = plan_processes(UpConfig(prefill_tp=2, cpus=tuple(range(6))), SECRET)[:-1]
+    assert [_option(w, "--cpus") for w in workers] == [["0,1,2,3"], ["4,5"]]
+    assert _option(workers[0], "--tensor-parallel-size") == ["2"]
+    assert "--tensor-parallel-size" not in workers[1].argv
+    # fewer cores than ranks: share u on core u mod C, a worker's cores distinct
+    tight = plan_processes(UpConfig(prefill_tp=1, decode_tp=2, cpus=(0, 1)), SECRET)[:-1]
+    assert [_option(w, "--cpus") for w in tight] == [["0"], ["1,0"]]
+    both = plan_processes(UpConfig(num_prefill=0, num_decode=0, num_collocated=1,
+                                   collocated_tp=2, cpus=(0, 1)), SECRET)
+    assert _option(both[0], "--cpus") == ["0,1"]
+    assert _option(both[0], "--tensor-parallel-size") == ["2"]
 
 
 def test_chunked_prefill_and_batch_limits_reach_every_worker() -> None:

@@ -136,10 +136,12 @@ def test_models_without_a_split_are_refused(tiny_model):
 
 
 @pytest.mark.parametrize("role", [Role.PREFILL, Role.DECODE])
-def test_a_disaggregated_role_is_refused(role):
-    with pytest.raises(ValueError, match=f"a {role.value} engine moves its KV .* use role "
-                                         f"collocated, or tensor_parallel_size 1"):
-        EngineConfig(role=role, tensor_parallel_size=2)
+def test_a_disaggregated_role_on_cuda_is_refused(role):
+    with pytest.raises(ValueError, match=f"a {role.value} engine on cuda moves its KV .* a "
+                                         f"pool per device, which the transfer plane does not "
+                                         f"move"):
+        EngineConfig(role=role, tensor_parallel_size=2, device="cuda")
+    assert EngineConfig(role=role, tensor_parallel_size=2).tensor_parallel_size == 2
 
 
 def test_uneven_heads_split_into_whole_kv_heads_and_mlp_columns_even_out_the_weights():

@@ -35,9 +35,9 @@ def test_render_refuses_with_the_file_document_and_field(capsys, tmp_path) -> No
            "the minimum of 0" in captured.err
 
 
-def test_render_refuses_the_seed_example_saying_tensor_parallelism_is_not_there(capsys) -> None:
+def test_render_refuses_the_gpu_seed_example_saying_why(capsys) -> None:
     assert main(["k8s", "render", str(GPU_EXAMPLE)]) == 2
-    assert "workers do not run tensor parallelism yet" in capsys.readouterr().err
+    assert "the transfer plane does not move such pools yet" in capsys.readouterr().err
 
 
 def test_render_refuses_a_file_of_another_kind(capsys, tmp_path) -> None:

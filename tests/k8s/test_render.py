@@ -153,11 +153,10 @@ def test_a_model_volume_is_mounted_where_the_path_points() -> None:
     ("spec.prefillPool.replicas", -2, "spec.prefillPool.replicas: -2 is less than the minimum"),
     ("spec.interconnect.transport", "infiniband", "spec.interconnect.transport: 'infiniband' "
                                                   "is not one of ['tcp', 'nixl']"),
-    ("spec.prefillPool.tensorParallelSize", 2, "spec.prefillPool.tensorParallelSize 2 does not "
-                                               "divide the 9 attention heads of smollm2-135m"),
-    ("spec.decodePool.tensorParallelSize", 3, "spec.decodePool.tensorParallelSize is 3, but "
-                                              "pdserve workers do not run tensor parallelism "
-                                              "yet"),
+    ("spec.prefillPool.tensorParallelSize", 4, "spec.prefillPool.tensorParallelSize 4, "
+                                               "smollm2-135m: tensor-parallel size 4 does not "
+                                               "split 9 attention heads over 3 KV heads"),
+    ("spec.decodePool.tensorParallelSize", 3, None),  # CPU ranks share a pool: any split size
     ("spec.decodePool.replicas", 0, "spec.decodePool.replicas must be at least 1"),
     ("spec.router.replicas", 2, "spec.router.replicas must be 1, got 2"),
     ("spec.interconnect.blockSize", 24, "spec.interconnect.blockSize must be a power of two"),
@@ -186,17 +185,28 @@ def test_bad_resources_are_refused_naming_the_field(path: str, value: object,
     assert message in str(e.value)
 
 
-def test_the_seed_example_is_refused_until_workers_run_tensor_parallelism() -> None:
+def test_the_gpu_seed_example_is_refused_until_tensor_parallel_pools_move_on_cuda() -> None:
     with pytest.raises(ValueError, match=re.escape(
-            "spec.prefillPool.tensorParallelSize is 8, but pdserve workers do not run tensor "
-            "parallelism yet")):
+            "spec.prefillPool.tensorParallelSize is 8, but pdserve's prefill workers on cuda "
+            "run one rank")):
         render(gpu())
 
 
+def test_cpu_pools_of_different_tensor_parallelism_render_their_sizes() -> None:
+    resource = changed(changed(cpu(), "spec.prefillPool.tensorParallelSize", 2),
+                       "spec.decodePool.tensorParallelSize", 1)
+    args = {d["metadata"]["name"]: d["spec"]["template"]["spec"]["containers"][0]["args"]
+            for d in render(resource) if d["kind"] == "Deployment"}
+    prefill = next(a for name, a in args.items() if name.endswith("prefill"))
+    decode = next(a for name, a in args.items() if name.endswith("decode"))
+    assert prefill[prefill.index("--tensor-parallel-size") + 1] == "2"
+    assert "--tensor-parallel-size" not in decode
+
+
 def test_a_preset_checks_the_heads_of_a_model_that_is_not_here() -> None:
-    resource = changed(gpu(), "spec.decodePool.tensorParallelSize", 3)
+    resource = changed(gpu(), "spec.decodePool.tensorParallelSize", 24)
     with pytest.raises(ValueError, match=re.escape(
-            "tensorParallelSize 3 does not divide the 64 attention heads of llama-3.1-70b")):
+            "tensor-parallel size 24 does not split 64 attention heads over 8 KV heads")):
         render(resource, model_config="llama-3.1-70b")
 
 
@@ -207,8 +217,8 @@ def test_a_local_model_folder_is_read_for_its_heads(tmp_path) -> None:
         '"vocab_size": 100}')
     resource = changed(cpu(), "spec.model.path", str(tmp_path))
     render(resource)
-    for tp, message in ((5, "tensorParallelSize 5 does not divide the 12 attention heads"),
-                        (4, "tensorParallelSize 4 neither divides the 3 KV heads"),
-                        (6, "tensorParallelSize is 6, but pdserve workers do not run")):
-        with pytest.raises(ValueError, match=message):
+    for tp in (4, 5):
+        with pytest.raises(ValueError, match=f"tensor-parallel size {tp} does not split 12 "
+                                             f"attention heads over 3 KV heads"):
             render(changed(resource, "spec.prefillPool.tensorParallelSize", tp))
+    render(changed(resource, "spec.prefillPool.tensorParallelSize", 6))  # 2 ranks a KV head

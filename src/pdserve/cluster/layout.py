@@ -2,10 +2,12 @@
 
 Port layout, fixed so a user can find every process: the router listens on PORT; worker i
 (prefill workers first, then decode, or the collocated ones) serves HTTP on PORT+1+i and KV
-transfers on PORT+101+i, so at most MAX_WORKERS workers. Cores (`worker_cores`): with at
-least as many cores as workers, the cores are split evenly in order (1 prefill + 1 decode on
-2 cores: one each; 1 collocated worker on 2 cores: both); with fewer, worker i gets core
-cpus[i mod len(cpus)]. The router is not pinned. `plan_processes` is pure: same config and
+transfers on PORT+101+i, so at most MAX_WORKERS workers. Cores (`worker_cores`): a worker
+counts as many shares as its tensor-parallel ranks; with at least as many cores as shares,
+the cores are split in order in proportion (1 prefill + 1 decode on 2 cores: one each; 1
+collocated worker on 2 cores: both; a prefill worker at TP 2 and a decode worker at TP 1 on 6
+cores: 4 and 2); with fewer, share u is core cpus[u mod len(cpus)]. The router is not
+pinned. `plan_processes` is pure: same config and
 secret path, same plan.
 
 Every process gets the cluster secret file (`--secret-file`), and every ready check (of the
@@ -67,6 +69,9 @@ class UpConfig:
     num_prefill: int = 1
     num_decode: int = 1
     num_collocated: int = 0
+    prefill_tp: int = 1  # tensor-parallel ranks of each prefill worker
+    decode_tp: int = 1
+    collocated_tp: int = 1
     host: str = "127.0.0.1"
     port: int = 8000
     transport: str = "tcp"
@@ -153,6 +158,16 @@ class UpConfig:
                              f"got {self.num_prefill} and {self.num_decode}")
         if self.num_workers > MAX_WORKERS:
             raise ValueError(f"at most {MAX_WORKERS} workers, got {self.num_workers}")
+        for flag, tp in (("--prefill-tp", self.prefill_tp), ("--decode-tp", self.decode_tp),
+                         ("--collocated-tp", self.collocated_tp)):
+            if type(tp) is not int or tp < 1:
+                raise ValueError(f"{flag} must be an int >= 1, got {tp!r}")
+        if self.num_collocated and max(self.prefill_tp, self.decode_tp) > 1:
+            raise ValueError("--prefill-tp and --decode-tp size prefill and decode workers; "
+                             "use --collocated-tp with --collocated")
+        if not self.num_collocated and self.collocated_tp > 1:
+            raise ValueError("--collocated-tp sizes collocated workers; use --prefill-tp and "
+                             "--decode-tp with --prefill and --decode")
 
     def _check_choices(self) -> None:
         for name, value, choices in (("transport", self.transport, TRANSPORTS),
@@ -167,6 +182,11 @@ class UpConfig:
             raise ValueError(f"workers on {self.device} keep their KV in GPU memory, and the "
                              "tcp transport moves host memory only: use --transport nixl, or "
                              "--collocated N")
+        if self.device != "cpu" and not self.num_collocated \
+                and max(self.prefill_tp, self.decode_tp) > 1:
+            raise ValueError(f"tensor-parallel prefill and decode workers share one KV pool "
+                             f"among their ranks on the CPU only; on {self.device} use "
+                             f"--collocated N --collocated-tp M, or TP 1")
         if self.kv_encrypt and self.transport != "tcp":
             raise ValueError("--kv-encrypt seals the tcp transport only (NIXL moves KV with "
                              "UCX, unencrypted)")
@@ -180,6 +200,13 @@ class UpConfig:
         """The role of worker i, for every i: prefill workers first, then decode."""
         return (["prefill"] * self.num_prefill + ["decode"] * self.num_decode
                 + ["collocated"] * self.num_collocated)
+
+    @property
+    def tensor_parallel_sizes(self) -> list[int]:
+        """The tensor-parallel size of worker i, for every i (in `roles` order)."""
+        size = {"prefill": self.prefill_tp, "decode": self.decode_tp,
+                "collocated": self.collocated_tp}
+        return [size[role] for role in self.roles]
 
     @property
     def elastic_settings(self) -> ElasticSettings | None:
@@ -203,7 +230,9 @@ class UpConfig:
             raise ValueError(f"cores {missing} are not available to this process "
                              f"(available: {','.join(map(str, available))})")
         return cls(model=args.model, num_prefill=prefill, num_decode=decode,
-                   num_collocated=collocated, host=args.host, port=args.port,
+                   num_collocated=collocated, prefill_tp=args.prefill_tp,
+                   decode_tp=args.decode_tp, collocated_tp=args.collocated_tp,
+                   host=args.host, port=args.port,
                    transport=args.transport, kv_encrypt=args.kv_encrypt,
                    kv_layerwise=args.kv_layerwise, kv_lease_s=args.kv_lease, dtype=args.dtype,
                    device=args.device, kv_cache_memory=args.kv_cache_memory,
@@ -261,10 +290,13 @@ def plan_processes(config: UpConfig, secret_file: Path) -> list[ProcessSpec]:
 
 def worker_cores(config: UpConfig, index: int) -> tuple[int, ...]:
     """The cores worker `index` is pinned to (see the module docstring)."""
-    c, n = len(config.cpus), config.num_workers
-    if c < n:
-        return (config.cpus[index % c],)
-    return config.cpus[index * c // n : (index + 1) * c // n]
+    shares = config.tensor_parallel_sizes
+    c, n = len(config.cpus), sum(shares)
+    first = sum(shares[:index])
+    last = first + shares[index]
+    if c < n:  # distinct cores, in share order
+        return tuple(dict.fromkeys(config.cpus[u % c] for u in range(first, last)))
+    return config.cpus[first * c // n : last * c // n]
 
 
 def worker_url(config: UpConfig, index: int) -> str:
@@ -297,6 +329,7 @@ def _worker_spec(config: UpConfig, index: int, role: str, secret_file: Path) -> 
         secret_file=secret_file, serve_public=config.serve_public,
         metrics_key_file=config.metrics_key_file, kv_encrypt=config.kv_encrypt,
         kv_layerwise=config.kv_layerwise, cpus=worker_cores(config, index),
+        tensor_parallel_size=config.tensor_parallel_sizes[index],
         kv_cache_memory=config.kv_cache_memory, max_model_len=config.max_model_len,
         max_num_seqs=config.max_num_seqs or MAX_NUM_SEQS,
         enable_chunked_prefill=config.enable_chunked_prefill,

@@ -53,15 +53,17 @@ _EPILOG = (
     f"Ports: the router listens on PORT; worker i (prefill workers first, then decode) serves "
     f"HTTP on PORT+{HTTP_PORT_OFFSET}+i and KV transfers on PORT+{KV_PORT_OFFSET}+i, so with "
     f"the defaults prefill-0 is on 8001 (KV 8101) and decode-0 on 8002 (KV 8102); at most "
-    f"{MAX_WORKERS} workers. Cores: the C cores in --cpus are split evenly among the workers "
-    "when there are at least as many cores as workers (one collocated worker on 2 cores gets "
-    "both), else worker i gets the (i mod C)-th core; the router is not pinned. The cluster "
-    "secret (it authenticates the router to the workers and the workers' KV transfers to each "
-    "other) is made at random for each run, passed to the router and the workers in a private "
-    "file (mode 0600) and deleted at stop, unless --secret-file gives one. Clients reach the "
-    "model through the router only: a worker's own /v1 answers 403 unless --serve-public. "
-    "Example: pdserve up --prefill 2 --decode 1 --cpus 0-2"
-)
+    f"{MAX_WORKERS} workers. Cores: each worker counts one share per tensor-parallel rank "
+    "(--prefill-tp, --decode-tp, --collocated-tp); the C cores in --cpus are split among the "
+    "shares in order when there are at least as many cores as shares (one collocated worker "
+    "on 2 cores gets both), else share u gets the (u mod C)-th core; the router is not "
+    "pinned. The cluster secret (it authenticates the router to the workers and the workers' KV "
+    "transfers to each other) is made at random for each run, passed to the router and the "
+    "workers in a private file (mode 0600) and deleted at stop, unless --secret-file gives one. "
+    "Clients reach the model through the router only: a worker's own /v1 answers 403 unless "
+    "--serve-public. Examples: pdserve up --prefill 2 --decode 1 --cpus 0-2; pdserve up "
+    "--prefill-tp 2 --decode-tp 1 --cpus 0-2 (prefill on 2 processes, KV handed to a 1-process "
+    "decode worker)")
 
 
 def add_up_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -83,6 +85,10 @@ def _add_layout_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--collocated", type=int, default=None, metavar="N",
                    help="run N workers that prefill and decode themselves, no KV transfer; "
                         "excludes --prefill and --decode")
+    for role in ("prefill", "decode", "collocated"):
+        p.add_argument(f"--{role}-tp", type=int, default=1, metavar="N",
+                       help=f"tensor-parallel processes of each {role} worker, each on its "
+                            f"share of the worker's cores, heads, MLP columns (default: 1)")
     p.add_argument("--host", default="127.0.0.1",
                    help="address every process binds to (default: %(default)s)")
     p.add_argument("--port", type=int, default=8000,
@@ -204,14 +210,19 @@ def run_up(args: argparse.Namespace) -> int:
 
 def _workers_phrase(config: UpConfig) -> str:
     if config.num_collocated:
-        return f"{config.num_collocated} collocated workers"
+        return f"{config.num_collocated} collocated{_tp(config.collocated_tp)} workers"
     sealed = " (AES-256-GCM)" if config.kv_encrypt else ""
-    return (f"{config.num_prefill} prefill, {config.num_decode} decode workers over "
-            f"{config.transport}{sealed}")
+    return (f"{config.num_prefill} prefill{_tp(config.prefill_tp)}, {config.num_decode} "
+            f"decode{_tp(config.decode_tp)} workers over {config.transport}{sealed}")
+
+
+def _tp(size: int) -> str:
+    return f" (TP {size})" if size > 1 else ""
 
 
 def _layout_line(config: UpConfig) -> str:
-    cores = ",".join(map(str, config.cpus[:config.num_workers]))
+    used = {c for i in range(config.num_workers) for c in worker_cores(config, i)}
+    cores = ",".join(map(str, sorted(used)))
     elastic = " (elastic: it flips workers between prefill and decode)" if config.elastic \
         else ""
     return (f"starting {_workers_phrase(config)} (model {config.model}, cores {cores}), "

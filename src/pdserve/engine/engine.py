@@ -32,12 +32,12 @@ from pdserve.common.sampling_params import SamplingParams
 from pdserve.common.tokenizer import load_tokenizer
 from pdserve.config import EngineConfig
 from pdserve.engine.block_manager import BlockManager
-from pdserve.engine.kv_cache import KVCache
 from pdserve.engine.model.loader import eos_token_ids, load_model
 from pdserve.engine.output_processor import OutputProcessor
 from pdserve.engine.outputs import CompletionOutput, EngineLoad, RequestOutput, StepStats
 from pdserve.engine.parallel.rank_group import RankGroup
-from pdserve.engine.parallel.shard_plan import check_tensor_parallel, largest_share, shard_plan
+from pdserve.engine.parallel.rank_pool import kv_pool, rank_kv_cache
+from pdserve.engine.parallel.shard_plan import check_tensor_parallel, shard_plan
 from pdserve.engine.request import Request, RequestState
 from pdserve.engine.runner import LayerHook, ModelRunner
 from pdserve.engine.sampler import Sampler
@@ -53,23 +53,24 @@ class Engine:
         self.config = config = _resolve(config, self.model_config)
         self.tokenizer = load_tokenizer(path)
         tp = config.tensor_parallel_size
-        # tensor parallel: rank 0's share, every rank's pool sized for the largest share
-        plan = shard_plan(self.model_config, tp, 0) if tp > 1 else None
-        num_blocks = _num_blocks(config, self.model_config if plan is None
-                                 else largest_share(self.model_config, tp))
-        self.ranks = RankGroup(config, path, num_blocks) if plan is not None else None
+        plan = shard_plan(self.model_config, tp, 0) if tp > 1 else None  # rank 0's share
+        num_blocks, pool = kv_pool(config, self.model_config)
+        self.ranks: RankGroup | None = None
         try:
+            if plan is not None:
+                self.ranks = RankGroup(config, path, num_blocks, pool)
             self.model = load_model(path, self.model_config, torch_dtype(config),
                                     config.device, config.max_model_len, config.cpu_kernels,
                                     shard=plan)
             if self.ranks is not None:
                 self.ranks.connect(self.model, torch.device(config.device))
+            self.kv_cache = rank_kv_cache(config, self.model_config, num_blocks, pool, plan)
         except BaseException:
             self.close()
             raise
-        self.kv_cache = KVCache(self.model_config if plan is None
-                                else plan.local_config(self.model_config), num_blocks,
-                                config.block_size, torch_dtype(config), config.device)
+        finally:
+            if pool is not None:  # every rank has mapped it
+                pool.close()
         self.block_manager = BlockManager(self.kv_cache.num_blocks, config.block_size,
                                           config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.block_manager)
@@ -84,6 +85,12 @@ class Engine:
         # Called inside step() after each layer (ModelRunner.run): layer-wise KV streaming.
         self.on_layer: LayerHook | None = None
         self._ids = itertools.count()
+
+    def check_ranks(self) -> None:
+        """Raise `RankFailed` if a rank of a tensor-parallel engine has exited: no step can
+        run again. Nothing to check with one rank."""
+        if self.ranks is not None:
+            self.ranks.check()
 
     def close(self) -> None:
         """Stop the other ranks of a tensor-parallel engine (bounded wait; idempotent). An
@@ -379,17 +386,3 @@ def _resolve(config: EngineConfig, model: ModelConfig) -> EngineConfig:
 def torch_dtype(config: EngineConfig) -> torch.dtype:
     """The torch dtype named by `config.dtype` (one of `DTYPE_NAMES`)."""
     return getattr(torch, config.dtype)
-
-
-def _num_blocks(config: EngineConfig, model: ModelConfig) -> int:
-    if config.num_kv_blocks is not None:
-        n = config.num_kv_blocks
-    else:
-        n = config.kv_cache_bytes // KVCache.bytes_per_block(model, config.block_size,
-                                                             torch_dtype(config))
-    need = -(-config.max_model_len // config.block_size)
-    if n < need:
-        raise ValueError(f"the KV pool has {n} blocks but one sequence of max_model_len "
-                         f"({config.max_model_len}) needs {need}; give more KV memory or "
-                         f"lower max_model_len")
-    return n

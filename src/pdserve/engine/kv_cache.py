@@ -23,6 +23,13 @@ from pdserve.engine import huge_pages
 
 
 class KVCache:
+    """`data` is the whole pool (what the transfer plane moves). `layers` are the views this
+    process computes with: every KV head, or with `heads` only those (a tensor-parallel rank
+    over a pool its ranks share, `parallel/shared_pool.py`), each slot's rows then strided
+    over the other ranks' heads.
+
+    `pool`: a zeroed tensor of `KVCache.shape(...)` to use instead of allocating one."""
+
     def __init__(
         self,
         model: ModelConfig,
@@ -30,25 +37,37 @@ class KVCache:
         block_size: int,
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
+        pool: torch.Tensor | None = None,
+        heads: range | None = None,
     ) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.num_layers = model.num_layers
         self.is_latent = model.mla is not None
-        if model.mla is not None:  # [num_blocks, layers, 1, block_size, 1, latent_dim]
-            shape = (num_blocks, model.num_layers, 1, block_size, 1, model.mla.latent_dim)
-        else:  # [num_blocks, layers, 2, block_size, kv_heads, head_dim]
-            shape = (num_blocks, model.num_layers, 2, block_size, model.num_kv_heads,
-                     model.head_dim)
-        if torch.device(device).type == "cpu":  # blocks are read at random: huge pages
+        shape = self.shape(model, num_blocks, block_size)
+        if pool is not None:
+            if tuple(pool.shape) != shape or pool.dtype != dtype:
+                raise ValueError(f"the pool given is {list(pool.shape)} {pool.dtype}; this model "
+                                 f"needs {list(shape)} {dtype}")
+            self.data = pool
+        elif torch.device(device).type == "cpu":  # blocks are read at random: huge pages
             self.data = huge_pages.zeros(shape, dtype)
         else:
             self.data = torch.zeros(shape, dtype=dtype, device=device)
-        # per layer: K and V views of [num_blocks, block_size, kv_heads, head_dim]; latent:
-        # a 1-tuple, the view [num_blocks, block_size, latent_dim]
+        h = slice(None) if heads is None else slice(heads.start, heads.stop)
+        # per layer: K and V views of [num_blocks, block_size, kv_heads (of `heads`), head_dim];
+        # latent: a 1-tuple, the view [num_blocks, block_size, latent_dim]
         self.layers: list[tuple[torch.Tensor, ...]] = (
             [(self.data[:, i, 0, :, 0],) for i in range(self.num_layers)] if self.is_latent
-            else [(self.data[:, i, 0], self.data[:, i, 1]) for i in range(self.num_layers)])
+            else [(self.data[:, i, 0, :, h], self.data[:, i, 1, :, h])
+                  for i in range(self.num_layers)])
+
+    @staticmethod
+    def shape(model: ModelConfig, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        if model.mla is not None:  # [num_blocks, layers, 1, block_size, 1, latent_dim]
+            return (num_blocks, model.num_layers, 1, block_size, 1, model.mla.latent_dim)
+        # [num_blocks, layers, 2, block_size, kv_heads, head_dim]
+        return (num_blocks, model.num_layers, 2, block_size, model.num_kv_heads, model.head_dim)
 
     @staticmethod
     def bytes_per_block(model: ModelConfig, block_size: int, dtype: torch.dtype) -> int:

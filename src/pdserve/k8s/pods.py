@@ -30,7 +30,7 @@ from pdserve.k8s.names import (
     internal_service,
 )
 from pdserve.k8s.spec import ClusterSpec, PoolSpec
-from pdserve.k8s.tensor_parallel import tp_args
+from pdserve.k8s.tensor_parallel import check_worker_tp
 from pdserve.router.elastic_settings import ElasticSettings, elastic_to_args
 from pdserve.workers.settings import WorkerLaunch, worker_argv
 
@@ -48,6 +48,7 @@ STARTUP_S = 900  # model conversion, CPU operator compilation and the load
 
 
 def worker_args(spec: ClusterSpec, pool: PoolSpec) -> list[str]:
+    check_worker_tp(pool, spec.device)
     launch = WorkerLaunch(
         role=Role(pool.role), model=spec.model.path,
         served_model_name=spec.model.served_model_name, dtype=spec.dtype, device=spec.device,
@@ -56,8 +57,9 @@ def worker_args(spec: ClusterSpec, pool: PoolSpec) -> list[str]:
         kv_encrypt=spec.interconnect.encryption, kv_cache_memory=pool.kv_cache_memory,
         block_size=spec.interconnect.block_size,
         register=f"http://{internal_service(spec.name)}:{spec.router.port}",
-        name="$(POD_NAME)", drain_timeout_s=float(DRAIN_S))
-    return ["worker", *worker_argv(launch), *tp_args(pool)]
+        name="$(POD_NAME)", drain_timeout_s=float(DRAIN_S),
+        tensor_parallel_size=pool.tensor_parallel_size)
+    return ["worker", *worker_argv(launch)]
 
 
 def router_args(spec: ClusterSpec) -> list[str]:

@@ -8,18 +8,20 @@ What is checked, and where the model's shape comes from:
 - otherwise the heads are not checked here (render says so); the worker reads the model's
   config when it starts.
 
-With a known shape, `tensorParallelSize` must divide the attention heads, and the KV heads
-must divide among the ranks or be replicated over them (TP a multiple of the KV heads), as in
-vLLM. Workers run `--tensor-parallel-size` only collocated: a prefill or decode worker refuses
-it at start, since the KV hand-over between pools of different tensor parallelism is not
-built. So render refuses a pool with `tensorParallelSize` > 1 (a pod that asked for 8 devices
-and never started would misstate what runs).
+With a known shape, `tensorParallelSize` must split the heads as the engine splits them
+(`common/head_split.py`: whole KV heads a rank, or each KV head replicated on TP / KV ranks
+that split its query heads evenly). On the CPU a worker's ranks share one KV pool, so prefill
+and decode pools may differ in tensor parallelism (the hand-over moves whole-model blocks). On
+CUDA each rank keeps its pool on its own device, which the transfer plane does not move, so a
+prefill or decode worker refuses `--tensor-parallel-size` > 1 there at start; render refuses
+such a pool (a pod that asked for 8 devices and never started would misstate what runs).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
+from pdserve.common.head_split import head_split_error
 from pdserve.k8s.spec import PoolSpec
 from pdserve.planner.model_shape import ModelShape, load_model_shape
 
@@ -40,24 +42,23 @@ def model_shape(path: str, model_config: str | None = None) -> ModelShape | None
 
 
 def check_heads(pool: PoolSpec, shape: ModelShape) -> None:
-    tp, heads = pool.tensor_parallel_size, shape.num_heads
-    where = f"spec.{pool.role}Pool.tensorParallelSize {tp}"
-    if heads % tp:
-        raise ValueError(f"{where} does not divide the {heads} attention heads of "
-                         f"{shape.name}: use a divisor of {heads}")
-    kv = shape.num_kv_heads
-    if not shape.is_mla and kv % tp and tp % kv:
-        raise ValueError(f"{where} neither divides the {kv} KV heads of {shape.name} nor is a "
-                         f"multiple of them")
-
-
-def tp_args(pool: PoolSpec) -> list[str]:
-    """The worker options that ask for the pool's tensor parallelism (none for 1)."""
+    """The engine's rule (`common/head_split.py`); a latent (MLA) model's KV is not split."""
     tp = pool.tensor_parallel_size
-    if tp == 1:
-        return []
-    raise ValueError(f"spec.{pool.role}Pool.tensorParallelSize is {tp}, but pdserve workers "
-                     f"do not run tensor parallelism yet in a {pool.role} pool (only "
-                     "collocated workers do: the KV hand-over between pools of different "
-                     "tensor parallelism is not built): set tensorParallelSize: 1, with more "
-                     "replicas for more throughput")
+    kv = 1 if shape.is_mla else shape.num_kv_heads
+    error = head_split_error(tp, shape.num_heads, kv) if not shape.is_mla else (
+        None if shape.num_heads % tp == 0 else
+        f"tensor-parallel size {tp} does not divide the {shape.num_heads} attention heads")
+    if error is not None:
+        raise ValueError(f"spec.{pool.role}Pool.tensorParallelSize {tp}, {shape.name}: {error}")
+
+
+def check_worker_tp(pool: PoolSpec, device: str) -> None:
+    """ValueError unless the pool's workers can run its tensor parallelism on `device`."""
+    tp = pool.tensor_parallel_size
+    if tp > 1 and device != "cpu":
+        raise ValueError(
+            f"spec.{pool.role}Pool.tensorParallelSize is {tp}, but pdserve's {pool.role} "
+            f"workers on {device} run one rank: each rank's KV pool is on its own device, and "
+            f"the transfer plane does not move such pools yet (on the CPU the ranks share one "
+            f"pool, and any size works): set tensorParallelSize: 1, with more replicas for "
+            f"more throughput")

@@ -38,12 +38,13 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from pdserve.common.engine_options import Role
 from pdserve.engine.engine import Engine
 from pdserve.engine.outputs import RequestOutput
+from pdserve.engine.parallel.rank_group import RankFailed
 from pdserve.legs.protocol import MOVED, LegKind, LegRequest, TokenEvent
 from pdserve.workers.handover import (
     HandOver,
@@ -68,6 +69,7 @@ log = logging.getLogger("pdserve.worker")
 UNAVAILABLE = "unavailable"
 IDLE_WAIT_S = 0.05  # nothing to do: wait this long for a command
 POLL_WAIT_S = 0.001  # transfers in flight, nothing to compute
+RANK_CHECK_S = 0.5  # an idle worker finds a dead tensor-parallel rank within this
 
 
 @dataclass
@@ -107,12 +109,17 @@ class _Leg:
 
 class EngineLoop:
     def __init__(self, engine: Engine, pump: HubPump | None, metrics: WorkerMetrics,
-                 stream_layers: bool = False, tpot_target_s: float | None = None) -> None:
+                 stream_layers: bool = False, tpot_target_s: float | None = None,
+                 on_fatal: Callable[[str], None] | None = None) -> None:
         """`tpot_target_s`: local prompts beside decoding streams go in chunks that keep a
-        step within it (`workers/prefill_budget.py`); None: whole prompts."""
+        step within it (`workers/prefill_budget.py`); None: whole prompts. `on_fatal(reason)`:
+        called on the engine thread, once, after a failure that leaves the engine unable to
+        compute (a tensor-parallel rank died) has failed every leg; the thread then ends."""
         self.engine, self.pump, self.metrics = engine, pump, metrics
+        self._on_fatal = on_fatal
         self.tpot_target_s = tpot_target_s
         self._chunk_at = 0.0  # when the prefill chunk was last recomputed
+        self._ranks_checked_at = 0.0  # when the tensor-parallel ranks were last seen alive
         self.handover = None if pump is None else HandOver(engine, pump.hub, metrics)
         self._stream_layers = stream_layers and pump is not None
         self.trace = StepTrace()
@@ -188,6 +195,14 @@ class EngineLoop:
         while not self._stop.is_set():
             try:
                 self._iterate()
+            except RankFailed as e:  # no step can run again: end the legs, then the worker
+                log.critical("the engine cannot compute: %s; failing every leg and stopping "
+                             "this worker", e)
+                self._fail_all(f"the worker's engine failed: {e}")
+                self._flush()
+                if self._on_fatal is not None:
+                    self._on_fatal(str(e))
+                return
             except Exception:  # a bug: fail every leg rather than hang them
                 log.exception("engine loop iteration failed; failing every leg")
                 self._fail_all("internal error in the engine loop")
@@ -195,6 +210,9 @@ class EngineLoop:
 
     def _iterate(self) -> None:
         self._take_commands()
+        if time.monotonic() >= self._ranks_checked_at + RANK_CHECK_S:
+            self._ranks_checked_at = time.monotonic()
+            self.engine.check_ranks()
         for engine_id in self.parked.expired():
             self.engine.release(engine_id)
         if self.handover is not None:

@@ -19,6 +19,9 @@ Life cycle.
 4. SIGTERM / SIGINT: stop accepting, stop the engine thread, close the transport, exit.
    Blocks held by unfinished legs die with the process; the peers see the transport close
    and free their side.
+5. An engine that can no longer compute (a tensor-parallel rank died): every leg fails with
+   the reason, then the worker stops as on SIGTERM and exits with status 1, its other ranks
+   with it; `pdserve up` restarts it.
 """
 
 from __future__ import annotations
@@ -72,6 +75,7 @@ class Worker:
                                 self._generate_local, limits=settings.limits)
         self.load_seconds: float | None = None
         self.pump: HubPump | None = None
+        self.failed = asyncio.Event()  # the engine can no longer compute: the worker exits
 
     # -- start and stop ------------------------------------------------------------------------
 
@@ -93,7 +97,8 @@ class Worker:
             hub.start()
         self.pump = hub
         loop = EngineLoop(self.engine, hub, self.metrics, stream_layers=s.stream_layers,
-                          tpot_target_s=s.tpot_target_s)
+                          tpot_target_s=s.tpot_target_s,
+                          on_fatal=lambda _: aio.call_soon_threadsafe(self.failed.set))
         self.metrics.bind_engine(self.engine, lambda: loop.num_legs)
         self.api.tokenizer = self.engine.tokenizer
         self.channels = WorkerLegChannels(loop)
@@ -113,6 +118,8 @@ class Worker:
             self.pump.stop()
         if self.transport is not None:
             self.transport.close()
+        if self.engine is not None:  # a tensor-parallel engine's ranks stop with it
+            self.engine.close()
 
     @property
     def ready(self) -> bool:
@@ -245,8 +252,9 @@ def pin_cpus(cpus: tuple[int, ...] | None) -> None:
         torch.set_num_threads(len(cpus))
 
 
-async def serve(settings: WorkerSettings) -> None:
-    """Run one worker until SIGTERM or SIGINT."""
+async def serve(settings: WorkerSettings) -> int:
+    """Run one worker until SIGTERM or SIGINT (then 0), or until its engine fails for good
+    (then 1: a supervisor restarts it)."""
     pin_cpus(settings.cpus)
     worker = Worker(settings)
     runner = await start_site(worker.app(), settings.host, settings.port)
@@ -262,7 +270,9 @@ async def serve(settings: WorkerSettings) -> None:
         if loading in done:
             loading.result()  # raises a load error (bad model folder...)
             registration = start_registration(settings.join, settings.secret, worker.info)
-            await stop.wait()
+            await asyncio.wait({asyncio.ensure_future(stop.wait()),
+                                asyncio.ensure_future(worker.failed.wait())},
+                               return_when=asyncio.FIRST_COMPLETED)
     finally:
         log.info("worker stopping")
         if registration is not None:  # drains through the router, then leaves its pool
@@ -270,3 +280,4 @@ async def serve(settings: WorkerSettings) -> None:
         with contextlib.suppress(Exception):
             await runner.cleanup()
         worker.close()
+    return 1 if worker.failed.is_set() else 0

@@ -239,8 +239,7 @@ def _run_worker(args: argparse.Namespace) -> int:
 
     settings = settings_from_args(args)
     setup(f"{settings.role.value}:{settings.port}")
-    asyncio.run(serve(settings))
-    return 0
+    return asyncio.run(serve(settings))
 
 
 @dataclass(frozen=True)

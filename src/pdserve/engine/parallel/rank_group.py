@@ -32,6 +32,7 @@ from pdserve.engine.parallel.collective import Collective, open_store
 from pdserve.engine.parallel.cpu_split import pin, split_cpus, unpin
 from pdserve.engine.parallel.rank_process import CONNECT, READY, RankSpec, rank_main
 from pdserve.engine.parallel.row_parallel import make_row_parallel
+from pdserve.engine.parallel.shared_pool import SharedPool
 from pdserve.engine.parallel.shm_all_reduce import (
     SharedMemoryAllReduce,
     create_mapping,
@@ -50,7 +51,9 @@ class RankFailed(RuntimeError):
 
 
 class RankGroup:
-    def __init__(self, config: EngineConfig, path: Path, num_blocks: int) -> None:
+    def __init__(self, config: EngineConfig, path: Path, num_blocks: int,
+                 pool: SharedPool | None) -> None:
+        """`pool`: the KV pool the ranks share (CPU), or None: each rank allocates its own."""
         size = config.tensor_parallel_size
         shares = split_cpus(sorted(os.sched_getaffinity(0)), size)
         self._store = open_store(size)
@@ -61,7 +64,7 @@ class RankGroup:
         self._conns: list[Connection] = []
         for rank in range(1, size):
             spec = RankSpec(config, Path(path), rank, size, shares[rank], self._store.port,
-                            num_blocks, rank_device(config.device, rank), self._shm_path)
+                            num_blocks, rank_device(config.device, rank), self._shm_path, pool)
             ours, theirs = ctx.Pipe()
             proc = ctx.Process(target=rank_main, args=(spec, theirs), daemon=True,
                                name=f"pdserve-tp-rank-{rank}")
@@ -126,9 +129,17 @@ class RankGroup:
                 raise RankFailed(dead) from e
             raise
 
-    def _dead_rank(self) -> str | None:
+    def check(self) -> None:
+        """Raise RankFailed if a child rank has exited (or a step failed part-way): between
+        steps, so that an idle engine learns it cannot compute before a request finds out."""
+        if self._failure is None:
+            self._failure = self._dead_rank(wait_s=0.0)
+        if self._failure is not None:
+            raise RankFailed(self._failure)
+
+    def _dead_rank(self, wait_s: float = EXIT_WAIT_S) -> str | None:
         for rank, proc in enumerate(self._procs, 1):
-            proc.join(EXIT_WAIT_S)
+            proc.join(wait_s)
             if not proc.is_alive():
                 return (f"tensor-parallel rank {rank} (pid {proc.pid}) {_exit_text(proc)}; "
                         f"this engine cannot compute further steps: close it and start a "

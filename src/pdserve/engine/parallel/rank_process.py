@@ -1,6 +1,6 @@
 """A child rank (1..N-1) of a tensor-parallel engine, in its own process.
 
-Its life: pin itself to its cores, load its shard of the model and its KV pool (and map the
+Its life: pin itself to its cores, load its shard of the model and map its KV pool (and map the
 shared-memory all-reduce), answer READY (or why loading failed) on its pipe, wait for
 CONNECT, join the engine's process group where it has no shared-memory all-reduce, then
 run every step rank 0 sends (`StepMessage`) through its model, taking part in the all-reduces,
@@ -24,8 +24,10 @@ from pdserve.engine.kv_cache import KVCache
 from pdserve.engine.model.loader import load_model
 from pdserve.engine.parallel.collective import Collective, join_store
 from pdserve.engine.parallel.cpu_split import pin
+from pdserve.engine.parallel.rank_pool import rank_kv_cache
 from pdserve.engine.parallel.row_parallel import make_row_parallel
 from pdserve.engine.parallel.shard_plan import shard_plan
+from pdserve.engine.parallel.shared_pool import SharedPool
 from pdserve.engine.parallel.shm_all_reduce import SharedMemoryAllReduce
 from pdserve.engine.parallel.step_message import from_message
 
@@ -43,6 +45,7 @@ class RankSpec:
     num_blocks: int  # every rank's pool has rank 0's block count
     device: str  # this rank's
     shm_path: str | None  # the shared-memory all-reduce's mapping, or None: a process group
+    pool: SharedPool | None  # the KV pool the ranks share, or None: a pool of its own
 
 
 def rank_main(spec: RankSpec, conn: Connection) -> None:
@@ -69,12 +72,14 @@ def rank_main(spec: RankSpec, conn: Connection) -> None:
 def load_rank(spec: RankSpec) -> tuple[nn.Module, KVCache]:
     c = spec.config
     cfg = ModelConfig.from_folder(spec.path)
-    dtype = getattr(torch, c.dtype)
     plan = shard_plan(cfg, spec.size, spec.rank)
-    model = load_model(spec.path, cfg, dtype, spec.device, c.max_model_len, c.cpu_kernels,
-                       shard=plan)
-    return model, KVCache(plan.local_config(cfg), spec.num_blocks, c.block_size, dtype,
-                          spec.device)
+    model = load_model(spec.path, cfg, getattr(torch, c.dtype), spec.device, c.max_model_len,
+                       c.cpu_kernels, shard=plan)
+    try:
+        return model, rank_kv_cache(c, cfg, spec.num_blocks, spec.pool, plan)
+    finally:
+        if spec.pool is not None:
+            spec.pool.close()
 
 
 def _receive(conn: Connection) -> object:

@@ -1,13 +1,12 @@
 """Which heads and MLP columns each rank of a tensor-parallel engine computes.
 
-With at least as many KV heads as ranks, each rank takes a contiguous run of whole KV heads
-with their query heads (runs differ by at most one head when N does not divide them). With
-fewer, each KV head is replicated on N / kv_heads ranks (vLLM's rule), which split its query
-heads evenly. MLP columns are split in contiguous runs sized so that every rank holds about
-the same linear weights: a rank with fewer heads takes more columns (SmolLM2's 3 KV heads on
-2 ranks: 1 and 2 heads, 864 and 672 of 1,536 columns), since a step's linears take time in
-proportion to their weights, for decode (weight reads) and prefill (FLOPs) alike. A rank's
-model is the model with its own head and column counts (`local_config`).
+Heads as `common/head_split.py` says: contiguous runs of whole KV heads with their query
+heads, or each KV head replicated on N / kv_heads ranks, which split its query heads evenly.
+MLP columns are split in contiguous runs sized so that every rank holds about the same linear
+weights: a rank with fewer heads takes more columns (SmolLM2's 3 KV heads on 2 ranks: 1 and 2
+heads, 864 and 672 of 1,536 columns), since a step's linears take time in proportion to their
+weights, for decode (weight reads) and prefill (FLOPs) alike. A rank's model is the model
+with its own head and column counts (`local_config`).
 """
 
 from __future__ import annotations
@@ -16,6 +15,7 @@ import dataclasses
 import itertools
 from dataclasses import dataclass
 
+from pdserve.common.head_split import head_split_error
 from pdserve.common.model_config import ModelConfig
 
 # Decoders whose layers are the plain q|k|v, o, gate|up, down of `model/llama.py`.
@@ -49,15 +49,9 @@ def check_tensor_parallel(cfg: ModelConfig, size: int) -> None:
     if cfg.architecture not in TP_ARCHITECTURES:
         raise ValueError(f"tensor_parallel_size {size}: {cfg.architecture} runs on one process "
                          f"only for now; tensor parallelism covers {', '.join(TP_ARCHITECTURES)}")
-    heads, kv = cfg.num_heads, cfg.num_kv_heads
-    group = heads // kv  # query heads per KV head
-    if kv < size and (size % kv or group % (size // kv)):
-        raise ValueError(
-            f"tensor_parallel_size {size} does not split {heads} attention heads over {kv} KV "
-            f"heads: with fewer KV heads than ranks each KV head is replicated on "
-            f"size / {kv} ranks, so the size must be a multiple of {kv} whose replicas split "
-            f"each KV head's {group} query heads evenly; choose a size of at most {kv}, or "
-            f"such a multiple")
+    error = head_split_error(size, cfg.num_heads, cfg.num_kv_heads)
+    if error is not None:
+        raise ValueError(error)
     if cfg.intermediate_size < size:
         raise ValueError(f"tensor_parallel_size {size} exceeds the model's "
                          f"{cfg.intermediate_size} MLP columns")

@@ -18,8 +18,9 @@ namespace {
 constexpr int64_t kLookahead = 512 << 10;
 
 // One request's context in the paged cache: position t is slot t % bs of block
-// table[t / bs]; a slot holds every KV head's row (KVH x D, contiguous); blocks are
-// `block_stride` apart.
+// table[t / bs]; a slot holds every KV head's row (KVH x D, contiguous), slots are
+// `slot_stride` apart (KVH x D, or more where the view is a tensor-parallel rank's heads of a
+// wider pool), blocks `block_stride` apart.
 struct Context {
   const int64_t* table;
   int64_t len, bs, block_stride, slot_stride;
@@ -219,7 +220,8 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
   // contiguous block region, the next heads' passes find them in cache), else one.
   const int64_t heads_per_item = b >= 2 * at::get_num_threads() ? kvh : 1;
   const int64_t items_per_req = kvh / heads_per_item;
-  const int64_t slot_bytes = kvh * d * 2, block_bytes = block_stride * 2;
+  const int64_t slot_stride = k_cache.stride(1);  // >= kvh * d: see check_kv_cache
+  const int64_t slot_bytes = slot_stride * 2, block_bytes = block_stride * 2;
   const int64_t item_span = heads_per_item * d * 2;  // bytes of each slot an item reads
   const auto item = [&](int64_t i) {  // (request, first KV head) of work item i
     return std::pair<int64_t, int64_t>{i / items_per_req, (i % items_per_req) * heads_per_item};
@@ -241,7 +243,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
     std::vector<float> qf(g * d), of(g * d), scores;
     for (int64_t i = i0; i < i1; ++i) {
       const auto [r, first] = item(i);
-      const Context ctx{tables + r * width, lp[r], bs, block_stride, kvh * d};
+      const Context ctx{tables + r * width, lp[r], bs, block_stride, slot_stride};
       Lookahead ahead = lookahead(i + 1 < i1 ? i + 1 : -1);
       // spread over the passes that read from cache: 2 per head, less the first K pass
       const int64_t calls = (2 * heads_per_item - 1) * lp[r];

@@ -21,8 +21,10 @@ void check_kv_cache(const at::Tensor& k_cache, const at::Tensor& v_cache) {
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() &&
                   k_cache.strides() == v_cache.strides() && k_cache.stride(3) == 1 &&
                   k_cache.stride(2) == k_cache.size(3) &&
-                  k_cache.stride(1) == k_cache.size(2) * k_cache.size(3),
-              "k_cache and v_cache must be [blocks, block_size, KVH, D] with contiguous slots");
+                  k_cache.stride(1) >= k_cache.size(2) * k_cache.size(3),
+              "k_cache and v_cache must be [blocks, block_size, KVH, D] with each slot's heads "
+              "contiguous (a slot may hold more heads than the view: a tensor-parallel rank's "
+              "heads of a shared pool)");
 }
 
 void store_kv_(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at::Tensor& v_cache,
