@@ -195,12 +195,12 @@ def test_the_gpu_seed_example_is_refused_until_tensor_parallel_pools_move_on_cud
 def test_cpu_pools_of_different_tensor_parallelism_render_their_sizes() -> None:
     resource = changed(changed(cpu(), "spec.prefillPool.tensorParallelSize", 2),
                        "spec.decodePool.tensorParallelSize", 1)
-    args = {d["metadata"]["name"]: d["spec"]["template"]["spec"]["containers"][0]["args"]
-            for d in render(resource) if d["kind"] == "Deployment"}
-    prefill = next(a for name, a in args.items() if name.endswith("prefill"))
-    decode = next(a for name, a in args.items() if name.endswith("decode"))
-    assert prefill[prefill.index("--tensor-parallel-size") + 1] == "2"
-    assert "--tensor-parallel-size" not in decode
+    manifests = render(resource)
+    _validate_all(manifests)
+    prefill = _worker_launch(_container(manifests, "smollm2-prefill")["args"])
+    decode = _worker_launch(_container(manifests, "smollm2-decode")["args"])
+    assert (prefill.role, prefill.tensor_parallel_size) == ("prefill", 2)
+    assert (decode.role, decode.tensor_parallel_size) == ("decode", 1)
 
 
 def test_a_preset_checks_the_heads_of_a_model_that_is_not_here() -> None:
