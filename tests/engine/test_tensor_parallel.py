@@ -122,7 +122,7 @@ def test_a_killed_rank_fails_the_next_generate_without_hanging(tiny_model):
 
 def test_heads_that_do_not_split_are_refused_before_any_process_starts(tiny_model):
     before = psutil.Process().children()
-    with pytest.raises(ValueError, match=r"tensor_parallel_size 3 does not split 4 attention "
+    with pytest.raises(ValueError, match=r"tensor-parallel size 3 does not split 4 attention "
                                          r"heads over 2 KV heads"):
         LLM(model=str(tiny_model("llama")), dtype="float32", max_model_len=256,
             tensor_parallel_size=3)

@@ -10,20 +10,18 @@ operators only (`kernels.supports` is False for MLA): fp32 runs match transforme
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from types import ModuleType
 
 import torch
 from torch import nn
 
 from pdserve.common.model_config import ModelConfig
-from pdserve.engine.kv_cache import KVCache
 from pdserve.engine.model.attention import AttentionMetadata
+from pdserve.engine.model.decoder_stack import DecoderStack
 from pdserve.engine.model.deepseek_moe import DeepseekMoE, convert_moe_weights
-from pdserve.engine.model.llama import MLP, RMSNorm
+from pdserve.engine.model.llama import MLP, RMSNorm, fuse_gate_up
 from pdserve.engine.model.mla_attention import MlaAttention
 from pdserve.engine.model.mla_rope import MlaRotary, MlaStepRope
-from pdserve.engine.model.weights import copy_weights
 
 
 class DeepseekDecoderLayer(nn.Module):
@@ -44,57 +42,37 @@ class DeepseekDecoderLayer(nn.Module):
         return self.mlp(h), residual
 
 
-class DeepseekForCausalLM(nn.Module):
+class DeepseekForCausalLM(DecoderStack):
     """`fused` is accepted for the registry's signature; MLA models always get None."""
 
     def __init__(self, cfg: ModelConfig, max_positions: int, device: torch.device | str,
                  fused: ModuleType | None = None) -> None:
-        super().__init__()
         if cfg.mla is None or cfg.moe is None:
             raise ValueError(f"{cfg.architecture}: a DeepSeek decoder needs the MLA and MoE "
                              "fields of its config.json")
-        self.cfg = cfg
-        self.fused = None
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DeepseekDecoderLayer(cfg, cfg.moe.is_moe_layer(i))
-                                    for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, None)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight
+        layers = (DeepseekDecoderLayer(cfg, cfg.moe.is_moe_layer(i))
+                  for i in range(cfg.num_layers))
+        super().__init__(cfg, layers, RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, None), None)
         with torch.device(device):  # real tables, also while the layers are built on meta
             self.rope = MlaRotary(cfg, max_positions, device)
 
-    @torch.inference_mode()
-    def forward(
-        self,
-        input_ids: torch.Tensor,  # [T]
-        positions: torch.Tensor,  # [T]
-        kv_cache: KVCache,
-        meta: AttentionMetadata,
-        after_layer: Callable[[int], None] | None = None,
-    ) -> torch.Tensor:
-        """`after_layer(i)` runs once layer i has stored this batch's latents in `kv_cache`."""
-        x = self.embed_tokens(input_ids)  # [T, hidden]
-        rope = self.rope.for_step(positions, x.dtype)  # shared by every layer
-        residual = None
-        for i, (layer, kv) in enumerate(zip(self.layers, kv_cache.layers, strict=True)):
-            x, residual = layer(x, residual, rope, kv, meta)
-            if after_layer is not None:
-                after_layer(i)
-        return self.norm(x, residual)[0]  # [T, hidden]
-
-    @torch.inference_mode()
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)  # [N, vocab]
+    def step_rope(self, positions: torch.Tensor, dtype: torch.dtype) -> MlaStepRope:
+        return self.rope.for_step(positions, dtype)
 
     def load_hf_weights(self, weights: dict[str, torch.Tensor]) -> None:
-        """Copy a HF state dict in (converted by `_convert`); any missing tensor is an error.
-        Then split each kv_b_proj for the absorbed decode (`MlaAttention.absorb`)."""
-        converted = _convert(weights, self.cfg)
-        copy_weights(self, converted)
+        """As `DecoderStack`'s, then each kv_b_proj split for the absorbed decode
+        (`MlaAttention.absorb`)."""
+        super().load_hf_weights(weights)
         for layer in self.layers:
             layer.self_attn.absorb()
+
+    def convert_layer(self, weights: dict[str, torch.Tensor], index: int) -> None:
+        """A dense layer's gate/up fused, a MoE layer's experts stacked."""
+        m = f"layers.{index}.mlp."
+        if self.cfg.moe.is_moe_layer(index):
+            weights |= convert_moe_weights(weights, m, self.cfg.moe)
+        else:
+            fuse_gate_up(weights, m)
 
 
 class DeepseekV2ForCausalLM(DeepseekForCausalLM):
@@ -103,22 +81,3 @@ class DeepseekV2ForCausalLM(DeepseekForCausalLM):
 
 class DeepseekV3ForCausalLM(DeepseekForCausalLM):
     pass
-
-
-def _convert(w: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """HF names -> this model's: "model." dropped, dense gate/up fused, MoE experts stacked."""
-    assert cfg.moe is not None
-    out = {k.removeprefix("model."): v for k, v in w.items()}
-    for i in range(cfg.num_layers):
-        m = f"layers.{i}.mlp."
-        if cfg.moe.is_moe_layer(i):
-            out |= convert_moe_weights(out, m, cfg.moe)
-            continue
-        gate, up = out.pop(f"{m}gate_proj.weight", None), out.pop(f"{m}up_proj.weight", None)
-        if gate is not None and up is not None:
-            out[f"{m}gate_up_proj.weight"] = torch.cat([gate, up], dim=0)  # [2I, hidden]
-    if "lm_head.weight" in w:
-        out["lm_head.weight"] = w["lm_head.weight"]
-    elif cfg.tie_word_embeddings:
-        out["lm_head.weight"] = out["embed_tokens.weight"]
-    return out

@@ -8,7 +8,6 @@ Norms compute in fp32 and cast back, exactly as HF does, so fp32 runs match HF t
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
@@ -17,11 +16,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.common.model_config import ModelConfig
-from pdserve.engine.kv_cache import KVCache
 from pdserve.engine.model.attention import AttentionMetadata, paged_attention
+from pdserve.engine.model.decoder_stack import DecoderStack, LayerCall
 from pdserve.engine.model.packed_linear import KernelLinear
 from pdserve.engine.model.rope import RotaryEmbedding, StepRope
-from pdserve.engine.model.weights import copy_weights
 
 
 class RMSNorm(nn.Module):
@@ -127,47 +125,28 @@ class DecoderLayer(nn.Module):
         return [a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj]
 
 
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(DecoderStack):
     """`fused`: pdserve's compiled CPU operators (`pdserve.engine.kernels.cpu_ops()`), for a
     bf16 model on CPU, or None for PyTorch operators throughout."""
 
     def __init__(self, cfg: ModelConfig, max_positions: int, device: torch.device | str,
                  fused: ModuleType | None = None) -> None:
-        super().__init__()
-        self.cfg = cfg
-        self.fused = fused
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, fused) for _ in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, fused)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight
+        super().__init__(cfg, (DecoderLayer(cfg, fused) for _ in range(cfg.num_layers)),
+                         RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, fused), fused)
         with torch.device(device):  # real tables, also while the layers are built on meta
             self.rope = RotaryEmbedding(cfg, max_positions, device)
 
-    @torch.inference_mode()
-    def forward(
-        self,
-        input_ids: torch.Tensor,  # [T]
-        positions: torch.Tensor,  # [T]
-        kv_cache: KVCache,
-        meta: AttentionMetadata,
-        after_layer: Callable[[int], None] | None = None,
-    ) -> torch.Tensor:
-        """`after_layer(i)` runs once layer i has stored this batch's K and V in `kv_cache`
-        (layer-wise KV streaming); on CUDA only the kernels are queued by then."""
-        x = self.embed_tokens(input_ids)  # [T, hidden]
-        rope = self.rope.for_step(positions, x.dtype, self.fused)  # shared by every layer
+    def step_rope(self, positions: torch.Tensor, dtype: torch.dtype) -> StepRope:
+        return self.rope.for_step(positions, dtype, self.fused)
+
+    def layer_call(self, positions: torch.Tensor, meta: AttentionMetadata,
+                   rope: StepRope) -> LayerCall:
+        """A decode-only step on the operators' kernels runs each layer as one C++ call
+        (`DecoderLayer.fused_decode`, same result); any other step runs `forward`."""
         step = self._fused_decode_step(positions, meta)
-        residual = None
-        for i, (layer, kv) in enumerate(zip(self.layers, kv_cache.layers, strict=True)):
-            if step is not None:
-                x, residual = layer.fused_decode(x, residual, step, kv)
-            else:
-                x, residual = layer(x, residual, rope, kv, meta)
-            if after_layer is not None:
-                after_layer(i)
-        return self.norm(x, residual)[0]  # [T, hidden]
+        if step is None:
+            return super().layer_call(positions, meta, rope)
+        return lambda layer, x, residual, kv: layer.fused_decode(x, residual, step, kv)
 
     def _fused_decode_step(self, positions: torch.Tensor, meta: AttentionMetadata) -> Any:
         """What a decode-only step's layers share for `DecoderLayer.fused_decode`, or None where
@@ -190,29 +169,20 @@ class LlamaForCausalLM(nn.Module):
                  for layer in self.layers for m in layer.linears()}
         return names.pop() if len(names) == 1 else None
 
-    @torch.inference_mode()
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)  # [N, vocab]
-
-    def load_hf_weights(self, weights: dict[str, torch.Tensor]) -> None:
-        """Copy a HF state dict in, fusing q/k/v and gate/up; any missing tensor is an error."""
-        fused = _fuse(weights, self.cfg)
-        copy_weights(self, fused)
-
-
-def _fuse(w: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    out = {k.removeprefix("model."): v for k, v in w.items()}
-    for i in range(cfg.num_layers):
-        a, m = f"layers.{i}.self_attn.", f"layers.{i}.mlp."
+    def convert_layer(self, weights: dict[str, torch.Tensor], index: int) -> None:
+        """q/k/v (weights and biases) fused into qkv_proj, gate/up into gate_up_proj."""
+        a = f"layers.{index}.self_attn."
         for kind in ("weight", "bias"):
-            parts = [out.pop(f"{a}{p}_proj.{kind}", None) for p in "qkv"]
+            parts = [weights.pop(f"{a}{p}_proj.{kind}", None) for p in "qkv"]
             if all(p is not None for p in parts):
-                out[f"{a}qkv_proj.{kind}"] = torch.cat(parts, dim=0)
-        gate, up = out.pop(f"{m}gate_proj.weight", None), out.pop(f"{m}up_proj.weight", None)
-        if gate is not None and up is not None:
-            out[f"{m}gate_up_proj.weight"] = torch.cat([gate, up], dim=0)
-    if "lm_head.weight" in w:
-        out["lm_head.weight"] = w["lm_head.weight"]
-    elif cfg.tie_word_embeddings:
-        out["lm_head.weight"] = out["embed_tokens.weight"]
-    return out
+                weights[f"{a}qkv_proj.{kind}"] = torch.cat(parts, dim=0)
+        fuse_gate_up(weights, f"layers.{index}.mlp.")
+
+
+def fuse_gate_up(weights: dict[str, torch.Tensor], prefix: str) -> None:
+    """`MLP`'s gate_up_proj from a checkpoint's gate_proj and up_proj under `prefix` (e.g.
+    "layers.3.mlp."), in place; a lone one is dropped (then gate_up_proj is missing)."""
+    gate = weights.pop(f"{prefix}gate_proj.weight", None)
+    up = weights.pop(f"{prefix}up_proj.weight", None)
+    if gate is not None and up is not None:
+        weights[f"{prefix}gate_up_proj.weight"] = torch.cat([gate, up], dim=0)  # [2I, hidden]

@@ -3,9 +3,9 @@ RoPE (transformers' `Qwen3Attention`: `q_norm`, `k_norm` of width head_dim), and
 a sparse block of routed experts (softmax top-k, no shared experts) in the layers
 `MoeConfig.is_moe_layer` picks, the dense MLP (`intermediate_size`) in the others.
 
-Everything but the layers is `LlamaForCausalLM`'s (embeddings, rotary tables, forward loop,
-logits, q|k|v and gate|up fusing at load). These models run on PyTorch operators:
-`kernels.supports` is False for them, and `fused` is ignored.
+Everything but the layers is `LlamaForCausalLM`'s (rotary tables, q|k|v and gate|up fusing
+at load) or its `DecoderStack`'s (embeddings, forward loop, logits). These models run on
+PyTorch operators: `kernels.supports` is False for them, and `fused` is ignored.
 """
 
 from __future__ import annotations
@@ -85,11 +85,9 @@ class Qwen3ForCausalLM(LlamaForCausalLM):
         super().__init__(cfg, max_positions, device, None)
         self.layers = nn.ModuleList(Qwen3DecoderLayer(cfg, i) for i in range(cfg.num_layers))
 
-    def load_hf_weights(self, weights: dict[str, torch.Tensor]) -> None:
-        """As Llama's, with each MoE layer's experts stacked first (either checkpoint layout)."""
-        own = {k.removeprefix("model."): v for k, v in weights.items()}
-        for i, layer in enumerate(self.layers):
-            if isinstance(layer.mlp, SparseMoeBlock):
-                own |= stack_expert_weights(own, f"layers.{i}.mlp.experts.",
+    def convert_layer(self, weights: dict[str, torch.Tensor], index: int) -> None:
+        """As Llama's, with a MoE layer's experts stacked first (either checkpoint layout)."""
+        if isinstance(self.layers[index].mlp, SparseMoeBlock):
+            weights |= stack_expert_weights(weights, f"layers.{index}.mlp.experts.",
                                             self.cfg.moe.num_experts)
-        super().load_hf_weights(own)
+        super().convert_layer(weights, index)
