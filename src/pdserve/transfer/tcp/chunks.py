@@ -1,9 +1,12 @@
-"""How a write is cut into WRITE frames of at most about `budget` bytes each.
+"""How a write or a read's answer is cut into WRITE / READ_DATA frames of at most about
+`budget` bytes each.
 
 A frame carries whole (block, layer) slices: several blocks with every layer of the move when
 one block's span fits the budget, else one block with as many layers as fit (at least one).
-Smaller frames let control messages through sooner (`send_queue.py`) at the cost of one
-32-byte header and one WRITE_DONE per frame; budget 0 sends the whole move as one frame.
+The frames cover the slices once each, in block-major order (a reader relies on it). Smaller
+frames let control messages through sooner (`send_queue.py`) at the cost of one 32-byte
+header per frame (and one WRITE_DONE per WRITE frame); budget 0 sends the whole move as one
+frame.
 """
 
 from __future__ import annotations

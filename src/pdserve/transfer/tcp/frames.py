@@ -18,7 +18,11 @@ Every frame is a 32-byte header then `payload_len` bytes:
     WRITE_DONE/ERROR  the receiver's answer to a WRITE (ERROR payload: UTF-8 reason; a WRITE
                       outside the receiver's permits is drained and answered "not permitted")
     READ_REQUEST      u32 src block ids[count] of the holder's pool
-    READ_DATA         count * block_nbytes raw bytes for the requester's dst blocks, in order
+    READ_DATA         u32 first layer, u32 end layer, u32 src block ids[count] (the ids the
+                      READ_REQUEST named), then for each block its layers [first, end), as in
+                      WRITE. A read's answer is one or more READ_DATA frames, in order, each
+                      starting at the (block, layer) slice where the last one ended (several
+                      blocks only whole); the requester lands them in its dst blocks
     READ_ERROR        the holder cannot serve a READ_REQUEST (payload: UTF-8 reason; one
                       outside the holder's permits is answered "not permitted")
 

@@ -1,7 +1,9 @@
 """The TCP endpoint's moves: each write or read this endpoint started, and its fence.
 
 A move is "pending" until its peer answers (a WRITE_DONE for each of a write's frames, or a
-WRITE_ERROR), its READ_DATA has landed, or it fails; then "done" or "error", never back.
+WRITE_ERROR), every (block, layer) slice of a read has arrived in its READ_DATA frames (a
+READ_ERROR instead fails it, whatever part of it landed), or it fails; then "done" or "error",
+never back.
 While a thread sends a write's frame or lands a read's bytes, the move is `busy` on that
 connection; `cancel` marks it cancelled (no next frame or step starts) and waits for it to
 be quiet before it returns: the fence the sessions rely on. Every field of a `Move` is
@@ -38,6 +40,7 @@ class Move:
     layers: tuple[int, int] | None = None  # a write's [first, end) layers; None: every layer
     frames: int = 0  # a write's frames (known once its first one is sent)
     frames_done: int = 0  # of those, answered WRITE_DONE
+    slices: int = 0  # a read's (block, layer) slices arrived so far, in block-major order
     status: MoveStatus = "pending"
     cancelled: bool = False
     busy: bool = False
@@ -110,6 +113,19 @@ class MoveTable:
             if move.frames_done >= move.frames:
                 self._finish(move, "done")
             return True
+
+    def slices_arrived(self, move: Move) -> int:
+        """How many of a read's (block, layer) slices its READ_DATA frames have brought."""
+        with self._lock:
+            return move.slices
+
+    def arrived(self, move: Move, slices: int, total: int) -> None:
+        """`slices` more of a read's `total` slices arrived (landed, or drained when it was
+        cancelled): a pending read is done once all have."""
+        with self._lock:
+            move.slices += slices
+            if move.slices >= total and not move.cancelled:
+                self._finish(move, "done")
 
     def settle(self, move: Move, status: MoveStatus) -> bool:
         """pending -> `status` unless the move was cancelled (its transfer ended here); False

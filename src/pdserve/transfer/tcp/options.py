@@ -33,11 +33,12 @@ class TcpOptions:
     connection to it is counted at the peer), and a connection that has not authenticated
     holds its slot for at most `handshake_timeout_s`: keep it above the number of workers.
 
-    `frame_s` cuts a write into WRITE frames of about that many seconds of the connection's
-    measured send rate, and caps the bytes its socket holds not yet sent (TCP_NOTSENT_LOWAT) to
-    one frame (`frame_pace.py`): a control message then waits behind bulk data for about
-    2 x `frame_s` plus what is already in flight (`send_queue.py`). 0: one frame a write and
-    the kernel's unsent limit (megabytes), the order of arrival only."""
+    `frame_s` cuts a write into WRITE frames, and the answer to a read into READ_DATA frames,
+    of about that many seconds of the connection's measured send rate, and caps the bytes its
+    socket holds not yet sent (TCP_NOTSENT_LOWAT) to one frame (`frame_pace.py`): a control
+    message then waits behind bulk data for about 2 x `frame_s` plus what is already in flight
+    (`send_queue.py`). 0: one frame a write or a read and the kernel's unsent limit
+    (megabytes), the order of arrival only."""
 
     dial_timeout_s: float = 1.0
     handshake_timeout_s: float = 2.0

@@ -3,8 +3,11 @@
 A reader first runs the acceptor's handshake, then handles the peer's frames strictly in
 order: a WRITE's bytes land in the pool before any later CONTROL frame on that connection is
 delivered (the fence the sessions rely on; see `TcpTransport`). WRITEs and READ_REQUESTs are
-checked against the permits here, and answered through the send side; READ_DATA and the
-answers to this endpoint's own moves settle them in the move table.
+checked against the permits here, and answered through the send side. The READ_DATA frames of
+one of this endpoint's reads come in order, each continuing at the (block, layer) slice where
+the last one ended (anything else is a protocol error); the read is done once every slice has
+landed. They, and the answers to this endpoint's own moves, settle its moves in the move
+table.
 
 Collaborators, given at construction: the listening socket, the options, the handshake
 (accepting), the pool gate (where blocks land, the permits), the move table, the peer table
@@ -217,20 +220,47 @@ class ReceiveSide:
 
     def _on_read_data(self, wire: Wire, peer: PeerId, count: int, mid: int,
                       plen: int) -> None:
-        pool = self._block_frame(count, plen, 0)
+        """One READ_DATA frame of a read: it must continue the read where the last one ended;
+        its slices land in the read's blocks (drained once the read is cancelled)."""
+        pool = self._gate.pool
+        if pool is None:
+            raise ProtocolError("blocks sent to an endpoint without a registered pool")
         move = self._moves.owned(peer, mid, "read")
-        if len(move.local_blocks) != count:
-            raise ProtocolError(f"READ_DATA of {count} blocks for a read of "
-                                f"{len(move.local_blocks)}")
-        for i, b in enumerate(move.local_blocks):
+        prefix = 8 + 4 * count
+        if not 1 <= count <= len(move.local_blocks) or plen < prefix:
+            raise ProtocolError(f"READ_DATA of {count} blocks in a payload of {plen} bytes")
+        first, end, *ids = parse_u32s(wire.recv_exact(prefix))
+        pool.check_layers(first, end)
+        span = (end - first) * pool.layer_nbytes
+        if plen != prefix + count * span:
+            raise ProtocolError(f"READ_DATA of {count} blocks x layers [{first}, {end}) in a "
+                                f"payload of {plen} bytes")
+        at = self._continues(move.remote_blocks, self._moves.slices_arrived(move),
+                             pool.num_layers, tuple(ids), first, end)
+        for i, b in enumerate(move.local_blocks[at : at + count]):
             if not self._moves.claim(move, wire.sock):
-                wire.skip([pool.block_nbytes] * (count - i))
-                return
+                wire.skip([span] * (count - i))
+                break
             try:
-                wire.recv_into(pool.view(b))
+                wire.recv_into(pool.view(b, (first, end)))
             finally:
                 self._moves.release(move)
-        self._moves.settle(move, "done")
+        self._moves.arrived(move, count * (end - first),
+                            len(move.local_blocks) * pool.num_layers)
+
+    @staticmethod
+    def _continues(remote: tuple[int, ...], arrived: int, num_layers: int,
+                   ids: tuple[int, ...], first: int, end: int) -> int:
+        """The index in the read of the frame's first block, if the frame's slices (`ids` x
+        layers [first, end)) are the next ones after the `arrived` slices in block-major order
+        (whole blocks when it names several); else ProtocolError."""
+        at, layer = divmod(arrived, num_layers)
+        whole = (first, end) == (0, num_layers)
+        if ids != remote[at : at + len(ids)] or first != layer or (len(ids) > 1 and not whole):
+            raise ProtocolError(f"READ_DATA of blocks {list(ids)[:8]} x layers [{first}, {end}) "
+                                f"does not continue its read at slice {arrived} of "
+                                f"{len(remote) * num_layers}")
+        return at
 
     def _on_answer(self, wire: Wire, peer: PeerId, ftype: Frame, mid: int,
                    plen: int) -> None:

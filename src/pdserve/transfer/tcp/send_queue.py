@@ -1,18 +1,19 @@
 """One peer's send queue: control before bulk, bulk in arrival order.
 
 Jobs are urgent (control messages, answers to a peer's moves, read requests: each a few
-hundred bytes) or bulk (a write's frames, a READ_DATA). `get` hands out every queued urgent
-job before the next bulk one, so a control message waits at most for the frame already on
-the wire, never behind queued data; a write goes out a frame at a time (`chunks.py`) and its
-next frame is `resume`d at the head of the bulk line, so transfers to one peer finish in the
-order they started (the first one done soonest) rather than all late together.
+hundred bytes) or bulk (a write's WRITE frames, a read's READ_DATA frames). `get` hands out
+every queued urgent job before the next bulk one, so a control message waits at most for the
+frame already on the wire, never behind queued data; a write or a read's answer goes out a
+frame at a time (`chunks.py`) and its next frame is `resume`d at the head of the bulk line, so
+transfers to one peer finish in the order they started (the first one done soonest) rather
+than all late together.
 
 Ordering the sessions rely on still holds: a sender fences (`MoveTable.cancel`) its write
 before it queues an ABORT, and a fenced write sends no further frame; what it sent is already
 on the connection, ahead of the ABORT.
 
-Invariant: at most `limit` jobs queued (a resumed write is not counted again). Thread-safe:
-any thread puts, the peer's sender thread gets. Lifetime: the `PeerSender`'s.
+Invariant: at most `limit` jobs queued (a resumed write or read is not counted again).
+Thread-safe: any thread puts, the peer's sender thread gets. Lifetime: the `PeerSender`'s.
 """
 
 from __future__ import annotations

@@ -4,17 +4,19 @@ Everything this endpoint sends to a peer (control messages, writes, read request
 answers and READ_DATA its receive side owes that peer) is a job on that peer's `SendQueue`,
 sent by that peer's `PeerSender` thread on the one connection it dialed. So `send`, `write`
 and `read` never block. Control messages and answers go ahead of queued bulk data; a write
-goes out in frames of about `TcpOptions.frame_s` of the link (`chunks.py`, `frame_pace.py`),
-so a control message waits for at most one frame, and the socket holds at most one frame not
-yet sent (TCP_NOTSENT_LOWAT), so it does not wait behind megabytes in the kernel either. A sender
-fences its write before it queues an ABORT (`MoveTable.cancel`), so the write's frames that
-went out are on the connection ahead of the ABORT (the order the sessions rely on; see
-`TcpTransport`).
+(WRITE frames) and the answer to a read (READ_DATA frames) go out in frames of about
+`TcpOptions.frame_s` of the link (`chunks.py`, `frame_pace.py`), so a control message waits
+for at most one frame, and the socket holds at most one frame not yet sent
+(TCP_NOTSENT_LOWAT), so it does not wait behind megabytes in the kernel either. Each READ_DATA
+frame is sent only while the read permit still covers its blocks; once it does not, the rest
+of that read is one READ_ERROR and no further frame of it goes out. A sender fences its write
+before it queues an ABORT (`MoveTable.cancel`), so the write's frames that went out are on the
+connection ahead of the ABORT (the order the sessions rely on; see `TcpTransport`).
 
 Collaborators, given at construction: the options, the handshake (dialing), the pool gate
-(block views, the read permits checked again as READ_DATA goes out), the move table (a write is
-claimed while each frame's bytes go out), and the peer table (who is alive; where a failed
-connection is reported).
+(block views, the read permits checked again as each READ_DATA frame goes out), the move table
+(a write is claimed while each frame's bytes go out), and the peer table (who is alive; where
+a failed connection is reported).
 """
 
 from __future__ import annotations
@@ -39,7 +41,8 @@ from pdserve.transfer.tcp.wire import Wire
 log = logging.getLogger(__name__)
 
 # Jobs: ("control", bytes) | ("move", Move) | ("write", Move, [Chunk], next index)
-#       | ("read_data", tid, mid, ids) | ("answer", frame, tid, mid, reason)
+#       | ("read_data", tid, mid, ids) | ("read_frame", tid, mid, ids, [Chunk], next index)
+#       | ("answer", frame, tid, mid, reason)
 URGENT = frozenset({"control", "answer"})
 
 
@@ -67,7 +70,7 @@ class SendSide:
         self._put(peer, ("answer", ftype, tid, mid, reason))
 
     def read_data(self, peer: PeerId, tid: int, mid: int, ids: tuple[int, ...]) -> None:
-        """Queue the READ_DATA of blocks `ids` a permitted READ_REQUEST asked for."""
+        """Queue the READ_DATA frames of blocks `ids` a permitted READ_REQUEST asked for."""
         self._put(peer, ("read_data", tid, mid, ids))
 
     def reach(self, peer: PeerId) -> None:
@@ -112,8 +115,8 @@ class JobWriter:
         self._gate, self._moves = gate, moves
 
     def run(self, wire: Wire, peer: PeerId, job: Job, pace: FramePace | None) -> Job | None:
-        """Send `job`, or a write's next frame (sized by `pace`; None: whole writes); the rest
-        of the write, if any, to resume."""
+        """Send `job`, or a write's or read's next frame (sized by `pace`; None: one frame a
+        move); the rest of the write or read, if any, to resume."""
         kind = job[0]
         if kind == "control":
             wire.send([header(Frame.CONTROL, plen=len(job[1])), job[1]])
@@ -122,7 +125,9 @@ class JobWriter:
         elif kind == "write":
             return self._send_frame(wire, *job[1:], pace)
         elif kind == "read_data":
-            self._send_read_data(wire, peer, *job[1:])
+            return self._send_read_data(wire, peer, *job[1:], pace)
+        elif kind == "read_frame":
+            return self._send_read_frame(wire, peer, *job[1:], pace)
         else:  # ("answer", frame, tid, mid, reason bytes)
             _, ftype, tid, mid, reason = job
             wire.send([header(ftype, 0, tid, mid, len(reason)), reason])
@@ -147,34 +152,61 @@ class JobWriter:
     def _send_frame(self, wire: Wire, move: Move, frames: list[chunks.Chunk], i: int,
                     pace: FramePace | None) -> Job | None:
         """Frame i of a write (unless it was fenced); the job of the frames after it."""
-        pool = self._gate.pool
-        assert pool is not None
         if not self._moves.claim(move, wire.sock):
             return None
         c = frames[i]
-        remote, local = move.remote_blocks[c.blocks], move.local_blocks[c.blocks]
-        prefix = u32s([c.first, c.end]) + u32s(remote)
-        nbytes = len(remote) * (c.end - c.first) * pool.layer_nbytes
         try:
-            head = header(Frame.WRITE, len(remote), move.transfer_id, move.handle,
-                          len(prefix) + nbytes)
-            wire.send([head, prefix, *(pool.view(b, (c.first, c.end)) for b in local)])
-            if pace is not None:
-                pace.observe(wire.sock)
+            self._send_slices(wire, Frame.WRITE, move.transfer_id, move.handle, c,
+                              move.remote_blocks[c.blocks], move.local_blocks[c.blocks], pace)
         finally:
             self._moves.release(move)
         return ("write", move, frames, i + 1) if i + 1 < len(frames) else None
 
     def _send_read_data(self, wire: Wire, peer: PeerId, tid: int, mid: int,
-                        ids: tuple[int, ...]) -> None:
+                        ids: tuple[int, ...], pace: FramePace | None) -> Job | None:
+        """The first READ_DATA frame of a read (or its READ_ERROR); the job of the rest."""
         pool = self._gate.pool
-        refusal = None if pool is None else self._gate.refusal("read", peer, tid, ids, None)
-        if pool is None or refusal is not None:  # the permit may have ended since the request
-            reason = (refusal or "no pool registered").encode()
-            wire.send([header(Frame.READ_ERROR, 0, tid, mid, len(reason)), reason])
-            return
-        head = header(Frame.READ_DATA, len(ids), tid, mid, len(ids) * pool.block_nbytes)
-        wire.send([head, *(pool.view(b) for b in ids)])
+        if pool is None:
+            self._refuse_read(wire, tid, mid, "no pool registered")
+            return None
+        budget = 0 if pace is None else pace.bytes
+        frames = chunks.plan(len(ids), 0, pool.num_layers, pool.layer_nbytes, budget)
+        return self._send_read_frame(wire, peer, tid, mid, ids, frames, 0, pace)
+
+    def _send_read_frame(self, wire: Wire, peer: PeerId, tid: int, mid: int,
+                         ids: tuple[int, ...], frames: list[chunks.Chunk], i: int,
+                         pace: FramePace | None) -> Job | None:
+        """Frame i of a read's answer while the permit still covers its slices (it may have
+        ended since the request or the last frame), else READ_ERROR and nothing more; the
+        job of the frames after it."""
+        c = frames[i]
+        blocks = ids[c.blocks]
+        refusal = ("no pool registered" if self._gate.pool is None
+                   else self._gate.refusal("read", peer, tid, blocks, (c.first, c.end)))
+        if refusal is not None:
+            self._refuse_read(wire, tid, mid, refusal)
+            return None
+        self._send_slices(wire, Frame.READ_DATA, tid, mid, c, blocks, blocks, pace)
+        return ("read_frame", tid, mid, ids, frames, i + 1) if i + 1 < len(frames) else None
+
+    def _send_slices(self, wire: Wire, ftype: Frame, tid: int, mid: int, c: chunks.Chunk,
+                     named: tuple[int, ...], local: tuple[int, ...],
+                     pace: FramePace | None) -> None:
+        """One WRITE or READ_DATA frame: layers [c.first, c.end) of blocks `local` of this
+        pool, named `named` in its prefix; then `pace` reads the link again."""
+        pool = self._gate.pool
+        assert pool is not None
+        prefix = u32s([c.first, c.end]) + u32s(named)
+        nbytes = len(local) * (c.end - c.first) * pool.layer_nbytes
+        head = header(ftype, len(named), tid, mid, len(prefix) + nbytes)
+        wire.send([head, prefix, *(pool.view(b, (c.first, c.end)) for b in local)])
+        if pace is not None:
+            pace.observe(wire.sock)
+
+    @staticmethod
+    def _refuse_read(wire: Wire, tid: int, mid: int, why: str) -> None:
+        reason = why.encode()
+        wire.send([header(Frame.READ_ERROR, 0, tid, mid, len(reason)), reason])
 
 
 class PeerSender:

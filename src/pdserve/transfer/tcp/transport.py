@@ -66,7 +66,8 @@ class TcpTransport:
       rely on (data before the writer's ABORT / ABORT_ACK).
     - Permits (`permits.py`): a WRITE lands only inside a write permit of its transfer id for
       the connection's authenticated peer (every block id, its layers); a READ_REQUEST is
-      served only inside a read permit, checked again when its READ_DATA goes out. Anything
+      served only inside a read permit, checked again as each READ_DATA frame goes out (once
+      it is not, the rest of the read is answered READ_ERROR and the read fails). Anything
       else is drained without touching the pool and answered WRITE_ERROR / READ_ERROR "not
       permitted" (a rate-limited warning; a late move of the permit's own peer after `revoke`
       only a debug line). A refusal never ends the connection or marks anyone dead.
@@ -105,9 +106,10 @@ class TcpTransport:
     that `sendmsg` first (cancel waits up to `cancel_wait_s`, then shuts the connection down):
     the bytes then lie in order on the one connection ahead of any control message the writer
     sends after `cancel`, so the receiver lands them before it sees, say, the ABORT. A read
-    being landed stops at the next block boundary; READ_DATA for a cancelled read is drained,
-    never written to the pool. The holder may still be reading its own source blocks for a
-    cancelled read; those bytes are discarded by the requester.
+    being landed stops at the next block of its READ_DATA frame; the rest of that frame and
+    every later READ_DATA frame of a cancelled read are drained, never written to the pool.
+    The holder may still be sending its source blocks for a cancelled read; those bytes are
+    discarded by the requester.
     """
 
     def __init__(self, local_host: str = "127.0.0.1", port: int = 0, *, secret: bytes,
