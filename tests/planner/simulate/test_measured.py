@@ -200,6 +200,27 @@ def test_cli_serve_result_takes_layout_and_workers_from_flags(files, tmp_path, c
     assert rc == 2 and "a bench serve result does not say how it was served" in err
 
 
+def test_goodput_counts_with_the_bounds_the_measured_run_counted(tmp_path, files, capsys):
+    steps, _ = files
+    one = serve_result([request(0.0, 1000, 11)], ttft_ms=231.0, itl_ms=20.0)
+    run = write_json(tmp_path / "slo.json", {"disagg": one | {"slo_ttft_ms": 200.0,
+                                                               "slo_tpot_ms": 50.0}})
+    rc, out, err = simulate_cli(capsys, "--calibrate", f"{steps}:disagg",
+                                "--compare-measured", f"{run}:disagg", "--json")
+    assert rc == 0, err
+    # the simulated TTFT, 210 ms, misses the run's 200 ms bound: no goodput
+    assert json.loads(out)["slo"] == {"ttft_ms": 200.0, "tpot_ms": 50.0}
+    assert json.loads(out)["measured"]["simulated"]["request_goodput"] == 0
+    rc, _, err = simulate_cli(capsys, "--calibrate", f"{steps}:disagg", "--compare-measured",
+                              f"{run}:disagg", "--slo-ttft-ms", "2000")
+    assert rc == 2
+    assert (f"--slo-ttft-ms 2000 differs from the 200 ms that {run}:disagg counted its goodput "
+            f"with") in err
+    rc, out, _ = simulate_cli(capsys, "--calibrate", f"{steps}:disagg", "--num-requests", "2",
+                              "--json")
+    assert rc == 0 and json.loads(out)["slo"] == {"ttft_ms": 2000.0, "tpot_ms": 100.0}
+
+
 def test_cli_steps_need_the_device_they_ran_on(files, capsys):
     steps, _ = files
     rc, _, err = run_pdserve(["simulate", "--model", "smollm2-135m", "--calibrate", str(steps),

@@ -53,6 +53,8 @@ from pdserve.planner.simulate.metrics import Slo, Summary, summarize, summary_to
 from pdserve.planner.simulate.step_fit import DECODE_TIMES
 from pdserve.planner.simulate.trace import WORKLOADS, TraceRequest, generate_trace, make_workload
 
+DEFAULT_SLO = Slo(ttft_ms=2000.0, tpot_ms=100.0)  # the bench commands' usual bounds
+
 _DESCRIPTION = (
     "Simulate serving a request trace (a workload preset with Poisson arrivals from a fixed "
     "seed, or a JSONL file) on a disaggregated cluster and on collocated workers with and "
@@ -80,15 +82,17 @@ def add_simulate_parser(subparsers: argparse._SubParsersAction) -> None:
     _add_model_args(p)
     _add_cluster_args(p)
     _add_trace_args(p)
-    p.add_argument("--slo-ttft-ms", type=float, default=2000.0,
-                   help="goodput counts requests with TTFT at most this (default: %(default)s)")
-    p.add_argument("--slo-tpot-ms", type=float, default=100.0,
-                   help="goodput counts requests with TPOT at most this (default: %(default)s)")
+    p.add_argument("--slo-ttft-ms", type=float, default=None,
+                   help="goodput counts requests with TTFT at most this (default: the bound "
+                        f"the --compare-measured run counted with, else {DEFAULT_SLO.ttft_ms:g})")
+    p.add_argument("--slo-tpot-ms", type=float, default=None,
+                   help="goodput counts requests with TPOT at most this (default: the bound "
+                        f"the --compare-measured run counted with, else {DEFAULT_SLO.tpot_ms:g})")
     p.add_argument("--compare-measured", default=None, metavar="RESULTS[:CONFIG]",
                    help="a `bench serve` or `bench compare` --out file: simulate its requests "
                         "(unless --trace/--workload) on its layout (from a bench compare "
                         "configuration name, else --layouts) and print the simulated median "
-                        "and P99 TTFT and ITL, goodput (give the run's --slo-* bounds) and "
+                        "and P99 TTFT and ITL, goodput (with the bounds the run counted) and "
                         "output throughput beside the measured ones")
     p.add_argument("--json", action="store_true", help="print one JSON object, not a table")
     p.set_defaults(func=run_simulate)
@@ -250,7 +254,24 @@ def resolve(args: argparse.Namespace) -> Setup:
     check_fits(trace, cluster)
     return Setup(shape, hw, tp, eff, profile, cluster, trace, label,
                  (how.layout,) if how else layouts or tuple(Layout),
-                 Slo(args.slo_ttft_ms, args.slo_tpot_ms), measured)
+                 _slo(args, measured), measured)
+
+
+def _slo(args: argparse.Namespace, measured: MeasuredRun | None) -> Slo:
+    """The goodput bounds: each flag given, else the measured run's, else the default. A flag
+    that differs from the bound the measured run counted with is refused: the two goodputs
+    would not compare."""
+    bounds = []
+    for name in ("ttft_ms", "tpot_ms"):
+        flag = getattr(args, f"slo_{name}")
+        recorded = getattr(measured, f"slo_{name}") if measured else None
+        if flag is not None and recorded is not None and flag != recorded:
+            raise ValueError(f"--slo-{name.replace('_', '-')} {flag:g} differs from the "
+                             f"{recorded:g} ms that {measured.label} counted its goodput with; "
+                             f"the goodputs would not compare: leave the flag out")
+        bounds.append(flag if flag is not None else
+                      recorded if recorded is not None else getattr(DEFAULT_SLO, name))
+    return Slo(*bounds)
 
 
 def _write_profile(profile: CalibrationProfile | None, path: str) -> None:

@@ -58,6 +58,9 @@ class MeasuredRun:
     measured: dict[str, float | None]
     completed: int
     failed: int
+    # the goodput bounds the run counted with (its `slo_ttft_ms`, `slo_tpot_ms`), None: none
+    slo_ttft_ms: float | None = None
+    slo_tpot_ms: float | None = None
 
     def __post_init__(self) -> None:
         if not self.trace:
@@ -97,7 +100,17 @@ def _run(spec: FileSpec, config: str | None, result: dict[str, Any]) -> Measured
     trace = [_request(r, f"{label} request {i}") for i, r in enumerate(rows, start=1)]
     ok = sum(1 for r in rows if r.get("ok", True))
     return MeasuredRun(label, config, tuple(sorted(trace, key=lambda r: r.arrival_s)),
-                       {k: result.get(k) for k in METRICS}, ok, len(rows) - ok)
+                       {k: result.get(k) for k in METRICS}, ok, len(rows) - ok,
+                       _bound(result, "slo_ttft_ms", label), _bound(result, "slo_tpot_ms", label))
+
+
+def _bound(result: dict[str, Any], key: str, label: str) -> float | None:
+    value = result.get(key)
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)
+                              or not (value > 0 and math.isfinite(value))):
+        raise ValueError(f"{label}: {key} must be a positive number of ms or null, "
+                         f"got {value!r}")
+    return value
 
 
 def load_measured_run(spec_text: str, flag: str) -> MeasuredRun:
