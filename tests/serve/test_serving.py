@@ -181,6 +181,16 @@ def test_workers_record_their_engine_steps_for_timelines(disagg_tcp: Cluster) ->
     assert not any(s[2] for s in decode["steps"])
 
 
+def test_the_prefill_worker_reports_its_link_to_the_decode_worker(disagg_tcp: Cluster) -> None:
+    rng = random.Random(11)
+    _complete(disagg_tcp, [rng.randrange(len(tiny_tokenizer())) for _ in range(LENGTHS[4])])
+    decode_peer = disagg_tcp.health(1)["peer"]
+    links = {link["peer"]: link for link in disagg_tcp.health(0)["links"]}
+    link = links[f"{decode_peer['host']}:{decode_peer['port']}"]
+    assert link["source"] == "tcp_info" and link["bytes_sent"] > 0
+    assert link["gbps"] > 0 and link["rtt_ms"] > 0
+
+
 def test_a_repeated_long_prompt_is_served_from_the_decode_workers_prefix_cache(
         disagg_tcp: Cluster) -> None:
     """Prefix caching under P/D: a long prompt is split the first time (nothing cached

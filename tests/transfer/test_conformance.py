@@ -15,7 +15,7 @@ import torch
 
 from pdserve.common.model_config import ModelConfig
 from pdserve.engine.kv_cache import KVCache
-from pdserve.transfer.fake import FakeFabric
+from pdserve.transfer.fake import FakeFabric, FakeTransport
 from pdserve.transfer.layout import KVLayout
 from pdserve.transfer.peer import PeerId
 from pdserve.transfer.receiver import RecvSession
@@ -133,6 +133,32 @@ def test_blocks_arrive_byte_for_byte(make, n, direction):
     assert torch.equal(b_pool.data[dst], a_pool.data[src])
     untouched = sorted(set(range(POOL_BLOCKS)) - set(dst))
     assert not b_pool.data[untouched].any()
+
+
+def test_the_pusher_reports_what_it_measured_of_the_link(make):
+    """After a push, the writer's `links()` names the peer with the bytes it sent and a
+    rate (tcp: the kernel's estimates, with a round-trip time; nixl: its moves' bytes over
+    seconds); the fake fabric measures nothing."""
+    a_pool, b_pool = pool(POOL_BLOCKS, seed=1), pool(POOL_BLOCKS)
+    a, b = make(a_pool), make(b_pool)
+    assert a.links() == []
+    src, dst = mapping(300, seed=3, blocks=POOL_BLOCKS)
+    assert move("push", a, b, 5, src, dst) == "done"
+    reports = a.links()
+    if isinstance(a, FakeTransport):
+        assert reports == []
+        return
+    (link,) = reports
+    assert link.peer == f"{b.local.host}:{b.local.port}"
+    assert link.bytes_sent >= 300 * a_pool.block_nbytes
+    assert link.gbps is not None and link.gbps > 0
+    if link.source == "tcp_info":
+        assert link.rtt_ms is not None and link.min_rtt_ms is not None
+        assert 0 < link.min_rtt_ms <= link.rtt_ms
+    else:
+        assert link.source == "transfers" and link.rtt_ms is None
+    assert set(link.to_json()) == {"peer", "source", "gbps", "bytes_sent", "rtt_ms",
+                                   "min_rtt_ms", "app_limited"}
 
 
 def test_random_mappings_both_ways(make):

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from pdserve.transfer.link_report import LinkReport
 from pdserve.transfer.messages import decode_any, message_kind
 from pdserve.transfer.peer import PeerId, restarted
 from pdserve.transfer.permits import Kind, Permits
@@ -319,6 +320,10 @@ class FakeTransport:
 
     def why_dead(self, peer: PeerId) -> str | None:
         return self._fabric.why_dead(peer)
+
+    def links(self) -> list[LinkReport]:
+        """Nothing measured: the fabric moves bytes in memory."""
+        return []
 
     def reach(self, peer: PeerId) -> None:
         """Nothing to dial: the fabric knows every death at once."""

@@ -32,6 +32,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Literal, Protocol
 
+from pdserve.transfer.link_report import LinkReport
 from pdserve.transfer.peer import PeerId
 
 if TYPE_CHECKING:
@@ -116,6 +117,11 @@ class Transport(Protocol):
     def why_dead(self, peer: PeerId) -> str | None:
         """Why that instance is held dead ("restarted: instance ... now answers at ...", "the
         connection closed", ...); None while `peer_alive`."""
+        ...
+
+    def links(self) -> list[LinkReport]:
+        """What this endpoint measured of its link to each peer it moved KV to
+        (`link_report.py`); never blocks."""
         ...
 
     def reach(self, peer: PeerId) -> None:

@@ -159,6 +159,8 @@ class Worker:
             "max_num_seqs": e.config.max_num_seqs,
             "kv_layout": self.kv_layout,
             "peer": self.transport.local.to_json() if self.transport else None,
+            # what the transport measured of each link it moved KV on (transfer/link_report.py)
+            "links": [r.to_json() for r in self.transport.links()] if self.transport else [],
             "kv_blocks_total": load.kv_blocks_total, "kv_blocks_used": load.kv_blocks_used,
             "running": load.running, "waiting": load.waiting,
             "waiting_for_kv": load.waiting_for_kv, "legs": self.loop.num_legs,

@@ -64,6 +64,7 @@ class NixlMove:
     cancelled: bool = False
     xfer: Any = field(default=None, repr=False)
     dead_since: float | None = None
+    posted_at: float | None = None  # when NIXL took the request (its link time starts)
 
     def finish(self, status: MoveStatus) -> None:
         """pending -> status, never back."""

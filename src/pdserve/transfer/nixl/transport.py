@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 from nixl_cu12 import _api as nixl_api
 from nixl_cu12 import nixl_agent, nixl_agent_config
 
+from pdserve.transfer.link_report import LinkReport, TransferRates
 from pdserve.transfer.nixl.meta import PoolRegion, agent_name, encode_meta, is_meta
 from pdserve.transfer.nixl.move import NixlMove, NixlOptions, poll, quiesce, release
 from pdserve.transfer.nixl.peers import Remote, RemoteAgents
@@ -139,6 +140,7 @@ class NixlTransport:
         self._handles = itertools.count(1)
         self._inbox: list[tuple[PeerId, bytes]] = []
         self._closed = False
+        self._rates = TransferRates()
 
     # -- Transport ---------------------------------------------------------------------------
 
@@ -220,6 +222,16 @@ class NixlTransport:
     def why_dead(self, peer: PeerId) -> str | None:
         return self._tcp.why_dead(peer)
 
+    def links(self) -> list[LinkReport]:
+        """Bytes over seconds of the moves this endpoint posted (NIXL gives no RTT)."""
+        return self._rates.reports()
+
+    def _nbytes(self, move: NixlMove) -> int:
+        assert self._region is not None
+        first, end = move.layers or (0, self._region.num_layers)
+        layer = self._region.block_nbytes // self._region.num_layers
+        return len(move.local_blocks) * (end - first) * layer
+
     def reach(self, peer: PeerId) -> None:
         with self._lock:
             self._contact(peer)
@@ -287,7 +299,11 @@ class NixlTransport:
             return
         state = poll(self._agent, move)
         if state != "PROC" and release(self._agent, move):
-            move.finish("done" if state == "DONE" and not move.cancelled else "error")
+            done = state == "DONE" and not move.cancelled
+            move.finish("done" if done else "error")
+            if done and move.posted_at is not None:
+                self._rates.record(f"{move.peer.host}:{move.peer.port}", self._nbytes(move),
+                                   now - move.posted_at)
         elif move.dead_since is not None and now - move.dead_since > self.options.dead_grace_s:
             move.finish("error")
 
@@ -301,6 +317,7 @@ class NixlTransport:
         try:
             remote.region.check(list(move.remote_blocks), f"remote blocks of a {move.kind}")
             move.xfer = self._request(move, remote)
+            move.posted_at = time.monotonic()
             if self._agent.transfer(move.xfer) == "ERR":
                 raise RuntimeError("NIXL refused to post the transfer")
         except Exception as e:  # bad ids or NIXL errors fail this move only

@@ -16,15 +16,12 @@ only.
 from __future__ import annotations
 
 import socket
-import struct
+
+from pdserve.transfer.tcp.tcp_info import tcp_info
 
 MIN_BYTES = 64 * 1024
 MAX_BYTES = 16 * 1024 * 1024
 START = 256 * 1024
-# struct tcp_info (include/uapi/linux/tcp.h): tcpi_delivery_rate is the u64 at byte 160
-_DELIVERY_RATE = struct.Struct("<Q")
-_DELIVERY_RATE_AT = 160
-_TCP_INFO_BYTES = _DELIVERY_RATE_AT + _DELIVERY_RATE.size
 
 
 class FramePace:
@@ -41,10 +38,5 @@ class FramePace:
 
 def delivery_rate(sock: socket.socket) -> int:
     """The kernel's delivery rate of `sock` in bytes per second; 0 where it gives none."""
-    try:
-        info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, _TCP_INFO_BYTES)
-    except OSError:
-        return 0
-    if len(info) < _TCP_INFO_BYTES:
-        return 0
-    return _DELIVERY_RATE.unpack_from(info, _DELIVERY_RATE_AT)[0]
+    info = tcp_info(sock)
+    return 0 if info is None else info.delivery_rate

@@ -26,6 +26,7 @@ import logging
 import socket
 import threading
 
+from pdserve.transfer.link_report import LinkReport
 from pdserve.transfer.peer import PeerId
 from pdserve.transfer.tcp import chunks
 from pdserve.transfer.tcp.frame_pace import FramePace
@@ -36,6 +37,7 @@ from pdserve.transfer.tcp.options import TcpOptions
 from pdserve.transfer.tcp.peers import PeerTable
 from pdserve.transfer.tcp.pool import PoolGate
 from pdserve.transfer.tcp.send_queue import Job, SendQueue
+from pdserve.transfer.tcp.tcp_info import tcp_info
 from pdserve.transfer.tcp.wire import Wire
 
 log = logging.getLogger(__name__)
@@ -77,6 +79,21 @@ class SendSide:
         """Make the sender to `peer` now, if it is alive and has none: its thread dials at once,
         so a dead or replaced instance is known before anything must go to it."""
         self._sender(peer)
+
+    def links(self) -> list[LinkReport]:
+        """The kernel's estimates for each live connection this endpoint dialed."""
+        with self._lock:
+            senders = [s for s in self._senders.values() if not s.stopped]
+        reports = []
+        for s in senders:
+            info = None if s.sock is None else tcp_info(s.sock)
+            if info is not None:
+                reports.append(LinkReport(
+                    f"{s.peer.host}:{s.peer.port}", "tcp_info",
+                    info.delivery_rate * 8 / 1e9 if info.delivery_rate else None,
+                    info.bytes_acked, info.rtt_us / 1e3, info.min_rtt_us / 1e3,
+                    info.app_limited))
+        return reports
 
     def drop_peer(self, peer: PeerId) -> None:
         with self._lock:

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 
 from pdserve.throttled_log import ThrottledLog
 from pdserve.transfer.auth import HandshakeAuth
+from pdserve.transfer.link_report import LinkReport
 from pdserve.transfer.peer import PeerId, process_instance_id
 from pdserve.transfer.tcp.frames import ProtocolError
 from pdserve.transfer.tcp.handshake import BoundHandshake
@@ -184,6 +185,9 @@ class TcpTransport:
     def reach(self, peer: PeerId) -> None:
         if peer != self._local:
             self._send.reach(peer)
+
+    def links(self) -> list[LinkReport]:
+        return self._send.links()
 
     def peer_died(self, peer: PeerId, why: str) -> None:
         """Mark that instance dead for good and fail its pending moves (this endpoint's own
