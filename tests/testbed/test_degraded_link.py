@@ -9,8 +9,10 @@ measured-cost rule: its queue empty, the hand-over short), on a slow one it wait
 decode worker instead. The router's TPOT check is off (--slo-tpot-ms of minutes), so that the
 link, not the first prompt's stream, decides. The model is larger than the other testbed
 tests' (8 KiB of KV a token; a 600-token prompt: ~0.2 s of prefill on one core of the
-development machine, 4.9 MB to hand over, ~65 ms at 1 Gb/s and ~0.45 s at 100 Mb/s), so that
-a hand-over on the fast link is short against a prefill and on the slow one long."""
+development machine, 4.9 MB to hand over, ~65 ms at 1 Gb/s and ~0.9 s at 50 Mb/s), so that
+a hand-over on the fast link is short against a prefill and on the slow one long: over four
+prefills, so that a decode worker slowed by other work on the machine (its measured prefill
+rate then halves) still prefills locally sooner."""
 
 from __future__ import annotations
 
@@ -30,7 +32,7 @@ MODEL = {"hidden_size": 256, "intermediate_size": 1024, "num_hidden_layers": 4,
          "num_attention_heads": 4, "num_key_value_heads": 4, "head_dim": 64}
 PROMPT_TOKENS = 600
 MAX_TOKENS = 4
-FAST_GBPS, SLOW_GBPS = 1.0, 0.1
+FAST_GBPS, SLOW_GBPS = 1.0, 0.05
 KV_BYTES = PROMPT_TOKENS * 2 * 4 * 4 * 64 * 4  # K and V, 4 layers, 4 heads of 64, fp32
 PAIRS = 8  # pairs of prompts a phase may take to show its path
 PREFILL, DECODE = 0, 1
