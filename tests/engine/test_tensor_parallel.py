@@ -12,6 +12,7 @@ import sys
 import threading
 import time
 import urllib.request
+from pathlib import Path
 
 import psutil
 import pytest
@@ -67,7 +68,12 @@ def _serve(llm: LLM) -> tuple[list[list[int]], list[int]]:
 
 @pytest.mark.parametrize("shape", SHAPES)
 def test_two_ranks_match_one_and_leave_no_process(tiny_model, shape):
-    path = tiny_model("llama", **SHAPES[shape])
+    assert_two_ranks_match_one(tiny_model("llama", **SHAPES[shape]))
+
+
+def assert_two_ranks_match_one(path: Path) -> None:
+    """The model at `path` on 2 ranks: `_serve`'s tokens and cached counts of 1 rank, its
+    logits within 1e-4 (fp32); its child gone, rank 0's cores given back, after close."""
     one = LLM(model=str(path), **CHUNKED)
     one_logits = _spy_logits(one)
     want, want_cached = _serve(one)
@@ -130,9 +136,14 @@ def test_heads_that_do_not_split_are_refused_before_any_process_starts(tiny_mode
 
 
 def test_models_without_a_split_are_refused(tiny_model):
-    with pytest.raises(ValueError, match="Qwen3MoeForCausalLM runs on one process only"):
-        LLM(model=str(tiny_model("qwen3_moe")), dtype="float32", max_model_len=256,
-            tensor_parallel_size=2)
+    """An MLA model's ranks each need a whole query head (the tiny DeepSeek has 3)."""
+    before = psutil.Process().children()
+    with pytest.raises(ValueError, match=r"tensor-parallel size 4 exceeds the 3 attention heads "
+                                         r"of this DeepseekV3ForCausalLM: .* choose a size of "
+                                         r"at most 3"):
+        LLM(model=str(tiny_model("deepseek_v3")), dtype="float32", max_model_len=256,
+            tensor_parallel_size=4)
+    assert psutil.Process().children() == before
 
 
 @pytest.mark.parametrize("role", [Role.PREFILL, Role.DECODE])

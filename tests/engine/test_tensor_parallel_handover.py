@@ -14,8 +14,10 @@ from pdserve.transfer.layout import KVLayout
 PROMPTS = [[7], list(range(20, 77)), list(range(100, 116)), [5, 6, 7, 8, 9, 10, 11]]
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 COMMON = {"dtype": "float32", "max_model_len": 256}
-# 2 KV heads: split, one a rank; 1 KV head: replicated on both ranks
-KV_HEADS = {"two_kv_heads": {}, "one_kv_head": {"num_key_value_heads": 1}}
+# Llama with 2 KV heads: split, one a rank; with 1 KV head: replicated on both ranks;
+# DeepSeek-V3: the latent pool, whole on every rank (MLA + MoE + a dense first layer)
+MODELS = {"two_kv_heads": ("llama", {}), "one_kv_head": ("llama", {"num_key_value_heads": 1}),
+          "deepseek_v3": ("deepseek_v3", {})}
 
 
 def _engine(path, role: Role, tp: int) -> Engine:
@@ -44,11 +46,12 @@ def _disaggregated(pre: Engine, dec: Engine) -> dict[str, list[int]]:
     return tokens
 
 
-@pytest.mark.parametrize("heads", KV_HEADS)
+@pytest.mark.parametrize("model", MODELS)
 @pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(2, 1), (1, 2)])
 def test_kv_moves_between_tensor_parallel_sizes_and_decodes_the_collocated_tokens(
-        tiny_model, heads, prefill_tp, decode_tp):
-    path = tiny_model("llama", **KV_HEADS[heads])
+        tiny_model, model, prefill_tp, decode_tp):
+    arch, overrides = MODELS[model]
+    path = tiny_model(arch, **overrides)
     want = [o.outputs[0].token_ids
             for o in LLM(model=str(path), **COMMON).generate(PROMPTS, GREEDY, use_tqdm=False)]
     pre, dec = _engine(path, Role.PREFILL, prefill_tp), _engine(path, Role.DECODE, decode_tp)

@@ -210,6 +210,15 @@ def test_a_preset_checks_the_heads_of_a_model_that_is_not_here() -> None:
         render(resource, model_config="llama-3.1-70b")
 
 
+def test_an_mla_model_splits_its_query_heads_in_any_runs_up_to_one_a_rank() -> None:
+    resource = changed(cpu(), "spec.prefillPool.tensorParallelSize", 3)  # 128 heads: uneven
+    render(resource, model_config="deepseek-v3")
+    with pytest.raises(ValueError, match="tensor-parallel size 200 exceeds the 128 attention "
+                                         "heads"):
+        render(changed(resource, "spec.prefillPool.tensorParallelSize", 200),
+               model_config="deepseek-v3")
+
+
 def test_a_local_model_folder_is_read_for_its_heads(tmp_path) -> None:
     (tmp_path / "config.json").write_text(
         '{"model_type": "llama", "num_hidden_layers": 2, "hidden_size": 96, '

@@ -1,6 +1,7 @@
 """`pdserve up` with prefill and decode workers at different tensor-parallel sizes: the KV moves
 over the transfer plane between a worker on 2 processes and one on 1 (either way round), the
-tokens are the one-process engine's, every block comes back; and a killed rank ends its whole
+tokens are the one-process engine's (Llama, and DeepSeek-V3's latent pool), every block comes
+back; and a killed rank ends its whole
 worker (exit status 1, restarted by `up`) with the peer's blocks back."""
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ import openai
 import psutil
 import pytest
 
-from tests.serve.cluster import Cluster
+from pdserve.transfer.layout import LAYOUT_PAGED_MLA
+from tests.serve.cluster import Cluster, metric
 from tests.serve.conftest import LOCAL_THRESHOLD
 from tests.serve.test_serving import LENGTHS, _complete, _offline_texts, prompts
 
@@ -35,6 +37,14 @@ def tp_cluster(request, tiny_model) -> Cluster:
     return cluster
 
 
+@pytest.fixture(scope="module")
+def deepseek_tp_cluster(request, tiny_model) -> Cluster:
+    cluster = Cluster(tiny_model("deepseek_v3"), "--local-prefill-threshold",
+                      str(LOCAL_THRESHOLD), "--prefill-tp", "2", "--decode-tp", "1")
+    request.addfinalizer(cluster.stop)
+    return cluster
+
+
 def _ranks(pid: int) -> list[psutil.Process]:
     """The tensor-parallel child ranks of worker process `pid`."""
     return [p for p in psutil.Process(pid).children()
@@ -48,8 +58,22 @@ def test_greedy_tokens_equal_the_one_process_engine_and_every_block_returns(
     assert [r.choices[0].text for r in results] == list(_offline_texts(tp_cluster.model))
     prefill, decode = tp_cluster.health(PREFILL), tp_cluster.health(DECODE)
     assert prefill["kv_layout"] == decode["kv_layout"]  # whole models' pools, both
+    assert metric(tp_cluster.worker_url(DECODE),
+                  'pdserve_transfer_bytes_total{direction="recv"}') > 0
     assert len(_ranks(prefill["pid"])) + len(_ranks(decode["pid"])) == 1
     tp_cluster.wait_blocks_free([PREFILL, DECODE])
+
+
+def test_deepseek_latent_kv_moves_from_two_ranks_to_one(deepseek_tp_cluster: Cluster) -> None:
+    """MLA + MoE on a prefill worker at TP 2: its latent pool is one every rank writes alike,
+    moved whole to a one-process decode worker."""
+    with ThreadPoolExecutor(len(LENGTHS)) as pool:
+        results = list(pool.map(functools.partial(_complete, deepseek_tp_cluster), prompts()))
+    assert [r.choices[0].text for r in results] == list(_offline_texts(deepseek_tp_cluster.model))
+    assert deepseek_tp_cluster.health(PREFILL)["kv_layout"]["layout"] == LAYOUT_PAGED_MLA
+    assert metric(deepseek_tp_cluster.worker_url(DECODE),
+                  'pdserve_transfer_bytes_total{direction="recv"}') > 0
+    deepseek_tp_cluster.wait_blocks_free([PREFILL, DECODE])
 
 
 def test_a_killed_rank_ends_its_worker_and_the_peer_frees_its_blocks(

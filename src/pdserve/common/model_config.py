@@ -21,6 +21,8 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCa
 QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 # Decoders with Multi-head Latent Attention (`mla` set): their rotary part may use YaRN.
 MLA_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
+# Decoders that may set `attention_bias`.
+BIAS_ARCHITECTURES = ("Qwen2ForCausalLM", *MLA_ARCHITECTURES)
 
 _REQUIRED = (
     "vocab_size",
@@ -46,7 +48,7 @@ class ModelConfig:
     rope_theta: float = 10000.0
     rope_scaling: dict[str, Any] | None = None
     tie_word_embeddings: bool = False
-    attention_bias: bool = False  # Qwen2: bias on q, k, v projections
+    attention_bias: bool = False  # Qwen2: q, k, v biases; DeepSeek: q_a, kv_a, o biases
     sliding_window: int | None = None  # Mistral: caps the usable context
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
     bos_token_id: int | None = None
@@ -69,9 +71,11 @@ class ModelConfig:
                 f"config.json: num_attention_heads ({self.num_heads}) must be a multiple of "
                 f"num_key_value_heads ({self.num_kv_heads})"
             )
-        if self.attention_bias and self.architecture != "Qwen2ForCausalLM":
-            raise ValueError("config.json: attention_bias is only supported for Qwen2 (q/k/v "
-                             "biases); this Llama/Mistral variant would need an o_proj bias too")
+        if self.attention_bias and self.architecture not in BIAS_ARCHITECTURES:
+            raise ValueError(f"config.json: attention_bias is only supported for "
+                             f"{', '.join(BIAS_ARCHITECTURES)} (Qwen2: q/k/v biases; DeepSeek: "
+                             f"q_a_proj, kv_a_proj_with_mqa and o_proj biases); this "
+                             f"{self.architecture} would need biases pdserve does not load")
         if (self.moe is not None) != (self.architecture in MOE_ARCHITECTURES):
             raise ValueError(f"{self.architecture}: the MoE fields must be given exactly for "
                              f"{', '.join(MOE_ARCHITECTURES)}")

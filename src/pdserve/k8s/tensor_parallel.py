@@ -42,12 +42,14 @@ def model_shape(path: str, model_config: str | None = None) -> ModelShape | None
 
 
 def check_heads(pool: PoolSpec, shape: ModelShape) -> None:
-    """The engine's rule (`common/head_split.py`); a latent (MLA) model's KV is not split."""
+    """The engine's rule (`common/head_split.py`); a latent (MLA) model's KV is not split, and
+    its query heads go in runs that may differ by one: at most one rank a head."""
     tp = pool.tensor_parallel_size
-    kv = 1 if shape.is_mla else shape.num_kv_heads
-    error = head_split_error(tp, shape.num_heads, kv) if not shape.is_mla else (
-        None if shape.num_heads % tp == 0 else
-        f"tensor-parallel size {tp} does not divide the {shape.num_heads} attention heads")
+    if shape.is_mla:
+        error = None if tp <= shape.num_heads else (
+            f"tensor-parallel size {tp} exceeds the {shape.num_heads} attention heads")
+    else:
+        error = head_split_error(tp, shape.num_heads, shape.num_kv_heads)
     if error is not None:
         raise ValueError(f"spec.{pool.role}Pool.tensorParallelSize {tp}, {shape.name}: {error}")
 

@@ -24,10 +24,11 @@ def load_model(
 ) -> nn.Module:
     """`cpu_kernels`: run a bf16 model on CPU with pdserve's compiled operators where they
     build here (`pdserve.engine.kernels`); PyTorch operators otherwise. `shard`: one
-    tensor-parallel rank's share of the heads and MLP columns (`engine/parallel/`)."""
+    tensor-parallel rank's share of the heads and MLP and expert columns
+    (`engine/parallel/`)."""
     weights = load_weights(path, dtype)
     if shard is not None:
-        weights = shard_weights(weights, shard, cfg.head_dim)
+        weights = shard_weights(weights, shard, cfg)
         cfg = shard.local_config(cfg)
     # the operators: every bf16 CPU model's linears and experts; the rest of the layer only
     # for the models they cover (`supports`)

@@ -37,7 +37,11 @@ LATENT_NORM_EPS = 1e-6
 
 class MlaAttention(nn.Module):
     """`w_uk`, `w_uv`: kv_b_proj's key and value halves per head, copied out by `absorb()`
-    once the weights are loaded (the linear itself may be repacked afterwards)."""
+    once the weights are loaded (the linear itself may be repacked afterwards).
+
+    With `attention_bias` q_a_proj, kv_a_proj_with_mqa and o_proj carry a bias, as in
+    transformers (a plain q_proj never does). `cfg.num_heads` is this process's heads: a
+    tensor-parallel rank's run of them (`engine/parallel/shard_plan.py`), the latent whole."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -46,18 +50,18 @@ class MlaAttention(nn.Module):
         self.h, self.r = cfg.num_heads, mla.kv_lora_rank
         self.d_nope, self.d_rope, self.d_v = mla.qk_nope_head_dim, mla.qk_rope_head_dim, \
             mla.v_head_dim
-        hidden, qk = cfg.hidden_size, mla.qk_head_dim
+        hidden, qk, bias = cfg.hidden_size, mla.qk_head_dim, cfg.attention_bias
         self.q_lora = mla.q_lora_rank is not None
         if mla.q_lora_rank is not None:
-            self.q_a_proj = nn.Linear(hidden, mla.q_lora_rank, bias=False)
+            self.q_a_proj = nn.Linear(hidden, mla.q_lora_rank, bias=bias)
             self.q_a_layernorm = RMSNorm(mla.q_lora_rank, LATENT_NORM_EPS, None)
             self.q_b_proj = nn.Linear(mla.q_lora_rank, self.h * qk, bias=False)
         else:
             self.q_proj = nn.Linear(hidden, self.h * qk, bias=False)
-        self.kv_a_proj_with_mqa = nn.Linear(hidden, self.r + self.d_rope, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(hidden, self.r + self.d_rope, bias=bias)
         self.kv_a_layernorm = RMSNorm(self.r, LATENT_NORM_EPS, None)
         self.kv_b_proj = nn.Linear(self.r, self.h * (self.d_nope + self.d_v), bias=False)
-        self.o_proj = nn.Linear(self.h * self.d_v, hidden, bias=False)
+        self.o_proj = nn.Linear(self.h * self.d_v, hidden, bias=bias)
         self.register_buffer("w_uk", torch.empty(self.h, self.d_nope, self.r), persistent=False)
         self.register_buffer("w_uv", torch.empty(self.h, self.d_v, self.r), persistent=False)
         self.scale = softmax_scale(cfg)
