@@ -1,9 +1,12 @@
 """`pdserve bench transfer --testbed`: KV moves between two hosts over a shaped link.
 
 The run makes its own testbed (hosts p0 and d0, a name prefix of its own, every link shaped
-to the rate under test) and removes it at the end, also on failure; root is needed. Both
-endpoints live in this process, each bound inside its host's network namespace, so every byte
-crosses the shaped veth link and both ends read one clock. The payload is a 1,000-token
+to the rate under test) and removes it at the end, also on failure; root is needed. Each
+endpoint is bound inside its host's network namespace, so every byte crosses the shaped veth
+link: for the bulk rows both live in this process; for the burst rows the receiver is a child
+process on d0 (`link_receiver.py`: a decode worker receives in a process of its own, and one
+interpreter's lock shared by both ends would add its own waits to the control messages'
+latency). The payload is a 1,000-token
 prompt's KV in SmolLM2's shape (bf16, 63 blocks of 368,640 bytes, 23 MB).
 
 Rows (Gb/s are 1e9 bits per second, as links are rated):
@@ -13,7 +16,8 @@ Rows (Gb/s are 1e9 bits per second, as links are rated):
   writes, kernel buffers): N pushes started at once; each one's time from the start to
   "done" against the ideal N x bytes / link rate (`p99_of_ideal`, nearest rank over every
   transfer of every repeat), and control messages sent every `PING_S` while the burst runs
-  (`control_p50_ms`, `control_p99_ms`: one-way, sent to delivered).
+  (`control_p50_ms`, `control_p99_ms`: one-way, sent to delivered, on the machine's one
+  monotonic clock).
 
 NIXL's bulk row (where nixl-cu12 is installed) pushes into a pool a child process hosts on d0
 (`link_nixl.py`): two UCX endpoints of one process would talk through shared memory.
@@ -27,7 +31,6 @@ import json
 import logging
 import os
 import statistics
-import struct
 import sys
 import threading
 import time
@@ -36,7 +39,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from pdserve.bench import link_nixl
+from pdserve.bench import link_nixl, link_receiver
 from pdserve.bench.transfer_bench import (
     BLOCK_SIZE,
     PROMPT_TOKENS,
@@ -49,11 +52,11 @@ from pdserve.engine.kv_cache import KVCache
 from pdserve.testbed import lifecycle
 from pdserve.testbed.namespaces import entered
 from pdserve.testbed.topology import LinkShape, Topology
+from pdserve.transfer.peer import PeerId
 from pdserve.transfer.tcp import TcpOptions, TcpTransport
 
 PING_S = 0.005
 BLOCK_BYTES = KVCache.bytes_per_block(SMOLLM2, BLOCK_SIZE, torch.bfloat16)  # 368,640
-_STAMP = struct.Struct("<d")
 OPTIONS = {"tcp": TcpOptions(), "tcp-aes": TcpOptions(encrypt=True),
            "tcp-whole": TcpOptions(frame_s=0)}
 
@@ -153,13 +156,15 @@ def burst(topology: Topology, shape: LinkShape, window: bool, concurrent: int,
     tids = itertools.count(1)
     times: list[float] = []
     control: list[float] = []
-    with _pair(topology, OPTIONS["tcp" if window else "tcp-whole"], n) as p:
-        nbytes = n * BLOCK_BYTES
+    options = OPTIONS["tcp" if window else "tcp-whole"]
+    with link_receiver.receiver(topology, options, n) as r, \
+            _writer(topology, options, n, r.peer) as w:
         for _ in range(repeats + 1):  # the first is a warm-up
-            took, lat = _one_burst(p, [next(tids) for _ in range(concurrent)], ids)
+            took, lat = _one_burst(w, r, [next(tids) for _ in range(concurrent)], ids)
             if _ > 0:
                 times += took
                 control += lat
+    nbytes = n * BLOCK_BYTES
     ideal = concurrent * nbytes * 8 / (shape.gbps * 1e9)
     p99 = _rank(times, 0.99)
     return BurstRow(window, shape.gbps, shape.delay_ms, concurrent, nbytes,
@@ -167,24 +172,36 @@ def burst(topology: Topology, shape: LinkShape, window: bool, concurrent: int,
                     _rank(control, 0.5) * 1e3, _rank(control, 0.99) * 1e3, len(control))
 
 
-def _one_burst(p: Pair, tids: list[int], ids: list[int]) -> tuple[list[float], list[float]]:
+@contextlib.contextmanager
+def _writer(topology: Topology, options: TcpOptions, num_blocks: int, to: PeerId
+            ) -> Iterator[TcpTransport]:
+    """An endpoint on p0 connected to `to` (its sender thread starts inside p0)."""
+    with entered(topology.namespace("p0")):
+        w = TcpTransport(topology.address("p0"), secret=SECRET, options=options)
+        w.reach(to)
+    try:
+        w.register(smollm2_pool(num_blocks))
+        yield w
+    finally:
+        w.close()
+
+
+def _one_burst(w: TcpTransport, r: link_receiver.Receiver, tids: list[int], ids: list[int]
+               ) -> tuple[list[float], list[float]]:
     """Start one write per transfer id at once; (each one's seconds to "done", the one-way
-    latencies of the control messages sent meanwhile)."""
-    for tid in tids:
-        p.r.allow_writes(tid, p.w.local, ids)
+    latencies of the control messages sent meanwhile, stamped by the receiving process)."""
+    r.allow(tids, w.local, ids)
+    r.latencies()  # none from before this burst
     done = threading.Event()
-    latencies: list[float] = []
-    pinger = threading.Thread(target=_ping, args=(p, done), daemon=True)
-    catcher = threading.Thread(target=_catch, args=(p, done, latencies), daemon=True)
+    pinger = threading.Thread(target=_ping, args=(w, r.peer, done), daemon=True)
     start = time.perf_counter()
-    handles = {p.w.write(tid, ids, p.r.local, ids): tid for tid in tids}
+    handles = [w.write(tid, ids, r.peer, ids) for tid in tids]
     pinger.start()
-    catcher.start()
     took = []
     pending = set(handles)
     while pending:
         for h in list(pending):
-            status = p.w.status(h)
+            status = w.status(h)
             if status != "pending":
                 if status != "done":
                     raise RuntimeError(f"a benchmark write ended {status!r}")
@@ -193,24 +210,15 @@ def _one_burst(p: Pair, tids: list[int], ids: list[int]) -> tuple[list[float], l
         time.sleep(0.0005)
     done.set()
     pinger.join()
-    catcher.join()
-    for tid in tids:
-        p.r.revoke(tid)
+    time.sleep(PING_S)  # the last message's delivery
+    latencies = r.latencies()
+    r.revoke(tids)
     return took, latencies
 
 
-def _ping(p: Pair, done: threading.Event) -> None:
+def _ping(w: TcpTransport, to: PeerId, done: threading.Event) -> None:
     while not done.wait(PING_S):
-        p.w.send(p.r.local, _STAMP.pack(time.perf_counter()))
-
-
-def _catch(p: Pair, done: threading.Event, latencies: list[float]) -> None:
-    while True:
-        now = time.perf_counter()
-        latencies += [now - _STAMP.unpack(m)[0] for _, m in p.r.receive()]
-        if done.is_set():
-            return
-        time.sleep(0.0002)
+        w.send(to, link_receiver.STAMP.pack(time.perf_counter()))
 
 
 def _timed(fn: Callable[[], object]) -> float:
