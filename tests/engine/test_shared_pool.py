@@ -11,7 +11,7 @@ import torch
 
 from pdserve.common.model_config import ModelConfig
 from pdserve.engine.kv_cache import KVCache
-from pdserve.engine.parallel.shared_pool import SharedPool
+from pdserve.engine.parallel.shared_pool import SharedPool, shmem_huge_pages
 
 BF16 = torch.bfloat16
 
@@ -114,3 +114,11 @@ def test_a_ranks_cache_keeps_the_whole_pool_and_computes_over_its_heads():
     assert not data[:, 1, 0, :, 0].any() and not data[:, 1, 1].any() and not data[:, 0].any()
     with pytest.raises(ValueError, match=r"the pool given is \[5, 2, 2, 4, 3, 8\]"):
         KVCache(cfg, 5, 4, torch.float32, pool=torch.zeros(5, 2, 2, 4, 3, 8))
+
+
+def test_the_shmem_huge_page_setting_is_read_from_its_brackets():
+    assert not shmem_huge_pages("always within_size advise [never] deny force\n")
+    assert not shmem_huge_pages("always within_size advise never [deny] force")
+    assert shmem_huge_pages("always within_size [advise] never deny force")
+    assert shmem_huge_pages("[always] within_size advise never deny force")
+    assert shmem_huge_pages(None)
