@@ -6,11 +6,15 @@ import functools
 import json
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 import torch
 
 from pdserve.testing.tiny_models import write_tiny_model
+
+if TYPE_CHECKING:
+    from pdserve.engine.engine import Engine
 
 torch.set_num_threads(min(2, torch.get_num_threads()))
 
@@ -30,14 +34,26 @@ def tiny_model(tmp_path_factory) -> Callable[..., Path]:
     return make
 
 
-def engine_pair(path: Path, decode_blocks: int = 64, device: str = "cpu"):
-    """A prefill-role and a decode-role engine on the same tiny model, fp32, 256-token context."""
+# The KV pool of a test engine whose pool size is not what the test is about: 512 blocks, room
+# for 32 whole 256-token contexts. The default (512 MiB: 65,536 blocks of the tiny model) is
+# zeroed and listed block by block at each construction, for room no test uses.
+KV_BLOCKS = 512
+
+
+def tiny_engine(path: Path, role: str, num_kv_blocks: int, device: str = "cpu") -> Engine:
+    """An engine of `role` on a tiny model, fp32, 256-token context, `num_kv_blocks` blocks."""
     from pdserve.config import EngineConfig, Role
     from pdserve.engine.engine import Engine
 
-    common = {"model": str(path), "dtype": "float32", "max_model_len": 256, "device": device}
-    return (Engine(EngineConfig(role=Role.PREFILL, **common)),
-            Engine(EngineConfig(role=Role.DECODE, num_kv_blocks=decode_blocks, **common)))
+    return Engine(EngineConfig(model=str(path), dtype="float32", max_model_len=256,
+                               device=device, role=Role(role), num_kv_blocks=num_kv_blocks))
+
+
+def engine_pair(path: Path, decode_blocks: int = 64, device: str = "cpu"
+                ) -> tuple[Engine, Engine]:
+    """A prefill-role and a decode-role engine on the same tiny model, fp32, 256-token context."""
+    return (tiny_engine(path, "prefill", KV_BLOCKS, device),
+            tiny_engine(path, "decode", decode_blocks, device))
 
 
 @functools.cache

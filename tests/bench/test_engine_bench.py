@@ -7,12 +7,14 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM
 
+from pdserve.bench import engine_bench
 from pdserve.bench.engine_bench import (
     BenchRow,
     BenchSettings,
     flops_per_token,
     prefill_flops_per_token,
 )
+from pdserve.cli import main
 from pdserve.common.model_config import ModelConfig
 
 
@@ -52,3 +54,12 @@ def test_the_bound_is_the_lower_roof():
 def test_bad_settings_say_what_to_fix(kwargs, message):
     with pytest.raises(ValueError, match=message):
         BenchSettings(**kwargs)
+
+
+def test_no_cpu_kernels_reaches_the_benchmark(monkeypatch) -> None:
+    """`pdserve bench engine --no-cpu-kernels` runs the engine on PyTorch operators only."""
+    seen: list[BenchSettings] = []
+    monkeypatch.setattr(engine_bench, "main", lambda s, as_json: seen.append(s) or 0)
+    assert main(["bench", "engine", "--model", "tiny", "--no-cpu-kernels"]) == 0
+    assert main(["bench", "engine", "--model", "tiny"]) == 0
+    assert [s.cpu_kernels for s in seen] == [False, True]

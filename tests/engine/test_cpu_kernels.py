@@ -17,6 +17,7 @@ from pdserve.engine import kernels
 from pdserve.engine.model.attention import DecodeGroup, _decode
 from pdserve.engine.model.rope import apply_rope
 from pdserve.engine.sampler import Sampler
+from tests.conftest import KV_BLOCKS
 
 BF16 = torch.bfloat16
 
@@ -160,8 +161,8 @@ def test_a_bf16_engine_with_the_operators_is_as_close_to_fp32_as_pytorch_ops(tin
     prompts = [[7], list(range(5, 12)), list(range(20, 77)), list(range(100, 140))]
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     runs = {"fused": ("bfloat16", True), "plain": ("bfloat16", False), "fp32": ("float32", False)}
-    llms = {k: LLM(model=str(path), dtype=dt, max_model_len=256, cpu_kernels=ck)
-            for k, (dt, ck) in runs.items()}
+    llms = {k: LLM(model=str(path), dtype=dt, max_model_len=256, cpu_kernels=ck,
+                   num_kv_blocks=KV_BLOCKS) for k, (dt, ck) in runs.items()}
     assert llms["fused"].engine.model.fused is not None
     assert llms["plain"].engine.model.fused is None
     logits = {k: _logits_by_request(llm) for k, llm in llms.items()}
@@ -184,9 +185,9 @@ def test_a_bf16_engine_with_the_operators_is_as_close_to_fp32_as_pytorch_ops(tin
 
 def test_fp32_and_unsupported_shapes_keep_the_pytorch_operators(tiny_model):
     assert LLM(model=str(tiny_model("llama", **KERNEL_SHAPE)), dtype="float32",
-               max_model_len=64).engine.model.fused is None
+               max_model_len=64, num_kv_blocks=KV_BLOCKS).engine.model.fused is None
     assert LLM(model=str(tiny_model("llama")), dtype="bfloat16",  # head_dim 16
-               max_model_len=64).engine.model.fused is None
+               max_model_len=64, num_kv_blocks=KV_BLOCKS).engine.model.fused is None
 
 
 def test_a_failed_build_falls_back_to_pytorch_with_a_warning(monkeypatch, caplog, tmp_path):

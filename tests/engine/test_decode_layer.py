@@ -9,11 +9,12 @@ import torch
 from pdserve import LLM, SamplingParams
 from pdserve.engine.model.llama import DecoderLayer, LlamaForCausalLM
 from pdserve.engine.model.packed_linear import linear_kernel
+from tests.conftest import KV_BLOCKS
 from tests.engine.test_cpu_kernels import KERNEL_SHAPE, _logits_by_request
 
 
 def _run(path, prompts, params):
-    llm = LLM(model=str(path), dtype="bfloat16", max_model_len=512)
+    llm = LLM(model=str(path), dtype="bfloat16", max_model_len=512, num_kv_blocks=KV_BLOCKS)
     logits = _logits_by_request(llm)
     outs = llm.generate(prompts, params, use_tqdm=False)
     assert llm.engine.block_manager.num_used_blocks == 0
@@ -51,8 +52,8 @@ def test_decode_steps_through_the_cpp_layer_give_the_python_layers_logits(
 
 def test_a_step_with_a_prefill_or_a_linear_on_onednn_stays_in_python(ops, tiny_model):
     llm = LLM(model=str(tiny_model("llama", **KERNEL_SHAPE)), dtype="bfloat16",
-              max_model_len=64, cpu_kernels=False)
+              max_model_len=64, cpu_kernels=False, num_kv_blocks=KV_BLOCKS)
     assert llm.engine.model._layer_kernel is None  # PyTorch operators, oneDNN linears
     model = LLM(model=str(tiny_model("llama", **KERNEL_SHAPE)), dtype="bfloat16",
-                max_model_len=64).engine.model
+                max_model_len=64, num_kv_blocks=KV_BLOCKS).engine.model
     assert model._layer_kernel == (None if linear_kernel(ops) is None else linear_kernel(ops).name)

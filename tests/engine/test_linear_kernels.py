@@ -20,6 +20,7 @@ from pdserve.engine.model.packed_linear import (
     linear_kernel,
     pack_linears,
 )
+from tests.conftest import KV_BLOCKS
 from tests.engine.test_cpu_kernels import KERNEL_SHAPE
 
 BF16 = torch.bfloat16
@@ -106,7 +107,8 @@ def test_the_bf16_engine_runs_its_linears_on_the_kernel(ops, tiny_model):
     kernel = linear_kernel(ops)
     if kernel is None:
         pytest.skip("this CPU has no linear kernel of pdserve's")
-    llm = LLM(model=str(tiny_model("llama", **KERNEL_SHAPE)), dtype="bfloat16", max_model_len=64)
+    llm = LLM(model=str(tiny_model("llama", **KERNEL_SHAPE)), dtype="bfloat16", max_model_len=64,
+              num_kv_blocks=KV_BLOCKS)
     linears = [m for m in llm.engine.model.modules() if isinstance(m, KernelLinear | PackedLinear)]
     assert {type(m) for m in linears} == {KernelLinear}
     assert {m.kernel.name for m in linears} == {kernel.name}

@@ -7,7 +7,7 @@ import torch
 
 from pdserve import LLM, SamplingParams
 from pdserve.engine.scheduler import SchedulerOutput
-from tests.conftest import hf_greedy, hf_logits
+from tests.conftest import KV_BLOCKS, hf_greedy, hf_logits
 
 GREEDY = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
 # Prompts of different lengths: 1 token, shorter than a block, several blocks, one exact block.
@@ -39,7 +39,7 @@ LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
 def test_logits_match_transformers(tiny_model, arch):
     path = (tiny_model("llama", rope_scaling=LLAMA3_ROPE) if arch == "llama3-rope"
             else tiny_model(arch))
-    llm = LLM(model=str(path), dtype="float32", max_model_len=256)
+    llm = LLM(model=str(path), dtype="float32", num_kv_blocks=KV_BLOCKS, max_model_len=256)
     prompt = list(range(30, 70))
     ours = _engine_logits(llm, prompt)
     ref = hf_logits(path, prompt)
@@ -53,7 +53,8 @@ def test_greedy_batch_matches_transformers(tiny_model, arch, chunked):
     path = tiny_model(arch)
     # A 24-token budget forces every long prompt through several chunks, mixed with decodes.
     extra = {"enable_chunked_prefill": True, "max_num_batched_tokens": 24} if chunked else {}
-    llm = LLM(model=str(path), dtype="float32", max_model_len=256, **extra)
+    llm = LLM(model=str(path), dtype="float32", num_kv_blocks=KV_BLOCKS, max_model_len=256,
+              **extra)
     outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     for prompt, out in zip(PROMPTS, outs, strict=True):
         assert out.prompt_token_ids == prompt
@@ -64,7 +65,8 @@ def test_greedy_batch_matches_transformers(tiny_model, arch, chunked):
 
 def test_prefix_cache_hits_keep_greedy_output(tiny_model):
     path = tiny_model("llama")
-    llm = LLM(model=str(path), dtype="float32", max_model_len=256, block_size=16)
+    llm = LLM(model=str(path), dtype="float32", num_kv_blocks=KV_BLOCKS, max_model_len=256,
+              block_size=16)
     shared = list(range(40, 90))  # 50 tokens: three full blocks to share
     first = llm.generate([shared + [5, 6]], GREEDY, use_tqdm=False)[0]
     assert first.num_cached_tokens == 0
@@ -78,7 +80,7 @@ def test_prefix_cache_hits_keep_greedy_output(tiny_model):
 
 def test_generated_blocks_are_cached_for_the_next_turn(tiny_model):
     path = tiny_model("llama")
-    llm = LLM(model=str(path), dtype="float32", max_model_len=256)
+    llm = LLM(model=str(path), dtype="float32", num_kv_blocks=KV_BLOCKS, max_model_len=256)
     prompt = list(range(40, 60))
     out = llm.generate([prompt], GREEDY, use_tqdm=False)[0]
     turn2 = prompt + out.outputs[0].token_ids + [9, 10]
@@ -90,7 +92,7 @@ def test_generated_blocks_are_cached_for_the_next_turn(tiny_model):
 def test_exact_block_prompt_recomputes_its_last_token(tiny_model):
     """A prompt fully in the cache still computes its last token, to get logits."""
     path = tiny_model("llama")
-    llm = LLM(model=str(path), dtype="float32", max_model_len=256)
+    llm = LLM(model=str(path), dtype="float32", num_kv_blocks=KV_BLOCKS, max_model_len=256)
     prompt = list(range(200, 232))  # exactly two blocks
     a, b = (llm.generate([prompt], GREEDY, use_tqdm=False)[0] for _ in range(2))
     assert b.num_cached_tokens == 16
@@ -101,7 +103,7 @@ def test_decodes_of_very_different_contexts_attend_in_groups_and_match_transform
     """A long context beside short ones is attended in its own decode group (no padding of the
     short ones to its length), with the tokens unchanged."""
     path = tiny_model("llama", max_position_embeddings=2048)
-    llm = LLM(model=str(path), dtype="float32", max_model_len=2048)
+    llm = LLM(model=str(path), dtype="float32", num_kv_blocks=KV_BLOCKS, max_model_len=2048)
     runner = llm.engine.runner
     seen: list[list[int]] = []
     make_groups = runner._decode_groups

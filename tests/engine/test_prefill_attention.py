@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from pdserve import LLM, SamplingParams
+from tests.conftest import KV_BLOCKS
 from tests.engine.test_cpu_kernels import KERNEL_SHAPE, _logits_by_request
 
 BF16 = torch.bfloat16
@@ -114,7 +115,8 @@ def test_a_bf16_engine_samples_the_same_logits_chunked_or_whole(tiny_model):
     path = str(tiny_model("llama", **KERNEL_SHAPE))
 
     def llm() -> LLM:
-        return LLM(model=path, dtype="bfloat16", max_model_len=256, enable_prefix_caching=False)
+        return LLM(model=path, dtype="bfloat16", max_model_len=256, enable_prefix_caching=False,
+                   num_kv_blocks=KV_BLOCKS)
 
     whole = _long_beside_a_stream(llm(), None)
     chunked = _long_beside_a_stream(llm(), 32)  # 5 chunks, each beside a decode
@@ -126,7 +128,7 @@ def test_a_bf16_engine_samples_the_same_logits_chunked_or_whole(tiny_model):
 
 def test_a_bf16_prefix_cache_hit_samples_the_same_logits_as_a_miss(tiny_model):
     llm = LLM(model=str(tiny_model("llama", **KERNEL_SHAPE)), dtype="bfloat16",
-              max_model_len=256, enable_prefix_caching=True)
+              max_model_len=256, enable_prefix_caching=True, num_kv_blocks=KV_BLOCKS)
     seen = _logits_by_request(llm)
     (first,) = llm.generate([LONG], GREEDY, use_tqdm=False)
     (again,) = llm.generate([LONG], GREEDY, use_tqdm=False)
@@ -141,7 +143,8 @@ def test_a_bf16_prompt_samples_the_same_logits_alone_or_batched(tiny_model):
     path = str(tiny_model("llama", **KERNEL_SHAPE))
     logits = {}
     for batch in ([LONG], [STREAM * 4, LONG, LONG[:70]]):
-        llm = LLM(model=path, dtype="bfloat16", max_model_len=256, enable_prefix_caching=False)
+        llm = LLM(model=path, dtype="bfloat16", max_model_len=256, enable_prefix_caching=False,
+                  num_kv_blocks=KV_BLOCKS)
         seen = _logits_by_request(llm)
         outs = llm.generate(batch, GREEDY, use_tqdm=False)
         logits[len(batch)] = seen[outs[batch.index(LONG)].request_id]

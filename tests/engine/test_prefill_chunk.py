@@ -10,6 +10,7 @@ import pytest
 from pdserve.common.sampling_params import SamplingParams
 from pdserve.config import EngineConfig
 from pdserve.engine.engine import Engine
+from tests.conftest import KV_BLOCKS
 
 GREEDY = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
 LONG_PROMPT = [(t * 13) % 480 + 5 for t in range(150)]
@@ -17,7 +18,8 @@ SHORT_PROMPT = list(range(5, 25))
 
 
 def _engine(path) -> Engine:
-    return Engine(EngineConfig(model=str(path), dtype="float32", max_model_len=512))
+    return Engine(EngineConfig(model=str(path), dtype="float32", max_model_len=512,
+                               num_kv_blocks=KV_BLOCKS))
 
 
 def _run(engine: Engine, chunk: int | None) -> tuple[dict[str, list[int]], list[tuple[int, int]]]:

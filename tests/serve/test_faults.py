@@ -12,6 +12,8 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
+from pathlib import Path
 
 import openai
 import pytest
@@ -73,11 +75,38 @@ def test_client_gone_mid_transfer_frees_both_sides(disagg_tcp: Cluster) -> None:
     assert ok.usage.completion_tokens == 4
 
 
-@pytest.fixture
-def kill_cluster(request, tiny_model) -> Cluster:
+@pytest.fixture(scope="module")
+def _kill_cluster(request, tiny_model) -> Cluster:
     cluster = Cluster(tiny_model(), "--local-prefill-threshold", str(LOCAL_THRESHOLD))
     request.addfinalizer(cluster.stop)
     return cluster
+
+
+@pytest.fixture
+def kill_cluster(_kill_cluster: Cluster) -> Cluster:
+    """The kill tests' cluster, started once for this module: each test gets it once a worker
+    that the test before killed is restarted and taken back by the router."""
+    return all_back(_kill_cluster)
+
+
+def all_back(cluster: Cluster) -> Cluster:
+    """`cluster` once both workers answer their signed /health (a killed one: its restarted
+    process) and the router lists both healthy."""
+    router, deadline = cluster.url.removesuffix("/v1"), time.monotonic() + 60
+    for index in (PREFILL, DECODE):
+        while not (_answers(cluster, index)
+                   and _healthy_in_router(router, cluster.worker_url(index), cluster.auth)):
+            assert time.monotonic() < deadline, f"worker {index} did not come back"
+            time.sleep(0.1)
+    return cluster
+
+
+def _answers(cluster: Cluster, index: int) -> bool:
+    try:
+        cluster.health(index)
+    except OSError:
+        return False
+    return True
 
 
 def test_prefill_killed_under_load_every_request_ends_and_decode_frees(kill_cluster: Cluster
@@ -143,13 +172,18 @@ def test_a_restarted_prefill_worker_is_a_new_peer_at_the_old_address(kill_cluste
     assert now["peer"]["instance_id"] != before["peer"]["instance_id"]
     assert now["peer"]["port"] == before["peer"]["port"]
     router = cluster.url.removesuffix("/v1")
-    time.sleep(1.5)  # one router health round
+    met = f"new instance {now['peer']['instance_id']}"
+    while not any(met in line for line in cluster.log):  # the router's health round met it
+        assert time.monotonic() < deadline, f"the router never met {met}"
+        time.sleep(0.1)
     split = metric(router, 'pdserve_router_requests_total{path="disaggregated"}')
-    out = client(cluster).completions.create(model=cluster.model, prompt=LONG, max_tokens=8,
+    recomputes = metric(cluster.worker_url(DECODE), "pdserve_kv_recomputes_total")
+    fresh = LONG[::-1]  # the decode worker's prefix cache may hold LONG: it would run locally
+    out = client(cluster).completions.create(model=cluster.model, prompt=fresh, max_tokens=8,
                                              temperature=0, extra_body={"ignore_eos": True})
     assert out.usage.completion_tokens == 8
     assert metric(router, 'pdserve_router_requests_total{path="disaggregated"}') == split + 1
-    assert metric(cluster.worker_url(DECODE), "pdserve_kv_recomputes_total") == 0
+    assert metric(cluster.worker_url(DECODE), "pdserve_kv_recomputes_total") == recomputes
     cluster.wait_blocks_free([PREFILL, DECODE])
 
 
@@ -186,13 +220,32 @@ STALL_LEG_TIMEOUT_S = 5.0  # above the lease: a decode leg is silent for up to a
 STALL_QUEUE_WAIT_S = 2.0  # how long the router then waits for the worker to serve again
 
 
-@pytest.fixture
-def stall_cluster(request, tiny_model) -> Cluster:
+def _stall_cluster(request: pytest.FixtureRequest, tiny_model: Callable[..., Path]) -> Cluster:
     cluster = Cluster(tiny_model(), "--local-prefill-threshold", str(LOCAL_THRESHOLD),
                       "--kv-lease", str(STALL_LEASE_S), "--leg-timeout", str(STALL_LEG_TIMEOUT_S),
                       "--max-queue-wait-s", str(STALL_QUEUE_WAIT_S))
     request.addfinalizer(cluster.stop)
     return cluster
+
+
+@pytest.fixture(scope="module")
+def _stall_cluster_shared(request, tiny_model) -> Cluster:
+    return _stall_cluster(request, tiny_model)
+
+
+@pytest.fixture
+def stall_cluster(_stall_cluster_shared: Cluster) -> Cluster:
+    """The stall tests' cluster, started once for this module (each test wakes what it stalled
+    and waits until the split path works again): each test gets it once the router has both
+    workers back."""
+    return all_back(_stall_cluster_shared)
+
+
+@pytest.fixture
+def fresh_stall_cluster(request, tiny_model) -> Cluster:
+    """A cluster of the stall tests' settings whose workers have never moved KV (never
+    dialed each other), stopped after the test."""
+    return _stall_cluster(request, tiny_model)
 
 
 def _splits_again_without_recompute(cluster: Cluster) -> None:
@@ -274,13 +327,13 @@ def test_a_stalled_prefill_worker_costs_a_lease_not_a_hang(stall_cluster: Cluste
 
 
 def test_a_prefill_worker_stalled_before_its_first_transfer_serves_again_when_it_wakes(
-        stall_cluster: Cluster) -> None:
+        fresh_stall_cluster: Cluster) -> None:
     """SIGSTOP the prefill worker before any KV moved: the decode worker's first dial to it
     finds its kernel accepting and its process silent. The request costs the lease and a
     recompute; after SIGCONT the pair works again: the next long prompt splits and its KV
     arrives (a handshake that timed out used to declare the peer dead for good, so every later
     transfer between the two failed and recomputed)."""
-    cluster = stall_cluster
+    cluster = fresh_stall_cluster
     pid = cluster.health(PREFILL)["pid"]
     os.kill(pid, signal.SIGSTOP)
     try:

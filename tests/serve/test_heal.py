@@ -19,6 +19,7 @@ import pytest
 from pdserve.testing.tiny_models import tiny_tokenizer
 from tests.serve.cluster import Cluster, metric
 from tests.serve.conftest import LOCAL_THRESHOLD
+from tests.serve.test_faults import all_back
 from tests.serve.test_serving import client
 
 PREFILL, DECODE = 0, 1
@@ -29,12 +30,19 @@ RECOMPUTES = "pdserve_kv_recomputes_total"
 SPLIT = 'pdserve_router_requests_total{path="disaggregated"}'
 
 
-@pytest.fixture
-def heal_cluster(request, tiny_model) -> Cluster:
+@pytest.fixture(scope="module")
+def _heal_cluster(request, tiny_model) -> Cluster:
     cluster = Cluster(tiny_model(), "--local-prefill-threshold", str(LOCAL_THRESHOLD),
                       "--kv-lease", str(LEASE_S), "--leg-timeout", str(LEASE_S + 5))
     request.addfinalizer(cluster.stop)
     return cluster
+
+
+@pytest.fixture
+def heal_cluster(_heal_cluster: Cluster) -> Cluster:
+    """Both tests' cluster, started once for this module: each test gets it once the worker
+    that the test before killed is restarted and taken back by the router."""
+    return all_back(_heal_cluster)
 
 
 def long_prompts(n: int, seed: int) -> list[list[int]]:

@@ -5,6 +5,7 @@ back. Many transfers at once (the failures under high concurrency others report)
 
 from __future__ import annotations
 
+import functools
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -60,15 +61,12 @@ def test_a_burst_larger_than_both_kv_pools_queues_and_completes(small_pools: Clu
 def test_many_concurrent_transfers_all_land(request, transport: str) -> None:
     """48 long prompts at once, each split: every KV transfer lands (no failure, no recompute
     on the decode worker) and every greedy output is the offline engine's."""
-    from pdserve import LLM, SamplingParams
-
     cluster: Cluster = request.getfixturevalue(transport)
     decode = cluster.worker_url(1)
     router, split = cluster.url.removesuffix("/v1"), SPLIT_METRIC
     before = {name: metric(decode, name) for name in RECV_FAILURE_METRICS}
     split_before = metric(router, split)
-    # shifted: none is a prompt other tests of this session-wide cluster sent (no cache hit)
-    batch = [[(t + i + 1) % 500 for t in prompts()[3 + i % 3]] for i in range(48)]
+    batch = _concurrent_batch()
 
     def one(prompt: list[int]) -> str:
         return client(cluster).completions.create(
@@ -77,13 +75,27 @@ def test_many_concurrent_transfers_all_land(request, transport: str) -> None:
 
     with ThreadPoolExecutor(len(batch)) as pool:
         texts = list(pool.map(one, batch))
-    llm = LLM(model=cluster.model, dtype="float32", max_model_len=512)
-    offline = llm.generate(batch, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True),
-                           use_tqdm=False)
-    assert texts == [o.outputs[0].text for o in offline]
+    assert texts == _offline_batch_texts(cluster.model)
     assert metric(router, split) == split_before + len(batch)
     assert {name: metric(decode, name) for name in RECV_FAILURE_METRICS} == before
     cluster.wait_blocks_free([0, 1])
+
+
+def _concurrent_batch() -> list[list[int]]:
+    # shifted: none is a prompt other tests of a session-wide cluster sent (no cache hit)
+    return [[(t + i + 1) % 500 for t in prompts()[3 + i % 3]] for i in range(48)]
+
+
+@functools.cache
+def _offline_batch_texts(model: str) -> list[str]:
+    """The offline engine's greedy texts of the batch: computed once for every transport."""
+    from pdserve import LLM, SamplingParams
+
+    llm = LLM(model=model, dtype="float32", max_model_len=512)
+    offline = llm.generate(_concurrent_batch(),
+                           SamplingParams(max_tokens=8, temperature=0, ignore_eos=True),
+                           use_tqdm=False)
+    return [o.outputs[0].text for o in offline]
 
 
 SPLIT_METRIC = 'pdserve_router_requests_total{path="disaggregated"}'

@@ -3,6 +3,7 @@ client inside the testbed."""
 
 from __future__ import annotations
 
+import functools
 import json
 import urllib.request
 from collections.abc import Iterator
@@ -71,8 +72,15 @@ def cluster_on_bed(model: Path, *args: str) -> Iterator[BedCluster]:
 
 def offline_texts(model: str, prompts: list[list[int]]) -> list[str]:
     """The offline engine's greedy texts on one host (MAX_TOKENS each, EOS ignored)."""
+    return list(_offline_texts(model, tuple(tuple(p) for p in prompts)))
+
+
+@functools.cache
+def _offline_texts(model: str, prompts: tuple[tuple[int, ...], ...]) -> tuple[str, ...]:
+    """Computed once per model and prompts (the cross-host tests ask once per transport)."""
     from pdserve import LLM, SamplingParams
 
     llm = LLM(model=model, dtype="float32", max_model_len=512)
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
-    return [o.outputs[0].text for o in llm.generate(prompts, params, use_tqdm=False)]
+    outs = llm.generate([list(p) for p in prompts], params, use_tqdm=False)
+    return tuple(o.outputs[0].text for o in outs)

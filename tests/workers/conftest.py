@@ -5,15 +5,15 @@ from __future__ import annotations
 
 import pytest
 
-from tests.conftest import engine_pair
+from tests.conftest import KV_BLOCKS, tiny_engine
 from tests.workers.test_handover import Side
 
 
 @pytest.fixture
 def dec(tiny_model) -> Side:
-    return Side(engine_pair(tiny_model(), decode_blocks=16)[1])
+    return Side(tiny_engine(tiny_model(), "decode", 16))
 
 
 @pytest.fixture
 def pre(tiny_model) -> Side:
-    return Side(engine_pair(tiny_model())[0])
+    return Side(tiny_engine(tiny_model(), "prefill", KV_BLOCKS))

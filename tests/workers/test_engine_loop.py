@@ -13,13 +13,15 @@ from pdserve.engine.engine import Engine
 from pdserve.legs.protocol import LegRequest, TokenEvent
 from pdserve.workers.engine_loop import Accepted, EngineLoop, LegRefused
 from pdserve.workers.worker_metrics import WorkerMetrics
+from tests.conftest import KV_BLOCKS
 
 PARAMS = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
 
 
 @pytest.fixture
 def engine(tiny_model) -> Engine:
-    return Engine(EngineConfig(model=str(tiny_model()), dtype="float32", max_model_len=256))
+    return Engine(EngineConfig(model=str(tiny_model()), dtype="float32", max_model_len=256,
+                               num_kv_blocks=KV_BLOCKS))
 
 
 async def _events(sink: asyncio.Queue, timeout: float = 30.0) -> list:

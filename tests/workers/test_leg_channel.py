@@ -24,6 +24,7 @@ from pdserve.workers.engine_loop import Accepted, EngineLoop, _deliver
 from pdserve.workers.leg_channel import WorkerLegChannel, WorkerLegChannels
 from pdserve.workers.parked import ParkedLegs
 from pdserve.workers.worker_metrics import WorkerMetrics
+from tests.conftest import KV_BLOCKS
 from tests.workers.test_role_flip import Worker
 
 LONG = SamplingParams(max_tokens=900, temperature=0, ignore_eos=True)
@@ -32,7 +33,8 @@ SHORT = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 
 @pytest.fixture
 def engine(tiny_model) -> Engine:
-    return Engine(EngineConfig(model=str(tiny_model()), dtype="float32", max_model_len=1024))
+    return Engine(EngineConfig(model=str(tiny_model()), dtype="float32", max_model_len=1024,
+                               num_kv_blocks=KV_BLOCKS))
 
 
 @contextlib.asynccontextmanager

@@ -31,6 +31,7 @@ from pdserve.workers.parked import ParkedLegs
 from pdserve.workers.role_flip import FLIPPING, FlipDone
 from pdserve.workers.transfer_hub import TransferHub
 from pdserve.workers.worker_metrics import WorkerMetrics
+from tests.conftest import KV_BLOCKS
 
 SECRET = os.urandom(32)
 PROMPT = tuple(range(3, 40))
@@ -44,7 +45,7 @@ class Worker:
 
     def __init__(self, path, role: Role, instance_id: int, moves_kv: bool = True) -> None:
         self.engine = Engine(EngineConfig(model=str(path), dtype="float32", max_model_len=256,
-                                          role=role))
+                                          role=role, num_kv_blocks=KV_BLOCKS))
         self.metrics = WorkerMetrics(role.value)
         self.transport = self.pump = None
         if moves_kv:
@@ -388,7 +389,7 @@ def test_a_prefill_worker_changes_role_once_its_held_prefill_was_sent(make_worke
 
 def test_the_engine_changes_role_only_while_no_request_moves_kv(tiny_model) -> None:
     engine = Engine(EngineConfig(model=str(tiny_model()), dtype="float32", max_model_len=256,
-                                 role=Role.PREFILL))
+                                 role=Role.PREFILL, num_kv_blocks=KV_BLOCKS))
     rid = engine.add_request(list(PROMPT), SHORT)  # the prefill role's default: hand over
     out = engine.step()[0]
     assert out.kv_block_ids  # token 0 sampled, blocks held
@@ -414,7 +415,8 @@ def test_the_engine_changes_role_only_while_no_request_moves_kv(tiny_model) -> N
 
 
 def test_a_parked_request_hands_over_only_a_prefix_whose_kv_it_computed(tiny_model) -> None:
-    engine = Engine(EngineConfig(model=str(tiny_model()), dtype="float32", max_model_len=256))
+    engine = Engine(EngineConfig(model=str(tiny_model()), dtype="float32", max_model_len=256,
+                                 num_kv_blocks=KV_BLOCKS))
     rid = engine.add_request(list(PROMPT), SHORT)
     assert not engine.park(rid)  # waiting: nothing sampled yet
     for _ in range(5):

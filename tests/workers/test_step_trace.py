@@ -14,12 +14,14 @@ from pdserve.legs.protocol import LegRequest, TokenEvent
 from pdserve.workers.engine_loop import EngineLoop
 from pdserve.workers.step_trace import Step, StepTrace
 from pdserve.workers.worker_metrics import WorkerMetrics
+from tests.conftest import KV_BLOCKS
 
 PARAMS = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
 
 
 def _engine(tiny_model) -> Engine:
-    return Engine(EngineConfig(model=str(tiny_model()), dtype="float32", max_model_len=256))
+    return Engine(EngineConfig(model=str(tiny_model()), dtype="float32", max_model_len=256,
+                               num_kv_blocks=KV_BLOCKS))
 
 
 def test_step_stats_sum_the_context_of_the_decode_requests(tiny_model) -> None:
