@@ -29,9 +29,17 @@ link, no new samples come from it, and after MEMORY_S it is unmeasured again, so
 request probes it (a link still slow costs that one request a slow hand-over, once per
 MEMORY_S).
 
-Fallback: a pair with no sample in memory counts at the mean of the measured pairs' times for
-the same bytes; with none measured, at no cost (which favours the split, as the fixed rule
-did).
+Where a pair's estimate comes from (`LinkSource`), first that applies:
+1. `handovers`: its own samples in memory, as above.
+2. `report`: its prefill worker's own report of its link to the decode worker's KV endpoint,
+   where the router trusts it (`link_reports.py`: a recent rate sample not limited by the
+   sender), as seconds = rtt + bytes / reported rate.
+3. `mean`: the mean of the times of every pair that has 1 or 2, for the same bytes.
+4. `none`: no pair has either: no cost (which favours the split, as the fixed rule did).
+A report does not bound a pair's own estimate either way: the two measure different things
+(what a split adds to a request, with what of the transfer overlapped the prefill's compute
+taken out and what the decode worker did before taking the KV put in, against what the link
+does for bytes), and either can be the larger on a healthy link.
 
 Lifetime: one `LinkEstimates` per router (`PathChoice`), used on its event loop only.
 """
@@ -44,6 +52,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from enum import StrEnum
 
 from pdserve.metrics import Gauge
 
@@ -60,20 +69,30 @@ MIN_SPREAD = 4.0  # the largest hand-over at least this many times the smallest,
 Pair = tuple[str, str]  # (prefill worker URL, decode worker URL)
 
 
+class LinkSource(StrEnum):
+    """Where a pair's estimate came from (module docstring); the label of
+    `pdserve_router_split_link_source_total`."""
+
+    HANDOVERS = "handovers"
+    REPORT = "report"
+    MEAN = "mean"
+    NONE = "none"
+
+
 @dataclass(frozen=True)
 class LinkFit:
     """One link's hand-over time: seconds = fixed_s + bytes / bytes_per_s."""
 
     fixed_s: float
     bytes_per_s: float
-    samples: int  # the samples it was fitted from
+    samples: int  # the hand-overs it was fitted from; 0: a worker's report (link_reports.py)
 
     def seconds(self, nbytes: int) -> float:
         return self.fixed_s + nbytes / self.bytes_per_s
 
     def __str__(self) -> str:
-        return (f"{self.bytes_per_s * 8 / 1e6:.1f} Mb/s + {self.fixed_s * 1e3:.1f} ms "
-                f"({self.samples} hand-overs)")
+        origin = f"{self.samples} hand-overs" if self.samples else "worker report"
+        return f"{self.bytes_per_s * 8 / 1e6:.1f} Mb/s + {self.fixed_s * 1e3:.1f} ms ({origin})"
 
 
 class LinkEstimate:
@@ -103,19 +122,41 @@ class LinkEstimate:
 
 
 class LinkTable:
-    """Every measured link's fit at one instant, and the fallback for the others."""
+    """Every known link's estimate at one instant, and the fallback for the others. `fits`:
+    from the pairs' own hand-overs; `reported`: from the workers' reports, for pairs (URLs)."""
 
-    def __init__(self, fits: dict[Pair, LinkFit]) -> None:
+    def __init__(self, fits: dict[Pair, LinkFit],
+                 reported: dict[Pair, LinkFit] | None = None) -> None:
         self.fits = fits
+        self.reported = reported or {}
+
+    def estimate(self, prefill: str, decode: str) -> tuple[LinkFit | None, LinkSource]:
+        """The pair's own estimate and its source; no fit for `mean` and `none`."""
+        if (own := self.fits.get((prefill, decode))) is not None:
+            return own, LinkSource.HANDOVERS
+        if (reported := self.reported.get((prefill, decode))) is not None:
+            return reported, LinkSource.REPORT
+        return None, LinkSource.MEAN if self.fits or self.reported else LinkSource.NONE
 
     def seconds(self, prefill: str, decode: str, nbytes: int) -> float:
         """The hand-over time of `nbytes` from `prefill` to `decode` (URLs)."""
-        own = self.fits.get((prefill, decode))
-        if own is not None:
-            return own.seconds(nbytes)
-        if not self.fits:
+        fit, _ = self.estimate(prefill, decode)
+        if fit is not None:
+            return fit.seconds(nbytes)
+        known = {**self.reported, **self.fits}
+        if not known:
             return 0.0
-        return sum(f.seconds(nbytes) for f in self.fits.values()) / len(self.fits)
+        return sum(f.seconds(nbytes) for f in known.values()) / len(known)
+
+    def describe(self, prefill: str, decode: str) -> str:
+        """The pair's estimate and where it came from, for the log."""
+        fit, source = self.estimate(prefill, decode)
+        if fit is not None:
+            return f"[{source.value}] {fit}"
+        if source is LinkSource.MEAN:
+            known = len(self.reported.keys() | self.fits.keys())
+            return f"[{source.value}] not known: the mean of {known} known links"
+        return f"[{source.value}] not known, nor any other: no cost"
 
 
 class LinkEstimates:
@@ -133,16 +174,18 @@ class LinkEstimates:
             log.debug("link %s -> %s: %d bytes in %.1f ms; now %s", prefill, decode, nbytes,
                       seconds * 1e3, link.fit())
 
-    def table(self) -> LinkTable:
-        """The fits now; links with no sample in memory are left out, and dropped."""
+    def table(self, reported: dict[Pair, LinkFit] | None = None) -> LinkTable:
+        """The fits now, with the trusted reports of pairs (URLs) for the pairs without one;
+        links with no sample in memory are left out, and dropped."""
         fits = {pair: fit for pair, link in self._links.items()
                 if (fit := link.fit()) is not None}
         self._links = {pair: self._links[pair] for pair in fits}
-        return LinkTable(fits)
+        return LinkTable(fits, reported)
 
     def publish(self, bandwidth: Gauge, fixed: Gauge) -> None:
-        """Each link's fit into the two gauges (labels prefill, decode); a link with nothing in
-        memory any more reads 0 in both."""
+        """Each link's fit from its own hand-overs into the two gauges (labels prefill,
+        decode; reports are not shown there); a link with nothing in memory any more reads 0
+        in both."""
         fits = self.table().fits
         for prefill, decode in self._published - fits.keys():
             bandwidth.set(0.0, prefill=prefill, decode=decode)

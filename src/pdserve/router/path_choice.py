@@ -1,13 +1,19 @@
 """The router's choice between the split path and a local prefill, per request, and the
 measurements it needs: the prompt tokens each worker still has to prefill (`PrefillBacklog`)
 and each KV link's speed (`link_estimates.py`: one estimate per prefill and decode worker
-pair), both learnt from the router's own legs.
+pair), both learnt from the router's own legs; for a pair with no hand-over in memory, the
+prefill worker's own report of that link where it is trusted (`link_reports.py`, read from
+each health check: a report names its peer by KV endpoint, which is the decode worker's
+`peer` in its /health).
 
 Rule (`split_decision.py` has the formulas): only a decode worker with a routable prefill
 worker beside it may split; then a fixed `--local-prefill-threshold` when one is given
 (uncached tokens at most that run locally); else the measured-cost decision, which falls back
 to UNMEASURED_THRESHOLD until the workers have reported their rates. Each rule has its
-`Reason`, the label of `pdserve_router_split_decisions_total`.
+`Reason`, the label of `pdserve_router_split_decisions_total`. A measured-cost choice's `why`
+(the router's debug log of the request's path) names the link of its fastest prefill worker
+and where that link's estimate came from (`LinkSource`: handovers, report, mean, none), which
+`pdserve_router_split_link_source_total{source}` counts.
 
 `choose` may run several times for one request (while the dispatcher picks its worker);
 `record` counts the choice the request took, once per request.
@@ -22,7 +28,8 @@ from dataclasses import dataclass
 from enum import StrEnum
 from functools import partial
 
-from pdserve.router.link_estimates import LinkEstimates
+from pdserve.router.link_estimates import LinkEstimates, LinkFit, LinkSource, LinkTable, Pair
+from pdserve.router.link_reports import LinkReports
 from pdserve.router.router_metrics import RouterMetrics
 from pdserve.router.split_decision import (
     Decision,
@@ -55,6 +62,8 @@ class Choice:
     why: str  # for the log
     reason: Reason  # which rule chose: the metric's label
     decision: Decision | None = None  # the measured-cost decision, when one was made
+    # where the decision's estimate of its fastest prefill worker's link came from
+    link_source: LinkSource | None = None
 
 
 class PathChoice:
@@ -64,6 +73,8 @@ class PathChoice:
         self.metrics = metrics
         self.backlog = PrefillBacklog()
         self.links = LinkEstimates()
+        self.reports = LinkReports()
+        pool.on_health.append(lambda w: self.reports.observe(w.url, w.info.get("links")))
         if metrics is not None:
             metrics.add_publisher(
                 lambda: self.links.publish(metrics.link_bandwidth, metrics.link_fixed))
@@ -80,13 +91,17 @@ class PathChoice:
             return Choice(uncached > self.threshold,
                           f"{uncached} uncached tokens, --local-prefill-threshold "
                           f"{self.threshold}", Reason.THRESHOLD)
-        decision = self._decide(worker, uncached, prefill)
+        decision, table = self._decide(worker, uncached, prefill)
         if decision is None:
             return Choice(uncached > UNMEASURED_THRESHOLD,
                           f"{uncached} uncached tokens; rates not measured yet, fixed rule "
                           f"({UNMEASURED_THRESHOLD})", Reason.UNMEASURED)
         reason = Reason.TPOT_TARGET if decision.over_tpot_target else Reason.MEASURED_COST
-        return Choice(not decision.local, decision.reason, reason, decision)
+        best = prefill[decision.prefill_index or 0]
+        _, source = table.estimate(best.url, worker.url)
+        why = (f"{decision.reason}; link {best.key} -> {worker.key} "
+               f"{table.describe(best.url, worker.url)}")
+        return Choice(not decision.local, why, reason, decision, source)
 
     def record(self, choice: Choice) -> None:
         """Count the choice a request took (call once per request); its paths' estimated times
@@ -98,6 +113,8 @@ class PathChoice:
         if choice.decision is not None:
             self.metrics.split_estimate.observe(choice.decision.t_remote_s, path="disaggregated")
             self.metrics.split_estimate.observe(choice.decision.t_local_s, path="local")
+        if choice.link_source is not None:
+            self.metrics.split_link_source.inc(source=choice.link_source.value)
 
     def prefilling(self, worker: WorkerHandle, tokens: int,
                    arrival: bool = True) -> Callable[[], None]:
@@ -111,7 +128,7 @@ class PathChoice:
         tokens to `worker` is estimated to give the first token soonest (their queues, rates
         and links to `worker`): several when their estimates are equal, all of them while no
         rate is measured."""
-        decision = self._decide(worker, uncached, free)
+        decision, _ = self._decide(worker, uncached, free)
         if decision is None:
             return free
         best = min(decision.t_remote_each_s)
@@ -129,13 +146,25 @@ class PathChoice:
         return kv_bytes_per_token(layout) if isinstance(layout, dict) else 0
 
     def _decide(self, worker: WorkerHandle, uncached: int, prefill: list[WorkerHandle]
-                ) -> Decision | None:
-        """The measured-cost decision for `worker` with each of `prefill` over its own link."""
-        table = self.links.table()
+                ) -> tuple[Decision | None, LinkTable]:
+        """The measured-cost decision for `worker` with each of `prefill` over its own link,
+        and the links' table it used."""
+        table = self.links.table(self._reported())
         return decide(uncached, self.kv_bytes_per_token, self._speed(worker),
                       [self._speed(p) for p in prefill],
                       [partial(table.seconds, p.url, worker.url) for p in prefill],
-                      self.tpot_target_s)
+                      self.tpot_target_s), table
+
+    def _reported(self) -> dict[Pair, LinkFit]:
+        """The trusted reports by (prefill worker URL, decode worker URL): the prefill
+        members' reports of their links to a decode member's KV endpoint (a decode worker's
+        own links, to the prefill workers it answers, are no split's)."""
+        decode = {f"{w.peer.host}:{w.peer.port}": w.url for w in self.pool.workers
+                  if w.role == "decode" and w.peer is not None}
+        prefill = {w.url for w in self.pool.workers if w.role == "prefill"}
+        return {(worker, decode[peer]): fit
+                for (worker, peer), fit in self.reports.fits().items()
+                if worker in prefill and peer in decode}
 
     def _speed(self, worker: WorkerHandle) -> Speed:
         return Speed.of(worker.info, self.backlog.tokens(worker.key), worker.inflight)

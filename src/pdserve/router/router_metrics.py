@@ -72,6 +72,12 @@ class RouterMetrics:
             "time to first token of each path (queued and own prompt tokens over the prefill "
             "rate, plus the KV transfer when disaggregated), per request it was made for.",
             ["path"])
+        self.split_link_source = r.counter(
+            "pdserve_router_split_link_source_total", "Measured-cost decisions by where the "
+            "estimate of the link from the fastest prefill worker came from: handovers (the "
+            "pair's own recent hand-overs), report (the prefill worker's report of the link), "
+            "mean (neither: the mean of the links known), none (no link known: no cost).",
+            ["source"])
         self.link_bandwidth = r.gauge(
             "pdserve_router_link_bytes_per_second", "The KV link from a prefill worker to a "
             "decode worker (URLs), learnt from their recent hand-overs: seconds = fixed + "

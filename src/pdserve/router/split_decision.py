@@ -4,7 +4,8 @@ move its KV, or prefill it where it will decode.
 For a request whose uncached part on the chosen decode worker d is U tokens (the prefix it
 already holds is not recomputed), with every rate measured (`Speed`; workers report theirs in
 the signed /health, `workers/step_rates.py`; the link is learnt here from the split requests'
-own hand-over times, per (prefill, decode) pair, `link_estimates.py`):
+own hand-over times, per (prefill, decode) pair, `link_estimates.py`, or for a pair with none
+in memory taken from the prefill worker's trusted report of that link, `link_reports.py`):
 
     t_remote = min over prefill workers p of (Q_p + U) / R_p  +  T_link(p, d)(U x b)
     t_local  = (Q_d + U) / R_d

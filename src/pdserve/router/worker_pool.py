@@ -132,6 +132,8 @@ class WorkerPool:
         self.on_failed: Callable[[WorkerHandle], None] = lambda worker: None
         # called with each member removed and the reason ("deregistered", "unheard")
         self.on_removed: list[Callable[[WorkerHandle, str], None]] = []
+        # called with each worker whose proved /health was just read into its `info`
+        self.on_health: list[Callable[[WorkerHandle], None]] = []
 
     def healthy(self, role: str) -> list[WorkerHandle]:
         """The routable members of `role`: accepted, answering, and in no phase."""
@@ -263,6 +265,8 @@ class WorkerPool:
             return
         self._note_instance(w, peer, info.get("pid"))
         w.info, w.peer = info, peer
+        for heard in self.on_health:
+            heard(w)
         self._follow_role(w, info.get("role"))
         reason = incompatibility(info, self.reference, self.served_name)
         if reason is not None:
