@@ -75,3 +75,20 @@ def test_a_control_message_overtakes_writes_queued_before_it() -> None:
 def test_a_negative_frame_time_is_refused() -> None:
     with pytest.raises(ValueError, match=r"frame_s must be >= 0 \(0: whole writes\)"):
         TcpOptions(frame_s=-0.001)
+
+
+def test_the_pace_keeps_the_last_rate_of_a_full_sender(monkeypatch) -> None:
+    """Between transfers the kernel's sample is app-limited (the tail, a control message):
+    the link report then gives the last rate read while the sender filled the link."""
+    from pdserve.transfer.tcp import frame_pace
+    from pdserve.transfer.tcp.tcp_info import TcpInfo
+    samples = iter([TcpInfo(0, True, 100, 50, 0), TcpInfo(120_000_000, False, 100, 50, 1 << 20),
+                    TcpInfo(3_000_000, True, 100, 50, 2 << 20)])
+    monkeypatch.setattr(frame_pace, "tcp_info", lambda sock: next(samples))
+    pace = frame_pace.FramePace(0.002)
+    pace.observe(None)
+    assert pace.full_rate == 0 and pace.bytes == frame_pace.START  # nothing acknowledged yet
+    pace.observe(None)
+    assert pace.full_rate == 120_000_000 and pace.bytes == 240_000
+    pace.observe(None)  # the tail of the transfer: sized down, the full rate kept
+    assert pace.full_rate == 120_000_000 and pace.bytes == frame_pace.MIN_BYTES

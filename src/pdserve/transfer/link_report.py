@@ -7,7 +7,10 @@ Sources, by transport:
   delivery rate, Cardwell et al. 2016; `app_limited` when the sender had too little to send
   for it to fill the link, so then it understates the link), the smoothed and the minimum
   round-trip time, and the bytes the peer acknowledged. The kernel updates them with every
-  acknowledgement: they follow the link as it changes.
+  acknowledgement: they follow the link as it changes. Between transfers the kernel's current
+  sample is app-limited (the tail of the last transfer, a control message): the rate is then
+  the last one read after a bulk frame while the sender was not app-limited (`FramePace`),
+  and `app_limited` is true only while no such sample exists.
 - nixl (`source` "transfers"): bytes over seconds of the moves this endpoint posted to the
   peer, from posting to NIXL's DONE, each move weighing half as much every `HALF_LIFE_S`
   (`TransferRates`); NIXL reports no round-trip time.

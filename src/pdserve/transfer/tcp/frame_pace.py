@@ -9,8 +9,13 @@ et al. 2016), read after each bulk frame. Timing our own sends instead would rea
 copying into a socket buffer that is not yet full and grow the frames without bound. Where
 the kernel gives no rate (another OS, no data acknowledged yet), the size stays at `START`.
 
-Invariant: `MIN_BYTES <= bytes <= MAX_BYTES`. One per connection, used by its sender thread
-only.
+The same reading keeps `full_rate`, the latest delivery rate the kernel measured while the
+sender was not application-limited (the link's rate for a sender with enough to send): the
+worker's link report (`send_side.PeerSender.links`) gives it between transfers, when the
+kernel's current sample is the app-limited one of the transfer's tail or a control message.
+
+Invariant: `MIN_BYTES <= bytes <= MAX_BYTES`. One per connection, written by its sender thread
+only (`full_rate` is read by others: one int, replaced whole).
 """
 
 from __future__ import annotations
@@ -28,12 +33,16 @@ class FramePace:
     def __init__(self, frame_s: float) -> None:
         self._frame_s = frame_s
         self.bytes = START
+        self.full_rate = 0  # bytes/s; 0 until a sample not limited by the sender
 
     def observe(self, sock: socket.socket) -> None:
         """Size the next frame from the connection's current delivery rate."""
-        rate = delivery_rate(sock)
+        info = tcp_info(sock)
+        rate = 0 if info is None else info.delivery_rate
         if rate:
             self.bytes = max(MIN_BYTES, min(MAX_BYTES, int(rate * self._frame_s)))
+            if info is not None and not info.app_limited:
+                self.full_rate = rate
 
 
 def delivery_rate(sock: socket.socket) -> int:

@@ -81,18 +81,21 @@ class SendSide:
         self._sender(peer)
 
     def links(self) -> list[LinkReport]:
-        """The kernel's estimates for each live connection this endpoint dialed."""
+        """The kernel's estimates for each live connection this endpoint dialed; the rate is
+        the current sample's unless the sender limited it (`app_limited`) and a sample of a
+        full sender was read during a transfer (`full_rate`)."""
         with self._lock:
             senders = [s for s in self._senders.values() if not s.stopped]
         reports = []
         for s in senders:
             info = None if s.sock is None else tcp_info(s.sock)
             if info is not None:
+                rate, limited = info.delivery_rate, info.app_limited
+                if limited and s.full_rate:  # the last rate of a full sender instead
+                    rate, limited = s.full_rate, False
                 reports.append(LinkReport(
-                    f"{s.peer.host}:{s.peer.port}", "tcp_info",
-                    info.delivery_rate * 8 / 1e9 if info.delivery_rate else None,
-                    info.bytes_acked, info.rtt_us / 1e3, info.min_rtt_us / 1e3,
-                    info.app_limited))
+                    f"{s.peer.host}:{s.peer.port}", "tcp_info", rate * 8 / 1e9 if rate else None,
+                    info.bytes_acked, info.rtt_us / 1e3, info.min_rtt_us / 1e3, limited))
         return reports
 
     def drop_peer(self, peer: PeerId) -> None:
@@ -258,6 +261,12 @@ class PeerSender:
     @property
     def stopped(self) -> bool:
         return self._stopping.is_set()
+
+    @property
+    def full_rate(self) -> int:
+        """The kernel's latest delivery rate of this connection while the sender was not
+        application-limited, bytes/s (`FramePace`); 0 before any, or without frames."""
+        return 0 if self._pace is None else self._pace.full_rate
 
     def stop(self) -> None:
         self._stopping.set()
