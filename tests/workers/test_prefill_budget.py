@@ -9,7 +9,7 @@ from pdserve.workers.step_trace import Step
 
 
 def _step(at: float, seconds: float, prefill: int, decode: int) -> Step:
-    return Step(at, at + seconds, prefill, decode, decode + (1 if prefill else 0), 0)
+    return Step(at, at + seconds, prefill, decode, decode + (1 if prefill else 0), 0, 0)
 
 
 def _trace() -> list[Step]:

@@ -9,7 +9,7 @@ from pdserve.workers.step_trace import Step, StepTrace
 
 
 def _step(start: float, seconds: float, prefill: int, decode: int) -> Step:
-    return Step(start, start + seconds, prefill, decode, max(decode, 1), 0)
+    return Step(start, start + seconds, prefill, decode, max(decode, 1), 0, 0)
 
 
 def test_nothing_measured_reports_none() -> None:

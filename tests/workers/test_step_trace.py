@@ -32,8 +32,9 @@ def test_step_stats_sum_the_context_of_the_decode_requests(tiny_model) -> None:
     while engine.has_unfinished_requests():
         engine.step()
         batches.append(engine.take_step_stats())
-    # token 0 from the prefill; token k (k >= 1) attends to prompt + k tokens
-    assert batches == [StepStats(23, 0, 2, 0), StepStats(0, 2, 2, 11 + 14),
+    # token 0 from the prefill (causal pairs n (n + 1) / 2 each); token k (k >= 1) attends to
+    # prompt + k tokens
+    assert batches == [StepStats(23, 0, 2, 0, 55 + 91), StepStats(0, 2, 2, 11 + 14),
                        StepStats(0, 2, 2, 12 + 15), StepStats(0, 2, 2, 13 + 16)]
 
 
@@ -43,7 +44,18 @@ def test_a_prompt_beside_decodes_adds_no_context(tiny_model) -> None:
     engine.step()  # its prefill
     engine.add_request(list(range(100, 120)), PARAMS)  # 20 new prompt tokens, beside a decode
     engine.step()
-    assert engine.take_step_stats() == StepStats(20, 1, 2, 11)
+    assert engine.take_step_stats() == StepStats(20, 1, 2, 11, 210)
+
+
+def test_prefill_attention_counts_the_cached_prefix_and_earlier_chunks(tiny_model) -> None:
+    engine = Engine(EngineConfig(model=str(tiny_model()), dtype="float32", max_model_len=256,
+                                 num_kv_blocks=KV_BLOCKS, enable_chunked_prefill=True,
+                                 max_num_batched_tokens=32))
+    engine.add_request(list(range(3, 53)), PARAMS)  # 50 prompt tokens in chunks of 32
+    engine.step()
+    assert engine.take_step_stats() == StepStats(32, 0, 1, 0, 32 * 33 // 2)
+    engine.step()  # the other 18 attend to the first 32 and causally to each other
+    assert engine.take_step_stats() == StepStats(18, 0, 1, 0, 18 * 32 + 18 * 19 // 2)
 
 
 def test_step_stats_are_taken_once_and_only_for_steps_that_ran_a_batch(tiny_model) -> None:
@@ -51,7 +63,7 @@ def test_step_stats_are_taken_once_and_only_for_steps_that_ran_a_batch(tiny_mode
     assert engine.take_step_stats() is None
     engine.add_request(list(range(3, 13)), PARAMS, request_id="r")
     engine.step()
-    assert engine.take_step_stats() == StepStats(10, 0, 1, 0)
+    assert engine.take_step_stats() == StepStats(10, 0, 1, 0, 55)
     assert engine.take_step_stats() is None
     engine.abort("r")
     assert [o.request_id for o in engine.step()] == ["r"]  # the abort's output, no batch
@@ -74,14 +86,14 @@ def test_the_worker_trace_records_the_context_of_every_step(tiny_model) -> None:
             loop.stop()
 
     steps = asyncio.run(main())
-    assert Step._fields[-1] == "decode_context"
-    assert [s[2:] for s in steps] == [(10, 0, 1, 0), (0, 1, 1, 11), (0, 1, 1, 12),
-                                      (0, 1, 1, 13)]
+    assert Step._fields[-2:] == ("decode_context", "prefill_attention")
+    assert [s[2:] for s in steps] == [(10, 0, 1, 0, 55), (0, 1, 1, 11, 0), (0, 1, 1, 12, 0),
+                                      (0, 1, 1, 13, 0)]
     assert all(s.start <= s.end for s in steps)
 
 
 def test_the_ring_keeps_the_newest_steps() -> None:
     trace = StepTrace(capacity=2)
     for i in range(3):
-        trace.record(Step(float(i), i + 0.5, 0, 1, 1, 7))
+        trace.record(Step(float(i), i + 0.5, 0, 1, 1, 7, 0))
     assert [s.start for s in trace.since(0.6)] == [1.0, 2.0]

@@ -280,12 +280,7 @@ class Engine:
         outputs, self._pending = self._pending, []
         if not batch.requests:
             return outputs
-        context = sum(r.num_computed_tokens + n
-                      for r, n in zip(batch.requests, batch.num_new_tokens, strict=True)
-                      if not r.computing_prompt)
-        self._step_stats = StepStats(batch.num_prefill_tokens,
-                                     batch.num_tokens - batch.num_prefill_tokens,
-                                     len(batch.requests), context)
+        self._step_stats = StepStats.of(batch)
         logits, sampling = self.runner.run(batch, self.on_layer)
         sampled = self.sampler(logits, [r.params for r in sampling],
                                [r.output_offset + r.num_output_tokens for r in sampling]

@@ -4,6 +4,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pdserve.engine.scheduler import SchedulerOutput
 
 
 @dataclass
@@ -42,6 +46,22 @@ class StepStats:
     # The tokens the batch's decode requests (those past their prompt) attend to, summed: per
     # request prompt + output so far, the new token included; 0 with no decode token.
     decode_context: int
+    # The (query, key) pairs of the step's prompt tokens, summed: n x c + n (n + 1) / 2 for a
+    # prompt computing n tokens after c already computed (or cached), i.e. what causal prefill
+    # attention costs grows with both; 0 with no prompt token.
+    prefill_attention: int = 0
+
+    @classmethod
+    def of(cls, batch: SchedulerOutput) -> StepStats:
+        """What `batch` computes, counted before it runs (num_computed_tokens as scheduled)."""
+        context = attention = 0
+        for r, n in zip(batch.requests, batch.num_new_tokens, strict=True):
+            if r.computing_prompt:
+                attention += n * r.num_computed_tokens + n * (n + 1) // 2
+            else:
+                context += r.num_computed_tokens + n
+        return cls(batch.num_prefill_tokens, batch.num_tokens - batch.num_prefill_tokens,
+                   len(batch.requests), context, attention)
 
 
 @dataclass(frozen=True)

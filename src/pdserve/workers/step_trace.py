@@ -9,8 +9,9 @@ endpoint also returns the worker's roles over the same interval ("roles": the ro
 Fields after the times are the step's `StepStats` (`Engine.take_step_stats`): prompt tokens
 computed, decode tokens, requests in the batch, and decode_context, the summed context of the
 decode requests (prompt + output so far, the new token included; 0 when there is no decode
-token). Traces written before decode_context existed have 5 fields;
-planner/simulate/step_fit.py reads both.
+token), and prefill_attention, the (query, key) pairs of the step's prompt tokens (each prompt's
+n new tokens after c computed: n x c + n (n + 1) / 2). Traces written before decode_context or
+prefill_attention existed have 5 or 6 fields; planner/simulate/step_fit.py reads all three.
 """
 
 from __future__ import annotations
@@ -32,11 +33,12 @@ class Step(NamedTuple):
     decode_tokens: int
     num_requests: int
     decode_context: int
+    prefill_attention: int
 
     @classmethod
     def of(cls, start: float, end: float, stats: StepStats) -> Step:
         return cls(start, end, stats.prefill_tokens, stats.decode_tokens, stats.num_requests,
-                   stats.decode_context)
+                   stats.decode_context, stats.prefill_attention)
 
 
 class StepTrace:

@@ -10,6 +10,7 @@ from typing import Any
 D0, D1 = 0.020, 0.002  # decode overhead, per-seq seconds
 C1 = 0.00001  # decode per-context-token seconds
 P0, P1 = 0.010, 0.0002  # prefill overhead, per-token seconds
+PA = 2e-8  # prefill per attention pair seconds
 BATCHES = (1, 2, 3, 5, 8)
 CONTEXTS = (100, 400, 1600)  # context per sequence
 TOKENS = (100, 400, 1600, 6000)
@@ -53,6 +54,21 @@ def prefill_steps(p0: float = P0, p1: float = P1, repeat: int = 3, slow: int | N
         for n in TOKENS:
             d = (p0 + p1 * n) * (20 if r == slow else 1)
             rows.append([t, t + d, n, 0, 1])
+            t += d + 1.0
+    return rows
+
+
+def attention_prefill_steps(p0: float = P0, p1: float = P1, pa: float = PA,
+                            repeat: int = 3) -> list[list[float]]:
+    """7-field pure prefill steps, t = p0 + p1 N + pa A: whole prompts of every N in TOKENS,
+    and chunks of 400 tokens after 1,200 and 4,000 cached ones; idle for a second after each."""
+    rows, t = [], 1000.0
+    shapes = [(n, 0) for n in TOKENS] + [(400, 1200), (400, 4000)]
+    for _ in range(repeat):
+        for n, start in shapes:
+            a = n * start + n * (n + 1) // 2
+            d = p0 + p1 * n + pa * a
+            rows.append([t, t + d, n, 0, 1, 0, a])
             t += d + 1.0
     return rows
 

@@ -119,7 +119,18 @@ def test_a_mixed_step_pays_one_overhead():
     assert mixed == pytest.approx(0.02 + 100e-4 + 4e-3 + 1e-3)
 
 
+def test_a_chunk_pays_for_the_pairs_it_attends_to():
+    p = CalibrationProfile(decode_overhead_s=0.01, decode_per_seq_s=0.001,
+                           prefill_per_token_s=1e-4, prefill_per_attention_pair_s=1e-8)
+    # 100 tokens after 300: 100 x 300 + 100 x 101 / 2 pairs; a second whole prompt of 10
+    step = p.step_seconds([Chunk(300, 100, False), Chunk(0, 10, True)], 0, 0)
+    assert step == pytest.approx(110e-4 + 1e-8 * (30_000 + 5_050 + 55))
+
+
 def test_profile_json_round_trip(tmp_path):
+    with_pairs = CalibrationProfile(decode_overhead_s=0.01, decode_per_seq_s=0.001,
+                                    prefill_per_token_s=1e-4, prefill_per_attention_pair_s=3e-9)
+    assert profile_from_dict(with_pairs.to_dict()) == with_pairs
     p = fit_bench_rows(bench_rows(), 1e-7, source="bench", model="smollm2-135m", gpu="cpu")
     path = tmp_path / "profile.json"
     path.write_text(json.dumps(p.to_dict()))

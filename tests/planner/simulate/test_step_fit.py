@@ -1,7 +1,8 @@
 """Fitting step costs to worker step traces: exact on a line, robust to slow outliers, mixed steps
 left out (or used, less their decode part, when there is no pure prefill step); decode steps with
 their contexts (6 fields) fit overhead + per_seq x B + per_context_token x C with every
-coefficient >= 0, 5-field traces as before."""
+coefficient >= 0, 5-field traces as before; prefill steps with their attention pairs (7 fields)
+fit overhead + per_token x N + per_attention_pair x A."""
 
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ from tests.planner.simulate.step_files import (
     D1,
     P0,
     P1,
+    PA,
+    attention_prefill_steps,
     context_decode_steps,
     decode_steps,
     disagg_workers,
@@ -242,8 +245,52 @@ def test_mixed_steps_less_their_decode_part_with_context_fit_prefill():
     ([1.0, 2.0, 0, 3, 3, None], "decode_context must be an integer >= 0"),
     ([1.0, 2.0, 0, 3, 3, 2], "decode_context 2 is below decode_tokens 3"),
     ([1.0, 2.0, 50, 0, 1, 7], "decode_context must be 0 in a step without decode tokens"),
-    ([1.0, 2.0, 0, 3, 3, 900, 1], r"expected \[start_s, end_s"),
+    ([1.0, 2.0, 0, 3, 3, 900, 0, 1], r"expected \[start_s, end_s"),
+    ([1.0, 2.0, 0, 3, 3, 900, 1], "prefill_attention 1 must be 0 without prompt tokens"),
+    ([1.0, 2.0, 50, 0, 1, 0, 49], "prefill_attention 49 must be 0 without prompt tokens and "
+                                  "at least prefill_tokens 50"),
+    ([1.0, 2.0, 50, 0, 1, 0, -1], "prefill_attention must be an integer >= 0"),
 ])
 def test_a_bad_context_names_the_worker_and_the_step(row, message):
     with pytest.raises(ValueError, match=f"decode-0 step 2: {message}"):
         parse_steps([[0.0, 0.5, 0, 1, 1, 1], row], "decode-0")
+
+
+def test_prefill_steps_with_their_attention_fit_the_pairs_exactly():
+    steps = {"prefill-0": attention_prefill_steps(), "decode-0": context_decode_steps()}
+    p = fit(steps)
+    assert_decode(p)
+    assert p.prefill_overhead_s == pytest.approx(P0, rel=1e-9)
+    assert p.prefill_per_token_s == pytest.approx(P1, rel=1e-9)
+    assert p.prefill_per_attention_pair_s == pytest.approx(PA, rel=1e-9)
+    assert p.max_rel_error == pytest.approx(0, abs=1e-9)
+
+
+def test_a_long_prompt_costs_more_per_token_than_a_short_one_once_fitted():
+    from pdserve.planner.simulate.calibration import Chunk
+    p = fit({"prefill-0": attention_prefill_steps(), "decode-0": context_decode_steps()})
+    short = p.step_seconds([Chunk(0, 1000, True)], 0, 0) / 1000
+    long = p.step_seconds([Chunk(0, 4000, True)], 0, 0) / 4000
+    late = p.step_seconds([Chunk(3800, 200, True)], 0, 0) / 200  # the same 200 after 3,800
+    assert long > short and late > long
+    assert late == pytest.approx((P0 + P1 * 200 + PA * (200 * 3800 + 200 * 201 // 2)) / 200)
+
+
+def test_mixed_steps_with_attention_fit_once_the_decode_costs_are_known():
+    mixed, t = [], 1000.0
+    for n, start, b, c in [(100, 0, 1, 300), (400, 0, 3, 2000), (400, 1200, 2, 700),
+                           (1600, 0, 5, 9000), (1600, 3000, 8, 1200), (200, 6000, 2, 500)]:
+        a = n * start + n * (n + 1) // 2
+        d = max(P0, D0) + P1 * n + PA * a + D1 * b + C1 * c
+        mixed.append([t, t + d, n, b, b + 1, c, a])
+        t += d
+    p = fit({"collocated-0": context_decode_steps() + mixed})
+    assert_decode(p)
+    assert p.prefill_overhead_s == pytest.approx(max(P0, D0))
+    assert p.prefill_per_token_s == pytest.approx(P1)
+    assert p.prefill_per_attention_pair_s == pytest.approx(PA)
+
+
+def test_traces_without_attention_fit_no_attention_cost():
+    p = fit(disagg_workers())
+    assert p.prefill_per_attention_pair_s == 0

@@ -14,9 +14,11 @@ is cost.prefill_time and a step of decodes alone is cost.decode_step_time.
 
 `CalibrationProfile` (calibrated) is a fitted linear model of one machine running one model:
   decode step(B, ctx) = decode_overhead_s + decode_per_seq_s x B + decode_per_context_token_s x
-  ctx (ctx = the batch's summed context); prefill step(N) = prefill_overhead_s +
-  prefill_per_token_s x N (N = prompt tokens in the step; quadratic attention is not modelled);
-  a mixed step pays the larger overhead once plus both per-token terms.
+  ctx (ctx = the batch's summed context); prefill step(N, A) = prefill_overhead_s +
+  prefill_per_token_s x N + prefill_per_attention_pair_s x A (N = prompt tokens in the step;
+  A = their (query, key) pairs: a chunk of n tokens after s already computed attends to
+  n x s + n (n + 1) / 2, `attention_pairs`); a mixed step pays the larger overhead once plus
+  every per-token and per-pair term.
 
 Fitting from `pdserve bench engine --json` rows (`fit_bench_rows`):
 - a decode row (batch B, pdserve_tok_s r) measured steps of B / r seconds (one token per
@@ -46,8 +48,11 @@ converted into it):
    "tp": int >= 1,                              optional, default 1
    "decode": {"overhead_s": float >= 0, "per_seq_s": float >= 0,
               "per_context_token_s": float >= 0 (optional, default 0)},
-   "prefill": {"overhead_s": float >= 0 (optional, default 0), "per_token_s": float > 0},
-   "fit": {"rows": int, "max_rel_error": float}} optional, informational
+   "prefill": {"overhead_s": float >= 0 (optional, default 0), "per_token_s": float > 0,
+               "per_attention_pair_s": float >= 0 (optional, default 0)},
+   "fit": {"rows": int, "max_rel_error": float,   optional, informational: steps fitted, the
+           "median_rel_error": float}}             largest error of a group's medians, the
+                                                   median error of a single step
 Invariants: every coefficient is finite and >= 0, a decode step at batch 1 and a prefill token
 both take positive time.
 """
@@ -80,6 +85,12 @@ class Chunk(NamedTuple):
     start: int
     tokens: int
     completes: bool
+
+
+def attention_pairs(chunk: Chunk) -> int:
+    """The (query, key) pairs of a chunk's causal attention: each of its tokens attends to the
+    `start` before it and to the chunk up to itself."""
+    return chunk.tokens * chunk.start + chunk.tokens * (chunk.tokens + 1) // 2
 
 
 class StepCosts(Protocol):
@@ -160,16 +171,19 @@ class CalibrationProfile:
     prefill_per_token_s: float
     prefill_overhead_s: float = 0.0
     decode_per_context_token_s: float = 0.0
+    prefill_per_attention_pair_s: float = 0.0
     model: str | None = None
     gpu: str | None = None
     tp: int = 1
     source: str = ""
     fit_rows: int | None = None
     max_rel_error: float | None = None
+    median_rel_error: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("decode_overhead_s", "decode_per_seq_s", "prefill_per_token_s",
-                     "prefill_overhead_s", "decode_per_context_token_s"):
+                     "prefill_overhead_s", "decode_per_context_token_s",
+                     "prefill_per_attention_pair_s"):
             _check_coefficient(f"{name.split('_')[0]}.{name.split('_', 1)[1]}",
                                getattr(self, name))
         if self.decode_overhead_s + self.decode_per_seq_s <= 0:
@@ -184,12 +198,24 @@ class CalibrationProfile:
         seconds, overhead = 0.0, 0.0
         if chunks:
             seconds += self.prefill_per_token_s * sum(c.tokens for c in chunks)
+            seconds += self.prefill_per_attention_pair_s * sum(map(attention_pairs, chunks))
             overhead = self.prefill_overhead_s
         if decodes:
             seconds += self.decode_per_seq_s * decodes
             seconds += self.decode_per_context_token_s * context_sum
             overhead = max(overhead, self.decode_overhead_s)
         return overhead + seconds
+
+    def describe(self) -> str:
+        """The fitted step costs and how well they fit, in one line."""
+        text = (f"decode {self.decode_overhead_s * 1e3:.2f} ms + {self.decode_per_seq_s * 1e3:.3f}"
+                f" ms/seq + {self.decode_per_context_token_s * 1e6:.3f} us/context token; prefill "
+                f"{self.prefill_overhead_s * 1e3:.2f} ms + {self.prefill_per_token_s * 1e3:.3f} "
+                f"ms/token + {self.prefill_per_attention_pair_s * 1e9:.2f} ns/attention pair")
+        if self.median_rel_error is not None and self.max_rel_error is not None:
+            text += (f"; a step within {self.median_rel_error:.0%} (median), a group's medians "
+                     f"within {self.max_rel_error:.0%}")
+        return text
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -198,9 +224,11 @@ class CalibrationProfile:
             "decode": {"overhead_s": self.decode_overhead_s, "per_seq_s": self.decode_per_seq_s,
                        "per_context_token_s": self.decode_per_context_token_s},
             "prefill": {"overhead_s": self.prefill_overhead_s,
-                        "per_token_s": self.prefill_per_token_s}}
+                        "per_token_s": self.prefill_per_token_s,
+                        "per_attention_pair_s": self.prefill_per_attention_pair_s}}
         if self.fit_rows is not None:
-            out["fit"] = {"rows": self.fit_rows, "max_rel_error": self.max_rel_error}
+            out["fit"] = {"rows": self.fit_rows, "max_rel_error": self.max_rel_error,
+                          "median_rel_error": self.median_rel_error}
         return out
 
 
@@ -226,9 +254,12 @@ def profile_from_dict(data: dict[str, Any]) -> CalibrationProfile:
         decode_overhead_s=decode["overhead_s"], decode_per_seq_s=decode["per_seq_s"],
         decode_per_context_token_s=decode.get("per_context_token_s", 0.0),
         prefill_overhead_s=prefill.get("overhead_s", 0.0),
-        prefill_per_token_s=prefill["per_token_s"], model=data.get("model"),
+        prefill_per_token_s=prefill["per_token_s"],
+        prefill_per_attention_pair_s=prefill.get("per_attention_pair_s", 0.0),
+        model=data.get("model"),
         gpu=data.get("gpu"), tp=data.get("tp", 1), source=str(data.get("source", "")),
-        fit_rows=fit.get("rows"), max_rel_error=fit.get("max_rel_error"))
+        fit_rows=fit.get("rows"), max_rel_error=fit.get("max_rel_error"),
+        median_rel_error=fit.get("median_rel_error"))
 
 
 # ---- fitting bench rows -------------------------------------------------------------------------

@@ -356,7 +356,8 @@ def layout_label(layout: Layout, cluster: Cluster) -> str:
 
 def _costs_label(setup: Setup) -> str:
     if setup.profile is not None:
-        return f"calibrated ({setup.profile.source or 'profile'})"
+        return (f"calibrated ({setup.profile.source or 'profile'})\n"
+                f"    {setup.profile.describe()}")
     return f"roofline (MFU {setup.efficiency.mfu:g}, MBU {setup.efficiency.mbu:g})"
 
 

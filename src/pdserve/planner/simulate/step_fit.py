@@ -2,25 +2,29 @@
 
 Input (workers/step_trace.py; `pdserve bench compare --out cmp.json` writes cmp.steps.json):
 worker name -> steps, each [start_s, end_s, prefill_tokens, decode_tokens, num_requests,
-decode_context] with wall-clock seconds; decode_context is the summed context of the step's
-decode requests (prompt + output so far, the new token included: the engine's StepStats), the
-`context_sum` the simulator prices. Traces recorded before it existed have the first 5 fields
-only: their contexts are unknown. A compare file nests workers under configuration names
+decode_context, prefill_attention] with wall-clock seconds; decode_context is the summed context
+of the step's decode requests (prompt + output so far, the new token included: the engine's
+StepStats), the `context_sum` the simulator prices; prefill_attention the step's prompt
+(query, key) pairs. Traces recorded before those existed have the first 5 or 6 fields only:
+their contexts (attention) are unknown. A compare file nests workers under configuration names
 (`is_steps_file`).
 
 What fits what:
 - decode-only steps (prefill_tokens == 0 < decode_tokens) fit decode step(B, C) = overhead +
   per_seq x B + per_context_token x C, B = decode_tokens (one new token per running sequence),
   C = decode_context (see "Decode fit" below);
-- pure prefill steps (decode_tokens == 0 < prefill_tokens) fit prefill step(N) = overhead +
-  per_token x N, N = prefill_tokens (the tokens computed: prefix-cache hits are not);
+- pure prefill steps (decode_tokens == 0 < prefill_tokens) fit prefill step(N, A) = overhead +
+  per_token x N + per_attention_pair x A, N = prefill_tokens (the tokens computed: prefix-cache
+  hits are not), A = prefill_attention (see "Prefill fit" below);
 - mixed steps (both > 0, collocated serving) are left out: the model prices them as
-  max(prefill overhead, decode overhead) + per_token x N + per_seq x B + per_context_token x C,
+  max(prefill overhead, decode overhead) + per_token x N + per_attention_pair x A + per_seq x B
+  + per_context_token x C,
   so one mixed time mixes five unknowns through a max, and pure steps measure each side cleanly.
   Exception: with fewer pure prefill steps than mixed ones (a busy collocated worker almost
   always has decodes beside a new prompt; chunked prefill shares every step), the mixed steps
   join the fit once the decode costs are known: t - per_seq x B - per_context_token x C =
-  overhead' + per_token x N, where overhead' stands for max(prefill overhead, decode overhead),
+  overhead' + per_token x N + per_attention_pair x A, where overhead' stands for
+  max(prefill overhead, decode overhead),
   the overhead a mixed step pays.
 - steps with no tokens or no measurable length (end_s == start_s) are skipped.
 
@@ -48,25 +52,24 @@ and could not tell per_seq from per_context_token; splitting each B by context k
 of contexts at equal B, which is what separates the two, while every point stays a median.
 A long request's context grows by one token a step, so it stays in a bin for ~19% of its context
 in steps: groups stay populated. fit_rows counts the steps used; max_rel_error is the largest
-relative error of the group points (not of raw steps, which include the outliers).
+relative error of the group points; median_rel_error the median relative error of the single
+steps (outliers included): how far the model typically is from one step.
 
-Decode fit: minimise sum_i w_i (t_i - a - b B_i - c C_i)^2 (w_i = count_i / t_i^2; a, b, c =
-overhead, per_seq, per_context_token) subject to a, b, c >= 0 and a + b > 0 (a decode step
-takes time; calibration.CalibrationProfile's invariants). The least squares of a support S (the
-coefficients allowed to be non-zero, the others held at 0) solve the normal equations
-sum_i w_i f_j(i) f_k(i) x_k = sum_i w_i f_j(i) t_i for j, k in S, f = (1, B, C), written out in
-`_normal_equations` and solved by Gauss-Jordan elimination (`_solve`, at most 3 x 3). Every
-support that contains a or b is solved; solutions with a negative coefficient or a singular
-system are dropped; the one with the least weighted squared error wins. This is the exact
-optimum under a, b, c >= 0 (non-negative least squares, when that optimum has a + b > 0): the
-objective is convex, so the constrained optimum also minimises it on the subspace of its own
-support, and is among the candidates. On equal error (within 1e-9 of sum w t^2, rounding) the
-first support of (a, b, c), (a, b), (a, c), (b, c), (a), (b) wins, so:
+Decode fit: (overhead, per_seq, per_context_token) by nnls.py on points (B, C), every
+coefficient >= 0 and overhead + per_seq > 0 (a decode step takes time; calibration.
+CalibrationProfile's invariants), supports preferred in the order of DECODE_SUPPORTS, so:
 - contexts that do not vary apart from B (C a multiple of B: singular with all three, (a, b)
   and (a, c) fit equally) give c = 0, the 2-parameter fit in which per_seq absorbs the
   contexts' attention (the old behaviour); a negative unconstrained c is never kept (the
   optimum is then on a face, usually (a, b): c = 0);
 - a single B takes the rest as overhead, like calibration.fit_line's decode side.
+Prefill fit: (overhead, per_token, per_attention_pair) by nnls.py on points (N, A), per_token
+> 0, supports in the order of PREFILL_SUPPORTS (a single N takes it all as per-token cost).
+A = the step's (query, key) pairs of prompt tokens (7th field): causal attention over the
+prompt and the context before the chunk grows with both, so a 2,000-token prompt costs more per
+token than a 200-token one, and a chunk late in a prompt more than the first. Prefill groups
+are by quarter octave of N and of A / N (the mean context a prompt token attends to). Traces
+without it (5 or 6 fields) fit overhead + per_token x N (calibration.fit_line), attention 0.
 Contexts unknown (any decode step of 5 fields): c = 0 and calibration.fit_line on one point per
 B, as before decode_context was recorded; the fitted per_seq is then per_seq +
 per_context_token x (mean context per sequence of the measured run), right only for runs whose
@@ -75,9 +78,6 @@ Limit: the model prices attention by the summed context (paged attention, as the
 context_sum). pdserve's runner pads each decode group to its longest context
 (engine/runner.py `_decode_groups`: a group's contexts are within 2x of each other beyond 256
 tokens), so the summed context is right to within that factor.
-Singular: the normal matrix scaled to a unit diagonal (entries M_jk / sqrt(M_jj M_kk), i.e.
-correlations of the weighted features about 0) has a pivot below 1e-9 during elimination, i.e.
-one feature is a combination of the others to within 1 - R^2 < 1e-9.
 """
 
 from __future__ import annotations
@@ -87,21 +87,24 @@ import statistics
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
+from pdserve.planner.simulate import nnls
 from pdserve.planner.simulate.calibration import BenchPoint, CalibrationProfile, fit_line
 from pdserve.planner.simulate.file_spec import FileSpec, pick_config, refuse_config
+from pdserve.planner.simulate.nnls import Point
 
 DECODE_TIMES = ("period", "duration")
-STEP_FIELDS = "[start_s, end_s, prefill_tokens, decode_tokens, num_requests, decode_context]"
-# Decode fit supports (indices into (overhead, per_seq, per_context_token)), preferred first on
-# equal error (module docstring "Decode fit").
-SUPPORTS = ((0, 1, 2), (0, 1), (0, 2), (1, 2), (0,), (1,))
-SINGULAR_PIVOT = 1e-9  # of the unit-diagonal normal matrix: 1 - R^2 of a feature on the others
-TIE = 1e-9  # of sum w t^2: errors closer than this are equal (rounding)
+STEP_FIELDS = ("[start_s, end_s, prefill_tokens, decode_tokens, num_requests, decode_context, "
+               "prefill_attention]")
+# Supports (indices into (overhead, per x, per y)), preferred first on equal error (module
+# docstring "Decode fit" and "Prefill fit").
+DECODE_SUPPORTS = ((0, 1, 2), (0, 1), (0, 2), (1, 2), (0,), (1,))
+PREFILL_SUPPORTS = ((0, 1, 2), (0, 1), (1, 2), (1,))
+MIN_FIELDS = 5
 
 
 class Step(NamedTuple):
-    """One engine step of one worker (workers/step_trace.py's Step); decode_context is None in
-    5-field traces, which predate it."""
+    """One engine step of one worker (workers/step_trace.py's Step); decode_context and
+    prefill_attention are None in older traces, which predate them."""
 
     start_s: float
     end_s: float
@@ -109,6 +112,7 @@ class Step(NamedTuple):
     decode_tokens: int
     num_requests: int
     decode_context: int | None = None
+    prefill_attention: int | None = None
 
 
 def is_steps_file(data: Any) -> bool:
@@ -132,15 +136,15 @@ def select_steps(data: dict[str, Any], spec: FileSpec) -> dict[str, list[Step]]:
 
 
 def parse_steps(rows: list[Any], where: str) -> list[Step]:
-    """Steps from JSON rows of 6 fields (or 5, context unknown); ValueError naming the worker
-    and step (1-based)."""
+    """Steps from JSON rows of 7 fields (or 5 or 6: contexts unknown); ValueError naming the
+    worker and step (1-based)."""
     return [_step(row, f"{where} step {i}") for i, row in enumerate(rows, start=1)]
 
 
 def _step(row: Any, where: str) -> Step:
-    if not isinstance(row, list) or len(row) not in (len(Step._fields) - 1, len(Step._fields)):
-        raise ValueError(f"{where}: expected {STEP_FIELDS} (decode_context optional), got "
-                         f"{str(row)[:80]}")
+    if not isinstance(row, list) or not MIN_FIELDS <= len(row) <= len(Step._fields):
+        raise ValueError(f"{where}: expected {STEP_FIELDS} (decode_context and "
+                         f"prefill_attention optional), got {str(row)[:80]}")
     start, end, *counts = row
     for name, value in (("start_s", start), ("end_s", end)):
         if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(
@@ -153,6 +157,7 @@ def _step(row: Any, where: str) -> Step:
         raise ValueError(f"{where}: end_s {end!r} is before start_s {start!r}")
     step = Step(start, end, *counts)
     _check_context(step, where)
+    _check_attention(step, where)
     return step
 
 
@@ -169,35 +174,36 @@ def _check_context(s: Step, where: str) -> None:
                          f"{s.decode_tokens!r} (each decode token attends at least to itself)")
 
 
-class DecodePoint(NamedTuple):
-    """Decode steps of one group: medians of B, of C (0 when unknown) and of t, and the number
-    of steps (its weight count / t^2)."""
-
-    batch: float
-    context: float
-    seconds: float
-    count: int
-
-    def features(self) -> tuple[float, float, float]:
-        """f = (1, B, C): what overhead, per_seq and per_context_token multiply."""
-        return 1.0, self.batch, self.context
+def _check_attention(s: Step, where: str) -> None:
+    """A prompt token attends at least to itself: prefill_tokens <= prefill_attention, and a
+    step without prompt tokens has none."""
+    a = s.prefill_attention
+    if a is not None and (a < s.prefill_tokens or (a and not s.prefill_tokens)):
+        raise ValueError(f"{where}: prefill_attention {a!r} must be 0 without prompt tokens and "
+                         f"at least prefill_tokens {s.prefill_tokens!r} with them")
 
 
 class _Groups(NamedTuple):
     decode: dict[tuple[int, int], list[tuple[float, float, float]]]  # (B, C bin) -> (B, C, s)
-    prefill: dict[int, list[tuple[float, float]]]  # bin of N -> (N, seconds)
+    prefill: dict[tuple[int, int], list[tuple[float, float, float]]]  # (N, A/N bins) -> (N, A, s)
     mixed: list[Step]
     contexts_known: bool  # every decode-only step has a decode_context
+    attention_known: bool  # every step with prompt tokens has a prefill_attention
 
 
-def _bin(x: int) -> int:
+def _bin(x: float) -> int:
     """Quarter octave of x >= 1: round(4 log2 x)."""
     return round(4 * math.log2(x))
 
 
+def _prefill_key(tokens: float, attention: float) -> tuple[int, int]:
+    return _bin(tokens), _bin(attention / tokens) if attention else 0
+
+
 def _group(steps: Mapping[str, Sequence[Step]], decode_time: str) -> _Groups:
     decode: list[tuple[int, int | None, float]] = []
-    groups = _Groups({}, {}, [], True)
+    prefill: list[tuple[int, int | None, float]] = []
+    mixed: list[Step] = []
     for rows in steps.values():
         ordered = sorted(rows, key=lambda s: (s.start_s, s.end_s))  # None contexts do not compare
         for i, s in enumerate(ordered):
@@ -209,144 +215,101 @@ def _group(steps: Mapping[str, Sequence[Step]], decode_time: str) -> _Groups:
                     seconds = max(seconds, ordered[i + 1].start_s - s.start_s)
                 decode.append((s.decode_tokens, s.decode_context, seconds))
             elif s.decode_tokens == 0:
-                groups.prefill.setdefault(_bin(s.prefill_tokens), []).append(
-                    (s.prefill_tokens, seconds))
+                prefill.append((s.prefill_tokens, s.prefill_attention, seconds))
             else:
-                groups.mixed.append(s)
-    known = all(c is not None for _, c, _ in decode)
+                mixed.append(s)
+    contexts = all(c is not None for _, c, _ in decode)
+    attention = all(a is not None for _, a, _ in prefill) and all(
+        s.prefill_attention is not None for s in mixed)
+    groups = _Groups({}, {}, mixed, contexts, attention)
     for b, c, seconds in decode:
-        context = c if known and c is not None else 0
-        key = (b, _bin(context) if context else 0)
-        groups.decode.setdefault(key, []).append((b, context, seconds))
-    return groups._replace(contexts_known=known)
-
-
-def _decode_points(groups: Mapping[tuple[int, int], list[tuple[float, float, float]]]
-                   ) -> list[DecodePoint]:
-    points = []
-    for key in sorted(groups):
-        bs, cs, ts = zip(*groups[key], strict=True)
-        points.append(DecodePoint(statistics.median(bs), statistics.median(cs),
-                                  statistics.median(ts), len(ts)))
-    return points
-
-
-def _median_points(groups: Mapping[int, list[tuple[float, float]]]) -> list[BenchPoint]:
-    points = []
-    for key in sorted(groups):
-        xs, ts = zip(*groups[key], strict=True)
-        t = statistics.median(ts)
-        points.append(BenchPoint(statistics.median(xs), t, t, len(xs)))
-    return points
-
-
-def _normal_equations(points: Sequence[DecodePoint], support: Sequence[int]
-                      ) -> tuple[list[list[float]], list[float]]:
-    """M[j][k] = sum_i w_i f_j(i) f_k(i) and v[j] = sum_i w_i f_j(i) t_i for j, k in support,
-    f = DecodePoint.features(), w_i = count_i / t_i^2: M x = v is the least-squares optimum."""
-    m = [[0.0] * len(support) for _ in support]
-    v = [0.0] * len(support)
-    for p in points:
-        w, f = p.count / p.seconds**2, p.features()
-        for j, fj in enumerate(f[i] for i in support):
-            v[j] += w * fj * p.seconds
-            for k, fk in enumerate(f[i] for i in support):
-                m[j][k] += w * fj * fk
-    return m, v
-
-
-def _solve(m: list[list[float]], v: list[float]) -> list[float] | None:
-    """x with m x = v for a symmetric positive semi-definite m (normal equations, k <= 3): the
-    rows and columns are scaled to a unit diagonal (x_j = y_j / sqrt(m_jj)), then Gauss-Jordan
-    elimination; None when a pivot falls below SINGULAR_PIVOT (module docstring)."""
-    k = len(v)
-    if any(m[j][j] <= 0 for j in range(k)):
-        return None
-    scale = [1 / math.sqrt(m[j][j]) for j in range(k)]
-    a = [[m[j][i] * scale[j] * scale[i] for i in range(k)] + [v[j] * scale[j]] for j in range(k)]
-    for col in range(k):
-        pivot = max(range(col, k), key=lambda r: abs(a[r][col]))
-        if abs(a[pivot][col]) < SINGULAR_PIVOT:
-            return None
-        a[col], a[pivot] = a[pivot], a[col]
-        for r in range(k):
-            if r != col:
-                factor = a[r][col] / a[col][col]
-                a[r] = [x - factor * y for x, y in zip(a[r], a[col], strict=True)]
-    return [a[j][k] / a[j][j] * scale[j] for j in range(k)]
-
-
-def _weighted_error(points: Sequence[DecodePoint], coef: Sequence[float]) -> float:
-    """sum_i w_i (t_i - f(i) . coef)^2, the objective of the decode fit."""
-    return sum(p.count / p.seconds**2 * (p.seconds - _dot(p.features(), coef))**2
-               for p in points)
-
-
-def _dot(f: Sequence[float], coef: Sequence[float]) -> float:
-    return sum(x * c for x, c in zip(f, coef, strict=True))
-
-
-def _fit_decode(points: Sequence[DecodePoint], contexts_known: bool
-                ) -> tuple[float, float, float]:
-    """(overhead, per_seq, per_context_token) >= 0 by the module docstring's "Decode fit";
-    without contexts, calibration.fit_line on (B, t) and per_context_token 0."""
-    if not contexts_known:
-        d0, d1 = fit_line([BenchPoint(p.batch, p.seconds, p.seconds, p.count) for p in points],
-                          single="intercept")
-        return d0, d1, 0.0
-    tie = TIE * sum(p.count for p in points)  # sum w t^2 = sum count
-    best: tuple[float, list[float]] | None = None
-    for support in SUPPORTS:
-        x = _solve(*_normal_equations(points, support))
-        if x is None or min(x) < 0:
-            continue
-        coef = [0.0, 0.0, 0.0]
-        for i, xi in zip(support, x, strict=True):
-            coef[i] = xi
-        if coef[0] + coef[1] <= 0:
-            continue
-        error = _weighted_error(points, coef)
-        if best is None or error < best[0] - tie:
-            best = error, coef
-    if best is None:  # unreachable: (a) alone is m = sum w > 0, x = sum w t / sum w > 0
-        raise ValueError("no decode fit with non-negative coefficients")
-    return best[1][0], best[1][1], best[1][2]
-
-
-def _mixed_as_prefill(mixed: Sequence[Step], per_seq_s: float, per_context_s: float
-                      ) -> dict[int, list]:
-    """Mixed steps less their decode part (per_seq x B + per_context_token x C, C = 0 when
-    unknown), grouped like pure prefill steps."""
-    groups: dict[int, list[tuple[float, float]]] = {}
-    for s in mixed:
-        rest = (s.end_s - s.start_s - per_seq_s * s.decode_tokens
-                - per_context_s * (s.decode_context or 0))
-        if rest > 0:
-            groups.setdefault(_bin(s.prefill_tokens), []).append((s.prefill_tokens, rest))
+        context = c if contexts and c is not None else 0
+        groups.decode.setdefault((b, _bin(context) if context else 0), []).append(
+            (b, context, seconds))
+    for n, a, seconds in prefill:
+        pairs = a if attention and a is not None else 0
+        groups.prefill.setdefault(_prefill_key(n, pairs), []).append((n, pairs, seconds))
     return groups
 
 
-def _max_rel_error(points: Sequence[BenchPoint], line: tuple[float, float]) -> float:
-    return max(abs(line[0] + line[1] * p.x - p.fitted_part) / p.seconds for p in points)
+def _points(groups: Mapping[Any, list[tuple[float, float, float]]]) -> list[Point]:
+    """One point per group: the medians of x, of y and of t, counted as its steps."""
+    points = []
+    for key in sorted(groups):
+        xs, ys, ts = zip(*groups[key], strict=True)
+        points.append(Point(statistics.median(xs), statistics.median(ys), statistics.median(ts),
+                            len(ts)))
+    return points
 
 
-def _decode_max_rel_error(points: Sequence[DecodePoint], coef: Sequence[float]) -> float:
-    return max(abs(_dot(p.features(), coef) - p.seconds) / p.seconds for p in points)
+def _fit_decode(points: Sequence[Point], contexts_known: bool) -> nnls.Coefficients:
+    """(overhead, per_seq, per_context_token) >= 0 by the module docstring's "Decode fit";
+    without contexts, calibration.fit_line on (B, t) and per_context_token 0."""
+    if not contexts_known:
+        d0, d1 = fit_line([BenchPoint(p.x, p.seconds, p.seconds, p.count) for p in points],
+                          single="intercept")
+        return d0, d1, 0.0
+    coef = nnls.fit(points, DECODE_SUPPORTS, lambda c: c[0] + c[1] > 0)
+    if coef is None:  # unreachable: (a) alone is m = sum w > 0, x = sum w t / sum w > 0
+        raise ValueError("no decode fit with non-negative coefficients")
+    return coef
+
+
+def _fit_prefill(points: Sequence[Point], attention_known: bool, source: str
+                 ) -> nnls.Coefficients:
+    """(overhead, per_token, per_attention_pair) by the module docstring's "Prefill fit"."""
+    if attention_known:
+        coef = nnls.fit(points, PREFILL_SUPPORTS, lambda c: c[1] > 0)
+    else:
+        p0, p1 = fit_line([BenchPoint(p.x, p.seconds, p.seconds, p.count) for p in points],
+                          single="slope")
+        coef = (p0, p1, 0.0) if p1 > 0 else None
+    if coef is None:
+        raise ValueError(f"{source}: prefill step times do not grow with their tokens, so no "
+                         "per-token cost can be fitted (too few or too noisy prefill steps)")
+    return coef
+
+
+def _mixed_as_prefill(mixed: Sequence[Step], per_seq_s: float, per_context_s: float,
+                      attention_known: bool) -> dict[tuple[int, int], list]:
+    """Mixed steps less their decode part (per_seq x B + per_context_token x C, C = 0 when
+    unknown), grouped like pure prefill steps."""
+    groups: dict[tuple[int, int], list[tuple[float, float, float]]] = {}
+    for s in mixed:
+        rest = (s.end_s - s.start_s - per_seq_s * s.decode_tokens
+                - per_context_s * (s.decode_context or 0))
+        pairs = (s.prefill_attention or 0) if attention_known else 0
+        if rest > 0:
+            groups.setdefault(_prefill_key(s.prefill_tokens, pairs), []).append(
+                (s.prefill_tokens, pairs, rest))
+    return groups
 
 
 def _prefill_groups(groups: _Groups, per_seq_s: float, per_context_s: float
-                    ) -> dict[int, list]:
+                    ) -> dict[tuple[int, int], list]:
     """Pure prefill steps, joined by the mixed ones (less their decode part) when the pure
     ones are fewer: a busy collocated worker has a stray pure step or two (a 1-token prompt
     tail), which alone would price every prompt token like a whole step."""
     pure = groups.prefill
     if sum(map(len, pure.values())) >= len(groups.mixed):
         return pure
-    merged = {k: list(v) for k, v in
-              _mixed_as_prefill(groups.mixed, per_seq_s, per_context_s).items()}
+    merged = {k: list(v) for k, v in _mixed_as_prefill(
+        groups.mixed, per_seq_s, per_context_s, groups.attention_known).items()}
     for k, v in pure.items():
         merged.setdefault(k, []).extend(v)
     return merged
+
+
+def _median_step_error(decode: Mapping[Any, list[tuple[float, float, float]]],
+                       decode_coef: nnls.Coefficients,
+                       prefill: Mapping[Any, list[tuple[float, float, float]]],
+                       prefill_coef: nnls.Coefficients) -> float:
+    """The median |model - t| / t over every step fitted (not its group's medians): how far
+    one step typically is from the model, outliers included."""
+    errors = [abs(nnls.predict(Point(x, y, t, 1), coef) - t) / t
+              for groups, coef in ((decode, decode_coef), (prefill, prefill_coef))
+              for rows in groups.values() for x, y, t in rows]
+    return statistics.median(errors)
 
 
 def fit_step_traces(steps: Mapping[str, Sequence[Step]], decode_time: str = "period",
@@ -357,22 +320,21 @@ def fit_step_traces(steps: Mapping[str, Sequence[Step]], decode_time: str = "per
         raise ValueError(f"decode_time (--step-time) must be one of {', '.join(DECODE_TIMES)}, "
                          f"got {decode_time!r}")
     groups = _group(steps, decode_time)
-    decode = _decode_points(groups.decode)
+    decode = _points(groups.decode)
     if not decode:
         raise ValueError(f"{source}: no decode-only step (prefill_tokens 0, decode_tokens > 0) "
                          "to fit the decode costs")
     d0, d1, dc = _fit_decode(decode, groups.contexts_known)
-    prefill = _median_points(_prefill_groups(groups, d1, dc))
+    prefill = _points(_prefill_groups(groups, d1, dc))
     if not prefill:
         raise ValueError(f"{source}: no prefill step (prefill_tokens > 0) to fit the prefill "
                          "costs")
-    p0, p1 = fit_line(prefill, single="slope")
-    if p1 <= 0:
-        raise ValueError(f"{source}: prefill step times do not grow with their tokens, so no "
-                         "per-token cost can be fitted (too few or too noisy prefill steps)")
+    p0, p1, pa = _fit_prefill(prefill, groups.attention_known, source)
     return CalibrationProfile(
         decode_overhead_s=d0, decode_per_seq_s=d1, decode_per_context_token_s=dc,
-        prefill_overhead_s=p0, prefill_per_token_s=p1, source=source,
-        fit_rows=int(sum(p.count for p in decode) + sum(p.count for p in prefill)),
-        max_rel_error=max(_decode_max_rel_error(decode, (d0, d1, dc)),
-                          _max_rel_error(prefill, (p0, p1))))
+        prefill_overhead_s=p0, prefill_per_token_s=p1, prefill_per_attention_pair_s=pa,
+        source=source, fit_rows=int(sum(p.count for p in decode) + sum(p.count for p in prefill)),
+        max_rel_error=max(nnls.max_rel_error(decode, (d0, d1, dc)),
+                          nnls.max_rel_error(prefill, (p0, p1, pa))),
+        median_rel_error=_median_step_error(groups.decode, (d0, d1, dc),
+                                            _prefill_groups(groups, d1, dc), (p0, p1, pa)))
