@@ -12,6 +12,7 @@ from pdserve.bench.compare import add_compare_args, run_compare_cli
 from pdserve.bench.flip.cli import DESCRIPTION as FLIP_DESCRIPTION
 from pdserve.bench.flip.cli import add_flip_args, run_flip_cli
 from pdserve.bench.serve.runner import add_bench_serve_args, run_bench_serve
+from pdserve.bench.simulator_check import add_simulator_check_args, run_simulator_check_cli
 from pdserve.cli_args import add_cpu_kernels_arg, add_device_arg, add_tensor_parallel_arg
 
 
@@ -21,7 +22,8 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
         "bench", help="benchmarks, each beside a baseline measured in the same run")
     kinds = bench.add_subparsers(dest="bench", required=True)
     for add in (_add_engine, _add_attention, _add_transfer, _add_layerwise, _add_serve,
-                _add_compare, _add_router, _add_hostile, _add_chaos, _add_flip, _add_moe):
+                _add_compare, _add_simulator, _add_router, _add_hostile, _add_chaos, _add_flip,
+                _add_moe):
         add(kinds)
 
 
@@ -168,6 +170,20 @@ def _add_compare(kinds: argparse._SubParsersAction) -> None:
                     "timeline of engine steps.")
     add_compare_args(cmp)
     cmp.set_defaults(func=run_compare_cli)
+
+
+def _add_simulator(kinds: argparse._SubParsersAction) -> None:
+    sim = kinds.add_parser(
+        "simulator", help="held-out validation of `pdserve simulate` against measured runs",
+        description="Measures a calibration workload and held-out workloads with `bench "
+                    "compare` (each configuration on the same cores), fits each "
+                    "configuration's step costs on the calibration run alone, simulates every "
+                    "held-out run, and prints simulated against measured figures with their "
+                    "errors, and whether the best configuration by goodput agrees. Exit status "
+                    "1 when a figure is outside its tolerance or a ranking disagrees. Results "
+                    "in --out are reused: --remeasure after the engine's speed changed.")
+    add_simulator_check_args(sim)
+    sim.set_defaults(func=run_simulator_check_cli)
 
 
 def _add_router(kinds: argparse._SubParsersAction) -> None:

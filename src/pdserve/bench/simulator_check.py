@@ -1,0 +1,186 @@
+"""`pdserve bench simulator`: does `pdserve simulate` predict runs it was not calibrated on?
+
+One calibration workload and several held-out ones are each measured with `pdserve bench
+compare` (every configuration on the same cores, the same trace), into DIR/<workload>.json and
+its .steps.json. Then, per configuration C and held-out workload W, `pdserve simulate
+--calibrate DIR/<calibration>.steps.json:C --compare-measured DIR/<W>.json:C --json` fits C's
+step costs on the calibration run alone and simulates W's recorded requests on C's layout. The
+table holds each figure simulated against measured, with its error and whether it is within the
+simulator's tolerance (25%; 35% for the P99 ITL), and per workload whether the configuration
+the simulation ranks best by goodput is the one measured best.
+
+A workload whose results file already exists in DIR is not measured again unless --remeasure:
+a change to the simulator is checked against the same runs; a change to the engine's speed
+needs new runs (--remeasure). Measuring is long (each workload runs every configuration for
+--duration seconds, plus start-up): run it on an otherwise idle machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+CONFIGS = ("collocated", "collocated-chunked", "disagg")
+# bench compare flags of each workload (the trace; --duration is added)
+WORKLOADS: dict[str, tuple[str, ...]] = {
+    "mixed": ("--workload", "mixed", "--rate", "1"),
+    "chat": ("--workload", "chat", "--concurrency", "16"),
+    "long": ("--workload", "rag", "--rate", "0.4"),
+    "diurnal": ("--workload", "diurnal", "--rate", "0.4"),
+}
+FIGURES = ("median_ttft_ms", "p99_ttft_ms", "median_itl_ms", "p99_itl_ms", "request_goodput",
+           "output_throughput")
+SIM_MODELS = {"smollm2": "smollm2-135m"}  # bench's model name -> simulate's preset
+
+
+@dataclass(frozen=True)
+class CheckSettings:
+    out_dir: Path
+    calibrate_on: str
+    held_out: tuple[str, ...]
+    configs: tuple[str, ...]
+    duration_s: float
+    model: str
+    remeasure: bool
+
+    def __post_init__(self) -> None:
+        for name in (self.calibrate_on, *self.held_out):
+            if name not in WORKLOADS:
+                raise ValueError(f"unknown workload {name!r}; choose from "
+                                 f"{', '.join(WORKLOADS)}")
+        if self.calibrate_on in self.held_out:
+            raise ValueError(f"{self.calibrate_on!r} is the calibration workload; a held-out "
+                             "workload must be another")
+        if not self.held_out or not self.configs:
+            raise ValueError("needs at least one held-out workload and one configuration")
+        unknown = [c for c in self.configs if c not in CONFIGS]
+        if unknown:
+            raise ValueError(f"configurations {unknown} cannot be simulated; choose from "
+                             f"{', '.join(CONFIGS)}")
+        if not self.duration_s > 0:
+            raise ValueError(f"duration must be positive, got {self.duration_s!r}")
+
+
+def add_simulator_check_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--out", type=Path, required=True,
+                   help="folder for each workload's bench compare results and the summary "
+                        "(simulator_check.json); results already there are reused")
+    p.add_argument("--calibrate-on", default="mixed",
+                   help=f"the workload the step costs are fitted on (one of "
+                        f"{', '.join(WORKLOADS)}; default: %(default)s)")
+    p.add_argument("--held-out", default="chat,long,diurnal",
+                   help="workloads to predict, comma-separated (default: %(default)s)")
+    p.add_argument("--configs", default=",".join(CONFIGS),
+                   help="pdserve configurations (default: %(default)s)")
+    p.add_argument("--duration", type=float, default=60.0,
+                   help="seconds of arrivals per workload and configuration (diurnal: three "
+                        "phases of a third each; default: %(default)s)")
+    p.add_argument("--model", default="smollm2", help="default: %(default)s")
+    p.add_argument("--remeasure", action="store_true",
+                   help="measure every workload again even if its results are in --out")
+
+
+def settings(args: argparse.Namespace) -> CheckSettings:
+    return CheckSettings(args.out, args.calibrate_on, _names(args.held_out),
+                         _names(args.configs), args.duration, args.model, args.remeasure)
+
+
+def _names(text: str) -> tuple[str, ...]:
+    return tuple(n.strip() for n in text.split(",") if n.strip())
+
+
+def _measure(s: CheckSettings, workload: str) -> Path:
+    """DIR/<workload>.json, measured now unless it is there already."""
+    out = s.out_dir / f"{workload}.json"
+    if out.exists() and not s.remeasure:
+        print(f"{workload}: reusing {out}", file=sys.stderr)
+        return out
+    extra = ("--phase-s", f"{s.duration_s / 3:g}") if workload == "diurnal" else ()
+    argv = [sys.executable, "-m", "pdserve.cli", "bench", "compare", "--configs",
+            ",".join(s.configs), "--model", s.model, *WORKLOADS[workload], *extra,
+            "--duration", f"{s.duration_s:g}", "--out", str(out)]
+    print(f"{workload}: measuring ({' '.join(argv[3:])})", file=sys.stderr)
+    subprocess.run(argv, check=False)  # failed requests exit 1 but still write the results
+    if not out.exists():
+        raise RuntimeError(f"bench compare wrote no results for {workload} ({out})")
+    return out
+
+
+def _simulate(s: CheckSettings, calibration: Path, measured: Path, config: str
+              ) -> dict[str, Any]:
+    steps = calibration.with_suffix(".steps.json")
+    argv = [sys.executable, "-m", "pdserve.cli", "simulate",
+            "--model", SIM_MODELS.get(s.model, s.model), "--gpu", "cpu",
+            "--calibrate", f"{steps}:{config}", "--compare-measured", f"{measured}:{config}",
+            "--json"]
+    done = subprocess.run(argv, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"pdserve simulate failed for {measured.name}:{config}: "
+                           f"{done.stderr.strip()}")
+    return json.loads(done.stdout)["measured"]
+
+
+def run_check(s: CheckSettings) -> dict[str, Any]:
+    """Measure what is missing, simulate every (held-out workload, configuration)."""
+    s.out_dir.mkdir(parents=True, exist_ok=True)
+    calibration = _measure(s, s.calibrate_on)
+    rows = []
+    for workload in s.held_out:
+        measured = _measure(s, workload)
+        for config in s.configs:
+            got = _simulate(s, calibration, measured, config)
+            rows.append({"workload": workload, "config": config, **got,
+                         "outside": _outside(got)})
+    return {"calibrated_on": s.calibrate_on, "duration_s": s.duration_s, "model": s.model,
+            "rows": rows, "ranking": _rankings(rows)}
+
+
+def _outside(got: dict[str, Any]) -> list[str]:
+    """The figures whose |relative error| is over their tolerance."""
+    return [k for k in FIGURES
+            if (e := got["rel_error"].get(k)) is not None and abs(e) > got["tolerance"][k]]
+
+
+def _rankings(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per workload: the configuration best by goodput, measured and simulated."""
+    out = {}
+    for workload in dict.fromkeys(r["workload"] for r in rows):
+        mine = [r for r in rows if r["workload"] == workload]
+        best = {side: max(mine, key=lambda r, k=side: r[k]["request_goodput"] or 0)["config"]
+                for side in ("measured", "simulated")}
+        out[workload] = {**best, "agree": best["measured"] == best["simulated"]}
+    return out
+
+
+def format_check(summary: dict[str, Any]) -> str:
+    """One line per (workload, configuration): each figure measured -> simulated (error)."""
+    head = ["workload", "config"] + [f.replace("_ms", "") for f in FIGURES]
+    lines = [f"held-out validation, step costs fitted on {summary['calibrated_on']!r} "
+             "(measured -> simulated, error; * outside its tolerance)", "  ".join(head)]
+    for r in summary["rows"]:
+        cells = [r["workload"], r["config"]]
+        for f in FIGURES:
+            m, sim, err = r["measured"].get(f), r["simulated"].get(f), r["rel_error"].get(f)
+            flag = "*" if f in r["outside"] else ""
+            cells.append("-" if m is None or sim is None or err is None else
+                         f"{m:.3g}->{sim:.3g} ({err:+.0%}){flag}")
+        lines.append("  ".join(cells))
+    for workload, rank in summary["ranking"].items():
+        lines.append(f"{workload}: best by goodput measured {rank['measured']}, simulated "
+                     f"{rank['simulated']}: {'agree' if rank['agree'] else 'DISAGREE'}")
+    return "\n".join(lines)
+
+
+def run_simulator_check_cli(args: argparse.Namespace) -> int:
+    s = settings(args)
+    summary = run_check(s)
+    (s.out_dir / "simulator_check.json").write_text(json.dumps(summary, indent=1) + "\n")
+    print(format_check(summary))
+    within = all(not r["outside"] for r in summary["rows"])
+    agree = all(r["agree"] for r in summary["ranking"].values())
+    return 0 if within and agree else 1

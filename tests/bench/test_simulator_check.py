@@ -1,0 +1,66 @@
+"""`pdserve bench simulator`: held-out validation of the simulator from results already in its
+folder (measuring runs `bench compare`, covered by its own tests): one row per held-out
+workload and configuration, the figures' errors against their tolerances, the goodput
+ranking, and the exit status."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pdserve.bench.simulator_check import CheckSettings, format_check, run_check
+from tests.planner.simulate.step_files import disagg_workers, request, serve_result, write_json
+from tests.planner.cli_run import run_pdserve
+
+
+def _settings(tmp_path, **kw) -> CheckSettings:
+    base = dict(out_dir=tmp_path, calibrate_on="mixed", held_out=("chat",),
+                configs=("disagg", "collocated"), duration_s=60.0, model="smollm2",
+                remeasure=False)
+    return CheckSettings(**{**base, **kw})
+
+
+@pytest.fixture
+def results(tmp_path):
+    """A calibration run (its steps) and a held-out run with one request per configuration:
+    the disagg one measured at the simulated TTFT, the collocated one far from it."""
+    write_json(tmp_path / "mixed.steps.json", {"disagg": disagg_workers(),
+                                               "collocated": disagg_workers()})
+    write_json(tmp_path / "mixed.json", {})
+    write_json(tmp_path / "chat.json", {
+        "disagg": serve_result([request(0.0, 1000, 11)], ttft_ms=210.0, itl_ms=22.0),
+        "collocated": serve_result([request(0.0, 1000, 11)], ttft_ms=900.0, itl_ms=22.0)})
+    return tmp_path
+
+
+def test_each_held_out_run_is_simulated_from_the_calibration_run_alone(results):
+    summary = run_check(_settings(results))
+    rows = {r["config"]: r for r in summary["rows"]}
+    assert [r["workload"] for r in summary["rows"]] == ["chat", "chat"]
+    assert rows["disagg"]["measured"]["median_ttft_ms"] == 210.0
+    assert "median_ttft_ms" not in rows["disagg"]["outside"]
+    assert rows["collocated"]["rel_error"]["median_ttft_ms"] == pytest.approx(210 / 900 - 1)
+    assert "median_ttft_ms" in rows["collocated"]["outside"]
+    assert set(summary["ranking"]["chat"]) == {"measured", "simulated", "agree"}
+    text = format_check(summary)
+    assert "fitted on 'mixed'" in text and "900->210 (-77%)*" in text
+
+
+def test_the_command_exits_1_when_a_figure_is_outside_and_writes_the_summary(results, capsys):
+    rc, _, _ = run_pdserve(["bench", "simulator", "--out", str(results), "--held-out", "chat",
+                      "--configs", "disagg,collocated"], capsys)
+    assert rc == 1
+    saved = json.loads((results / "simulator_check.json").read_text())
+    assert saved["calibrated_on"] == "mixed" and len(saved["rows"]) == 2
+
+
+@pytest.mark.parametrize(("kw", "message"), [
+    ({"held_out": ("weekly",)}, "unknown workload 'weekly'"),
+    ({"held_out": ("mixed",)}, "'mixed' is the calibration workload"),
+    ({"configs": ("elastic",)}, "cannot be simulated"),
+    ({"duration_s": 0.0}, "duration must be positive"),
+])
+def test_bad_settings_say_what_to_fix(tmp_path, kw, message):
+    with pytest.raises(ValueError, match=message):
+        _settings(tmp_path, **kw)
