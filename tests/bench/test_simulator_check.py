@@ -10,8 +10,8 @@ import json
 import pytest
 
 from pdserve.bench.simulator_check import CheckSettings, format_check, run_check
-from tests.planner.simulate.step_files import disagg_workers, request, serve_result, write_json
 from tests.planner.cli_run import run_pdserve
+from tests.planner.simulate.step_files import disagg_workers, request, serve_result, write_json
 
 
 def _settings(tmp_path, **kw) -> CheckSettings:

@@ -216,3 +216,20 @@ def test_cli_bench_rows_need_the_device(tmp_path, capsys):
     bench = write_rows(tmp_path / "bench.jsonl", bench_rows())
     rc, out, err = run_cli(["--calibrate", str(bench), "--model", "smollm2-135m"], capsys)
     assert rc == 2 and out == "" and "gpu (--gpu) is required" in err
+
+
+def test_bench_rows_of_several_prompt_lengths_fit_the_attention_pairs():
+    """Rows at 512 to 8,191 tokens and a half-cached 2,048 from a machine whose prefill step is
+    overhead + per token + per pair are reproduced exactly, and the pairs are priced."""
+    p0, p1, pa = 0.01, 4e-4, 5e-9
+    rows = bench_rows()[:3]
+    for prompt, cached in ((512, 0), (1000, 0), (2048, 0), (8191, 0), (2048, 1024)):
+        n = prompt - cached
+        seconds = p0 + p1 * n + pa * (n * cached + n * (n + 1) // 2)
+        rows.append({"phase": "prefill", "batch": 1, "prompt_tokens": prompt,
+                     "cached_tokens": cached, "pdserve_tok_s": n / seconds})
+    p = fit_bench_rows(rows)
+    assert p.prefill_overhead_s == pytest.approx(p0, rel=1e-6)
+    assert p.prefill_per_token_s == pytest.approx(p1, rel=1e-6)
+    assert p.prefill_per_attention_pair_s == pytest.approx(pa, rel=1e-6)
+    assert p.max_rel_error == pytest.approx(0, abs=1e-9)

@@ -24,8 +24,11 @@ Fitting from `pdserve bench engine --json` rows (`fit_bench_rows`):
 - a decode row (batch B, pdserve_tok_s r) measured steps of B / r seconds (one token per
   sequence per step); with the context term c fixed (see below), t_i = B_i / r_i -
   c x B_i x prompt_tokens_i is fitted as overhead + per_seq x B_i.
-- a prefill row (batch b, prompt_tokens T, r) measured a step of b x T / r seconds over
-  N = b x T tokens, fitted as overhead + per_token x N.
+- a prefill row (batch b, prompt_tokens T of which C cached, r) measured a step of
+  b x (T - C) / r seconds over N = b x (T - C) computed tokens and their attention pairs
+  A = b x attention_pairs(Chunk(C, T - C)), fitted as overhead + per_token x N +
+  per_attention_pair x A by nnls.py (every coefficient >= 0, per_token > 0; the rows' prompt
+  lengths, 512 to 8,191 by default, and the half-cached row tell the terms apart).
 - each fit (`fit_line`) is weighted least squares on relative error (weights n_i / t_i^2,
   n_i = 1 for a bench row, the number of steps a point stands for in step_fit.py), closed form:
   slope = (S Sxt - Sx St) / (S Sxx - Sx^2), intercept = (St - slope Sx) / S with S = sum w,
@@ -75,8 +78,13 @@ from pdserve.planner.cost import (
 from pdserve.planner.hardware import Hardware
 from pdserve.planner.kv_math import check_tp
 from pdserve.planner.model_shape import ModelShape
+from pdserve.planner.simulate import nnls
+from pdserve.planner.simulate.nnls import Point
 
 PROFILE_SCHEMA = "pdserve.calibration-profile/1"
+# Prefill fit supports (indices into (overhead, per_token, per_attention_pair), nnls.py),
+# preferred first on equal error: every one keeps a per-token cost (a prompt token takes time)
+PREFILL_SUPPORTS = ((0, 1, 2), (0, 1), (1, 2), (1,))
 
 
 class Chunk(NamedTuple):
@@ -303,7 +311,9 @@ def _row_number(row: dict[str, Any], key: str, where: str, integer: bool) -> flo
     return value
 
 
-def _bench_point(row: Any, where: str, context_token_s: float) -> tuple[str, BenchPoint]:
+def _bench_point(row: Any, where: str, context_token_s: float) -> BenchPoint | Point:
+    """A decode row's step (x = B), or a prefill row's (x = tokens computed, y = their
+    attention pairs)."""
     if not isinstance(row, dict) or row.get("phase") not in ("decode", "prefill"):
         raise ValueError(f"{where}: expected a `pdserve bench engine --json` row with phase "
                          "'decode' or 'prefill'")
@@ -312,35 +322,43 @@ def _bench_point(row: Any, where: str, context_token_s: float) -> tuple[str, Ben
     tok_s = _row_number(row, "pdserve_tok_s", where, integer=False)
     if row["phase"] == "decode":
         seconds = batch / tok_s
-        return "decode", BenchPoint(batch, seconds, seconds - context_token_s * batch * prompt)
+        return BenchPoint(batch, seconds, seconds - context_token_s * batch * prompt)
     # a prefix-cache row's tok/s counts the tokens it computed, not the cached ones
     cached = row.get("cached_tokens", 0)
     if isinstance(cached, bool) or not isinstance(cached, int) or not 0 <= cached < prompt:
         raise ValueError(f"{where}: cached_tokens must be an integer in [0, prompt_tokens), got "
                          f"{cached!r}")
+    pairs = batch * attention_pairs(Chunk(cached, int(prompt) - cached, True))
     computed = batch * (prompt - cached)
-    return "prefill", BenchPoint(computed, computed / tok_s, computed / tok_s)
+    return Point(computed, pairs, computed / tok_s, 1)
 
 
 def fit_bench_rows(rows: Sequence[Any], context_token_s: float = 0.0, source: str = "",
                    model: str | None = None, gpu: str | None = None,
                    tp: int = 1) -> CalibrationProfile:
     """A profile fitted to bench rows (module docstring); needs a decode and a prefill row."""
-    points: dict[str, list[BenchPoint]] = {"decode": [], "prefill": []}
+    decode: list[BenchPoint] = []
+    prefill: list[Point] = []
     for i, row in enumerate(rows, start=1):
-        phase, point = _bench_point(row, f"{source or 'bench results'} row {i}", context_token_s)
-        points[phase].append(point)
-    for phase, found in points.items():
+        point = _bench_point(row, f"{source or 'bench results'} row {i}", context_token_s)
+        if isinstance(point, Point):
+            prefill.append(point)
+        else:
+            decode.append(point)
+    for phase, found in (("decode", decode), ("prefill", prefill)):
         if not found:
             raise ValueError(f"{source or 'bench results'}: no {phase} row to fit")
-    d0, d1 = fit_line(points["decode"], single="intercept")
-    p0, p1 = fit_line(points["prefill"], single="slope")
-    errors = [abs(d0 + d1 * p.x - p.fitted_part) / p.seconds for p in points["decode"]]
-    errors += [abs(p0 + p1 * p.x - p.seconds) / p.seconds for p in points["prefill"]]
+    d0, d1 = fit_line(decode, single="intercept")
+    coef = nnls.fit(prefill, PREFILL_SUPPORTS, lambda c: c[1] > 0)
+    if coef is None:
+        raise ValueError(f"{source or 'bench results'}: prefill rows give no positive "
+                         "per-token cost")
+    errors = [abs(d0 + d1 * p.x - p.fitted_part) / p.seconds for p in decode]
     return CalibrationProfile(
         decode_overhead_s=d0, decode_per_seq_s=d1, decode_per_context_token_s=context_token_s,
-        prefill_overhead_s=p0, prefill_per_token_s=p1, model=model, gpu=gpu, tp=tp,
-        source=source, fit_rows=len(rows), max_rel_error=max(errors))
+        prefill_overhead_s=coef[0], prefill_per_token_s=coef[1],
+        prefill_per_attention_pair_s=coef[2], model=model, gpu=gpu, tp=tp, source=source,
+        fit_rows=len(rows), max_rel_error=max(*errors, nnls.max_rel_error(prefill, coef)))
 
 
 def context_token_seconds(kv_bytes_per_token_rank: int, hardware: Hardware,

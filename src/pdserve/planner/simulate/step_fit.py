@@ -88,7 +88,12 @@ from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
 from pdserve.planner.simulate import nnls
-from pdserve.planner.simulate.calibration import BenchPoint, CalibrationProfile, fit_line
+from pdserve.planner.simulate.calibration import (
+    PREFILL_SUPPORTS,
+    BenchPoint,
+    CalibrationProfile,
+    fit_line,
+)
 from pdserve.planner.simulate.file_spec import FileSpec, pick_config, refuse_config
 from pdserve.planner.simulate.nnls import Point
 
@@ -98,7 +103,6 @@ STEP_FIELDS = ("[start_s, end_s, prefill_tokens, decode_tokens, num_requests, de
 # Supports (indices into (overhead, per x, per y)), preferred first on equal error (module
 # docstring "Decode fit" and "Prefill fit").
 DECODE_SUPPORTS = ((0, 1, 2), (0, 1), (0, 2), (1, 2), (0,), (1,))
-PREFILL_SUPPORTS = ((0, 1, 2), (0, 1), (1, 2), (1,))
 MIN_FIELDS = 5
 
 
