@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 CONFIGS = ("collocated", "collocated-chunked", "disagg")
+SIMULATED = (*CONFIGS, "disagg-local", "disagg-remote")  # what the simulator can lay out
 # bench compare flags of each workload (the trace; --duration is added)
 WORKLOADS: dict[str, tuple[str, ...]] = {
     "mixed": ("--workload", "mixed", "--rate", "1"),
@@ -58,10 +59,10 @@ class CheckSettings:
                              "workload must be another")
         if not self.held_out or not self.configs:
             raise ValueError("needs at least one held-out workload and one configuration")
-        unknown = [c for c in self.configs if c not in CONFIGS]
+        unknown = [c for c in self.configs if c not in SIMULATED]
         if unknown:
             raise ValueError(f"configurations {unknown} cannot be simulated; choose from "
-                             f"{', '.join(CONFIGS)}")
+                             f"{', '.join(SIMULATED)}")
         if not self.duration_s > 0:
             raise ValueError(f"duration must be positive, got {self.duration_s!r}")
 

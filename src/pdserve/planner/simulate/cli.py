@@ -50,6 +50,7 @@ from pdserve.planner.simulate.measured_compare import (
 )
 from pdserve.planner.simulate.measured_run import MeasuredRun, load_measured_run, read_trace_file
 from pdserve.planner.simulate.metrics import Slo, Summary, summarize, summary_to_dict
+from pdserve.planner.simulate.split_model import SplitRule
 from pdserve.planner.simulate.step_fit import DECODE_TIMES
 from pdserve.planner.simulate.trace import WORKLOADS, TraceRequest, generate_trace, make_workload
 
@@ -137,6 +138,13 @@ def _add_cluster_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layouts", default=None,
                    help="which layouts to run, comma-separated (default: disagg,colloc,chunked"
                         "; the measured one with --compare-measured)")
+    p.add_argument("--split", choices=list(SplitRule), default=None,
+                   help="how the disagg layout routes prompts, as pdserve's router: measured "
+                        "(its default: each prompt where its first token comes soonest, a "
+                        "local prefill paced beside the decode worker's streams to the TPOT "
+                        "target, --slo-tpot-ms), local (every prompt on its decode worker) or "
+                        "remote (every prompt on a prefill worker) (default: measured; a "
+                        "measured pdserve configuration's with --compare-measured)")
     p.add_argument("--link-gbps", type=float, default=100.0,
                    help="KV link per GPU in Gb/s (default: %(default)s)")
     p.add_argument("--max-batch", type=int, default=None,
@@ -249,12 +257,12 @@ def resolve(args: argparse.Namespace) -> Setup:
                 if args.compare_measured else None)
     layouts = _layouts(args.layouts)
     how = measured_layout(measured, layouts) if measured else None
-    cluster = _cluster(args, shape, hw, tp, kv_rank, how or _FLAGS_ONLY)
+    slo = _slo(args, measured)
+    cluster = _cluster(args, shape, hw, tp, kv_rank, how or _FLAGS_ONLY, slo.tpot_ms / 1e3)
     trace, label = _trace(args, measured)
     check_fits(trace, cluster)
     return Setup(shape, hw, tp, eff, profile, cluster, trace, label,
-                 (how.layout,) if how else layouts or tuple(Layout),
-                 _slo(args, measured), measured)
+                 (how.layout,) if how else layouts or tuple(Layout), slo, measured)
 
 
 def _slo(args: argparse.Namespace, measured: MeasuredRun | None) -> Slo:
@@ -292,7 +300,7 @@ def _first(*values: int | None) -> int | None:
 
 
 def _cluster(args: argparse.Namespace, shape: ModelShape, hw: Hardware, tp: int,
-             kv_rank: int, how: MeasuredLayout) -> Cluster:
+             kv_rank: int, how: MeasuredLayout, tpot_target_s: float) -> Cluster:
     capacity = args.kv_capacity_tokens
     if capacity is None and how.kv_cache_bytes is not None:
         capacity = how.kv_cache_bytes // kv_rank
@@ -310,7 +318,9 @@ def _cluster(args: argparse.Namespace, shape: ModelShape, hw: Hardware, tp: int,
                                              prefill + decode),
                    max_batch=_first(args.max_batch, how.max_batch, DEFAULT_MAX_DECODE_BATCH),
                    prefill_budget_tokens=args.prefill_budget,
-                   chunk_tokens=_first(args.chunk, how.chunk_tokens, DEFAULT_CHUNK_TOKENS))
+                   chunk_tokens=_first(args.chunk, how.chunk_tokens, DEFAULT_CHUNK_TOKENS),
+                   split=args.split or how.split or SplitRule.MEASURED,
+                   tpot_target_s=tpot_target_s)
 
 
 def _trace(args: argparse.Namespace, measured: MeasuredRun | None
@@ -348,7 +358,7 @@ def _layouts(text: str | None) -> tuple[Layout, ...] | None:
 
 def layout_label(layout: Layout, cluster: Cluster) -> str:
     if layout is Layout.DISAGG:
-        return f"disagg {cluster.prefill_workers}P+{cluster.decode_workers}D"
+        return f"disagg {cluster.prefill_workers}P+{cluster.decode_workers}D ({cluster.split})"
     if layout is Layout.COLLOC:
         return f"colloc {cluster.collocated_workers}"
     return f"chunked {cluster.collocated_workers} ({cluster.chunk_tokens})"
@@ -377,7 +387,8 @@ def to_json(setup: Setup, results: list[tuple[SimResult, Summary]]) -> dict[str,
         "prefill_budget_tokens": c.prefill_budget_tokens,
         "slo": {"ttft_ms": setup.slo.ttft_ms, "tpot_ms": setup.slo.tpot_ms},
         "results": [{"layout": str(r.layout), "label": layout_label(r.layout, c),
-                     "busy": r.busy, **summary_to_dict(s)} for r, s in results],
+                     "busy": r.busy, "local_prefills": r.local_prefills,
+                     **summary_to_dict(s)} for r, s in results],
     }
 
 

@@ -9,10 +9,14 @@ Layouts:
 - chunked: the same workers with chunked prefill of at most `chunk_tokens` prompt tokens per step.
 Worker rules are in pools.py, step costs in calibration.py.
 
-Routing (ours): an arriving prompt goes to the prefill worker with the fewest queued and running
-prompt tokens; a prefilled request to the decode worker with the fewest assigned requests
-(queued, in transfer or running); a collocated request to the worker with the fewest assigned
-requests; ties go to the lowest index.
+Routing (ours): with `Cluster.split` remote (the default), an arriving prompt goes to the
+prefill worker with the fewest queued and running prompt tokens, and once prefilled to the
+decode worker with the fewest assigned requests (queued, in transfer or running). With split
+local or measured, as the router does: the decode worker with the fewest open requests is
+chosen at arrival, and the prompt is prefilled there (in chunks paced to
+`Cluster.tpot_target_s` beside its streams, paced_decode.py) or on a prefill worker, whose KV
+then travels to it (split_model.py has the rule). A collocated request goes to the worker with
+the fewest assigned requests; ties go to the lowest index.
 
 The loop pops events in (time, kind, sequence) order: step ends, then KV arrivals, then request
 arrivals at equal times; idle workers start their next step only after every event of that
@@ -25,6 +29,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -34,12 +39,20 @@ from pdserve.planner.kv_math import check_link, kv_bytes, transfer_seconds
 from pdserve.planner.plan import DEFAULT_MAX_DECODE_BATCH, PREFILL_BATCH_TOKENS
 from pdserve.planner.simulate.calibration import StepCosts
 from pdserve.planner.simulate.metrics import ItlSamples, RequestRecord
+from pdserve.planner.simulate.paced_decode import PacedDecodeWorker
 from pdserve.planner.simulate.pools import (
     CollocatedWorker,
     DecodeBatch,
     DecodeWorker,
     PrefillWorker,
     Worker,
+)
+from pdserve.planner.simulate.split_model import (
+    DEFAULT_TPOT_TARGET_S,
+    Route,
+    SplitRule,
+    prefill_rate,
+    route,
 )
 from pdserve.planner.simulate.trace import TraceRequest
 
@@ -59,9 +72,25 @@ def _check_count(field: str, value: object) -> None:
         raise ValueError(f"{field} must be a positive integer, got {value!r}")
 
 
+def _split_rule(value: object) -> SplitRule:
+    try:
+        return SplitRule(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"split must be one of {', '.join(SplitRule)}, got {value!r}") from None
+
+
+def _check_target(value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float) or \
+            not 0 < value < math.inf:
+        raise ValueError(f"tpot_target_s (--slo-tpot-ms) must be a positive number of seconds, "
+                         f"got {value!r}")
+
+
 @dataclass(frozen=True)
 class Cluster:
-    """Worker counts and per-worker limits; KV sizes in tokens and bytes per GPU."""
+    """Worker counts and per-worker limits; KV sizes in tokens and bytes per GPU; how a split
+    layout routes its prompts (`split`, split_model.py) and the TPOT target its decode workers
+    pace local prefills to (the router's `--slo-tpot-ms`)."""
 
     kv_capacity_tokens: int  # KV one worker holds (per GPU of its TP group, in tokens)
     kv_bytes_per_token_rank: int  # KV bytes per token per GPU (what one rank ships)
@@ -72,6 +101,8 @@ class Cluster:
     max_batch: int = DEFAULT_MAX_DECODE_BATCH
     prefill_budget_tokens: int = PREFILL_BATCH_TOKENS
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS
+    split: SplitRule = SplitRule.REMOTE
+    tpot_target_s: float = DEFAULT_TPOT_TARGET_S
 
     def __post_init__(self) -> None:
         for name, flag in (("kv_capacity_tokens", "--kv-capacity-tokens"),
@@ -82,6 +113,8 @@ class Cluster:
                            ("chunk_tokens", "--chunk")):
             _check_count(f"{name} ({flag})", getattr(self, name))
         check_link(self.link_gbps)
+        object.__setattr__(self, "split", _split_rule(self.split))
+        _check_target(self.tpot_target_s)
 
     def transfer_seconds(self, prompt_tokens: int) -> float:
         return transfer_seconds(kv_bytes(self.kv_bytes_per_token_rank, prompt_tokens),
@@ -90,12 +123,14 @@ class Cluster:
 
 @dataclass
 class SimResult:
-    """Finished records (trace order), ITL samples and each pool's busy fraction."""
+    """Finished records (trace order), ITL samples, each pool's busy fraction and how many
+    requests a split layout prefilled on their decode worker (the router's local path)."""
 
     layout: Layout
     records: list[RequestRecord]
     itl: ItlSamples
     busy: dict[str, float] = field(default_factory=dict)
+    local_prefills: int = 0
 
 
 def check_fits(trace: Sequence[TraceRequest], cluster: Cluster) -> None:
@@ -111,11 +146,18 @@ def check_fits(trace: Sequence[TraceRequest], cluster: Cluster) -> None:
 
 
 class _Loop:
-    """One run: workers, their routing loads, the event heap."""
+    """One run: workers, their routing loads, the event heap.
+
+    Invariants: loads["prefill"][i] is the prompt tokens routed to prefill worker i and not yet
+    prefilled (Q_p); loads["decode"][j] the requests open on decode worker j (split ones from
+    their arrival unless `split` is remote, from their prefill's end then); `bound` maps a split
+    request routed at arrival to its decode worker until its prefill ends."""
 
     def __init__(self, layout: Layout, cluster: Cluster, costs: StepCosts,
                  trace_tokens: bool) -> None:
-        self.layout, self.cluster = layout, cluster
+        self.layout, self.cluster, self.costs = layout, cluster, costs
+        self.bound: dict[int, int] = {}
+        self.local_prefills = 0
         self.itl = ItlSamples()
         self.events: list[tuple[float, int, int, Any]] = []
         self.seq = itertools.count()
@@ -124,8 +166,7 @@ class _Loop:
         if layout is Layout.DISAGG:
             self.prefill = [PrefillWorker(i, costs, c.prefill_budget_tokens)
                             for i in range(c.prefill_workers)]
-            self.decode = [DecodeWorker(i, costs, c.kv_capacity_tokens, c.max_batch,
-                                        DecodeBatch(self.itl, trace_tokens))
+            self.decode = [self._decode_worker(i, trace_tokens)
                            for i in range(c.decode_workers)]
             self.colloc: list[CollocatedWorker] = []
         else:
@@ -135,8 +176,17 @@ class _Loop:
                                             c.prefill_budget_tokens, chunk,
                                             DecodeBatch(self.itl, trace_tokens))
                            for i in range(c.collocated_workers)]
+        self.paced = [w for w in self.decode if isinstance(w, PacedDecodeWorker)]
         self.loads = {"prefill": [0] * len(self.prefill), "decode": [0] * len(self.decode),
                       "colloc": [0] * len(self.colloc)}
+
+    def _decode_worker(self, index: int, trace_tokens: bool) -> DecodeWorker:
+        """A decode worker; one that also prefills unless every prompt is split."""
+        c, batch = self.cluster, DecodeBatch(self.itl, trace_tokens)
+        if c.split is SplitRule.REMOTE:
+            return DecodeWorker(index, self.costs, c.kv_capacity_tokens, c.max_batch, batch)
+        return PacedDecodeWorker(index, self.costs, c.kv_capacity_tokens, c.max_batch, batch,
+                                 c.prefill_budget_tokens, c.tpot_target_s)
 
     def push(self, time: float, kind: int, payload: Any) -> None:
         heapq.heappush(self.events, (time, kind, next(self.seq), payload))
@@ -160,16 +210,42 @@ class _Loop:
         return min(range(len(loads)), key=loads.__getitem__)
 
     def arrive(self, record: RequestRecord, now: float) -> None:
-        if self.layout is Layout.DISAGG:
-            i = self._least("prefill")
-            self.loads["prefill"][i] += record.prompt_tokens
-            self.prefill[i].queue.append(record)
-            self.wake(self.prefill[i])
-        else:
+        if self.layout is not Layout.DISAGG:
             i = self._least("colloc")
             self.loads["colloc"][i] += 1
             self.colloc[i].waiting.append(record)
             self.wake(self.colloc[i])
+        elif self.cluster.split is SplitRule.REMOTE:
+            self.to_prefill(record, self._least("prefill"))
+        else:
+            self.route(record)
+
+    def to_prefill(self, record: RequestRecord, i: int) -> None:
+        self.loads["prefill"][i] += record.prompt_tokens
+        self.prefill[i].queue.append(record)
+        self.wake(self.prefill[i])
+
+    def route(self, record: RequestRecord) -> None:
+        """The router's path (split_model.py): the decode worker first, then where to prefill."""
+        j = self._least("decode")
+        self.loads["decode"][j] += 1
+        path = self._decide(record, j)
+        if path is None or path.local:
+            self.local_prefills += 1
+            self.paced[j].add_local(record)
+            self.wake(self.paced[j])
+        else:
+            self.bound[record.index] = j
+            self.to_prefill(record, path.prefill_index)
+
+    def _decide(self, record: RequestRecord, j: int) -> Route | None:
+        """The measured rule's decision for `record` on decode worker j; None: split local."""
+        if self.cluster.split is SplitRule.LOCAL:
+            return None
+        tokens, worker = record.prompt_tokens, self.paced[j]
+        return route(tokens, worker.backlog_tokens, worker.local_rate(tokens),
+                     self.loads["prefill"], prefill_rate(self.costs, tokens),
+                     self.cluster.transfer_seconds(tokens))
 
     def step_end(self, worker: Worker, now: float) -> None:
         worker.busy = False
@@ -177,15 +253,21 @@ class _Loop:
         if isinstance(worker, PrefillWorker):
             for record in prefilled:
                 self.loads["prefill"][worker.index] -= record.prompt_tokens
+                j = self.bound.pop(record.index, None)
                 if record.output_tokens > 1:
-                    self.send_to_decode(record, now)
+                    self.send_to_decode(record, now, j)
+                elif j is not None:
+                    self.loads["decode"][j] -= 1  # token 0 ended it: its decode leg closes
         else:
             self.loads[worker.role][worker.index] -= len(finished)
         self.wake(worker)
 
-    def send_to_decode(self, record: RequestRecord, now: float) -> None:
-        j = self._least("decode")
-        self.loads["decode"][j] += 1
+    def send_to_decode(self, record: RequestRecord, now: float, j: int | None) -> None:
+        """The KV of a prefilled request travels to decode worker j (None: the least loaded
+        now, counted from now)."""
+        if j is None:
+            j = self._least("decode")
+            self.loads["decode"][j] += 1
         self.push(now + self.cluster.transfer_seconds(record.prompt_tokens), _KV_READY,
                   (record, j))
 
@@ -212,6 +294,14 @@ class _Loop:
                 self.to_wake.clear()
         return now
 
+    def leftovers(self) -> list[str]:
+        """What a finished run still holds: nothing, unless the model lost track of work."""
+        left = [f"{role} worker {i}: load {n}" for role, loads in self.loads.items()
+                for i, n in enumerate(loads) if n]
+        left += [f"{w.role} worker {w.index}: {w.kv.used} KV tokens"
+                 for w in (*self.decode, *self.colloc) if w.kv.used]
+        return left + [f"request {i} bound to decode worker {j}" for i, j in self.bound.items()]
+
     def busy_fractions(self, span: float) -> dict[str, float]:
         pools = {"prefill": self.prefill, "decode": self.decode, "colloc": self.colloc}
         return {role: sum(w.busy_s for w in workers) / (len(workers) * span)
@@ -228,5 +318,7 @@ def simulate(layout: Layout | str, cluster: Cluster, costs: StepCosts,
                for i, r in enumerate(trace)]
     loop = _Loop(layout, cluster, costs, trace_tokens)
     end = loop.run(records)
+    if left := loop.leftovers():
+        raise RuntimeError(f"the simulation ended holding work: {'; '.join(left)}")
     span = end - min(r.arrival_s for r in records)
-    return SimResult(layout, records, loop.itl, loop.busy_fractions(span))
+    return SimResult(layout, records, loop.itl, loop.busy_fractions(span), loop.local_prefills)

@@ -3,7 +3,10 @@
 The simulated layout must be the measured configuration's. `pdserve bench compare` names its
 configurations (bench/compare.py CONFIGS) and starts each with pdserve's engine defaults, so a
 known name fixes the layout and the per-worker limits (`PDSERVE_CONFIGS`):
-  disagg -> disagg, 1 prefill + 1 decode worker; collocated -> colloc, 1 worker;
+  disagg -> disagg, 1 prefill + 1 decode worker, prompts routed by the router's measured
+  costs (split_model.py: measured); disagg-local and disagg-remote -> the same workers with
+  every prompt prefilled on the decode worker (local) or on the prefill worker (remote), as
+  their `--local-prefill-threshold` does; collocated -> colloc, 1 worker;
   collocated-chunked -> chunked, 1 worker;
   each with max batch 64 (EngineConfig.max_num_seqs, `pdserve up --max-num-seqs`), chunks of
   512 tokens (engine.py DEFAULT_CHUNK_TOKENS) and KV of 512 MiB per worker (`pdserve up
@@ -25,6 +28,7 @@ from typing import Any
 
 from pdserve.planner.simulate.events import Layout
 from pdserve.planner.simulate.measured_run import METRICS, MeasuredRun
+from pdserve.planner.simulate.split_model import SplitRule
 
 PDSERVE_MAX_NUM_SEQS = 64
 PDSERVE_CHUNK_TOKENS = 512
@@ -44,16 +48,22 @@ class MeasuredLayout:
     max_batch: int | None = None
     chunk_tokens: int | None = None
     kv_cache_bytes: int | None = None
+    split: SplitRule | None = None  # a split layout's routing rule (split_model.py)
 
 
-def _pdserve(layout: Layout, **workers: int) -> MeasuredLayout:
-    return MeasuredLayout(layout, **workers, max_batch=PDSERVE_MAX_NUM_SEQS,
+def _pdserve(layout: Layout, split: SplitRule | None = None, **workers: int) -> MeasuredLayout:
+    return MeasuredLayout(layout, **workers, split=split, max_batch=PDSERVE_MAX_NUM_SEQS,
                           chunk_tokens=PDSERVE_CHUNK_TOKENS,
                           kv_cache_bytes=PDSERVE_KV_CACHE_BYTES)
 
 
 PDSERVE_CONFIGS: dict[str, MeasuredLayout] = {
-    "disagg": _pdserve(Layout.DISAGG, prefill_workers=1, decode_workers=1),
+    "disagg": _pdserve(Layout.DISAGG, prefill_workers=1, decode_workers=1,
+                       split=SplitRule.MEASURED),
+    "disagg-local": _pdserve(Layout.DISAGG, prefill_workers=1, decode_workers=1,
+                             split=SplitRule.LOCAL),
+    "disagg-remote": _pdserve(Layout.DISAGG, prefill_workers=1, decode_workers=1,
+                              split=SplitRule.REMOTE),
     "collocated": _pdserve(Layout.COLLOC, collocated_workers=1),
     "collocated-chunked": _pdserve(Layout.CHUNKED, collocated_workers=1),
 }

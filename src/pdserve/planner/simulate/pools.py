@@ -13,11 +13,13 @@ Scheduling rules (ours, after vLLM's scheduler; documented assumptions of the mo
   memory is not modelled (a prompt's KV leaves when the step ends).
 - decode worker: continuous batching; every step gives each running request one token. A request
   producing token k (k >= 1) attends over prompt + k tokens.
-- collocated worker without chunking: prefill first, as vLLM without chunked prefill: when a
-  waiting prompt can be admitted the step is a prefill-only step (prompts under the budget), and
-  every running decode stalls for it; otherwise a decode step.
-- collocated worker with chunked prefill: every step runs all running decodes plus at most
-  `chunk` prompt tokens: partially prefilled prompts first (FIFO), then newly admitted ones.
+- collocated worker, as pdserve's engine schedules (engine/scheduler.py): every step runs all
+  running decodes first, then prompt tokens within the step's token budget less those decode
+  tokens (one mixed step: a prompt's tokens and the streams' next tokens come out together).
+  Without chunking the budget is `budget_tokens` and prompts are admitted whole while the next
+  one fits what is left (the first of a step with no decodes always goes); with chunked
+  prefill the budget is `chunk` (pdserve's max_num_batched_tokens, decode tokens included):
+  partially prefilled prompts first (FIFO), then newly admitted ones, cut to what is left.
 """
 
 from __future__ import annotations
@@ -186,7 +188,8 @@ class DecodeWorker(Worker):
 
 
 class CollocatedWorker(Worker):
-    """Prefill and decode on one worker; `chunk` None: prefill-first, else chunked prefill."""
+    """Prefill and decode on one worker, in mixed steps; `chunk` None: whole prompts, else
+    chunked prefill (module docstring)."""
 
     role = "colloc"
 
@@ -212,10 +215,11 @@ class CollocatedWorker(Worker):
         self.prefilling.append(record)
         return record
 
-    def _plan_whole(self) -> list[tuple[RequestRecord, int]]:
+    def _plan_whole(self, budget: int) -> list[tuple[RequestRecord, int]]:
         plan: list[tuple[RequestRecord, int]] = []
         tokens = 0
-        while self.waiting and (not plan or tokens + self.waiting[0].prompt_tokens <= self.budget):
+        while self.waiting and ((not plan and not self.batch.size)
+                                or tokens + self.waiting[0].prompt_tokens <= budget):
             record = self._admit()
             if record is None:
                 break
@@ -243,12 +247,11 @@ class CollocatedWorker(Worker):
             if not self.step_decodes:
                 return None
             return self.costs.step_seconds((), self.step_decodes, self.batch.context_sum)
+        self.step_decodes = self.batch.size
         if self.chunk is None:
-            self.step_chunks = self._plan_whole()
-            self.step_decodes = 0 if self.step_chunks else self.batch.size
+            self.step_chunks = self._plan_whole(self.budget - self.step_decodes)
         else:
-            self.step_chunks = self._plan_chunked(self.chunk)
-            self.step_decodes = self.batch.size
+            self.step_chunks = self._plan_chunked(max(0, self.chunk - self.step_decodes))
         if not self.step_chunks and not self.step_decodes:
             return None
         chunks = [Chunk(r.prefilled, n, r.prefilled + n == r.prompt_tokens)

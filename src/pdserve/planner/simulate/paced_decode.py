@@ -1,0 +1,150 @@
+"""A split layout's decode worker that also prefills the prompts the router keeps local, in
+paced chunks beside its streams (split_model.py has the chunk rule; the engine's scheduler
+and workers/prefill_budget.py are what it models).
+
+Each step: KV-arrived split requests join the batch first (as `DecodeWorker`), then local
+prompts are admitted FIFO (prompt + output tokens of KV reserved, the batch and prompts being
+prefilled together at most `max_batch`) as the step's prompt tokens reach them. With streams
+decoding, the step computes at most the paced chunk C of prompt tokens (FIFO over the prompts,
+a started one first); with none, whole prompts under the token budget (the first always).
+Token 0 of a prompt comes at the end of the step that computed its last token; the request
+then joins this worker's batch (its KV is here: no transfer).
+
+Invariants: `backlog_tokens` is the summed prompt tokens of local prompts before their token 0
+(Q_d); `prefilling` holds admitted prompts in admission order, only its head partly computed.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from pdserve.planner.simulate.calibration import Chunk, StepCosts
+from pdserve.planner.simulate.metrics import RequestRecord
+from pdserve.planner.simulate.pools import DecodeBatch, DecodeWorker, first_token
+from pdserve.planner.simulate.split_model import local_rate, paced_tokens
+
+Planned = list[tuple[RequestRecord, int]]  # (prompt, its tokens computed this step)
+
+
+class PacedDecodeWorker(DecodeWorker):
+    """Decode with continuous batching plus local prefills paced to `tpot_target_s`."""
+
+    def __init__(self, index: int, costs: StepCosts, kv_capacity: int, max_batch: int,
+                 batch: DecodeBatch, budget_tokens: int, tpot_target_s: float) -> None:
+        super().__init__(index, costs, kv_capacity, max_batch, batch)
+        self.budget, self.tpot_target_s = budget_tokens, tpot_target_s
+        self.waiting: deque[RequestRecord] = deque()  # local prompts not admitted
+        self.prefilling: deque[RequestRecord] = deque()  # admitted, prompt not done
+        self.backlog_tokens = 0
+        self.step_chunks: Planned = []
+        self.step_decodes = 0
+
+    def add_local(self, record: RequestRecord) -> None:
+        self.waiting.append(record)
+        self.backlog_tokens += record.prompt_tokens
+
+    def local_rate(self, tokens: int) -> float:
+        """R_d for a prompt of `tokens` arriving now (split_model.local_rate)."""
+        return local_rate(self.costs, tokens, self.batch.size, self.batch.context_sum,
+                          self.tpot_target_s)
+
+    def start_step(self, now: float) -> float | None:
+        self._admit_arrived()
+        ready = self._ready()
+        decodes = self.step_decodes = self.batch.size
+        if not ready:
+            self.step_chunks = []
+            return self.costs.step_seconds((), decodes, self.batch.context_sum) \
+                if decodes else None
+        self.step_chunks = self._paced(ready, decodes) if decodes else self._whole(ready)
+        for record, _ in self.step_chunks[len(self.prefilling):]:
+            self._admit_local(record)
+        return self.costs.step_seconds(_chunks(self.step_chunks), decodes,
+                                       self.batch.context_sum if decodes else 0)
+
+    def finish_step(self, now: float) -> tuple[list[RequestRecord], list[RequestRecord]]:
+        finished = self.batch.complete_step(now) if self.step_decodes else []
+        for record in finished:
+            self.kv.release(record)
+        prefilled = self._advance()
+        for record in prefilled:
+            first_token(record, now)
+            if record.output_tokens == 1:
+                record.finish_s = now
+                self.kv.release(record)
+                finished.append(record)
+            else:
+                self.batch.join(record)
+        return prefilled, finished
+
+    def _admit_arrived(self) -> None:
+        """KV-arrived split requests join the batch, FIFO, while batch and KV allow."""
+        queue, batch = self.queue, self.batch
+        while queue and batch.size + len(self.prefilling) < self.max_batch and \
+                self.kv.fits(queue[0]):
+            self.kv.take(queue[0])
+            batch.join(queue.popleft())
+
+    def _ready(self) -> list[RequestRecord]:
+        """Prompts this step may compute: those admitted, then the waiting ones that would be
+        admitted in turn (nothing is reserved here)."""
+        ready = list(self.prefilling)
+        room = self.max_batch - self.batch.size - len(ready)
+        free = self.kv.capacity - self.kv.used
+        for record in self.waiting:
+            need = record.prompt_tokens + record.output_tokens
+            if room <= 0 or need > free:
+                break
+            ready.append(record)
+            room, free = room - 1, free - need
+        return ready
+
+    def _admit_local(self, record: RequestRecord) -> None:
+        if self.waiting.popleft() is not record:
+            raise RuntimeError("local prompts must be admitted in arrival order")
+        self.kv.take(record)
+        self.prefilling.append(record)
+
+    def _paced(self, ready: list[RequestRecord], decodes: int) -> Planned:
+        most = min(self.budget, sum(r.prompt_tokens - r.prefilled for r in ready))
+        n = paced_tokens(self.costs, lambda k: _chunks(_take(ready, k)), most, decodes,
+                         self.batch.context_sum, self.tpot_target_s)
+        return _take(ready, n)
+
+    def _whole(self, ready: list[RequestRecord]) -> Planned:
+        plan: Planned = []
+        tokens = 0
+        for record in ready:
+            left = record.prompt_tokens - record.prefilled
+            if plan and tokens + left > self.budget:
+                break
+            plan.append((record, left))
+            tokens += left
+        return plan
+
+    def _advance(self) -> list[RequestRecord]:
+        """Apply the step's chunks; the prompts they completed (a prefix of `prefilling`)."""
+        done = []
+        for record, tokens in self.step_chunks:
+            record.prefilled += tokens
+            if record.prefilled == record.prompt_tokens:
+                done.append(self.prefilling.popleft())
+                self.backlog_tokens -= record.prompt_tokens
+        self.step_chunks = []
+        return done
+
+
+def _take(ready: list[RequestRecord], tokens: int) -> Planned:
+    """`tokens` prompt tokens over `ready`, FIFO, each prompt up to what it has left."""
+    plan: Planned = []
+    for record in ready:
+        if tokens <= 0:
+            break
+        n = min(tokens, record.prompt_tokens - record.prefilled)
+        plan.append((record, n))
+        tokens -= n
+    return plan
+
+
+def _chunks(plan: Planned) -> list[Chunk]:
+    return [Chunk(r.prefilled, n, r.prefilled + n == r.prompt_tokens) for r, n in plan]

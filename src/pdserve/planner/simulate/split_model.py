@@ -1,0 +1,120 @@
+"""Where a split layout prefills each prompt, and how fast a decode worker prefills beside its
+streams: the router's conditional disaggregation (router/split_decision.py, router/dispatch.py,
+router/path_choice.py) and a decode worker's paced prefill chunk (workers/prefill_budget.py),
+restated in the simulator's terms (the planner imports no serving code).
+
+Rules (`SplitRule`, after the router's `--local-prefill-threshold`):
+- remote (threshold 0): every prompt goes to a prefill worker and its KV to a decode worker
+  chosen when its prefill ends (the simulator's original model).
+- local (threshold 2**31 - 1): every prompt is prefilled on its decode worker.
+- measured (no threshold: `pdserve up`'s default): per arriving request, with d the decode
+  worker with the fewest open requests (the router's least-loaded policy over its legs in
+  flight: local prompts not yet prefilled, split ones from arrival on, running streams; ties to
+  the lowest index) and U its prompt tokens (no prefix cache here):
+
+      t_remote = min over prefill workers p of (Q_p + U) / R_p  +  T_link(U)
+      t_local  = (Q_d + U) / R_d
+      local   <=>  t_local <= t_remote  (ties: the prefill worker of lowest index)
+
+  Q_w: prompt tokens sent to w whose prefill has not ended (whole prompts, as the router's
+  `PrefillBacklog` counts them); R_p = U / step(U alone), the rate a prefill step of this size
+  runs at; T_link: the Cluster's transfer time of U tokens' KV; R_d: with streams decoding on d,
+  C / step(C beside them), C the paced chunk below (the rate a prompt progresses at there, as a
+  worker's steps that also decoded report it), else R_p (no stream: no cap).
+  The decision's TPOT-stall test never fires: `pdserve up` gives a split layout's decode
+  workers `--slo-tpot-ms` = the router's target, so they pace and their stall needs no check.
+
+Pacing (a decode worker's local prompts, FIFO, beside its streams):
+
+      C = max(block, floor((tpot - s) x R))
+
+s = step(decodes alone) at the current batch and context; R = C / (step(C beside them) - s),
+the marginal rate of the worker's own paced steps (it measures R over them), so the steady C
+is the largest with step(C beside the batch) <= tpot: found by bisection, since a step never
+gets faster with more prompt tokens. At least one block (`BLOCK_TOKENS`) per step, so a prompt
+always progresses; at most the prompt tokens ready; with no stream decoding, no cap.
+
+Not modelled: the router's fixed fallback before any rate is measured (`pdserve bench compare`
+warms every cluster up first), measurement windows (rates here are the cost model's at the
+decision), the KV-usage term of the least-loaded policy, prefix caching.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+
+from pdserve.planner.simulate.calibration import Chunk, StepCosts
+
+DEFAULT_TPOT_TARGET_S = 0.1  # `pdserve up --slo-tpot-ms` default (100 ms)
+BLOCK_TOKENS = 16  # the engine's KV block: a paced step's smallest prompt chunk
+FIT_SLACK = 1e-9  # relative: a step equal to the target up to float rounding fits
+
+ChunkPlan = Callable[[int], Sequence[Chunk]]  # n prompt tokens -> the chunks that compute them
+
+
+class SplitRule(StrEnum):
+    REMOTE = "remote"
+    LOCAL = "local"
+    MEASURED = "measured"
+
+
+@dataclass(frozen=True)
+class Route:
+    """One measured-rule decision: the two estimates and the prefill worker of t_remote."""
+
+    local: bool
+    t_local_s: float
+    t_remote_s: float
+    prefill_index: int
+
+
+def paced_tokens(costs: StepCosts, plan: ChunkPlan, most: int, decodes: int,
+                 context_sum: int, tpot_target_s: float) -> int:
+    """C for a step of `decodes` streams (summed context `context_sum`) whose prompt tokens
+    `plan` lays out: the largest n in [min(BLOCK_TOKENS, most), most] whose step fits the
+    target, else that lower bound. `most` >= 1."""
+    def fits(n: int) -> bool:
+        seconds = costs.step_seconds(plan(n), decodes, context_sum)
+        return seconds <= tpot_target_s * (1 + FIT_SLACK)
+
+    low = min(BLOCK_TOKENS, most)
+    if fits(most):
+        return most
+    if not fits(low):
+        return low
+    fit, over = low, most  # invariant: fits(fit) and not fits(over)
+    while over - fit > 1:
+        mid = (fit + over) // 2
+        fit, over = (mid, over) if fits(mid) else (fit, mid)
+    return fit
+
+
+def prefill_rate(costs: StepCosts, tokens: int) -> float:
+    """R_p: tokens/s of a prefill step of one whole prompt of `tokens`."""
+    return tokens / costs.step_seconds([Chunk(0, tokens, True)], 0, 0)
+
+
+def local_rate(costs: StepCosts, tokens: int, decodes: int, context_sum: int,
+               tpot_target_s: float) -> float:
+    """R_d: tokens/s a prompt of `tokens` progresses at on a decode worker running `decodes`
+    streams; with none, a whole-prompt step's rate."""
+    if not decodes:
+        return prefill_rate(costs, tokens)
+
+    def plan(n: int) -> list[Chunk]:
+        return [Chunk(0, n, n == tokens)]
+
+    n = paced_tokens(costs, plan, tokens, decodes, context_sum, tpot_target_s)
+    return n / costs.step_seconds(plan(n), decodes, context_sum)
+
+
+def route(uncached: int, decode_backlog: int, decode_rate: float,
+          prefill_backlogs: Sequence[int], remote_rate: float, link_s: float) -> Route:
+    """The measured rule (module docstring) for `uncached` tokens; `prefill_backlogs` non-empty,
+    every prefill worker running at `remote_rate` (one cost model for them all)."""
+    each = [(q + uncached) / remote_rate + link_s for q in prefill_backlogs]
+    t_remote, best = min((t, i) for i, t in enumerate(each))
+    t_local = (decode_backlog + uncached) / decode_rate
+    return Route(t_local <= t_remote, t_local, t_remote, best)

@@ -1,0 +1,194 @@
+"""A split layout's routing in the simulator: the router's measured-cost choice between a
+remote and a local prefill, and a decode worker's paced local prefills beside its streams."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import pytest
+
+from pdserve.planner.simulate.calibration import Chunk
+from pdserve.planner.simulate.events import Cluster, SimResult, simulate
+from pdserve.planner.simulate.metrics import RequestRecord
+from pdserve.planner.simulate.split_model import (
+    DEFAULT_TPOT_TARGET_S,
+    SplitRule,
+    paced_tokens,
+    route,
+)
+from pdserve.planner.simulate.trace import TraceRequest
+from tests.planner.simulate.test_events import COSTS, HOL_TRACE
+
+DECODE_S = 2**-6  # a step that decodes: 15.625 ms whatever the batch
+TOKEN_S = 2**-13  # a prompt token: 8192 tokens/s
+TPOT = 2**-4  # 62.5 ms: beside streams, C = (TPOT - DECODE_S) / TOKEN_S = 384 tokens a step
+KV_BYTES = 2**10  # per token: 8192 tokens take 0.67 ms on 100 Gb/s
+
+
+@dataclass(frozen=True)
+class Linear:
+    """Step costs in powers of two, so the expected times below are exact."""
+
+    context_s: float = 0.0  # per context token of the decodes
+
+    def step_seconds(self, chunks: Sequence[Chunk], decodes: int, context_sum: int) -> float:
+        return ((DECODE_S if decodes else 0.0) + self.context_s * context_sum
+                + TOKEN_S * sum(c.tokens for c in chunks))
+
+
+def cluster(split: str, **kw: object) -> Cluster:
+    base = {"kv_capacity_tokens": 1_000_000, "kv_bytes_per_token_rank": KV_BYTES,
+            "link_gbps": 100.0, "split": split, "tpot_target_s": TPOT}
+    return Cluster(**(base | kw))  # type: ignore[arg-type]
+
+
+def run(split: str, trace: list[TraceRequest], **kw: object) -> SimResult:
+    return simulate("disagg", cluster(split, **kw), Linear(), trace, trace_tokens=True)
+
+
+def gaps(record: RequestRecord) -> list[float]:
+    return [b - a for a, b in itertools.pairwise(record.token_times or [])]
+
+
+def step_end_after(first_token_s: float, t: float) -> float:
+    """The end of the decode step in progress at `t` of a lone stream whose token 0 came at
+    `first_token_s` (steps of DECODE_S back to back)."""
+    k = -((first_token_s - t) // DECODE_S)
+    return first_token_s + k * DECODE_S
+
+
+# ---- the rule ------------------------------------------------------------------------------------
+
+
+def test_the_paced_chunk_is_the_most_prompt_tokens_a_step_within_the_target_holds():
+    def plan(n: int) -> list[Chunk]:
+        return [Chunk(0, n, False)]
+
+    assert paced_tokens(Linear(), plan, 8192, 3, 0, TPOT) == 384
+    assert paced_tokens(Linear(), plan, 100, 3, 0, TPOT) == 100  # all the prompt has left
+    assert paced_tokens(Linear(), plan, 8192, 3, 0, DECODE_S / 2) == 16  # one block at least
+    assert paced_tokens(Linear(), plan, 10, 3, 0, DECODE_S / 2) == 10
+
+
+def test_route_compares_queue_plus_service_times_and_picks_the_soonest_prefill_worker():
+    r = route(1000, 0, 1000.0, [3000, 500, 500], 2000.0, 0.25)
+    assert (r.t_remote_s, r.prefill_index, r.t_local_s, r.local) == (1.0, 1, 1.0, True)
+    r = route(1000, 1, 1000.0, [3000, 500, 500], 2000.0, 0.25)
+    assert r.local is False and r.t_local_s == 1.001
+
+
+def test_the_defaults_are_the_original_model_and_pdserve_ups_target():
+    c = Cluster(kv_capacity_tokens=10, kv_bytes_per_token_rank=1, link_gbps=1.0)
+    assert c.split is SplitRule.REMOTE and c.tpot_target_s == DEFAULT_TPOT_TARGET_S == 0.1
+    assert cluster("measured").split is SplitRule.MEASURED
+
+
+# ---- local and remote prefills -------------------------------------------------------------------
+
+
+def test_an_idle_cluster_keeps_a_prompt_local_and_saves_the_transfer():
+    trace = [TraceRequest(0.0, 1000, 4)]
+    local = run("measured", trace)
+    r = local.records[0]
+    assert local.local_prefills == 1 and local.busy["prefill"] == 0.0
+    assert r.ttft_s == 1000 * TOKEN_S and gaps(r) == [DECODE_S] * 3
+    remote = run("remote", trace)
+    transfer = cluster("remote").transfer_seconds(1000)
+    assert remote.local_prefills == 0 and remote.records[0].ttft_s == 1000 * TOKEN_S
+    assert gaps(remote.records[0]) == pytest.approx([transfer + DECODE_S] + [DECODE_S] * 2,
+                                                    rel=1e-12)
+
+
+def test_a_stream_sends_a_long_prompt_remote_and_a_loaded_prefill_worker_the_next_local():
+    # A streams on the decode worker; at 0.5 s B and C (8192 tokens each) arrive together.
+    # B: locally 8192 / 6144 tok/s (paced) = 1.33 s, remotely 1 s + 0.67 ms: remote.
+    # C: behind B remotely 2 s + 0.67 ms, locally 1.33 s: local, 384 tokens a step beside A.
+    trace = [TraceRequest(0.0, 100, 400), TraceRequest(0.5, 8192, 2),
+             TraceRequest(0.5, 8192, 2)]
+    result = run("measured", trace)
+    a, b, c = result.records
+    assert result.local_prefills == 2  # A (idle cluster) and C
+    assert a.ttft_s == 100 * TOKEN_S and b.ttft_s == 1.0
+    start = step_end_after(a.first_token_s, 0.5)  # C's first chunk starts there
+    assert c.first_token_s == start + 21 * TPOT + (DECODE_S + 128 * TOKEN_S)  # 21 x 384 + 128
+    chunked = [g for g in gaps(a) if g > DECODE_S]
+    assert chunked == [TPOT] * 21 + [DECODE_S + 128 * TOKEN_S]  # every step within the target
+    assert all(r.finish_s is not None for r in result.records)
+
+
+def test_the_local_rule_paces_a_long_prompt_to_the_target_beside_a_stream():
+    a_remote, b_remote = simulate("disagg", Cluster(**_roofline("remote")), COSTS, HOL_TRACE,
+                                  trace_tokens=True).records
+    a_local, b_local = simulate("disagg", Cluster(**_roofline("local")), COSTS, HOL_TRACE,
+                                trace_tokens=True).records
+    steady = gaps(a_local)[1:]
+    decode_only = min(steady)
+    assert max(steady) <= 0.05 * (1 + 1e-9)  # A's steps while B prefills: within the target
+    assert sum(g > 2 * decode_only for g in steady) >= 3  # B went in chunks beside A
+    assert b_local.ttft_s > b_remote.ttft_s  # B progresses slower, paced
+    assert max(gaps(a_remote)[1:]) < 2 * decode_only  # remote: A never waits for B
+
+
+def _roofline(split: str) -> dict[str, object]:
+    return {"kv_capacity_tokens": 1_000_000, "link_gbps": 100.0, "split": split,
+            "kv_bytes_per_token_rank": COSTS.kv_bytes_per_token_rank, "tpot_target_s": 0.05}
+
+
+def test_a_target_below_one_decode_step_still_computes_a_block_a_step():
+    trace = [TraceRequest(0.0, 100, 100), TraceRequest(0.1, 160, 2)]
+    a, b = run("local", trace, tpot_target_s=DECODE_S / 2).records
+    start = step_end_after(a.first_token_s, 0.1)
+    assert b.first_token_s == start + 10 * (DECODE_S + 16 * TOKEN_S)
+
+
+def test_with_no_stream_local_prompts_run_whole_then_paced_once_one_decodes():
+    # P1 and P2 do not fit the 4000-token budget together: P1 runs whole, alone; then P1
+    # decodes, so P2 goes 384 tokens a step beside it.
+    trace = [TraceRequest(0.0, 4000, 50), TraceRequest(0.0, 4000, 3)]
+    p1, p2 = run("local", trace, prefill_budget_tokens=4000).records
+    assert p1.ttft_s == 4000 * TOKEN_S
+    assert p2.ttft_s == 4000 * TOKEN_S + 10 * TPOT + DECODE_S + 160 * TOKEN_S
+    together = run("local", trace).records  # 8192-token budget: one whole step for both
+    assert [r.ttft_s for r in together] == [8000 * TOKEN_S] * 2
+
+
+def test_prompts_go_to_the_least_loaded_decode_worker_then_to_an_idle_prefill_worker():
+    # the first two prefill on the two idle decode workers; the third, behind the first on
+    # decode worker 0 (0.98 s), goes to the idle prefill worker (0.49 s + the transfer)
+    trace = [TraceRequest(0.0, 4000, 3)] * 3
+    result = run("measured", trace, decode_workers=2)
+    assert result.local_prefills == 2 and result.busy["prefill"] > 0
+    assert [r.ttft_s for r in result.records] == [4000 * TOKEN_S] * 3
+
+
+# ---- the original model, and every request completing ------------------------------------------
+
+TRACE = [TraceRequest(i * 0.125, (i * 977) % 6000 + 50, (i * 37) % 60 + 1) for i in range(80)]
+
+
+def mixed(split: str, **kw: object) -> SimResult:
+    c = Cluster(kv_capacity_tokens=20_000, kv_bytes_per_token_rank=2**17, link_gbps=10.0,
+                prefill_workers=2, decode_workers=2, split=split, **kw)  # type: ignore[arg-type]
+    return simulate("disagg", c, Linear(context_s=2**-20), TRACE)
+
+
+def test_the_remote_rule_reproduces_the_original_model_exactly():
+    result = mixed("remote")  # these sums are what the model gave before the split rules
+    assert sum(r.first_token_s for r in result.records) == 625.9857177734375
+    assert sum(r.finish_s for r in result.records) == 701.7233098988354
+    assert sum(v * n for v, n in zip(result.itl.values, result.itl.counts,
+                                     strict=True)) == 75.73759212539781
+    assert result.local_prefills == 0
+
+
+@pytest.mark.parametrize("split", ["local", "measured"])
+def test_every_request_completes_under_a_full_kv_and_both_paths(split):
+    result = mixed(split, tpot_target_s=0.05)  # simulate raises if KV or a load is left over
+    assert all(r.finish_s is not None and r.finish_s >= r.first_token_s for r in result.records)
+    assert result.itl.total == sum(r.output_tokens - 1 for r in result.records)
+    if split == "measured":
+        assert 0 < result.local_prefills < len(TRACE) and result.busy["prefill"] > 0
+    else:
+        assert result.local_prefills == len(TRACE) and result.busy["prefill"] == 0.0
