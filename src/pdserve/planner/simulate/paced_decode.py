@@ -20,7 +20,7 @@ from collections import deque
 
 from pdserve.planner.simulate.calibration import Chunk, StepCosts
 from pdserve.planner.simulate.metrics import RequestRecord
-from pdserve.planner.simulate.pools import DecodeBatch, DecodeWorker, first_token
+from pdserve.planner.simulate.pools import DecodeBatch, DecodeWorker, start_decoding
 from pdserve.planner.simulate.split_model import local_rate, paced_tokens
 
 Planned = list[tuple[RequestRecord, int]]  # (prompt, its tokens computed this step)
@@ -67,14 +67,7 @@ class PacedDecodeWorker(DecodeWorker):
         for record in finished:
             self.kv.release(record)
         prefilled = self._advance()
-        for record in prefilled:
-            first_token(record, now)
-            if record.output_tokens == 1:
-                record.finish_s = now
-                self.kv.release(record)
-                finished.append(record)
-            else:
-                self.batch.join(record)
+        finished += start_decoding(prefilled, now, self.kv, self.batch)
         return prefilled, finished
 
     def _admit_arrived(self) -> None:

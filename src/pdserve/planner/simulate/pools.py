@@ -38,6 +38,23 @@ def first_token(record: RequestRecord, now: float) -> None:
         record.token_times.append(now)
 
 
+def start_decoding(prefilled: list[RequestRecord], now: float, kv: KvPool, batch: DecodeBatch
+                   ) -> list[RequestRecord]:
+    """Prompts whose prefill ended at `now` on a worker that decodes them: token 0 is out;
+    those asking for one token finish (their KV freed), the others join `batch`. Returns the
+    finished ones."""
+    finished = []
+    for record in prefilled:
+        first_token(record, now)
+        if record.output_tokens == 1:
+            record.finish_s = now
+            kv.release(record)
+            finished.append(record)
+        else:
+            batch.join(record)
+    return finished
+
+
 class KvPool:
     """KV slots of one worker, in tokens: 0 <= used <= capacity."""
 
@@ -269,12 +286,5 @@ class CollocatedWorker(Worker):
             if record.prefilled == record.prompt_tokens:
                 prefilled.append(self.prefilling.popleft())  # done prompts lead the queue
         self.step_chunks = []
-        for record in prefilled:
-            first_token(record, now)
-            if record.output_tokens == 1:
-                record.finish_s = now
-                self.kv.release(record)
-                finished.append(record)
-            else:
-                self.batch.join(record)
+        finished += start_decoding(prefilled, now, self.kv, self.batch)
         return prefilled, finished
