@@ -29,8 +29,12 @@ lint: setup
 # PYTHONDONTWRITEBYTECODE emptied: bytecode caches (__pycache__, ignored by git) are written even
 # where the environment turns them off, so the suite's hundreds of `pdserve` processes (workers,
 # routers, `up`, the CLI) compile pdserve's sources once, not each (~0.4 s a cluster start).
+# The CPU operators build (`python -m pdserve.engine.kernels`, once an environment) beside the
+# first tests; a test that uses them waits for that build (its lock) instead of running its own.
 test: lint  ## everything but the soak tests, with the slow SmolLM2 parity tests (and the 20 slowest)
-	PYTHONDONTWRITEBYTECODE= $(PY) -m pytest -q --durations=20 -m "not soak"
+	$(PY) -m pdserve.engine.kernels & build=$$!; \
+	PYTHONDONTWRITEBYTECODE= $(PY) -m pytest -q --durations=20 -m "not soak"; tests=$$?; \
+	wait $$build; exit $$tests
 
 test-fast: lint  ## skip tests marked slow or soak
 	$(PY) -m pytest -q -m "not slow and not soak"

@@ -3,19 +3,27 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 import time
 
-from pdserve.bench.cli import add_bench_parser
 from pdserve.cli_args import add_cpu_kernels_arg, add_device_arg, add_model_args
-from pdserve.cluster.up import add_up_parser
-from pdserve.ctl.cli import add_ctl_parser
-from pdserve.k8s.cli import add_k8s_parser, add_operator_parser
-from pdserve.planner.cli import add_plan_parser
-from pdserve.planner.simulate.cli import add_simulate_parser
-from pdserve.router.app import add_router_parser
-from pdserve.testbed.cli import add_testbed_parser
-from pdserve.workers.settings import add_worker_parser
+
+# Every sub-command but `generate`: its name -> (module, function adding its parser), in the
+# order `pdserve --help` lists them. A run imports only its own command's module (the router's
+# pulls in transformers, ~1.3 s): `pdserve ctl` or `pdserve up` start without it.
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "worker": ("pdserve.workers.settings", "add_worker_parser"),
+    "router": ("pdserve.router.app", "add_router_parser"),
+    "up": ("pdserve.cluster.up", "add_up_parser"),
+    "ctl": ("pdserve.ctl.cli", "add_ctl_parser"),
+    "bench": ("pdserve.bench.cli", "add_bench_parser"),
+    "plan": ("pdserve.planner.cli", "add_plan_parser"),
+    "simulate": ("pdserve.planner.simulate.cli", "add_simulate_parser"),
+    "k8s": ("pdserve.k8s.cli", "add_k8s_parser"),
+    "operator": ("pdserve.k8s.cli", "add_operator_parser"),
+    "testbed": ("pdserve.testbed.cli", "add_testbed_parser"),
+}
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -49,7 +57,9 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """Every sub-command's parser; only `generate`'s and `command`'s where `command` names a
+    sub-command, so that no other command's module is imported."""
     parser = argparse.ArgumentParser(
         prog="pdserve", description="Disaggregated prefill/decode LLM serving.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -67,21 +77,16 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--raw", action="store_true",
                      help="send the prompt as plain text, without the chat template")
     gen.set_defaults(func=_generate)
-    add_worker_parser(sub)
-    add_router_parser(sub)
-    add_up_parser(sub)
-    add_ctl_parser(sub)
-    add_bench_parser(sub)
-    add_plan_parser(sub)
-    add_simulate_parser(sub)
-    add_k8s_parser(sub)
-    add_operator_parser(sub)
-    add_testbed_parser(sub)
+    every = command not in (*SUBCOMMANDS, "generate")
+    for name, (module, add_parser) in SUBCOMMANDS.items():
+        if every or name == command:
+            getattr(importlib.import_module(module), add_parser)(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(argv[0] if argv else None).parse_args(argv)
     try:
         return args.func(args)
     except ValueError as e:

@@ -16,7 +16,8 @@ the sources, flags, CPU, torch installation, Python ABI and compiler), so enviro
 share or rebuild each other's builds. The folder appears only finished, and workers started
 together build once (`build_cache.py`); later processes import the library from it without
 running the build tools. When no compiler is there or the build fails, it logs why once and
-returns None, and the model runs on PyTorch operators alone.
+returns None, and the model runs on PyTorch operators alone. `python -m pdserve.engine.kernels`
+builds ahead of first use (`make test` runs it beside its first tests).
 """
 
 from __future__ import annotations

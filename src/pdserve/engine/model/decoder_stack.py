@@ -46,7 +46,11 @@ class DecoderStack(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.fused = fused
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # an uninitialised table (`_weight`), as the checkpoint overwrites it: nn.Embedding's
+        # normal_() init on the meta device would import torch._dynamo (~1 s a process)
+        self.embed_tokens = nn.Embedding(
+            cfg.vocab_size, cfg.hidden_size,
+            _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
         self.layers = nn.ModuleList(layers)
         self.norm = norm
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)

@@ -36,15 +36,23 @@ def load_model(
     fused = ops if ops is not None and supports(cfg) else None
     with torch.device("meta"):  # no time spent initialising weights that are overwritten
         model = model_class(cfg.architecture)(cfg, max_positions, device, fused)
-    model.to_empty(device=device)
+    _to_empty(model, device)
     model.to(dtype)
-    if cfg.tie_word_embeddings:  # to_empty() makes new parameters: tie them again
+    if cfg.tie_word_embeddings:  # _to_empty() makes new parameters: tie them again
         model.lm_head.weight = model.embed_tokens.weight
     model.load_hf_weights(weights)
     if can_pack(device):
         pack_linears(model, ops)
         pack_experts(model, linear_kernel(ops))  # routed experts on our kernels, if any
     return model.eval()
+
+
+def _to_empty(model: nn.Module, device: str) -> None:
+    """`model.to_empty(device=device)`, each tensor made by `empty_strided`: to_empty's
+    `empty_like` of a meta tensor runs PyTorch's Python reference of it, whose first call
+    imports sympy (~0.6 s of every worker's start)."""
+    model._apply(lambda t: torch.empty_strided(t.size(), t.stride(), dtype=t.dtype,
+                                               device=device))
 
 
 def eos_token_ids(path: Path, tokenizer) -> tuple[int, ...]:

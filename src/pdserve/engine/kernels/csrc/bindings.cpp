@@ -1,4 +1,4 @@
-#include <torch/extension.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include "ops.h"
 

@@ -5,6 +5,8 @@
 // batch-1 step (EPYC Zen 4). This calls the same operators in the same order as
 // `model/llama.py`'s DecoderLayer on the fused operators, so its output is bit-identical to
 // that path (tests/engine/test_decode_layer.py); only the glue between them moves to C++.
+#include <ATen/ops/empty.h>
+
 #include <string>
 #include <vector>
 

@@ -2,7 +2,8 @@
 // the same way for both.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 
 #include <optional>
 

@@ -1,4 +1,5 @@
 #include <ATen/Parallel.h>
+#include <ATen/ops/empty_like.h>
 
 #include <cmath>
 

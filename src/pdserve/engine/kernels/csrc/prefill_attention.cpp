@@ -29,6 +29,7 @@
 // Items are taken longest first (the last positions attend to the most keys) from a shared
 // counter, so the threads finish together under the causal triangle.
 #include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
 
 #include <algorithm>
 #include <atomic>
