@@ -5,7 +5,8 @@ Each step every scheduled request computes tokens [num_computed, num_computed + 
 a preemption (recompute), or the one newest token (decode). A request whose computed count
 reaches its length samples a new token. Running requests go first, oldest first, so decodes
 are never starved by new prompts; waiting requests are admitted in arrival order while the
-budget, the sequence cap and the free blocks allow.
+budget, the sequence cap and the free blocks allow. Without chunking, whole prompts share a step
+only while their prompt tokens stay within PROMPT_PACK_TOKENS (a longer one runs alone).
 
 A prefill chunk (`prefill_chunk`, set by the worker from its measured rates and TPOT target:
 `workers/prefill_budget.py`) caps the prompt tokens of a step while any request decodes: prompts
@@ -24,6 +25,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from pdserve.common.engine_options import PROMPT_PACK_TOKENS
 from pdserve.config import EngineConfig
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.request import Request, RequestState
@@ -133,6 +135,9 @@ class Scheduler:
         return budget, prefill
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int, prefill: int) -> None:
+        """Waiting prompts, FIFO, within the budgets left: chunked (or capped), cut to fit;
+        else whole, and a prompt joins others in the step only while their prompt tokens stay
+        within PROMPT_PACK_TOKENS."""
         chunked = self.config.enable_chunked_prefill or prefill < budget  # a cap chunks too
         while self.waiting and min(budget, prefill) > 0 and \
                 len(self.running) < self.config.max_num_seqs:
@@ -140,6 +145,9 @@ class Scheduler:
             limit = min(budget, prefill)
             cached = len(self.bm.match_prefix(req.token_ids)) * self.bm.block_size
             remaining = req.num_tokens - cached
+            if not chunked and out.num_prefill_tokens and \
+                    out.num_prefill_tokens + remaining > PROMPT_PACK_TOKENS:
+                break
             if (remaining > limit and not chunked) or not self.bm.can_allocate(req):
                 break
             self.bm.allocate(req)

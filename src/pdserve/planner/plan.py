@@ -34,6 +34,7 @@ from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import Any
 
+from pdserve.common.engine_options import PROMPT_PACK_TOKENS
 from pdserve.planner.cost import (
     Efficiency,
     PhaseTime,
@@ -56,7 +57,8 @@ from pdserve.planner.kv_math import (
 from pdserve.planner.model_shape import ModelShape
 
 DEFAULT_MAX_DECODE_BATCH = 256  # our cap on concurrent decodes per worker
-PREFILL_BATCH_TOKENS = 8192  # our prefill step token budget (cf. vLLM max_num_batched_tokens)
+# whole prompts one prefill step packs: pdserve's engine's rule (a longer prompt runs alone)
+PREFILL_BATCH_TOKENS = PROMPT_PACK_TOKENS
 MEMORY_UTILIZATION = 0.9  # share of device memory for weights + KV (vLLM's default
 # gpu_memory_utilization); the rest is activations and runtime
 TRANSFER_COLLOCATE = 1.0

@@ -150,7 +150,7 @@ def test_with_no_stream_local_prompts_run_whole_then_paced_once_one_decodes():
     p1, p2 = run("local", trace, prefill_budget_tokens=4000).records
     assert p1.ttft_s == 4000 * TOKEN_S
     assert p2.ttft_s == 4000 * TOKEN_S + 10 * TPOT + DECODE_S + 160 * TOKEN_S
-    together = run("local", trace).records  # 8192-token budget: one whole step for both
+    together = run("local", trace, prefill_budget_tokens=8192).records  # one step for both
     assert [r.ttft_s for r in together] == [8000 * TOKEN_S] * 2
 
 
@@ -175,7 +175,8 @@ def mixed(split: str, **kw: object) -> SimResult:
 
 
 def test_the_remote_rule_reproduces_the_original_model_exactly():
-    result = mixed("remote")  # these sums are what the model gave before the split rules
+    # these sums are what the model gave before the split rules (with its 8,192-token budget)
+    result = mixed("remote", prefill_budget_tokens=8192)
     assert sum(r.first_token_s for r in result.records) == 625.9857177734375
     assert sum(r.finish_s for r in result.records) == 701.7233098988354
     assert sum(v * n for v, n in zip(result.itl.values, result.itl.counts,

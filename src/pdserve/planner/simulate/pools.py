@@ -16,8 +16,9 @@ Scheduling rules (ours, after vLLM's scheduler; documented assumptions of the mo
 - collocated worker, as pdserve's engine schedules (engine/scheduler.py): every step runs all
   running decodes first, then prompt tokens within the step's token budget less those decode
   tokens (one mixed step: a prompt's tokens and the streams' next tokens come out together).
-  Without chunking the budget is `budget_tokens` and prompts are admitted whole while the next
-  one fits what is left (the first of a step with no decodes always goes); with chunked
+  Without chunking prompts are admitted whole, the first of a step always and the next ones
+  while the step's prompt tokens stay within `budget_tokens` (pdserve's PROMPT_PACK_TOKENS);
+  with chunked
   prefill the budget is `chunk` (pdserve's max_num_batched_tokens, decode tokens included):
   partially prefilled prompts first (FIFO), then newly admitted ones, cut to what is left.
 """
@@ -235,8 +236,7 @@ class CollocatedWorker(Worker):
     def _plan_whole(self, budget: int) -> list[tuple[RequestRecord, int]]:
         plan: list[tuple[RequestRecord, int]] = []
         tokens = 0
-        while self.waiting and ((not plan and not self.batch.size)
-                                or tokens + self.waiting[0].prompt_tokens <= budget):
+        while self.waiting and (not plan or tokens + self.waiting[0].prompt_tokens <= budget):
             record = self._admit()
             if record is None:
                 break
@@ -266,7 +266,7 @@ class CollocatedWorker(Worker):
             return self.costs.step_seconds((), self.step_decodes, self.batch.context_sum)
         self.step_decodes = self.batch.size
         if self.chunk is None:
-            self.step_chunks = self._plan_whole(self.budget - self.step_decodes)
+            self.step_chunks = self._plan_whole(self.budget)
         else:
             self.step_chunks = self._plan_chunked(max(0, self.chunk - self.step_decodes))
         if not self.step_chunks and not self.step_decodes:
