@@ -7,7 +7,8 @@ its .steps.json. Then, per configuration C and held-out workload W, `pdserve sim
 step costs on the calibration run alone and simulates W's recorded requests on C's layout. The
 table holds each figure simulated against measured, with its error and whether it is within the
 simulator's tolerance (25%; 35% for the P99 ITL), and per workload whether the configuration
-the simulation ranks best by goodput is the one measured best.
+the simulation ranks best by goodput is the one measured best. Goodput counts requests within
+a 2 s TTFT and a 100 ms TPOT (`SLO_*`; 100 ms is also what `pdserve up` paces to).
 
 A workload whose results file already exists in DIR is not measured again unless --remeasure:
 a change to the simulator is checked against the same runs; a change to the engine's speed
@@ -37,6 +38,7 @@ WORKLOADS: dict[str, tuple[str, ...]] = {
 FIGURES = ("median_ttft_ms", "p99_ttft_ms", "median_itl_ms", "p99_itl_ms", "request_goodput",
            "output_throughput")
 SIM_MODELS = {"smollm2": "smollm2-135m"}  # bench's model name -> simulate's preset
+SLO_TTFT_MS, SLO_TPOT_MS = 2000.0, 100.0  # goodput's bounds (`pdserve up`'s TPOT target too)
 
 
 @dataclass(frozen=True)
@@ -104,7 +106,8 @@ def _measure(s: CheckSettings, workload: str) -> Path:
     extra = ("--phase-s", f"{s.duration_s / 3:g}") if workload == "diurnal" else ()
     argv = [sys.executable, "-m", "pdserve.cli", "bench", "compare", "--configs",
             ",".join(s.configs), "--model", s.model, *WORKLOADS[workload], *extra,
-            "--duration", f"{s.duration_s:g}", "--out", str(out)]
+            "--duration", f"{s.duration_s:g}", "--slo-ttft-ms", f"{SLO_TTFT_MS:g}",
+            "--slo-tpot-ms", f"{SLO_TPOT_MS:g}", "--out", str(out)]
     print(f"{workload}: measuring ({' '.join(argv[3:])})", file=sys.stderr)
     subprocess.run(argv, check=False)  # failed requests exit 1 but still write the results
     if not out.exists():
