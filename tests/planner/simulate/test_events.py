@@ -338,3 +338,17 @@ def test_cli_help_renders(capsys):
 def test_cli_needs_a_model(capsys):
     rc, _, err = run_cli(["--workload", "chat"], capsys)
     assert rc == 2 and "model (--model) is required" in err
+
+
+def test_a_closed_loop_sends_each_request_when_a_client_is_free():
+    """Two clients, four requests recorded at t = 0, 0, 5, 5 (their sends in the measured
+    run): replayed closed, the third goes when the first ends, the fourth when the second
+    does, whatever their recorded times; open, at those times."""
+    trace = [TraceRequest(0.0, 400, 3), TraceRequest(0.0, 400, 5), TraceRequest(5.0, 400, 3),
+             TraceRequest(5.0, 400, 3)]
+    closed = simulate("colloc", cluster(), COSTS, trace, clients=2).records
+    assert closed[2].arrival_s == closed[0].finish_s
+    assert closed[3].arrival_s == closed[1].finish_s
+    assert closed[3].finish_s < 5.0
+    opened = simulate("colloc", cluster(), COSTS, trace).records
+    assert [r.arrival_s for r in opened] == [0.0, 0.0, 5.0, 5.0]

@@ -51,6 +51,15 @@ def test_a_serve_result_becomes_a_sorted_trace_of_every_request(tmp_path):
                             "output_throughput": None}  # what the file has
 
 
+def test_a_closed_loop_run_says_how_many_clients_sent_it(tmp_path):
+    assert load_measured_run(str(write_json(tmp_path / "o.json", SERVE)), FLAG).clients is None
+    closed = write_json(tmp_path / "c.json", {**SERVE, "max_concurrency": 16})
+    assert load_measured_run(str(closed), FLAG).clients == 16
+    bad = write_json(tmp_path / "b.json", {**SERVE, "max_concurrency": 0})
+    with pytest.raises(ValueError, match="max_concurrency must be a positive integer"):
+        load_measured_run(str(bad), FLAG)
+
+
 def test_compare_results_need_a_config_unless_they_hold_one(tmp_path):
     one = write_json(tmp_path / "one.json", {"disagg": SERVE})
     run = load_measured_run(str(one), FLAG)

@@ -190,6 +190,12 @@ class Setup:
     measured: MeasuredRun | None = None
 
     @property
+    def clients(self) -> int | None:
+        """The measured run's closed-loop clients when its own requests are replayed."""
+        replayed = self.measured is not None and self.trace is self.measured.trace
+        return self.measured.clients if replayed else None
+
+    @property
     def costs(self) -> StepCosts:
         if self.profile is not None:
             return self.profile
@@ -203,7 +209,8 @@ def run_simulate(args: argparse.Namespace) -> int:
     setup = resolve(args)
     costs = setup.costs
     results = [(r, summarize(r.records, r.itl, setup.slo))
-               for r in (simulate(layout, setup.cluster, costs, setup.trace)
+               for r in (simulate(layout, setup.cluster, costs, setup.trace,
+                                  clients=setup.clients)
                          for layout in setup.layouts)]
     against = _against_measured(setup, results)
     if args.json:

@@ -30,6 +30,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -157,6 +158,7 @@ class _Loop:
                  trace_tokens: bool) -> None:
         self.layout, self.cluster, self.costs = layout, cluster, costs
         self.bound: dict[int, int] = {}
+        self.unsent: deque[RequestRecord] = deque()  # closed loop: requests not sent yet
         self.local_prefills = 0
         self.itl = ItlSamples()
         self.events: list[tuple[float, int, int, Any]] = []
@@ -250,6 +252,8 @@ class _Loop:
     def step_end(self, worker: Worker, now: float) -> None:
         worker.busy = False
         prefilled, finished = worker.finish_step(now)
+        for _ in finished:
+            self.client_free(now)
         if isinstance(worker, PrefillWorker):
             for record in prefilled:
                 self.loads["prefill"][worker.index] -= record.prompt_tokens
@@ -275,9 +279,20 @@ class _Loop:
         self.decode[j].queue.append(record)
         self.wake(self.decode[j])
 
-    def run(self, records: list[RequestRecord]) -> float:
-        """Process every event; returns the time of the last one."""
-        for record in records:
+    def client_free(self, now: float) -> None:
+        """Closed loop: a request ended, so its client sends the next one waiting, now."""
+        if self.unsent:
+            record = self.unsent.popleft()
+            record.arrival_s = now
+            self.push(now, _ARRIVAL, record)
+
+    def run(self, records: list[RequestRecord], clients: int | None = None) -> float:
+        """Process every event; returns the time of the last one. `clients`: closed loop, the
+        first that many requests arrive at their times and each later one when a request
+        ends (trace order); None: every request at its time."""
+        first = records if clients is None else records[:clients]
+        self.unsent = deque(records[len(first):])
+        for record in first:
             self.push(record.arrival_s, _ARRIVAL, record)
         now = 0.0
         while self.events:
@@ -309,15 +324,17 @@ class _Loop:
 
 
 def simulate(layout: Layout | str, cluster: Cluster, costs: StepCosts,
-             trace: Sequence[TraceRequest], trace_tokens: bool = False) -> SimResult:
-    """Run `trace` on `cluster` in `layout`; `trace_tokens` keeps every token's time."""
+             trace: Sequence[TraceRequest], trace_tokens: bool = False,
+             clients: int | None = None) -> SimResult:
+    """Run `trace` on `cluster` in `layout`; `trace_tokens` keeps every token's time;
+    `clients`: replay it in closed loop with that many clients (`_Loop.run`)."""
     layout = Layout(layout)
     check_fits(trace, cluster)
     records = [RequestRecord(i, r.arrival_s, r.prompt_tokens, r.output_tokens,
                              token_times=[] if trace_tokens else None)
                for i, r in enumerate(trace)]
     loop = _Loop(layout, cluster, costs, trace_tokens)
-    end = loop.run(records)
+    end = loop.run(records, clients)
     if left := loop.leftovers():
         raise RuntimeError(f"the simulation ended holding work: {'; '.join(left)}")
     span = end - min(r.arrival_s for r in records)

@@ -61,6 +61,9 @@ class MeasuredRun:
     # the goodput bounds the run counted with (its `slo_ttft_ms`, `slo_tpot_ms`), None: none
     slo_ttft_ms: float | None = None
     slo_tpot_ms: float | None = None
+    # closed loop: the clients that sent the requests, each its next when its last ended (the
+    # run's `max_concurrency`); None: open loop, the requests replayed at their send times
+    clients: int | None = None
 
     def __post_init__(self) -> None:
         if not self.trace:
@@ -101,7 +104,8 @@ def _run(spec: FileSpec, config: str | None, result: dict[str, Any]) -> Measured
     ok = sum(1 for r in rows if r.get("ok", True))
     return MeasuredRun(label, config, tuple(sorted(trace, key=lambda r: r.arrival_s)),
                        {k: result.get(k) for k in METRICS}, ok, len(rows) - ok,
-                       _bound(result, "slo_ttft_ms", label), _bound(result, "slo_tpot_ms", label))
+                       _bound(result, "slo_ttft_ms", label), _bound(result, "slo_tpot_ms", label),
+                       _clients(result, label))
 
 
 def _bound(result: dict[str, Any], key: str, label: str) -> float | None:
@@ -109,6 +113,14 @@ def _bound(result: dict[str, Any], key: str, label: str) -> float | None:
     if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)
                               or not (value > 0 and math.isfinite(value))):
         raise ValueError(f"{label}: {key} must be a positive number of ms or null, "
+                         f"got {value!r}")
+    return value
+
+
+def _clients(result: dict[str, Any], label: str) -> int | None:
+    value = result.get("max_concurrency")
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ValueError(f"{label}: max_concurrency must be a positive integer or null, "
                          f"got {value!r}")
     return value
 
