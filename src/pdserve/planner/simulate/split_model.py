@@ -19,7 +19,8 @@ Rules (`SplitRule`, after the router's `--local-prefill-threshold`):
   Q_w: prompt tokens sent to w whose prefill has not ended (whole prompts, as the router's
   `PrefillBacklog` counts them); R_p = U / step(U alone), the rate a prefill step of this size
   runs at; T_link: the Cluster's transfer time of U tokens' KV; R_d: with streams decoding on d,
-  C / step(C beside them), C the paced chunk below (the rate a prompt progresses at there, as a
+  C / step(C beside them), C the paced chunk below for a chunk at the prompt's middle (the
+  mean context its chunks attend to, over which the worker's measured rate averages) (the rate a prompt progresses at there, as a
   worker's steps that also decoded report it), else R_p (no stream: no cap).
   The decision's TPOT-stall test never fires: `pdserve up` gives a split layout's decode
   workers `--slo-tpot-ms` = the router's target, so they pace and their stall needs no check.
@@ -99,14 +100,16 @@ def prefill_rate(costs: StepCosts, tokens: int) -> float:
 def local_rate(costs: StepCosts, tokens: int, decodes: int, context_sum: int,
                tpot_target_s: float) -> float:
     """R_d: tokens/s a prompt of `tokens` progresses at on a decode worker running `decodes`
-    streams; with none, a whole-prompt step's rate."""
+    streams, taken at its middle (a chunk there attends to half the prompt: the mean over its
+    chunks, which the worker's measured rate averages); with none, a whole-prompt step's rate."""
     if not decodes:
         return prefill_rate(costs, tokens)
+    middle = tokens // 2
 
     def plan(n: int) -> list[Chunk]:
-        return [Chunk(0, n, n == tokens)]
+        return [Chunk(middle, n, False)]
 
-    n = paced_tokens(costs, plan, tokens, decodes, context_sum, tpot_target_s)
+    n = paced_tokens(costs, plan, tokens - middle, decodes, context_sum, tpot_target_s)
     return n / costs.step_seconds(plan(n), decodes, context_sum)
 
 
