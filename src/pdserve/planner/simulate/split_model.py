@@ -20,8 +20,8 @@ Rules (`SplitRule`, after the router's `--local-prefill-threshold`):
   `PrefillBacklog` counts them); R_p = U / step(U alone), the rate a prefill step of this size
   runs at; T_link: the Cluster's transfer time of U tokens' KV; R_d: with streams decoding on d,
   C / step(C beside them), C the paced chunk below for a chunk at the prompt's middle (the
-  mean context its chunks attend to, over which the worker's measured rate averages) (the rate a prompt progresses at there, as a
-  worker's steps that also decoded report it), else R_p (no stream: no cap).
+  mean context its chunks attend to: the rate a prompt progresses at there, as a worker's
+  steps that also decoded report it, averaged over them), else R_p (no stream: no cap).
   The decision's TPOT-stall test never fires: `pdserve up` gives a split layout's decode
   workers `--slo-tpot-ms` = the router's target, so they pace and their stall needs no check.
 
