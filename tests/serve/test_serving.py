@@ -174,8 +174,10 @@ def test_workers_record_their_engine_steps_for_timelines(disagg_tcp: Cluster) ->
     prefill, decode = (disagg_tcp.internal_json(f"{disagg_tcp.worker_url(i)}/internal/steps"
                                                 f"?since={since}") for i in (0, 1))
     assert prefill["fields"] == ["start", "end", "prefill_tokens", "decode_tokens",
-                                 "num_requests", "decode_context"]
-    assert [s[2] for s in prefill["steps"]] == [LENGTHS[4]]  # one step: the whole prompt
+                                 "num_requests", "decode_context", "prefill_attention"]
+    n = LENGTHS[4]
+    assert [s[2] for s in prefill["steps"]] == [n]  # one step: the whole prompt
+    assert [s[6] for s in prefill["steps"]] == [n * (n + 1) // 2]  # its causal pairs
     assert all(s[0] <= s[1] for s in prefill["steps"] + decode["steps"])
     assert sum(s[3] for s in decode["steps"]) == MAX_TOKENS - 1  # token 0 came from prefill
     assert not any(s[2] for s in decode["steps"])
