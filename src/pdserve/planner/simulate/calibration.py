@@ -333,6 +333,13 @@ def _bench_point(row: Any, where: str, context_token_s: float) -> BenchPoint | P
     return Point(computed, pairs, computed / tok_s, 1)
 
 
+def fit_prefill(points: Sequence[Point]) -> nnls.Coefficients | None:
+    """(overhead, per_token, per_attention_pair) of prefill steps at points (x = tokens, y =
+    attention pairs) by nnls.py, every one >= 0 and per_token > 0; None when no support
+    gives a positive per-token cost."""
+    return nnls.fit(points, PREFILL_SUPPORTS, lambda c: c[1] > 0)
+
+
 def fit_bench_rows(rows: Sequence[Any], context_token_s: float = 0.0, source: str = "",
                    model: str | None = None, gpu: str | None = None,
                    tp: int = 1) -> CalibrationProfile:
@@ -349,7 +356,7 @@ def fit_bench_rows(rows: Sequence[Any], context_token_s: float = 0.0, source: st
         if not found:
             raise ValueError(f"{source or 'bench results'}: no {phase} row to fit")
     d0, d1 = fit_line(decode, single="intercept")
-    coef = nnls.fit(prefill, PREFILL_SUPPORTS, lambda c: c[1] > 0)
+    coef = fit_prefill(prefill)
     if coef is None:
         raise ValueError(f"{source or 'bench results'}: prefill rows give no positive "
                          "per-token cost")

@@ -63,8 +63,8 @@ CalibrationProfile's invariants), supports preferred in the order of DECODE_SUPP
   contexts' attention (the old behaviour); a negative unconstrained c is never kept (the
   optimum is then on a face, usually (a, b): c = 0);
 - a single B takes the rest as overhead, like calibration.fit_line's decode side.
-Prefill fit: (overhead, per_token, per_attention_pair) by nnls.py on points (N, A), per_token
-> 0, supports in the order of PREFILL_SUPPORTS (a single N takes it all as per-token cost).
+Prefill fit: (overhead, per_token, per_attention_pair) by calibration.fit_prefill on points
+(N, A), per_token > 0 (a single N takes it all as per-token cost).
 A = the step's (query, key) pairs of prompt tokens (7th field): causal attention over the
 prompt and the context before the chunk grows with both, so a 2,000-token prompt costs more per
 token than a 200-token one, and a chunk late in a prompt more than the first. Prefill groups
@@ -89,10 +89,10 @@ from typing import Any, NamedTuple
 
 from pdserve.planner.simulate import nnls
 from pdserve.planner.simulate.calibration import (
-    PREFILL_SUPPORTS,
     BenchPoint,
     CalibrationProfile,
     fit_line,
+    fit_prefill,
 )
 from pdserve.planner.simulate.file_spec import FileSpec, pick_config, refuse_config
 from pdserve.planner.simulate.nnls import Point
@@ -263,7 +263,7 @@ def _fit_prefill(points: Sequence[Point], attention_known: bool, source: str
                  ) -> nnls.Coefficients:
     """(overhead, per_token, per_attention_pair) by the module docstring's "Prefill fit"."""
     if attention_known:
-        coef = nnls.fit(points, PREFILL_SUPPORTS, lambda c: c[1] > 0)
+        coef = fit_prefill(points)
     else:
         p0, p1 = fit_line([BenchPoint(p.x, p.seconds, p.seconds, p.count) for p in points],
                           single="slope")
