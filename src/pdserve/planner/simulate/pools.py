@@ -14,13 +14,12 @@ Scheduling rules (ours, after vLLM's scheduler; documented assumptions of the mo
 - decode worker: continuous batching; every step gives each running request one token. A request
   producing token k (k >= 1) attends over prompt + k tokens.
 - collocated worker, as pdserve's engine schedules (engine/scheduler.py): every step runs all
-  running decodes first, then prompt tokens within the step's token budget less those decode
-  tokens (one mixed step: a prompt's tokens and the streams' next tokens come out together).
-  Without chunking prompts are admitted whole, the first of a step always and the next ones
-  while the step's prompt tokens stay within `budget_tokens` (pdserve's PROMPT_PACK_TOKENS);
-  with chunked
-  prefill the budget is `chunk` (pdserve's max_num_batched_tokens, decode tokens included):
-  partially prefilled prompts first (FIFO), then newly admitted ones, cut to what is left.
+  running decodes first, then prompt tokens (one mixed step: a prompt's tokens and the
+  streams' next tokens come out together). Without chunking prompts are admitted whole, the
+  first of a step always and the next ones while the step's prompt tokens stay within
+  `budget_tokens` (pdserve's PROMPT_PACK_TOKENS); with chunked prefill the step's budget is
+  `chunk` (pdserve's max_num_batched_tokens, decode tokens included): partially prefilled
+  prompts first (FIFO), then newly admitted ones, cut to what the decodes leave.
 """
 
 from __future__ import annotations
@@ -233,10 +232,10 @@ class CollocatedWorker(Worker):
         self.prefilling.append(record)
         return record
 
-    def _plan_whole(self, budget: int) -> list[tuple[RequestRecord, int]]:
+    def _plan_whole(self) -> list[tuple[RequestRecord, int]]:
         plan: list[tuple[RequestRecord, int]] = []
         tokens = 0
-        while self.waiting and (not plan or tokens + self.waiting[0].prompt_tokens <= budget):
+        while self.waiting and (not plan or tokens + self.waiting[0].prompt_tokens <= self.budget):
             record = self._admit()
             if record is None:
                 break
@@ -266,7 +265,7 @@ class CollocatedWorker(Worker):
             return self.costs.step_seconds((), self.step_decodes, self.batch.context_sum)
         self.step_decodes = self.batch.size
         if self.chunk is None:
-            self.step_chunks = self._plan_whole(self.budget)
+            self.step_chunks = self._plan_whole()
         else:
             self.step_chunks = self._plan_chunked(max(0, self.chunk - self.step_decodes))
         if not self.step_chunks and not self.step_decodes:
