@@ -10,16 +10,7 @@ import pytest
 
 from pdserve.router.link_estimates import MEMORY_S, LinkEstimates, LinkSource
 from pdserve.router.link_reports import LinkReports
-
-MB = 1_000_000
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests.router.test_link_estimates import MB, Clock
 
 
 def report(peer: str = "10.0.0.9:7000", gbps: float | None = 0.08, nbytes: int = 5 * MB,
