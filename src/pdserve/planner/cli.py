@@ -24,13 +24,25 @@ from pdserve.planner.plan import (
     plan_to_dict,
     render_text,
 )
+from pdserve.planner.plan_simulation import (
+    Load,
+    render_simulation,
+    simulate_plan,
+    simulation_to_dict,
+    with_simulation,
+)
+from pdserve.planner.simulate.cli import DEFAULT_SLO
+from pdserve.planner.simulate.metrics import Slo
 
 _DESCRIPTION = (
     "Should this workload run disaggregated? From a model preset or a Hugging Face config.json "
     "(GQA or MLA), report the KV bytes per token and per request, the time to move them over "
     "the link, the prefill time (roofline: FLOPs / (peak x MFU)), the decode step time (bytes "
     "read / (memory bandwidth x MBU)), the prefill:decode worker ratio, and a verdict "
-    "(disaggregate, collocate or marginal) with its reason."
+    "(disaggregate, collocate or marginal) with its reason. Without a load the verdict is a "
+    "rule of thumb for one request; with --rate or --concurrency the simulator serves the "
+    "request shape on each layout of the same hardware (collocated, chunked, disaggregated "
+    "P+D) and the verdict is the layout with the most requests within the SLO."
 )
 _EPILOG = (
     "KV bytes/token: GQA 2 x layers x kv_heads x head_dim x bytes; MLA layers x (kv_lora_rank "
@@ -39,7 +51,9 @@ _EPILOG = (
     "own shard over its own link. The default decode batch is the most requests whose KV fits "
     f"beside the weights in {MEMORY_UTILIZATION:.0%} of device memory, capped at "
     f"{DEFAULT_MAX_DECODE_BATCH}. Example: pdserve plan --model llama-3.1-70b --prompt-tokens "
-    "32768 --output-tokens 256 --link-gbps 100 --gpu H100 --tp 8"
+    "32768 --output-tokens 256 --link-gbps 100 --gpu H100 --tp 8. At a load, on this machine: "
+    "pdserve plan --model smollm2-135m --gpu cpu --prompt-tokens 1750 --output-tokens 56 "
+    "--link-gbps 20 --rate 0.4 [--calibrate cmp.steps.json]"
 )
 
 
@@ -50,6 +64,7 @@ def add_plan_parser(subparsers: argparse._SubParsersAction) -> None:
                               epilog=_EPILOG)
     _add_workload_args(p)
     _add_hardware_args(p)
+    _add_load_args(p)
     p.add_argument("--json", action="store_true",
                    help="print the plan as one JSON object instead of a table")
     p.set_defaults(func=run_plan)
@@ -93,12 +108,57 @@ def _add_hardware_args(p: argparse.ArgumentParser) -> None:
                         "%(default)s, an assumption: calibrate it)")
 
 
+def _add_load_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--rate", type=float, default=None,
+                   help="simulate the layouts at this many req/s (Poisson) and take the verdict "
+                        "from their goodput")
+    p.add_argument("--concurrency", type=int, default=None,
+                   help="instead of --rate: this many clients, each sending its next request "
+                        "when its last one ends")
+    p.add_argument("--slo-ttft-ms", type=float, default=DEFAULT_SLO.ttft_ms,
+                   help="goodput counts requests with TTFT at most this (default: %(default)g)")
+    p.add_argument("--slo-tpot-ms", type=float, default=DEFAULT_SLO.tpot_ms,
+                   help="and TPOT at most this (default: %(default)g); also the pace of local "
+                        "prefills on decode workers")
+    p.add_argument("--workers", type=int, default=2,
+                   help="worker slots the layouts share: on a GPU each is --tp GPUs; on a CPU "
+                        "machine the cores are split among that many workers (default: "
+                        "%(default)s)")
+    p.add_argument("--calibrate", default=None, metavar="FILE",
+                   help="step costs measured instead of the roofline: the .steps.json of a "
+                        "`pdserve bench compare` run (each configuration simulated with its own "
+                        "fit), or on a GPU a profile JSON or `bench engine --json` rows")
+
+
 def run_plan(args: argparse.Namespace) -> int:
-    """Print the plan (table or JSON). Bad input raises ValueError, which `pdserve.cli.main`
-    reports as `pdserve: error: ...` with exit status 2."""
+    """Print the plan (table or JSON), simulated at the load when one is given. Bad input
+    raises ValueError, which `pdserve.cli.main` reports as `pdserve: error: ...` with exit
+    status 2."""
     plan = _make(args)
-    print(json.dumps(plan_to_dict(plan), indent=2) if args.json else render_text(plan))
+    load = _load(args)
+    if load is None:
+        print(json.dumps(plan_to_dict(plan), indent=2) if args.json else render_text(plan))
+        return 0
+    sim = simulate_plan(plan, load, args.calibrate)
+    plan = with_simulation(plan, sim)
+    if args.json:
+        print(json.dumps({**plan_to_dict(plan), "verdict_from": "simulation",
+                          "simulation": simulation_to_dict(sim)}, indent=2))
+    else:
+        print(render_text(plan, render_simulation(sim)))
     return 0
+
+
+def _load(args: argparse.Namespace) -> Load | None:
+    """The load to simulate at, or None (rules of thumb); simulation flags without a load are
+    refused rather than ignored."""
+    if args.rate is None and args.concurrency is None:
+        if args.calibrate is not None:
+            raise ValueError("--calibrate prices a simulation: give --rate or --concurrency")
+        return None
+    return Load(rate=args.rate, concurrency=args.concurrency,
+                slo=Slo(ttft_ms=args.slo_ttft_ms, tpot_ms=args.slo_tpot_ms),
+                workers=args.workers)
 
 
 def _link_gbps(args: argparse.Namespace) -> float:

@@ -1,9 +1,11 @@
 """Accelerator presets: datasheet peaks the planner's rooflines divide by.
 
 Invariants: every number is positive and finite; `fp8_flops` is None where the part has no fp8
-tensor cores. FLOP/s are DENSE (no 2:4 sparsity): NVIDIA datasheets headline the sparse figure
-with an asterisk, so dense = sparse / 2 is written out below. Memory sizes are the datasheet's
-decimal GB; bandwidths are decimal bytes/s.
+tensor cores; `cores` is None for a GPU (a worker runs on whole devices) and the core count for
+a CPU machine, whose cores `pdserve up` splits evenly among its workers (`share`).
+FLOP/s are DENSE (no 2:4 sparsity): NVIDIA datasheets headline the sparse figure with an
+asterisk, so dense = sparse / 2 is written out below. Memory sizes are the datasheet's decimal
+GB; bandwidths are decimal bytes/s.
 """
 
 from __future__ import annotations
@@ -25,18 +27,39 @@ class Hardware:
     memory_bandwidth: float  # bytes/s
     memory_bytes: float
     source: str
+    cores: int | None = None  # a CPU machine's cores; None: a GPU
 
     def __post_init__(self) -> None:
         for field in ("bf16_flops", "memory_bandwidth", "memory_bytes"):
             _check_rate(self.name, field, getattr(self, field))
         if self.fp8_flops is not None:
             _check_rate(self.name, "fp8_flops", self.fp8_flops)
+        if self.cores is not None and (isinstance(self.cores, bool)
+                                       or not isinstance(self.cores, int) or self.cores < 1):
+            raise ValueError(f"hardware {self.name}: cores must be a positive integer or None, "
+                             f"got {self.cores!r}")
         if not self.source:
             raise ValueError(f"hardware {self.name}: source must cite where the numbers are from")
 
     @property
     def has_fp8(self) -> bool:
         return self.fp8_flops is not None
+
+    def share(self, workers: int) -> Hardware:
+        """What one of `workers` workers gets of this CPU machine: its cores split evenly, so
+        1/workers of the FLOP/s, the memory bandwidth and the memory (an even split of the
+        bandwidth is an assumption: one core alone can draw more than its share)."""
+        if self.cores is None:
+            raise ValueError(f"{self.name} is a GPU: a worker runs on whole devices")
+        if workers > self.cores:
+            raise ValueError(f"{workers} workers cannot share the {self.cores} cores of "
+                             f"{self.name}: one core each at least")
+        if workers == 1:
+            return self
+        return Hardware(f"{self.name} / {workers}", self.bf16_flops / workers,
+                        None if self.fp8_flops is None else self.fp8_flops / workers,
+                        self.memory_bandwidth / workers, self.memory_bytes / workers,
+                        self.source, self.cores // workers)
 
     def peak_flops(self, weight_dtype: str) -> float:
         """fp8 peak for fp8 weights where the part has fp8 units, else the bf16 peak."""
@@ -77,7 +100,8 @@ HARDWARE: dict[str, Hardware] = {
     "cpu-epyc-2core": Hardware(
         "cpu-epyc-2core", bf16_flops=2 * 435 * GIGA, fp8_flops=None,
         memory_bandwidth=59 * GIGA, memory_bytes=24 * GIGA,
-        source="measured on a 2-core AMD EPYC Zen 4 VM: 2048^3 bf16 matmul, large reads"),
+        source="measured on a 2-core AMD EPYC Zen 4 VM: 2048^3 bf16 matmul, large reads",
+        cores=2),
 }
 
 # Other spellings the CLI accepts.

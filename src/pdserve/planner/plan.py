@@ -15,8 +15,8 @@ Definitions (all per TP group of `tp` GPUs, one "worker"):
 - default decode batch: the most requests whose whole KV (prompt + output) fits on a GPU beside
   the weights in MEMORY_UTILIZATION of its memory, capped at DEFAULT_MAX_DECODE_BATCH, at least 1.
 
-Verdict rules, in order (thresholds are rules of thumb, not measurements; the simulator will
-replace them with predicted latency percentiles):
+Verdict rules, in order (thresholds are rules of thumb for one request, not measurements; with a
+load, plan_simulation.py replaces them with the simulated layouts' goodputs):
 1. no decode step (output_tokens == 1): collocate.
 2. transfer >= prefill (TRANSFER_COLLOCATE): collocate: recomputing beats shipping.
 3. stall < one decode step (STALL_COLLOCATE): collocate: a shared worker's decodes stall
@@ -30,6 +30,7 @@ replace them with predicted latency percentiles):
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import Any
@@ -407,14 +408,16 @@ def _ratio_line(plan: Plan) -> str:
     return f"{head} -> {ratio:.3g} prefill workers per decode worker"
 
 
-def render_text(plan: Plan) -> str:
-    """Human-readable table of the plan: one labelled row per figure, then the notes."""
+def render_text(plan: Plan, before_verdict: Sequence[str] = ()) -> str:
+    """Human-readable table of the plan: one labelled row per figure, `before_verdict` lines
+    (a simulation's table), the verdict, then the notes."""
     m, w = plan.model, plan.workload
     rows = [("model", _model_line(m)), *_kv_rows(plan), *_cost_rows(plan),
-            ("P:D ratio", _ratio_line(plan)),
-            ("verdict", f"{plan.verdict.upper()}: {plan.reason}")]
+            ("P:D ratio", _ratio_line(plan))]
     head = (f"pdserve plan: {m.name} on {plan.hardware.name} x tp {w.tp}; prompt "
             f"{w.prompt_tokens:,} + output {w.output_tokens:,} tokens; link {w.link_gbps:g} Gb/s")
     lines = [head] + [f"  {k:<15}{v}" for k, v in rows]
+    lines += [f"  {line}" for line in before_verdict]
+    lines.append(f"  {'verdict':<15}{plan.verdict.upper()}: {plan.reason}")
     lines += [f"  note: {n}" for n in plan.notes]
     return "\n".join(lines)
