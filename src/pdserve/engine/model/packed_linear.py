@@ -13,6 +13,9 @@ them.
 - `PackedLinear` otherwise: the weight reordered into oneDNN's blocked layout (what PyTorch's
   inductor does when it freezes a CPU graph); `F.linear` hands oneDNN a plain [out, in] weight
   every call, 1.3-2x slower here, with bit-identical results in fp32 and bf16.
+- a plain nn.Linear where oneDNN has no path for the dtype on this CPU (bf16 or fp16 without
+  AVX-512 or the AVX-NE-CONVERT conversions, e.g. an AVX2-only Zen 2/3 or Haswell core: oneDNN
+  refuses to reorder such a weight); PyTorch's own kernels then run it, slowly but exactly.
 """
 
 from __future__ import annotations
@@ -92,11 +95,20 @@ def can_pack(device: str) -> bool:
     return device == "cpu" and torch.backends.mkldnn.is_available()
 
 
+def onednn_packs(dtype: torch.dtype) -> bool:
+    """Whether oneDNN has a path for `dtype` weights on this CPU (PackedLinear)."""
+    if dtype == torch.bfloat16:
+        return torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    if dtype == torch.float16:
+        return torch.ops.mkldnn._is_mkldnn_fp16_supported()
+    return True
+
+
 def pack_linears(module: nn.Module, ops: ModuleType | None = None) -> None:
     """Replace every nn.Linear under `module` (weights are copied): by a KernelLinear where
     `ops` (pdserve's compiled CPU operators) has a linear kernel for this CPU and the shape
-    fits, else a PackedLinear. The kernel weights are packed side by side into one huge-page
-    mapping."""
+    fits, else a PackedLinear where oneDNN runs the dtype here (else it stays). The kernel
+    weights are packed side by side into one huge-page mapping."""
     kernel = linear_kernel(ops)
     linears = [(parent, name, child, kernel is not None and kernel.fits(child))
                for parent in module.modules()
@@ -106,7 +118,8 @@ def pack_linears(module: nn.Module, ops: ModuleType | None = None) -> None:
     offset = 0
     for parent, name, lin, fits in linears:
         if not fits:
-            setattr(parent, name, PackedLinear(lin))
+            if onednn_packs(lin.weight.dtype):
+                setattr(parent, name, PackedLinear(lin))
             continue
         packed_weight = kernel.pack(lin.weight.detach())  # 64-byte multiples: stays aligned
         packed = arena[offset : offset + packed_weight.numel()].view(packed_weight.shape)
