@@ -10,7 +10,8 @@ Invariants:
   `mixed` depends on it, for where its bursts fall). With a duration, no request starts after
   it; with a count, exactly that many are sent.
 - The result is `compute_metrics` (vLLM's keys), then the settings (url, model, workload,
-  load, SLOs, timeout), then `requests`: one `request_json` per request, in trace order.
+  load, SLOs, timeout), then `requests`: one `request_json` per request, in trace order, with
+  its shared prefix's `prefix_id` and `prefix_tokens` when it has one (`prefix` workload).
 - Exit status of `run_bench_serve`: 2 for bad arguments, 1 when every request failed, else 0.
 """
 
@@ -38,6 +39,7 @@ from pdserve.bench.serve.metrics import (
     request_json,
 )
 from pdserve.bench.serve.workloads import (
+    PREFIX_COUNT,
     SMOLLM2_VOCAB,
     WORKLOAD_HELP,
     WORKLOAD_KINDS,
@@ -48,7 +50,8 @@ from pdserve.bench.serve.workloads import (
 CLOSED_LOOP_ORDER_RATE = 1.0
 DEFAULT_RATE = 1.0
 DEFAULT_DURATION_S = 60.0
-Send = Callable[[RequestSpec], Awaitable[RequestRecord]]
+Sent = tuple[RequestSpec, RequestRecord]  # a request of the trace and what the client saw
+Send = Callable[[RequestSpec], Awaitable[Sent]]
 
 
 @dataclass(frozen=True)
@@ -105,7 +108,7 @@ class _Progress:
         self.bar.update(1)
 
 
-async def _open_loop(specs: list[RequestSpec], send: Send) -> list[RequestRecord]:
+async def _open_loop(specs: list[RequestSpec], send: Send) -> list[Sent]:
     t0 = time.perf_counter()
     tasks = []
     for spec in specs:
@@ -117,10 +120,10 @@ async def _open_loop(specs: list[RequestSpec], send: Send) -> list[RequestRecord
 
 
 async def _closed_loop(specs: Iterator[RequestSpec], clients: int, duration_s: float | None,
-                       send: Send) -> list[RequestRecord]:
+                       send: Send) -> list[Sent]:
     t0 = time.perf_counter()
     numbered = enumerate(specs)  # shared: each client takes the next request of the trace
-    records: dict[int, RequestRecord] = {}
+    records: dict[int, Sent] = {}
 
     async def client() -> None:
         for i, spec in numbered:
@@ -152,23 +155,24 @@ async def run_bench_async(url: str, model: str, workload: Workload, load: Load,
 
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
                                      timeout=aiohttp.ClientTimeout(total=None)) as session:
-        async def send(spec: RequestSpec) -> RequestRecord:
+        async def send(spec: RequestSpec) -> Sent:
             record = await send_request(session, endpoint, model, spec, timeout_s)
             bar.done(record)
-            return record
+            return spec, record
 
         try:
             if load.concurrency is None:
-                records = await _open_loop(list(specs), send)
+                sent = await _open_loop(list(specs), send)
             else:
-                records = await _closed_loop(specs, load.concurrency, load.duration_s, send)
+                sent = await _closed_loop(specs, load.concurrency, load.duration_s, send)
         finally:
             bar.bar.close()
     settings = {"url": url, "model": model, **workload.settings(), **load.settings(),
                 **slo.settings(), "timeout_s": timeout_s}
+    records = [record for _, record in sent]
     t0 = min(r.send_s for r in records)
     return {**compute_metrics(records, slo), **settings,
-            "requests": [request_json(r, t0) for r in records]}
+            "requests": [request_json(r, t0) | spec.prefix_fields() for spec, r in sent]}
 
 
 def run_bench(url: str, model: str, workload: Workload, load: Load, timeout_s: float = 300.0,
@@ -245,6 +249,9 @@ def add_workload_args(add: Callable[..., object]) -> None:
         help="refuse a workload whose prompt + output can exceed this")
     add("--phase-s", type=float, default=60.0,
         help="diurnal workload: seconds of each phase (default: %(default)s)")
+    add("--prefixes", type=int, default=PREFIX_COUNT,
+        help="prefix workload: shared prefixes the requests start with (default: "
+             "%(default)s)")
 
 
 def settings_from_args(args: argparse.Namespace) -> tuple[Workload, Load, Slo]:
@@ -253,7 +260,8 @@ def settings_from_args(args: argparse.Namespace) -> tuple[Workload, Load, Slo]:
     workload = Workload(kind=args.workload, seed=args.seed, vocab=args.vocab,
                         input_len=args.input_len, output_len=args.output_len,
                         burst_every_s=args.burst_every_s, burst_size=args.burst_size,
-                        max_model_len=args.max_model_len, phase_s=args.phase_s)
+                        max_model_len=args.max_model_len, phase_s=args.phase_s,
+                        prefixes=args.prefixes)
     rate = args.rate if args.rate is not None or args.concurrency is not None else DEFAULT_RATE
     duration = (args.duration if args.duration is not None or args.num_requests is not None
                 else DEFAULT_DURATION_S)

@@ -20,6 +20,13 @@ seconds, not minutes:
   prefill and decode workers is wrong for part of the run. Phase k's arrivals are a Poisson
   stream of its own, started at k x phase_s and cut at (k + 1) x phase_s. Open loop only (a
   closed loop has no clock to switch phases by).
+- `prefix`: agents or RAG over shared context. `prefixes` (default PREFIX_COUNT) shared
+  prefixes of 1,024-1,536 tokens each (a system prompt + a document); each request is one of
+  them, chosen by its own generator, followed by a suffix of its own of 64-256 tokens, output
+  64-128 tokens (prompts 1,088-1,792 tokens, ~1.1-2 s of prefill on one core when nothing is
+  cached, ~0.1-0.3 s when the prefix is). Poisson at `rate` or closed loop, like chat. Each
+  request says which prefix it carries and its length (`RequestSpec.prefix_id`,
+  `prefix_tokens`), and bench serve writes both into its request's record.
 
 Invariants:
 - Lengths are drawn uniformly from inclusive ranges: n = lo + U{0, ..., hi - lo}.
@@ -30,7 +37,9 @@ Invariants:
 - Request i of a stream depends only on (seed, stream name, i): its own `random.Random` seeded
   with the string f"pdserve-bench/{seed}/{stream}/{i}" (string seeds hash with SHA-512, so no
   PYTHONHASHSEED and no Python version changes them). `chat` and the chat stream of `mixed`
-  share their prompts.
+  share their prompts. A `prefix` request also carries shared prefix k, which depends only on
+  (seed, "prefix", k) (the string f"pdserve-bench/{seed}/prefix/{k}"): every request of one
+  prefix id starts with exactly the same tokens, whatever the rate, count or order.
 - Open loop (Poisson at `rate` req/s): arrival_0 = 0, arrival_i = arrival_{i-1} + g_i, with
   g_i ~ Exp(rate) (mean 1 / rate) from the stream's own seeded generator. Streams are merged
   in arrival order; ties keep the chat stream first, then request index order.
@@ -40,6 +49,7 @@ Invariants:
 
 from __future__ import annotations
 
+import functools
 import heapq
 import itertools
 import math
@@ -50,30 +60,56 @@ from dataclasses import dataclass
 TOKEN_ID_LO = 1000
 TOKEN_ID_HI = 30000
 SMOLLM2_VOCAB = 49152
-WORKLOAD_KINDS = ("chat", "rag", "mixed", "fixed", "diurnal")
+WORKLOAD_KINDS = ("chat", "rag", "mixed", "fixed", "diurnal", "prefix")
 # Chat phases of `diurnal` arrive this many times faster than its rag phases: a chat request
 # asks ~11x less prefill (160 against 1,750 prompt tokens on average) and about as much decode
 # (96 against 56 tokens), so at 8x the chat phase is decode-bound where the rag phase is
 # prefill-bound, at comparable total work.
 DIURNAL_CHAT_RATE = 8.0
 DIURNAL_PHASES = ("rag", "chat")
+# Shared prefixes of `prefix`: few, so that at ~1 req/s each recurs every few seconds and a
+# 60-s run measures reuse rather than first sights (~15 requests per prefix), and small enough
+# together (at most 4 x 1,536 = 6,144 tokens of KV) that a worker's pool keeps them all beside
+# its running requests: the run measures prefix-cache hits, not evictions (`--prefixes` raises
+# the count for that).
+PREFIX_COUNT = 4
 WORKLOAD_HELP = {
     "chat": "short prompts (64-256 tokens), outputs 64-128: decode-heavy",
     "rag": "long prompts (1,500-2,000 tokens), outputs 48-64: prefill-heavy",
     "mixed": "chat, plus a burst of --burst-size rag prompts every --burst-every-s s",
     "fixed": "prompts of --input-len tokens, outputs of --output-len tokens",
     "diurnal": "--phase-s of rag at --rate, then of chat at 8x --rate, alternating",
+    "prefix": "one of --prefixes prefixes (1,024-1,536 tokens) + 64-256 of its own, "
+              "outputs 64-128",
 }
 
 
 @dataclass(frozen=True)
 class RequestSpec:
     """One request of a trace: when it arrives (seconds from the start; ignored in closed
-    loop), its prompt as token ids, and how many tokens it asks for (sent with ignore_eos)."""
+    loop), its prompt as token ids, and how many tokens it asks for (sent with ignore_eos).
+    `prefix_id`: the shared prefix its prompt starts with (`prefix` workload; None: none), of
+    `prefix_tokens` tokens (0 without one; else 1 <= prefix_tokens <= the prompt's tokens)."""
 
     arrival_s: float
     prompt_token_ids: tuple[int, ...]
     max_tokens: int
+    prefix_id: int | None = None
+    prefix_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        if self.prefix_id is None:
+            if self.prefix_tokens != 0:
+                raise ValueError("prefix_tokens needs a prefix_id")
+        elif self.prefix_id < 0 or not 1 <= self.prefix_tokens <= len(self.prompt_token_ids):
+            raise ValueError(f"a prefix needs an id >= 0 and 1 <= prefix_tokens <= the prompt's "
+                             f"tokens, got id {self.prefix_id}, {self.prefix_tokens} tokens")
+
+    def prefix_fields(self) -> dict[str, int]:
+        """{"prefix_id", "prefix_tokens"} for a request's record; empty without a prefix."""
+        if self.prefix_id is None:
+            return {}
+        return {"prefix_id": self.prefix_id, "prefix_tokens": self.prefix_tokens}
 
 
 @dataclass(frozen=True)
@@ -101,6 +137,8 @@ class Shape:
 
 CHAT = Shape(LengthRange(64, 256), LengthRange(64, 128))
 RAG = Shape(LengthRange(1500, 2000), LengthRange(48, 64))
+SHARED_PREFIX = LengthRange(1024, 1536)
+PREFIXED = Shape(LengthRange(64, 256), LengthRange(64, 128))  # the suffix after it, the output
 
 
 @dataclass(frozen=True)
@@ -117,6 +155,7 @@ class Workload:
     burst_size: int = 4  # mixed only
     max_model_len: int | None = None
     phase_s: float = 60.0  # diurnal only
+    prefixes: int = PREFIX_COUNT  # prefix only
 
     def __post_init__(self) -> None:
         if self.kind not in WORKLOAD_KINDS:
@@ -132,6 +171,8 @@ class Workload:
             raise ValueError(f"burst_size must be >= 1, got {self.burst_size}")
         if not (math.isfinite(self.phase_s) and self.phase_s > 0):
             raise ValueError(f"phase_s must be > 0 seconds, got {self.phase_s}")
+        if self.prefixes < 1:
+            raise ValueError(f"prefixes must be >= 1, got {self.prefixes}")
         self._check_model_len()
 
     def _check_fixed(self) -> None:
@@ -155,7 +196,11 @@ class Workload:
                              f"{self.max_model_len}")
 
     def shapes(self) -> dict[str, Shape]:
-        """Stream name -> shape; the names seed the streams' generators."""
+        """Stream name -> shape (for `prefix`, the whole prompt: prefix + suffix); the names
+        seed the streams' generators."""
+        if self.kind == "prefix":
+            p, s = SHARED_PREFIX, PREFIXED.prompt
+            return {"prefixed": Shape(LengthRange(p.lo + s.lo, p.hi + s.hi), PREFIXED.output)}
         if self.kind == "fixed":
             assert self.input_len is not None and self.output_len is not None
             return {"fixed": Shape(LengthRange(self.input_len, self.input_len),
@@ -204,6 +249,8 @@ class Workload:
             out |= {"burst_every_s": self.burst_every_s, "burst_size": self.burst_size}
         if self.kind == "diurnal":
             out |= {"phase_s": self.phase_s, "chat_rate_factor": DIURNAL_CHAT_RATE}
+        if self.kind == "prefix":
+            out |= {"prefixes": self.prefixes}
         return out
 
     def _rng(self, stream: str, index: int | str) -> random.Random:
@@ -214,12 +261,26 @@ class Workload:
             yield self._spec(stream, i, t)
 
     def _spec(self, stream: str, index: int, arrival_s: float) -> RequestSpec:
+        if self.kind == "prefix":
+            return self._prefixed(index, arrival_s)
         shape = self.shapes()[stream]
         lo, hi = token_id_range(self.vocab)
         rng = self._rng(stream, index)
         n_prompt, n_out = shape.prompt.draw(rng), shape.output.draw(rng)
         ids = tuple(rng.randrange(lo, hi) for _ in range(n_prompt))
         return RequestSpec(arrival_s=arrival_s, prompt_token_ids=ids, max_tokens=n_out)
+
+    def _prefixed(self, index: int, arrival_s: float) -> RequestSpec:
+        """Request `index` of `prefix`: shared prefix k (its generator's first draw), then its
+        own suffix."""
+        lo, hi = token_id_range(self.vocab)
+        rng = self._rng("prefixed", index)
+        k = rng.randrange(self.prefixes)
+        n_suffix, n_out = PREFIXED.prompt.draw(rng), PREFIXED.output.draw(rng)
+        prefix = shared_prefix(self.seed, self.vocab, k)
+        suffix = tuple(rng.randrange(lo, hi) for _ in range(n_suffix))
+        return RequestSpec(arrival_s=arrival_s, prompt_token_ids=prefix + suffix,
+                           max_tokens=n_out, prefix_id=k, prefix_tokens=len(prefix))
 
     def _diurnal(self, rate: float) -> Iterator[RequestSpec]:
         """Phase k: a Poisson stream of DIURNAL_PHASES[k % 2]'s shape on [k P, (k + 1) P);
@@ -239,6 +300,15 @@ class Workload:
 def token_id_range(vocab: int) -> tuple[int, int]:
     """[lo, hi) of prompt token ids for a vocabulary of `vocab` ids."""
     return min(TOKEN_ID_LO, vocab // 2), min(vocab, TOKEN_ID_HI)
+
+
+@functools.cache
+def shared_prefix(seed: int, vocab: int, k: int) -> tuple[int, ...]:
+    """Shared prefix k of the `prefix` workload: SHARED_PREFIX tokens long, drawn from the
+    generator seeded with (seed, "prefix", k) alone."""
+    lo, hi = token_id_range(vocab)
+    rng = random.Random(f"pdserve-bench/{seed}/prefix/{k}")
+    return tuple(rng.randrange(lo, hi) for _ in range(SHARED_PREFIX.draw(rng)))
 
 
 def _poisson_times(rng: random.Random, rate: float) -> Iterator[float]:

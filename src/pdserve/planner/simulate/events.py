@@ -18,6 +18,18 @@ chosen at arrival, and the prompt is prefilled there (in chunks paced to
 then travels to it (split_model.py has the rule). A collocated request goes to the worker with
 the fewest assigned requests; ties go to the lowest index.
 
+Prefix cache (prefix_cache.py): every worker that prefills keeps the shared prefixes whose KV
+it holds and computes only the rest of a prompt that starts with one. The router's view is
+modelled apart (what it routed where, as its prefix index): it counts each prompt's uncached
+tokens on a worker from it, in the prefill queues (Q_p, Q_d) and in the measured split rule
+(U, and the link time of U tokens' KV, as the router estimates it). A split prompt's KV
+transfer still moves the whole prompt: the engine's decode side reserves blocks for every
+prompt token, without its prefix cache, and receives them all. With `Cluster.policy` prefix
+(the router's `--policy prefix`, `PrefixAware`), every worker choice above is instead the
+lowest legs - (prompt blocks the router routed there) / PREFIX_BLOCKS_PER_LEG, legs being the
+requests assigned to the worker (for a prefill worker, its queued and running prompts); ties
+to the lowest index. The measured rule's prefill worker stays the one of its t_remote.
+
 The loop pops events in (time, kind, sequence) order: step ends, then KV arrivals, then request
 arrivals at equal times; idle workers start their next step only after every event of that
 time, so requests arriving together share a step. Every request runs to completion: a queue
@@ -48,7 +60,9 @@ from pdserve.planner.simulate.pools import (
     PrefillWorker,
     Worker,
 )
+from pdserve.planner.simulate.prefix_cache import PrefixCache, PrefixTable, RoutedPrefixes
 from pdserve.planner.simulate.split_model import (
+    BLOCK_TOKENS,
     DEFAULT_TPOT_TARGET_S,
     Route,
     SplitRule,
@@ -58,6 +72,7 @@ from pdserve.planner.simulate.split_model import (
 from pdserve.planner.simulate.trace import TraceRequest
 
 DEFAULT_CHUNK_TOKENS = 2048  # our default prefill tokens per chunked step
+PREFIX_BLOCKS_PER_LEG = 8  # router/policies.py PrefixAware: a cached block is worth 1/8 leg
 
 _STEP_END, _KV_READY, _ARRIVAL = 0, 1, 2
 
@@ -66,6 +81,13 @@ class Layout(StrEnum):
     DISAGG = "disagg"
     COLLOC = "colloc"
     CHUNKED = "chunked"
+
+
+class RoutePolicy(StrEnum):
+    """The router's worker choice (its `--policy`; round_robin is not modelled)."""
+
+    LEAST_LOADED = "least_loaded"
+    PREFIX = "prefix"
 
 
 def _check_count(field: str, value: object) -> None:
@@ -80,6 +102,14 @@ def _split_rule(value: object) -> SplitRule:
         raise ValueError(f"split must be one of {', '.join(SplitRule)}, got {value!r}") from None
 
 
+def _route_policy(value: object) -> RoutePolicy:
+    try:
+        return RoutePolicy(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"policy must be one of {', '.join(RoutePolicy)}, got {value!r}") \
+            from None
+
+
 def _check_target(value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, int | float) or \
             not 0 < value < math.inf:
@@ -91,7 +121,9 @@ def _check_target(value: object) -> None:
 class Cluster:
     """Worker counts and per-worker limits; KV sizes in tokens and bytes per GPU; how a split
     layout routes its prompts (`split`, split_model.py) and the TPOT target its decode workers
-    pace local prefills to (the router's `--slo-tpot-ms`)."""
+    pace local prefills to (the router's `--slo-tpot-ms`); the KV block (`block_tokens`, the
+    engine's `block_size`, default 16: a prefix cache reuses whole blocks only) and how the
+    router picks workers (`policy`: the module docstring)."""
 
     kv_capacity_tokens: int  # KV one worker holds (per GPU of its TP group, in tokens)
     kv_bytes_per_token_rank: int  # KV bytes per token per GPU (what one rank ships)
@@ -104,6 +136,8 @@ class Cluster:
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS
     split: SplitRule = SplitRule.REMOTE
     tpot_target_s: float = DEFAULT_TPOT_TARGET_S
+    block_tokens: int = BLOCK_TOKENS
+    policy: RoutePolicy = RoutePolicy.LEAST_LOADED
 
     def __post_init__(self) -> None:
         for name, flag in (("kv_capacity_tokens", "--kv-capacity-tokens"),
@@ -111,10 +145,11 @@ class Cluster:
                            ("prefill_workers", "--prefill"), ("decode_workers", "--decode"),
                            ("collocated_workers", "--collocated"), ("max_batch", "--max-batch"),
                            ("prefill_budget_tokens", "--prefill-budget"),
-                           ("chunk_tokens", "--chunk")):
+                           ("chunk_tokens", "--chunk"), ("block_tokens", "block size")):
             _check_count(f"{name} ({flag})", getattr(self, name))
         check_link(self.link_gbps)
         object.__setattr__(self, "split", _split_rule(self.split))
+        object.__setattr__(self, "policy", _route_policy(self.policy))
         _check_target(self.tpot_target_s)
 
     def transfer_seconds(self, prompt_tokens: int) -> float:
@@ -149,15 +184,19 @@ def check_fits(trace: Sequence[TraceRequest], cluster: Cluster) -> None:
 class _Loop:
     """One run: workers, their routing loads, the event heap.
 
-    Invariants: loads["prefill"][i] is the prompt tokens routed to prefill worker i and not yet
-    prefilled (Q_p); loads["decode"][j] the requests open on decode worker j (split ones from
-    their arrival unless `split` is remote, from their prefill's end then); `bound` maps a split
-    request routed at arrival to its decode worker until its prefill ends."""
+    Invariants: loads["prefill"][i] is the uncached prompt tokens (as the router counted them,
+    `queued`) routed to prefill worker i and not yet prefilled (Q_p); loads["decode"][j] the
+    requests open on decode worker j (split ones from their arrival unless `split` is remote,
+    from their prefill's end then); `bound` maps a split request routed at arrival to its
+    decode worker until its prefill ends; `routed[role][i]` is what the router sent to worker
+    i of `role` (prefix_cache.RoutedPrefixes)."""
 
     def __init__(self, layout: Layout, cluster: Cluster, costs: StepCosts,
-                 trace_tokens: bool) -> None:
+                 trace_tokens: bool, table: PrefixTable | None = None) -> None:
         self.layout, self.cluster, self.costs = layout, cluster, costs
+        self.table = table or PrefixTable.empty()
         self.bound: dict[int, int] = {}
+        self.queued: dict[int, int] = {}  # request index -> its tokens in loads["prefill"]
         self.unsent: deque[RequestRecord] = deque()  # closed loop: requests not sent yet
         self.local_prefills = 0
         self.itl = ItlSamples()
@@ -166,7 +205,7 @@ class _Loop:
         self.to_wake: dict[Worker, None] = {}  # insertion-ordered set
         c = cluster
         if layout is Layout.DISAGG:
-            self.prefill = [PrefillWorker(i, costs, c.prefill_budget_tokens)
+            self.prefill = [PrefillWorker(i, costs, c.prefill_budget_tokens, self._cache())
                             for i in range(c.prefill_workers)]
             self.decode = [self._decode_worker(i, trace_tokens)
                            for i in range(c.decode_workers)]
@@ -176,11 +215,17 @@ class _Loop:
             self.prefill, self.decode = [], []
             self.colloc = [CollocatedWorker(i, costs, c.kv_capacity_tokens, c.max_batch,
                                             c.prefill_budget_tokens, chunk,
-                                            DecodeBatch(self.itl, trace_tokens))
+                                            DecodeBatch(self.itl, trace_tokens), self._cache())
                            for i in range(c.collocated_workers)]
         self.paced = [w for w in self.decode if isinstance(w, PacedDecodeWorker)]
         self.loads = {"prefill": [0] * len(self.prefill), "decode": [0] * len(self.decode),
                       "colloc": [0] * len(self.colloc)}
+        self.routed = {role: [RoutedPrefixes(self.table, c.block_tokens) for _ in loads]
+                       for role, loads in self.loads.items()}
+
+    def _cache(self) -> PrefixCache:
+        """A worker's prefix cache, bounded by its KV capacity."""
+        return PrefixCache(self.table, self.cluster.kv_capacity_tokens)
 
     def _decode_worker(self, index: int, trace_tokens: bool) -> DecodeWorker:
         """A decode worker; one that also prefills unless every prompt is split."""
@@ -188,7 +233,7 @@ class _Loop:
         if c.split is SplitRule.REMOTE:
             return DecodeWorker(index, self.costs, c.kv_capacity_tokens, c.max_batch, batch)
         return PacedDecodeWorker(index, self.costs, c.kv_capacity_tokens, c.max_batch, batch,
-                                 c.prefill_budget_tokens, c.tpot_target_s)
+                                 c.prefill_budget_tokens, c.tpot_target_s, self._cache())
 
     def push(self, time: float, kind: int, payload: Any) -> None:
         heapq.heappush(self.events, (time, kind, next(self.seq), payload))
@@ -211,40 +256,59 @@ class _Loop:
         loads = self.loads[role]
         return min(range(len(loads)), key=loads.__getitem__)
 
+    def _pick(self, role: str, record: RequestRecord) -> int:
+        """The worker of `role` for `record` under `Cluster.policy` (module docstring)."""
+        if self.cluster.policy is RoutePolicy.LEAST_LOADED:
+            return self._least(role)
+        legs = [len(w.queue) + len(w.step) for w in self.prefill] if role == "prefill" \
+            else self.loads[role]
+        routed = self.routed[role]
+        return min(range(len(legs)), key=lambda i: (
+            legs[i] - routed[i].blocks(record) / PREFIX_BLOCKS_PER_LEG, i))
+
     def arrive(self, record: RequestRecord, now: float) -> None:
         if self.layout is not Layout.DISAGG:
-            i = self._least("colloc")
+            i = self._pick("colloc", record)
             self.loads["colloc"][i] += 1
+            self.routed["colloc"][i].add(record)
             self.colloc[i].waiting.append(record)
             self.wake(self.colloc[i])
         elif self.cluster.split is SplitRule.REMOTE:
-            self.to_prefill(record, self._least("prefill"))
+            self.to_prefill(record, self._pick("prefill", record))
         else:
             self.route(record)
 
     def to_prefill(self, record: RequestRecord, i: int) -> None:
-        self.loads["prefill"][i] += record.prompt_tokens
+        """Queue `record` on prefill worker i, counted in Q_p as the router counts it."""
+        tokens = self.routed["prefill"][i].uncached(record)
+        self.routed["prefill"][i].add(record)
+        self.queued[record.index] = tokens
+        self.loads["prefill"][i] += tokens
         self.prefill[i].queue.append(record)
         self.wake(self.prefill[i])
 
     def route(self, record: RequestRecord) -> None:
-        """The router's path (split_model.py): the decode worker first, then where to prefill."""
-        j = self._least("decode")
+        """The router's path (split_model.py): the decode worker first, then where to prefill;
+        U is the prompt's uncached tokens on that decode worker, as the router counts them."""
+        j = self._pick("decode", record)
         self.loads["decode"][j] += 1
-        path = self._decide(record, j)
+        tokens = self.routed["decode"][j].uncached(record)
+        path = self._decide(j, tokens)
+        self.routed["decode"][j].add(record)
         if path is None or path.local:
             self.local_prefills += 1
-            self.paced[j].add_local(record)
+            self.paced[j].add_local(record, tokens)
             self.wake(self.paced[j])
         else:
             self.bound[record.index] = j
             self.to_prefill(record, path.prefill_index)
 
-    def _decide(self, record: RequestRecord, j: int) -> Route | None:
-        """The measured rule's decision for `record` on decode worker j; None: split local."""
+    def _decide(self, j: int, tokens: int) -> Route | None:
+        """The measured rule's decision for a prompt of `tokens` uncached tokens on decode
+        worker j; None: split local."""
         if self.cluster.split is SplitRule.LOCAL:
             return None
-        tokens, worker = record.prompt_tokens, self.paced[j]
+        worker = self.paced[j]
         return route(tokens, worker.backlog_tokens, worker.local_rate(tokens),
                      self.loads["prefill"], prefill_rate(self.costs, tokens),
                      self.cluster.transfer_seconds(tokens))
@@ -256,7 +320,7 @@ class _Loop:
             self.client_free(now)
         if isinstance(worker, PrefillWorker):
             for record in prefilled:
-                self.loads["prefill"][worker.index] -= record.prompt_tokens
+                self.loads["prefill"][worker.index] -= self.queued.pop(record.index)
                 j = self.bound.pop(record.index, None)
                 if record.output_tokens > 1:
                     self.send_to_decode(record, now, j)
@@ -270,8 +334,9 @@ class _Loop:
         """The KV of a prefilled request travels to decode worker j (None: the least loaded
         now, counted from now)."""
         if j is None:
-            j = self._least("decode")
+            j = self._pick("decode", record)
             self.loads["decode"][j] += 1
+            self.routed["decode"][j].add(record)
         self.push(now + self.cluster.transfer_seconds(record.prompt_tokens), _KV_READY,
                   (record, j))
 
@@ -315,6 +380,7 @@ class _Loop:
                 for i, n in enumerate(loads) if n]
         left += [f"{w.role} worker {w.index}: {w.kv.used} KV tokens"
                  for w in (*self.decode, *self.colloc) if w.kv.used]
+        left += [f"request {i} queued for prefill" for i in self.queued]
         return left + [f"request {i} bound to decode worker {j}" for i, j in self.bound.items()]
 
     def busy_fractions(self, span: float) -> dict[str, float]:
@@ -333,7 +399,7 @@ def simulate(layout: Layout | str, cluster: Cluster, costs: StepCosts,
     records = [RequestRecord(i, r.arrival_s, r.prompt_tokens, r.output_tokens,
                              token_times=[] if trace_tokens else None)
                for i, r in enumerate(trace)]
-    loop = _Loop(layout, cluster, costs, trace_tokens)
+    loop = _Loop(layout, cluster, costs, trace_tokens, PrefixTable(trace, cluster.block_tokens))
     end = loop.run(records, clients)
     if left := loop.leftovers():
         raise RuntimeError(f"the simulation ended holding work: {'; '.join(left)}")

@@ -9,10 +9,11 @@ Shapes, told apart by shape:
   file holding a single configuration needs no :CONFIG.
 
 Trace: every request, ok or not (the server saw them all), as arrival_s = start_s (seconds
-from the run's first send), prompt_tokens, output_tokens, sorted by arrival (stable). A request
-that failed before its first token reports output_tokens 0; it is replayed as a one-token
-request (it still queued and most likely prefilled; the result does not keep the max_tokens it
-asked for).
+from the run's first send), prompt_tokens, output_tokens, and its shared prefix's prefix_id and
+prefix_tokens where the row has them (the `prefix` workload; absent: none), sorted by arrival
+(stable). A request that failed before its first token reports output_tokens 0; it is replayed
+as a one-token request (it still queued and most likely prefilled; the result does not keep
+the max_tokens it asked for).
 Measured figures cover the successful requests only (bench serve's metrics); a run with none
 has None there, as has a result written before a figure was recorded.
 """
@@ -64,6 +65,10 @@ class MeasuredRun:
     # closed loop: the clients that sent the requests, each its next when its last ended (the
     # run's `max_concurrency`); None: open loop, the requests replayed at their send times
     clients: int | None = None
+    # prompts the router kept on their decode worker during the run (bench compare's
+    # split_decisions "local", a median over repeats); None: not recorded (a serve result, an
+    # older file)
+    local_prefills: float | None = None
 
     def __post_init__(self) -> None:
         if not self.trace:
@@ -94,7 +99,8 @@ def _request(row: Any, where: str) -> TraceRequest:
     out = row["output_tokens"]
     if out == 0 and not row.get("ok", True):
         out = 1  # failed before its first token: replayed as a one-token request
-    return request_at(where, row["start_s"], row["prompt_tokens"], out)
+    return request_at(where, row["start_s"], row["prompt_tokens"], out, row.get("prefix_id"),
+                      row.get("prefix_tokens", 0))
 
 
 def _run(spec: FileSpec, config: str | None, result: dict[str, Any]) -> MeasuredRun:
@@ -105,7 +111,7 @@ def _run(spec: FileSpec, config: str | None, result: dict[str, Any]) -> Measured
     return MeasuredRun(label, config, tuple(sorted(trace, key=lambda r: r.arrival_s)),
                        {k: result.get(k) for k in METRICS}, ok, len(rows) - ok,
                        _bound(result, "slo_ttft_ms", label), _bound(result, "slo_tpot_ms", label),
-                       _clients(result, label))
+                       _clients(result, label), _local_prefills(result, label))
 
 
 def _bound(result: dict[str, Any], key: str, label: str) -> float | None:
@@ -114,6 +120,15 @@ def _bound(result: dict[str, Any], key: str, label: str) -> float | None:
                               or not (value > 0 and math.isfinite(value))):
         raise ValueError(f"{label}: {key} must be a positive number of ms or null, "
                          f"got {value!r}")
+    return value
+
+
+def _local_prefills(result: dict[str, Any], label: str) -> float | None:
+    counts = result.get("split_decisions")
+    value = counts.get("local") if isinstance(counts, dict) else None
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)
+                              or not (value >= 0 and math.isfinite(value))):
+        raise ValueError(f"{label}: split_decisions local must be a count >= 0, got {value!r}")
     return value
 
 

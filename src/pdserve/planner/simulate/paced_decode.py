@@ -10,8 +10,14 @@ a started one first); with none, whole prompts under the token budget (the first
 Token 0 of a prompt comes at the end of the step that computed its last token; the request
 then joins this worker's batch (its KV is here: no transfer).
 
-Invariants: `backlog_tokens` is the summed prompt tokens of local prompts before their token 0
-(Q_d); `prefilling` holds admitted prompts in admission order, only its head partly computed.
+Prefix cache (prefix_cache.py): a local prompt whose shared prefix this worker holds starts at
+the reused tokens (the lookup is at admission; the step's plan reads it for the prompts it
+would admit); its prefix enters the cache once computed here, and so does the prefix of every
+split request whose KV arrives (the engine hashes received blocks as its own).
+
+Invariants: `backlog_tokens` is the summed uncached prompt tokens, as the router counted them
+when it routed each (`add_local`), of local prompts before their token 0 (Q_d); `prefilling`
+holds admitted prompts in admission order, only its head partly computed.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from collections import deque
 from pdserve.planner.simulate.calibration import Chunk, StepCosts
 from pdserve.planner.simulate.metrics import RequestRecord
 from pdserve.planner.simulate.pools import DecodeBatch, DecodeWorker, start_decoding
+from pdserve.planner.simulate.prefix_cache import PrefixCache
 from pdserve.planner.simulate.split_model import local_rate, paced_tokens
 
 Planned = list[tuple[RequestRecord, int]]  # (prompt, its tokens computed this step)
@@ -30,18 +37,25 @@ class PacedDecodeWorker(DecodeWorker):
     """Decode with continuous batching plus local prefills paced to `tpot_target_s`."""
 
     def __init__(self, index: int, costs: StepCosts, kv_capacity: int, max_batch: int,
-                 batch: DecodeBatch, budget_tokens: int, tpot_target_s: float) -> None:
+                 batch: DecodeBatch, budget_tokens: int, tpot_target_s: float,
+                 prefixes: PrefixCache | None = None) -> None:
         super().__init__(index, costs, kv_capacity, max_batch, batch)
         self.budget, self.tpot_target_s = budget_tokens, tpot_target_s
+        self.prefixes = prefixes or PrefixCache.disabled()
+        self.backlog_of: dict[int, int] = {}  # request index -> its tokens in backlog_tokens
         self.waiting: deque[RequestRecord] = deque()  # local prompts not admitted
         self.prefilling: deque[RequestRecord] = deque()  # admitted, prompt not done
         self.backlog_tokens = 0
         self.step_chunks: Planned = []
         self.step_decodes = 0
 
-    def add_local(self, record: RequestRecord) -> None:
+    def add_local(self, record: RequestRecord, uncached: int | None = None) -> None:
+        """A local prompt, counted in the backlog as `uncached` tokens (None: the whole
+        prompt)."""
+        tokens = record.prompt_tokens if uncached is None else uncached
         self.waiting.append(record)
-        self.backlog_tokens += record.prompt_tokens
+        self.backlog_of[record.index] = tokens
+        self.backlog_tokens += tokens
 
     def local_rate(self, tokens: int) -> float:
         """R_d for a prompt of `tokens` arriving now (split_model.local_rate)."""
@@ -76,6 +90,7 @@ class PacedDecodeWorker(DecodeWorker):
         while queue and batch.size + len(self.prefilling) < self.max_batch and \
                 self.kv.fits(queue[0]):
             self.kv.take(queue[0])
+            self.prefixes.received(queue[0])
             batch.join(queue.popleft())
 
     def _ready(self) -> list[RequestRecord]:
@@ -88,6 +103,7 @@ class PacedDecodeWorker(DecodeWorker):
             need = record.prompt_tokens + record.output_tokens
             if room <= 0 or need > free:
                 break
+            record.prefilled = self.prefixes.peek(record)  # what admission would reuse
             ready.append(record)
             room, free = room - 1, free - need
         return ready
@@ -96,6 +112,7 @@ class PacedDecodeWorker(DecodeWorker):
         if self.waiting.popleft() is not record:
             raise RuntimeError("local prompts must be admitted in arrival order")
         self.kv.take(record)
+        record.prefilled = self.prefixes.take(record)
         self.prefilling.append(record)
 
     def _paced(self, ready: list[RequestRecord], decodes: int) -> Planned:
@@ -120,9 +137,10 @@ class PacedDecodeWorker(DecodeWorker):
         done = []
         for record, tokens in self.step_chunks:
             record.prefilled += tokens
+            self.prefixes.computed(record)
             if record.prefilled == record.prompt_tokens:
                 done.append(self.prefilling.popleft())
-                self.backlog_tokens -= record.prompt_tokens
+                self.backlog_tokens -= self.backlog_of.pop(record.index)
         self.step_chunks = []
         return done
 

@@ -20,6 +20,11 @@ Scheduling rules (ours, after vLLM's scheduler; documented assumptions of the mo
   `budget_tokens` (pdserve's PROMPT_PACK_TOKENS); with chunked prefill the step's budget is
   `chunk` (pdserve's max_num_batched_tokens, decode tokens included): partially prefilled
   prompts first (FIFO), then newly admitted ones, cut to what the decodes leave.
+- prefix cache (prefix_cache.py), on every worker that prefills: a prompt admitted where its
+  shared prefix is cached starts at the reused tokens R (`prefilled` = R), so its steps compute
+  and count only the rest (the step budgets and packing count uncached tokens, as the engine's
+  scheduler does) while its chunks still attend over the prefix; a prompt's prefix enters its
+  worker's cache once computed there.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from collections import deque
 
 from pdserve.planner.simulate.calibration import Chunk, StepCosts
 from pdserve.planner.simulate.metrics import ItlSamples, RequestRecord
+from pdserve.planner.simulate.prefix_cache import PrefixCache
 
 
 def first_token(record: RequestRecord, now: float) -> None:
@@ -142,32 +148,43 @@ class Worker:
         raise NotImplementedError
 
 
+def uncached(record: RequestRecord, prefixes: PrefixCache) -> int:
+    """The prompt tokens `record` would compute if admitted now on the worker of `prefixes`."""
+    return record.prompt_tokens - prefixes.peek(record)
+
+
 class PrefillWorker(Worker):
-    """Disaggregated prefill: whole prompts under a token budget per step."""
+    """Disaggregated prefill: whole prompts, their uncached tokens under a budget per step."""
 
     role = "prefill"
 
-    def __init__(self, index: int, costs: StepCosts, budget_tokens: int) -> None:
+    def __init__(self, index: int, costs: StepCosts, budget_tokens: int,
+                 prefixes: PrefixCache | None = None) -> None:
         super().__init__(index, costs)
         self.budget = budget_tokens
+        self.prefixes = prefixes or PrefixCache.disabled()
         self.queue: deque[RequestRecord] = deque()
         self.step: list[RequestRecord] = []
 
     def start_step(self, now: float) -> float | None:
         if not self.queue:
             return None
-        self.step = [self.queue.popleft()]
-        tokens = self.step[0].prompt_tokens
-        while self.queue and tokens + self.queue[0].prompt_tokens <= self.budget:
-            tokens += self.queue[0].prompt_tokens
-            self.step.append(self.queue.popleft())
-        chunks = [Chunk(0, r.prompt_tokens, True) for r in self.step]
+        tokens = 0
+        while self.queue and (not self.step
+                              or tokens + uncached(self.queue[0], self.prefixes) <= self.budget):
+            record = self.queue.popleft()
+            record.prefilled = self.prefixes.take(record)
+            tokens += record.prompt_tokens - record.prefilled
+            self.step.append(record)
+        chunks = [Chunk(r.prefilled, r.prompt_tokens - r.prefilled, True) for r in self.step]
         return self.costs.step_seconds(chunks, 0, 0)
 
     def finish_step(self, now: float) -> tuple[list[RequestRecord], list[RequestRecord]]:
         done, self.step = self.step, []
         finished = []
         for record in done:
+            record.prefilled = record.prompt_tokens
+            self.prefixes.computed(record)
             first_token(record, now)
             if record.output_tokens == 1:
                 record.finish_s = now
@@ -211,9 +228,11 @@ class CollocatedWorker(Worker):
     role = "colloc"
 
     def __init__(self, index: int, costs: StepCosts, kv_capacity: int, max_batch: int,
-                 budget_tokens: int, chunk: int | None, batch: DecodeBatch) -> None:
+                 budget_tokens: int, chunk: int | None, batch: DecodeBatch,
+                 prefixes: PrefixCache | None = None) -> None:
         super().__init__(index, costs)
         self.kv = KvPool(kv_capacity)
+        self.prefixes = prefixes or PrefixCache.disabled()
         self.max_batch, self.budget, self.chunk = max_batch, budget_tokens, chunk
         self.waiting: deque[RequestRecord] = deque()
         self.prefilling: deque[RequestRecord] = deque()  # admitted, prompt not done
@@ -229,18 +248,20 @@ class CollocatedWorker(Worker):
             return None
         record = self.waiting.popleft()
         self.kv.take(record)
+        record.prefilled = self.prefixes.take(record)
         self.prefilling.append(record)
         return record
 
     def _plan_whole(self) -> list[tuple[RequestRecord, int]]:
         plan: list[tuple[RequestRecord, int]] = []
         tokens = 0
-        while self.waiting and (not plan or tokens + self.waiting[0].prompt_tokens <= self.budget):
+        while self.waiting and (not plan or tokens + uncached(self.waiting[0], self.prefixes)
+                                <= self.budget):
             record = self._admit()
             if record is None:
                 break
-            plan.append((record, record.prompt_tokens))
-            tokens += record.prompt_tokens
+            plan.append((record, record.prompt_tokens - record.prefilled))
+            tokens += record.prompt_tokens - record.prefilled
         return plan
 
     def _plan_chunked(self, chunk: int) -> list[tuple[RequestRecord, int]]:
@@ -252,7 +273,7 @@ class CollocatedWorker(Worker):
             plan.append((record, take))
             chunk -= take
         while chunk > 0 and (record := self._admit()) is not None:
-            take = min(chunk, record.prompt_tokens)
+            take = min(chunk, record.prompt_tokens - record.prefilled)
             plan.append((record, take))
             chunk -= take
         return plan
@@ -282,6 +303,7 @@ class CollocatedWorker(Worker):
         prefilled = []
         for record, tokens in self.step_chunks:
             record.prefilled += tokens
+            self.prefixes.computed(record)
             if record.prefilled == record.prompt_tokens:
                 prefilled.append(self.prefilling.popleft())  # done prompts lead the queue
         self.step_chunks = []
