@@ -64,3 +64,27 @@ def test_the_command_exits_1_when_a_figure_is_outside_and_writes_the_summary(res
 def test_bad_settings_say_what_to_fix(tmp_path, kw, message):
     with pytest.raises(ValueError, match=message):
         _settings(tmp_path, **kw)
+
+
+def test_a_split_configurations_row_has_its_local_prefills_measured_and_simulated(results):
+    chat = json.loads((results / "chat.json").read_text())
+    chat["disagg"]["split_decisions"] = {"local": 1, "remote": 0,
+                                         "by_reason": {"local/measured_cost": 1}}
+    write_json(results / "chat.json", chat)
+    summary = run_check(_settings(results))
+    rows = {r["config"]: r for r in summary["rows"]}
+    simulated = rows["disagg"]["local_prefills"]["simulated"]
+    assert rows["disagg"]["local_prefills"]["measured"] == 1
+    assert "local_prefills" not in rows["collocated"]
+    lines = format_check(summary).splitlines()
+    assert lines[1].endswith("local_prefills(measured/simulated)")
+    assert lines[2].startswith("chat  disagg") and lines[2].endswith(f"  1/{simulated}")
+    assert lines[3].startswith("chat  collocated") and lines[3].endswith("  -")
+
+
+def test_results_without_split_decisions_show_a_dash_for_the_measured_count(results):
+    rows = {r["config"]: r for r in run_check(_settings(results))["rows"]}
+    assert rows["disagg"]["local_prefills"]["measured"] is None
+    simulated = rows["disagg"]["local_prefills"]["simulated"]
+    summary = {"calibrated_on": "mixed", "rows": list(rows.values()), "ranking": {}}
+    assert format_check(summary).splitlines()[2].endswith(f"  -/{simulated}")

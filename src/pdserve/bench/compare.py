@@ -4,9 +4,15 @@ the other, on the same cores, in one run; one table with the ratio to the first.
 Each pdserve configuration is started here with `pdserve up` on the first `cores` cores
 (collocated: one worker on all of them; disagg: one prefill and one decode worker, the cores
 split between them; elastic: disagg's workers, whose roles the router flips itself, `pdserve
-up --elastic`), warmed up with two requests, measured with `bench serve`'s runner, and
+up --elastic`), warmed up with two requests (the workload's, drawn from its next seed:
+`warm_up_requests`), measured with `bench serve`'s runner, and
 stopped before the next starts. Before the stop the router's `pdserve_role_flips_total` is
-read: `role_flips` (all directions) and `role_flips_by` ("decode->prefill": n, ...). Workers
+read: `role_flips` (all directions) and `role_flips_by` ("decode->prefill": n, ...); and its
+`pdserve_router_split_decisions_total`, once after the warm-up and once after the run, whose
+difference is `split_decisions`: the measured requests' paths on decode workers, {"local": n,
+"remote": m, "by_reason": {"local/measured_cost": n, "remote/unmeasured": k, ...}} ("remote"
+is the metric's "disaggregated"; a collocated worker's requests are no split decision and are
+left out, so a collocated configuration has zeros). Workers
 keep a ring of their engine steps and a history of their roles; both, over the measured run,
 are fetched before the stop: the steps for the timeline picture, the roles for `workers` (per
 worker: `index` and `url` in `pdserve up`'s order, `roles` as the worker gave them,
@@ -36,6 +42,9 @@ Repeats (`--repeats N`, default 1). Invariants:
 - The table and `--out` give, per configuration, the median over its runs of every metric
   (`median_of_runs`; the same vLLM `bench serve` names as one run); ratios are ratios of
   medians. `--out` keeps every run's metrics, in run order, under `repeats`.
+- `split_decisions` too: each count (local, remote, each path/reason) is the median of that
+  count over the runs (a run without a reason counts 0 for it), so the parts need not add up
+  to the whole; every run's own counts are under `repeats`.
 - The step traces (`X.steps.json`), the `requests`, `workers` and `run_window` in `--out`, and
   the `--plots` pictures are those of the last round.
 - With N = 1 every output is exactly that of a single run (no `repeats` key).
@@ -45,6 +54,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import math
 import os
@@ -69,7 +79,7 @@ from pdserve.bench.serve.runner import (
     run_bench,
     settings_from_args,
 )
-from pdserve.bench.serve.workloads import WORKLOAD_KINDS, Workload
+from pdserve.bench.serve.workloads import WORKLOAD_KINDS, RequestSpec, Workload
 from pdserve.cluster.bed_up_process import BedUpProcess
 from pdserve.cluster.up_process import UpProcess, get_json
 from pdserve.testbed import lifecycle
@@ -98,8 +108,13 @@ METRIC_KEYS: tuple[str, ...] = (
     *(key for name in ("ttft", "tpot", "itl", "e2el") for key in distribution_ms(name, [])))
 # Read from a pdserve cluster's router (none for an external server): medians over repeats too.
 CLUSTER_KEYS = ("role_flips",)
-FLIP_LINE = re.compile(r'^pdserve_role_flips_total\{from="(?P<old>\w+)",to="(?P<new>\w+)"\} '
-                       r"(?P<n>\S+)$")
+# One sample of a Prometheus text exposition: name, {labels} (maybe none), value.
+SAMPLE_LINE = re.compile(r"^(?P<name>[A-Za-z_:][\w:]*)(?:\{(?P<labels>[^}]*)\})?\s+(?P<n>\S+)")
+LABEL = re.compile(r'(?P<key>\w+)="(?P<value>(?:[^"\\]|\\.)*)"')
+SPLITS = "pdserve_router_split_decisions_total"
+# The metric's path label -> split_decisions' key; reason collocated_worker is no split
+SPLIT_PATHS = {"local": "local", "disaggregated": "remote"}
+NOT_A_SPLIT = "collocated_worker"
 
 
 @dataclass(frozen=True)
@@ -144,9 +159,19 @@ class CompareSettings:
         return ",".join(map(str, sorted(os.sched_getaffinity(0))[: self.cores]))
 
 
+def warm_up_requests(workload: Workload) -> list[RequestSpec]:
+    """The first two requests of the workload drawn from its next seed: first-use costs go off
+    the clock, and no prompt of the trace is in a worker's prefix cache before the run (with
+    the trace's own seed its first two requests would be prefix hits, unlike the simulator's
+    replay, and their prefill steps of a block or two would pull down the decode worker's
+    measured prefill rate, which the router's split decision reads)."""
+    other = dataclasses.replace(workload, seed=workload.seed + 1)
+    return other.requests(1.0, num_requests=2)
+
+
 def _warm_up(url: str, model: str, workload: Workload) -> None:
-    """Two short requests shaped like the trace's first ones (first-use costs off the clock)."""
-    for spec in workload.requests(1.0, num_requests=2):
+    """`warm_up_requests`, a few tokens each, one after the other."""
+    for spec in warm_up_requests(workload):
         body = json.dumps({"model": model, "prompt": list(spec.prompt_token_ids),
                            "max_tokens": 4, "temperature": 0}).encode()
         req = urllib.request.Request(url + "/completions", data=body,
@@ -181,19 +206,65 @@ def worker_roles(index: int, url: str, roles: list[dict[str, Any]], start: float
             "flips": len(flips_within(roles, start, end))}
 
 
-def role_flips(router_url: str) -> dict[str, Any]:
-    """`role_flips` and `role_flips_by` ("decode->prefill": n) from the router's /metrics."""
+def router_metrics(router_url: str) -> str:
+    """The router's /metrics text (`router_url` without /v1)."""
     with urllib.request.urlopen(router_url + "/metrics", timeout=5) as resp:
-        return flips_from_metrics(resp.read().decode())
+        return resp.read().decode()
+
+
+def counter_samples(text: str, name: str) -> Iterator[tuple[dict[str, str], int]]:
+    """(labels, value rounded to an integer) of each sample of counter `name` in `text`."""
+    for line in text.splitlines():
+        match = SAMPLE_LINE.match(line)
+        if match is not None and match["name"] == name:
+            labels = {m["key"]: m["value"] for m in LABEL.finditer(match["labels"] or "")}
+            yield labels, round(float(match["n"]))
 
 
 def flips_from_metrics(text: str) -> dict[str, Any]:
+    """`role_flips` and `role_flips_by` ("decode->prefill": n) from the router's /metrics."""
     by: dict[str, int] = {}
-    for line in text.splitlines():
-        if (match := FLIP_LINE.match(line)) is not None:
-            key = f"{match['old']}->{match['new']}"
-            by[key] = by.get(key, 0) + round(float(match["n"]))
+    for labels, n in counter_samples(text, "pdserve_role_flips_total"):
+        key = f"{labels.get('from')}->{labels.get('to')}"
+        by[key] = by.get(key, 0) + n
     return {"role_flips": sum(by.values()), "role_flips_by": by}
+
+
+def split_counts(text: str) -> dict[str, int]:
+    """The router's split decisions since it started by "local/<reason>" and
+    "remote/<reason>", from its /metrics; a collocated worker's requests left out."""
+    by: dict[str, int] = {}
+    for labels, n in counter_samples(text, SPLITS):
+        path, reason = SPLIT_PATHS.get(labels.get("path", "")), labels.get("reason", "")
+        if path is not None and reason != NOT_A_SPLIT:
+            key = f"{path}/{reason}"
+            by[key] = by.get(key, 0) + n
+    return by
+
+
+def split_decisions(by_reason: Mapping[str, int | float]) -> dict[str, Any]:
+    """`split_decisions` from counts by "path/reason" (zero counts left out): local and remote
+    are the sums of their reasons'."""
+    kept = {key: n for key, n in sorted(by_reason.items()) if n}
+    out: dict[str, Any] = {path: sum(n for key, n in kept.items() if key.startswith(f"{path}/"))
+                           for path in SPLIT_PATHS.values()}
+    out["by_reason"] = kept
+    return out
+
+
+def cluster_figures(text: str, before: Mapping[str, int]) -> dict[str, Any]:
+    """What a run's result takes from the router's /metrics `text` read after the run:
+    its role flips, and `split_decisions` of the run (the counts less `before`,
+    `split_counts` read before the run)."""
+    after = split_counts(text)
+    run = {key: n - before.get(key, 0) for key, n in after.items()}
+    return {**flips_from_metrics(text), "split_decisions": split_decisions(run)}
+
+
+def splits(result: Mapping[str, Any]) -> bool:
+    """Whether this configuration made split decisions (a decode worker's requests)."""
+    counts = result.get("split_decisions") or {}
+    return bool(counts.get("local") or counts.get("remote"))
 
 
 def _turn(s: CompareSettings, name: str, repeat: int) -> str:
@@ -212,12 +283,14 @@ def run_config(s: CompareSettings, name: str, repeat: int = 0,
     try:
         with client:
             _warm_up(up.url, s.model, s.workload)
+            router = up.url.removesuffix("/v1")
+            before = split_counts(router_metrics(router))
             start = time.time()
             result = run_bench(up.url, s.model, s.workload, s.load, s.timeout_s, s.slo)
             end = time.time()
-            flips = role_flips(up.url.removesuffix("/v1"))
+            cluster = cluster_figures(router_metrics(router), before)
         steps, workers = _workers(up, start, end)
-        return {**result, **flips, "workers": workers, "run_window": [start, end]}, steps
+        return {**result, **cluster, "workers": workers, "run_window": [start, end]}, steps
     finally:
         up.stop()
 
@@ -329,8 +402,26 @@ def combine_repeats(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
         return runs[0]
     errors = [e for run in runs for e in run.get("errors", [])][:MAX_ERRORS]
     keys = (*METRIC_KEYS, *(k for k in CLUSTER_KEYS if any(k in run for run in runs)))
-    repeats = [{k: run[k] for k in (*keys, "errors") if k in run} for run in runs]
-    return {**runs[-1], **median_of_runs(runs, keys), "errors": errors, "repeats": repeats}
+    kept = (*keys, "split_decisions", "errors")
+    repeats = [{k: run[k] for k in kept if k in run} for run in runs]
+    combined = {**runs[-1], **median_of_runs(runs, keys), "errors": errors, "repeats": repeats}
+    counted = [run["split_decisions"] for run in runs if "split_decisions" in run]
+    if counted:
+        combined["split_decisions"] = median_split_decisions(counted)
+    return combined
+
+
+def median_split_decisions(runs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """`split_decisions` of several runs: each count the median of that count over them (a
+    reason a run never gave counts 0 there); local and remote are their own medians, so they
+    need not be the sums of their reasons' medians."""
+    reasons = sorted({key for run in runs for key in run.get("by_reason", {})})
+    out: dict[str, Any] = {path: statistics.median(run.get(path, 0) for run in runs)
+                           for path in SPLIT_PATHS.values()}
+    by = {key: statistics.median(run.get("by_reason", {}).get(key, 0) for run in runs)
+          for key in reasons}
+    out["by_reason"] = {key: n for key, n in by.items() if n}
+    return out
 
 
 def every_run_completed(results: Mapping[str, Mapping[str, Any]]) -> bool:
@@ -360,7 +451,39 @@ def format_table(results: dict[str, dict[str, Any]], repeats: int = 1) -> str:
     if repeats > 1:
         lines.append(f"each value is the median of {repeats} runs (--out keeps every run under "
                      "'repeats')")
-    return "\n".join(lines + _role_lines(results, repeats))
+    return "\n".join(_with_split_row(lines, results) + _role_lines(results, repeats)
+                     + _split_lines(results))
+
+
+def _with_split_row(lines: list[str], results: Mapping[str, Mapping[str, Any]]) -> list[str]:
+    """The table's `lines` with a row of local/remote prefills after its metrics when a
+    configuration split prompts ("-" for those that did not)."""
+    if not any(splits(r) for r in results.values()):
+        return lines
+    cells = [f"{_split_cell(r):>20}" for r in results.values()]
+    end = 2 + len(TABLE_KEYS)  # the head, its rule and a row per metric
+    return [*lines[:end], f"{'split local/remote':<22}" + "".join(cells), *lines[end:]]
+
+
+def _split_cell(result: Mapping[str, Any]) -> str:
+    if not splits(result):
+        return "-"
+    counts = result["split_decisions"]
+    return f"{_count(counts['local'])}/{_count(counts['remote'])}"
+
+
+def _count(n: float) -> str:
+    return f"{n:g}"
+
+
+def _split_lines(results: Mapping[str, Mapping[str, Any]]) -> list[str]:
+    """The router's reasons of each configuration that split prompts."""
+    split = {n: r["split_decisions"]["by_reason"] for n, r in results.items() if splits(r)}
+    if not split:
+        return []
+    return ["split decisions by path/reason (local: prefilled on the decode worker):"] + [
+        f"  {n}: " + ", ".join(f"{key} {_count(c)}" for key, c in by.items())
+        for n, by in split.items()]
 
 
 def changed_role(result: Mapping[str, Any]) -> bool:

@@ -8,7 +8,10 @@ step costs on the calibration run alone and simulates W's recorded requests on C
 table holds each figure simulated against measured, with its error and whether it is within the
 simulator's tolerance (25%; 35% for the P99 ITL), and per workload whether the configuration
 the simulation ranks best by goodput is the one measured best. Goodput counts requests within
-a 2 s TTFT and a 100 ms TPOT (`SLO_*`; 100 ms is also what `pdserve up` paces to).
+a 2 s TTFT and a 100 ms TPOT (`SLO_*`; 100 ms is also what `pdserve up` paces to). A split
+configuration's row also has its local prefills, measured (the router's, from the results'
+`split_decisions`) / simulated, informational: no tolerance ("-" where a results file predates
+them or the configuration does not split).
 
 A workload whose results file already exists in DIR is not measured again unless --remeasure:
 a change to the simulator is checked against the same runs; a change to the engine's speed
@@ -163,7 +166,8 @@ def _rankings(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
 
 def format_check(summary: dict[str, Any]) -> str:
     """One line per (workload, configuration): each figure measured -> simulated (error)."""
-    head = ["workload", "config"] + [f.replace("_ms", "") for f in FIGURES]
+    head = ["workload", "config"] + [f.replace("_ms", "") for f in FIGURES] + \
+        ["local_prefills(measured/simulated)"]
     lines = [f"held-out validation, step costs fitted on {summary['calibrated_on']!r} "
              "(measured -> simulated, error; * outside its tolerance)", "  ".join(head)]
     for r in summary["rows"]:
@@ -173,11 +177,20 @@ def format_check(summary: dict[str, Any]) -> str:
             flag = "*" if f in r["outside"] else ""
             cells.append("-" if m is None or sim is None or err is None else
                          f"{m:.3g}->{sim:.3g} ({err:+.0%}){flag}")
+        cells.append(_local_prefills(r.get("local_prefills")))
         lines.append("  ".join(cells))
     for workload, rank in summary["ranking"].items():
         lines.append(f"{workload}: best by goodput measured {rank['measured']}, simulated "
                      f"{rank['simulated']}: {'agree' if rank['agree'] else 'DISAGREE'}")
     return "\n".join(lines)
+
+
+def _local_prefills(counts: dict[str, Any] | None) -> str:
+    """"measured/simulated" local prefills of a split configuration, else "-"."""
+    if counts is None:
+        return "-"
+    measured = counts.get("measured")
+    return f"{'-' if measured is None else format(measured, 'g')}/{counts['simulated']}"
 
 
 def run_simulator_check_cli(args: argparse.Namespace) -> int:

@@ -47,6 +47,7 @@ from pdserve.planner.simulate.measured_compare import (
     comparison_json,
     measured_layout,
     render_comparison,
+    split_local_prefills,
 )
 from pdserve.planner.simulate.measured_run import MeasuredRun, load_measured_run, read_trace_file
 from pdserve.planner.simulate.metrics import Slo, Summary, summarize, summary_to_dict
@@ -231,7 +232,7 @@ def _against_measured(setup: Setup, results: list[tuple[SimResult, Summary]]
         return None
     result, summary = results[0]
     return compare(setup.measured, layout_label(result.layout, setup.cluster),
-                   summary_to_dict(summary))
+                   summary_to_dict(summary), split_local_prefills(result))
 
 
 def resolve(args: argparse.Namespace) -> Setup:

@@ -19,6 +19,10 @@ Relative error = (simulated - measured) / measured, for each of METRICS (None wh
 measured value is 0 or missing). Each figure has its tolerance: 35% for the P99 ITL (a tail of
 single steps, the hardest to place), 25% for the others; `worst` is the largest |relative
 error| as a share of its tolerance (<= 1: every figure within).
+
+A split layout's comparison also shows its local prefills, informational (no tolerance): the
+prompts the router kept on their decode worker (the run's `split_decisions`, bench compare;
+"-" for a file without them) beside the simulation's `local_prefills` (split_model.py's rule).
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from pdserve.planner.simulate.events import Layout
+from pdserve.planner.simulate.events import Layout, SimResult
 from pdserve.planner.simulate.measured_run import METRICS, MeasuredRun
 from pdserve.planner.simulate.split_model import SplitRule
 
@@ -93,6 +97,8 @@ class Comparison:
     label: str  # the simulated layout, e.g. "disagg 1P+1D"
     measured: dict[str, float | None]
     simulated: dict[str, float | None]
+    # the simulation's prompts prefilled on their decode worker; None: not a split layout
+    local_prefills: int | None = None
 
     def error(self, key: str) -> float | None:
         m, s = self.measured[key], self.simulated[key]
@@ -105,10 +111,17 @@ class Comparison:
         return max(shares) if shares else None
 
 
-def compare(run: MeasuredRun, label: str, simulated: dict[str, Any]) -> Comparison:
-    """`simulated`: metrics.summary_to_dict of the simulated layout."""
+def compare(run: MeasuredRun, label: str, simulated: dict[str, Any],
+            local_prefills: int | None = None) -> Comparison:
+    """`simulated`: metrics.summary_to_dict of the simulated layout; `local_prefills`: its
+    local prefills when it splits prompts (`split_local_prefills`)."""
     return Comparison(run, label, {k: run.measured[k] for k in METRICS},
-                      {k: simulated[k] for k in METRICS})
+                      {k: simulated[k] for k in METRICS}, local_prefills)
+
+
+def split_local_prefills(result: SimResult) -> int | None:
+    """The simulation's local prefills for a split layout (disagg), else None."""
+    return result.local_prefills if result.layout is Layout.DISAGG else None
 
 
 def _cell(value: float | None, fmt: str) -> str:
@@ -125,6 +138,9 @@ def render_comparison(c: Comparison) -> str:
         lines.append(f"{_LABELS[key]:<22}{_cell(c.measured[key], '{:,.2f}'):>12}"
                      f"{_cell(c.simulated[key], '{:,.2f}'):>12}"
                      f"{_cell(c.error(key), '{:+.1%}'):>10}  (within {TOLERANCES[key]:.0%})")
+    if c.local_prefills is not None:
+        lines.append(f"{'local prefills':<22}{_cell(c.run.local_prefills, '{:g}'):>12}"
+                     f"{c.local_prefills:>12}{'':>10}  (measured: the router's; no tolerance)")
     if c.worst is not None:
         verdict = "every figure within its tolerance" if c.worst <= 1 else \
             "NOT every figure within its tolerance"
@@ -138,8 +154,14 @@ _LABELS = {"median_ttft_ms": "median TTFT (ms)", "p99_ttft_ms": "P99 TTFT (ms)",
 
 
 def comparison_json(c: Comparison) -> dict[str, Any]:
-    return {"run": c.run.label, "config": c.run.config, "layout": c.label,
-            "completed": c.run.completed, "failed": c.run.failed,
-            "measured": c.measured, "simulated": c.simulated,
-            "rel_error": {k: c.error(k) for k in METRICS}, "tolerance": TOLERANCES,
-            "worst_share_of_tolerance": c.worst}
+    """The comparison; `local_prefills` ({"measured": n or None, "simulated": m}) only for a
+    split layout."""
+    out = {"run": c.run.label, "config": c.run.config, "layout": c.label,
+           "completed": c.run.completed, "failed": c.run.failed,
+           "measured": c.measured, "simulated": c.simulated,
+           "rel_error": {k: c.error(k) for k in METRICS}, "tolerance": TOLERANCES,
+           "worst_share_of_tolerance": c.worst}
+    if c.local_prefills is not None:
+        out["local_prefills"] = {"measured": c.run.local_prefills,
+                                 "simulated": c.local_prefills}
+    return out

@@ -36,8 +36,20 @@ gets faster with more prompt tokens. At least one block (`BLOCK_TOKENS`) per ste
 always progresses; at most the prompt tokens ready; with no stream decoding, no cap.
 
 Not modelled: the router's fixed fallback before any rate is measured (`pdserve bench compare`
-warms every cluster up first), measurement windows (rates here are the cost model's at the
-decision), the KV-usage term of the least-loaded policy, prefix caching.
+warms every cluster up first), the KV-usage term of the least-loaded policy, prefix caching,
+and the router's measured inputs (the rates here are the cost model's, for this prompt, at the
+decision):
+- R_d: the router reads the decode worker's reported rate, sum N / sum t over its last 64
+  steps that computed prompt tokens, counted whole (workers/step_rates.py): the rate its last
+  local prompts got beside the streams of their time, however long ago; R_d here is the rate
+  this prompt gets beside the streams decoding now. A decode worker idle now whose last local
+  prompts were paced beside streams is slower to the router than here (its whole-prompt
+  rate), and while the router keeps prompts remote that rate is never measured again.
+- T_link: the router's estimate from its recent hand-overs (the decode side's wait for its
+  step included), else the prefill worker's report, else 0 once neither is in memory
+  (router/link_estimates.py); here the Cluster's wire time.
+- R_p: the prefill worker's reported rate over its last 64 prompt steps, against U / step(U
+  alone) here.
 """
 
 from __future__ import annotations
