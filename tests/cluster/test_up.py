@@ -19,6 +19,7 @@ from pdserve.cluster.layout import UpConfig, plan_processes, worker_counts
 from pdserve.cluster.secret import remove_secret, write_secret
 from pdserve.cluster.supervisor import ProcessSpec
 from pdserve.cluster.up_process import free_port
+from pdserve.common.engine_options import resolve_dtype
 from tests.cluster.helpers import fake_spec
 
 SECRET = Path("/run/secret")
@@ -53,7 +54,7 @@ def test_default_layout_is_one_prefill_one_decode_then_router() -> None:
     prefill, decode, router = plan_processes(UpConfig(cpus=(0, 1)), SECRET)
     assert prefill.argv[:4] == (PY, "-m", "pdserve.cli", "worker")
     assert _options(prefill) == {
-        "--role": ["prefill"], "--model": ["smollm2"], "--dtype": ["bfloat16"],
+        "--role": ["prefill"], "--model": ["smollm2"], "--dtype": [resolve_dtype("auto", "cpu")],
         "--device": ["cpu"], "--host": ["127.0.0.1"], "--port": ["8001"], "--kv-port": ["8101"],
         "--transport": ["tcp"], "--secret-file": ["/run/secret"], "--cpus": ["0"],
         "--kv-cache-memory": ["512MiB"], "--kv-layerwise": ["auto"], "--kv-lease": ["30.0"],
@@ -449,8 +450,9 @@ def test_bad_access_or_limit_options_are_refused_before_anything_starts(
 
 
 @pytest.mark.parametrize(("cached", "argv", "said"), [
-    (False, [], True),
-    (True, [], False),
+    (False, ["--dtype", "bfloat16"], True),
+    (False, [], resolve_dtype("auto", "cpu") == "bfloat16"),  # bf16 where the CPU computes it
+    (True, ["--dtype", "bfloat16"], False),
     (False, ["--no-cpu-kernels"], False),
     (False, ["--dtype", "float32"], False),
 ])

@@ -28,7 +28,7 @@ from pdserve.api.limits import DEFAULT_LIMITS, RequestLimits, limits_from_args, 
 from pdserve.bearer import read_key_file
 from pdserve.cli_args import parse_cpus, parse_size
 from pdserve.cluster.child import ProcessSpec
-from pdserve.common.engine_options import DTYPE_NAMES, Role, check_device
+from pdserve.common.engine_options import DTYPE_CHOICES, Role, check_device, resolve_dtype
 from pdserve.internal_auth import read_secret_file
 from pdserve.router.access import rate_limit_from_args
 from pdserve.router.admission_settings import (
@@ -78,7 +78,7 @@ class UpConfig:
     kv_encrypt: bool = False
     kv_layerwise: str = "auto"
     kv_lease_s: float = 30.0
-    dtype: str = "bfloat16"
+    dtype: str = "auto"
     device: str = "cpu"  # every worker's; they share it
     kv_cache_memory: str = "512MiB"
     max_model_len: int | None = None
@@ -173,7 +173,7 @@ class UpConfig:
         for name, value, choices in (("transport", self.transport, TRANSPORTS),
                                      ("policy", self.policy, POLICIES),
                                      ("kv_layerwise", self.kv_layerwise, LAYERWISE),
-                                     ("dtype", self.dtype, DTYPE_NAMES)):
+                                     ("dtype", self.dtype, DTYPE_CHOICES)):
             if value not in choices:
                 raise ValueError(f"{name} must be one of {', '.join(choices)}, got {value!r}")
         parse_size(self.kv_cache_memory)  # the worker parses it the same way
@@ -323,7 +323,8 @@ def planned_ports(config: UpConfig) -> list[tuple[int, str]]:
 
 def _worker_spec(config: UpConfig, index: int, role: str, secret_file: Path) -> ProcessSpec:
     launch = WorkerLaunch(
-        role=Role(role), model=config.model, dtype=config.dtype, device=config.device,
+        role=Role(role), model=config.model, device=config.device,
+        dtype=resolve_dtype(config.dtype, config.device),  # once here: every worker alike
         host=config.host, port=config.port + HTTP_PORT_OFFSET + index,
         kv_port=config.port + KV_PORT_OFFSET + index, transport=config.transport,
         secret_file=secret_file, serve_public=config.serve_public,

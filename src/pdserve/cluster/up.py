@@ -31,6 +31,7 @@ from pdserve.cluster.ports import check_ports_free
 from pdserve.cluster.secret import remove_secret, remove_stale_secrets, write_secret
 from pdserve.cluster.supervisor import ClusterError, run
 from pdserve.cluster.testbed_hosts import enter_router_host, load_placement, place
+from pdserve.common.engine_options import resolve_dtype
 from pdserve.internal_auth import InternalAuth, read_secret_file
 from pdserve.router.access import add_client_access_args
 from pdserve.router.admission_settings import add_admission_args
@@ -232,7 +233,8 @@ def _layout_line(config: UpConfig) -> str:
 def _note_kernel_build(config: UpConfig) -> None:
     """Say so, before the workers start, when their first health check waits on a build of the
     CPU operators (bf16 on CPU with them on, none cached for this environment)."""
-    if not (config.cpu_kernels and config.device == "cpu" and config.dtype == "bfloat16"):
+    bf16 = resolve_dtype(config.dtype, config.device) == "bfloat16"
+    if not (config.cpu_kernels and config.device == "cpu" and bf16):
         return
     from pdserve.engine import kernels
 

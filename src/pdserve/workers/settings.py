@@ -31,7 +31,7 @@ from pdserve.cli_args import (
     parse_cpus,
     parse_size,
 )
-from pdserve.common.engine_options import DTYPE_NAMES, Role
+from pdserve.common.engine_options import DTYPE_CHOICES, DTYPE_HELP, Role
 from pdserve.config import EngineConfig
 from pdserve.internal_auth import InternalAuth, read_secret_file
 from pdserve.workers.register import JoinSettings
@@ -136,8 +136,7 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
                    help="'smollm2' or a Hugging Face model folder (default: %(default)s)")
     p.add_argument("--served-model-name", default=None,
                    help="the name clients use in 'model' (default: --model as given)")
-    p.add_argument("--dtype", default="bfloat16", choices=list(DTYPE_NAMES),
-                   help="default: %(default)s")
+    p.add_argument("--dtype", default="auto", choices=list(DTYPE_CHOICES), help=DTYPE_HELP)
     add_device_arg(p)
     p.add_argument("--host", default="127.0.0.1", help="HTTP address (default: %(default)s)")
     p.add_argument("--port", type=int, default=8001, help="HTTP port (default: %(default)s)")
@@ -250,7 +249,7 @@ class WorkerLaunch:
     role: Role = Role.COLLOCATED
     model: str = "smollm2"
     served_model_name: str | None = None
-    dtype: str = "bfloat16"
+    dtype: str = "auto"
     device: str = "cpu"
     host: str = "127.0.0.1"
     port: int = 8001
