@@ -14,6 +14,7 @@ from pdserve.bench.flip.cli import add_flip_args, run_flip_cli
 from pdserve.bench.serve.runner import add_bench_serve_args, run_bench_serve
 from pdserve.bench.simulator_check import add_simulator_check_args, run_simulator_check_cli
 from pdserve.cli_args import add_cpu_kernels_arg, add_device_arg, add_tensor_parallel_arg
+from pdserve.common.engine_options import DTYPE_CHOICES, DTYPE_HELP
 
 
 def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -50,6 +51,8 @@ def _add_engine(kinds: argparse._SubParsersAction) -> None:
                           "(default: %(default)s; 0: no such row)")
     eng.add_argument("--repeats", type=int, default=3, help="default: %(default)s")
     eng.add_argument("--json", action="store_true", help="one JSON object per measurement")
+    eng.add_argument("--dtype", default="auto", choices=list(DTYPE_CHOICES),
+                     help="both engines' weights and KV, and the matmul roof's; " + DTYPE_HELP)
     add_cpu_kernels_arg(eng)
     add_tensor_parallel_arg(eng)
     eng.set_defaults(func=_bench_engine)
@@ -275,7 +278,8 @@ def _bench_engine(args: argparse.Namespace) -> int:
                               prompt_lens=tuple(int(n) for n in args.prompt_lens.split(",")),
                               cached_len=args.cached_len, chunk=args.chunk,
                               repeats=args.repeats, cpu_kernels=args.cpu_kernels,
-                              tensor_parallel_size=args.tensor_parallel_size), args.json)
+                              tensor_parallel_size=args.tensor_parallel_size,
+                              dtype=args.dtype), args.json)
 
 
 def _bench_moe(args: argparse.Namespace) -> int:

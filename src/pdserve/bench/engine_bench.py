@@ -10,13 +10,14 @@ at the start and at the end of the bench (a shared machine's neighbours only eve
   roofline: every step reads every weight once, so tok/s <= B x bandwidth / weight bytes, with
   the bandwidth measured here by a large read (decode is memory-bound: each step reads
   every weight once).
-  compute roof: every token costs its FLOPs (below), so tok/s <= peak bf16 matmul FLOP/s
-  measured here / FLOPs per token, whatever the batch. A step is bound by the lower of the two
+  compute roof: every token costs its FLOPs (below), so tok/s <= peak matmul FLOP/s (in the
+  bench's dtype: `--dtype auto` is bf16 where the CPU computes it, else fp32) measured here /
+  FLOPs per token, whatever the batch. A step is bound by the lower of the two
   (Williams et al. 2009, "Roofline"); `of bound` is the share of that. Where the matmul peak
   is low against the bandwidth (no AMX: 32-row decode on AVX512-BF16 is compute-bound), the
   compute roof is the lower one.
 - prefill tok/s for one prompt of each of `prompt_lens` tokens: one engine step; transformers:
-  one `generate()` of 1 token. roofline: peak bf16 matmul FLOP/s measured here over the FLOPs
+  one `generate()` of 1 token. roofline: peak matmul FLOP/s measured here over the FLOPs
   per prompt token (2 x matmul parameters + attention, Kaplan et al. 2020, eq. 2.1 style count).
 - prefill with a prefix-cache hit: a prompt of `cached_len` tokens whose first half is in the
   prefix cache (the same half was prefilled just before), so the step computes the second half
@@ -40,6 +41,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from pdserve.bench.timing import fastest_seconds, median_seconds
+from pdserve.common.engine_options import resolve_dtype
 from pdserve.common.model_config import ModelConfig
 from pdserve.common.model_folder import resolve_model
 from pdserve.common.sampling_params import SamplingParams
@@ -95,8 +97,10 @@ class BenchSettings:
     # the engine on N processes, each on its share of this process's cores; this process is
     # rank 0, so transformers and the roofs then run on rank 0's share only
     tensor_parallel_size: int = 1
+    dtype: str = "auto"  # both engines' and the matmul roof's (common/engine_options.py)
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "dtype", resolve_dtype(self.dtype, "cpu"))
         if not self.batches or min(self.batches) <= 0:
             raise ValueError("batches must be positive integers")
         if not self.prompt_lens or min(self.prompt_lens) <= 0:
@@ -126,9 +130,26 @@ def memory_bandwidth(repeats: int = 5) -> float:
 
 
 def matmul_flops(dtype: torch.dtype, repeats: int = 5) -> float:
-    """FLOP/s of a 2048^3 matmul, its fastest run: the compute roof."""
-    a, b = torch.randn(2048, 2048, dtype=dtype), torch.randn(2048, 2048, dtype=dtype)
-    return 2 * 2048**3 / fastest_seconds(lambda: a @ b, repeats)
+    """FLOP/s of an n^3 matmul, its fastest run: the compute roof. n = MATMUL_N, halved while
+    a probe says one run would take over MATMUL_BUDGET_S (a CPU that emulates bf16 takes
+    minutes over 2,048^3 repeats; its roof is low at any size)."""
+    n = matmul_size(dtype)
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+    return 2 * n**3 / fastest_seconds(lambda: a @ b, repeats)
+
+
+MATMUL_N, MATMUL_PROBE_N, MATMUL_BUDGET_S = 2048, 256, 0.5
+
+
+def matmul_size(dtype: torch.dtype) -> int:
+    """The largest power-of-two n <= MATMUL_N whose n^3 matmul the probe's rate (cube law)
+    puts within MATMUL_BUDGET_S."""
+    probe = torch.randn(MATMUL_PROBE_N, MATMUL_PROBE_N, dtype=dtype)
+    seconds = median_seconds(lambda: probe @ probe, 3)
+    n = MATMUL_N
+    while n > MATMUL_PROBE_N and seconds * (n / MATMUL_PROBE_N) ** 3 > MATMUL_BUDGET_S:
+        n //= 2
+    return n
 
 
 def weight_bytes_per_step(cfg: ModelConfig, dtype_bytes: int) -> int:
@@ -239,7 +260,7 @@ def hf_decode(model, prompts: _Prompts, batch: int, s: BenchSettings) -> float:
 def pdserve_chunked_prefill(s: BenchSettings, prompts: _Prompts, max_model_len: int) -> float:
     """tok/s of a `cached_len`-token prompt computed `chunk` tokens a step, on an engine whose
     step budget is `chunk` (the same prompts as the whole-prompt rows: random ids)."""
-    engine = Engine(EngineConfig(model=s.model, dtype="bfloat16", max_model_len=max_model_len,
+    engine = Engine(EngineConfig(model=s.model, dtype=s.dtype, max_model_len=max_model_len,
                                  enable_prefix_caching=False, enable_chunked_prefill=True,
                                  max_num_batched_tokens=s.chunk, cpu_kernels=s.cpu_kernels,
                                  tensor_parallel_size=s.tensor_parallel_size))
@@ -260,19 +281,21 @@ def run_bench(s: BenchSettings, log: Callable[[str], None]) -> list[BenchRow]:
 
     path = resolve_model(s.model)
     cfg = ModelConfig.from_folder(path)
-    log(f"loading {s.model} (bf16) into pdserve and transformers ...")
+    log(f"loading {s.model} ({s.dtype}) into pdserve and transformers ...")
     if s.max_prompt >= cfg.max_context:
         raise ValueError(f"prompts of {s.max_prompt} tokens leave no position to sample in "
                          f"{s.model}'s {cfg.max_context}")
     engine = Engine(EngineConfig(
-        model=s.model, dtype="bfloat16",
+        model=s.model, dtype=s.dtype,
         max_model_len=min(cfg.max_context, s.max_prompt + 64 + s.decode_steps),
         enable_prefix_caching=s.cached_len > 0, cpu_kernels=s.cpu_kernels,
         tensor_parallel_size=s.tensor_parallel_size))
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+    dtype = getattr(torch, s.dtype)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
     prompts = _Prompts(cfg.vocab_size)
-    roofs = _measure_roofs()  # here and again at the end: the best of both is the roof
-    log(f"measured: memory read {roofs[0] / 1e9:.1f} GB/s, bf16 matmul {roofs[1] / 1e9:.0f} "
+    roofs = _measure_roofs(dtype)  # here and again at the end: the best of both is the roof
+    log(f"measured: memory read {roofs[0] / 1e9:.1f} GB/s, {s.dtype} matmul "
+        f"{roofs[1] / 1e9:.0f} "
         f"GFLOP/s, {torch.get_num_threads()} threads; pdserve on {_operators(engine)}"
         f"{_ranks(s.tensor_parallel_size)}")
     runs = []
@@ -293,10 +316,10 @@ def run_bench(s: BenchSettings, log: Callable[[str], None]) -> list[BenchRow]:
     if s.chunk:
         log(f"prefill, {s.cached_len}-token prompt in chunks of {s.chunk} ...")
         chunked = pdserve_chunked_prefill(s, prompts, engine.config.max_model_len)
-    bandwidth, flops = (max(a, b) for a, b in zip(roofs, _measure_roofs(), strict=True))
+    bandwidth, flops = (max(a, b) for a, b in zip(roofs, _measure_roofs(dtype), strict=True))
     log(f"roofs (best of the start and the end): memory read {bandwidth / 1e9:.1f} GB/s, "
-        f"bf16 matmul {flops / 1e9:.0f} GFLOP/s")
-    step_floor = weight_bytes_per_step(cfg, 2) / bandwidth
+        f"{s.dtype} matmul {flops / 1e9:.0f} GFLOP/s")
+    step_floor = weight_bytes_per_step(cfg, dtype.itemsize) / bandwidth
     decode_roof = flops / flops_per_token(cfg, s.decode_prompt_len + s.decode_steps / 2)
     rows = []
     for run in runs:
@@ -316,8 +339,8 @@ def run_bench(s: BenchSettings, log: Callable[[str], None]) -> list[BenchRow]:
     return rows
 
 
-def _measure_roofs() -> tuple[float, float]:
-    return memory_bandwidth(), matmul_flops(torch.bfloat16)
+def _measure_roofs(dtype: torch.dtype) -> tuple[float, float]:
+    return memory_bandwidth(), matmul_flops(dtype)
 
 
 def _ranks(size: int) -> str:

@@ -37,6 +37,7 @@ WORKLOADS: dict[str, tuple[str, ...]] = {
     "chat": ("--workload", "chat", "--concurrency", "16"),
     "long": ("--workload", "rag", "--rate", "0.4"),
     "diurnal": ("--workload", "diurnal", "--rate", "0.4"),
+    "prefix": ("--workload", "prefix", "--rate", "1"),
 }
 FIGURES = ("median_ttft_ms", "p99_ttft_ms", "median_itl_ms", "p99_itl_ms", "request_goodput",
            "output_throughput")
