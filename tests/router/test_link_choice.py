@@ -100,9 +100,10 @@ def test_a_slow_link_sends_prompts_to_the_other_prefill_worker_then_keeps_them_l
         d.metrics.bind_pool(d.pool)
         d.metrics.refresh()  # as /metrics does
         text = d.metrics.registry.render()
+        # 40 tokens' KV (20 kB) is below MIN_RATE_BYTES: no bandwidth, a fixed cost
         assert ('pdserve_router_link_bytes_per_second{prefill="http://p0",decode="http://d"} '
-                '40960') in text
-        assert 'pdserve_router_link_fixed_seconds{prefill="http://p1",decode="http://d"} 0' \
+                '0\n') in text
+        assert 'pdserve_router_link_fixed_seconds{prefill="http://p0",decode="http://d"} 0.5\n' \
             in text
 
     asyncio.run(go())

@@ -9,6 +9,7 @@ from pdserve.metrics import Registry
 from pdserve.router.link_estimates import (
     HALF_LIFE,
     MEMORY_S,
+    MIN_RATE_BYTES,
     SAMPLES,
     LinkEstimate,
     LinkEstimates,
@@ -52,6 +53,36 @@ def test_a_fixed_cost_is_fitted_from_small_and_large_hand_overs() -> None:
     assert fit.fixed_s == pytest.approx(0.005) and fit.bytes_per_s == pytest.approx(1e8)
     # bytes over seconds alone would make the 100 kB hand-over cost 2.6 ms, not 6 ms
     assert fit.seconds(MB // 10) == pytest.approx(0.006)
+
+
+def test_small_hand_overs_give_a_fixed_cost_and_no_bandwidth() -> None:
+    link = LinkEstimate(Clock())
+    link.observe(200_000, 0.5)  # a short prompt's KV: the half second is not its bytes'
+    fit = link.fit()
+    assert fit is not None and fit.bytes_per_s is None and fit.fixed_s == pytest.approx(0.5)
+    # read as 400 kB/s, a 40 MB prompt would cost 100 s on this link
+    assert fit.seconds(40 * MB) == pytest.approx(0.5)
+    assert "no bandwidth" in str(fit)
+    link.observe(100_000, 0.1)  # a slower small one still shows, in the fixed cost
+    weights = (0.5 ** 0.25, 1.0)
+    assert link.fit().fixed_s == pytest.approx((weights[0] * 0.5 + 0.1) / sum(weights))
+    link.observe(MIN_RATE_BYTES, 0.05)  # the first large enough one measures a bandwidth
+    fit = link.fit()
+    assert fit.bytes_per_s is not None and fit.fixed_s == 0.0
+    assert fit.bytes_per_s == pytest.approx(_weighted_ratio(
+        [(200_000, 0.5), (100_000, 0.1), (MIN_RATE_BYTES, 0.05)]))
+
+
+def test_a_link_with_no_bandwidth_reads_0_in_the_gauge_and_its_fixed_cost() -> None:
+    links = LinkEstimates(Clock())
+    registry = Registry()
+    bandwidth = registry.gauge("bw", "", ["prefill", "decode"])
+    fixed = registry.gauge("fixed", "", ["prefill", "decode"])
+    links.observe("p0", "d0", 20_000, 0.03)
+    links.publish(bandwidth, fixed)
+    assert bandwidth.value(prefill="p0", decode="d0") == 0.0
+    assert fixed.value(prefill="p0", decode="d0") == pytest.approx(0.03)
+    assert links.table().seconds("p1", "d0", 40 * MB) == pytest.approx(0.03)  # the mean
 
 
 def _weighted_ratio(samples: list[tuple[int, float]]) -> float:

@@ -21,6 +21,7 @@ from pdserve.legs.protocol import LegKind
 from pdserve.router.admission_settings import AdmissionSettings
 from pdserve.router.app import Router, RouterSettings
 from pdserve.router.dispatch import Dispatcher, DispatchSettings
+from pdserve.router.path_choice import Prompt
 from pdserve.router.policies import LeastLoaded
 from pdserve.router.router_metrics import RouterMetrics
 from pdserve.router.worker_pool import Answer, WorkerPool
@@ -80,10 +81,10 @@ def test_only_a_prefill_worker_s_report_of_its_link_to_a_decode_worker_counts() 
     for w in pool.workers:
         pool.judge(w, Answer(info=health[w.url]))
     p0, dec = pool.workers
-    assert "[report] 1.0 Mb/s + 1.0 ms" in d.paths.choose(dec, 40, [p0]).why
+    assert "[report] 1.0 Mb/s + 1.0 ms" in d.paths.choose(dec, Prompt.cold(40), [p0]).why
     health["http://p0"]["links"] = []  # its connection to d closed
     pool.judge(p0, Answer(info=health["http://p0"]))
-    assert "[none]" in d.paths.choose(dec, 40, [p0]).why
+    assert "[none]" in d.paths.choose(dec, Prompt.cold(40), [p0]).why
 
 
 def test_the_router_reads_the_links_its_health_checks_return(
@@ -102,14 +103,14 @@ def test_the_router_reads_the_links_its_health_checks_return(
                 p0, p1, d = (next(w for w in router.pool.workers if w.url == u) for u in urls)
                 paths = router.dispatcher.paths
                 # 1,000 tokens: 2 s on d, 1 s on p0 plus 512 kB at 125 kB/s (4.1 s)
-                choice = paths.choose(d, 1000, [p0])
+                choice = paths.choose(d, Prompt.cold(1000), [p0])
                 assert not choice.split and "[report]" in choice.why
                 # p1's fast report is app-limited: p1 counts at the mean, p0's time
-                assert paths.fastest_prefill(d, 1000, [p0, p1]) == [p0, p1]
+                assert paths.fastest_prefill(d, Prompt.cold(1000), [p0, p1]) == [p0, p1]
                 # more bytes moved, and the sender filled the link this time
                 fast.info = info("prefill", 9002, 1000.0, [link(10.0, nbytes=9_000_000)])
                 await router.pool.refresh(router.session)
-                assert paths.fastest_prefill(d, 1000, [p0, p1]) == [p1]
+                assert paths.fastest_prefill(d, Prompt.cold(1000), [p0, p1]) == [p1]
             finally:
                 await router.stop()
 

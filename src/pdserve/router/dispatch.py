@@ -83,7 +83,7 @@ from pdserve.router.admission_settings import AdmissionSettings
 from pdserve.router.breaker import Breakers, BreakerSettings
 from pdserve.router.leg_client import LegFailed, RouterLegChannels
 from pdserve.router.migration import Delivered, Diverged, WorkerFailed, continuation
-from pdserve.router.path_choice import Choice, PathChoice
+from pdserve.router.path_choice import Choice, PathChoice, Prompt
 from pdserve.router.policies import Policy
 from pdserve.router.router_metrics import RouterMetrics
 from pdserve.router.worker_pool import WorkerHandle, WorkerPool
@@ -272,10 +272,23 @@ class Dispatcher:
     def _uncached(self, worker: WorkerHandle, prompt_len: int, hashes: list[int]) -> int:
         return prompt_len - worker.prefix.match(hashes) * self._block_size
 
+    def _moved_tokens(self, prompt_len: int) -> int:
+        """The tokens whose KV a split moves: every prompt token, in whole blocks. The decode
+        worker reserves blocks for the whole prompt without its prefix cache
+        (`Scheduler.reserve_remote`) and the prefill worker sends all of them
+        (`HandOver.send_kv`), whatever either side had cached."""
+        return -(-prompt_len // self._block_size) * self._block_size
+
+    def _prompt(self, prompt_len: int, hashes: list[int]) -> Prompt:
+        """The split decision's view of a prompt: the KV a split moves, and the tokens each
+        worker lacks (by this router's prefix index of it)."""
+        return Prompt(self._moved_tokens(prompt_len),
+                      lambda worker: self._uncached(worker, prompt_len, hashes))
+
     def _path(self, worker: WorkerHandle, prompt_len: int, hashes: list[int]) -> Choice:
         """Conditional disaggregation (`path_choice.py`): only a decode worker with a prefill
         pool beside it may split."""
-        return self.paths.choose(worker, self._uncached(worker, prompt_len, hashes),
+        return self.paths.choose(worker, self._prompt(prompt_len, hashes),
                                  self._routable("prefill"))
 
     def _choose(self, free: list[WorkerHandle], prompt_len: int, hashes: list[int]
@@ -293,12 +306,12 @@ class Dispatcher:
                         ) -> WorkerHandle:
         """The prefill worker of a split among those with room: after a measured-cost
         decision, the policy's pick of those through which the first token is estimated
-        soonest (each one's queue, rate and link to the decode worker: a slow link to one
-        prefill host sends the prompt to another); else the policy's pick of them all."""
+        soonest (each one's queue, the prompt's tokens it lacks, its rate and its link to the
+        decode worker: a slow link to one prefill host sends the prompt to another); else the
+        policy's pick of them all."""
         if choice.decision is not None:
-            dec = run.slot.worker
             free = self.paths.fastest_prefill(
-                dec, self._uncached(dec, len(run.prompt), run.hashes), free)
+                run.slot.worker, self._prompt(len(run.prompt), run.hashes), free)
         return self.policy.choose(free, run.hashes)
 
     async def _pause(self, moves: int) -> None:
@@ -498,7 +511,7 @@ class Dispatcher:
                                   before)
         ids = leg.prompt_token_ids
         hashes = hash_blocks(ids, self._block_size) if leg.output_offset else run.hashes
-        kv_tokens = self._uncached(dec, len(ids), hashes)  # the KV the decode side needs
+        kv_tokens = self._moved_tokens(len(ids))  # the KV that moves: the whole prompt's
         prefilled = self.paths.prefilling(pre, self._uncached(pre, len(ids), hashes),
                                           arrival=not run.prefilled_once)
         run.prefilled_once = True

@@ -2,12 +2,14 @@
 
 A link is a (prefill worker, decode worker) pair, named by the two workers' URLs (a worker that
 registers again at another address is on another link). Each split request that moved its KV
-is one sample of its pair: the bytes (the decode side's uncached prompt tokens x KV bytes per
-token) and the seconds from the prefill leg's token 0 to the decode leg's first event, as the
-router sees them. That is the first-token delay the split adds beyond the prefill (with layer
-streaming, what of the transfer did not overlap the prefill's compute, and what the decode
-worker did before it took the KV, e.g. the rest of a step of a local prefill), which is what
-the split decision needs; hosts behind different links get different estimates.
+is one sample of its pair: the bytes that moved (the KV of every prompt token, in whole
+blocks: the decode worker reserves blocks for the whole prompt without its prefix cache and
+the prefill worker sends them all, whatever either side had cached) and the seconds from the
+prefill leg's token 0 to the decode leg's first event, as the router sees them. That is the
+first-token delay the split adds beyond the prefill (with layer streaming, what of the
+transfer did not overlap the prefill's compute, and what the decode worker did before it took
+the KV, e.g. the rest of a step of a local prefill), which is what the split decision needs;
+hosts behind different links get different estimates.
 
 Model: seconds = fixed + bytes / bandwidth, a weighted least-squares line through the pair's
 samples, when they span a range of sizes (the largest at least MIN_SPREAD times the smallest,
@@ -17,6 +19,16 @@ hand-overs weigh most and a fixed cost is spread over them). The fixed term is w
 hand-over costs whatever its bytes (the decode worker's next step, the round trips of the
 transfer's messages and of the two legs' events); without it, small prompts make a fast link
 look slow for large ones.
+
+No bandwidth from small hand-overs: while every sample in memory is below MIN_RATE_BYTES, a
+hand-over's seconds are mostly that fixed part, and read as bytes over seconds they would make
+the link look slower for a long prompt than it is by up to the ratio of the two prompts'
+sizes (hundreds of times: a short chat turn would keep every long prompt local). Such a
+link's estimate is its samples' weighted mean seconds as a fixed cost, whatever the bytes,
+with no bandwidth (the gauge reads 0): bounded by what the link was seen to do, and
+optimistic for a long prompt as an unmeasured link is (no cost), so the split is tried and
+its first hand-over of MIN_RATE_BYTES or more measures the bandwidth. A small hand-over that
+slows still shows at once, in the fixed cost.
 
 Forgetting, so that a link that changed is known by what it does now, in a bounded number of
 hand-overs or seconds: a sample weighs half as much with every HALF_LIFE newer samples of its
@@ -65,6 +77,11 @@ HALF_LIFE = 4
 MEMORY_S = 30.0  # a sample older than this is forgotten: a link avoided is probed this often
 MIN_FIT = 3  # samples a fixed term is fitted from, at least
 MIN_SPREAD = 4.0  # the largest hand-over at least this many times the smallest, for the fit
+# the smallest hand-over a bandwidth is read from: 512 KiB take 4 ms at 1 Gb/s, the order of a
+# hand-over's fixed part (a decode step, a few round trips), so a larger one's seconds are at
+# least in part its bytes' (read as a rate, within a small factor of the link's), and a
+# smaller one's mostly the fixed part
+MIN_RATE_BYTES = 512 * 1024
 
 Pair = tuple[str, str]  # (prefill worker URL, decode worker URL)
 
@@ -81,18 +98,21 @@ class LinkSource(StrEnum):
 
 @dataclass(frozen=True)
 class LinkFit:
-    """One link's hand-over time: seconds = fixed_s + bytes / bytes_per_s."""
+    """One link's hand-over time: seconds = fixed_s + bytes / bytes_per_s (fixed_s alone
+    while no bandwidth is measured)."""
 
     fixed_s: float
-    bytes_per_s: float
+    bytes_per_s: float | None  # None: only hand-overs below MIN_RATE_BYTES, no bandwidth
     samples: int  # the hand-overs it was fitted from; 0: a worker's report (link_reports.py)
 
     def seconds(self, nbytes: int) -> float:
-        return self.fixed_s + nbytes / self.bytes_per_s
+        return self.fixed_s + (nbytes / self.bytes_per_s if self.bytes_per_s else 0.0)
 
     def __str__(self) -> str:
         origin = f"{self.samples} hand-overs" if self.samples else "worker report"
-        return f"{self.bytes_per_s * 8 / 1e6:.1f} Mb/s + {self.fixed_s * 1e3:.1f} ms ({origin})"
+        rate = f"{self.bytes_per_s * 8 / 1e6:.1f} Mb/s" if self.bytes_per_s else \
+            f"no bandwidth (all under {MIN_RATE_BYTES // 1024} KiB)"
+        return f"{rate} + {self.fixed_s * 1e3:.1f} ms ({origin})"
 
 
 class LinkEstimate:
@@ -185,23 +205,26 @@ class LinkEstimates:
     def publish(self, bandwidth: Gauge, fixed: Gauge) -> None:
         """Each link's fit from its own hand-overs into the two gauges (labels prefill,
         decode; reports are not shown there); a link with nothing in memory any more reads 0
-        in both."""
+        in both, one with no bandwidth measured 0 in the bandwidth's."""
         fits = self.table().fits
         for prefill, decode in self._published - fits.keys():
             bandwidth.set(0.0, prefill=prefill, decode=decode)
             fixed.set(0.0, prefill=prefill, decode=decode)
         for (prefill, decode), fit in fits.items():
-            bandwidth.set(fit.bytes_per_s, prefill=prefill, decode=decode)
+            bandwidth.set(fit.bytes_per_s or 0.0, prefill=prefill, decode=decode)
             fixed.set(fit.fixed_s, prefill=prefill, decode=decode)
         self._published |= fits.keys()
 
 
 def _fit(samples: list[tuple[float, float, float]]) -> LinkFit:
-    """Weighted (weight, bytes, seconds) samples -> the line, or the ratio (module docstring)."""
+    """Weighted (weight, bytes, seconds) samples -> the line, or the ratio, or a fixed cost
+    alone when every sample is below MIN_RATE_BYTES (module docstring)."""
     total = sum(w for w, _, _ in samples)
     mean_b = sum(w * b for w, b, _ in samples) / total
     mean_s = sum(w * s for w, _, s in samples) / total
     sizes = [b for _, b, _ in samples]
+    if max(sizes) < MIN_RATE_BYTES:
+        return LinkFit(mean_s, None, len(samples))
     if len(samples) >= MIN_FIT and max(sizes) >= MIN_SPREAD * min(sizes):
         var_b = sum(w * (b - mean_b) ** 2 for w, b, _ in samples)
         cov = sum(w * (b - mean_b) * (s - mean_s) for w, b, s in samples)

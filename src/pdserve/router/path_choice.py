@@ -8,10 +8,15 @@ each health check: a report names its peer by KV endpoint, which is the decode w
 
 Rule (`split_decision.py` has the formulas): only a decode worker with a routable prefill
 worker beside it may split; then a fixed `--local-prefill-threshold` when one is given
-(uncached tokens at most that run locally); else the measured-cost decision, which falls back
-to UNMEASURED_THRESHOLD until the workers have reported their rates. Each rule has its
-`Reason`, the label of `pdserve_router_split_decisions_total`. A measured-cost choice's `why`
-(the router's debug log of the request's path) names the link of its fastest prefill worker
+(uncached tokens on the decode worker at most that run locally); else the measured-cost
+decision, which falls back to UNMEASURED_THRESHOLD until the workers have reported their
+rates. A request's `Prompt` gives the decision its inputs per worker: each prefill worker's
+estimate counts the tokens that worker lacks (U_p), the local one those the decode worker
+lacks (U_d), and every link the KV of the whole prompt (N tokens in whole blocks: what a split
+moves, whatever either side had cached), and `handed_over` teaches a link those same bytes.
+Each rule has its `Reason`, the label of `pdserve_router_split_decisions_total`. A
+measured-cost choice's `why` (the router's debug log of the request's path) names the inputs
+of both estimates (U_d, U_p, the queues, rates and N), the link of its fastest prefill worker
 and where that link's estimate came from (`LinkSource`: handovers, report, mean, none), which
 `pdserve_router_split_link_source_total{source}` counts.
 
@@ -24,7 +29,7 @@ Lifetime: one per dispatcher; every method runs on the router's event loop.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 from functools import partial
 
@@ -34,6 +39,7 @@ from pdserve.router.router_metrics import RouterMetrics
 from pdserve.router.split_decision import (
     Decision,
     PrefillBacklog,
+    PromptTokens,
     Speed,
     decide,
     kv_bytes_per_token,
@@ -54,6 +60,21 @@ class Reason(StrEnum):
     UNMEASURED = "unmeasured"  # no rate measured yet: UNMEASURED_THRESHOLD
     MEASURED_COST = "measured_cost"  # the two paths' estimated times
     TPOT_TARGET = "tpot_target"  # a local prefill would break the decode streams' TPOT target
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """A request's prompt as the choice needs it, from the dispatcher's view of the workers."""
+
+    moved_tokens: int  # N: tokens whose KV a split moves (every prompt token, whole blocks)
+    # the prompt's tokens a worker would compute: those not in its prefix cache, as far as the
+    # router's prefix index of what it sent there knows
+    uncached: Callable[[WorkerHandle], int] = field(compare=False)
+
+    @classmethod
+    def cold(cls, tokens: int) -> Prompt:
+        """A prompt of `tokens` (a whole number of blocks) no worker holds any of."""
+        return cls(tokens, lambda _: tokens)
 
 
 @dataclass(frozen=True)
@@ -79,10 +100,12 @@ class PathChoice:
             metrics.add_publisher(
                 lambda: self.links.publish(metrics.link_bandwidth, metrics.link_fixed))
 
-    def choose(self, worker: WorkerHandle, uncached: int, prefill: list[WorkerHandle]
+    def choose(self, worker: WorkerHandle, prompt: Prompt, prefill: list[WorkerHandle]
                ) -> Choice:
-        """Whether `uncached` prompt tokens on `worker` go to one of `prefill` (the routable
-        prefill workers, possibly none)."""
+        """Whether `prompt` on `worker` goes to one of `prefill` (the routable prefill
+        workers, possibly none) to be prefilled; the fixed rules count its tokens uncached on
+        `worker`."""
+        uncached = prompt.uncached(worker)
         if worker.role != "decode":
             return Choice(False, f"{worker.role} worker", Reason.COLLOCATED_WORKER)
         if not prefill:
@@ -91,7 +114,7 @@ class PathChoice:
             return Choice(uncached > self.threshold,
                           f"{uncached} uncached tokens, --local-prefill-threshold "
                           f"{self.threshold}", Reason.THRESHOLD)
-        decision, table = self._decide(worker, uncached, prefill)
+        decision, table = self._decide(worker, prompt, prefill)
         if decision is None:
             return Choice(uncached > UNMEASURED_THRESHOLD,
                           f"{uncached} uncached tokens; rates not measured yet, fixed rule "
@@ -122,13 +145,13 @@ class PathChoice:
         leg); call the result at its first event or its end."""
         return self.backlog.add(worker.key, tokens, arrival)
 
-    def fastest_prefill(self, worker: WorkerHandle, uncached: int, free: list[WorkerHandle]
+    def fastest_prefill(self, worker: WorkerHandle, prompt: Prompt, free: list[WorkerHandle]
                         ) -> list[WorkerHandle]:
-        """Those of `free` (prefill workers with room) through which the split of `uncached`
-        tokens to `worker` is estimated to give the first token soonest (their queues, rates
-        and links to `worker`): several when their estimates are equal, all of them while no
-        rate is measured."""
-        decision, _ = self._decide(worker, uncached, free)
+        """Those of `free` (prefill workers with room) through which the split of `prompt`
+        to `worker` is estimated to give the first token soonest (their queues, the prompt's
+        tokens each lacks, their rates and links to `worker`): several when their estimates
+        are equal, all of them while no rate is measured."""
+        decision, _ = self._decide(worker, prompt, free)
         if decision is None:
             return free
         best = min(decision.t_remote_each_s)
@@ -136,8 +159,10 @@ class PathChoice:
 
     def handed_over(self, prefill: WorkerHandle, decode: WorkerHandle, tokens: int,
                     seconds: float) -> None:
-        """A split request's KV for `tokens` prompt tokens took `seconds` from `prefill`'s
-        token 0 to `decode`'s first event."""
+        """A split request's KV of `tokens` prompt tokens took `seconds` from `prefill`'s
+        token 0 to `decode`'s first event. `tokens`: those whose KV moved, every prompt
+        token in whole blocks (`Prompt.moved_tokens`), not the decode worker's uncached
+        ones: a link taught fewer bytes than moved learns a rate too low by as much."""
         self.links.observe(prefill.url, decode.url, tokens * self.kv_bytes_per_token, seconds)
 
     @property
@@ -145,12 +170,14 @@ class PathChoice:
         layout = (self.pool.reference or {}).get("kv_layout")
         return kv_bytes_per_token(layout) if isinstance(layout, dict) else 0
 
-    def _decide(self, worker: WorkerHandle, uncached: int, prefill: list[WorkerHandle]
+    def _decide(self, worker: WorkerHandle, prompt: Prompt, prefill: list[WorkerHandle]
                 ) -> tuple[Decision | None, LinkTable]:
-        """The measured-cost decision for `worker` with each of `prefill` over its own link,
-        and the links' table it used."""
+        """The measured-cost decision for `worker` with each of `prefill` over its own link
+        (each counting the prompt's tokens it lacks), and the links' table it used."""
         table = self.links.table(self._reported())
-        return decide(uncached, self.kv_bytes_per_token, self._speed(worker),
+        tokens = PromptTokens(prompt.moved_tokens, prompt.uncached(worker),
+                              tuple(prompt.uncached(p) for p in prefill))
+        return decide(tokens, self.kv_bytes_per_token, self._speed(worker),
                       [self._speed(p) for p in prefill],
                       [partial(table.seconds, p.url, worker.url) for p in prefill],
                       self.tpot_target_s), table

@@ -1,20 +1,28 @@
 """Conditional disaggregation from measured costs: prefill a prompt on a prefill worker and
 move its KV, or prefill it where it will decode.
 
-For a request whose uncached part on the chosen decode worker d is U tokens (the prefix it
-already holds is not recomputed), with every rate measured (`Speed`; workers report theirs in
-the signed /health, `workers/step_rates.py`; the link is learnt here from the split requests'
-own hand-over times, per (prefill, decode) pair, `link_estimates.py`, or for a pair with none
-in memory taken from the prefill worker's trusted report of that link, `link_reports.py`):
+For a request of N prompt tokens, U_w of them uncached on worker w (the prefix w already holds
+is not recomputed; the router's prefix index of what it sent each worker), with every rate
+measured (`Speed`; workers report theirs in the signed /health, `workers/step_rates.py`; the
+link is learnt here from the split requests' own hand-over times, per (prefill, decode) pair,
+`link_estimates.py`, or for a pair with none in memory taken from the prefill worker's trusted
+report of that link, `link_reports.py`), on the chosen decode worker d:
 
-    t_remote = min over prefill workers p of (Q_p + U) / R_p  +  T_link(p, d)(U x b)
-    t_local  = (Q_d + U) / R_d
-    stall    = min(U, C_d) / R_d     (the time one step of d's running streams gains)
+    t_remote = min over prefill workers p of (Q_p + U_p) / R_p  +  T_link(p, d)(N x b)
+    t_local  = (Q_d + U_d) / R_d
+    stall    = min(U_d, C_d) / R_d     (the time one step of d's running streams gains)
+
+U_p, not U_d, on the split path: the prefill worker computes what it lacks, whatever d holds
+(a prompt whose prefix only d holds is a whole prompt's work there). N x b, not U_d x b, on the
+link: the decode worker reserves blocks for every prompt token without its prefix cache and
+the prefill worker sends every block of the prompt (`engine/scheduler.py` `reserve_remote`,
+`workers/handover.py` `send_kv`), so the whole prompt's KV moves, in whole blocks (N is
+rounded up to them by the caller, `PromptTokens.moved`).
 
 Q_w: prompt tokens this router sent to w whose prefill has not ended (`PrefillBacklog`: the
 router's own count, current, where a worker's report is a health interval old); R_w: w's
 prefill rate, tokens/s; b: KV bytes per token (2 x layers x KV heads x head dim x dtype bytes,
-the paged layout `transfer/layout.py` moves); T_link(p, d): the hand-over time on the link
+the paged layout `transfer/layout.py` moves); T_link(p, d)(bytes): the hand-over time on the link
 from p to d (a slow link to one prefill host sends prompts to another, or keeps them local
 when every link is slow); C_d: d's prefill chunk (its token budget per step
 with chunked prefill; U without). Both estimates are queueing plus service time: the time to
@@ -25,6 +33,9 @@ local is no slower:
 
     local  <=>  (d has no leg open or d paces its chunks or decode_step_d + stall <= tpot_target)
                 and t_local <= t_remote
+
+Each decision's `reason` names the inputs of both estimates (U, Q, R, N and the link's
+seconds), which the router's debug log of the request's path shows.
 
 A worker started with `--slo-tpot-ms` (at most the router's) paces its chunks: it sizes them
 from its own measured rates so that a step with streams stays within that target
@@ -77,21 +88,35 @@ class Speed:
 
 
 @dataclass(frozen=True)
+class PromptTokens:
+    """One prompt's token counts as the decision needs them (module docstring)."""
+
+    moved: int  # N: tokens whose KV a split moves (every prompt token, in whole blocks)
+    local: int  # U_d: those the decode worker lacks, computed there if local
+    remote: tuple[int, ...]  # U_p: those each prefill worker given lacks, in order
+
+    @classmethod
+    def cold(cls, tokens: int, prefill_workers: int) -> PromptTokens:
+        """A prompt no worker holds any of (`tokens` a whole number of blocks)."""
+        return cls(tokens, tokens, (tokens,) * prefill_workers)
+
+
+@dataclass(frozen=True)
 class Decision:
     local: bool
     t_local_s: float
     t_remote_s: float
     prefill_index: int | None  # the prefill worker of t_remote (index into the list given)
-    reason: str  # for the log
+    reason: str  # for the log: the rule and the inputs of both estimates
     # True: split because a local prefill would break the decode streams' TPOT target, whatever
     # the two times; False: the times decided
     over_tpot_target: bool = False
     t_remote_each_s: tuple[float, ...] = ()  # t_remote through each prefill worker given
 
 
-def decide(uncached: int, kv_bytes_per_token: int, decode: Speed, prefill: list[Speed],
+def decide(prompt: PromptTokens, kv_bytes_per_token: int, decode: Speed, prefill: list[Speed],
            links: Sequence[LinkTime], tpot_target_s: float) -> Decision | None:
-    """The path for `uncached` prompt tokens on `decode`; None while no rate is measured.
+    """The path for `prompt` on `decode`; None while no rate is measured.
     `links[i]`: the hand-over time on the link from `prefill[i]` to `decode`.
     A worker not measured yet is taken to prefill as fast as the measured ones (the same
     model on the same kind of machine, as far as the router knows; their mean): else a prefill
@@ -100,24 +125,34 @@ def decide(uncached: int, kv_bytes_per_token: int, decode: Speed, prefill: list[
     if not known:
         return None
     prior = sum(known) / len(known)
-    nbytes = uncached * kv_bytes_per_token
-    each = tuple((p.backlog_tokens + uncached) / (p.prefill_tokens_per_s or prior) + link(nbytes)
-                 for p, link in zip(prefill, links, strict=True))
+    nbytes = prompt.moved * kv_bytes_per_token
+    each = tuple((p.backlog_tokens + u) / (p.prefill_tokens_per_s or prior) + link(nbytes)
+                 for p, u, link in zip(prefill, prompt.remote, links, strict=True))
     t_remote, best = min((t, i) for i, t in enumerate(each))
     rate = decode.prefill_tokens_per_s or prior
-    t_local = (decode.backlog_tokens + uncached) / rate
-    stall = min(uncached, decode.chunk_tokens or uncached) / rate
+    t_local = (decode.backlog_tokens + prompt.local) / rate
+    inputs = _inputs(prompt, nbytes, decode, rate, prefill[best],
+                     prefill[best].prefill_tokens_per_s or prior, best, links[best](nbytes))
+    stall = min(prompt.local, decode.chunk_tokens or prompt.local) / rate
     step = decode.decode_step_s or 0.0
     paced = decode.paced_tpot_s is not None and decode.paced_tpot_s <= tpot_target_s
     if decode.running and not paced and step + stall > tpot_target_s:
         return Decision(False, t_local, t_remote, best,
                         f"a local prefill would make {decode.running} streams' steps "
                         f"{(step + stall) * 1e3:.0f} ms, over the {tpot_target_s * 1e3:.0f} ms "
-                        "target", over_tpot_target=True, t_remote_each_s=each)
-    local = t_local <= t_remote
-    return Decision(local, t_local, t_remote, best,
+                        f"target ({inputs})", over_tpot_target=True, t_remote_each_s=each)
+    return Decision(t_local <= t_remote, t_local, t_remote, best,
                     f"first token in ~{t_local * 1e3:.0f} ms locally against "
-                    f"~{t_remote * 1e3:.0f} ms split", t_remote_each_s=each)
+                    f"~{t_remote * 1e3:.0f} ms split ({inputs})", t_remote_each_s=each)
+
+
+def _inputs(prompt: PromptTokens, nbytes: int, decode: Speed, r_d: float, pre: Speed,
+            r_p: float, index: int, link_s: float) -> str:
+    """The inputs of both estimates, for the log: U, Q and R of each path, N and the link."""
+    return (f"local: U_d {prompt.local} + Q_d {decode.backlog_tokens} tokens at "
+            f"R_d {r_d:.0f}/s; split via prefill #{index}: U_p {prompt.remote[index]} + "
+            f"Q_p {pre.backlog_tokens} tokens at R_p {r_p:.0f}/s + {link_s * 1e3:.0f} ms to "
+            f"move N {prompt.moved} tokens' KV ({nbytes / 1e6:.1f} MB)")
 
 
 @dataclass(frozen=True)
