@@ -81,7 +81,8 @@ class RouterMetrics:
         self.link_bandwidth = r.gauge(
             "pdserve_router_link_bytes_per_second", "The KV link from a prefill worker to a "
             "decode worker (URLs), learnt from their recent hand-overs: seconds = fixed + "
-            "bytes / this; 0 once none is in memory (the link counts at the others' mean).",
+            "bytes / this; 0 once none is in memory (the link counts at the others' mean) "
+            "and while every hand-over in memory is under 512 KiB (a fixed cost only).",
             ["prefill", "decode"])
         self.link_fixed = r.gauge(
             "pdserve_router_link_fixed_seconds", "The fixed part of a hand-over's time on the "
