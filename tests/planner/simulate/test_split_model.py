@@ -73,10 +73,21 @@ def test_the_paced_chunk_is_the_most_prompt_tokens_a_step_within_the_target_hold
 
 
 def test_route_compares_queue_plus_service_times_and_picks_the_soonest_prefill_worker():
-    r = route(1000, 0, 1000.0, [3000, 500, 500], 2000.0, 0.25)
+    def rate(tokens: int) -> float:
+        return 2000.0
+
+    r = route(1000, 0, 1000.0, [3000, 500, 500], [1000] * 3, rate, 0.25)
     assert (r.t_remote_s, r.prefill_index, r.t_local_s, r.local) == (1.0, 1, 1.0, True)
-    r = route(1000, 1, 1000.0, [3000, 500, 500], 2000.0, 0.25)
+    r = route(1000, 1, 1000.0, [3000, 500, 500], [1000] * 3, rate, 0.25)
     assert r.local is False and r.t_local_s == 1.001
+
+
+def test_route_counts_each_prefill_worker_with_the_tokens_it_lacks():
+    # worker 1 holds the prompt's prefix: 100 tokens there against 1,000 at worker 0
+    r = route(1000, 0, 1000.0, [0, 500], [1000, 100], lambda u: 1000.0, 0.0)
+    assert (r.prefill_index, r.t_remote_s) == (1, 0.6)
+    r = route(100, 0, 1000.0, [0], [1000], lambda u: 1000.0, 0.0)  # only d holds it: local
+    assert r.local and (r.t_local_s, r.t_remote_s) == (0.1, 1.0)
 
 
 def test_the_defaults_are_the_original_model_and_pdserve_ups_target():

@@ -22,9 +22,10 @@ Prefix cache (prefix_cache.py): every worker that prefills keeps the shared pref
 it holds and computes only the rest of a prompt that starts with one. The router's view is
 modelled apart (what it routed where, as its prefix index): it counts each prompt's uncached
 tokens on a worker from it, in the prefill queues (Q_p, Q_d) and in the measured split rule
-(U, and the link time of U tokens' KV, as the router estimates it). A split prompt's KV
-transfer still moves the whole prompt: the engine's decode side reserves blocks for every
-prompt token, without its prefix cache, and receives them all. With `Cluster.policy` prefix
+(U_d on the decode worker, U_p on each prefill worker; the link priced with the whole prompt's
+KV, as the router prices it). A split prompt's KV transfer moves the whole prompt: the
+engine's decode side reserves blocks for every prompt token, without its prefix cache, and
+receives them all. With `Cluster.policy` prefix
 (the router's `--policy prefix`, `PrefixAware`), every worker choice above is instead the
 lowest legs - (prompt blocks the router routed there) / PREFIX_BLOCKS_PER_LEG, legs being the
 requests assigned to the worker (for a prefill worker, its queued and running prompts); ties
@@ -293,7 +294,7 @@ class _Loop:
         j = self._pick("decode", record)
         self.loads["decode"][j] += 1
         tokens = self.routed["decode"][j].uncached(record)
-        path = self._decide(j, tokens)
+        path = self._decide(record, j, tokens)
         self.routed["decode"][j].add(record)
         if path is None or path.local:
             self.local_prefills += 1
@@ -303,15 +304,17 @@ class _Loop:
             self.bound[record.index] = j
             self.to_prefill(record, path.prefill_index)
 
-    def _decide(self, j: int, tokens: int) -> Route | None:
-        """The measured rule's decision for a prompt of `tokens` uncached tokens on decode
-        worker j; None: split local."""
+    def _decide(self, record: RequestRecord, j: int, tokens: int) -> Route | None:
+        """The measured rule's decision for `record`, `tokens` of it uncached on decode worker
+        j (each prefill worker counted with what it lacks, the link with the whole prompt's
+        KV); None: split local."""
         if self.cluster.split is SplitRule.LOCAL:
             return None
         worker = self.paced[j]
+        remote = [routed.uncached(record) for routed in self.routed["prefill"]]
         return route(tokens, worker.backlog_tokens, worker.local_rate(tokens),
-                     self.loads["prefill"], prefill_rate(self.costs, tokens),
-                     self.cluster.transfer_seconds(tokens))
+                     self.loads["prefill"], remote, lambda u: prefill_rate(self.costs, u),
+                     self.cluster.transfer_seconds(record.prompt_tokens))
 
     def step_end(self, worker: Worker, now: float) -> None:
         worker.busy = False

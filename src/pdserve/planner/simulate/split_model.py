@@ -10,15 +10,17 @@ Rules (`SplitRule`, after the router's `--local-prefill-threshold`):
 - measured (no threshold: `pdserve up`'s default): per arriving request, with d the decode
   worker with the fewest open requests (the router's least-loaded policy over its legs in
   flight: local prompts not yet prefilled, split ones from arrival on, running streams; ties to
-  the lowest index) and U its prompt tokens (no prefix cache here):
+  the lowest index), N its prompt tokens and U_w those the router counts uncached on worker w
+  (what it routed there: prefix_cache.RoutedPrefixes):
 
-      t_remote = min over prefill workers p of (Q_p + U) / R_p  +  T_link(U)
-      t_local  = (Q_d + U) / R_d
+      t_remote = min over prefill workers p of (Q_p + U_p) / R_p(U_p)  +  T_link(N)
+      t_local  = (Q_d + U_d) / R_d
       local   <=>  t_local <= t_remote  (ties: the prefill worker of lowest index)
 
-  Q_w: prompt tokens sent to w whose prefill has not ended (whole prompts, as the router's
-  `PrefillBacklog` counts them); R_p = U / step(U alone), the rate a prefill step of this size
-  runs at; T_link: the Cluster's transfer time of U tokens' KV; R_d: with streams decoding on d,
+  Q_w: uncached prompt tokens sent to w whose prefill has not ended (as the router's
+  `PrefillBacklog` counts them); R_p(U) = U / step(U alone), the rate a prefill step of this
+  size runs at; T_link(N): the Cluster's transfer time of the whole prompt's KV (the decode
+  side receives every prompt block, as the engine does); R_d: with streams decoding on d,
   C / step(C beside them), C the paced chunk below for a chunk at the prompt's middle (the
   mean context its chunks attend to: the rate a prompt progresses at there, as a worker's
   steps that also decoded report it, averaged over them), else R_p (no stream: no cap).
@@ -36,8 +38,8 @@ gets faster with more prompt tokens. At least one block (`BLOCK_TOKENS`) per ste
 always progresses; at most the prompt tokens ready; with no stream decoding, no cap.
 
 Not modelled: the router's fixed fallback before any rate is measured (`pdserve bench compare`
-warms every cluster up first), the KV-usage term of the least-loaded policy, prefix caching,
-and the router's measured inputs (the rates here are the cost model's, for this prompt, at the
+warms every cluster up first), the KV-usage term of the least-loaded policy, and the
+router's measured inputs (the rates here are the cost model's, for this prompt, at the
 decision):
 - R_d: the router reads the decode worker's reported rate, sum N / sum t over its last 64
   steps that computed prompt tokens, counted whole (workers/step_rates.py): the rate its last
@@ -126,10 +128,13 @@ def local_rate(costs: StepCosts, tokens: int, decodes: int, context_sum: int,
 
 
 def route(uncached: int, decode_backlog: int, decode_rate: float,
-          prefill_backlogs: Sequence[int], remote_rate: float, link_s: float) -> Route:
-    """The measured rule (module docstring) for `uncached` tokens; `prefill_backlogs` non-empty,
-    every prefill worker running at `remote_rate` (one cost model for them all)."""
-    each = [(q + uncached) / remote_rate + link_s for q in prefill_backlogs]
+          prefill_backlogs: Sequence[int], remote_uncached: Sequence[int],
+          remote_rate: Callable[[int], float], link_s: float) -> Route:
+    """The measured rule (module docstring): `uncached` tokens on the decode worker,
+    `remote_uncached[i]` on prefill worker i behind `prefill_backlogs[i]` (non-empty), which
+    computes U tokens at `remote_rate(U)` (one cost model for them all); `link_s`: T_link(N)."""
+    each = [(q + u) / remote_rate(u) + link_s
+            for q, u in zip(prefill_backlogs, remote_uncached, strict=True)]
     t_remote, best = min((t, i) for i, t in enumerate(each))
     t_local = (decode_backlog + uncached) / decode_rate
     return Route(t_local <= t_remote, t_local, t_remote, best)
