@@ -55,41 +55,41 @@ def _sdpa(q, k_cache, v_cache, table, length, dtype):
     (2048, 0, 9, 3, 64),    # a long prompt
     (1024, 1024, 9, 3, 64),  # its second half over a cached first half
 ])
-def test_it_is_as_close_to_fp32_as_bf16_sdpa(ops, n, start, heads, kvh, d):
+def test_it_is_as_close_to_fp32_as_bf16_sdpa(flash, n, start, heads, kvh, d):
     gen = torch.Generator().manual_seed(n + start)
     q, k_cache, v_cache, table, length = _case(gen, n, start, heads, kvh, d)
-    got = ops.prefill_attention(q, k_cache, v_cache, table, length, d**-0.5).float()
+    got = flash.prefill_attention(q, k_cache, v_cache, table, length, d**-0.5).float()
     want = _sdpa(q, k_cache, v_cache, table, length, torch.float32)
     sdpa_error = (_sdpa(q, k_cache, v_cache, table, length, BF16) - want).abs().max()
     assert not got.isnan().any()  # the NaN block is never read
     assert (got - want).abs().max() <= 1.5 * sdpa_error + 1e-3
 
 
-def test_a_position_gives_the_same_bits_in_any_chunk(ops):
+def test_a_position_gives_the_same_bits_in_any_chunk(flash):
     gen = torch.Generator().manual_seed(3)
     q, k_cache, v_cache, table, length = _case(gen, 300, 0, 9, 3, 64)
-    whole = ops.prefill_attention(q, k_cache, v_cache, table, length, 0.125)
+    whole = flash.prefill_attention(q, k_cache, v_cache, table, length, 0.125)
     for cuts in ([0, 77, 200, 300], [0, 1, 64, 65, 299, 300], [0, 150, 300]):
-        parts = [ops.prefill_attention(q[a:b], k_cache, v_cache, table, b, 0.125)
+        parts = [flash.prefill_attention(q[a:b], k_cache, v_cache, table, b, 0.125)
                  for a, b in itertools.pairwise(cuts)]
         assert torch.equal(torch.cat(parts), whole), cuts
 
 
-def test_it_refuses_what_it_cannot_read(ops):
+def test_it_refuses_what_it_cannot_read(flash):
     gen = torch.Generator().manual_seed(1)
     q, k_cache, v_cache, table, length = _case(gen, 20, 0, 9, 3, 64)
     with pytest.raises(RuntimeError, match="context_len 10 < 20 query rows"):
-        ops.prefill_attention(q, k_cache, v_cache, table, 10, 0.125)
+        flash.prefill_attention(q, k_cache, v_cache, table, 10, 0.125)
     with pytest.raises(RuntimeError, match="block_table must be contiguous int64 covering"):
-        ops.prefill_attention(q, k_cache, v_cache, table, 100, 0.125)
+        flash.prefill_attention(q, k_cache, v_cache, table, 100, 0.125)
     bad = table.clone()
     bad[1] = 1000
     with pytest.raises(RuntimeError, match="block id 1000 is outside the pool"):
-        ops.prefill_attention(q, k_cache, v_cache, bad, length, 0.125)
+        flash.prefill_attention(q, k_cache, v_cache, bad, length, 0.125)
     with pytest.raises(RuntimeError, match="multiples of 64, not 32"):
-        ops.prefill_attention(*_case(gen, 20, 0, 9, 3, 32), 0.125)
+        flash.prefill_attention(*_case(gen, 20, 0, 9, 3, 32), 0.125)
     with pytest.raises(RuntimeError, match="q must be bf16"):
-        ops.prefill_attention(q.float(), k_cache, v_cache, table, length, 0.125)
+        flash.prefill_attention(q.float(), k_cache, v_cache, table, length, 0.125)
 
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)

@@ -29,8 +29,9 @@ def _views(data: torch.Tensor, heads: slice) -> tuple[torch.Tensor, torch.Tensor
 
 @pytest.mark.parametrize(("kvh", "heads"), [(3, slice(1, 3)), (3, slice(0, 1)), (4, slice(2, 4))])
 def test_the_operators_read_and_write_a_ranks_heads_of_a_wider_pool_exactly(ops, kvh, heads):
-    """Every operator gives, over a rank's heads of the whole pool, the bits it gives over a pool
-    holding only those heads; the other heads' rows are never touched."""
+    """The KV store and decode attention give, over a rank's heads of the whole pool, the bits
+    they give over a pool holding only those heads; the other heads' rows are never touched
+    (prefill attention: the next test, where the CPU runs it)."""
     gen = torch.Generator().manual_seed(kvh)
     d, g, n = 64, 3, 5
     wide = _pool(gen, kvh, d)
@@ -51,11 +52,19 @@ def test_the_operators_read_and_write_a_ranks_heads_of_a_wider_pool_exactly(ops,
     q = torch.randn(2, own * g, d, generator=gen).to(BF16)
     assert torch.equal(ops.decode_attention(q, *_views(wide, heads), tables, lens, 0.125),
                        ops.decode_attention(q, *_views(alone, slice(None)), tables, lens, 0.125))
-    qp = torch.randn(40, own * g, d, generator=gen).to(BF16)
-    table = tables.flatten()
+
+
+@pytest.mark.parametrize(("kvh", "heads"), [(3, slice(1, 3)), (3, slice(0, 1)), (4, slice(2, 4))])
+def test_prefill_attention_reads_a_ranks_heads_of_a_wider_pool_exactly(flash, kvh, heads):
+    gen = torch.Generator().manual_seed(kvh)
+    d, g = 64, 3
+    wide = _pool(gen, kvh, d)
+    alone = wide[:, :, :, :, heads].contiguous()
+    qp = torch.randn(40, (heads.stop - heads.start) * g, d, generator=gen).to(BF16)
+    table = torch.randperm(12, generator=gen)[:8]
     assert torch.equal(
-        ops.prefill_attention(qp, *_views(wide, heads), table, 50, 0.125),
-        ops.prefill_attention(qp, *_views(alone, slice(None)), table, 50, 0.125))
+        flash.prefill_attention(qp, *_views(wide, heads), table, 50, 0.125),
+        flash.prefill_attention(qp, *_views(alone, slice(None)), table, 50, 0.125))
 
 
 def test_a_slot_narrower_than_the_view_is_refused(ops):
