@@ -53,7 +53,7 @@ from pdserve.workers.oneshot import run_once_in_thread
 from pdserve.workers.register import Registration, start_registration
 from pdserve.workers.role_endpoint import change_role
 from pdserve.workers.settings import TransportName, WorkerSettings
-from pdserve.workers.step_rates import SCAN, step_rates
+from pdserve.workers.step_rates import SCAN, reported_rates
 from pdserve.workers.step_trace import Step
 from pdserve.workers.transfer_hub import TransferHub
 from pdserve.workers.worker_metrics import WorkerMetrics
@@ -165,7 +165,7 @@ class Worker:
             "running": load.running, "waiting": load.waiting,
             "waiting_for_kv": load.waiting_for_kv, "legs": self.loop.num_legs,
             "load_seconds": self.load_seconds, "pid": os.getpid(),
-            "rates": step_rates(self.loop.trace.newest_first(SCAN)).to_json(),
+            "rates": reported_rates(self.loop.trace.newest_first(SCAN)).to_json(),
             "chunk_tokens": e.prefill_chunk or (e.config.max_num_batched_tokens
                                                 if e.config.enable_chunked_prefill else None),
             # the chunk above is paced to keep a step within this (--slo-tpot-ms)
