@@ -41,12 +41,10 @@ Not modelled: the router's fixed fallback before any rate is measured (`pdserve 
 warms every cluster up first), the KV-usage term of the least-loaded policy, and the
 router's measured inputs (the rates here are the cost model's, for this prompt, at the
 decision):
-- R_d: the router reads the decode worker's reported rate, sum N / sum t over its last 64
-  steps that computed prompt tokens, counted whole (workers/step_rates.py): the rate its last
-  local prompts got beside the streams of their time, however long ago; R_d here is the rate
-  this prompt gets beside the streams decoding now. A decode worker idle now whose last local
-  prompts were paced beside streams is slower to the router than here (its whole-prompt
-  rate), and while the router keeps prompts remote that rate is never measured again.
+- R_d: the router derives it from the decode worker's reported marginal prefill rate R_m
+  (router/split_decision.py: R_m with no leg open, else C / (s + C / R_m) beside its streams),
+  R_m measured over its last prompt steps; here the cost model's rate for this prompt beside
+  the streams decoding now, which is what that rule estimates.
 - T_link: the router's estimate from its recent hand-overs (the decode side's wait for its
   step included), else the prefill worker's report, else 0 once neither is in memory
   (router/link_estimates.py); here the Cluster's wire time.
