@@ -8,13 +8,21 @@ serve/compare results file (measured_run.py), and --compare-measured RESULTS[:CO
 that run's requests on its own layout and prints the simulated median and P99 TTFT and ITL,
 goodput and output throughput beside the measured ones, each against its tolerance
 (measured_compare.py, which also says how the layout is found).
+
+Admission (admission.py): --max-inflight-per-worker, --max-queue and --max-queue-wait-s model
+the router's back-pressure, as its flags of the same names; any of them turns it on, the others
+taking the router's defaults. A --compare-measured run of a pdserve configuration (bench
+compare's, measured_compare.PDSERVE_CONFIGS) was served by a router with admission, so it is
+modelled there even without them; any other run, and a trace without one, is simulated without
+admission (every request served) unless a flag is given.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import dataclass, replace
+import math
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +31,7 @@ from pdserve.planner.hardware import HARDWARE, Hardware, get_hardware
 from pdserve.planner.kv_math import DTYPE_BYTES, check_tp, dtype_bytes, kv_bytes_per_token_per_rank
 from pdserve.planner.model_shape import PRESETS, ModelShape, load_model_shape
 from pdserve.planner.plan import DEFAULT_MAX_DECODE_BATCH, MEMORY_UTILIZATION, PREFILL_BATCH_TOKENS
+from pdserve.planner.simulate.admission import DEFAULT_MAX_QUEUE_WAIT_S, Admission
 from pdserve.planner.simulate.calibration import (
     BenchRows,
     CalibrationProfile,
@@ -41,6 +50,7 @@ from pdserve.planner.simulate.events import (
     simulate,
 )
 from pdserve.planner.simulate.measured_compare import (
+    PDSERVE_CONFIGS,
     Comparison,
     MeasuredLayout,
     compare,
@@ -83,6 +93,7 @@ def add_simulate_parser(subparsers: argparse._SubParsersAction) -> None:
                               description=_DESCRIPTION, epilog=_EPILOG)
     _add_model_args(p)
     _add_cluster_args(p)
+    _add_admission_args(p)
     _add_trace_args(p)
     p.add_argument("--slo-ttft-ms", type=float, default=None,
                    help="goodput counts requests with TTFT at most this (default: the bound "
@@ -156,6 +167,24 @@ def _add_cluster_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-capacity-tokens", type=int, default=None,
                    help="KV tokens per worker (default: what fits beside the weights in "
                         f"{MEMORY_UTILIZATION * 100:.0f}%% of device memory{measured})")
+
+
+def _add_admission_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group(
+        "admission (the router's back-pressure; any of these turns it on, the others taking "
+        "the router's defaults; on by default with --compare-measured of a pdserve "
+        "configuration, else off: every request served)")
+    g.add_argument("--max-inflight-per-worker", type=int, default=None, metavar="N",
+                   help="requests a worker is given at once; more wait in the router's queue "
+                        "(default: the router's: --max-batch, and once requests completed, "
+                        "the number of average requests whose KV fits a worker)")
+    g.add_argument("--max-queue", type=int, default=None, metavar="N",
+                   help="requests that may wait for a worker, per pool (prefill; decode and "
+                        "collocated); one more is refused, 429 (default: the router's: "
+                        "completions per second times --max-queue-wait-s)")
+    g.add_argument("--max-queue-wait-s", type=float, default=None, metavar="SECONDS",
+                   help="longest a request waits for a worker before it is refused, 503 "
+                        f"(default: the router's, {DEFAULT_MAX_QUEUE_WAIT_S:g})")
 
 
 def _add_trace_args(p: argparse.ArgumentParser) -> None:
@@ -266,7 +295,8 @@ def resolve(args: argparse.Namespace) -> Setup:
     layouts = _layouts(args.layouts)
     how = measured_layout(measured, layouts) if measured else None
     slo = _slo(args, measured)
-    cluster = _cluster(args, shape, hw, tp, kv_rank, how or _FLAGS_ONLY, slo.tpot_ms / 1e3)
+    cluster = replace(_cluster(args, shape, hw, tp, kv_rank, how or _FLAGS_ONLY,
+                               slo.tpot_ms / 1e3), admission=_admission(args, measured))
     trace, label = _trace(args, measured)
     check_fits(trace, cluster)
     return Setup(shape, hw, tp, eff, profile, cluster, trace, label,
@@ -288,6 +318,21 @@ def _slo(args: argparse.Namespace, measured: MeasuredRun | None) -> Slo:
         bounds.append(flag if flag is not None else
                       recorded if recorded is not None else getattr(DEFAULT_SLO, name))
     return Slo(*bounds)
+
+
+def _admission(args: argparse.Namespace, measured: MeasuredRun | None) -> Admission | None:
+    """The router's admission from the flags (module docstring); None: not modelled.
+    ValueError for a bad value, naming the flag."""
+    flags = (args.max_inflight_per_worker, args.max_queue, args.max_queue_wait_s)
+    pdserve_run = measured is not None and measured.config in PDSERVE_CONFIGS
+    if all(flag is None for flag in flags) and not pdserve_run:
+        return None
+    wait = DEFAULT_MAX_QUEUE_WAIT_S if args.max_queue_wait_s is None else args.max_queue_wait_s
+    if not math.isfinite(wait):  # the router's flag takes finite seconds only
+        raise ValueError(f"max_queue_wait_s (--max-queue-wait-s) must be a number of seconds "
+                         f"> 0, got {wait!r}")
+    return Admission(max_inflight_per_worker=args.max_inflight_per_worker,
+                     max_queue=args.max_queue, max_queue_wait_s=wait)
 
 
 def _write_profile(profile: CalibrationProfile | None, path: str) -> None:
@@ -393,6 +438,7 @@ def to_json(setup: Setup, results: list[tuple[SimResult, Summary]]) -> dict[str,
         "costs": _costs_json(setup), "kv_capacity_tokens": c.kv_capacity_tokens,
         "max_batch": c.max_batch,
         "prefill_budget_tokens": c.prefill_budget_tokens,
+        "admission": None if c.admission is None else asdict(c.admission),
         "slo": {"ttft_ms": setup.slo.ttft_ms, "tpot_ms": setup.slo.tpot_ms},
         "results": [{"layout": str(r.layout), "label": layout_label(r.layout, c),
                      "busy": r.busy, "local_prefills": r.local_prefills,
@@ -400,13 +446,20 @@ def to_json(setup: Setup, results: list[tuple[SimResult, Summary]]) -> dict[str,
     }
 
 
-_ROWS = [("completed", "completed", "{:,}"), ("request_throughput", "requests/s", "{:.3f}"),
+_ROWS = [("completed", "completed", "{:,}"), ("failed", "failed (refused)", "{:,}"),
+         ("request_throughput", "requests/s", "{:.3f}"),
          ("output_throughput", "output tokens/s", "{:,.1f}"),
          ("request_goodput", "goodput (req/s)", "{:.3f}"), ("good_requests", "good requests",
                                                             "{:,}")]
 _ROWS += [(f"{stat}_{metric}_ms", f"{stat} {metric.upper()} (ms)", "{:,.2f}")
           for metric in ("ttft", "tpot", "itl", "e2el") for stat in ("mean", "median", "p90",
                                                                       "p99")]
+
+
+def _admission_label(admission: Admission | None) -> str:
+    if admission is None:
+        return "none (every request served)"
+    return f"as the router's, {admission.describe()}"
 
 
 def render(setup: Setup, results: list[tuple[SimResult, Summary]]) -> str:
@@ -418,6 +471,7 @@ def render(setup: Setup, results: list[tuple[SimResult, Summary]]) -> str:
              f"  step costs: {_costs_label(setup)}",
              f"  per worker: KV {c.kv_capacity_tokens:,} tokens; max batch {c.max_batch}; "
              f"prefill budget {c.prefill_budget_tokens:,} tokens",
+             f"  admission: {_admission_label(c.admission)}",
              f"  SLO: TTFT <= {setup.slo.ttft_ms:g} ms, TPOT <= {setup.slo.tpot_ms:g} ms", ""]
     heads = [layout_label(r.layout, c) for r, _ in results]
     width = max(18, *(len(h) + 2 for h in heads))

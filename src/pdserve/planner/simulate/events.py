@@ -31,11 +31,19 @@ lowest legs - (prompt blocks the router routed there) / PREFIX_BLOCKS_PER_LEG, l
 requests assigned to the worker (for a prefill worker, its queued and running prompts); ties
 to the lowest index. The measured rule's prefill worker stays the one of its t_remote.
 
-The loop pops events in (time, kind, sequence) order: step ends, then KV arrivals, then request
-arrivals at equal times; idle workers start their next step only after every event of that
-time, so requests arriving together share a step. Every request runs to completion: a queue
-only delays. The model is
-deterministic: the same trace, cluster and costs give the same records.
+Admission (admission.py, with `Cluster.admission`; None, the default: none): a request takes
+a slot in the decode pool (decode or collocated workers) at arrival, on the worker the routing
+rule above picks among those with room, and, if it is split, then one in the prefill pool (the
+rule's prefill worker if it has room, else the least loaded with room); over the caps it waits
+in the pool's FIFO queue, or is refused (429 queue full, 503 waited too long). With admission a
+remote-split request's decode worker is chosen at arrival, as the router does. A refused
+request ends there: no token, and its closed-loop client sends its next request.
+
+The loop pops events in (time, kind, sequence) order: step ends, then KV arrivals, then the end
+of queue waits, then request arrivals at equal times; idle workers start their next step only
+after every event of that time, so requests arriving together share a step. Without admission
+every request runs to completion: a queue only delays. The model is deterministic: the same
+trace, cluster and costs give the same records.
 """
 
 from __future__ import annotations
@@ -51,6 +59,7 @@ from typing import Any
 
 from pdserve.planner.kv_math import check_link, kv_bytes, transfer_seconds
 from pdserve.planner.plan import DEFAULT_MAX_DECODE_BATCH, PREFILL_BATCH_TOKENS
+from pdserve.planner.simulate.admission import Admission, AdmissionPool
 from pdserve.planner.simulate.calibration import StepCosts
 from pdserve.planner.simulate.metrics import ItlSamples, RequestRecord
 from pdserve.planner.simulate.paced_decode import PacedDecodeWorker
@@ -75,7 +84,7 @@ from pdserve.planner.simulate.trace import TraceRequest
 DEFAULT_CHUNK_TOKENS = 2048  # our default prefill tokens per chunked step
 PREFIX_BLOCKS_PER_LEG = 8  # router/policies.py PrefixAware: a cached block is worth 1/8 leg
 
-_STEP_END, _KV_READY, _ARRIVAL = 0, 1, 2
+_STEP_END, _KV_READY, _EXPIRE, _ARRIVAL = 0, 1, 2, 3
 
 
 class Layout(StrEnum):
@@ -124,7 +133,8 @@ class Cluster:
     layout routes its prompts (`split`, split_model.py) and the TPOT target its decode workers
     pace local prefills to (the router's `--slo-tpot-ms`); the KV block (`block_tokens`, the
     engine's `block_size`, default 16: a prefix cache reuses whole blocks only) and how the
-    router picks workers (`policy`: the module docstring)."""
+    router picks workers (`policy`: the module docstring); the router's back-pressure
+    (`admission`, admission.py; None: none, every request is served)."""
 
     kv_capacity_tokens: int  # KV one worker holds (per GPU of its TP group, in tokens)
     kv_bytes_per_token_rank: int  # KV bytes per token per GPU (what one rank ships)
@@ -139,6 +149,7 @@ class Cluster:
     tpot_target_s: float = DEFAULT_TPOT_TARGET_S
     block_tokens: int = BLOCK_TOKENS
     policy: RoutePolicy = RoutePolicy.LEAST_LOADED
+    admission: Admission | None = None
 
     def __post_init__(self) -> None:
         for name, flag in (("kv_capacity_tokens", "--kv-capacity-tokens"),
@@ -152,6 +163,8 @@ class Cluster:
         object.__setattr__(self, "split", _split_rule(self.split))
         object.__setattr__(self, "policy", _route_policy(self.policy))
         _check_target(self.tpot_target_s)
+        if self.admission is not None and not isinstance(self.admission, Admission):
+            raise ValueError(f"admission must be an Admission or None, got {self.admission!r}")
 
     def transfer_seconds(self, prompt_tokens: int) -> float:
         return transfer_seconds(kv_bytes(self.kv_bytes_per_token_rank, prompt_tokens),
@@ -160,8 +173,9 @@ class Cluster:
 
 @dataclass
 class SimResult:
-    """Finished records (trace order), ITL samples, each pool's busy fraction and how many
-    requests a split layout prefilled on their decode worker (the router's local path)."""
+    """Ended records (trace order; finished, or refused by admission), ITL samples, each
+    pool's busy fraction and how many requests a split layout prefilled on their decode worker
+    (the router's local path)."""
 
     layout: Layout
     records: list[RequestRecord]
@@ -190,7 +204,12 @@ class _Loop:
     requests open on decode worker j (split ones from their arrival unless `split` is remote,
     from their prefill's end then); `bound` maps a split request routed at arrival to its
     decode worker until its prefill ends; `routed[role][i]` is what the router sent to worker
-    i of `role` (prefix_cache.RoutedPrefixes)."""
+    i of `role` (prefix_cache.RoutedPrefixes). With admission, `pools` holds the decode pool
+    (and the prefill pool when disaggregated); a request's decode slot is held from its grant
+    until it ends (its load counted as long), its prefill slot until its prefill ends;
+    `splitting` maps a split request that holds its decode slot on worker j but no prefill slot
+    yet to (j, the rule's prefill worker), and `pending` lists those still to ask for one
+    (asked after the event being processed, at its time)."""
 
     def __init__(self, layout: Layout, cluster: Cluster, costs: StepCosts,
                  trace_tokens: bool, table: PrefixTable | None = None) -> None:
@@ -223,6 +242,25 @@ class _Loop:
                       "colloc": [0] * len(self.colloc)}
         self.routed = {role: [RoutedPrefixes(self.table, c.block_tokens) for _ in loads]
                        for role, loads in self.loads.items()}
+        self.now = 0.0
+        self.splitting: dict[int, tuple[int, int | None]] = {}
+        self.pending: deque[RequestRecord] = deque()
+        self.pools = self._pools(c.admission) if c.admission is not None else {}
+        self.wait_s = c.admission.max_queue_wait_s if c.admission is not None else math.inf
+
+    def _pools(self, admission: Admission) -> dict[str, AdmissionPool]:
+        """The router's admission pools: decode (decode or collocated workers), prefill."""
+        c = self.cluster
+        kv = c.kv_capacity_tokens // c.block_tokens * c.block_tokens  # whole blocks
+        decode = self.decode or self.colloc
+        pools = {"decode": AdmissionPool("decode", len(decode), admission, c.max_batch, kv,
+                                         self._choose_decode, self._decode_granted,
+                                         self._refuse)}
+        if self.prefill:
+            pools["prefill"] = AdmissionPool("prefill", len(self.prefill), admission,
+                                             c.max_batch, kv, self._choose_prefill,
+                                             self._prefill_granted, self._refuse)
+        return pools
 
     def _cache(self) -> PrefixCache:
         """A worker's prefix cache, bounded by its KV capacity."""
@@ -253,34 +291,106 @@ class _Loop:
             worker.busy_s += seconds
             self.push(now + seconds, _STEP_END, worker)
 
-    def _least(self, role: str) -> int:
+    def _pick(self, role: str, record: RequestRecord, among: Sequence[int] | None = None
+              ) -> int:
+        """The worker of `role` for `record` under `Cluster.policy` (module docstring), among
+        the workers `among` (ascending indices; None: all)."""
         loads = self.loads[role]
-        return min(range(len(loads)), key=loads.__getitem__)
-
-    def _pick(self, role: str, record: RequestRecord) -> int:
-        """The worker of `role` for `record` under `Cluster.policy` (module docstring)."""
+        among = range(len(loads)) if among is None else among
         if self.cluster.policy is RoutePolicy.LEAST_LOADED:
-            return self._least(role)
+            return min(among, key=loads.__getitem__)
         legs = [len(w.queue) + len(w.step) for w in self.prefill] if role == "prefill" \
-            else self.loads[role]
+            else loads
         routed = self.routed[role]
-        return min(range(len(legs)), key=lambda i: (
+        return min(among, key=lambda i: (
             legs[i] - routed[i].blocks(record) / PREFIX_BLOCKS_PER_LEG, i))
 
     def arrive(self, record: RequestRecord, now: float) -> None:
-        if self.layout is not Layout.DISAGG:
-            i = self._pick("colloc", record)
-            self.loads["colloc"][i] += 1
-            self.routed["colloc"][i].add(record)
-            self.colloc[i].waiting.append(record)
-            self.wake(self.colloc[i])
+        if self.pools:
+            self.acquire("decode", record, now, self.wait_s)
+        elif self.layout is not Layout.DISAGG:
+            self.to_colloc(record, self._pick("colloc", record))
         elif self.cluster.split is SplitRule.REMOTE:
             self.to_prefill(record, self._pick("prefill", record))
         else:
-            self.route(record)
+            self.route(record, self._pick("decode", record))
 
-    def to_prefill(self, record: RequestRecord, i: int) -> None:
-        """Queue `record` on prefill worker i, counted in Q_p as the router counts it."""
+    def to_colloc(self, record: RequestRecord, i: int) -> None:
+        self.loads["colloc"][i] += 1
+        self.routed["colloc"][i].add(record)
+        self.colloc[i].waiting.append(record)
+        self.wake(self.colloc[i])
+
+    # -- admission (admission.py) ------------------------------------------------------------
+
+    def acquire(self, pool: str, record: RequestRecord, now: float, wait_s: float) -> None:
+        """Ask `pool` for a slot for `record`; a queued one's wait ends in an _EXPIRE event."""
+        expires = self.pools[pool].acquire(record, now, wait_s)
+        if expires is not None and expires < math.inf:
+            self.push(expires, _EXPIRE, (pool, record))
+
+    def _choose_decode(self, record: RequestRecord, free: list[int]) -> int:
+        return self._pick("decode" if self.decode else "colloc", record, free)
+
+    def _decode_granted(self, record: RequestRecord, j: int) -> None:
+        """The request holds a slot on decode (or collocated) worker j: route it there."""
+        if self.layout is not Layout.DISAGG:
+            self.to_colloc(record, j)
+        elif self.cluster.split is SplitRule.REMOTE:
+            self.loads["decode"][j] += 1
+            self.routed["decode"][j].add(record)
+            self.split_to(record, j, None)
+        else:
+            self.route(record, j)
+
+    def split_to(self, record: RequestRecord, j: int, prefill: int | None) -> None:
+        """`record`, bound to decode worker j, is prefilled on prefill worker `prefill` (None:
+        the least loaded), once it holds a prefill slot when admission is modelled."""
+        if not self.pools:
+            self.bound[record.index] = j
+            self.to_prefill(record, prefill)
+            return
+        self.splitting[record.index] = (j, prefill)
+        self.pending.append(record)
+
+    def ask_prefill_slots(self, now: float) -> None:
+        """Split requests holding a decode slot ask for a prefill slot, within what is left
+        of their wait since arrival."""
+        while self.pending:
+            record = self.pending.popleft()
+            self.acquire("prefill", record, now, record.arrival_s + self.wait_s - now)
+
+    def _choose_prefill(self, record: RequestRecord, free: list[int]) -> int:
+        chosen = self.splitting[record.index][1]
+        return chosen if chosen in free else self._pick("prefill", record, free)
+
+    def _prefill_granted(self, record: RequestRecord, i: int) -> None:
+        j, _ = self.splitting.pop(record.index)
+        self.bound[record.index] = j
+        self.to_prefill(record, i)
+
+    def _refuse(self, record: RequestRecord, status: int) -> None:
+        """Admission refused `record` (429 or 503): it ends now without a token; a decode slot
+        it holds is given back, and its closed-loop client sends the next request."""
+        record.refused, record.refused_s = status, self.now
+        if (split := self.splitting.pop(record.index, None)) is not None:
+            self.loads["decode"][split[0]] -= 1
+        self.pools["decode"].release(record, self.now, None)
+        self.client_free(self.now)
+
+    def release(self, pool: str, record: RequestRecord, now: float, tokens: int) -> None:
+        """`record` completed its part in `pool` holding `tokens` of KV (no-op without
+        admission)."""
+        if self.pools:
+            self.pools[pool].release(record, now, tokens)
+
+    # -- routing -------------------------------------------------------------------------------
+
+    def to_prefill(self, record: RequestRecord, i: int | None) -> None:
+        """Queue `record` on prefill worker i (None: the policy's pick), counted in Q_p as the
+        router counts it."""
+        if i is None:
+            i = self._pick("prefill", record)
         tokens = self.routed["prefill"][i].uncached(record)
         self.routed["prefill"][i].add(record)
         self.queued[record.index] = tokens
@@ -288,10 +398,9 @@ class _Loop:
         self.prefill[i].queue.append(record)
         self.wake(self.prefill[i])
 
-    def route(self, record: RequestRecord) -> None:
-        """The router's path (split_model.py): the decode worker first, then where to prefill;
-        U is the prompt's uncached tokens on that decode worker, as the router counts them."""
-        j = self._pick("decode", record)
+    def route(self, record: RequestRecord, j: int) -> None:
+        """The router's path (split_model.py) on decode worker j: where to prefill; U is the
+        prompt's uncached tokens on that decode worker, as the router counts them."""
         self.loads["decode"][j] += 1
         tokens = self.routed["decode"][j].uncached(record)
         path = self._decide(record, j, tokens)
@@ -301,8 +410,7 @@ class _Loop:
             self.paced[j].add_local(record, tokens)
             self.wake(self.paced[j])
         else:
-            self.bound[record.index] = j
-            self.to_prefill(record, path.prefill_index)
+            self.split_to(record, j, path.prefill_index)
 
     def _decide(self, record: RequestRecord, j: int, tokens: int) -> Route | None:
         """The measured rule's decision for `record`, `tokens` of it uncached on decode worker
@@ -319,11 +427,10 @@ class _Loop:
     def step_end(self, worker: Worker, now: float) -> None:
         worker.busy = False
         prefilled, finished = worker.finish_step(now)
-        for _ in finished:
-            self.client_free(now)
         if isinstance(worker, PrefillWorker):
             for record in prefilled:
                 self.loads["prefill"][worker.index] -= self.queued.pop(record.index)
+                self.release("prefill", record, now, record.prompt_tokens)
                 j = self.bound.pop(record.index, None)
                 if record.output_tokens > 1:
                     self.send_to_decode(record, now, j)
@@ -331,6 +438,9 @@ class _Loop:
                     self.loads["decode"][j] -= 1  # token 0 ended it: its decode leg closes
         else:
             self.loads[worker.role][worker.index] -= len(finished)
+        for record in finished:
+            self.release("decode", record, now, record.prompt_tokens + record.output_tokens)
+            self.client_free(now)
         self.wake(worker)
 
     def send_to_decode(self, record: RequestRecord, now: float, j: int | None) -> None:
@@ -365,12 +475,16 @@ class _Loop:
         now = 0.0
         while self.events:
             now, kind, _, payload = heapq.heappop(self.events)
+            self.now = now
             if kind == _STEP_END:
                 self.step_end(payload, now)
             elif kind == _KV_READY:
                 self.kv_ready(payload[0], payload[1], now)
+            elif kind == _EXPIRE:
+                self.pools[payload[0]].expire(payload[1], now)
             else:
                 self.arrive(payload, now)
+            self.ask_prefill_slots(now)
             if not self.events or self.events[0][0] > now:
                 for worker in self.to_wake:
                     self.kick(worker, now)
@@ -384,6 +498,8 @@ class _Loop:
         left += [f"{w.role} worker {w.index}: {w.kv.used} KV tokens"
                  for w in (*self.decode, *self.colloc) if w.kv.used]
         left += [f"request {i} queued for prefill" for i in self.queued]
+        left += [f"request {i} waits for a prefill slot" for i in self.splitting]
+        left += [line for pool in self.pools.values() for line in pool.leftovers()]
         return left + [f"request {i} bound to decode worker {j}" for i, j in self.bound.items()]
 
     def busy_fractions(self, span: float) -> dict[str, float]:

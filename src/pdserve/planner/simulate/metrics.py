@@ -9,9 +9,12 @@ Definitions (vLLM benchmarks/serve.py, `calculate_metrics`):
 - percentiles: linear interpolation between order statistics (numpy.percentile's default,
   Hyndman and Fan type 7); median = P50.
 - throughput: completed requests (and their output tokens) / duration, where duration runs
-  from the first arrival to the last finish.
-- goodput: requests meeting every SLO given (TTFT <= slo_ttft_ms, TPOT <= slo_tpot_ms; a
-  one-token request has no TPOT and meets that SLO) / duration.
+  from the first arrival to the last end (a finish or a refusal).
+- goodput: completed requests meeting every SLO given (TTFT <= slo_ttft_ms, TPOT <=
+  slo_tpot_ms; a one-token request has no TPOT and meets that SLO) / duration.
+- failed: requests the router's admission refused (admission.py): no token, so, as bench serve
+  does with failed requests, they are left out of every latency statistic, the token totals,
+  throughput and goodput, and counted only here and in the duration.
 ITLs are stored run-length encoded (`ItlSamples`): a decode step of B requests adds one value
 B times, so a long trace costs one entry per step, not one per token. Empty metrics are None
 (vLLM prints 0).
@@ -34,7 +37,9 @@ class RequestRecord:
     """One request's life in the simulator; times in seconds from trace start.
 
     `prefilled` counts prompt tokens computed so far (chunked prefill); `token_times` holds every
-    token's time when the run traces tokens, else stays None.
+    token's time when the run traces tokens, else stays None. A request ends either finished
+    (`finish_s` set) or refused by admission (`refused` the HTTP status, 429 or 503, and
+    `refused_s` its time; it then has no token), never both.
     """
 
     index: int
@@ -45,6 +50,18 @@ class RequestRecord:
     finish_s: float | None = None
     prefilled: int = 0
     token_times: list[float] | None = None
+    refused: int | None = None
+    refused_s: float | None = None
+
+    @property
+    def ok(self) -> bool:
+        """Not refused (a finished request, or one still running)."""
+        return self.refused is None
+
+    @property
+    def end_s(self) -> float:
+        """When it finished or was refused; ValueError while it runs."""
+        return _done(self, self.finish_s if self.ok else self.refused_s)
 
     @property
     def ttft_s(self) -> float:
@@ -154,6 +171,7 @@ class Summary:
     tpot: Stats | None
     itl: Stats | None
     e2el: Stats | None
+    failed: int = 0  # refused by admission
 
     @property
     def request_throughput(self) -> float:
@@ -169,25 +187,29 @@ class Summary:
 
 
 def summarize(records: Sequence[RequestRecord], itl: ItlSamples, slo: Slo) -> Summary:
-    """The Summary of finished `records`; ValueError if any has not finished."""
+    """The Summary of ended `records` (finished or refused); ValueError if any runs still.
+    Refused ones count in `failed` and the duration only (module docstring)."""
     if not records:
         raise ValueError("no requests to summarize: the trace is empty")
     start = min(r.arrival_s for r in records)
-    end = max(_done(r, r.finish_s) for r in records)
-    tpots = [t for t in (r.tpot_s for r in records) if t is not None]
+    end = max(r.end_s for r in records)
+    ok = [r for r in records if r.ok]
+    tpots = [t for t in (r.tpot_s for r in ok) if t is not None]
     return Summary(
-        completed=len(records), duration_s=end - start,
-        total_input_tokens=sum(r.prompt_tokens for r in records),
-        total_output_tokens=sum(r.output_tokens for r in records),
-        good_requests=sum(1 for r in records if slo.met(r)),
-        ttft=stats([r.ttft_s for r in records]), tpot=stats(tpots),
-        itl=_weighted_stats(itl.values, itl.counts), e2el=stats([r.e2el_s for r in records]))
+        completed=len(ok), duration_s=end - start,
+        total_input_tokens=sum(r.prompt_tokens for r in ok),
+        total_output_tokens=sum(r.output_tokens for r in ok),
+        good_requests=sum(1 for r in ok if slo.met(r)),
+        ttft=stats([r.ttft_s for r in ok]), tpot=stats(tpots),
+        itl=_weighted_stats(itl.values, itl.counts), e2el=stats([r.e2el_s for r in ok]),
+        failed=len(records) - len(ok))
 
 
 def summary_to_dict(summary: Summary) -> dict[str, Any]:
     """vLLM `bench serve` keys: completed, request_throughput, mean_ttft_ms, p99_itl_ms, ..."""
     out: dict[str, Any] = {
-        "completed": summary.completed, "duration": summary.duration_s,
+        "completed": summary.completed, "failed": summary.failed,
+        "duration": summary.duration_s,
         "total_input_tokens": summary.total_input_tokens,
         "total_output_tokens": summary.total_output_tokens,
         "request_throughput": summary.request_throughput,
