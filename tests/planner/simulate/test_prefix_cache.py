@@ -239,3 +239,20 @@ def test_bad_prefix_fields_are_refused(tmp_path, fields, message):
                                | fields))
     with pytest.raises(ValueError, match=message):
         read_trace_jsonl(path)
+
+
+def test_simulate_policy_flag_routes_prompts_to_their_prefix(capsys):
+    from tests.planner.cli_run import run_pdserve
+
+    mean = {}
+    for policy in ("least_loaded", "prefix"):
+        rc, out, err = run_pdserve(
+            ["simulate", "--model", "smollm2-135m", "--gpu", "cpu", "--workload", "prefix",
+             "--rate", "1", "--num-requests", "100", "--layouts", "colloc", "--collocated", "3",
+             "--policy", policy, "--json"], capsys)
+        assert rc == 0, err
+        got = json.loads(out)
+        assert got["policy"] == policy
+        mean[policy] = got["results"][0]["mean_ttft_ms"]
+    # three workers: by prefix, each shared prefix is computed on one of them, not on all three
+    assert mean["prefix"] < 0.95 * mean["least_loaded"]

@@ -45,6 +45,7 @@ from pdserve.planner.simulate.events import (
     DEFAULT_CHUNK_TOKENS,
     Cluster,
     Layout,
+    RoutePolicy,
     SimResult,
     check_fits,
     simulate,
@@ -157,6 +158,11 @@ def _add_cluster_args(p: argparse.ArgumentParser) -> None:
                         "target, --slo-tpot-ms), local (every prompt on its decode worker) or "
                         "remote (every prompt on a prefill worker) (default: measured; a "
                         "measured pdserve configuration's with --compare-measured)")
+    p.add_argument("--policy", choices=list(RoutePolicy), default=RoutePolicy.LEAST_LOADED,
+                   help="how the router picks a worker of a pool, as its --policy: "
+                        "least_loaded (fewest requests), or prefix (the worker most likely "
+                        "to hold the prompt's shared prefix, then the least loaded) "
+                        "(default: %(default)s)")
     p.add_argument("--link-gbps", type=float, default=100.0,
                    help="KV link per GPU in Gb/s (default: %(default)s)")
     p.add_argument("--max-batch", type=int, default=None,
@@ -191,7 +197,8 @@ def _add_trace_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workload", default=None,
                    help=f"preset: {', '.join(WORKLOADS)} (default: chat)")
     p.add_argument("--trace", default=None, metavar="FILE[:CONFIG]",
-                   help='JSONL of {"arrival_s", "prompt_tokens", "output_tokens"}, or a bench '
+                   help='JSONL of {"arrival_s", "prompt_tokens", "output_tokens"} (and '
+                        'optionally "prefix_id", "prefix_tokens": a shared prefix), or a bench '
                         "serve/compare results file (its requests; :CONFIG picks one "
                         "configuration), instead of a preset")
     p.add_argument("--rate", type=float, default=2.0, help="req/s (default: %(default)s)")
@@ -373,7 +380,7 @@ def _cluster(args: argparse.Namespace, shape: ModelShape, hw: Hardware, tp: int,
                    prefill_budget_tokens=args.prefill_budget,
                    chunk_tokens=_first(args.chunk, how.chunk_tokens, DEFAULT_CHUNK_TOKENS),
                    split=args.split or how.split or SplitRule.MEASURED,
-                   tpot_target_s=tpot_target_s)
+                   tpot_target_s=tpot_target_s, policy=RoutePolicy(args.policy))
 
 
 def _trace(args: argparse.Namespace, measured: MeasuredRun | None
@@ -436,7 +443,7 @@ def to_json(setup: Setup, results: list[tuple[SimResult, Summary]]) -> dict[str,
         "model": setup.shape.name, "gpu": setup.hardware.name, "tp": setup.tp,
         "link_gbps": c.link_gbps, "trace": setup.trace_label, "requests": len(setup.trace),
         "costs": _costs_json(setup), "kv_capacity_tokens": c.kv_capacity_tokens,
-        "max_batch": c.max_batch,
+        "max_batch": c.max_batch, "policy": str(c.policy),
         "prefill_budget_tokens": c.prefill_budget_tokens,
         "admission": None if c.admission is None else asdict(c.admission),
         "slo": {"ttft_ms": setup.slo.ttft_ms, "tpot_ms": setup.slo.tpot_ms},
