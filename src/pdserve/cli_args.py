@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import re
 
 from pdserve.common.engine_options import DTYPE_CHOICES, DTYPE_HELP, check_device
@@ -31,6 +32,21 @@ def _device_arg(text: str) -> str:
         return check_device(text)
     except ValueError as e:  # argparse prints an ArgumentTypeError's message as it is
         raise argparse.ArgumentTypeError(str(e)) from None
+
+
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+def add_log_level_arg(p: argparse.ArgumentParser) -> None:
+    """--log-level: what a server process writes to stderr."""
+    p.add_argument("--log-level", choices=LOG_LEVELS, default="info",
+                   help="what the process logs; debug adds the router's per-request path "
+                        "decisions with their inputs (default: %(default)s)")
+
+
+def log_level(name: str) -> int:
+    """The `logging` level of a --log-level choice."""
+    return logging.getLevelName(name.upper())
 
 
 def add_cpu_kernels_arg(p: argparse.ArgumentParser) -> None:

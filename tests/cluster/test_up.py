@@ -543,3 +543,18 @@ def test_the_planned_ports_are_those_the_processes_are_given() -> None:
         if "--kv-port" in spec.argv:
             given.add((int(_option(spec, "--kv-port")[0]), f"{spec.name} (KV transfers)"))
     assert set(planned_ports(config)) == given and len(given) == 7
+
+
+def test_log_level_reaches_every_process_and_info_is_left_unsaid() -> None:
+    import logging
+
+    from pdserve.cli_args import log_level
+
+    quiet = plan_processes(UpConfig.from_args(_args("--cpus", "0")), SECRET)
+    assert all("--log-level" not in spec.argv for spec in quiet)
+    loud = plan_processes(UpConfig.from_args(_args("--cpus", "0", "--log-level", "debug")),
+                          SECRET)
+    assert [_option(spec, "--log-level") for spec in loud] == [["debug"]] * 3
+    assert log_level("debug") == logging.DEBUG and log_level("warning") == logging.WARNING
+    with pytest.raises(SystemExit):
+        _args("--log-level", "verbose")

@@ -83,6 +83,7 @@ class UpConfig:
     kv_cache_memory: str = "512MiB"
     max_model_len: int | None = None
     policy: str = "least_loaded"
+    log_level: str = "info"  # every process's --log-level
     local_prefill_threshold: int | None = None  # None: the router decides from measured costs
     slo_tpot_s: float = 0.1
     elastic: bool = False  # the router flips workers between prefill and decode itself
@@ -250,7 +251,7 @@ class UpConfig:
                    secret_file=args.secret_file, serve_public=args.serve_public,
                    metrics_key_file=args.metrics_key_file, api_keys_file=args.api_keys_file,
                    rate_limit=rate_limit_from_args(args), limits=limits_from_args(args),
-        admission=admission_from_args(args))
+        admission=admission_from_args(args), log_level=args.log_level)
 
 
 def worker_counts(prefill: int | None, decode: int | None,
@@ -325,6 +326,7 @@ def _worker_spec(config: UpConfig, index: int, role: str, secret_file: Path) -> 
     launch = WorkerLaunch(
         role=Role(role), model=config.model, device=config.device,
         dtype=resolve_dtype(config.dtype, config.device),  # once here: every worker alike
+        log_level=config.log_level,
         host=config.host, port=config.port + HTTP_PORT_OFFSET + index,
         kv_port=config.port + KV_PORT_OFFSET + index, transport=config.transport,
         secret_file=secret_file, serve_public=config.serve_public,
@@ -372,6 +374,8 @@ def _router_spec(config: UpConfig, secret_file: Path) -> ProcessSpec:
             "--secret-file", str(secret_file),
             *_metrics_key_args(config), *limits_to_args(config.limits), *_access_args(config),
             *admission_to_args(config.admission)]
+    if config.log_level != "info":
+        argv += ["--log-level", config.log_level]
     for role in ("prefill", "decode", "collocated"):
         urls = [worker_url(config, i) for i, r in enumerate(config.roles) if r == role]
         if urls:

@@ -14,7 +14,12 @@ import sys
 from pathlib import Path
 
 from pdserve.api.limits import add_limit_args
-from pdserve.cli_args import add_cpu_kernels_arg, add_device_arg, add_model_args
+from pdserve.cli_args import (
+    add_cpu_kernels_arg,
+    add_device_arg,
+    add_log_level_arg,
+    add_model_args,
+)
 from pdserve.cluster.layout import (
     HTTP_PORT_OFFSET,
     KV_PORT_OFFSET,
@@ -111,6 +116,7 @@ def _add_layout_args(p: argparse.ArgumentParser) -> None:
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     add_model_args(p)
     add_device_arg(p)
+    add_log_level_arg(p)
     p.add_argument("--kv-cache-memory", default="512MiB", metavar="SIZE",
                    help="KV cache size of each worker, e.g. 512MiB or 2GiB "
                         "(default: %(default)s)")

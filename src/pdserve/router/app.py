@@ -37,6 +37,7 @@ from pdserve.api.errors import ApiError
 from pdserve.api.http_site import start_site, stop_event
 from pdserve.api.limits import RequestLimits, add_limit_args, limits_from_args
 from pdserve.api.openai_server import GenerateError, OpenAIServer
+from pdserve.cli_args import add_log_level_arg, log_level
 from pdserve.common.model_folder import resolve_model
 from pdserve.common.sampling_params import SamplingParams
 from pdserve.common.tokenizer import load_tokenizer
@@ -241,6 +242,7 @@ class Router:
 
 
 def add_router_args(p: argparse.ArgumentParser) -> None:
+    add_log_level_arg(p)
     p.add_argument("--host", default="127.0.0.1", help="default: %(default)s")
     p.add_argument("--port", type=int, default=8000, help="default: %(default)s")
     p.add_argument("--secret-file", type=Path, required=True, metavar="FILE",
@@ -310,7 +312,7 @@ def _run_router(args: argparse.Namespace) -> int:
     from pdserve.logs import setup
 
     settings = settings_from_args(args)
-    setup(f"router:{settings.port}")
+    setup(f"router:{settings.port}", log_level(args.log_level))
     asyncio.run(serve(settings))
     return 0
 

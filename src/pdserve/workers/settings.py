@@ -27,7 +27,9 @@ from pdserve.bearer import read_key_file
 from pdserve.cli_args import (
     add_cpu_kernels_arg,
     add_device_arg,
+    add_log_level_arg,
     add_tensor_parallel_arg,
+    log_level,
     parse_cpus,
     parse_size,
 )
@@ -138,6 +140,7 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
                    help="the name clients use in 'model' (default: --model as given)")
     p.add_argument("--dtype", default="auto", choices=list(DTYPE_CHOICES), help=DTYPE_HELP)
     add_device_arg(p)
+    add_log_level_arg(p)
     p.add_argument("--host", default="127.0.0.1", help="HTTP address (default: %(default)s)")
     p.add_argument("--port", type=int, default=8001, help="HTTP port (default: %(default)s)")
     p.add_argument("--kv-host", default=None,
@@ -237,7 +240,7 @@ def _run_worker(args: argparse.Namespace) -> int:
     from pdserve.workers.server import serve
 
     settings = settings_from_args(args)
-    setup(f"{settings.role.value}:{settings.port}")
+    setup(f"{settings.role.value}:{settings.port}", log_level(args.log_level))
     return asyncio.run(serve(settings))
 
 
@@ -279,6 +282,7 @@ class WorkerLaunch:
     register: str | None = None  # the router to join
     name: str | None = None  # None: host:port
     drain_timeout_s: float = 30.0
+    log_level: str = "info"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "role", Role(self.role))
@@ -305,7 +309,7 @@ _UNLESS_DEFAULT = (("--served-model-name", "served_model_name"), ("--kv-host", "
                    ("--slo-tpot-ms", "slo_tpot_ms"),
                    ("--tensor-parallel-size", "tensor_parallel_size"),
                    ("--register", "register"), ("--name", "name"),
-                   ("--drain-timeout", "drain_timeout_s"))
+                   ("--drain-timeout", "drain_timeout_s"), ("--log-level", "log_level"))
 _SWITCHES = (("--serve-public", "serve_public"), ("--kv-encrypt", "kv_encrypt"),
              ("--enable-chunked-prefill", "enable_chunked_prefill"))
 _DEFAULTS = {f.name: f.default for f in fields(WorkerLaunch)}
@@ -340,7 +344,8 @@ def launch_from_args(args: argparse.Namespace) -> WorkerLaunch:
         max_num_batched_tokens=args.max_num_batched_tokens, kv_lease_s=args.kv_lease,
         slo_tpot_ms=args.slo_tpot_ms, seed=args.seed, cpu_kernels=args.cpu_kernels,
         tensor_parallel_size=args.tensor_parallel_size, limits=limits_from_args(args),
-        register=args.register, name=args.name, drain_timeout_s=args.drain_timeout)
+        register=args.register, name=args.name, drain_timeout_s=args.drain_timeout,
+        log_level=args.log_level)
 
 
 def settings_from_args(args: argparse.Namespace) -> WorkerSettings:
