@@ -16,8 +16,9 @@ DTYPE_NAMES = ("float32", "bfloat16", "float16")
 # What a user may ask for: a dtype, or "auto" (`resolve_dtype`)
 DTYPE_CHOICES = ("auto", *DTYPE_NAMES)
 DTYPE_HELP = ("weights and KV cache dtype; auto: bfloat16 on a GPU and on a CPU with bf16 "
-              "arithmetic (AVX-512, AMX, AVX-NE-CONVERT, Arm BF16), else float32, which an "
-              "AVX2-only CPU runs many times faster (default: %(default)s)")
+              "arithmetic (AVX-512, AMX, AVX-NE-CONVERT, Arm BF16), else float32, whose "
+              "prefill and batched decode an AVX2-only CPU runs several times faster "
+              "(default: %(default)s)")
 # Whole prompts (no chunking) share one engine step only while its prompt tokens stay within
 # this; a longer prompt still runs, alone. Past a few hundred tokens a prefill is compute-bound,
 # so packing long prompts saves almost nothing and holds every prompt's first token until the
