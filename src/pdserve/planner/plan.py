@@ -184,6 +184,17 @@ def _usable_memory(hw: Hardware) -> float:
     return hw.memory_bytes * MEMORY_UTILIZATION
 
 
+def kv_room_tokens(shape: ModelShape, hw: Hardware, tp: int, kv_bytes_per_token_gpu: int
+                   ) -> int:
+    """The KV tokens a GPU holds beside the weights in MEMORY_UTILIZATION of its memory (a
+    simulated worker's default KV capacity); ValueError when not even one fits."""
+    free = _usable_memory(hw) - stored_weight_bytes_per_gpu(shape, tp)
+    if free < kv_bytes_per_token_gpu:
+        raise ValueError(f"{shape.name} weights leave no KV room on {hw.name} at tp {tp} "
+                         f"({MEMORY_UTILIZATION:.0%} of memory): raise --tp")
+    return int(free // kv_bytes_per_token_gpu)
+
+
 def _weight_notes(shape: ModelShape, hw: Hardware, tp: int) -> list[str]:
     weights = stored_weight_bytes_per_gpu(shape, tp)
     if weights <= _usable_memory(hw):

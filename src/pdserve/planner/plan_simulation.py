@@ -39,9 +39,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from pdserve.planner.cost import stored_weight_bytes_per_gpu
 from pdserve.planner.hardware import Hardware
-from pdserve.planner.plan import MEMORY_UTILIZATION, Plan, Verdict
+from pdserve.planner.plan import Plan, Verdict, kv_room_tokens
 from pdserve.planner.simulate.calibration import (
     CalibrationProfile,
     RooflineCosts,
@@ -143,11 +142,7 @@ def _cluster(plan: Plan, load: Load, hw: Hardware, layout: MeasuredLayout) -> Cl
     if layout.kv_cache_bytes is not None:
         capacity = layout.kv_cache_bytes // kv_rank
     else:
-        free = hw.memory_bytes * MEMORY_UTILIZATION - stored_weight_bytes_per_gpu(
-            plan.model, plan.workload.tp)
-        if free < kv_rank:
-            raise ValueError(f"{plan.model.name} weights leave no KV room on {hw.name}")
-        capacity = int(free // kv_rank)
+        capacity = kv_room_tokens(plan.model, hw, plan.workload.tp, kv_rank)
     return Cluster(kv_capacity_tokens=capacity, kv_bytes_per_token_rank=kv_rank,
                    link_gbps=plan.workload.link_gbps,
                    prefill_workers=layout.prefill_workers or 1,

@@ -26,11 +26,16 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from pdserve.planner.cost import DEFAULT_MBU, DEFAULT_MFU, Efficiency, stored_weight_bytes_per_gpu
+from pdserve.planner.cost import DEFAULT_MBU, DEFAULT_MFU, Efficiency
 from pdserve.planner.hardware import HARDWARE, Hardware, get_hardware
 from pdserve.planner.kv_math import DTYPE_BYTES, check_tp, dtype_bytes, kv_bytes_per_token_per_rank
 from pdserve.planner.model_shape import PRESETS, ModelShape, load_model_shape
-from pdserve.planner.plan import DEFAULT_MAX_DECODE_BATCH, MEMORY_UTILIZATION, PREFILL_BATCH_TOKENS
+from pdserve.planner.plan import (
+    DEFAULT_MAX_DECODE_BATCH,
+    MEMORY_UTILIZATION,
+    PREFILL_BATCH_TOKENS,
+    kv_room_tokens,
+)
 from pdserve.planner.simulate.admission import DEFAULT_MAX_QUEUE_WAIT_S, Admission
 from pdserve.planner.simulate.calibration import (
     BenchRows,
@@ -365,11 +370,7 @@ def _cluster(args: argparse.Namespace, shape: ModelShape, hw: Hardware, tp: int,
     if capacity is None and how.kv_cache_bytes is not None:
         capacity = how.kv_cache_bytes // kv_rank
     if capacity is None:
-        free = hw.memory_bytes * MEMORY_UTILIZATION - stored_weight_bytes_per_gpu(shape, tp)
-        if free < kv_rank:
-            raise ValueError(f"{shape.name} weights leave no KV room on {hw.name} at tp {tp} "
-                             f"({MEMORY_UTILIZATION:.0%} of memory): raise --tp")
-        capacity = int(free // kv_rank)
+        capacity = kv_room_tokens(shape, hw, tp, kv_rank)
     prefill = _first(args.prefill, how.prefill_workers, 1)
     decode = _first(args.decode, how.decode_workers, 1)
     return Cluster(kv_capacity_tokens=capacity, kv_bytes_per_token_rank=kv_rank,
