@@ -66,6 +66,29 @@ def add_tensor_parallel_arg(p: argparse.ArgumentParser) -> None:
                         "decode worker at any other (default: %(default)s)")
 
 
+def add_admission_flags(p: argparse.ArgumentParser, *, title: str, wait_s: float | None,
+                        inflight_default: str, queue_default: str, wait_default: str,
+                        refusal: str = "") -> None:
+    """--max-inflight-per-worker, --max-queue and --max-queue-wait-s: the router's
+    back-pressure, declared once for the router (and `pdserve up`) that applies it and for
+    `pdserve simulate` that models it. The flags mean the same everywhere; a command states only
+    its group's `title`, the value --max-queue-wait-s takes when not given (`wait_s`; None: the
+    command resolves it), the text after "default: " in each flag's help, and what else a
+    refused request's answer carries (`refusal`, after the status). The two caps default to None
+    everywhere: measured (router/capacity.py)."""
+    g = p.add_argument_group(title)
+    g.add_argument("--max-inflight-per-worker", type=int, default=None, metavar="N",
+                   help="requests a worker is given at once; more wait in the router's queue "
+                        f"(default: {inflight_default})")
+    g.add_argument("--max-queue", type=int, default=None, metavar="N",
+                   help="requests that may wait for a worker, per pool (prefill; decode and "
+                        f"collocated); one more is refused with 429{refusal} (default: "
+                        f"{queue_default})")
+    g.add_argument("--max-queue-wait-s", type=float, default=wait_s, metavar="SECONDS",
+                   help="longest a request waits for a worker before it is refused with "
+                        f"503{refusal} (default: {wait_default})")
+
+
 def parse_size(text: str) -> int:
     """Bytes from "512MiB", "2G", "1048576" (binary units, whatever the spelling)."""
     m = _SIZE.match(str(text))

@@ -13,6 +13,8 @@ import argparse
 import math
 from dataclasses import dataclass
 
+from pdserve.cli_args import add_admission_flags
+
 # Long enough that a burst of a few times a CPU cluster's slots drains inside it (a request of
 # a few hundred tokens takes seconds there); short enough that an overloaded cluster answers
 # within half a minute, where without admission its P99 reached 68-98 s (64 streams, 2 cores).
@@ -43,20 +45,15 @@ def _is_int(value: object, least: int) -> bool:
 
 
 def add_admission_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("admission (back-pressure at the router)")
-    g.add_argument("--max-inflight-per-worker", type=int, default=None, metavar="N",
-                   help="requests a worker is given at once; more wait in the router's queue "
-                        "(default: what the worker can hold: its batch limit, and, once "
-                        "requests were measured, the number of average requests whose KV fits "
-                        "its pool)")
-    g.add_argument("--max-queue", type=int, default=None, metavar="N",
-                   help="requests that may wait for a worker, per pool (prefill; decode and "
-                        "collocated); one more gets 429 with Retry-After (default: the measured "
-                        "completions per second times --max-queue-wait-s, Little's law)")
-    g.add_argument("--max-queue-wait-s", type=float, default=DEFAULT_MAX_QUEUE_WAIT_S,
-                   metavar="SECONDS",
-                   help="longest a request waits for a worker before it gets 503 with "
-                        "Retry-After (default: %(default)s)")
+    """The router's admission flags (cli_args.add_admission_flags: `pdserve simulate` declares
+    the same ones)."""
+    add_admission_flags(
+        p, title="admission (back-pressure at the router)", wait_s=DEFAULT_MAX_QUEUE_WAIT_S,
+        inflight_default="what the worker can hold: its batch limit, and, once requests were "
+                         "measured, the number of average requests whose KV fits its pool",
+        queue_default="the measured completions per second times --max-queue-wait-s, "
+                      "Little's law",
+        wait_default="%(default)s", refusal=" and Retry-After")
 
 
 def admission_from_args(args: argparse.Namespace) -> AdmissionSettings:

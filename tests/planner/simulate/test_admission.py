@@ -16,7 +16,8 @@ from pdserve.planner.simulate.admission import (
     Admission,
     AdmissionPool,
 )
-from pdserve.planner.simulate.events import Layout, simulate
+from pdserve.planner.simulate.cluster import Layout
+from pdserve.planner.simulate.events import simulate
 from pdserve.planner.simulate.metrics import RequestRecord, Slo, summarize
 from pdserve.planner.simulate.split_model import SplitRule
 from pdserve.planner.simulate.trace import TraceRequest, generate_trace, make_workload

@@ -17,7 +17,8 @@ from pdserve.planner.simulate.calibration import (
     load_calibration,
     profile_from_dict,
 )
-from pdserve.planner.simulate.events import Cluster, simulate
+from pdserve.planner.simulate.cluster import Cluster
+from pdserve.planner.simulate.events import simulate
 from pdserve.planner.simulate.trace import TraceRequest
 from tests.planner.cli_run import run_pdserve
 

@@ -16,7 +16,8 @@ from pdserve.planner.hardware import get_hardware
 from pdserve.planner.kv_math import kv_bytes_per_token_per_rank
 from pdserve.planner.model_shape import load_model_shape
 from pdserve.planner.simulate.calibration import Chunk, RooflineCosts
-from pdserve.planner.simulate.events import Cluster, Layout, simulate
+from pdserve.planner.simulate.cluster import Cluster, Layout
+from pdserve.planner.simulate.events import simulate
 from pdserve.planner.simulate.metrics import (
     ItlSamples,
     RequestRecord,

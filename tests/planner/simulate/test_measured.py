@@ -9,7 +9,7 @@ import re
 
 import pytest
 
-from pdserve.planner.simulate.events import Layout
+from pdserve.planner.simulate.cluster import Layout
 from pdserve.planner.simulate.measured_compare import (
     PDSERVE_CONFIGS,
     MeasuredLayout,

@@ -13,7 +13,8 @@ from collections.abc import Sequence
 import pytest
 
 from pdserve.planner.simulate.calibration import Chunk
-from pdserve.planner.simulate.events import Cluster, Layout, RoutePolicy, simulate
+from pdserve.planner.simulate.cluster import Cluster, Layout, RoutePolicy
+from pdserve.planner.simulate.events import simulate
 from pdserve.planner.simulate.measured_run import load_measured_run, read_trace_file
 from pdserve.planner.simulate.metrics import RequestRecord
 from pdserve.planner.simulate.prefix_cache import PrefixCache, PrefixTable, RoutedPrefixes

@@ -10,7 +10,8 @@ from dataclasses import dataclass
 import pytest
 
 from pdserve.planner.simulate.calibration import Chunk
-from pdserve.planner.simulate.events import Cluster, SimResult, simulate
+from pdserve.planner.simulate.cluster import Cluster
+from pdserve.planner.simulate.events import SimResult, simulate
 from pdserve.planner.simulate.metrics import RequestRecord
 from pdserve.planner.simulate.split_model import (
     DEFAULT_TPOT_TARGET_S,

@@ -105,8 +105,9 @@ class _Waiter:
 class AdmissionPool:
     """One pool's slots and queue. `choose(record, free)` picks a worker index among those with
     room (the routing policy); `granted(record, worker)` hands the request on; `refused(record,
-    status)` ends it. The loop calls `acquire` when a request asks for a slot, `release` when it
-    gives one back, and `expire` at the time `acquire` returned.
+    status)` ends it. The event loop's gate (admission_gate.py) calls `acquire` when a request
+    asks for a slot, `release` when it gives one back, and `expire` at the time `acquire`
+    returned.
 
     Invariants: a grant leaves held[i] <= cap (a cap that measurement shrinks below what a
     worker holds only stops its grants); `waiting` is oldest first, and non-empty only while no
@@ -152,8 +153,8 @@ class AdmissionPool:
     # -- requests -------------------------------------------------------------------------------
 
     def acquire(self, record: RequestRecord, now: float, wait_s: float) -> float | None:
-        """Grants a slot at once, refuses (429) or queues `record`; returns the time the loop
-        must call `expire` at for a queued one (None otherwise)."""
+        """Grants a slot at once, refuses (429) or queues `record`; returns the time `expire`
+        must be called at for a queued one (None otherwise)."""
         self.admit_waiting(now)
         if not self.waiting and (free := self.free()):
             self._grant(record, free, now)

@@ -10,8 +10,9 @@ goodput and output throughput beside the measured ones, each against its toleran
 (measured_compare.py, which also says how the layout is found).
 
 Admission (admission.py): --max-inflight-per-worker, --max-queue and --max-queue-wait-s model
-the router's back-pressure, as its flags of the same names; any of them turns it on, the others
-taking the router's defaults. A --compare-measured run of a pdserve configuration (bench
+the router's back-pressure, as its flags of the same names (one declaration serves both,
+cli_args.add_admission_flags); any of them turns it on, the others taking the router's
+defaults. A --compare-measured run of a pdserve configuration (bench
 compare's, measured_compare.PDSERVE_CONFIGS) was served by a router with admission, so it is
 modelled there even without them; any other run, and a trace without one, is simulated without
 admission (every request served) unless a flag is given.
@@ -26,6 +27,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from pdserve.cli_args import add_admission_flags
 from pdserve.planner.cost import DEFAULT_MBU, DEFAULT_MFU, Efficiency
 from pdserve.planner.hardware import HARDWARE, Hardware, get_hardware
 from pdserve.planner.kv_math import DTYPE_BYTES, check_tp, dtype_bytes, kv_bytes_per_token_per_rank
@@ -46,15 +48,14 @@ from pdserve.planner.simulate.calibration import (
     fit_bench_rows,
 )
 from pdserve.planner.simulate.calibration_source import StepsProfile, load_calibration_source
-from pdserve.planner.simulate.events import (
+from pdserve.planner.simulate.cluster import (
     DEFAULT_CHUNK_TOKENS,
     Cluster,
     Layout,
     RoutePolicy,
-    SimResult,
     check_fits,
-    simulate,
 )
+from pdserve.planner.simulate.events import SimResult, simulate
 from pdserve.planner.simulate.measured_compare import (
     PDSERVE_CONFIGS,
     Comparison,
@@ -181,21 +182,18 @@ def _add_cluster_args(p: argparse.ArgumentParser) -> None:
 
 
 def _add_admission_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group(
-        "admission (the router's back-pressure; any of these turns it on, the others taking "
-        "the router's defaults; on by default with --compare-measured of a pdserve "
-        "configuration, else off: every request served)")
-    g.add_argument("--max-inflight-per-worker", type=int, default=None, metavar="N",
-                   help="requests a worker is given at once; more wait in the router's queue "
-                        "(default: the router's: --max-batch, and once requests completed, "
-                        "the number of average requests whose KV fits a worker)")
-    g.add_argument("--max-queue", type=int, default=None, metavar="N",
-                   help="requests that may wait for a worker, per pool (prefill; decode and "
-                        "collocated); one more is refused, 429 (default: the router's: "
-                        "completions per second times --max-queue-wait-s)")
-    g.add_argument("--max-queue-wait-s", type=float, default=None, metavar="SECONDS",
-                   help="longest a request waits for a worker before it is refused, 503 "
-                        f"(default: the router's, {DEFAULT_MAX_QUEUE_WAIT_S:g})")
+    """The router's admission flags (cli_args.add_admission_flags); each left out takes the
+    router's default, measured from the simulated completions as the router measures its own."""
+    add_admission_flags(
+        p, title="admission (the router's back-pressure; any of these turns it on, the others "
+                 "taking the router's defaults; on by default with --compare-measured of a "
+                 "pdserve configuration, else off: every request served)",
+        wait_s=None,
+        inflight_default="the router's, measured: --max-batch, and once requests completed, "
+                         "at most the number of average requests whose KV fits a worker",
+        queue_default="the router's, measured: completions per second times "
+                      "--max-queue-wait-s",
+        wait_default=f"the router's, {DEFAULT_MAX_QUEUE_WAIT_S:g}")
 
 
 def _add_trace_args(p: argparse.ArgumentParser) -> None:

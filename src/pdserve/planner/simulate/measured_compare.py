@@ -23,6 +23,10 @@ error| as a share of its tolerance (<= 1: every figure within).
 A split layout's comparison also shows its local prefills, informational (no tolerance): the
 prompts the router kept on their decode worker (the run's `split_decisions`, bench compare;
 "-" for a file without them) beside the simulation's `local_prefills` (split_model.py's rule).
+Failed requests are shown the same way, informational, whenever either side has any: the
+measured run's (every request that ended in an error, the router's refusals among them) beside
+the simulation's (those its admission refused, admission.py; none without admission). The
+JSON holds them always.
 """
 
 from __future__ import annotations
@@ -30,7 +34,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from pdserve.planner.simulate.events import Layout, SimResult
+from pdserve.planner.simulate.cluster import Layout
+from pdserve.planner.simulate.events import SimResult
 from pdserve.planner.simulate.measured_run import METRICS, MeasuredRun
 from pdserve.planner.simulate.split_model import SplitRule
 
@@ -99,6 +104,7 @@ class Comparison:
     simulated: dict[str, float | None]
     # the simulation's prompts prefilled on their decode worker; None: not a split layout
     local_prefills: int | None = None
+    failed: int = 0  # the simulation's requests refused by admission
 
     def error(self, key: str) -> float | None:
         m, s = self.measured[key], self.simulated[key]
@@ -113,10 +119,12 @@ class Comparison:
 
 def compare(run: MeasuredRun, label: str, simulated: dict[str, Any],
             local_prefills: int | None = None) -> Comparison:
-    """`simulated`: metrics.summary_to_dict of the simulated layout; `local_prefills`: its
-    local prefills when it splits prompts (`split_local_prefills`)."""
+    """`simulated`: metrics.summary_to_dict of the simulated layout (its "failed" count of
+    refused requests, 0 when absent); `local_prefills`: its local prefills when it splits
+    prompts (`split_local_prefills`)."""
     return Comparison(run, label, {k: run.measured[k] for k in METRICS},
-                      {k: simulated[k] for k in METRICS}, local_prefills)
+                      {k: simulated[k] for k in METRICS}, local_prefills,
+                      simulated.get("failed", 0))
 
 
 def split_local_prefills(result: SimResult) -> int | None:
@@ -141,6 +149,9 @@ def render_comparison(c: Comparison) -> str:
     if c.local_prefills is not None:
         lines.append(f"{'local prefills':<22}{_cell(c.run.local_prefills, '{:g}'):>12}"
                      f"{c.local_prefills:>12}{'':>10}  (measured: the router's; no tolerance)")
+    if run.failed or c.failed:
+        lines.append(f"{'failed requests':<22}{run.failed:>12,}{c.failed:>12,}{'':>10}  "
+                     "(simulated: refused by admission; no tolerance)")
     if c.worst is not None:
         verdict = "every figure within its tolerance" if c.worst <= 1 else \
             "NOT every figure within its tolerance"
@@ -154,10 +165,12 @@ _LABELS = {"median_ttft_ms": "median TTFT (ms)", "p99_ttft_ms": "P99 TTFT (ms)",
 
 
 def comparison_json(c: Comparison) -> dict[str, Any]:
-    """The comparison; `local_prefills` ({"measured": n or None, "simulated": m}) only for a
-    split layout."""
+    """The comparison; `completed` and `failed` are the measured run's, `failed_requests` sets
+    them beside the simulation's refusals; `local_prefills` ({"measured": n or None,
+    "simulated": m}) only for a split layout."""
     out = {"run": c.run.label, "config": c.run.config, "layout": c.label,
            "completed": c.run.completed, "failed": c.run.failed,
+           "failed_requests": {"measured": c.run.failed, "simulated": c.failed},
            "measured": c.measured, "simulated": c.simulated,
            "rel_error": {k: c.error(k) for k in METRICS}, "tolerance": TOLERANCES,
            "worst_share_of_tolerance": c.worst}
