@@ -6,6 +6,8 @@ worker holds a KV block once idle."""
 
 from __future__ import annotations
 
+import json
+
 from pdserve.bench.flip.cli import FlipSettings
 from pdserve.bench.flip.run import run
 
@@ -26,7 +28,8 @@ def test_flips_under_load_fail_nothing_change_no_output_and_leak_no_block(tiny_m
     assert report["requests_across_flips"] > 0 and report["ok"] == report["requests"]
     # streams were handed back (their KV parked, then resumed elsewhere), not waited for
     assert report["streams_moved"].get("handed back by a worker changing role", 0) > 0
-    assert report["mismatches"] == 0, report["first_mismatch"]
+    # the whole mismatch (prompt, flips in flight, expected and got), not pytest's shortened repr
+    assert report["mismatches"] == 0, json.dumps(report["first_mismatch"])
     assert report["blocks_by_worker"] == {"prefill-0": 0, "decode-0": 0, "decode-1": 0}
     # back in the decode role it served again between its flips (as a prefill worker it gets
     # work only from prompts the router splits, which the decode workers' caches may keep)

@@ -53,6 +53,12 @@ class IncrementalDetokenizer:
         """All output text emitted so far (the concatenation of the deltas)."""
         return self._text
 
+    @property
+    def held_tokens(self) -> int:
+        """The last output tokens whose text is not in `text` yet (an incomplete character):
+        `text` is the whole text of every output token before them."""
+        return len(self._tokens) - self._read_offset
+
     def add(self, token_id: int) -> str:
         """Append one output token; return the newly final text (possibly "")."""
         self._tokens.append(token_id)

@@ -191,7 +191,8 @@ class Engine:
         """The parked request's KV of `prompt_token_ids`, a prefix of its tokens whose KV is
         computed and that ends at or after its own prompt, goes out as a prefill's: the output,
         returned by the next `step`, carries the blocks that hold it and, as token 0, the
-        request's token after that prefix (with its logprobs when they were asked for)."""
+        request's token after that prefix (with its logprobs when they were asked for; its text is
+        left to the decode side, which detokenizes it after that prefix: `held_tokens` 1)."""
         req = self._get(request_id)
         n = len(prompt_token_ids)
         if req.state != RequestState.PREFILLED or \
@@ -206,7 +207,7 @@ class Engine:
                 index=0, text="", token_ids=[token], finish_reason=None,
                 logprobs=[req.output_logprobs[at]] if wants else None,
                 top_logprobs=[req.output_top_logprobs[at]] if req.params.logprobs else None,
-                new_token_ids=[token])],
+                new_token_ids=[token], held_tokens=1)],  # its text: the decode side's
             finished=False, num_cached_tokens=n,
             kv_block_ids=req.block_ids[:self.block_manager.blocks_needed(n)]))
 

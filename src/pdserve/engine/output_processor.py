@@ -94,6 +94,7 @@ class OutputProcessor:
             top_logprobs=(list(req.output_top_logprobs) if req.params.logprobs else None),
             new_token_ids=out_ids[state.sent_tokens :],
             new_text=state.text[state.sent_chars :],
+            held_tokens=0 if finished or state.detok is None else state.detok.held_tokens,
         )
         state.sent_tokens, state.sent_chars = len(out_ids), len(state.text)
         if finished:

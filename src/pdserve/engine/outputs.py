@@ -21,6 +21,9 @@ class CompletionOutput:
     top_logprobs: list[dict[int, float] | None] | None = None
     new_token_ids: list[int] = field(default_factory=list)  # since the previous output
     new_text: str = ""
+    # the last tokens whose text `text` does not hold yet (held back for an incomplete
+    # character); `text` is the whole text of every token before them
+    held_tokens: int = 0
 
 
 @dataclass

@@ -119,7 +119,10 @@ class LegRequest:
 @dataclass
 class TokenEvent:
     """New tokens of one leg: output tokens [index, index + len(token_ids)), and text
-    [text_offset, text_offset + len(text)) of the output text."""
+    [text_offset, text_offset + len(text)) of the output text. The text up to
+    text_offset + len(text) is the whole text of the output tokens before the last
+    `held_tokens` (the worker's detokenizer holds their text back until a character completes;
+    they may be this event's or earlier ones')."""
 
     index: int
     token_ids: list[int]
@@ -129,6 +132,7 @@ class TokenEvent:
     top_logprobs: list[dict[int, float] | None] | None = None
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: str | int | None = None
+    held_tokens: int = 0
     prompt_tokens: int = 0
     cached_tokens: int = 0
     final: bool = False  # the last event of this leg
@@ -161,8 +165,8 @@ class TokenEvent:
 
 # (field, default) of every TokenEvent field after the four that place it
 _OPTIONAL_DEFAULTS = (("logprobs", None), ("top_logprobs", None), ("finish_reason", None),
-                      ("stop_reason", None), ("prompt_tokens", 0), ("cached_tokens", 0),
-                      ("final", False), ("error", None), ("extra", {}))
+                      ("stop_reason", None), ("held_tokens", 0), ("prompt_tokens", 0),
+                      ("cached_tokens", 0), ("final", False), ("error", None), ("extra", {}))
 
 
 EventBatch = list[TokenEvent]  # events of one stream that were ready together, in order

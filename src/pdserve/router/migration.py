@@ -50,7 +50,10 @@ class Diverged(LegFailed):
 @dataclass
 class Delivered:
     """What of one request went to the client, by absolute position, and the last point at
-    which the text of every token sent was sent too (`resume_at`: tokens, characters)."""
+    which the text of every token sent was sent too (`resume_at`: tokens, characters). Points
+    come from the events: an event's text completes every token but its last `held_tokens`
+    (a token whose text waits for the rest of a character is no point: a continuation after
+    it would start past a character the client has only partly, and lose its text)."""
 
     token_ids: list[int] = field(default_factory=list)
     chars: int = 0  # the text's length
@@ -82,9 +85,9 @@ class Delivered:
             if len(event.text) > skip_chars:
                 self._parts.append(event.text[skip_chars:])
                 self.chars += len(event.text) - skip_chars
-            end = event.index + len(event.token_ids)
+            # the text so far is every token's before the ones the detokenizer holds back
+            end = event.index + len(event.token_ids) - event.held_tokens
             if event.text and end > self.resume_at[0]:
-                # the worker's detokenizer emits text only once every token so far has its text
                 self._points.append((end, event.text_offset + len(event.text)))
 
 

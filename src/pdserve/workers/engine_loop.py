@@ -430,7 +430,7 @@ class EngineLoop:
             text_offset=len(c.text) - len(c.new_text), text=c.new_text,
             logprobs=c.logprobs[first:] if c.logprobs is not None else None,
             top_logprobs=c.top_logprobs[first:] if c.top_logprobs is not None else None,
-            finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+            finish_reason=c.finish_reason, stop_reason=c.stop_reason, held_tokens=c.held_tokens,
             prompt_tokens=len(out.prompt_token_ids), cached_tokens=out.num_cached_tokens,
             extra={"recomputed": True} if leg.recomputed and first == 0 else {})
 
