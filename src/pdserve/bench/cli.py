@@ -98,7 +98,9 @@ def _add_transfer(kinds: argparse._SubParsersAction) -> None:
                     "testbed made for the run, over links shaped to each --link-gbps: bulk "
                     "Gb/s against the link's rate, and bursts of --concurrent transfers with "
                     "and without the link window (each transfer's tail against the ideal, and "
-                    "the latency of control messages sent meanwhile).")
+                    "the latency of control messages sent meanwhile); with --senders K > 1, "
+                    "K prefill hosts push into one decode host whose link is the bottleneck "
+                    "(each sender's share, Jain's index, control latency per sender).")
     xfer.add_argument("--sizes", default="1,4,16,64,256",
                       help="payload sizes in MiB (default: %(default)s)")
     xfer.add_argument("--repeats", type=int, default=3, help="default: %(default)s")
@@ -111,6 +113,10 @@ def _add_transfer(kinds: argparse._SubParsersAction) -> None:
                       help="with --testbed: one-way link delay (needs netem; default: 0)")
     xfer.add_argument("--concurrent", default="1,8,32",
                       help="with --testbed: transfers started at once (default: %(default)s)")
+    xfer.add_argument("--senders", default="1",
+                      help="with --testbed: prefill hosts pushing at once into one decode host, "
+                           "each starting --concurrent writes; 1 gives the bulk and burst rows, "
+                           "more the incast rows (default: %(default)s)")
     xfer.set_defaults(func=_bench_transfer)
 
 
@@ -304,7 +310,7 @@ def _bench_transfer(args: argparse.Namespace) -> int:
 
         return link_bench.main([float(g) for g in args.link_gbps.split(",")], args.delay_ms,
                                [int(n) for n in args.concurrent.split(",")], args.repeats,
-                               args.json)
+                               args.json, [int(k) for k in args.senders.split(",")])
     from pdserve.bench.transfer_bench import main
 
     return main([int(m) for m in args.sizes.split(",")], args.repeats, args.json)

@@ -21,6 +21,9 @@ Rows (Gb/s are 1e9 bits per second, as links are rated):
 
 NIXL's bulk row (where nixl-cu12 is installed) pushes into a pool a child process hosts on d0
 (`link_nixl.py`): two UCX endpoints of one process would talk through shared memory.
+
+These are the rows of one sender (`senders` 1, the default). With more, `main` adds the incast
+rows (`link_incast.py`): K prefill hosts push into d0 at once, d0's link the bottleneck.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ import statistics
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 
 import torch
@@ -166,10 +169,10 @@ def burst(topology: Topology, shape: LinkShape, window: bool, concurrent: int,
                 control += lat
     nbytes = n * BLOCK_BYTES
     ideal = concurrent * nbytes * 8 / (shape.gbps * 1e9)
-    p99 = _rank(times, 0.99)
+    p99 = rank(times, 0.99)
     return BurstRow(window, shape.gbps, shape.delay_ms, concurrent, nbytes,
-                    _rank(times, 0.5) * 1e3, p99 * 1e3, ideal * 1e3, p99 / ideal,
-                    _rank(control, 0.5) * 1e3, _rank(control, 0.99) * 1e3, len(control))
+                    rank(times, 0.5) * 1e3, p99 * 1e3, ideal * 1e3, p99 / ideal,
+                    rank(control, 0.5) * 1e3, rank(control, 0.99) * 1e3, len(control))
 
 
 @contextlib.contextmanager
@@ -227,7 +230,7 @@ def _timed(fn: Callable[[], object]) -> float:
     return time.perf_counter() - start
 
 
-def _rank(values: list[float], q: float) -> float:
+def rank(values: list[float], q: float) -> float:
     """Nearest-rank quantile (0.0 for no values)."""
     if not values:
         return 0.0
@@ -255,18 +258,41 @@ def run(link_gbps: list[float], delay_ms: float, concurrent: list[int], repeats:
 
 
 def main(link_gbps: list[float], delay_ms: float, concurrent: list[int], repeats: int,
-         as_json: bool) -> int:
+         as_json: bool, senders: Sequence[int] = (1,)) -> int:
+    """The rows for each number of senders: 1, the bulk and burst rows (one sender, p0); more,
+    the incast rows (`link_incast.py`: that many prefill hosts into d0)."""
     if not link_gbps or min(link_gbps) <= 0 or not concurrent or min(concurrent) < 1 \
-            or repeats < 1:
-        raise ValueError("--link-gbps must be positive, --concurrent and --repeats at least 1")
+            or repeats < 1 or not senders or min(senders) < 1:
+        raise ValueError("--link-gbps must be positive, --concurrent, --senders and --repeats "
+                         "at least 1")
     logging.getLogger("pdserve.transfer").setLevel(logging.ERROR)
-    bulks, bursts = run(link_gbps, delay_ms, concurrent, repeats,
-                        lambda m: print(m, file=sys.stderr, flush=True))
+    say = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
+    bulks, bursts = run(link_gbps, delay_ms, concurrent, repeats, say) if 1 in senders \
+        else ([], [])
+    many = sorted({k for k in senders if k > 1})
+    incasts: tuple[list, list] = ([], [])
+    table = ""
+    if many:
+        from pdserve.bench import link_incast  # it imports this module
+
+        incasts = link_incast.run(link_gbps, delay_ms, concurrent, many, repeats, say)
+        table = link_incast.format_rows(*incasts)
     if as_json:
         for row in [*bulks, *bursts]:
             kind = "bulk" if isinstance(row, BulkRow) else "burst"
             print(json.dumps({"kind": kind, "testbed": True} | asdict(row)))
+        for kind, rows in zip(("incast", "incast_sender"), incasts, strict=True):
+            for row in rows:
+                print(json.dumps({"kind": kind, "testbed": True} | asdict(row)))
         return 0
+    if 1 in senders:
+        _print_pair(bulks, bursts)
+    if many:
+        print(("\n" if 1 in senders else "") + table)
+    return 0
+
+
+def _print_pair(bulks: list[BulkRow], bursts: list[BurstRow]) -> None:
     print(f"{'transport':<10}{'link Gb/s':>10}{'MB':>7}{'Gb/s':>8}{'of link':>9}")
     for b in bulks:
         print(f"{b.transport:<10}{b.link_gbps:>10g}{b.bytes / 1e6:>7.1f}{b.gbps:>8.2f}"
@@ -277,4 +303,3 @@ def main(link_gbps: list[float], delay_ms: float, concurrent: list[int], repeats
         print(f"{'on' if r.window else 'off':<7}{r.link_gbps:>6g}{r.concurrent:>4}"
               f"{r.p50_ms:>9.0f}{r.p99_ms:>9.0f}{r.ideal_ms:>10.0f}{r.p99_of_ideal:>10.2f}"
               f"{r.control_p50_ms:>9.1f}{r.control_p99_ms:>9.1f}")
-    return 0

@@ -37,8 +37,11 @@ class TcpOptions:
     of about that many seconds of the connection's measured send rate, and caps the bytes its
     socket holds not yet sent (TCP_NOTSENT_LOWAT) to one frame (`frame_pace.py`): a control
     message then waits behind bulk data for about 2 x `frame_s` plus what is already in flight
-    (`send_queue.py`). 0: one frame a write or a read and the kernel's unsent limit
-    (megabytes), the order of arrival only."""
+    (`send_queue.py`). It is also the queueing that peers writing into this endpoint at once
+    may add together: with two or more sending bulk data, each gets an equal receive window
+    of the measured rate x (2 x round trip + `frame_s`) split among them
+    (`incoming_share.py`). 0: one frame a write or a read and the kernel's unsent limit
+    (megabytes), the order of arrival only, and the kernel's own receive windows."""
 
     dial_timeout_s: float = 1.0
     handshake_timeout_s: float = 2.0

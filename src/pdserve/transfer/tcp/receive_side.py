@@ -7,7 +7,9 @@ checked against the permits here, and answered through the send side. The READ_D
 one of this endpoint's reads come in order, each continuing at the (block, layer) slice where
 the last one ended (anything else is a protocol error); the read is done once every slice has
 landed. They, and the answers to this endpoint's own moves, settle its moves in the move
-table.
+table. Each WRITE and READ_DATA frame read is reported to the endpoint's `IncomingShare`
+(with the link window on, `TcpOptions.frame_s` > 0), which gives the peers sending bulk data
+at once equal windows (`incoming_share.py`).
 
 Collaborators, given at construction: the listening socket, the options, the handshake
 (accepting), the pool gate (where blocks land, the permits), the move table, the peer table
@@ -35,6 +37,7 @@ from pdserve.transfer.tcp.frames import (
     shut,
 )
 from pdserve.transfer.tcp.handshake import BoundHandshake
+from pdserve.transfer.tcp.incoming_share import IncomingShare
 from pdserve.transfer.tcp.moves import MoveTable
 from pdserve.transfer.tcp.options import TcpOptions
 from pdserve.transfer.tcp.peers import PeerTable
@@ -57,6 +60,7 @@ class ReceiveSide:
         self._listener, self._options, self._handshake = listener, options, handshake
         self._gate, self._moves, self._peers, self._send = gate, moves, peers, send
         self._throttled = throttled
+        self._share = IncomingShare(options.frame_s) if options.frame_s > 0 else None
         self._lock = threading.Lock()
         self._conns: dict[socket.socket, PeerId | None] = {}  # accepted -> authenticated peer
         self._inbox: list[tuple[PeerId, bytes]] = []
@@ -137,6 +141,8 @@ class ReceiveSide:
                 self._peers.died(peer, f"incoming connection ended: {e}",
                                  lost=not isinstance(e, ValueError))
         finally:
+            if self._share is not None:
+                self._share.forget(conn)
             shut(conn)
             with self._lock:
                 self._conns.pop(conn, None)
@@ -149,14 +155,20 @@ class ReceiveSide:
             self._on_control(wire, peer, plen)
         elif ftype is Frame.WRITE:
             self._on_write(wire, peer, count, tid, mid, plen)
+            self._bulk_arrived(wire)
         elif ftype is Frame.READ_REQUEST:
             self._on_read_request(wire, peer, count, tid, mid, plen)
         elif ftype is Frame.READ_DATA:
             self._on_read_data(wire, peer, count, mid, plen)
+            self._bulk_arrived(wire)
         elif ftype in (Frame.WRITE_DONE, Frame.WRITE_ERROR, Frame.READ_ERROR):
             self._on_answer(wire, peer, ftype, mid, plen)
         else:
             raise ProtocolError(f"unexpected {ftype.name} after the handshake")
+
+    def _bulk_arrived(self, wire: Wire) -> None:
+        if self._share is not None:
+            self._share.arrived(wire.sock)
 
     def _on_control(self, wire: Wire, peer: PeerId, plen: int) -> None:
         if plen > MAX_CONTROL_BYTES:

@@ -8,7 +8,8 @@
     moves.py         this endpoint's moves and their fence (`MoveTable`)
     peers.py         which peer instances are alive; where a peer dies (`PeerTable`)
     send_side.py     one outgoing connection and queue per peer (`SendSide`, `PeerSender`)
-    receive_side.py  the accept loop and one reader per connection (`ReceiveSide`)
+    receive_side.py  the accept loop and one reader per connection (`ReceiveSide`), with
+                     incoming_share.py: equal receive windows for peers sending at once
 
 The parts share no owner: each is given the parts it uses when it is made, and the peer table
 tells the moves, the send side and the receive side (in that order) when a peer dies. This

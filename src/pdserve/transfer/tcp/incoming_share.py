@@ -1,0 +1,144 @@
+"""The host-wide fair share of an endpoint's incoming link among the peers sending bulk data
+into it at once (incast: several prefill hosts pushing KV into one decode host).
+
+Why: each sender's own window (`frame_pace.py`) bounds the bytes its socket holds unsent,
+not the bytes in flight; those are its congestion control's. Measured on the testbed
+(`pdserve bench transfer --testbed --senders 3`, docs/testbed.md), three senders into one
+1 Gb/s decode link overran its queue: ~9% of the segments were sent again (one sender: 0.07%),
+retransmission timeouts (200 ms at least) stalled whole connections, control messages behind
+them waited up to a quarter of a second, and one sender's share fell as low as 8%. Only the
+receiving host sees every peer, and the one lever it has over a sender's bytes in flight is
+the window it advertises (TCP_WINDOW_CLAMP), so the share is set here (the idea of ICTCP,
+Wu et al., CoNEXT 2010).
+
+The share: every `UPDATE_S` (checked as bulk frames arrive), the connections that carried a
+WRITE or READ_DATA frame since the last update are the active ones, and each gets the same
+window (TCP_WINDOW_CLAMP),
+
+    max(MIN_BYTES, SEGMENTS x advmss, rate x (2 x rtt + target_s) / active)
+
+`rate` the host's incoming bytes per second (the highest of the updates in the last `PEAK_S`:
+what the link delivered lately), `rtt` the largest of the active connections' smallest round
+trips (TCP_INFO's `tcpi_min_rtt` on the accepted socket, in microseconds: sampled from the
+handshake and the HELLO_ACK this end sent, on an idle connection, so the path's own; the
+receiver's `tcpi_rcv_rtt` counts in milliseconds and includes the queue), `target_s` the
+queueing the senders may add together (`TcpOptions.frame_s`). Equal windows share a FIFO
+bottleneck equally; their sum, rate x (2 x rtt + target), bounds the queue at the link to
+about rate x (rtt + target): a round trip's bytes and `target_s`, however many peers send.
+The second rtt lets the rate grow (at least doubling each round trip, as TCP's slow start)
+where the link is faster than measured so far, so a window never holds a sender below what
+its own congestion control would send; one sender alone gets the whole budget.
+
+The floor: `advmss` is the largest segment the connection told its peer to send (TCP_INFO;
+65,483 bytes on loopback, 1,448 on an Ethernet link). A window under one segment stops the
+connection: Linux's receiver advertises a zero window while its free space is under one
+segment (receiver-side silly-window avoidance, `__tcp_select_window`), the sender waits for
+persist probes, the measured rate falls and the share with it (seen on loopback with a
+16 KiB floor: 47 of 48 concurrent transfers outlived their lease). `SEGMENTS` segments keep
+the window flowing.
+
+A connection keeps its last window while idle: senders that start together after a pause
+start within their last windows, not the kernel's megabytes (measured: with the kernel's own
+windows back between bursts, the first update's 20 ms of each burst overran the queue
+enough for a retransmission timeout in most runs). A new connection starts at the last
+update's window, from its first bulk frame on (the kernel's until there is one): a peer that
+joins senders already sharing the link starts within a share, not the kernel's megabytes.
+After a pause longer than `STALE_S` the next update only starts a new measurement (the rate
+over a pause says nothing of the link).
+
+Invariant: after an update, every connection active since the one before has the same
+window, the budget split among them, or its floor where that is larger. Thread-safe (the
+reader threads call it); costs a lock per frame and, per update, a getsockopt per connection
+and a setsockopt per active one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+
+from pdserve.transfer.tcp.tcp_info import tcp_info
+
+UPDATE_S = 0.02
+PEAK_S = 0.2
+STALE_S = 3 * UPDATE_S
+MIN_BYTES = 16 * 1024
+SEGMENTS = 4
+
+
+def share_bytes(rate: float, rtt_s: float, target_s: float, active: int) -> int:
+    """Each active connection's window: the host's budget split evenly, at least MIN_BYTES."""
+    return max(MIN_BYTES, int(rate * (2 * rtt_s + target_s) / active))
+
+
+class IncomingShare:
+    def __init__(self, target_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self._target_s, self._clock = target_s, clock
+        self._lock = threading.Lock()
+        self._last = clock()
+        self._received: dict[socket.socket, int] = {}  # bytes received at the last update
+        self._floor: dict[socket.socket, int] = {}  # its smallest window (module docstring)
+        self._rtt_us: dict[socket.socket, int] = {}  # the smallest round trip seen
+        self._active: set[socket.socket] = set()  # a bulk frame since the last update
+        self._rates: deque[tuple[float, float]] = deque()  # (when, bytes/s) of updates
+        self.share = 0  # the window the last update gave each active connection; 0: none yet
+
+    def arrived(self, sock: socket.socket) -> None:
+        """A bulk frame was read from `sock`; update the shares if one is due."""
+        with self._lock:
+            if sock not in self._received:
+                info = tcp_info(sock)
+                self._received[sock] = 0 if info is None else info.bytes_received
+                self._floor[sock] = max(MIN_BYTES, SEGMENTS * (info.advmss if info else 0))
+                if self.share:
+                    self._clamp(sock)
+            self._active.add(sock)
+            now = self._clock()
+            if now - self._last >= UPDATE_S:
+                self._update(now)
+
+    def forget(self, sock: socket.socket) -> None:
+        """`sock` is closed or closing: nothing of it is kept."""
+        with self._lock:
+            for d in (self._received, self._floor, self._rtt_us):
+                d.pop(sock, None)
+            self._active.discard(sock)
+
+    def _update(self, now: float) -> None:
+        elapsed, self._last = now - self._last, now
+        active, self._active = self._active, set()
+        total = self._measure()
+        if elapsed > STALE_S:  # after a pause: a new baseline, no rate from it
+            return
+        self._rates.append((now, total / elapsed))
+        while self._rates[0][0] < now - PEAK_S:
+            self._rates.popleft()
+        rate = max(r for _, r in self._rates)
+        if rate <= 0:
+            return
+        rtt_s = max(self._rtt_us.get(s, 0) for s in active) / 1e6
+        self.share = share_bytes(rate, rtt_s, self._target_s, len(active))
+        for sock in active:
+            self._clamp(sock)
+
+    def _clamp(self, sock: socket.socket) -> None:
+        window = max(self.share, self._floor.get(sock, MIN_BYTES))
+        with contextlib.suppress(OSError):  # closing: its reader forgets it
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_WINDOW_CLAMP, window)
+
+    def _measure(self) -> int:
+        """Bytes every known connection received since the last update; their round trips."""
+        total = 0
+        for sock, before in list(self._received.items()):
+            info = tcp_info(sock)
+            if info is None:
+                continue
+            total += max(0, info.bytes_received - before)
+            self._received[sock] = info.bytes_received
+            if info.min_rtt_us:
+                self._rtt_us[sock] = info.min_rtt_us
+        return total
