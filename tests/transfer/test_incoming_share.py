@@ -88,11 +88,8 @@ def test_two_senders_at_once_get_one_equal_window_and_one_alone_gets_the_budget(
         pairs: list[tuple[socket.socket, socket.socket]]) -> None:
     clock = Clock()
     share = IncomingShare(TARGET_S, clock)
-    (o1, a1), (o2, a2) = pairs
-    share.arrived(a1)
-    share.arrived(a2)
-    _move(o1, a1)
-    _move(o2, a2)
+    a1, a2 = (accepted for _, accepted in pairs)
+    _both_send(share, pairs)
     clock.now += STEP_S
     share.arrived(a1)  # the update: both were active since the last one
     two = share.share

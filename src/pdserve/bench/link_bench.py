@@ -59,6 +59,7 @@ from pdserve.transfer.peer import PeerId
 from pdserve.transfer.tcp import TcpOptions, TcpTransport
 
 PING_S = 0.005
+POLL_S = 0.0005  # how often a burst looks at its writes
 BLOCK_BYTES = KVCache.bytes_per_block(SMOLLM2, BLOCK_SIZE, torch.bfloat16)  # 368,640
 OPTIONS = {"tcp": TcpOptions(), "tcp-aes": TcpOptions(encrypt=True),
            "tcp-whole": TcpOptions(frame_s=0)}
@@ -200,23 +201,35 @@ def _one_burst(w: TcpTransport, r: link_receiver.Receiver, tids: list[int], ids:
     start = time.perf_counter()
     handles = [w.write(tid, ids, r.peer, ids) for tid in tids]
     pinger.start()
-    took = []
-    pending = set(handles)
-    while pending:
-        for h in list(pending):
-            status = w.status(h)
-            if status != "pending":
-                if status != "done":
-                    raise RuntimeError(f"a benchmark write ended {status!r}")
-                took.append(time.perf_counter() - start)
-                pending.discard(h)
-        time.sleep(0.0005)
+    took, failed = write_ends(w, handles, start)
     done.set()
     pinger.join()
+    if failed:
+        raise RuntimeError(f"a benchmark write ended {failed[0]!r}")
     time.sleep(PING_S)  # the last message's delivery
     latencies = r.latencies()
     r.revoke(tids)
     return took, latencies
+
+
+def write_ends(tx: TcpTransport, handles: list[int], start: float
+               ) -> tuple[list[float], list[str]]:
+    """Poll writes until every one ended: (each one's end in seconds after `start`
+    (perf_counter), in the order they ended; the statuses of those that ended other than
+    "done")."""
+    ends: list[float] = []
+    failed: list[str] = []
+    pending = set(handles)
+    while pending:
+        for h in list(pending):
+            status = tx.status(h)
+            if status != "pending":
+                if status != "done":
+                    failed.append(status)
+                ends.append(time.perf_counter() - start)
+                pending.discard(h)
+        time.sleep(POLL_S)
+    return ends, failed
 
 
 def _ping(w: TcpTransport, to: PeerId, done: threading.Event) -> None:

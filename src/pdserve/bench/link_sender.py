@@ -28,18 +28,14 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
-import torch
-
+from pdserve.bench.link_bench import write_ends
 from pdserve.bench.link_receiver import STAMP, stop_child
-from pdserve.bench.transfer_bench import BLOCK_SIZE, SECRET, SMOLLM2
-from pdserve.engine.kv_cache import KVCache
+from pdserve.bench.transfer_bench import SECRET, smollm2_pool
 from pdserve.testbed.namespaces import enter_for_good
 from pdserve.testbed.topology import Topology
 from pdserve.transfer.checksum import crc32c, pool_bytes
 from pdserve.transfer.peer import PeerId
 from pdserve.transfer.tcp import TcpOptions, TcpTransport
-
-POLL_S = 0.0005
 
 
 @dataclass(frozen=True)
@@ -105,13 +101,6 @@ def senders(topology: Topology, hosts: list[str], options: TcpOptions, num_block
                 stop_child(conn, proc, ask=False)
 
 
-def seeded_pool(num_blocks: int, seed: int) -> KVCache:
-    """A bf16 pool of SmolLM2's KV shape, filled with the random bits of `seed`."""
-    cache = KVCache(SMOLLM2, num_blocks, BLOCK_SIZE, torch.bfloat16)
-    cache.data.view(torch.int16).random_(generator=torch.Generator().manual_seed(seed))
-    return cache
-
-
 def _serve(conn: Connection, namespace: str, address: str, options: TcpOptions,
            num_blocks: int, seed: int, to: dict, ping_s: float) -> None:
     """Child process: inside its host, one endpoint with a seeded pool, connected to `to`;
@@ -121,7 +110,7 @@ def _serve(conn: Connection, namespace: str, address: str, options: TcpOptions,
     logging.getLogger("pdserve.transfer").setLevel(logging.ERROR)
     tx = TcpTransport(address, secret=SECRET, options=options)
     try:
-        pool = seeded_pool(num_blocks, seed)
+        pool = smollm2_pool(num_blocks, seed)
         tx.register(pool)
         receiver = PeerId.from_json(to)
         tx.reach(receiver)  # its sender thread starts here, inside the host
@@ -150,17 +139,7 @@ def _burst(tx: TcpTransport, to: PeerId, tids: list[int], ids: list[int],
     pinger = threading.Thread(target=_ping, args=(tx, to, at, base, acked, finished, ping_s),
                               daemon=True)
     pinger.start()
-    done: list[float] = []
-    pending, failed = set(handles), []
-    while pending:
-        for h in list(pending):
-            status = tx.status(h)
-            if status != "pending":
-                if status != "done":
-                    failed.append(status)
-                done.append(time.perf_counter() - at)
-                pending.discard(h)
-        time.sleep(POLL_S)
+    done, failed = write_ends(tx, handles, at)
     finished.set()
     pinger.join()
     acked.append((time.perf_counter() - at, _acked(tx) - base))

@@ -96,10 +96,10 @@ class OverheadRow:
     crc32c_ms: float
 
 
-def smollm2_pool(num_blocks: int) -> KVCache:
-    """A bf16 pool of SmolLM2's KV shape, filled with seeded random bits."""
+def smollm2_pool(num_blocks: int, seed: int = 0) -> KVCache:
+    """A bf16 pool of SmolLM2's KV shape, filled with the random bits of `seed`."""
     cache = KVCache(SMOLLM2, num_blocks, BLOCK_SIZE, torch.bfloat16)
-    cache.data.view(torch.int16).random_(generator=torch.Generator().manual_seed(0))
+    cache.data.view(torch.int16).random_(generator=torch.Generator().manual_seed(seed))
     return cache
 
 
