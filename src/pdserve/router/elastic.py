@@ -8,7 +8,10 @@ Quantities, per observation (`Observation`, built each tick):
              decode-capable (decode, collocated) workers, which then prefill every prompt
     Q_w      prompt tokens sent to w whose prefill has not ended (the dispatcher's backlog)
     N_q      prompt tokens of the split requests waiting for a prefill slot
-    R_w      w's measured prefill rate, tokens/s (its signed /health `rates`)
+    R_w      w's prefill rate, tokens/s, from its signed /health `rates`: a prefill worker's
+             measured rate; for a decode-capable worker R_d, the rate a prompt of the
+             window's mean length gets there beside the legs it has open (from its marginal
+             rate R_m, as the split decision counts it; `elastic_controller.stage_rate`)
     W(S)     = (sum_{w in S} Q_w + N_q) / sum_{w in S} R_w
              the wait, at this instant, of a new prompt before its prefill starts (0 with no
              tokens; unknown with tokens and no measured rate; unmeasured workers add no rate)

@@ -27,11 +27,19 @@ from collections.abc import Callable, Mapping
 
 from pdserve.api.errors import ApiError
 from pdserve.router.admission import AdmissionQueue
-from pdserve.router.elastic import FlipPlan, Memory, Observation, WorkerView, decide, tally
+from pdserve.router.elastic import (
+    DECODE_CAPABLE,
+    FlipPlan,
+    Memory,
+    Observation,
+    WorkerView,
+    decide,
+    tally,
+)
 from pdserve.router.elastic_settings import ElasticSettings
 from pdserve.router.elastic_window import ArrivalWindow, Window
 from pdserve.router.flips import RoleFlips
-from pdserve.router.split_decision import PrefillBacklog, Sent, Speed
+from pdserve.router.split_decision import PrefillBacklog, Sent, Speed, local_rate
 from pdserve.router.worker_pool import WorkerHandle, WorkerPool
 
 log = logging.getLogger("pdserve.router")
@@ -44,19 +52,46 @@ def observe(pool: WorkerPool, queues: Mapping[str, AdmissionQueue], backlog: Pre
     prefill = queues["prefill"]
     mean_prompt = prefill.capacity.mean_tokens or 0.0
     window = window or Window()
+    prompt = typical_prompt(window, mean_prompt)
     return Observation(
-        now=now, workers=tuple(_view(w, backlog.tokens(w.key), window.sent.get(w.key, Sent()))
-                               for w in pool.workers),
+        now=now, workers=tuple(_view(w, backlog.tokens(w.key), window.sent.get(w.key, Sent()),
+                                     prompt) for w in pool.workers),
         prefill_waiting_tokens=round(prefill.depth * mean_prompt),
         prefill_demand=prefill.depth + sum(prefill.held(w) for w in pool.workers),
         decode_waiting=queues["decode"].depth, window_s=window.seconds)
 
 
-def _view(w: WorkerHandle, backlog_tokens: int, sent: Sent) -> WorkerView:
+def typical_prompt(window: Window, mean_prompt: float) -> int:
+    """The uncached prompt a decode-capable worker's rate is priced for: the mean of the
+    prompts sent to prefill within the window, else the mean of the pool's completed
+    prefills; 0 when neither is known."""
+    sent = window.sent.values()
+    prompts = sum(s.prompts for s in sent)
+    if prompts:
+        return round(sum(s.tokens for s in sent) / prompts)
+    return round(mean_prompt)
+
+
+def stage_rate(role: str, speed: Speed, prompt: int) -> float | None:
+    """R_w, the rate at which w would prefill what the stage sends it. A prefill worker runs
+    whole prompts alone: its measured `prefill_tokens_per_s`. A decode-capable worker
+    prefills beside the legs it has open: R_d, the rate its split decision counts on for a
+    prompt of `prompt` tokens (`split_decision.local_rate`, from its marginal rate R_m and its
+    decode step), R_m itself for a prompt of unknown length and no chunk; its average where
+    it reports no R_m. (Its average keeps the streams that ran beside its last local prompts,
+    however long ago; R_d counts those open now.)"""
+    r_m = speed.prefill_marginal_tokens_per_s
+    if role not in DECODE_CAPABLE or r_m is None:
+        return speed.prefill_tokens_per_s
+    uncached = prompt if prompt > 0 else speed.chunk_tokens
+    return local_rate(speed, uncached, r_m)[0] if uncached else r_m
+
+
+def _view(w: WorkerHandle, backlog_tokens: int, sent: Sent, prompt: int) -> WorkerView:
     speed = Speed.of(w.info, backlog_tokens, w.inflight)
     return WorkerView(key=w.key, role=w.role, routable=w.routable, phase=w.phase,
                       inflight=w.inflight, backlog_tokens=backlog_tokens,
-                      prefill_tokens_per_s=speed.prefill_tokens_per_s,
+                      prefill_tokens_per_s=stage_rate(w.role, speed, prompt),
                       decode_step_s=speed.decode_step_s,
                       kv_used=_count(w.info.get("kv_blocks_used")),
                       kv_total=_count(w.info.get("kv_blocks_total")),
