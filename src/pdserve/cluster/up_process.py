@@ -3,7 +3,11 @@
 Lifetime: construction writes a cluster secret into a private temporary folder, starts
 `pdserve up --secret-file` with it in its own session and returns once `up` printed its ready
 line (or raises RuntimeError with its last output); `stop()` sends SIGTERM (as Ctrl-C would),
-waits, SIGKILLs the group only if `up` itself hangs, and removes the secret. Holding the secret,
+waits, SIGKILLs the group only if `up` itself hangs, and removes the secret. `up` is told to get
+SIGTERM when its caller dies (`parent_death.py`), so a benchmark killed by `timeout` or SIGKILL
+leaves no cluster behind on the cores and ports of the next run; the kernel ties that to the
+thread that started it, so construct it from one that lives as long as the caller (the main
+thread: pytest's fixtures, the bench commands). Holding the secret,
 the caller can read what only the cluster may: a worker's full `/health`, `/internal/*`
 (`signed_json`, `internal_json`).
 """
@@ -24,6 +28,7 @@ from collections import deque
 from collections.abc import Sequence
 from pathlib import Path
 
+from pdserve.cluster import parent_death
 from pdserve.cluster.child import get_signed
 from pdserve.cluster.secret import remove_secret, write_secret
 from pdserve.internal_auth import InternalAuth, read_secret_file
@@ -96,7 +101,8 @@ class UpProcess:
         argv = [sys.executable, "-m", "pdserve.cli", "up", "--model", str(model), "--port",
                 str(self.port), "--ready-timeout", str(READY_TIMEOUT_S), *secret_args, *args]
         self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     text=True, start_new_session=True)
+                                     text=True, start_new_session=True,
+                                     preexec_fn=parent_death.guard())
         self.log: deque[str] = deque(maxlen=400)
         self._ready, self._announced = threading.Event(), False  # set: ready or ended
         threading.Thread(target=self._read, daemon=True).start()
