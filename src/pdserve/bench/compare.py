@@ -2,10 +2,11 @@
 the other, on the same cores, in one run; one table with the ratio to the first.
 
 Each pdserve configuration is started here with `pdserve up` on the first `cores` cores
-(collocated: one worker on all of them; disagg: one prefill and one decode worker, the cores
-split between them; elastic: disagg's workers, whose roles the router flips itself, `pdserve
-up --elastic`), warmed up with two requests (the workload's, drawn from its next seed:
-`warm_up_requests`), measured with `bench serve`'s runner, and
+(collocated: one worker on all of them; collocated-2: two collocated workers, the cores split
+between them, what the elastic pools become when every worker decodes; disagg: one prefill
+and one decode worker, the cores split between them; elastic: disagg's workers, whose roles
+the router flips itself, `pdserve up --elastic`), warmed up with two requests (the workload's,
+drawn from its next seed: `warm_up_requests`), measured with `bench serve`'s runner, and
 stopped before the next starts. Before the stop the router's `pdserve_role_flips_total` is
 read: `role_flips` (all directions) and `role_flips_by` ("decode->prefill": n, ...); and its
 `pdserve_router_split_decisions_total`, once after the warm-up and once after the run, whose
@@ -89,6 +90,7 @@ from pdserve.testbed.topology import LinkShape, Topology
 CONFIGS: dict[str, tuple[str, ...]] = {
     "collocated": ("--collocated", "1"),
     "collocated-chunked": ("--collocated", "1", "--enable-chunked-prefill"),
+    "collocated-2": ("--collocated", "2"),
     "disagg": ("--prefill", "1", "--decode", "1"),
     "disagg-local": ("--prefill", "1", "--decode", "1", "--local-prefill-threshold",
                      str(2**31 - 1)),

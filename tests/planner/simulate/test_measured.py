@@ -9,6 +9,7 @@ import re
 
 import pytest
 
+from pdserve.bench.compare import CONFIGS
 from pdserve.planner.simulate.cluster import Layout
 from pdserve.planner.simulate.measured_compare import (
     PDSERVE_CONFIGS,
@@ -112,8 +113,15 @@ def test_bench_compare_names_fix_the_layout_and_pdserve_limits():
     assert (disagg.max_batch, disagg.chunk_tokens, disagg.kv_cache_bytes) == (64, 512, 2**29)
     assert measured_layout(run_of("collocated"), (Layout.COLLOC,)).collocated_workers == 1
     assert PDSERVE_CONFIGS["collocated-chunked"].layout is Layout.CHUNKED
+    two = measured_layout(run_of("collocated-2"), None)
+    assert (two.layout, two.collocated_workers) == (Layout.COLLOC, 2)
     with pytest.raises(ValueError, match="'collocated' is colloc; drop --layouts"):
         measured_layout(run_of("collocated"), (Layout.CHUNKED,))
+
+
+def test_every_static_configuration_of_bench_compare_is_known_to_the_simulator():
+    """The elastic one changes its layout while it runs: no fixed layout to simulate."""
+    assert set(PDSERVE_CONFIGS) == set(CONFIGS) - {"elastic"}
 
 
 def test_other_runs_take_exactly_one_layout_from_flags():

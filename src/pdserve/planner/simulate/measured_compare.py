@@ -75,6 +75,7 @@ PDSERVE_CONFIGS: dict[str, MeasuredLayout] = {
                               split=SplitRule.REMOTE),
     "collocated": _pdserve(Layout.COLLOC, collocated_workers=1),
     "collocated-chunked": _pdserve(Layout.CHUNKED, collocated_workers=1),
+    "collocated-2": _pdserve(Layout.COLLOC, collocated_workers=2),
 }
 
 
