@@ -120,16 +120,24 @@ def test_a_connection_that_joins_starts_at_the_current_window(
         pairs: list[tuple[socket.socket, socket.socket]]) -> None:
     clock = Clock()
     share = IncomingShare(TARGET_S, clock)
-    (o1, a1), (o2, a2) = pairs
+    (o1, a1), (_, a2) = pairs
     share.arrived(a1)
     _move(o1, a1)
     clock.now += STEP_S
     share.arrived(a1)  # the update: a1 alone
     assert share.share > 0
-    _move(o2, a2)
     assert _clamp(a2) != share.share  # the kernel's
-    share.arrived(a2)  # its first bulk frame, before the next update
+    share.joined(a2)  # its handshake done: before any bulk frame
     assert _clamp(a2) == share.share
+
+
+def test_a_connection_that_joins_before_any_share_keeps_the_kernels_window(
+        pairs: list[tuple[socket.socket, socket.socket]]) -> None:
+    share = IncomingShare(TARGET_S, Clock())
+    (_, a1), _ = pairs
+    own = _clamp(a1)
+    share.joined(a1)
+    assert share.share == 0 and _clamp(a1) == own
 
 
 def test_the_first_update_after_a_pause_only_starts_a_new_measurement(

@@ -41,8 +41,9 @@ A connection keeps its last window while idle: senders that start together after
 start within their last windows, not the kernel's megabytes (measured: with the kernel's own
 windows back between bursts, the first update's 20 ms of each burst overran the queue
 enough for a retransmission timeout in most runs). A new connection starts at the last
-update's window, from its first bulk frame on (the kernel's until there is one): a peer that
-joins senders already sharing the link starts within a share, not the kernel's megabytes.
+update's window from its handshake on (`joined`; the kernel's while no share is in force): a
+peer that joins senders already sharing the link starts within a share, not the kernel's
+megabytes.
 After a pause longer than `STALE_S` the next update only starts a new measurement (the rate
 over a pause says nothing of the link).
 
@@ -60,6 +61,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from pdserve.transfer.tcp.tcp_info import tcp_info
 
@@ -75,37 +77,53 @@ def share_bytes(rate: float, rtt_s: float, target_s: float, active: int) -> int:
     return max(MIN_BYTES, int(rate * (2 * rtt_s + target_s) / active))
 
 
+@dataclass
+class _Connection:
+    """What the share keeps of one connection, from its first bulk frame to `forget`."""
+
+    received: int  # its bytes received at the last update
+    floor: int  # its smallest window (module docstring)
+    rtt_us: int = 0  # the smallest round trip seen; 0: none yet
+
+
 class IncomingShare:
     def __init__(self, target_s: float, clock: Callable[[], float] = time.monotonic) -> None:
         self._target_s, self._clock = target_s, clock
         self._lock = threading.Lock()
         self._last = clock()
-        self._received: dict[socket.socket, int] = {}  # bytes received at the last update
-        self._floor: dict[socket.socket, int] = {}  # its smallest window (module docstring)
-        self._rtt_us: dict[socket.socket, int] = {}  # the smallest round trip seen
+        self._known: dict[socket.socket, _Connection] = {}
         self._active: set[socket.socket] = set()  # a bulk frame since the last update
         self._rates: deque[tuple[float, float]] = deque()  # (when, bytes/s) of updates
         self.share = 0  # the window the last update gave each active connection; 0: none yet
 
+    def joined(self, sock: socket.socket) -> None:
+        """`sock`'s handshake is done: it starts at the current window, if a share is in force,
+        before its first bulk frame."""
+        with self._lock:
+            self._know(sock)
+
     def arrived(self, sock: socket.socket) -> None:
         """A bulk frame was read from `sock`; update the shares if one is due."""
         with self._lock:
-            if sock not in self._received:
-                info = tcp_info(sock)
-                self._received[sock] = 0 if info is None else info.bytes_received
-                self._floor[sock] = max(MIN_BYTES, SEGMENTS * (info.advmss if info else 0))
-                if self.share:
-                    self._clamp(sock)
+            self._know(sock)
             self._active.add(sock)
             now = self._clock()
             if now - self._last >= UPDATE_S:
                 self._update(now)
 
+    def _know(self, sock: socket.socket) -> None:
+        if sock in self._known:
+            return
+        info = tcp_info(sock)
+        self._known[sock] = _Connection(0 if info is None else info.bytes_received,
+                                        max(MIN_BYTES, SEGMENTS * (info.advmss if info else 0)))
+        if self.share:
+            self._clamp(sock)
+
     def forget(self, sock: socket.socket) -> None:
         """`sock` is closed or closing: nothing of it is kept."""
         with self._lock:
-            for d in (self._received, self._floor, self._rtt_us):
-                d.pop(sock, None)
+            self._known.pop(sock, None)
             self._active.discard(sock)
 
     def _update(self, now: float) -> None:
@@ -120,25 +138,27 @@ class IncomingShare:
         rate = max(r for _, r in self._rates)
         if rate <= 0:
             return
-        rtt_s = max(self._rtt_us.get(s, 0) for s in active) / 1e6
+        rtt_us = max((self._known[s].rtt_us for s in active if s in self._known), default=0)
+        rtt_s = rtt_us / 1e6
         self.share = share_bytes(rate, rtt_s, self._target_s, len(active))
         for sock in active:
             self._clamp(sock)
 
     def _clamp(self, sock: socket.socket) -> None:
-        window = max(self.share, self._floor.get(sock, MIN_BYTES))
+        known = self._known.get(sock)
+        window = max(self.share, known.floor if known else MIN_BYTES)
         with contextlib.suppress(OSError):  # closing: its reader forgets it
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_WINDOW_CLAMP, window)
 
     def _measure(self) -> int:
         """Bytes every known connection received since the last update; their round trips."""
         total = 0
-        for sock, before in list(self._received.items()):
+        for sock, known in self._known.items():
             info = tcp_info(sock)
             if info is None:
                 continue
-            total += max(0, info.bytes_received - before)
-            self._received[sock] = info.bytes_received
+            total += max(0, info.bytes_received - known.received)
+            known.received = info.bytes_received
             if info.min_rtt_us:
-                self._rtt_us[sock] = info.min_rtt_us
+                known.rtt_us = info.min_rtt_us
         return total

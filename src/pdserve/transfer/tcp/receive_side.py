@@ -134,6 +134,8 @@ class ReceiveSide:
                 peer, wire = greeted
                 with self._lock:
                     self._conns[conn] = peer
+                if self._share is not None:
+                    self._share.joined(conn)
                 while True:
                     self._dispatch(wire, peer, *wire.recv_header())
         except (OSError, EOFError, ValueError) as e:
