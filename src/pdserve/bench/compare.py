@@ -81,6 +81,7 @@ from pdserve.bench.serve.runner import (
     settings_from_args,
 )
 from pdserve.bench.serve.workloads import WORKLOAD_KINDS, RequestSpec, Workload
+from pdserve.cluster import parent_death
 from pdserve.cluster.bed_up_process import BedUpProcess
 from pdserve.cluster.up_process import UpProcess, get_json
 from pdserve.testbed import lifecycle
@@ -306,7 +307,10 @@ def run_external(s: CompareSettings, name: str, url: str, repeat: int = 0) -> di
           flush=True)
     if command is None:
         return run_bench(url, s.model, s.workload, s.load, s.timeout_s, s.slo)
-    proc = subprocess.Popen(shlex.split(command), start_new_session=True)
+    # SIGTERM when this process dies: a direct server goes with it (a script's own children
+    # only if the script passes it on)
+    proc = subprocess.Popen(shlex.split(command), start_new_session=True,
+                            preexec_fn=parent_death.guard())
     try:
         _wait_ready(url, proc, EXTERNAL_READY_S)
         _warm_up(url, s.model, s.workload)
