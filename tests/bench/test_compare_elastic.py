@@ -3,12 +3,16 @@ workers, and the router's role flips read into the results and the table."""
 
 from __future__ import annotations
 
+import argparse
+
 from pdserve.bench.compare import (
     CONFIGS,
     METRIC_KEYS,
+    add_compare_args,
     combine_repeats,
     flips_from_metrics,
     format_table,
+    settings,
 )
 
 METRICS = """# TYPE pdserve_role_flips_total counter
@@ -40,3 +44,15 @@ def test_flips_are_a_row_of_the_table_and_a_median_over_repeats() -> None:
                           "vllm": {}})
     row = next(line for line in table.splitlines() if line.startswith("role_flips"))
     assert row.split()[1:] == ["0", "2", "n/a"]
+
+
+def test_the_slo_measured_is_the_clusters_target() -> None:
+    """Goodput at a 400 ms TPOT is measured against workers that pace to 400 ms, not to
+    `pdserve up`'s default; without an SLO the cluster keeps its defaults."""
+    p = argparse.ArgumentParser()
+    add_compare_args(p)
+    given = settings(p.parse_args(["--slo-ttft-ms", "4000", "--slo-tpot-ms", "400"]))
+    assert given.up_args == ("--transport", "tcp", "--slo-ttft-ms", "4000",
+                             "--slo-tpot-ms", "400")
+    assert settings(p.parse_args([])).up_args == ("--transport", "tcp")
+    assert settings(p.parse_args(["--slo-tpot-ms", "0"])).up_args == ("--transport", "tcp")

@@ -585,9 +585,17 @@ def _pairs(items: list[str], option: str, shape: str) -> tuple[tuple[str, str], 
 
 
 def _up_args(args: argparse.Namespace) -> tuple[str, ...]:
+    """What every pdserve configuration is started with besides its own flags. The SLO that
+    goodput is measured at is also the cluster's target: the decode workers pace their local
+    prefills to its TPOT, the router's split decision keeps to it and the elastic controller
+    flips on both bounds (`pdserve up`'s defaults where the bench is given none, or a bound of
+    0, which no request meets)."""
     extra = ("--transport", args.transport)
     if args.local_prefill_threshold is not None:
         extra += ("--local-prefill-threshold", str(args.local_prefill_threshold))
+    for flag, ms in (("--slo-ttft-ms", args.slo_ttft_ms), ("--slo-tpot-ms", args.slo_tpot_ms)):
+        if ms:
+            extra += (flag, f"{ms:g}")
     return extra
 
 
