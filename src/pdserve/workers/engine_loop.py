@@ -46,6 +46,7 @@ from pdserve.engine.engine import Engine
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.parallel.rank_group import RankFailed
 from pdserve.legs.protocol import MOVED, LegKind, LegRequest, TokenEvent
+from pdserve.throttled_log import ThrottledLog
 from pdserve.workers.handover import (
     HandOver,
     LegDropped,
@@ -57,7 +58,7 @@ from pdserve.workers.handover import (
 from pdserve.workers.hub_pump import HubPump
 from pdserve.workers.loop_commands import Cancel, Command, Flip, Sink, Stop, Submit
 from pdserve.workers.parked import ParkedLegs
-from pdserve.workers.prefill_budget import REFRESH_S, prefill_chunk
+from pdserve.workers.prefill_budget import REFRESH_S, past_target, prefill_chunk
 from pdserve.workers.role_flip import FlipReply, RoleFlip
 from pdserve.workers.step_rates import SCAN
 from pdserve.workers.step_trace import Step, StepTrace
@@ -70,6 +71,7 @@ UNAVAILABLE = "unavailable"
 IDLE_WAIT_S = 0.05  # nothing to do: wait this long for a command
 POLL_WAIT_S = 0.001  # transfers in flight, nothing to compute
 RANK_CHECK_S = 0.5  # an idle worker finds a dead tensor-parallel rank within this
+PAST_TARGET_LOG_S = 60.0  # a TPOT target no step meets: said once a minute while it lasts
 
 
 @dataclass
@@ -119,6 +121,7 @@ class EngineLoop:
         self._on_fatal = on_fatal
         self.tpot_target_s = tpot_target_s
         self._chunk_at = 0.0  # when the prefill chunk was last recomputed
+        self._warnings = ThrottledLog(log, PAST_TARGET_LOG_S)
         self._ranks_checked_at = 0.0  # when the tensor-parallel ranks were last seen alive
         self.handover = None if pump is None else HandOver(engine, pump.hub, metrics)
         self._stream_layers = stream_layers and pump is not None
@@ -241,9 +244,16 @@ class EngineLoop:
         if self.tpot_target_s is None or time.monotonic() < self._chunk_at + REFRESH_S:
             return
         self._chunk_at = time.monotonic()
-        self.engine.set_prefill_chunk(prefill_chunk(
-            self.tpot_target_s, self.trace.newest_first(SCAN),
-            self.engine.config.block_size))
+        steps, block = self.trace.newest_first(SCAN), self.engine.config.block_size
+        self.engine.set_prefill_chunk(prefill_chunk(self.tpot_target_s, steps, block))
+        step = past_target(self.tpot_target_s, steps)
+        if step is not None:
+            self._warnings.warn(
+                "past-target", "decode steps take %.0f ms (median), at or over the %.0f ms TPOT "
+                "target (--slo-tpot-ms): no prefill chunk keeps the streams within it, and "
+                "prompts prefilled here advance one block (%d tokens) a step; a larger target, "
+                "fewer streams per worker (--max-num-seqs) or more decode workers meet it",
+                step * 1e3, self.tpot_target_s * 1e3, block)
 
     def _advance_flip(self) -> None:
         """Switch once no request moves KV in or out and every leg left runs in the new role;

@@ -12,8 +12,13 @@ prompt tokens beside the streams then takes about s + C / R <= tpot. At least on
 step, so a prompt always progresses (its streams then see up to s + block / R).
 
 Until s is measured (no stream decoded here yet) there is nothing to protect: no cap. Until R
-is measured, one block. `C` is reported in the signed /health as `chunk_tokens`, the stall the
-router's decision counts for one step of this worker.
+is measured, one block. With s at or over the target no chunk keeps a step within it: the
+streams already miss it, a step beside them still carries one block, and a local prompt
+advances a block a step; the worker says so in its log (`past_target`), since only its
+operator can change it (a larger target, fewer streams per worker, more decode workers).
+
+`C` is reported in the signed /health as `chunk_tokens`, the stall the router's decision
+counts for one step of this worker.
 
 Lifetime: recomputed from the step trace every `REFRESH_S` on the engine thread
 (`EngineLoop`), applied to the following steps (`Engine.set_prefill_chunk`).
@@ -45,6 +50,13 @@ def marginal_prefill_rate(newest_first: list[Step], decode_step_s: float | None,
         if counted >= window:
             break
     return tokens / seconds if seconds > 0 else None
+
+
+def past_target(tpot_target_s: float, newest_first: Iterable[Step]) -> float | None:
+    """The median decode-only step s when it is at or over the target (no chunk can keep a
+    step within it), else None (also while none was measured)."""
+    decode_step = step_rates(newest_first).decode_step_s
+    return decode_step if decode_step is not None and decode_step >= tpot_target_s else None
 
 
 def prefill_chunk(tpot_target_s: float, newest_first: Iterable[Step], block_size: int
