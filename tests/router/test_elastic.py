@@ -13,10 +13,12 @@ import pytest
 from pdserve.router.app import add_router_args, settings_from_args
 from pdserve.router.elastic import (
     FlipPlan,
+    Hold,
     Memory,
     Observation,
     StageLoad,
     WorkerView,
+    consider,
     decide,
     prefill_wait_s,
     stage_load,
@@ -129,6 +131,12 @@ def test_no_flip_to_prefill_without_decode_headroom(d1: WorkerView, d2: WorkerVi
                                                     kw: dict) -> None:
     ticks = [obs(t, pre("p1", backlog=2000), d1, d2, **kw) for t in (0.0, 2.0, 4.0, 6.0)]
     assert run(ticks) == [None] * 4
+    memory = Memory(prefill_ticks=S.sustain_ticks)
+    held = consider(ticks[-1], memory, S)
+    assert isinstance(held, Hold) and held.pressure == "prefill"
+    assert held.reason.startswith(("without d1 the decode side would be left at",
+                                   "without d2 the decode side would be left at",
+                                   "1 requests wait for a decode slot"))
 
 
 @pytest.mark.parametrize(("decode", "kw", "why"), [
@@ -153,6 +161,29 @@ def test_no_flip_to_decode_without_prefill_headroom() -> None:
     ticks = [obs(t, pre("p1", backlog=200), pre("p2", backlog=200), dec("d1", used=90))
              for t in (0.0, 2.0, 4.0, 6.0)]
     assert run(ticks) == [None] * 4
+    held = consider(ticks[-1], Memory(decode_ticks=S.sustain_ticks), S)
+    assert held == Hold("decode", "without p1 a prompt would wait ~400 ms to prefill (calm: "
+                                  "<= 250 ms)")
+
+
+def test_a_hold_names_the_busy_fraction_the_flip_would_leave() -> None:
+    """d1's decode step is past the target; p1, the last prefill worker, took 900 prompt
+    tokens/s that d1 and p1 as paced decoders (500 tokens/s each) could take only 90% of the
+    time: no flip, and the reason says so."""
+    tick = obs(0.0, pre("p1", sent_prompts=10, sent_tokens=9000),
+               dec("d1", inflight=4, step=0.09))
+    held = consider(tick, Memory(decode_ticks=S.sustain_ticks), S)
+    assert isinstance(held, Hold) and held.pressure == "decode"
+    assert held.reason.startswith("without p1, at the 900 prompt tokens/s of the last 10 s, "
+                                  "the prefill side would be busy 90% of the time")
+    assert decide(tick, Memory(decode_ticks=S.sustain_ticks), S) is None
+
+
+def test_no_hold_without_a_sustained_pressure_or_within_the_cool_down() -> None:
+    tick = obs(10.0, pre("p1", backlog=200), pre("p2", backlog=200), dec("d1", used=90))
+    assert consider(tick, Memory(decode_ticks=S.sustain_ticks - 1), S) is None
+    cooling = Memory(decode_ticks=S.sustain_ticks, last_flip_at=0.0)
+    assert consider(tick, cooling, S) is None
 
 
 def test_the_last_prefill_worker_flips_only_with_no_split_request() -> None:

@@ -93,6 +93,28 @@ def test_a_refused_flip_is_logged_and_cooled_down(tiny_model: Callable[..., Path
     assert any("elastic: flip of worker" in m and "not done (503)" in m for m in messages)
 
 
+def test_a_pressure_no_flip_may_relieve_is_said_once_with_its_reason(
+        tiny_model: Callable[..., Path], caplog) -> None:
+    """Prefill pressure with one decode worker, the last one that can decode: for the ~20
+    ticks the body lasts nothing flips, and the log says why once (HOLD_LOG_S)."""
+    fakes = _fakes()[:2]
+
+    async def body(r: Router) -> None:
+        prefill, decode = r.pool.workers
+        r.dispatcher.paths.prefilling(prefill, 5000)
+        decode.inflight = 1
+        await asyncio.sleep(1.0)
+        assert [w.role for w in r.pool.workers] == ["prefill", "decode"]
+
+    with caplog.at_level("INFO", logger="pdserve.router"):
+        _run(tiny_model, fakes, FAST, body)
+    assert [f.flips for f in fakes] == [0, 0]
+    held = [r.getMessage() for r in caplog.records if "no flip" in r.getMessage()]
+    assert len(held) == 1, held
+    assert held[0].startswith("elastic: prefill pressure for 3 ticks, no flip: ")
+    assert held[0].endswith(" is the last decode-capable worker")
+
+
 def test_without_elastic_nothing_flips(tiny_model: Callable[..., Path]) -> None:
     fakes = _fakes()
 

@@ -54,7 +54,8 @@ in flight (the targets are met, but a prefill worker's core waits for prompts th
 workers' paced local prefills could take, while every stream shares the decode cores). The
 memory counts the ticks each was seen in a row (`tally`).
 
-Rules (`decide`), at most one flip per tick:
+Rules (`decide`; `consider` also says why a sustained pressure flips no worker), at most one
+flip per tick:
 - none within `cooldown_s` of the last flip attempt, nor while any worker is flipping or
   draining; only routable workers (healthy, in no phase) are ever chosen;
 - decode -> prefill after `sustain_ticks` of prefill pressure, flipping the routable decode
@@ -178,6 +179,14 @@ class FlipPlan:
 
 
 @dataclass(frozen=True)
+class Hold:
+    """A pressure sustained long enough to flip, and why no worker flips for it."""
+
+    pressure: str  # "prefill", "decode" or "idle": the count that reached `sustain_ticks`
+    reason: str
+
+
+@dataclass(frozen=True)
 class StageLoad:
     """A prefill stage under the prompts that arrived over the window."""
 
@@ -270,6 +279,14 @@ def tally(memory: Memory, obs: Observation, s: ElasticSettings) -> Memory:
 
 def decide(obs: Observation, memory: Memory, s: ElasticSettings) -> FlipPlan | None:
     """The flip to make now (see the module docstring), or None."""
+    plan = consider(obs, memory, s)
+    return plan if isinstance(plan, FlipPlan) else None
+
+
+def consider(obs: Observation, memory: Memory, s: ElasticSettings) -> FlipPlan | Hold | None:
+    """`decide`, and where a pressure was sustained long enough and the rules keep every
+    worker (the other side's headroom, the last worker of a role), a `Hold` saying why; None
+    with no pressure sustained, within the cool-down or while a worker flips or drains."""
     if memory.last_flip_at is not None and obs.now - memory.last_flip_at < s.cooldown_s:
         return None
     if any(w.phase is not None for w in obs.workers):
@@ -283,19 +300,24 @@ def decide(obs: Observation, memory: Memory, s: ElasticSettings) -> FlipPlan | N
     return None
 
 
-def _to_prefill(obs: Observation, memory: Memory, s: ElasticSettings) -> FlipPlan | None:
+def _to_prefill(obs: Observation, memory: Memory, s: ElasticSettings) -> FlipPlan | Hold:
     decode = obs.routable("decode")
-    if not decode or obs.decode_waiting:
-        return None
+    if not decode:
+        return Hold("prefill", "no routable decode worker to take")
+    if obs.decode_waiting:
+        return Hold("prefill", f"{obs.decode_waiting} requests wait for a decode slot")
     worker = min(decode, key=lambda w: (w.inflight, w.kv_used, w.key))
     serving = obs.routable(*DECODE_CAPABLE)
     rest = [w for w in serving if w.key != worker.key]
     if not rest:
-        return None
+        return Hold("prefill", f"{worker.key} is the last decode-capable worker")
     kv = _kv_use(serving, rest)
     step = _slowest_step(serving) * len(serving) / len(rest)
     if (kv is not None and kv > KV_CALM) or step > STEP_CALM * s.tpot_target_s:
-        return None
+        return Hold("prefill", f"without {worker.key} the decode side would be left at KV "
+                               f"{kv or 0.0:.0%} (calm: <= {KV_CALM:.0%}) and a step of "
+                               f"~{step * 1e3:.0f} ms (calm: <= {STEP_CALM:g} x the "
+                               f"{s.tpot_target_s * 1e3:.0f} ms TPOT target)")
     wait = prefill_wait_s(obs) or 0.0
     return FlipPlan(worker.key, "prefill",
                     f"prefill wait ~{wait * 1e3:.0f} ms over {PREFILL_HIGH:g} x the "
@@ -305,20 +327,31 @@ def _to_prefill(obs: Observation, memory: Memory, s: ElasticSettings) -> FlipPla
 
 
 def _to_decode(obs: Observation, memory: Memory, s: ElasticSettings, idle: bool = False
-               ) -> FlipPlan | None:
+               ) -> FlipPlan | Hold:
+    pressure = "idle" if idle else "decode"
     prefill = obs.routable("prefill")
     if not prefill:
-        return None
+        return Hold(pressure, "no routable prefill worker to take")
     worker = min(prefill, key=lambda w: (w.backlog_tokens, w.inflight, w.key))
     if len(prefill) == 1 and obs.prefill_demand:
-        return None
+        return Hold(pressure, f"{worker.key} is the last prefill worker and "
+                              f"{obs.prefill_demand} split requests hold or wait for it")
+    calm_s = PREFILL_CALM * s.ttft_target_s
     wait = prefill_wait_s(obs, without=worker.key)
-    if wait is None or wait > PREFILL_CALM * s.ttft_target_s:
-        return None
+    if wait is None or wait > calm_s:
+        now = "unknown (no rate)" if wait is None else f"~{wait * 1e3:.0f} ms"
+        return Hold(pressure, f"without {worker.key} a prompt would wait {now} to prefill "
+                              f"(calm: <= {calm_s * 1e3:.0f} ms)")
     rest = _after_flip(obs, worker)
     load = stage_load(obs, rest, {w.key: w for w in [*_stage(obs, None), *rest]}.values())
-    if load is None or not _calm(load, s):
-        return None
+    if load is None:
+        return Hold(pressure, "no prefill rate or arrival window measured yet")
+    if not _calm(load, s):
+        return Hold(pressure, f"without {worker.key}, at the {load.tokens_per_s:.0f} prompt "
+                              f"tokens/s of the last {obs.window_s:.0f} s, the prefill side "
+                              f"would be busy {load.rho:.0%} of the time, a prompt waiting "
+                              f"~{_ms(load.wait_s)} (calm: <= {RHO_CALM:.0%}, "
+                              f"<= {calm_s * 1e3:.0f} ms)")
     if idle:
         why, ticks = (f"the prefill side idle while every decode-capable worker streams "
                       f">= {BUSY_STREAMS} requests"), memory.idle_ticks
@@ -330,6 +363,10 @@ def _to_decode(obs: Observation, memory: Memory, s: ElasticSettings, idle: bool 
                     f"{load.tokens_per_s:.0f} prompt tokens/s of the last {obs.window_s:.0f} s "
                     f"busy {load.rho:.0%} of the time, a prompt waiting "
                     f"~{load.wait_s * 1e3:.0f} ms)")
+
+
+def _ms(seconds: float) -> str:
+    return "without end" if math.isinf(seconds) else f"{seconds * 1e3:.0f} ms"
 
 
 def _calm(load: StageLoad, s: ElasticSettings) -> bool:

@@ -14,7 +14,10 @@ every tick), from which `elastic.py` takes arrival rates.
 
 Lifetime: one per router started with `--elastic`, from `start()` (after the dispatcher
 exists) to `stop()`; the loop awaits each flip, so flips never overlap, and ticks pause while
-one drains. A failed or refused flip is logged and starts the cool-down like a done one.
+one drains. A failed or refused flip is logged and starts the cool-down like a done one. A
+pressure sustained long enough that the rules keep every worker under (`Hold`: the other
+side's headroom, the last worker of a role) is logged as a warning with the reason, at most
+every HOLD_LOG_S per kind of pressure.
 """
 
 from __future__ import annotations
@@ -30,10 +33,11 @@ from pdserve.router.admission import AdmissionQueue
 from pdserve.router.elastic import (
     DECODE_CAPABLE,
     FlipPlan,
+    Hold,
     Memory,
     Observation,
     WorkerView,
-    decide,
+    consider,
     tally,
 )
 from pdserve.router.elastic_settings import ElasticSettings
@@ -41,8 +45,14 @@ from pdserve.router.elastic_window import ArrivalWindow, Window
 from pdserve.router.flips import RoleFlips
 from pdserve.router.split_decision import PrefillBacklog, Sent, Speed, local_rate
 from pdserve.router.worker_pool import WorkerHandle, WorkerPool
+from pdserve.throttled_log import ThrottledLog
 
 log = logging.getLogger("pdserve.router")
+# A pressure the rules keep every worker under (`Hold`) is said at most this often per kind,
+# while it lasts: the operator learns why nothing flips without a line per tick.
+HOLD_LOG_S = 30.0
+PRESSURES = {"prefill": "prefill pressure", "decode": "decode pressure",
+             "idle": "an idle prefill side beside busy decoders"}  # Hold.pressure, in words
 
 
 def observe(pool: WorkerPool, queues: Mapping[str, AdmissionQueue], backlog: PrefillBacklog,
@@ -110,6 +120,7 @@ class ElasticController:
         self.settings, self.clock = settings, clock
         self.memory = Memory()
         self.arrivals = ArrivalWindow()
+        self._holds = ThrottledLog(log, HOLD_LOG_S, clock)
         self._task: asyncio.Task | None = None
 
     def start(self) -> None:
@@ -134,7 +145,10 @@ class ElasticController:
         obs = observe(self.pool, self.queues, self.backlog, now,
                       self.arrivals.window(s.sustain_ticks * s.interval_s))
         self.memory = tally(self.memory, obs, self.settings)
-        plan = decide(obs, self.memory, self.settings)
+        plan = consider(obs, self.memory, self.settings)
+        if isinstance(plan, Hold):
+            self._say(plan)
+            return None
         worker = self.pool.find(plan.worker) if plan is not None else None
         if plan is None or worker is None:
             return None
@@ -148,6 +162,11 @@ class ElasticController:
         finally:
             self.memory = self.memory.flipped(self.clock())
         return plan
+
+    def _say(self, hold: Hold) -> None:
+        ticks = getattr(self.memory, f"{hold.pressure}_ticks")
+        self._holds.warn(hold.pressure, "elastic: %s for %d ticks, no flip: %s",
+                         PRESSURES[hold.pressure], ticks, hold.reason)
 
     async def _run(self) -> None:
         while True:
