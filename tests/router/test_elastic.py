@@ -177,6 +177,11 @@ def test_a_hold_names_the_busy_fraction_the_flip_would_leave() -> None:
     assert held.reason.startswith("without p1, at the 900 prompt tokens/s of the last 10 s, "
                                   "the prefill side would be busy 90% of the time")
     assert decide(tick, Memory(decode_ticks=S.sustain_ticks), S) is None
+    over = obs(0.0, pre("p1", sent_prompts=10, sent_tokens=12000),
+               dec("d1", inflight=4, step=0.09))
+    held = consider(over, Memory(decode_ticks=S.sustain_ticks), S)
+    assert isinstance(held, Hold) and "busy 120% of the time, a prompt's wait growing " \
+        "without bound" in held.reason
 
 
 def test_no_hold_without_a_sustained_pressure_or_within_the_cool_down() -> None:

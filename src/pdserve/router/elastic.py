@@ -338,10 +338,12 @@ def _to_decode(obs: Observation, memory: Memory, s: ElasticSettings, idle: bool 
                               f"{obs.prefill_demand} split requests hold or wait for it")
     calm_s = PREFILL_CALM * s.ttft_target_s
     wait = prefill_wait_s(obs, without=worker.key)
-    if wait is None or wait > calm_s:
-        now = "unknown (no rate)" if wait is None else f"~{wait * 1e3:.0f} ms"
-        return Hold(pressure, f"without {worker.key} a prompt would wait {now} to prefill "
-                              f"(calm: <= {calm_s * 1e3:.0f} ms)")
+    if wait is None:
+        return Hold(pressure, f"without {worker.key} no worker left to prefill has a "
+                              "measured prefill rate")
+    if wait > calm_s:
+        return Hold(pressure, f"without {worker.key} a prompt would wait ~{wait * 1e3:.0f} "
+                              f"ms to prefill (calm: <= {calm_s * 1e3:.0f} ms)")
     rest = _after_flip(obs, worker)
     load = stage_load(obs, rest, {w.key: w for w in [*_stage(obs, None), *rest]}.values())
     if load is None:
@@ -349,8 +351,8 @@ def _to_decode(obs: Observation, memory: Memory, s: ElasticSettings, idle: bool 
     if not _calm(load, s):
         return Hold(pressure, f"without {worker.key}, at the {load.tokens_per_s:.0f} prompt "
                               f"tokens/s of the last {obs.window_s:.0f} s, the prefill side "
-                              f"would be busy {load.rho:.0%} of the time, a prompt waiting "
-                              f"~{_ms(load.wait_s)} (calm: <= {RHO_CALM:.0%}, "
+                              f"would be busy {load.rho:.0%} of the time, a prompt's wait "
+                              f"{_wait(load.wait_s)} (calm: <= {RHO_CALM:.0%}, "
                               f"<= {calm_s * 1e3:.0f} ms)")
     if idle:
         why, ticks = (f"the prefill side idle while every decode-capable worker streams "
@@ -365,8 +367,8 @@ def _to_decode(obs: Observation, memory: Memory, s: ElasticSettings, idle: bool 
                     f"~{load.wait_s * 1e3:.0f} ms)")
 
 
-def _ms(seconds: float) -> str:
-    return "without end" if math.isinf(seconds) else f"{seconds * 1e3:.0f} ms"
+def _wait(seconds: float) -> str:
+    return "growing without bound" if math.isinf(seconds) else f"~{seconds * 1e3:.0f} ms"
 
 
 def _calm(load: StageLoad, s: ElasticSettings) -> bool:
