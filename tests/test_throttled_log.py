@@ -1,4 +1,5 @@
-"""A flood of refusals writes one warning per interval, and the next one counts the rest."""
+"""A flood of refusals writes one warning per interval, and the next one counts the rest; the
+same for information at a level of its own."""
 
 from __future__ import annotations
 
@@ -26,3 +27,13 @@ def test_one_line_per_interval_and_the_next_counts_what_was_not_written(caplog) 
 def test_the_interval_must_be_positive() -> None:
     with pytest.raises(ValueError, match="every_s"):
         ThrottledLog(logging.getLogger("pdserve.test"), every_s=0)
+
+
+def test_information_may_be_throttled_too(caplog) -> None:
+    log = ThrottledLog(logging.getLogger("pdserve.test"), every_s=10, clock=lambda: 0.0,
+                       level=logging.INFO)
+    with caplog.at_level(logging.INFO, logger="pdserve.test"):
+        log.warn("kept", "kept a worker")
+        log.warn("kept", "kept a worker")
+    assert [(r.levelno, r.getMessage()) for r in caplog.records] == [
+        (logging.INFO, "kept a worker")]

@@ -16,8 +16,8 @@ Lifetime: one per router started with `--elastic`, from `start()` (after the dis
 exists) to `stop()`; the loop awaits each flip, so flips never overlap, and ticks pause while
 one drains. A failed or refused flip is logged and starts the cool-down like a done one. A
 pressure sustained long enough that the rules keep every worker under (`Hold`: the other
-side's headroom, the last worker of a role) is logged as a warning with the reason, at most
-every HOLD_LOG_S per kind of pressure.
+side's headroom, the last worker of a role) is logged with the reason, at most every
+HOLD_LOG_S per kind of pressure: a warning, or information for an idle prefill side kept.
 """
 
 from __future__ import annotations
@@ -120,7 +120,10 @@ class ElasticController:
         self.settings, self.clock = settings, clock
         self.memory = Memory()
         self.arrivals = ArrivalWindow()
-        self._holds = ThrottledLog(log, HOLD_LOG_S, clock)
+        # pressure no flip relieves is a warning; an idle prefill side kept is information
+        self._holds = {"prefill": ThrottledLog(log, HOLD_LOG_S, clock),
+                       "decode": ThrottledLog(log, HOLD_LOG_S, clock),
+                       "idle": ThrottledLog(log, HOLD_LOG_S, clock, logging.INFO)}
         self._task: asyncio.Task | None = None
 
     def start(self) -> None:
@@ -165,8 +168,8 @@ class ElasticController:
 
     def _say(self, hold: Hold) -> None:
         ticks = getattr(self.memory, f"{hold.pressure}_ticks")
-        self._holds.warn(hold.pressure, "elastic: %s for %d ticks, no flip: %s",
-                         PRESSURES[hold.pressure], ticks, hold.reason)
+        self._holds[hold.pressure].warn(hold.pressure, "elastic: %s for %d ticks, no flip: %s",
+                                        PRESSURES[hold.pressure], ticks, hold.reason)
 
     async def _run(self) -> None:
         while True:
