@@ -245,8 +245,10 @@ class EngineLoop:
             return
         self._chunk_at = time.monotonic()
         steps, block = self.trace.newest_first(SCAN), self.engine.config.block_size
-        self.engine.set_prefill_chunk(prefill_chunk(self.tpot_target_s, steps, block))
-        step = past_target(self.tpot_target_s, steps)
+        chunk = prefill_chunk(self.tpot_target_s, steps, block)
+        self.engine.set_prefill_chunk(chunk)
+        # past the target only with the chunk down to one block: the steps are read again then
+        step = past_target(self.tpot_target_s, steps) if chunk == block else None
         if step is not None:
             self._warnings.warn(
                 "past-target", "decode steps take %.0f ms (median), at or over the %.0f ms TPOT "
