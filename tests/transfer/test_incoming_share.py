@@ -78,6 +78,18 @@ def _both_send(share: IncomingShare, pairs: list[tuple[socket.socket, socket.soc
         _move(out, accepted)
 
 
+def _both_sent(pairs: list[tuple[socket.socket, socket.socket]], target_s: float = TARGET_S
+               ) -> tuple[Clock, IncomingShare, socket.socket, socket.socket]:
+    """A share whose first update found both connections active (the accepted ends a1, a2)."""
+    clock = Clock()
+    share = IncomingShare(target_s, clock)
+    a1, a2 = (accepted for _, accepted in pairs)
+    _both_send(share, pairs)
+    clock.now += STEP_S
+    share.arrived(a1)  # the update: both were active since the last one
+    return clock, share, a1, a2
+
+
 def test_the_share_splits_the_budget_evenly_and_keeps_a_floor() -> None:
     assert share_bytes(1e9, 0.0005, 0.002, 2) == int(1e9 * 0.003 / 2)
     assert share_bytes(1e9, 0.0005, 0.002, 4) == int(1e9 * 0.003 / 4)
@@ -86,12 +98,7 @@ def test_the_share_splits_the_budget_evenly_and_keeps_a_floor() -> None:
 
 def test_two_senders_at_once_get_one_equal_window_and_one_alone_gets_the_budget(
         pairs: list[tuple[socket.socket, socket.socket]]) -> None:
-    clock = Clock()
-    share = IncomingShare(TARGET_S, clock)
-    a1, a2 = (accepted for _, accepted in pairs)
-    _both_send(share, pairs)
-    clock.now += STEP_S
-    share.arrived(a1)  # the update: both were active since the last one
+    clock, share, a1, a2 = _both_sent(pairs)
     two = share.share
     assert two > max(_floor(a1), _floor(a2))
     assert _clamp(a1) == _clamp(a2) == two
@@ -105,12 +112,7 @@ def test_no_window_is_under_a_few_of_its_segments(
         pairs: list[tuple[socket.socket, socket.socket]]) -> None:
     """Under one segment the receiver would advertise a zero window and the sender wait for
     persist probes: a small budget gives each connection its floor instead."""
-    clock = Clock()
-    share = IncomingShare(0.0005, clock)
-    a1, a2 = (accepted for _, accepted in pairs)
-    _both_send(share, pairs)
-    clock.now += STEP_S
-    share.arrived(a1)
+    _, share, a1, a2 = _both_sent(pairs, target_s=0.0005)
     assert share.share < _floor(a1)  # a budget of ~2 KB a connection
     assert _floor(a1) > MIN_BYTES  # loopback's segments: ~64 KB
     assert (_clamp(a1), _clamp(a2)) == (_floor(a1), _floor(a2))
@@ -161,12 +163,7 @@ def test_the_first_update_after_a_pause_only_starts_a_new_measurement(
 
 def test_a_forgotten_connection_no_longer_counts(
         pairs: list[tuple[socket.socket, socket.socket]]) -> None:
-    clock = Clock()
-    share = IncomingShare(TARGET_S, clock)
-    a1, a2 = (accepted for _, accepted in pairs)
-    _both_send(share, pairs)
-    clock.now += STEP_S
-    share.arrived(a1)
+    clock, share, a1, a2 = _both_sent(pairs)
     two = share.share
     share.arrived(a2)
     share.forget(a2)  # its connection ended after a last frame
