@@ -6,6 +6,7 @@ again."""
 
 from __future__ import annotations
 
+import math
 import random
 import time
 import urllib.request
@@ -20,8 +21,10 @@ from tests.serve.test_serving import client
 
 PREFILL, DECODE = 0, 1
 LEASE_S = 3.0  # HOLDs every second: a lease of 1.5 s ran out when other work starved the workers
-BURST = 36  # prompts at once: the last one waits several leases at the prefill worker (measured
-# here: they kept it busy ~11 s on the development machine's AVX2 cores, unloaded)
+# prompts at once, sized from one prompt's measured time so that the last one waits about
+# BUSY_LEASES leases at the prefill worker on any machine (a fixed 36 kept an AVX2 machine's
+# prefill worker busy ~11 s, an AVX-512 one's under 6 s)
+BUSY_LEASES, MIN_BURST, MAX_BURST = 4, 24, 160
 PROMPT_TOKENS, MAX_TOKENS = 400, 4
 RECOMPUTES = "pdserve_kv_recomputes_total"
 SPLIT = 'pdserve_router_requests_total{path="disaggregated"}'
@@ -48,23 +51,29 @@ def slow_prefill_cluster(request, tiny_model) -> Cluster:
 def test_transfers_queued_behind_a_busy_prefill_outlast_the_lease(slow_prefill_cluster):
     cluster = slow_prefill_cluster
     rng, vocab = random.Random(11), len(tiny_tokenizer())
-    prompts = [[rng.randrange(vocab) for _ in range(PROMPT_TOKENS)] for _ in range(BURST)]
     router = cluster.url.removesuffix("/v1")
-    split = metric(router, SPLIT)
     c = client(cluster)  # one client for all: making one each would stagger the burst
-    started = time.monotonic()
 
-    def complete(prompt: list[int]) -> tuple[int, float]:
-        out = c.completions.create(model=cluster.model, prompt=prompt, max_tokens=MAX_TOKENS,
+    def prompt() -> list[int]:
+        return [rng.randrange(vocab) for _ in range(PROMPT_TOKENS)]
+
+    def complete(tokens: list[int], since: float) -> tuple[int, float]:
+        out = c.completions.create(model=cluster.model, prompt=tokens, max_tokens=MAX_TOKENS,
                                    temperature=0, extra_body={"ignore_eos": True})
-        return out.usage.completion_tokens, time.monotonic() - started
+        return out.usage.completion_tokens, time.monotonic() - since
 
-    with ThreadPoolExecutor(BURST) as pool:
-        results = list(pool.map(complete, prompts))
-    assert [n for n, _ in results] == [MAX_TOKENS] * BURST
+    complete(prompt(), time.monotonic())  # warm-up: the first request pays one-off costs
+    one = complete(prompt(), time.monotonic())[1]
+    burst = min(MAX_BURST, max(MIN_BURST, math.ceil(BUSY_LEASES * LEASE_S / one)))
+    prompts = [prompt() for _ in range(burst)]
+    split = metric(router, SPLIT)
+    started = time.monotonic()
+    with ThreadPoolExecutor(burst) as pool:
+        results = list(pool.map(lambda p: complete(p, started), prompts))
+    assert [n for n, _ in results] == [MAX_TOKENS] * burst
     assert retries(router) == 0  # the router prefilled none of them again
     assert metric(cluster.worker_url(DECODE), RECOMPUTES) == 0  # nor did the decode worker
-    assert metric(router, SPLIT) == split + BURST  # every one moved its KV
+    assert metric(router, SPLIT) == split + burst  # every one moved its KV
     # the premise: the prefill worker was busy for more than two leases with this burst
     assert max(took for _, took in results) > 2 * LEASE_S
     cluster.wait_blocks_free([PREFILL, DECODE])
