@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from pdserve.bench.simulator_check import CheckSettings, format_check, run_check
+from pdserve.bench.simulator_check import CheckSettings, _rankings, format_check, run_check
 from tests.planner.cli_run import run_pdserve
 from tests.planner.simulate.step_files import disagg_workers, request, serve_result, write_json
 
@@ -42,7 +42,7 @@ def test_each_held_out_run_is_simulated_from_the_calibration_run_alone(results):
     assert "median_ttft_ms" not in rows["disagg"]["outside"]
     assert rows["collocated"]["rel_error"]["median_ttft_ms"] == pytest.approx(210 / 900 - 1)
     assert "median_ttft_ms" in rows["collocated"]["outside"]
-    assert set(summary["ranking"]["chat"]) == {"measured", "simulated", "agree"}
+    assert set(summary["ranking"]["chat"]) == {"measured", "simulated", "regret", "agree"}
     text = format_check(summary)
     assert "fitted on 'mixed'" in text and "900->210 (-77%)*" in text
 
@@ -88,3 +88,26 @@ def test_results_without_split_decisions_show_a_dash_for_the_measured_count(resu
     simulated = rows["disagg"]["local_prefills"]["simulated"]
     summary = {"calibrated_on": "mixed", "rows": list(rows.values()), "ranking": {}}
     assert format_check(summary).splitlines()[2].endswith(f"  -/{simulated}")
+
+
+def _row(config: str, measured: float, simulated: float) -> dict:
+    return {"workload": "long", "config": config, "measured": {"request_goodput": measured},
+            "simulated": {"request_goodput": simulated}}
+
+
+@pytest.mark.parametrize(("measured", "agree", "says"), [
+    ((0.283, 0.282), True, "agree (a tie: the simulated best measured 0.4% below"),
+    ((0.300, 0.250), False, "DISAGREE (the simulated best measured 16.7% below"),
+])
+def test_the_simulated_best_agrees_when_it_measured_within_five_percent_of_the_best(
+        measured, agree, says):
+    rows = [_row("collocated-chunked", measured[0], 0.20), _row("collocated", measured[1], 0.27)]
+    rank = _rankings(rows)["long"]
+    assert (rank["measured"], rank["simulated"]) == ("collocated-chunked", "collocated")
+    assert rank["agree"] is agree
+    assert says in format_check({"calibrated_on": "mixed", "rows": [], "ranking": {"long": rank}})
+
+
+def test_the_same_best_on_both_sides_agrees_with_no_regret():
+    rank = _rankings([_row("disagg", 0.5, 0.6), _row("collocated", 0.4, 0.3)])["long"]
+    assert rank == {"measured": "disagg", "simulated": "disagg", "regret": 0.0, "agree": True}
