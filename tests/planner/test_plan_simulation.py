@@ -22,6 +22,9 @@ from tests.planner.simulate.step_files import (
     PA,
     attention_prefill_steps,
     context_decode_steps,
+    request,
+    serve_result,
+    write_json,
 )
 
 LONG = ["plan", "--model", "smollm2-135m", "--gpu", "cpu", "--prompt-tokens", "1750",
@@ -90,6 +93,28 @@ def test_each_configuration_is_priced_by_its_own_steps(tmp_path, capsys):
     assert got["verdict"] == "disaggregate"
     assert len(got["simulation"]["layouts"]) == 3
 
+
+
+def test_a_run_beside_the_steps_prices_its_front_end_and_moves_the_ttft(tmp_path, capsys):
+    """cmp.json beside cmp.steps.json: its collocated run measured a TTFT 60 ms over what its
+    steps give, so the plan's collocated TTFTs grow by that round trip."""
+    steps = _steps_file(tmp_path, colloc_scale=1, split_scale=8)
+    before = plan_json([*LONG, "--rate", "0.4", "--calibrate", str(steps)], capsys)
+    one = serve_result([request(0.0, 1750, 56)], ttft_ms=_prefill_ms(1750) + 60.0)
+    write_json(tmp_path / "cmp.json", {"collocated": one})
+    after = plan_json([*LONG, "--rate", "0.4", "--calibrate", str(steps)], capsys)
+    assert any(n.startswith(f"{tmp_path / 'cmp.json'}:collocated: front-end round trip 60.")
+               for n in after["notes"])
+    ttft = {side: {x["label"]: x["median_ttft_ms"] for x in got["simulation"]["layouts"]}
+            for side, got in (("before", before), ("after", after))}
+    assert ttft["after"]["collocated"] == pytest.approx(ttft["before"]["collocated"] + 60.0,
+                                                        abs=1.5)
+    assert ttft["after"]["disagg"] == ttft["before"]["disagg"]  # not in cmp.json: none
+
+
+def _prefill_ms(n: int) -> float:
+    """One whole prompt of n tokens on step_files' machine (its attention pairs included)."""
+    return (P0 + P1 * n + PA * n * (n + 1) / 2) * 1e3
 
 def test_concurrency_runs_a_closed_loop(capsys):
     argv = ["plan", "--model", "smollm2-135m", "--gpu", "cpu", "--prompt-tokens", "160",

@@ -18,8 +18,9 @@ prefills paced to the TPOT bound. KV capacity is what fits beside the weights.
 Costs: the roofline of cost.py on each worker's hardware, or `calibration`:
 - a `pdserve bench compare` .steps.json: each of its configurations (collocated,
   collocated-chunked, disagg) is fitted on its own workers' steps and simulated with its own
-  layout and limits (measured_compare.PDSERVE_CONFIGS). A layout the file did not run is left
-  out, with a note.
+  layout and limits (measured_compare.PDSERVE_CONFIGS), and with the front-end round trip
+  fitted to the run's results beside the steps when they are there (frontend_fit.py). A
+  layout the file did not run is left out, with a note.
 - a profile JSON or `bench engine` rows: one worker's costs, so only on a GPU preset, where
   every layout's worker is the same tp GPUs.
 
@@ -41,6 +42,7 @@ from typing import Any
 
 from pdserve.planner.hardware import Hardware
 from pdserve.planner.plan import Plan, Verdict, kv_room_tokens
+from pdserve.planner.simulate.admission import Admission
 from pdserve.planner.simulate.calibration import (
     CalibrationProfile,
     RooflineCosts,
@@ -50,6 +52,7 @@ from pdserve.planner.simulate.calibration import (
 )
 from pdserve.planner.simulate.calibration_source import StepsProfile, load_calibration_source
 from pdserve.planner.simulate.events import Cluster, Layout, simulate
+from pdserve.planner.simulate.frontend_fit import calibration_run, fit_frontend_latency
 from pdserve.planner.simulate.measured_compare import (
     PDSERVE_CHUNK_TOKENS,
     PDSERVE_CONFIGS,
@@ -194,17 +197,32 @@ def calibrated_candidates(plan: Plan, load: Load, path: str, configs: Sequence[s
         raise ValueError(f"calibrate (--calibrate) {path}: no configuration of "
                          f"{', '.join(CALIBRATED_CONFIGS)} in this steps file (it has "
                          f"{', '.join(map(repr, configs)) or 'none'})")
-    out = []
+    out, notes = [], []
     for name in names:
         source = load_calibration_source(f"{path}:{name}")
         if not isinstance(source, StepsProfile):
             raise ValueError(f"calibrate (--calibrate) {path}:{name} holds no worker steps")
         layout = PDSERVE_CONFIGS[name]
         cluster = _cluster(plan, load, plan.hardware, layout)
-        out.append(Candidate(name, layout.layout, cluster, source.profile))
-    notes = [f"{path} did not run {c}: not simulated" for c in CALIBRATED_CONFIGS
-             if c not in names]
+        latency, note = _frontend(f"{path}:{name}", layout, cluster, source.profile)
+        out.append(Candidate(name, layout.layout,
+                             replace(cluster, frontend_latency_s=latency), source.profile))
+        notes += [note] if note else []
+    notes += [f"{path} did not run {c}: not simulated" for c in CALIBRATED_CONFIGS
+              if c not in names]
     return out, notes
+
+
+def _frontend(spec: str, layout: MeasuredLayout, cluster: Cluster,
+              profile: CalibrationProfile) -> tuple[float, str | None]:
+    """The front-end round trip fitted to the run beside the steps (frontend_fit.py), served
+    as that run was (the router's admission), and a note saying so; (0, None) without it."""
+    run = calibration_run(spec, "calibrate (--calibrate)")
+    if run is None:
+        return 0.0, None
+    latency = fit_frontend_latency(run, layout.layout, replace(cluster, admission=Admission()),
+                                   profile)
+    return latency, f"{run.label}: front-end round trip {latency * 1e3:.1f} ms (its median TTFT)"
 
 
 def _compare_steps(path: str) -> list[str] | None:

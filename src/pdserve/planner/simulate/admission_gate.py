@@ -43,7 +43,8 @@ class AdmissionGate:
     long), its prefill slot until its prefill ends; `splitting` maps a split request that holds
     its decode slot on worker j but no prefill slot yet to (j, the rule's prefill worker; None:
     the policy's pick), and `pending` lists those still to ask for one (asked after the event
-    being processed, at its time). Every wait ends `wait_s` after the request's arrival.
+    being processed, at its time). Every wait ends `wait_s` after the request reached the router
+(its arrival, plus half the cluster's front-end round trip).
     Lifetime: one per simulated run with admission."""
 
     def __init__(self, admission: Admission, cluster: Cluster, layout: Layout,
@@ -82,10 +83,11 @@ class AdmissionGate:
 
     def ask_prefill_slots(self, now: float) -> None:
         """Split requests holding a decode slot ask for a prefill slot, within what is left
-        of their wait since arrival."""
+        of their wait since they reached the router."""
+        reached = self.cluster.frontend_latency_s / 2
         while self.pending:
             record = self.pending.popleft()
-            self.acquire("prefill", record, now, record.arrival_s + self.wait_s - now)
+            self.acquire("prefill", record, now, record.arrival_s + reached + self.wait_s - now)
 
     def _choose_decode(self, record: RequestRecord, free: list[int]) -> int:
         return self.routing.pick("decode" if self.routing.loads["decode"] else "colloc", record,

@@ -47,7 +47,11 @@ from pdserve.planner.simulate.calibration import (
     context_token_seconds,
     fit_bench_rows,
 )
-from pdserve.planner.simulate.calibration_source import StepsProfile, load_calibration_source
+from pdserve.planner.simulate.calibration_source import (
+    FLAG,
+    StepsProfile,
+    load_calibration_source,
+)
 from pdserve.planner.simulate.cluster import (
     DEFAULT_CHUNK_TOKENS,
     Cluster,
@@ -56,6 +60,7 @@ from pdserve.planner.simulate.cluster import (
     check_fits,
 )
 from pdserve.planner.simulate.events import SimResult, simulate
+from pdserve.planner.simulate.frontend_fit import calibration_run, fit_frontend_latency
 from pdserve.planner.simulate.measured_compare import (
     PDSERVE_CONFIGS,
     Comparison,
@@ -169,6 +174,11 @@ def _add_cluster_args(p: argparse.ArgumentParser) -> None:
                         "least_loaded (fewest requests), or prefix (the worker most likely "
                         "to hold the prompt's shared prefix, then the least loaded) "
                         "(default: %(default)s)")
+    p.add_argument("--frontend-latency-ms", type=float, default=None,
+                   help="the round trip between a client and its worker (router and HTTP, "
+                        "both ways), added to TTFT and E2E and to a closed loop's next send "
+                        "(default: fitted to the median TTFT of the run beside a --calibrate "
+                        "FILE.steps.json:CONFIG, its FILE.json; else 0)")
     p.add_argument("--link-gbps", type=float, default=100.0,
                    help="KV link per GPU in Gb/s (default: %(default)s)")
     p.add_argument("--max-batch", type=int, default=None,
@@ -228,6 +238,7 @@ class Setup:
     layouts: tuple[Layout, ...]
     slo: Slo
     measured: MeasuredRun | None = None
+    frontend_source: str = "none"  # where cluster.frontend_latency_s comes from
 
     @property
     def clients(self) -> int | None:
@@ -307,10 +318,38 @@ def resolve(args: argparse.Namespace) -> Setup:
     slo = _slo(args, measured)
     cluster = replace(_cluster(args, shape, hw, tp, kv_rank, how or _FLAGS_ONLY,
                                slo.tpot_ms / 1e3), admission=_admission(args, measured))
+    latency, latency_label = _frontend_latency(args, profile, shape, hw, tp, kv_rank)
+    cluster = replace(cluster, frontend_latency_s=latency)
     trace, label = _trace(args, measured)
     check_fits(trace, cluster)
     return Setup(shape, hw, tp, eff, profile, cluster, trace, label,
-                 (how.layout,) if how else layouts or tuple(Layout), slo, measured)
+                 (how.layout,) if how else layouts or tuple(Layout), slo, measured,
+                 latency_label)
+
+
+_OWN_LIMITS = ("prefill", "decode", "collocated", "chunk", "max_batch", "kv_capacity_tokens",
+               "split")  # cluster flags a calibration run does not take: it ran with its own
+
+
+def _frontend_latency(args: argparse.Namespace, profile: CalibrationProfile | None,
+                      shape: ModelShape, hw: Hardware, tp: int, kv_rank: int
+                      ) -> tuple[float, str]:
+    """(seconds, where they come from): --frontend-latency-ms, else fitted to the calibration
+    run beside the steps (frontend_fit.py) when it is a pdserve configuration, else 0."""
+    ms = args.frontend_latency_ms
+    if ms is not None:
+        if not 0 <= ms < math.inf:
+            raise ValueError(f"--frontend-latency-ms must be a number of ms >= 0, got {ms!r}")
+        return ms / 1e3, "--frontend-latency-ms"
+    run = calibration_run(args.calibrate, FLAG) if args.calibrate and profile else None
+    if run is None or run.config not in PDSERVE_CONFIGS:
+        return 0.0, "none"
+    how = PDSERVE_CONFIGS[run.config]
+    own = argparse.Namespace(**{**vars(args), **dict.fromkeys(_OWN_LIMITS)})
+    tpot_s = (run.slo_tpot_ms or DEFAULT_SLO.tpot_ms) / 1e3
+    cluster = replace(_cluster(own, shape, hw, tp, kv_rank, how, tpot_s), admission=Admission())
+    latency = fit_frontend_latency(run, how.layout, cluster, profile)
+    return latency, f"fitted to the median TTFT of {run.label}"
 
 
 def _slo(args: argparse.Namespace, measured: MeasuredRun | None) -> Slo:
@@ -444,6 +483,8 @@ def to_json(setup: Setup, results: list[tuple[SimResult, Summary]]) -> dict[str,
         "costs": _costs_json(setup), "kv_capacity_tokens": c.kv_capacity_tokens,
         "max_batch": c.max_batch, "policy": str(c.policy),
         "prefill_budget_tokens": c.prefill_budget_tokens,
+        "frontend_latency_ms": c.frontend_latency_s * 1e3,
+        "frontend_latency_source": setup.frontend_source,
         "admission": None if c.admission is None else asdict(c.admission),
         "slo": {"ttft_ms": setup.slo.ttft_ms, "tpot_ms": setup.slo.tpot_ms},
         "results": [{"layout": str(r.layout), "label": layout_label(r.layout, c),
@@ -478,6 +519,8 @@ def render(setup: Setup, results: list[tuple[SimResult, Summary]]) -> str:
              f"  per worker: KV {c.kv_capacity_tokens:,} tokens; max batch {c.max_batch}; "
              f"prefill budget {c.prefill_budget_tokens:,} tokens",
              f"  admission: {_admission_label(c.admission)}",
+             f"  front-end round trip: {c.frontend_latency_s * 1e3:.1f} ms "
+             f"({setup.frontend_source})",
              f"  SLO: TTFT <= {setup.slo.ttft_ms:g} ms, TPOT <= {setup.slo.tpot_ms:g} ms", ""]
     heads = [layout_label(r.layout, c) for r, _ in results]
     width = max(18, *(len(h) + 2 for h in heads))

@@ -8,6 +8,12 @@ Layouts:
   each rank ships its own shard at once) and it joins its decode worker's admission queue.
 - colloc: `collocated_workers` workers doing both, prefill first (decodes stall for prefills).
 - chunked: the same workers with chunked prefill of at most `chunk_tokens` prompt tokens per step.
+Every layout: `frontend_latency_s` is the round trip between a client and the worker serving it
+(the router and HTTP on the way there and back, half each way: a request reaches its worker
+half of it after it was sent, and the client sees each token half of it after its step ended).
+It adds to TTFT and E2E latency, not to ITL, and it sets when a closed loop's next request
+reaches a worker: a whole round trip after the step that ended the last one, never in time for
+the very next step.
 Worker rules are in pools.py, step costs in calibration.py, routing in routing.py, admission in
 admission.py and admission_gate.py.
 """
@@ -68,6 +74,13 @@ def _check_target(value: object) -> None:
                          f"got {value!r}")
 
 
+def check_frontend_latency(value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float) or \
+            not 0 <= value < math.inf:
+        raise ValueError(f"frontend_latency_s (--frontend-latency-ms) must be a number of "
+                         f"seconds >= 0, got {value!r}")
+
+
 @dataclass(frozen=True)
 class Cluster:
     """Worker counts and per-worker limits; KV sizes in tokens and bytes per GPU; how a split
@@ -91,6 +104,7 @@ class Cluster:
     block_tokens: int = BLOCK_TOKENS
     policy: RoutePolicy = RoutePolicy.LEAST_LOADED
     admission: Admission | None = None
+    frontend_latency_s: float = 0.0
 
     def __post_init__(self) -> None:
         for name, flag in (("kv_capacity_tokens", "--kv-capacity-tokens"),
@@ -104,6 +118,7 @@ class Cluster:
         object.__setattr__(self, "split", _split_rule(self.split))
         object.__setattr__(self, "policy", _route_policy(self.policy))
         _check_target(self.tpot_target_s)
+        check_frontend_latency(self.frontend_latency_s)
         if self.admission is not None and not isinstance(self.admission, Admission):
             raise ValueError(f"admission must be an Admission or None, got {self.admission!r}")
 

@@ -172,11 +172,13 @@ class _Loop:
         self.wake(self.decode[j])
 
     def client_free(self, now: float) -> None:
-        """Closed loop: a request ended, so its client sends the next one waiting, now."""
+        """Closed loop: a request ended, so its client, seeing that half a front-end round trip
+        later, sends the next one waiting, which reaches a worker the other half later."""
         if self.unsent:
+            half = self.cluster.frontend_latency_s / 2
             record = self.unsent.popleft()
-            record.arrival_s = now
-            self.push(now, _ARRIVAL, record)
+            record.arrival_s = now + half
+            self.push(now + 2 * half, _ARRIVAL, record)
 
     def run(self, records: list[RequestRecord], clients: int | None = None) -> float:
         """Process every event; returns the time of the last one. `clients`: closed loop, the
@@ -185,7 +187,7 @@ class _Loop:
         first = records if clients is None else records[:clients]
         self.unsent = deque(records[len(first):])
         for record in first:
-            self.push(record.arrival_s, _ARRIVAL, record)
+            self.push(record.arrival_s + self.cluster.frontend_latency_s / 2, _ARRIVAL, record)
         now = 0.0
         while self.events:
             now, kind, _, payload = heapq.heappop(self.events)
@@ -219,6 +221,19 @@ class _Loop:
                 for role, workers in pools.items() if workers and span > 0}
 
 
+def _to_client(records: Sequence[RequestRecord], half: float) -> None:
+    """Token times as the client sees them: `half` a front-end round trip after their step."""
+    if not half:
+        return
+    for r in records:
+        if r.first_token_s is not None:
+            r.first_token_s += half
+        if r.finish_s is not None:
+            r.finish_s += half
+        if r.token_times is not None:
+            r.token_times[:] = [t + half for t in r.token_times]
+
+
 def simulate(layout: Layout | str, cluster: Cluster, costs: StepCosts,
              trace: Sequence[TraceRequest], trace_tokens: bool = False,
              clients: int | None = None) -> SimResult:
@@ -233,6 +248,7 @@ def simulate(layout: Layout | str, cluster: Cluster, costs: StepCosts,
     end = loop.run(records, clients)
     if left := loop.leftovers():
         raise RuntimeError(f"the simulation ended holding work: {'; '.join(left)}")
+    _to_client(records, cluster.frontend_latency_s / 2)
     span = end - min(r.arrival_s for r in records)
     return SimResult(layout, records, loop.itl, loop.busy_fractions(span),
                      loop.routing.local_prefills)

@@ -1,0 +1,147 @@
+"""The front end's round trip in the simulator: what it adds to TTFT and E2E (not to ITL), when a
+closed loop's next request reaches its worker, its fit to a calibration run, and the flag."""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+
+import pytest
+
+from pdserve.planner.simulate.cluster import Layout
+from pdserve.planner.simulate.events import simulate
+from pdserve.planner.simulate.frontend_fit import (
+    CONVERGED_S,
+    calibration_run,
+    fit_frontend_latency,
+)
+from pdserve.planner.simulate.measured_run import MeasuredRun
+from pdserve.planner.simulate.trace import TraceRequest
+from tests.planner.simulate.step_files import (
+    P0,
+    P1,
+    disagg_workers,
+    request,
+    serve_result,
+    write_json,
+)
+from tests.planner.simulate.test_events import COSTS, cluster, gaps
+from tests.planner.simulate.test_measured import simulate_cli
+
+L = 0.05  # a 50 ms round trip
+TRACE = [TraceRequest(0.0, 400, 6), TraceRequest(10.0, 800, 6)]
+
+
+def test_a_round_trip_adds_to_ttft_and_e2e_but_not_to_the_gaps_between_tokens():
+    base = simulate("colloc", cluster(), COSTS, TRACE, trace_tokens=True).records
+    late = simulate("colloc", cluster(frontend_latency_s=L), COSTS, TRACE,
+                    trace_tokens=True).records
+    for a, b in zip(base, late, strict=True):
+        assert b.arrival_s == a.arrival_s  # when the client sent it
+        assert b.ttft_s == pytest.approx(a.ttft_s + L)
+        assert b.e2el_s == pytest.approx(a.e2el_s + L)
+        assert gaps(b) == pytest.approx(gaps(a))
+
+
+def test_a_closed_loops_next_request_waits_for_the_step_it_reached_the_worker_in():
+    """Two clients: one asks for 3 tokens, the other keeps decoding 60. With no round trip
+    the first client's next request reaches the worker at the very end of the step that ended
+    its last one and joins the next step; with one, it lands inside that next step (a decode
+    step of the other stream) and waits for it, so its TTFT grows by more than the round trip.
+    The client still sends it when it sees its last request end."""
+    trace = [TraceRequest(0.0, 400, 3), TraceRequest(0.0, 400, 60), TraceRequest(0.0, 400, 3)]
+    base = simulate("colloc", cluster(), COSTS, trace, clients=2).records
+    small = 0.002  # well under one decode step
+    late = simulate("colloc", cluster(frontend_latency_s=small), COSTS, trace, clients=2).records
+    assert late[2].arrival_s == pytest.approx(late[0].finish_s)
+    assert late[2].ttft_s > base[2].ttft_s + small + 0.001
+
+
+@pytest.mark.parametrize("bad", [-0.001, math.inf, math.nan, True, "5"])
+def test_a_bad_round_trip_is_refused_naming_the_flag(bad):
+    with pytest.raises(ValueError, match=r"frontend_latency_s \(--frontend-latency-ms\)"):
+        cluster(frontend_latency_s=bad)
+
+
+def _run(median_ttft_ms: float, clients: int | None = None) -> MeasuredRun:
+    return MeasuredRun("cal.json:collocated", "collocated", tuple(TRACE),
+                       {"median_ttft_ms": median_ttft_ms}, 2, 0, clients=clients)
+
+
+def _simulated_median_ms(latency: float, clients: int | None = None) -> float:
+    records = simulate("colloc", cluster(frontend_latency_s=latency), COSTS, TRACE,
+                       clients=clients).records
+    return statistics.median(r.ttft_s for r in records) * 1e3
+
+
+def test_the_fit_finds_the_round_trip_the_measured_ttft_holds_beyond_the_steps():
+    measured = _simulated_median_ms(0.0) + 40.0
+    fitted = fit_frontend_latency(_run(measured), Layout.COLLOC, cluster(), COSTS)
+    assert fitted == pytest.approx(0.040, abs=CONVERGED_S)
+
+
+def test_a_run_faster_than_its_steps_fits_no_round_trip():
+    measured = _simulated_median_ms(0.0) - 5.0
+    assert fit_frontend_latency(_run(measured), Layout.COLLOC, cluster(), COSTS) == 0.0
+
+
+def test_a_closed_loop_fit_lands_on_the_measured_median():
+    measured = _simulated_median_ms(0.0, clients=1) + 30.0
+    fitted = fit_frontend_latency(_run(measured, clients=1), Layout.COLLOC, cluster(), COSTS)
+    assert _simulated_median_ms(fitted, clients=1) == pytest.approx(measured, abs=1.0)
+
+
+# ---- the calibration run beside a steps file, and the command line ------------------------------
+
+FLAG = "calibrate (--calibrate)"
+# one 1000-token request on the step_files machine: its prefill step is P0 + P1 x 1000 = 210 ms
+STEP_TTFT_MS = (P0 + P1 * 1000) * 1e3
+
+
+@pytest.fixture
+def calibrated(tmp_path):
+    """cal.steps.json with cal.json beside it, its TTFT 35 ms over its prefill step."""
+    steps = write_json(tmp_path / "cal.steps.json", {"collocated": disagg_workers()})
+    one = serve_result([request(0.0, 1000, 11)], ttft_ms=STEP_TTFT_MS + 35.0)
+    write_json(tmp_path / "cal.json", {"collocated": one})
+    held = write_json(tmp_path / "held.json", {"collocated": serve_result(
+        [request(0.0, 1000, 11)], ttft_ms=300.0)})
+    return steps, held
+
+
+def test_the_run_beside_a_steps_file_is_found_only_for_one_configuration(calibrated):
+    steps, _ = calibrated
+    run = calibration_run(f"{steps}:collocated", FLAG)
+    assert run is not None and run.label.endswith("cal.json:collocated")
+    assert calibration_run(str(steps), FLAG) is None  # pooled configurations
+    assert calibration_run(f"{steps}:disagg", FLAG) is None  # not in cal.json
+    (steps.parent / "cal.json").unlink()
+    assert calibration_run(f"{steps}:collocated", FLAG) is None
+
+
+def test_simulate_fits_the_round_trip_to_the_calibration_run_and_says_so(calibrated, capsys):
+    steps, held = calibrated
+    rc, out, err = simulate_cli(capsys, "--calibrate", f"{steps}:collocated",
+                                "--compare-measured", f"{held}:collocated", "--json")
+    assert rc == 0, err
+    data = json.loads(out)
+    assert data["frontend_latency_ms"] == pytest.approx(35.0, abs=1.0)
+    assert data["frontend_latency_source"].endswith("cal.json:collocated")
+    assert data["measured"]["simulated"]["median_ttft_ms"] == pytest.approx(
+        STEP_TTFT_MS + 35.0, abs=1.0)
+
+
+def test_the_flag_overrides_the_fit_and_is_printed(calibrated, capsys):
+    steps, held = calibrated
+    rc, out, _ = simulate_cli(capsys, "--calibrate", f"{steps}:collocated",
+                              "--compare-measured", f"{held}:collocated",
+                              "--frontend-latency-ms", "12")
+    assert rc == 0 and "front-end round trip: 12.0 ms (--frontend-latency-ms)" in out
+    rc, _, err = simulate_cli(capsys, "--workload", "chat", "--frontend-latency-ms", "-1")
+    assert rc == 2 and "--frontend-latency-ms must be a number of ms >= 0, got -1.0" in err
+
+
+def test_without_a_calibration_run_there_is_no_round_trip(capsys):
+    rc, out, _ = simulate_cli(capsys, "--workload", "chat", "--num-requests", "5")
+    assert rc == 0 and "front-end round trip: 0.0 ms (none)" in out
