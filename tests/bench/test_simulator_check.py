@@ -77,9 +77,9 @@ def test_a_split_configurations_row_has_its_local_prefills_measured_and_simulate
     assert rows["disagg"]["local_prefills"]["measured"] == 1
     assert "local_prefills" not in rows["collocated"]
     lines = format_check(summary).splitlines()
-    assert lines[1].endswith("local_prefills(measured/simulated)")
-    assert lines[2].startswith("chat  disagg") and lines[2].endswith(f"  1/{simulated}")
-    assert lines[3].startswith("chat  collocated") and lines[3].endswith("  -")
+    assert lines[1].endswith("local_prefills(measured/simulated)  steps(measured/priced)")
+    assert lines[2].startswith("chat  disagg") and lines[2].endswith(f"  1/{simulated}  -")
+    assert lines[3].startswith("chat  collocated") and lines[3].endswith("  -  -")
 
 
 def test_results_without_split_decisions_show_a_dash_for_the_measured_count(results):
@@ -87,7 +87,7 @@ def test_results_without_split_decisions_show_a_dash_for_the_measured_count(resu
     assert rows["disagg"]["local_prefills"]["measured"] is None
     simulated = rows["disagg"]["local_prefills"]["simulated"]
     summary = {"calibrated_on": "mixed", "rows": list(rows.values()), "ranking": {}}
-    assert format_check(summary).splitlines()[2].endswith(f"  -/{simulated}")
+    assert format_check(summary).splitlines()[2].endswith(f"  -/{simulated}  -")
 
 
 def _row(config: str, measured: float, simulated: float) -> dict:
@@ -111,3 +111,13 @@ def test_the_simulated_best_agrees_when_it_measured_within_five_percent_of_the_b
 def test_the_same_best_on_both_sides_agrees_with_no_regret():
     rank = _rankings([_row("disagg", 0.5, 0.6), _row("collocated", 0.4, 0.3)])["long"]
     assert rank == {"measured": "disagg", "simulated": "disagg", "regret": 0.0, "agree": True}
+
+
+def test_a_held_out_run_with_its_steps_shows_them_priced_by_the_calibration(results):
+    """chat.steps.json beside chat.json, the same steps as the calibration's: each kind x1.00."""
+    write_json(results / "chat.steps.json", {"disagg": disagg_workers(),
+                                             "collocated": disagg_workers()})
+    summary = run_check(_settings(results))
+    rows = {r["config"]: r for r in summary["rows"]}
+    assert rows["disagg"]["step_ratios"]["decode"]["median_ratio"] == pytest.approx(1.0)
+    assert format_check(summary).splitlines()[2].endswith("  decode x1.00 prompt x1.00")

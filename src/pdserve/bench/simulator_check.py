@@ -14,7 +14,9 @@ in one 60 s run are not ranked by it; the line then says "a tie"). Goodput count
 within a 2 s TTFT and a 100 ms TPOT (`SLO_*`; 100 ms is also what `pdserve up` paces to). A split
 configuration's row also has its local prefills, measured (the router's, from the results'
 `split_decisions`) / simulated, informational: no tolerance ("-" where a results file predates
-them or the configuration does not split).
+them or the configuration does not split), and its steps priced by the calibration: per kind
+of step, the median of measured / priced (`pdserve simulate`'s step_check.py; near 1: the
+costs hold there, and a miss is the scheduling's).
 
 A workload whose results file already exists in DIR is not measured again unless --remeasure:
 a change to the simulator is checked against the same runs; a change to the engine's speed
@@ -189,7 +191,7 @@ def _rank_line(workload: str, rank: dict[str, Any]) -> str:
 def format_check(summary: dict[str, Any]) -> str:
     """One line per (workload, configuration): each figure measured -> simulated (error)."""
     head = ["workload", "config"] + [f.replace("_ms", "") for f in FIGURES] + \
-        ["local_prefills(measured/simulated)"]
+        ["local_prefills(measured/simulated)", "steps(measured/priced)"]
     lines = [f"held-out validation, step costs fitted on {summary['calibrated_on']!r} "
              "(measured -> simulated, error; * outside its tolerance)", "  ".join(head)]
     for r in summary["rows"]:
@@ -199,10 +201,18 @@ def format_check(summary: dict[str, Any]) -> str:
             flag = "*" if f in r["outside"] else ""
             cells.append("-" if m is None or sim is None or err is None else
                          f"{m:.3g}->{sim:.3g} ({err:+.0%}){flag}")
-        cells.append(_local_prefills(r.get("local_prefills")))
+        cells += [_local_prefills(r.get("local_prefills")), _steps(r.get("step_ratios"))]
         lines.append("  ".join(cells))
     lines += [_rank_line(workload, rank) for workload, rank in summary["ranking"].items()]
     return "\n".join(lines)
+
+
+def _steps(ratios: dict[str, Any] | None) -> str:
+    """"decode x1.23 mixed x1.12": the held-out run's steps, measured / priced by the
+    calibration, per kind (step_check.py); "-" without its steps."""
+    if not ratios:
+        return "-"
+    return " ".join(f"{kind} x{r['median_ratio']:.2f}" for kind, r in ratios.items())
 
 
 def _local_prefills(counts: dict[str, Any] | None) -> str:

@@ -203,10 +203,17 @@ class CalibrationProfile:
             raise ValueError(f"calibration profile: tp must be an integer >= 1, got {self.tp!r}")
 
     def step_seconds(self, chunks: Sequence[Chunk], decodes: int, context_sum: int) -> float:
+        return self.counted_step_seconds(sum(c.tokens for c in chunks),
+                                         sum(map(attention_pairs, chunks)), decodes, context_sum)
+
+    def counted_step_seconds(self, prompt_tokens: int, attention: int, decodes: int,
+                             context_sum: int) -> float:
+        """A step by its counts (a recorded step's fields): `prompt_tokens` with `attention`
+        (query, key) pairs, `decodes` decode tokens over `context_sum` context."""
         seconds, overhead = 0.0, 0.0
-        if chunks:
-            seconds += self.prefill_per_token_s * sum(c.tokens for c in chunks)
-            seconds += self.prefill_per_attention_pair_s * sum(map(attention_pairs, chunks))
+        if prompt_tokens:
+            seconds += self.prefill_per_token_s * prompt_tokens
+            seconds += self.prefill_per_attention_pair_s * attention
             overhead = self.prefill_overhead_s
         if decodes:
             seconds += self.decode_per_seq_s * decodes

@@ -74,6 +74,7 @@ from pdserve.planner.simulate.measured_compare import (
 from pdserve.planner.simulate.measured_run import MeasuredRun, load_measured_run, read_trace_file
 from pdserve.planner.simulate.metrics import Slo, Summary, summarize, summary_to_dict
 from pdserve.planner.simulate.split_model import SplitRule
+from pdserve.planner.simulate.step_check import step_ratios, steps_beside
 from pdserve.planner.simulate.step_fit import DECODE_TIMES
 from pdserve.planner.simulate.trace import WORKLOADS, TraceRequest, generate_trace, make_workload
 
@@ -239,6 +240,7 @@ class Setup:
     slo: Slo
     measured: MeasuredRun | None = None
     frontend_source: str = "none"  # where cluster.frontend_latency_s comes from
+    measured_spec: str | None = None  # --compare-measured as given
 
     @property
     def clients(self) -> int | None:
@@ -282,7 +284,16 @@ def _against_measured(setup: Setup, results: list[tuple[SimResult, Summary]]
         return None
     result, summary = results[0]
     return compare(setup.measured, layout_label(result.layout, setup.cluster),
-                   summary_to_dict(summary), split_local_prefills(result))
+                   summary_to_dict(summary), split_local_prefills(result),
+                   _held_out_ratios(setup))
+
+
+def _held_out_ratios(setup: Setup) -> dict[str, dict[str, Any]] | None:
+    """The measured run's own steps priced by the calibration profile (step_check.py)."""
+    if setup.profile is None or setup.measured_spec is None:
+        return None
+    steps = steps_beside(setup.measured_spec, "compare_measured (--compare-measured)")
+    return step_ratios(setup.profile, steps) if steps else None
 
 
 def resolve(args: argparse.Namespace) -> Setup:
@@ -324,7 +335,7 @@ def resolve(args: argparse.Namespace) -> Setup:
     check_fits(trace, cluster)
     return Setup(shape, hw, tp, eff, profile, cluster, trace, label,
                  (how.layout,) if how else layouts or tuple(Layout), slo, measured,
-                 latency_label)
+                 latency_label, args.compare_measured)
 
 
 _OWN_LIMITS = ("prefill", "decode", "collocated", "chunk", "max_batch", "kv_capacity_tokens",

@@ -23,7 +23,10 @@ error| as a share of its tolerance (<= 1: every figure within).
 A split layout's comparison also shows its local prefills, informational (no tolerance): the
 prompts the router kept on their decode worker (the run's `split_decisions`, bench compare;
 "-" for a file without them) beside the simulation's `local_prefills` (split_model.py's rule).
-Failed requests are shown the same way, informational, whenever either side has any: the
+With a calibration profile and the run's steps beside its results (X.steps.json beside X.json),
+the comparison also prices those steps by the profile (step_check.py): how far the costs are
+from this run's own steps, per kind, which tells a miss of the costs from one of the
+scheduling. Failed requests are shown the same way, informational, whenever either side has any: the
 measured run's (every request that ended in an error, the router's refusals among them) beside
 the simulation's (those its admission refused, admission.py; none without admission). The
 JSON holds them always.
@@ -38,6 +41,7 @@ from pdserve.planner.simulate.cluster import Layout
 from pdserve.planner.simulate.events import SimResult
 from pdserve.planner.simulate.measured_run import METRICS, MeasuredRun
 from pdserve.planner.simulate.split_model import SplitRule
+from pdserve.planner.simulate.step_check import describe_ratios
 
 PDSERVE_MAX_NUM_SEQS = 64
 PDSERVE_CHUNK_TOKENS = 512
@@ -106,6 +110,8 @@ class Comparison:
     # the simulation's prompts prefilled on their decode worker; None: not a split layout
     local_prefills: int | None = None
     failed: int = 0  # the simulation's requests refused by admission
+    # the measured run's steps priced by the calibration (step_check.py); None: not known
+    step_ratios: dict[str, dict[str, Any]] | None = None
 
     def error(self, key: str) -> float | None:
         m, s = self.measured[key], self.simulated[key]
@@ -119,13 +125,14 @@ class Comparison:
 
 
 def compare(run: MeasuredRun, label: str, simulated: dict[str, Any],
-            local_prefills: int | None = None) -> Comparison:
+            local_prefills: int | None = None,
+            step_ratios: dict[str, dict[str, Any]] | None = None) -> Comparison:
     """`simulated`: metrics.summary_to_dict of the simulated layout (its "failed" count of
     refused requests, 0 when absent); `local_prefills`: its local prefills when it splits
-    prompts (`split_local_prefills`)."""
+    prompts (`split_local_prefills`); `step_ratios`: step_check.step_ratios of the run."""
     return Comparison(run, label, {k: run.measured[k] for k in METRICS},
                       {k: simulated[k] for k in METRICS}, local_prefills,
-                      simulated.get("failed", 0))
+                      simulated.get("failed", 0), step_ratios)
 
 
 def split_local_prefills(result: SimResult) -> int | None:
@@ -153,6 +160,9 @@ def render_comparison(c: Comparison) -> str:
     if run.failed or c.failed:
         lines.append(f"{'failed requests':<22}{run.failed:>12,}{c.failed:>12,}{'':>10}  "
                      "(simulated: refused by admission; no tolerance)")
+    if c.step_ratios:
+        lines.append(f"its steps, measured / priced by the calibration: "
+                     f"{describe_ratios(c.step_ratios)}")
     if c.worst is not None:
         verdict = "every figure within its tolerance" if c.worst <= 1 else \
             "NOT every figure within its tolerance"
@@ -178,4 +188,6 @@ def comparison_json(c: Comparison) -> dict[str, Any]:
     if c.local_prefills is not None:
         out["local_prefills"] = {"measured": c.run.local_prefills,
                                  "simulated": c.local_prefills}
+    if c.step_ratios is not None:
+        out["step_ratios"] = c.step_ratios
     return out

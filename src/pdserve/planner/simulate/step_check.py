@@ -1,0 +1,85 @@
+"""Fitted step costs against another run's steps: is a miss the costs', or the scheduling's?
+
+When a simulation calibrated on run A misses run B's figures, either A's step costs do not
+price B's steps (B batches more streams, longer contexts, ...), or the steps are priced right
+and the model of what runs in them (queues, routing, pacing) is wrong. B's own steps (the
+.steps.json beside its results) tell which: each recorded step is priced by A's profile from
+its counts (`CalibrationProfile.counted_step_seconds`), and its measured time divided by that
+price is its ratio (1: priced exactly; 1.2: it took 20% longer than the profile says).
+
+Per kind of step (KINDS: decode-only, prompt-only, both), the median ratio and the kind's
+share of the run's step time. Times as the fit takes them (step_fit.py): a decode-only step
+by its period (to the same worker's next step: what a stream waits) unless that period holds
+an idle gap, i.e. is more than twice its duration (then its duration), the others by their
+duration. Traces without contexts or attention pairs price those terms at 0.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from pdserve.planner.simulate.calibration import CalibrationProfile
+from pdserve.planner.simulate.file_spec import (
+    FileSpec,
+    parse_file_spec,
+    parse_json_document,
+    read_text,
+)
+from pdserve.planner.simulate.step_fit import Step, is_steps_file, select_steps
+
+KINDS = ("decode", "prompt", "mixed")
+IDLE_FACTOR = 2.0  # a period over twice its step's duration holds an idle gap
+
+
+def steps_beside(results_spec: str, flag: str) -> dict[str, list[Step]] | None:
+    """The steps of the run RESULTS[:CONFIG] names, from RESULTS' .steps.json beside it (bench
+    compare writes X.json and X.steps.json); None when there is none or it lacks CONFIG."""
+    spec = parse_file_spec(results_spec, flag)
+    path = spec.path.with_name(spec.path.name.removesuffix(".json") + ".steps.json")
+    if not path.is_file():
+        return None
+    data = parse_json_document(read_text(FileSpec(path, None, flag)))
+    if not is_steps_file(data):
+        return None
+    try:
+        return select_steps(data, FileSpec(path, spec.config, flag))
+    except ValueError:  # another configuration, or a file of one configuration with :CONFIG
+        return None
+
+
+def kind(step: Step) -> str | None:
+    """decode, prompt or mixed; None for a step that computed nothing."""
+    if step.prefill_tokens and step.decode_tokens:
+        return "mixed"
+    return "prompt" if step.prefill_tokens else "decode" if step.decode_tokens else None
+
+
+def step_ratios(profile: CalibrationProfile, steps: Mapping[str, Sequence[Step]]
+                ) -> dict[str, dict[str, Any]]:
+    """Per kind present: {"steps": n, "median_ratio": r, "share": s} by the module docstring."""
+    ratios: dict[str, list[float]] = {k: [] for k in KINDS}
+    seconds: dict[str, float] = dict.fromkeys(KINDS, 0.0)
+    for rows in steps.values():
+        ordered = sorted(rows, key=lambda s: (s.start_s, s.end_s))
+        for i, s in enumerate(ordered):
+            k, measured = kind(s), s.end_s - s.start_s
+            if k is None or measured <= 0:
+                continue
+            seconds[k] += measured
+            if k == "decode" and i + 1 < len(ordered):
+                period = ordered[i + 1].start_s - s.start_s
+                measured = period if measured <= period <= IDLE_FACTOR * measured else measured
+            price = profile.counted_step_seconds(s.prefill_tokens, s.prefill_attention or 0,
+                                                 s.decode_tokens, s.decode_context or 0)
+            ratios[k].append(measured / price)
+    total = sum(seconds.values())
+    return {k: {"steps": len(ratios[k]), "median_ratio": statistics.median(ratios[k]),
+                "share": seconds[k] / total} for k in KINDS if ratios[k]}
+
+
+def describe_ratios(ratios: Mapping[str, Mapping[str, Any]]) -> str:
+    """"decode x1.17 (52% of step time), mixed x1.13 (48%)": measured / priced, per kind."""
+    return ", ".join(f"{k} x{r['median_ratio']:.2f} ({r['share']:.0%} of step time)"
+                     for k, r in ratios.items())

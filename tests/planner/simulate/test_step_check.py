@@ -1,0 +1,89 @@
+"""A held-out run's steps priced by a calibration profile: per kind, measured / priced, and its
+share of the step time, in `pdserve simulate --compare-measured` and its JSON."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pdserve.planner.simulate.calibration import CalibrationProfile
+from pdserve.planner.simulate.step_check import describe_ratios, step_ratios, steps_beside
+from pdserve.planner.simulate.step_fit import Step
+from tests.planner.simulate.step_files import (
+    D0,
+    D1,
+    P0,
+    P1,
+    disagg_workers,
+    request,
+    serve_result,
+    write_json,
+)
+from tests.planner.simulate.test_measured import simulate_cli
+
+PROFILE = CalibrationProfile(decode_overhead_s=D0, decode_per_seq_s=D1, prefill_per_token_s=P1,
+                             prefill_overhead_s=P0)
+FLAG = "compare_measured (--compare-measured)"
+
+
+def _decode(t: float, b: int, seconds: float) -> Step:
+    return Step(t, t + seconds, 0, b, b, b, 0)
+
+
+def test_each_kind_is_its_median_measured_over_priced_and_its_share_of_step_time():
+    """Decode steps at B = 2 priced D0 + 2 D1 = 24 ms, measured 30 ms back to back (periods =
+    durations): x1.25; one prompt of 1000 tokens priced 210 ms, measured 210 ms: x1.00; a
+    mixed step (1000 tokens beside 2 decodes) priced max(P0, D0) + 200 + 4 = 224 ms, taking
+    448 ms: x2.00."""
+    t, steps = 0.0, []
+    for _ in range(10):
+        steps.append(_decode(t, 2, 0.030))
+        t += 0.030
+    steps.append(Step(t, t + 0.210, 1000, 0, 1, 0, 0))
+    steps.append(Step(t + 0.210, t + 0.658, 1000, 2, 3, 2, 0))
+    got = step_ratios(PROFILE, {"w": steps})
+    assert got["decode"]["median_ratio"] == pytest.approx(1.25)
+    assert got["prompt"]["median_ratio"] == pytest.approx(1.0)
+    assert got["mixed"]["median_ratio"] == pytest.approx(2.0)
+    assert got["decode"]["steps"] == 10 and got["mixed"]["steps"] == 1
+    assert got["decode"]["share"] == pytest.approx(0.300 / (0.300 + 0.210 + 0.448))
+    assert describe_ratios(got).startswith("decode x1.25 (31% of step time), prompt x1.00")
+
+
+def test_a_decode_step_is_timed_by_its_period_unless_the_worker_then_idled():
+    """A 24 ms step followed 6 ms later by the next: its period (30 ms, x1.25) is what a
+    stream waited; followed 10 s later (idle), its duration (x1.00)."""
+    busy = [_decode(0.0, 2, 0.024), _decode(0.030, 2, 0.024)]
+    idle = [_decode(0.0, 2, 0.024), _decode(10.0, 2, 0.024)]
+    assert step_ratios(PROFILE, {"w": busy})["decode"]["median_ratio"] == pytest.approx(1.125)
+    assert step_ratios(PROFILE, {"w": idle})["decode"]["median_ratio"] == pytest.approx(1.0)
+
+
+def test_the_steps_beside_a_results_file_are_found_for_its_configuration(tmp_path):
+    write_json(tmp_path / "b.json", {"disagg": serve_result([request(0.0, 1000, 11)])})
+    assert steps_beside(f"{tmp_path / 'b.json'}:disagg", FLAG) is None  # no b.steps.json
+    write_json(tmp_path / "b.steps.json", {"disagg": disagg_workers()})
+    got = steps_beside(f"{tmp_path / 'b.json'}:disagg", FLAG)
+    assert set(got) == {"disagg/prefill-0", "disagg/decode-0"}
+    assert steps_beside(f"{tmp_path / 'b.json'}:collocated", FLAG) is None
+
+
+def test_simulate_prints_the_held_out_steps_priced_by_the_calibration(tmp_path, capsys):
+    """Calibrated on a's steps; b ran on a machine 1.5 times slower: every kind x1.50."""
+    steps = write_json(tmp_path / "a.steps.json", {"disagg": disagg_workers()})
+    slow = {"prefill-0": [[a * 1.5, b * 1.5, *rest] for a, b, *rest in
+                          disagg_workers()["prefill-0"]],
+            "decode-0": [[a * 1.5, b * 1.5, *rest] for a, b, *rest in
+                         disagg_workers()["decode-0"]]}
+    write_json(tmp_path / "b.steps.json", {"disagg": slow})
+    results = write_json(tmp_path / "b.json", {"disagg": serve_result([request(0.0, 1000, 11)])})
+    argv = ["--calibrate", f"{steps}:disagg", "--compare-measured", f"{results}:disagg"]
+    rc, out, err = simulate_cli(capsys, *argv)
+    assert rc == 0, err
+    assert "its steps, measured / priced by the calibration: decode x1.50" in out
+    assert "prompt x1.50" in out
+    rc, out, _ = simulate_cli(capsys, *argv, "--json")
+    ratios = json.loads(out)["measured"]["step_ratios"]
+    assert set(ratios) == {"decode", "prompt"}
+    assert ratios["decode"]["median_ratio"] == pytest.approx(1.5)
