@@ -11,7 +11,15 @@ import pytest
 
 from pdserve.bench.simulator_check import CheckSettings, _rankings, format_check, run_check
 from tests.planner.cli_run import run_pdserve
-from tests.planner.simulate.step_files import disagg_workers, request, serve_result, write_json
+from tests.planner.simulate.step_files import (
+    C1,
+    context_decode_steps,
+    disagg_workers,
+    prefill_steps,
+    request,
+    serve_result,
+    write_json,
+)
 
 
 def _settings(tmp_path, **kw) -> CheckSettings:
@@ -121,3 +129,15 @@ def test_a_held_out_run_with_its_steps_shows_them_priced_by_the_calibration(resu
     rows = {r["config"]: r for r in summary["rows"]}
     assert rows["disagg"]["step_ratios"]["decode"]["median_ratio"] == pytest.approx(1.0)
     assert format_check(summary).splitlines()[2].endswith("  decode x1.00 prompt x1.00")
+
+
+def test_a_held_decode_context_cost_reaches_every_simulation_and_the_header(results):
+    """Held at step_files' C1 on steps that record their contexts, every row is simulated and
+    the header says so; on steps without contexts, simulate's refusal is raised."""
+    with pytest.raises(RuntimeError, match="needs steps that record their decode context"):
+        run_check(_settings(results, decode_context_us=C1 * 1e6))
+    workers = {"prefill-0": prefill_steps(), "decode-0": context_decode_steps()}
+    write_json(results / "mixed.steps.json", {"disagg": workers, "collocated": workers})
+    summary = run_check(_settings(results, decode_context_us=C1 * 1e6))
+    assert summary["decode_context_us"] == C1 * 1e6 and len(summary["rows"]) == 2
+    assert "fitted on 'mixed', decode context cost held at 10 us/token" in format_check(summary)

@@ -96,11 +96,11 @@ def test_each_configuration_is_priced_by_its_own_steps(tmp_path, capsys):
 
 
 def test_a_run_beside_the_steps_prices_its_front_end_and_moves_the_ttft(tmp_path, capsys):
-    """cmp.json beside cmp.steps.json: its collocated run measured a TTFT 60 ms over what its
-    steps give, so the plan's collocated TTFTs grow by that round trip."""
+    """cmp.json beside cmp.steps.json: its collocated run's one request measured a TTFT 60 ms
+    over what its steps give, so the plan's collocated TTFTs grow by that round trip."""
     steps = _steps_file(tmp_path, colloc_scale=1, split_scale=8)
     before = plan_json([*LONG, "--rate", "0.4", "--calibrate", str(steps)], capsys)
-    one = serve_result([request(0.0, 1750, 56)], ttft_ms=_prefill_ms(1750) + 60.0)
+    one = serve_result([request(0.0, 1750, 56, ttft_s=(_prefill_ms(1750) + 60.0) / 1e3)])
     write_json(tmp_path / "cmp.json", {"collocated": one})
     after = plan_json([*LONG, "--rate", "0.4", "--calibrate", str(steps)], capsys)
     assert any(n.startswith(f"{tmp_path / 'cmp.json'}:collocated: front-end round trip 60.")

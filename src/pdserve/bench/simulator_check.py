@@ -61,6 +61,7 @@ class CheckSettings:
     duration_s: float
     model: str
     remeasure: bool
+    decode_context_us: float | None = None  # `pdserve simulate --decode-context-us`
 
     def __post_init__(self) -> None:
         for name in (self.calibrate_on, *self.held_out):
@@ -97,11 +98,15 @@ def add_simulator_check_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2", help="default: %(default)s")
     p.add_argument("--remeasure", action="store_true",
                    help="measure every workload again even if its results are in --out")
+    p.add_argument("--decode-context-us", type=float, default=None, metavar="US",
+                   help="hold the fitted decode cost per context token at this "
+                        "(`pdserve simulate --decode-context-us`; default: fitted)")
 
 
 def settings(args: argparse.Namespace) -> CheckSettings:
     return CheckSettings(args.out, args.calibrate_on, _names(args.held_out),
-                         _names(args.configs), args.duration, args.model, args.remeasure)
+                         _names(args.configs), args.duration, args.model, args.remeasure,
+                         args.decode_context_us)
 
 
 def _names(text: str) -> tuple[str, ...]:
@@ -133,6 +138,8 @@ def _simulate(s: CheckSettings, calibration: Path, measured: Path, config: str
             "--model", SIM_MODELS.get(s.model, s.model), "--gpu", "cpu",
             "--calibrate", f"{steps}:{config}", "--compare-measured", f"{measured}:{config}",
             "--json"]
+    if s.decode_context_us is not None:
+        argv += ["--decode-context-us", f"{s.decode_context_us:g}"]
     done = subprocess.run(argv, capture_output=True, text=True, check=False)
     if done.returncode != 0:
         raise RuntimeError(f"pdserve simulate failed for {measured.name}:{config}: "
@@ -152,7 +159,8 @@ def run_check(s: CheckSettings) -> dict[str, Any]:
             rows.append({"workload": workload, "config": config, **got,
                          "outside": _outside(got)})
     return {"calibrated_on": s.calibrate_on, "duration_s": s.duration_s, "model": s.model,
-            "rows": rows, "ranking": _rankings(rows)}
+            "decode_context_us": s.decode_context_us, "rows": rows,
+            "ranking": _rankings(rows)}
 
 
 def _outside(got: dict[str, Any]) -> list[str]:
@@ -192,7 +200,9 @@ def format_check(summary: dict[str, Any]) -> str:
     """One line per (workload, configuration): each figure measured -> simulated (error)."""
     head = ["workload", "config"] + [f.replace("_ms", "") for f in FIGURES] + \
         ["local_prefills(measured/simulated)", "steps(measured/priced)"]
-    lines = [f"held-out validation, step costs fitted on {summary['calibrated_on']!r} "
+    held = summary.get("decode_context_us")
+    held_text = "" if held is None else f", decode context cost held at {held:g} us/token"
+    lines = [f"held-out validation, step costs fitted on {summary['calibrated_on']!r}{held_text} "
              "(measured -> simulated, error; * outside its tolerance)", "  ".join(head)]
     for r in summary["rows"]:
         cells = [r["workload"], r["config"]]

@@ -222,7 +222,8 @@ def _frontend(spec: str, layout: MeasuredLayout, cluster: Cluster,
         return 0.0, None
     latency = fit_frontend_latency(run, layout.layout, replace(cluster, admission=Admission()),
                                    profile)
-    return latency, f"{run.label}: front-end round trip {latency * 1e3:.1f} ms (its median TTFT)"
+    return latency, (f"{run.label}: front-end round trip {latency * 1e3:.1f} ms (its "
+                     "10th-percentile TTFT)")
 
 
 def _compare_steps(path: str) -> list[str] | None:

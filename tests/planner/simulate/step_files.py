@@ -82,9 +82,11 @@ def write_json(path: Path, data: Any) -> Path:
     return path
 
 
-def request(start_s: float, prompt: int, output: int, ok: bool = True) -> dict[str, Any]:
-    """One request as `bench serve` writes it (timings are not read by the simulator)."""
-    return {"start_s": start_s, "ttft_s": 0.1 if ok else None, "itl_s": [], "e2e_s": 1.0,
+def request(start_s: float, prompt: int, output: int, ok: bool = True,
+            ttft_s: float = 0.1) -> dict[str, Any]:
+    """One request as `bench serve` writes it (of its timings the simulator reads the TTFT,
+    to fit a calibration run's front-end round trip)."""
+    return {"start_s": start_s, "ttft_s": ttft_s if ok else None, "itl_s": [], "e2e_s": 1.0,
             "tpot_s": None, "output_tokens": output, "prompt_tokens": prompt, "ok": ok,
             "error": None if ok else "HTTP 500: boom"}
 

@@ -11,10 +11,12 @@ from pdserve.planner.simulate.calibration import BenchRows, CalibrationProfile
 from pdserve.planner.simulate.calibration_source import StepsProfile, load_calibration_source
 from pdserve.planner.simulate.file_spec import parse_file_spec
 from tests.planner.simulate.step_files import (
+    C1,
     D0,
     D1,
     P0,
     P1,
+    context_decode_steps,
     decode_steps,
     disagg_workers,
     prefill_steps,
@@ -22,6 +24,7 @@ from tests.planner.simulate.step_files import (
     write_json,
 )
 from tests.planner.simulate.test_calibration import bench_rows, write_rows
+from tests.planner.simulate.test_measured import simulate_cli
 
 
 @pytest.fixture
@@ -110,3 +113,25 @@ def test_an_existing_path_with_a_colon_is_taken_whole(tmp_path):
     spec = parse_file_spec(f"{tmp_path}/cmp.json:disagg", "f")
     assert (spec.path.name, spec.config) == ("cmp.json", "disagg")
     assert isinstance(load_calibration_source(str(path)), StepsProfile)
+
+
+def test_a_held_decode_context_cost_is_fitted_around_and_named_in_the_source(tmp_path, capsys):
+    steps = write_json(tmp_path / "a.steps.json", {"prefill-0": prefill_steps(),
+                                                    "decode-0": context_decode_steps()})
+    got = load_calibration_source(str(steps), context_token_s=C1)
+    assert isinstance(got, StepsProfile)
+    assert got.profile.decode_per_context_token_s == C1
+    assert got.profile.source.endswith("decode context cost held at 10 us/token")
+    rc, out, err = simulate_cli(capsys, "--calibrate", str(steps), "--decode-context-us", "10",
+                                "--workload", "chat", "--num-requests", "3")
+    assert rc == 0, err
+    assert "+ 10.000 us/context token" in out
+    rc, _, err = simulate_cli(capsys, "--calibrate", str(steps), "--decode-context-us", "-1",
+                              "--workload", "chat", "--num-requests", "3")
+    assert rc == 2 and "--decode-context-us must be a number of microseconds >= 0" in err
+
+
+def test_a_held_decode_context_cost_needs_a_steps_file(tmp_path):
+    profile = write_rows(tmp_path / "rows.jsonl", bench_rows())
+    with pytest.raises(ValueError, match=r"is not a \.steps\.json"):
+        load_calibration_source(str(profile), context_token_s=1e-6)

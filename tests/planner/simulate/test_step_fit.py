@@ -215,6 +215,37 @@ def test_a_single_batch_size_takes_the_rest_as_overhead():
                   d0=D0 + 3 * D1, d1=0.0)
 
 
+def _held(decode: list, per_context_s: float):
+    parsed = {w: parse_steps(rows, w) for w, rows in
+              {"prefill-0": prefill_steps(), "decode-0": decode}.items()}
+    return fit_step_traces(parsed, source="test", context_token_s=per_context_s)
+
+
+def test_a_held_context_cost_fits_the_rest_and_recovers_the_machine_when_right():
+    assert_decode(_held(context_decode_steps(), C1))
+
+
+def test_a_held_context_cost_is_what_tells_it_from_the_stream_cost():
+    """One context per sequence (C = 500 B): alone the fit gives per_seq all of it; held at
+    the machine's C1, per_seq is the machine's again."""
+    decode = context_decode_steps(contexts=(500,))
+    assert_decode(_held(decode, C1))
+    held_half = _held(decode, C1 / 2)  # the other half of the context cost goes to per_seq
+    assert held_half.decode_per_context_token_s == C1 / 2
+    assert held_half.decode_per_seq_s == pytest.approx(D1 + 500 * C1 / 2)
+    assert held_half.decode_overhead_s == pytest.approx(D0)
+
+
+def test_a_held_context_cost_above_the_steps_is_refused():
+    with pytest.raises(ValueError, match=r"test: a decode context cost of 100 us per token "
+                                         r"prices steps of 1 streams over 400 context tokens"):
+        _held(context_decode_steps(), 100e-6)
+
+
+def test_a_held_context_cost_needs_steps_that_record_contexts():
+    with pytest.raises(ValueError, match="needs steps that record their decode context"):
+        _held(decode_steps(), C1)
+
 def test_a_worker_with_five_field_steps_makes_the_contexts_unknown():
     """Old and new traces pooled: the context is not known for every step, so none is used."""
     workers = {"prefill-0": prefill_steps(), "decode-0": decode_steps(),

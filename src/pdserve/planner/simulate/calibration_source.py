@@ -43,15 +43,24 @@ def _is_results(data: Any) -> bool:
                                      for v in data.values())
 
 
-def load_calibration_source(spec_text: str, decode_time: str = "period"
+def load_calibration_source(spec_text: str, decode_time: str = "period",
+                            context_token_s: float | None = None
                             ) -> CalibrationProfile | BenchRows | StepsProfile:
-    """The calibration `spec_text` (FILE or FILE:CONFIG) names, by the module docstring."""
+    """The calibration `spec_text` (FILE or FILE:CONFIG) names, by the module docstring;
+    `context_token_s` holds a steps file's decode cost per context token
+    (step_fit.fit_step_traces) and is refused for any other file."""
     spec = parse_file_spec(spec_text, FLAG)
     data = parse_json_document(read_text(spec))
     if is_steps_file(data):
+        held = "" if context_token_s is None else \
+            f", decode context cost held at {context_token_s * 1e6:g} us/token"
         profile = fit_step_traces(select_steps(data, spec), decode_time,
-                                  source=f"pdserve worker steps of {spec}")
+                                  source=f"pdserve worker steps of {spec}{held}",
+                                  context_token_s=context_token_s)
         return StepsProfile(profile)
+    if context_token_s is not None:
+        raise ValueError("--decode-context-us holds a cost while fitting worker steps; "
+                         f"{spec.path} is not a .steps.json")
     if _is_results(data):
         raise ValueError(f"{FLAG} {spec.path} is a bench results file; calibrate on the worker "
                          f"steps beside it ({spec.path.with_suffix('.steps.json')})")

@@ -147,6 +147,11 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="decode step time in a steps file: period (start to the worker's next "
                         "start, which a client's ITL sees) or duration (the engine step "
                         "alone) (default: %(default)s)")
+    p.add_argument("--decode-context-us", type=float, default=None, metavar="US",
+                   help="with --calibrate steps: hold the decode cost per context token at "
+                        "this many microseconds and fit the rest (a calibration run whose "
+                        "long contexts all come in large batches cannot tell that cost from "
+                        "the per-stream one; measure it apart)")
     p.add_argument("--write-profile", default=None, metavar="FILE",
                    help="with --calibrate: write the fitted profile JSON here")
 
@@ -178,8 +183,8 @@ def _add_cluster_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--frontend-latency-ms", type=float, default=None,
                    help="the round trip between a client and its worker (router and HTTP, "
                         "both ways), added to TTFT and E2E and to a closed loop's next send "
-                        "(default: fitted to the median TTFT of the run beside a --calibrate "
-                        "FILE.steps.json:CONFIG, its FILE.json; else 0)")
+                        "(default: fitted to the 10th-percentile TTFT of the run beside a "
+                        "--calibrate FILE.steps.json:CONFIG, its FILE.json; else 0)")
     p.add_argument("--link-gbps", type=float, default=100.0,
                    help="KV link per GPU in Gb/s (default: %(default)s)")
     p.add_argument("--max-batch", type=int, default=None,
@@ -299,7 +304,8 @@ def _held_out_ratios(setup: Setup) -> dict[str, dict[str, Any]] | None:
 def resolve(args: argparse.Namespace) -> Setup:
     """Validate in order: calibration file, model and device, costs, measured run, cluster,
     trace."""
-    source = load_calibration_source(args.calibrate, args.step_time) if args.calibrate else None
+    source = load_calibration_source(args.calibrate, args.step_time, _held_context(args)) \
+        if args.calibrate else None
     profile = source.profile if isinstance(source, StepsProfile) else (
         source if isinstance(source, CalibrationProfile) else None)
     model = args.model or (profile.model if profile else None)
@@ -360,7 +366,17 @@ def _frontend_latency(args: argparse.Namespace, profile: CalibrationProfile | No
     tpot_s = (run.slo_tpot_ms or DEFAULT_SLO.tpot_ms) / 1e3
     cluster = replace(_cluster(own, shape, hw, tp, kv_rank, how, tpot_s), admission=Admission())
     latency = fit_frontend_latency(run, how.layout, cluster, profile)
-    return latency, f"fitted to the median TTFT of {run.label}"
+    return latency, f"fitted to the 10th-percentile TTFT of {run.label}"
+
+
+def _held_context(args: argparse.Namespace) -> float | None:
+    """--decode-context-us in seconds; ValueError unless a number >= 0 beside --calibrate."""
+    us = args.decode_context_us
+    if us is None:
+        return None
+    if not 0 <= us < math.inf:
+        raise ValueError(f"--decode-context-us must be a number of microseconds >= 0, got {us!r}")
+    return us / 1e6
 
 
 def _slo(args: argparse.Namespace, measured: MeasuredRun | None) -> Slo:

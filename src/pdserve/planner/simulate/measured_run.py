@@ -69,6 +69,9 @@ class MeasuredRun:
     # split_decisions "local", a median over repeats); None: not recorded (a serve result, an
     # older file)
     local_prefills: float | None = None
+    # the successful requests' TTFTs in seconds, in the file's order; empty for a file
+    # without them
+    ttfts_s: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.trace:
@@ -111,7 +114,15 @@ def _run(spec: FileSpec, config: str | None, result: dict[str, Any]) -> Measured
     return MeasuredRun(label, config, tuple(sorted(trace, key=lambda r: r.arrival_s)),
                        {k: result.get(k) for k in METRICS}, ok, len(rows) - ok,
                        _bound(result, "slo_ttft_ms", label), _bound(result, "slo_tpot_ms", label),
-                       _clients(result, label), _local_prefills(result, label))
+                       _clients(result, label), _local_prefills(result, label),
+                       _ttfts(rows))
+
+
+def _ttfts(rows: list[Any]) -> tuple[float, ...]:
+    """The TTFTs (seconds) of the rows that succeeded and recorded one."""
+    return tuple(float(t) for r in rows if isinstance(r, dict) and r.get("ok", True)
+                 and isinstance(t := r.get("ttft_s"), int | float) and not isinstance(t, bool)
+                 and math.isfinite(t) and t >= 0)
 
 
 def _bound(result: dict[str, Any], key: str, label: str) -> float | None:

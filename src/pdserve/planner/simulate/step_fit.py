@@ -316,10 +316,34 @@ def _median_step_error(decode: Mapping[Any, list[tuple[float, float, float]]],
     return statistics.median(errors)
 
 
+def _fit_decode_held(points: Sequence[Point], per_context_s: float, source: str
+                     ) -> nnls.Coefficients:
+    """(overhead, per_seq) >= 0 with per_context_token held at `per_context_s`: each point's t
+    less per_context_s x C, still weighted by its own t (count / t^2, relative error: the
+    count is scaled by (rest / t)^2 since nnls weighs count / rest^2)."""
+    rest = []
+    for p in points:
+        left = p.seconds - per_context_s * p.y
+        if left <= 0:
+            raise ValueError(f"{source}: a decode context cost of {per_context_s * 1e6:g} us per "
+                             f"token prices steps of {p.x:g} streams over {p.y:g} context "
+                             f"tokens above their measured {p.seconds * 1e3:.1f} ms; hold a "
+                             "smaller one")
+        rest.append(Point(p.x, 0.0, left, p.count * (left / p.seconds) ** 2))
+    coef = nnls.fit(rest, ((0, 1), (0,), (1,)), lambda c: c[0] + c[1] > 0)
+    if coef is None:  # unreachable: (a) alone is a weighted mean of positive rests
+        raise ValueError(f"{source}: no decode fit with non-negative coefficients")
+    return coef[0], coef[1], per_context_s
+
+
 def fit_step_traces(steps: Mapping[str, Sequence[Step]], decode_time: str = "period",
-                    source: str = "step traces") -> CalibrationProfile:
-    """A profile fitted to worker steps (module docstring); ValueError when a side has no step
-    to fit or the prefill times do not grow with the tokens."""
+                    source: str = "step traces", context_token_s: float | None = None
+                    ) -> CalibrationProfile:
+    """A profile fitted to worker steps (module docstring); `context_token_s` holds the decode
+    cost per context token at that value (measured apart: a calibration run whose long
+    contexts all come in large batches cannot tell it from the per-stream cost) and fits the
+    other two. ValueError when a side has no step to fit, the prefill times do not grow with
+    the tokens, or a held context cost needs contexts the steps do not record."""
     if decode_time not in DECODE_TIMES:
         raise ValueError(f"decode_time (--step-time) must be one of {', '.join(DECODE_TIMES)}, "
                          f"got {decode_time!r}")
@@ -328,7 +352,13 @@ def fit_step_traces(steps: Mapping[str, Sequence[Step]], decode_time: str = "per
     if not decode:
         raise ValueError(f"{source}: no decode-only step (prefill_tokens 0, decode_tokens > 0) "
                          "to fit the decode costs")
-    d0, d1, dc = _fit_decode(decode, groups.contexts_known)
+    if context_token_s is None:
+        d0, d1, dc = _fit_decode(decode, groups.contexts_known)
+    elif groups.contexts_known:
+        d0, d1, dc = _fit_decode_held(decode, context_token_s, source)
+    else:
+        raise ValueError(f"{source}: a held decode context cost needs steps that record their "
+                         "decode context (6 fields or more)")
     prefill = _points(_prefill_groups(groups, d1, dc))
     if not prefill:
         raise ValueError(f"{source}: no prefill step (prefill_tokens > 0) to fit the prefill "
