@@ -56,8 +56,9 @@ def test_each_held_out_run_is_simulated_from_the_calibration_run_alone(results):
 
 
 def test_the_command_exits_1_when_a_figure_is_outside_and_writes_the_summary(results, capsys):
-    rc, _, _ = run_pdserve(["bench", "simulator", "--out", str(results), "--held-out", "chat",
-                      "--configs", "disagg,collocated"], capsys)
+    rc, _, _ = run_pdserve(["bench", "simulator", "--out", str(results), "--calibrate-on",
+                            "mixed", "--held-out", "chat", "--configs", "disagg,collocated"],
+                           capsys)
     assert rc == 1
     saved = json.loads((results / "simulator_check.json").read_text())
     assert saved["calibrated_on"] == "mixed" and len(saved["rows"]) == 2

@@ -85,10 +85,12 @@ def add_simulator_check_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", type=Path, required=True,
                    help="folder for each workload's bench compare results and the summary "
                         "(simulator_check.json); results already there are reused")
-    p.add_argument("--calibrate-on", default="mixed",
+    p.add_argument("--calibrate-on", default="diurnal",
                    help=f"the workload the step costs are fitted on (one of "
-                        f"{', '.join(WORKLOADS)}; default: %(default)s)")
-    p.add_argument("--held-out", default="chat,long,diurnal",
+                        f"{', '.join(WORKLOADS)}; default: %(default)s, whose phases have long "
+                        "contexts at few streams and short ones at many, which a steady "
+                        "workload cannot tell apart)")
+    p.add_argument("--held-out", default="mixed,chat,long,prefix",
                    help="workloads to predict, comma-separated (default: %(default)s)")
     p.add_argument("--configs", default=",".join(CONFIGS),
                    help="pdserve configurations (default: %(default)s)")

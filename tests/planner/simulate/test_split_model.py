@@ -155,13 +155,14 @@ def test_a_target_below_one_decode_step_still_computes_a_block_a_step():
     assert b.first_token_s == start + 10 * (DECODE_S + 16 * TOKEN_S)
 
 
-def test_with_no_stream_local_prompts_run_whole_then_paced_once_one_decodes():
+def test_with_no_stream_local_prompts_run_whole_and_unpaced_before_a_decode_step_was_timed():
     # P1 and P2 do not fit the 4000-token budget together: P1 runs whole, alone; then P1
-    # decodes, so P2 goes 384 tokens a step beside it.
+    # decodes, and the worker has timed no decode-only step yet (no chunk: nothing measured
+    # to protect), so P2 goes whole beside it, as the worker's first mixed step does.
     trace = [TraceRequest(0.0, 4000, 50), TraceRequest(0.0, 4000, 3)]
     p1, p2 = run("local", trace, prefill_budget_tokens=4000).records
     assert p1.ttft_s == 4000 * TOKEN_S
-    assert p2.ttft_s == 4000 * TOKEN_S + 10 * TPOT + DECODE_S + 160 * TOKEN_S
+    assert p2.ttft_s == 4000 * TOKEN_S + DECODE_S + 4000 * TOKEN_S
     together = run("local", trace, prefill_budget_tokens=8192).records  # one step for both
     assert [r.ttft_s for r in together] == [8000 * TOKEN_S] * 2
 
@@ -205,3 +206,29 @@ def test_every_request_completes_under_a_full_kv_and_both_paths(split):
         assert 0 < result.local_prefills < len(TRACE) and result.busy["prefill"] > 0
     else:
         assert result.local_prefills == len(TRACE) and result.busy["prefill"] == 0.0
+
+
+@dataclass(frozen=True)
+class Attending(Linear):
+    """Linear, plus PAIR_S per (query, key) pair of the prompt tokens: late chunks cost more."""
+
+    def step_seconds(self, chunks: Sequence[Chunk], decodes: int, context_sum: int) -> float:
+        pairs = sum(c.tokens * c.start + c.tokens * (c.tokens + 1) // 2 for c in chunks)
+        return super().step_seconds(chunks, decodes, context_sum) + PAIR_S * pairs
+
+
+PAIR_S = 2**-26  # 8192 tokens after 8192 cached: +1 s
+
+
+def test_paced_steps_overshoot_late_in_a_prompt_as_the_measured_rate_lags_its_attention():
+    """A's stream, then B (8192 tokens) kept local at 1 s: the worker's chunk comes from the
+    rate its earlier prompt steps measured, so B's early chunks end under the target and its
+    late ones, attending to more of B, over it, as served (a chunk that filled the target
+    exactly would never pass it)."""
+    trace = [TraceRequest(0.0, 100, 800), TraceRequest(1.0, 8192, 2)]
+    a, b = simulate("disagg", cluster("local"), Attending(), trace, trace_tokens=True).records
+    paced = [g for g in gaps(a) if g > DECODE_S * 1.01][:-1]  # less B's short last chunk
+    assert b.first_token_s is not None and len(paced) > 10
+    assert paced[0] == pytest.approx(TPOT, rel=0.02)  # R measured on A's own short prompt
+    assert max(paced) > 1.25 * TPOT  # late chunks: the measured R lags B's attention
+    assert paced.index(max(paced)) > len(paced) // 2

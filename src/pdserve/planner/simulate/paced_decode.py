@@ -6,7 +6,8 @@ Each step: KV-arrived split requests join the batch first (as `DecodeWorker`), t
 prompts are admitted FIFO (prompt + output tokens of KV reserved, the batch and prompts being
 prefilled together at most `max_batch`) as the step's prompt tokens reach them. With streams
 decoding, the step computes at most the paced chunk C of prompt tokens (FIFO over the prompts,
-a started one first); with none, whole prompts under the token budget (the first always).
+a started one first), C as the worker sets it from its own recent steps (chunk_pacer.py); with
+none, whole prompts under the token budget (the first always).
 Token 0 of a prompt comes at the end of the step that computed its last token; the request
 then joins this worker's batch (its KV is here: no transfer).
 
@@ -25,10 +26,11 @@ from __future__ import annotations
 from collections import deque
 
 from pdserve.planner.simulate.calibration import Chunk, StepCosts
+from pdserve.planner.simulate.chunk_pacer import ChunkPacer
 from pdserve.planner.simulate.metrics import RequestRecord
 from pdserve.planner.simulate.pools import DecodeBatch, DecodeWorker, start_decoding
 from pdserve.planner.simulate.prefix_cache import PrefixCache
-from pdserve.planner.simulate.split_model import local_rate, paced_tokens
+from pdserve.planner.simulate.split_model import BLOCK_TOKENS, local_rate
 
 Planned = list[tuple[RequestRecord, int]]  # (prompt, its tokens computed this step)
 
@@ -48,6 +50,8 @@ class PacedDecodeWorker(DecodeWorker):
         self.backlog_tokens = 0
         self.step_chunks: Planned = []
         self.step_decodes = 0
+        self.step_s = 0.0
+        self.pacer = ChunkPacer(tpot_target_s, BLOCK_TOKENS)
 
     def add_local(self, record: RequestRecord, uncached: int | None = None) -> None:
         """A local prompt, counted in the backlog as `uncached` tokens (None: the whole
@@ -68,15 +72,19 @@ class PacedDecodeWorker(DecodeWorker):
         decodes = self.step_decodes = self.batch.size
         if not ready:
             self.step_chunks = []
-            return self.costs.step_seconds((), decodes, self.batch.context_sum) \
-                if decodes else None
-        self.step_chunks = self._paced(ready, decodes) if decodes else self._whole(ready)
+            if not decodes:
+                return None
+            self.step_s = self.costs.step_seconds((), decodes, self.batch.context_sum)
+            return self.step_s
+        self.step_chunks = self._paced(ready, decodes, now) if decodes else self._whole(ready)
         for record, _ in self.step_chunks[len(self.prefilling):]:
             self._admit_local(record)
-        return self.costs.step_seconds(_chunks(self.step_chunks), decodes,
-                                       self.batch.context_sum if decodes else 0)
+        self.step_s = self.costs.step_seconds(_chunks(self.step_chunks), decodes,
+                                              self.batch.context_sum if decodes else 0)
+        return self.step_s
 
     def finish_step(self, now: float) -> tuple[list[RequestRecord], list[RequestRecord]]:
+        self.pacer.record(sum(n for _, n in self.step_chunks), self.step_decodes, self.step_s)
         finished = self.batch.complete_step(now) if self.step_decodes else []
         for record in finished:
             self.kv.release(record)
@@ -115,11 +123,12 @@ class PacedDecodeWorker(DecodeWorker):
         record.prefilled = self.prefixes.take(record)
         self.prefilling.append(record)
 
-    def _paced(self, ready: list[RequestRecord], decodes: int) -> Planned:
+    def _paced(self, ready: list[RequestRecord], decodes: int, now: float) -> Planned:
+        """The step's prompt tokens beside `decodes` streams: the budget, capped by the
+        worker's chunk (none before it timed a decode-only step)."""
         most = min(self.budget, sum(r.prompt_tokens - r.prefilled for r in ready))
-        n = paced_tokens(self.costs, lambda k: _chunks(_take(ready, k)), most, decodes,
-                         self.batch.context_sum, self.tpot_target_s)
-        return _take(ready, n)
+        cap = self.pacer.chunk(now)
+        return _take(ready, most if cap is None else min(most, cap))
 
     def _whole(self, ready: list[RequestRecord]) -> Planned:
         plan: Planned = []
