@@ -103,8 +103,8 @@ def test_a_run_beside_the_steps_prices_its_front_end_and_moves_the_ttft(tmp_path
     one = serve_result([request(0.0, 1750, 56, ttft_s=(_prefill_ms(1750) + 60.0) / 1e3)])
     write_json(tmp_path / "cmp.json", {"collocated": one})
     after = plan_json([*LONG, "--rate", "0.4", "--calibrate", str(steps)], capsys)
-    assert any(n.startswith(f"{tmp_path / 'cmp.json'}:collocated: front-end round trip 60.")
-               for n in after["notes"])
+    assert f"front-end round trip 60.0 ms, fitted to the 10th-percentile TTFT of " \
+           f"{tmp_path / 'cmp.json'}:collocated" in after["notes"]
     ttft = {side: {x["label"]: x["median_ttft_ms"] for x in got["simulation"]["layouts"]}
             for side, got in (("before", before), ("after", after))}
     assert ttft["after"]["collocated"] == pytest.approx(ttft["before"]["collocated"] + 60.0,

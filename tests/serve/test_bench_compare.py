@@ -60,9 +60,14 @@ def test_compare_runs_each_configuration_and_writes_json_and_pictures(tiny_model
         assert s.connect_ex(("127.0.0.1", port)) != 0
     for r in results.values():
         assert r["completed"] == 6 and r["failed"] == 0 and "p99_itl_ms" in r
+    for name in ("collocated", "disagg"):  # pdserve's: probed idle after the run
+        probe = results[name]["frontend_probe"]
+        assert probe["prompt_tokens"] == 32 and len(probe["ttft_s"]) == 5
+        assert all(t > 0 for t in probe["ttft_s"])
     steps = json.loads(out.with_suffix(".steps.json").read_text())
     assert set(steps["disagg"]) == {"prefill-0", "decode-0"}
     assert any(s[2] == 300 for s in steps["disagg"]["prefill-0"])  # prompts split off
+    assert all(s[2] != 32 for w in steps.values() for rows in w.values() for s in rows)
     assert sorted(p.name for p in plots.iterdir()) == ["itl_cdf.png", "timeline.png",
                                                        "ttft_cdf.png"]
 

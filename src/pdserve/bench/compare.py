@@ -21,7 +21,9 @@ worker: `index` and `url` in `pdserve up`'s order, `roles` as the worker gave th
 and `run_window` (the run's wall-clock start and end). Workers are named by their role when the
 measured run began, numbered per role in `pdserve up`'s order ("prefill-0"): one name for the
 whole run, whatever flips came later. The table gets a line of each flipping configuration's
-seconds per role. `--external NAME=URL` adds a server someone else started (vLLM, see
+seconds per role. After the run, before the stop, the idle cluster answers a few one-token
+probes (`bench/frontend_probe.py`): `frontend_probe`, the front end's round trip that `pdserve
+simulate` adds to every TTFT. `--external NAME=URL` adds a server someone else started (vLLM, see
 docs/vllm.md) to the same table.
 
 `--testbed` (root) runs every pdserve configuration across the hosts of a testbed made for the
@@ -46,8 +48,8 @@ Repeats (`--repeats N`, default 1). Invariants:
 - `split_decisions` too: each count (local, remote, each path/reason) is the median of that
   count over the runs (a run without a reason counts 0 for it), so the parts need not add up
   to the whole; every run's own counts are under `repeats`.
-- The step traces (`X.steps.json`), the `requests`, `workers` and `run_window` in `--out`, and
-  the `--plots` pictures are those of the last round.
+- The step traces (`X.steps.json`), the `requests`, `workers`, `run_window` and
+  `frontend_probe` in `--out`, and the `--plots` pictures are those of the last round.
 - With N = 1 every output is exactly that of a single run (no `repeats` key).
 """
 
@@ -72,6 +74,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pdserve.bench.frontend_probe import probe_frontend
 from pdserve.bench.role_time import flips_within, format_role_seconds, role_at, role_seconds
 from pdserve.bench.serve.metrics import MAX_ERRORS, Slo, distribution_ms
 from pdserve.bench.serve.runner import (
@@ -196,7 +199,7 @@ def _workers(up: UpProcess, start: float, end: float
         role = role_at(trace["roles"], start)
         name = f"{role}-{counts.get(role, 0)}"
         counts[role] = counts.get(role, 0) + 1
-        steps[name] = trace["steps"]
+        steps[name] = [row for row in trace["steps"] if row[0] <= end]  # not the probes
         workers[name] = worker_roles(index, url, trace["roles"], start, end)
         index += 1
 
@@ -292,8 +295,10 @@ def run_config(s: CompareSettings, name: str, repeat: int = 0,
             result = run_bench(up.url, s.model, s.workload, s.load, s.timeout_s, s.slo)
             end = time.time()
             cluster = cluster_figures(router_metrics(router), before)
+            probe = probe_frontend(up.url, s.model)
         steps, workers = _workers(up, start, end)
-        return {**result, **cluster, "workers": workers, "run_window": [start, end]}, steps
+        return {**result, **cluster, "frontend_probe": probe, "workers": workers,
+                "run_window": [start, end]}, steps
     finally:
         up.stop()
 

@@ -52,7 +52,11 @@ from pdserve.planner.simulate.calibration import (
 )
 from pdserve.planner.simulate.calibration_source import StepsProfile, load_calibration_source
 from pdserve.planner.simulate.events import Cluster, Layout, simulate
-from pdserve.planner.simulate.frontend_fit import calibration_run, fit_frontend_latency
+from pdserve.planner.simulate.frontend_fit import (
+    calibration_run,
+    fit_frontend_latency,
+    latency_source,
+)
 from pdserve.planner.simulate.measured_compare import (
     PDSERVE_CHUNK_TOKENS,
     PDSERVE_CONFIGS,
@@ -222,8 +226,7 @@ def _frontend(spec: str, layout: MeasuredLayout, cluster: Cluster,
         return 0.0, None
     latency = fit_frontend_latency(run, layout.layout, replace(cluster, admission=Admission()),
                                    profile)
-    return latency, (f"{run.label}: front-end round trip {latency * 1e3:.1f} ms (its "
-                     "10th-percentile TTFT)")
+    return latency, f"front-end round trip {latency * 1e3:.1f} ms, {latency_source(run)}"
 
 
 def _compare_steps(path: str) -> list[str] | None:

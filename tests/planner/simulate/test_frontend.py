@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 
 import pytest
 
@@ -15,6 +16,7 @@ from pdserve.planner.simulate.frontend_fit import (
     QUANTILE,
     calibration_run,
     fit_frontend_latency,
+    latency_source,
     quantile,
 )
 from pdserve.planner.simulate.measured_run import MeasuredRun
@@ -107,6 +109,18 @@ def test_a_closed_loop_fit_lands_on_the_measured_quantile():
     fitted = fit_frontend_latency(_run(measured, clients=2), Layout.COLLOC, cluster(), COSTS)
     got = quantile(_simulated(fitted, clients=2), QUANTILE)
     assert got == pytest.approx(quantile(measured, QUANTILE), abs=CONVERGED_S)
+
+
+def test_idle_probes_measure_the_round_trip_whatever_the_runs_queues():
+    """Probes of 32 tokens answered 25 ms after their own simulated prompt step: L = 25 ms,
+    though the run's requests (all 2 s late: a queue the model missed) would fit far more."""
+    alone = simulate("colloc", cluster(), COSTS, [TraceRequest(0.0, 32, 1)]).records[0].ttft_s
+    run = replace(_run([t + 2.0 for t in _simulated(0.0)]), probe_prompt_tokens=32,
+                  probe_ttfts_s=(alone + 0.020, alone + 0.025, alone + 0.030))
+    assert fit_frontend_latency(run, Layout.COLLOC, cluster(), COSTS) == pytest.approx(0.025)
+    assert latency_source(run) == "from the idle probes of cal.json:collocated"
+    assert latency_source(_run([0.1])) == "fitted to the 10th-percentile TTFT of " \
+                                          "cal.json:collocated"
 
 
 def test_quantiles_are_numpys_default():

@@ -60,7 +60,11 @@ from pdserve.planner.simulate.cluster import (
     check_fits,
 )
 from pdserve.planner.simulate.events import SimResult, simulate
-from pdserve.planner.simulate.frontend_fit import calibration_run, fit_frontend_latency
+from pdserve.planner.simulate.frontend_fit import (
+    calibration_run,
+    fit_frontend_latency,
+    latency_source,
+)
 from pdserve.planner.simulate.measured_compare import (
     PDSERVE_CONFIGS,
     Comparison,
@@ -183,8 +187,9 @@ def _add_cluster_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--frontend-latency-ms", type=float, default=None,
                    help="the round trip between a client and its worker (router and HTTP, "
                         "both ways), added to TTFT and E2E and to a closed loop's next send "
-                        "(default: fitted to the 10th-percentile TTFT of the run beside a "
-                        "--calibrate FILE.steps.json:CONFIG, its FILE.json; else 0)")
+                        "(default: from the run beside a --calibrate FILE.steps.json:CONFIG, "
+                        "its FILE.json: its idle probes, else fitted to its 10th-percentile "
+                        "TTFT; else 0)")
     p.add_argument("--link-gbps", type=float, default=100.0,
                    help="KV link per GPU in Gb/s (default: %(default)s)")
     p.add_argument("--max-batch", type=int, default=None,
@@ -366,7 +371,7 @@ def _frontend_latency(args: argparse.Namespace, profile: CalibrationProfile | No
     tpot_s = (run.slo_tpot_ms or DEFAULT_SLO.tpot_ms) / 1e3
     cluster = replace(_cluster(own, shape, hw, tp, kv_rank, how, tpot_s), admission=Admission())
     latency = fit_frontend_latency(run, how.layout, cluster, profile)
-    return latency, f"fitted to the 10th-percentile TTFT of {run.label}"
+    return latency, latency_source(run)
 
 
 def _held_context(args: argparse.Namespace) -> float | None:

@@ -4,9 +4,15 @@
 steps (cmp.steps.json). The step costs come from the steps alone (step_fit.py). The time from a
 client sending a request to the worker receiving it, and from a step's end to the client
 reading its token (the router, HTTP both ways, the client's own parsing), is in no step; the
-simulator adds it as one round trip L (cluster.py `frontend_latency_s`). Fitted here as the L
-with which the calibration run, replayed on its own layout with the fitted costs, shows its
-measured `QUANTILE` (10th percentile) TTFT:
+simulator adds it as one round trip L (cluster.py `frontend_latency_s`).
+
+Measured, when the run has them: `bench compare` sends a few one-token probes to the idle
+cluster after the run (bench/frontend_probe.py), and L = their median TTFT less the simulated
+TTFT of one such request alone on the same layout. Nothing queues there, so the queue model's
+errors cannot enter L.
+
+Fitted, for a run without probes: the L with which the calibration run, replayed on its own
+layout with the fitted costs, shows its measured `QUANTILE` (10th percentile) TTFT:
 
     L_0 = 0,  L_{k+1} = max(0, L_k + measured q10 TTFT - simulated q10 TTFT(L_k)),
 
@@ -24,13 +30,15 @@ Why it matters most for closed loops: with L = 0 a client's next request reaches
 the very end of the step that finished its last one and always joins the next step, a timing no
 real client has; a chat run at 16 clients then shows TTFTs a whole step too short.
 
-Limit: one constant. A front end that slows with load (on a CPU machine the router and the
-clients share the cores with the workers) is priced at the calibration run's load.
+Limit: one constant, measured idle (or fitted at the run's own load). A front end that slows
+with load (on a CPU machine the router and the clients share the cores with the workers) is
+priced idle.
 """
 
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -40,6 +48,7 @@ from pdserve.planner.simulate.cluster import Cluster, Layout
 from pdserve.planner.simulate.events import simulate
 from pdserve.planner.simulate.file_spec import parse_file_spec
 from pdserve.planner.simulate.measured_run import MeasuredRun, load_measured_run
+from pdserve.planner.simulate.trace import TraceRequest
 
 STEPS_SUFFIX = ".steps.json"
 QUANTILE = 0.1
@@ -65,7 +74,10 @@ def calibration_run(spec_text: str, flag: str) -> MeasuredRun | None:
 
 def fit_frontend_latency(run: MeasuredRun, layout: Layout, cluster: Cluster, costs: StepCosts
                          ) -> float:
-    """L (seconds) by the module docstring's iteration; 0 when the run recorded no TTFT."""
+    """L (seconds): from the run's idle probes when it has them, else by the module
+    docstring's iteration; 0 when the run recorded no TTFT."""
+    if run.probe_prompt_tokens is not None and run.probe_ttfts_s:
+        return _from_probes(run.probe_prompt_tokens, run.probe_ttfts_s, layout, cluster, costs)
     if not run.ttfts_s:
         return 0.0
     measured = quantile(run.ttfts_s, QUANTILE)
@@ -79,6 +91,22 @@ def fit_frontend_latency(run: MeasuredRun, layout: Layout, cluster: Cluster, cos
         if abs(step) < CONVERGED_S or latency == 0.0:
             break
     return latency
+
+
+def latency_source(run: MeasuredRun) -> str:
+    """How `fit_frontend_latency` finds L for `run`, for the output."""
+    if run.probe_prompt_tokens is not None and run.probe_ttfts_s:
+        return f"from the idle probes of {run.label}"
+    return f"fitted to the 10th-percentile TTFT of {run.label}"
+
+
+def _from_probes(tokens: int, ttfts: Sequence[float], layout: Layout, cluster: Cluster,
+                 costs: StepCosts) -> float:
+    """The probes' median TTFT less the simulated TTFT of one such request on the idle
+    layout (its own prompt step, nothing queued), at least 0."""
+    alone = simulate(layout, replace(cluster, frontend_latency_s=0.0), costs,
+                     [TraceRequest(0.0, tokens, 1)]).records[0]
+    return max(0.0, statistics.median(ttfts) - alone.ttft_s)
 
 
 def _simulated_quantile(run: MeasuredRun, layout: Layout, cluster: Cluster, costs: StepCosts,

@@ -72,6 +72,10 @@ class MeasuredRun:
     # the successful requests' TTFTs in seconds, in the file's order; empty for a file
     # without them
     ttfts_s: tuple[float, ...] = ()
+    # bench compare's idle probes after the run (bench/frontend_probe.py): their prompt tokens
+    # and TTFTs; None and () for a file without them
+    probe_prompt_tokens: int | None = None
+    probe_ttfts_s: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.trace:
@@ -115,7 +119,23 @@ def _run(spec: FileSpec, config: str | None, result: dict[str, Any]) -> Measured
                        {k: result.get(k) for k in METRICS}, ok, len(rows) - ok,
                        _bound(result, "slo_ttft_ms", label), _bound(result, "slo_tpot_ms", label),
                        _clients(result, label), _local_prefills(result, label),
-                       _ttfts(rows))
+                       _ttfts(rows), *_probe(result, label))
+
+
+def _probe(result: dict[str, Any], label: str) -> tuple[int | None, tuple[float, ...]]:
+    """(prompt tokens, TTFTs) of the run's `frontend_probe`; (None, ()) without one."""
+    probe = result.get("frontend_probe")
+    if probe is None:
+        return None, ()
+    tokens, ttfts = (probe.get("prompt_tokens"), probe.get("ttft_s")) \
+        if isinstance(probe, dict) else (None, None)
+    if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1 or \
+            not isinstance(ttfts, list) or not all(
+                isinstance(t, int | float) and not isinstance(t, bool) and math.isfinite(t)
+                and t >= 0 for t in ttfts):
+        raise ValueError(f"{label}: frontend_probe must be {{\"prompt_tokens\": n >= 1, "
+                         f"\"ttft_s\": [seconds >= 0, ...]}}, got {str(probe)[:80]}")
+    return tokens, tuple(float(t) for t in ttfts)
 
 
 def _ttfts(rows: list[Any]) -> tuple[float, ...]:
