@@ -170,6 +170,11 @@ class Memory:
         """After a flip attempt: the cool-down starts and the pressures are counted anew."""
         return Memory(last_flip_at=now)
 
+    def ticks(self, pressure: str) -> int:
+        """The consecutive ticks of `pressure` ("prefill", "decode" or "idle")."""
+        return {"prefill": self.prefill_ticks, "decode": self.decode_ticks,
+                "idle": self.idle_ticks}[pressure]
+
 
 @dataclass(frozen=True)
 class FlipPlan:

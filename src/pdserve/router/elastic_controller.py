@@ -167,9 +167,9 @@ class ElasticController:
         return plan
 
     def _say(self, hold: Hold) -> None:
-        ticks = getattr(self.memory, f"{hold.pressure}_ticks")
         self._holds[hold.pressure].warn(hold.pressure, "elastic: %s for %d ticks, no flip: %s",
-                                        PRESSURES[hold.pressure], ticks, hold.reason)
+                                        PRESSURES[hold.pressure],
+                                        self.memory.ticks(hold.pressure), hold.reason)
 
     async def _run(self) -> None:
         while True:
