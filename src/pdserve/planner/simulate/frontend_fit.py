@@ -76,7 +76,7 @@ def fit_frontend_latency(run: MeasuredRun, layout: Layout, cluster: Cluster, cos
                          ) -> float:
     """L (seconds): from the run's idle probes when it has them, else by the module
     docstring's iteration; 0 when the run recorded no TTFT."""
-    if run.probe_prompt_tokens is not None and run.probe_ttfts_s:
+    if run.probed and run.probe_prompt_tokens is not None:
         return _from_probes(run.probe_prompt_tokens, run.probe_ttfts_s, layout, cluster, costs)
     if not run.ttfts_s:
         return 0.0
@@ -95,7 +95,7 @@ def fit_frontend_latency(run: MeasuredRun, layout: Layout, cluster: Cluster, cos
 
 def latency_source(run: MeasuredRun) -> str:
     """How `fit_frontend_latency` finds L for `run`, for the output."""
-    if run.probe_prompt_tokens is not None and run.probe_ttfts_s:
+    if run.probed:
         return f"from the idle probes of {run.label}"
     return f"fitted to the 10th-percentile TTFT of {run.label}"
 

@@ -77,6 +77,11 @@ class MeasuredRun:
     probe_prompt_tokens: int | None = None
     probe_ttfts_s: tuple[float, ...] = ()
 
+    @property
+    def probed(self) -> bool:
+        """The run has idle probes to measure the front end by (bench/frontend_probe.py)."""
+        return self.probe_prompt_tokens is not None and bool(self.probe_ttfts_s)
+
     def __post_init__(self) -> None:
         if not self.trace:
             raise ValueError(f"{self.label}: the run holds no requests")
