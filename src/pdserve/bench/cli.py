@@ -22,9 +22,9 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     bench = subparsers.add_parser(
         "bench", help="benchmarks, each beside a baseline measured in the same run")
     kinds = bench.add_subparsers(dest="bench", required=True)
-    for add in (_add_engine, _add_attention, _add_transfer, _add_layerwise, _add_serve,
-                _add_compare, _add_simulator, _add_router, _add_hostile, _add_chaos, _add_flip,
-                _add_moe):
+    for add in (_add_engine, _add_decode_context, _add_attention, _add_transfer,
+                _add_layerwise, _add_serve, _add_compare, _add_simulator, _add_router,
+                _add_hostile, _add_chaos, _add_flip, _add_moe):
         add(kinds)
 
 
@@ -274,6 +274,42 @@ def _bench_attention(args: argparse.Namespace) -> int:
                          "--prompt-lens a comma-separated list of integers") from None
     return main(AttentionSettings(lengths, args.cached, heads, kv_heads, head_dim,
                                   args.repeats), args.json)
+
+
+def _add_decode_context(kinds: argparse._SubParsersAction) -> None:
+    p = kinds.add_parser(
+        "decode-context", help="what one context token costs a decode step, alone and shared",
+        description="Decode steps of B streams with short prompts, with long unique ones, and "
+                    "with long ones sharing a prefix, timed in the engine alone: the cost of "
+                    "one context token (for `pdserve simulate --decode-context-us`) and what "
+                    "a shared prefix's token costs against a unique one. Medians of --repeats "
+                    "runs, the short batch the baseline of the same run.")
+    p.add_argument("--model", default="smollm2", help="default: %(default)s")
+    p.add_argument("--batches", default="4,8", help="streams per batch, each >= 2 (default: "
+                                                    "%(default)s)")
+    p.add_argument("--context", type=int, default=1360,
+                   help="tokens per stream of the long batches (default: %(default)s)")
+    p.add_argument("--own", type=int, default=352,
+                   help="tokens of its own per stream: the short batch's prompt and the "
+                        "shared batch's unshared part (default: %(default)s)")
+    p.add_argument("--steps", type=int, default=40, help="timed steps per run (default: "
+                                                         "%(default)s)")
+    p.add_argument("--repeats", type=int, default=3, help="default: %(default)s")
+    p.add_argument("--dtype", default="auto", choices=list(DTYPE_CHOICES), help=DTYPE_HELP)
+    p.add_argument("--json", action="store_true", help="one JSON object per batch")
+    p.set_defaults(func=_bench_decode_context)
+
+
+def _bench_decode_context(args: argparse.Namespace) -> int:
+    from pdserve.bench.context_bench import ContextSettings, main
+
+    try:
+        batches = tuple(int(b) for b in args.batches.split(","))
+    except ValueError:
+        raise ValueError("--batches takes a comma-separated list of integers") from None
+    return main(ContextSettings(model=args.model, batches=batches, context=args.context,
+                                own=args.own, steps=args.steps, repeats=args.repeats,
+                                dtype=args.dtype), args.json)
 
 
 def _bench_engine(args: argparse.Namespace) -> int:
