@@ -4,6 +4,7 @@ in the engine alone, and the two ratios drawn from them."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from pdserve.bench.context_bench import ContextRow, ContextSettings, format_table, run_bench
 from tests.planner.cli_run import run_pdserve
@@ -21,8 +22,13 @@ def test_the_ratios_are_the_slopes_over_the_short_baseline():
 
 def test_a_run_on_a_tiny_model_times_every_batch(tiny_model):
     s = ContextSettings(model=str(tiny_model()), batches=(2, 3), context=96, own=32, steps=3,
-                        repeats=1, dtype="float32")
-    rows = run_bench(s)
+                        repeats=1, dtype="float32", threads=1)
+    before = torch.get_num_threads()
+    try:
+        rows = run_bench(s)
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
     assert [r.batch for r in rows] == [2, 3]
     assert all(r.short_ms > 0 and r.unique_ms > 0 and r.shared_ms > 0 for r in rows)
     assert all(r.context_tokens == 96 and r.own_tokens == 32 for r in rows)
@@ -32,6 +38,7 @@ def test_a_run_on_a_tiny_model_times_every_batch(tiny_model):
     ({"batches": (1,)}, "batches must be integers >= 2"),
     ({"own": 2000}, "own .2000. must be positive and under context"),
     ({"steps": 0}, "steps must be positive"),
+    ({"threads": 0}, "threads must be positive"),
 ])
 def test_bad_settings_say_what_to_fix(kw, message):
     with pytest.raises(ValueError, match=message):

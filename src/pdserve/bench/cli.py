@@ -296,6 +296,9 @@ def _add_decode_context(kinds: argparse._SubParsersAction) -> None:
                                                          "%(default)s)")
     p.add_argument("--repeats", type=int, default=3, help="default: %(default)s")
     p.add_argument("--dtype", default="auto", choices=list(DTYPE_CHOICES), help=DTYPE_HELP)
+    p.add_argument("--threads", type=int, default=None,
+                   help="the engine's compute threads, as many as the worker to be priced "
+                        "has cores (default: PyTorch's, every core)")
     p.add_argument("--json", action="store_true", help="one JSON object per batch")
     p.set_defaults(func=_bench_decode_context)
 
@@ -309,7 +312,7 @@ def _bench_decode_context(args: argparse.Namespace) -> int:
         raise ValueError("--batches takes a comma-separated list of integers") from None
     return main(ContextSettings(model=args.model, batches=batches, context=args.context,
                                 own=args.own, steps=args.steps, repeats=args.repeats,
-                                dtype=args.dtype), args.json)
+                                dtype=args.dtype, threads=args.threads), args.json)
 
 
 def _bench_engine(args: argparse.Namespace) -> int:

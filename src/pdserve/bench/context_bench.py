@@ -20,7 +20,9 @@ pays for the blocks it reads, 1 / B if the shared blocks cost once per step (the
 CPU's caches between the streams that read them).
 
 The engine steps alone are timed (no worker, no HTTP), so the per-stream overhead of serving
-is not in them; the per-token slope is what a calibration needs.
+is not in them; the per-token slope is what a calibration needs. `threads` sets the engine's
+compute threads: a worker of `pdserve up` computes on its share of the cores (a disaggregated
+pair on two cores: one each), and one thread pays two to three times per token what two do.
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ class ContextSettings:
     steps: int = 40
     repeats: int = 3
     dtype: str = "auto"
+    threads: int | None = None  # the engine's compute threads; None: PyTorch's default
 
     def __post_init__(self) -> None:
         if not self.batches or min(self.batches) < 2:
@@ -62,6 +65,8 @@ class ContextSettings:
         for name in ("steps", "repeats"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.threads is not None and self.threads <= 0:
+            raise ValueError(f"threads must be positive, got {self.threads}")
 
 
 @dataclass(frozen=True)
@@ -133,6 +138,8 @@ def _row(engine: Engine, tokens: _Tokens, batch: int, s: ContextSettings) -> Con
 
 
 def run_bench(s: ContextSettings) -> list[ContextRow]:
+    if s.threads is not None:
+        torch.set_num_threads(s.threads)
     cfg = ModelConfig.from_folder(resolve_model(s.model))
     need = s.context + WARM_STEPS + s.steps + 2
     if need > cfg.max_context:
@@ -165,6 +172,7 @@ def main(s: ContextSettings, as_json: bool) -> int:
           f"(unique), and {s.context - s.own} shared + {s.own} own (shared); medians of "
           f"{s.repeats} runs of {s.steps} steps", file=sys.stderr, flush=True)
     rows = run_bench(s)
+    print(f"on {torch.get_num_threads()} threads", file=sys.stderr, flush=True)
     if as_json:
         for r in rows:
             print(json.dumps(asdict(r) | {
