@@ -87,6 +87,7 @@ from pdserve.bench.serve.workloads import WORKLOAD_KINDS, RequestSpec, Workload
 from pdserve.cluster import parent_death
 from pdserve.cluster.bed_up_process import BedUpProcess
 from pdserve.cluster.up_process import UpProcess, get_json
+from pdserve.planner.simulate.file_spec import steps_path
 from pdserve.testbed import lifecycle
 from pdserve.testbed.state import BedState
 from pdserve.testbed.topology import LinkShape, Topology
@@ -610,7 +611,7 @@ def run_compare_cli(args: argparse.Namespace) -> int:
     print(format_table(results, s.repeats))
     if args.out is not None:
         args.out.write_text(json.dumps(results, indent=1) + "\n")
-        args.out.with_suffix(".steps.json").write_text(json.dumps(traces) + "\n")
+        steps_path(args.out).write_text(json.dumps(traces) + "\n")
     if args.plots is not None:
         paths = pictures(results, traces, args.plots)
         print("pictures: " + ", ".join(str(p) for p in paths))

@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from pdserve.planner.plan_simulation import MARGIN
+from pdserve.planner.simulate.file_spec import steps_path
 
 CONFIGS = ("collocated", "collocated-chunked", "disagg")
 SIMULATED = (*CONFIGS, "disagg-local", "disagg-remote")  # what the simulator can lay out
@@ -135,7 +136,7 @@ def _measure(s: CheckSettings, workload: str) -> Path:
 
 def _simulate(s: CheckSettings, calibration: Path, measured: Path, config: str
               ) -> dict[str, Any]:
-    steps = calibration.with_suffix(".steps.json")
+    steps = steps_path(calibration)
     argv = [sys.executable, "-m", "pdserve.cli", "simulate",
             "--model", SIM_MODELS.get(s.model, s.model), "--gpu", "cpu",
             "--calibrate", f"{steps}:{config}", "--compare-measured", f"{measured}:{config}",

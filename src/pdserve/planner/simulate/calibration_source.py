@@ -24,6 +24,7 @@ from pdserve.planner.simulate.file_spec import (
     parse_json_document,
     read_text,
     refuse_config,
+    steps_path,
 )
 from pdserve.planner.simulate.step_fit import fit_step_traces, is_steps_file, select_steps
 
@@ -63,7 +64,7 @@ def load_calibration_source(spec_text: str, decode_time: str = "period",
                          f"{spec.path} is not a .steps.json")
     if _is_results(data):
         raise ValueError(f"{FLAG} {spec.path} is a bench results file; calibrate on the worker "
-                         f"steps beside it ({spec.path.with_suffix('.steps.json')})")
+                         f"steps beside it ({steps_path(spec.path)})")
     refuse_config(spec, _what(data))
     return load_calibration(spec.path)
 

@@ -43,6 +43,19 @@ def parse_file_spec(spec: str, flag: str) -> FileSpec:
     return FileSpec(Path(path), config or None, flag)
 
 
+STEPS_SUFFIX = ".steps.json"
+
+
+def steps_path(results: Path) -> Path:
+    """X.steps.json for the results X.json (`bench compare --out X.json` writes both)."""
+    return results.with_suffix(STEPS_SUFFIX)
+
+
+def results_path(steps: Path) -> Path:
+    """X.json for the steps X.steps.json (`steps_path` the other way)."""
+    return steps.with_name(steps.name.removesuffix(STEPS_SUFFIX) + ".json")
+
+
 def read_text(spec: FileSpec) -> str:
     """The file's text; ValueError naming the argument when it cannot be read."""
     try:

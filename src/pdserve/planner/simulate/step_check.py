@@ -26,6 +26,7 @@ from pdserve.planner.simulate.file_spec import (
     parse_file_spec,
     parse_json_document,
     read_text,
+    steps_path,
 )
 from pdserve.planner.simulate.step_fit import Step, is_steps_file, select_steps
 
@@ -37,7 +38,7 @@ def steps_beside(results_spec: str, flag: str) -> dict[str, list[Step]] | None:
     """The steps of the run RESULTS[:CONFIG] names, from RESULTS' .steps.json beside it (bench
     compare writes X.json and X.steps.json); None when there is none or it lacks CONFIG."""
     spec = parse_file_spec(results_spec, flag)
-    path = spec.path.with_name(spec.path.name.removesuffix(".json") + ".steps.json")
+    path = steps_path(spec.path)
     if not path.is_file():
         return None
     data = parse_json_document(read_text(FileSpec(path, None, flag)))
