@@ -35,6 +35,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from pdserve.bench.engine_bench import RandomPrompts
 from pdserve.common.model_config import ModelConfig
 from pdserve.common.model_folder import resolve_model
 from pdserve.common.sampling_params import SamplingParams
@@ -88,17 +89,6 @@ class ContextRow:
         return (self.shared_ms - self.short_ms) / (self.unique_ms - self.short_ms)
 
 
-class _Tokens:
-    """Random prompt tokens from a fixed seed: no two prompts share a block unless meant to."""
-
-    def __init__(self, vocab_size: int) -> None:
-        self.gen = torch.Generator().manual_seed(0)
-        self.vocab = vocab_size
-
-    def __call__(self, n: int) -> list[int]:
-        return torch.randint(100, self.vocab, (n,), generator=self.gen).tolist()
-
-
 def _median_step_ms(engine: Engine, prompts: list[list[int]], steps: int) -> float:
     """The median decode step of the streams `prompts` start, after each is prefilled (one
     after the other, so later prompts find the earlier ones' blocks in the prefix cache)."""
@@ -120,7 +110,11 @@ def _median_step_ms(engine: Engine, prompts: list[list[int]], steps: int) -> flo
     return statistics.median(times) * 1e3
 
 
-def _row(engine: Engine, tokens: _Tokens, batch: int, s: ContextSettings) -> ContextRow:
+def _row(engine: Engine, prompts: RandomPrompts, batch: int, s: ContextSettings
+         ) -> ContextRow:
+    def tokens(n: int) -> list[int]:
+        return prompts(1, n)[0]
+
     def timed(kind: str) -> float:
         runs = []
         for _ in range(s.repeats):
@@ -147,8 +141,8 @@ def run_bench(s: ContextSettings) -> list[ContextRow]:
                          f"exceed {s.model}'s {cfg.max_context} positions")
     engine = Engine(EngineConfig(model=s.model, dtype=s.dtype, max_model_len=need,
                                  kv_cache_bytes=_kv_bytes(cfg, s, need)))
-    tokens = _Tokens(cfg.vocab_size)
-    return [_row(engine, tokens, b, s) for b in s.batches]
+    prompts = RandomPrompts(cfg.vocab_size)
+    return [_row(engine, prompts, b, s) for b in s.batches]
 
 
 def _kv_bytes(cfg: ModelConfig, s: ContextSettings, need: int) -> int:

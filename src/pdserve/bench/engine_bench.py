@@ -178,7 +178,7 @@ def prefill_flops_per_token(cfg: ModelConfig, prompt_len: int, cached: int = 0) 
     return flops_per_token(cfg, cached + prompt_len / 2, 1 / prompt_len)
 
 
-class _Prompts:
+class RandomPrompts:
     """Distinct random prompts, so no run is served by another's prefix cache."""
 
     def __init__(self, vocab_size: int) -> None:
@@ -189,7 +189,7 @@ class _Prompts:
         return torch.randint(100, self.vocab, (batch, length), generator=self.gen).tolist()
 
 
-def pdserve_decode(engine: Engine, prompts: _Prompts, batch: int, s: BenchSettings) -> float:
+def pdserve_decode(engine: Engine, prompts: RandomPrompts, batch: int, s: BenchSettings) -> float:
     def run() -> float:
         params = SamplingParams(temperature=0, max_tokens=s.decode_steps + 1, ignore_eos=True)
         ids = [engine.add_request(p, params) for p in prompts(batch, s.decode_prompt_len)]
@@ -214,7 +214,7 @@ def _prefill_once(engine: Engine, prompt: list[int]) -> None:
         raise RuntimeError("the prompt did not prefill in one step")
 
 
-def pdserve_prefill(engine: Engine, prompts: _Prompts, length: int, repeats: int) -> float:
+def pdserve_prefill(engine: Engine, prompts: RandomPrompts, length: int, repeats: int) -> float:
     return length / median_seconds(lambda: _prefill_once(engine, prompts(1, length)[0]),
                                    repeats)
 
@@ -224,7 +224,7 @@ def cached_half(length: int, block_size: int) -> int:
     return length // 2 // block_size * block_size
 
 
-def pdserve_cached_prefill(engine: Engine, prompts: _Prompts, length: int,
+def pdserve_cached_prefill(engine: Engine, prompts: RandomPrompts, length: int,
                            repeats: int) -> float:
     """tok/s of the second half of a `length`-token prompt whose first half (whole blocks) is
     in the prefix cache: each run prefills a fresh first half untimed, then times the prompt."""
@@ -250,14 +250,14 @@ def hf_generate_seconds(model, ids: torch.Tensor, new_tokens: int, repeats: int)
     return median_seconds(run, repeats)
 
 
-def hf_decode(model, prompts: _Prompts, batch: int, s: BenchSettings) -> float:
+def hf_decode(model, prompts: RandomPrompts, batch: int, s: BenchSettings) -> float:
     ids = torch.tensor(prompts(batch, s.decode_prompt_len))
     full = hf_generate_seconds(model, ids, s.decode_steps + 1, s.repeats)
     first = hf_generate_seconds(model, ids, 1, s.repeats)
     return batch * s.decode_steps / max(full - first, 1e-9)
 
 
-def pdserve_chunked_prefill(s: BenchSettings, prompts: _Prompts, max_model_len: int) -> float:
+def pdserve_chunked_prefill(s: BenchSettings, prompts: RandomPrompts, max_model_len: int) -> float:
     """tok/s of a `cached_len`-token prompt computed `chunk` tokens a step, on an engine whose
     step budget is `chunk` (the same prompts as the whole-prompt rows: random ids)."""
     engine = Engine(EngineConfig(model=s.model, dtype=s.dtype, max_model_len=max_model_len,
@@ -292,7 +292,7 @@ def run_bench(s: BenchSettings, log: Callable[[str], None]) -> list[BenchRow]:
         tensor_parallel_size=s.tensor_parallel_size))
     dtype = getattr(torch, s.dtype)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
-    prompts = _Prompts(cfg.vocab_size)
+    prompts = RandomPrompts(cfg.vocab_size)
     roofs = _measure_roofs(dtype)  # here and again at the end: the best of both is the roof
     log(f"measured: memory read {roofs[0] / 1e9:.1f} GB/s, {s.dtype} matmul "
         f"{roofs[1] / 1e9:.0f} "
