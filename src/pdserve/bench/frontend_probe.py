@@ -1,4 +1,4 @@
-"""The front end's round trip on an idle server, measured before a `bench compare` run.
+"""The front end's round trip on an idle server, measured after each `bench compare` run.
 
 `pdserve simulate` prices the engine steps from a run's step trace; what a request spends
 outside them (client to router to worker and its token back, HTTP both ways) is one round trip

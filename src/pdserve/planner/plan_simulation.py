@@ -42,7 +42,6 @@ from typing import Any
 
 from pdserve.planner.hardware import Hardware
 from pdserve.planner.plan import Plan, Verdict, kv_room_tokens
-from pdserve.planner.simulate.admission import Admission
 from pdserve.planner.simulate.calibration import (
     CalibrationProfile,
     RooflineCosts,
@@ -219,13 +218,12 @@ def calibrated_candidates(plan: Plan, load: Load, path: str, configs: Sequence[s
 
 def _frontend(spec: str, layout: MeasuredLayout, cluster: Cluster,
               profile: CalibrationProfile) -> tuple[float, str | None]:
-    """The front-end round trip fitted to the run beside the steps (frontend_fit.py), served
-    as that run was (the router's admission), and a note saying so; (0, None) without it."""
+    """The front-end round trip of the run beside the steps (frontend_fit.py) and a note
+    saying so; (0, None) without it."""
     run = calibration_run(spec, "calibrate (--calibrate)")
     if run is None:
         return 0.0, None
-    latency = fit_frontend_latency(run, layout.layout, replace(cluster, admission=Admission()),
-                                   profile)
+    latency = fit_frontend_latency(run, layout.layout, cluster, profile)
     return latency, f"front-end round trip {latency * 1e3:.1f} ms, {latency_source(run)}"
 
 

@@ -43,8 +43,8 @@ class AdmissionGate:
     long), its prefill slot until its prefill ends; `splitting` maps a split request that holds
     its decode slot on worker j but no prefill slot yet to (j, the rule's prefill worker; None:
     the policy's pick), and `pending` lists those still to ask for one (asked after the event
-    being processed, at its time). Every wait ends `wait_s` after the request reached the router
-(its arrival, plus half the cluster's front-end round trip).
+    being processed, at its time). Every wait ends `wait_s` after the request reached the
+    router (its arrival, plus half the cluster's front-end round trip).
     Lifetime: one per simulated run with admission."""
 
     def __init__(self, admission: Admission, cluster: Cluster, layout: Layout,

@@ -369,8 +369,8 @@ def _frontend_latency(args: argparse.Namespace, profile: CalibrationProfile | No
     how = PDSERVE_CONFIGS[run.config]
     own = argparse.Namespace(**{**vars(args), **dict.fromkeys(_OWN_LIMITS)})
     tpot_s = (run.slo_tpot_ms or DEFAULT_SLO.tpot_ms) / 1e3
-    cluster = replace(_cluster(own, shape, hw, tp, kv_rank, how, tpot_s), admission=Admission())
-    latency = fit_frontend_latency(run, how.layout, cluster, profile)
+    latency = fit_frontend_latency(run, how.layout,
+                                   _cluster(own, shape, hw, tp, kv_rank, how, tpot_s), profile)
     return latency, latency_source(run)
 
 

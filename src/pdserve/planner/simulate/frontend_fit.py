@@ -41,16 +41,15 @@ import math
 import statistics
 from collections.abc import Sequence
 from dataclasses import replace
-from pathlib import Path
 
+from pdserve.planner.simulate.admission import Admission
 from pdserve.planner.simulate.calibration import StepCosts
 from pdserve.planner.simulate.cluster import Cluster, Layout
 from pdserve.planner.simulate.events import simulate
-from pdserve.planner.simulate.file_spec import parse_file_spec
+from pdserve.planner.simulate.file_spec import STEPS_SUFFIX, parse_file_spec, results_path
 from pdserve.planner.simulate.measured_run import MeasuredRun, load_measured_run
 from pdserve.planner.simulate.trace import TraceRequest
 
-STEPS_SUFFIX = ".steps.json"
 QUANTILE = 0.1
 CONVERGED_S = 1e-3
 MAX_ROUNDS = 8
@@ -75,7 +74,9 @@ def calibration_run(spec_text: str, flag: str) -> MeasuredRun | None:
 def fit_frontend_latency(run: MeasuredRun, layout: Layout, cluster: Cluster, costs: StepCosts
                          ) -> float:
     """L (seconds): from the run's idle probes when it has them, else by the module
-    docstring's iteration; 0 when the run recorded no TTFT."""
+    docstring's iteration; 0 when the run recorded no TTFT. The run is replayed as a pdserve
+    configuration is served: behind the router's admission (its defaults)."""
+    cluster = replace(cluster, admission=Admission())
     if run.probed and run.probe_prompt_tokens is not None:
         return _from_probes(run.probe_prompt_tokens, run.probe_ttfts_s, layout, cluster, costs)
     if not run.ttfts_s:
@@ -125,7 +126,3 @@ def quantile(values: Sequence[float], q: float) -> float:
     high = min(low + 1, len(ordered) - 1)
     return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
 
-
-def results_path(steps: Path) -> Path:
-    """FILE.json for FILE.steps.json."""
-    return steps.with_name(steps.name.removesuffix(STEPS_SUFFIX) + ".json")
