@@ -45,6 +45,34 @@ def test_unmeasured_workers_get_the_default_threshold() -> None:
     assert not paths.choose(dec, cold(UNMEASURED_THRESHOLD), [pre]).split
 
 
+def test_an_unmeasured_burst_of_short_prompts_is_shared_with_the_prefill_worker() -> None:
+    """Sixteen 160-token prompts at once, before any rate: the decode worker takes one, then
+    one each time its queue is no longer than the prefill worker's would be: 8 and 8, where
+    the fixed threshold alone queued all 16 on the decode worker."""
+    pool = _pool()
+    pre, dec = pool.workers
+    paths = PathChoice(pool, threshold=None, tpot_target_s=0.1)
+    split = []
+    for _ in range(16):
+        choice = paths.choose(dec, cold(160), [pre])
+        assert choice.reason is Reason.UNMEASURED
+        split.append(choice.split)
+        paths.prefilling(pre if choice.split else dec, 160)
+    assert split == [False, True] * 8
+    assert "1440 queued here with them against 1440 on the least loaded prefill" in \
+        paths.choose(dec, cold(160), [pre]).why
+
+
+def test_an_unmeasured_decode_worker_whose_queue_drained_takes_prompts_again() -> None:
+    pool = _pool()
+    pre, dec = pool.workers
+    paths = PathChoice(pool, threshold=None, tpot_target_s=0.1)
+    done = paths.prefilling(dec, 200)
+    assert paths.choose(dec, cold(100), [pre]).split  # 300 > max(256, 100)
+    done()  # its first token came: the prompt left the queue
+    assert not paths.choose(dec, cold(100), [pre]).split
+
+
 def test_measured_rates_and_the_router_s_backlog_decide() -> None:
     pool = _pool()
     pre, dec = pool.workers

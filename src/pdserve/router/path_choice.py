@@ -9,8 +9,19 @@ each health check: a report names its peer by KV endpoint, which is the decode w
 Rule (`split_decision.py` has the formulas): only a decode worker with a routable prefill
 worker beside it may split; then a fixed `--local-prefill-threshold` when one is given
 (uncached tokens on the decode worker at most that run locally); else the measured-cost
-decision, which falls back to UNMEASURED_THRESHOLD until the workers have reported their
-rates. A request's `Prompt` gives the decision its inputs per worker: each prefill worker's
+decision. Until the workers have reported a rate (a cluster's first prompts: the rates come
+with the health check after its first prompt steps), the fallback takes the workers as
+equally fast, which cancels the unknown rate out of the measured rule's comparison: a prompt
+of U_d <= T = UNMEASURED_THRESHOLD uncached tokens runs locally when
+
+    Q_d + U_d <= max(T, min over prefill workers p of (Q_p + U_p))
+
+(Q: the prompt tokens the router has sent each worker whose prefill has not ended), so the
+decode worker takes up to T tokens of prompts at once and beyond that only while it would
+be done first; a burst of short prompts is shared between the two kinds of worker instead
+of queued on the decode worker while the prefill workers idle. Longer prompts split.
+
+A request's `Prompt` gives the decision its inputs per worker: each prefill worker's
 estimate counts the tokens that worker lacks (U_p), the local one those the decode worker
 lacks (U_d), and every link the KV of the whole prompt (N tokens in whole blocks: what a split
 moves, whatever either side had cached), and `handed_over` teaches a link those same bytes.
@@ -46,8 +57,9 @@ from pdserve.router.split_decision import (
 )
 from pdserve.router.worker_pool import WorkerHandle, WorkerPool
 
-# Until the rates are measured: prompts whose uncached part is at most this run locally (the
-# fixed rule's old default; a few hundred tokens are a short stall on any hardware).
+# Until the rates are measured: the most uncached prompt tokens a decode worker prefills at
+# once (the fixed rule's old default; a few hundred tokens are a short stall on any hardware),
+# more only while it would be done before the prefill workers (module docstring).
 UNMEASURED_THRESHOLD = 256
 
 
@@ -116,15 +128,25 @@ class PathChoice:
                           f"{self.threshold}", Reason.THRESHOLD)
         decision, table = self._decide(worker, prompt, prefill)
         if decision is None:
-            return Choice(uncached > UNMEASURED_THRESHOLD,
-                          f"{uncached} uncached tokens; rates not measured yet, fixed rule "
-                          f"({UNMEASURED_THRESHOLD})", Reason.UNMEASURED)
+            return self._unmeasured(worker, prompt, prefill)
         reason = Reason.TPOT_TARGET if decision.over_tpot_target else Reason.MEASURED_COST
         best = prefill[decision.prefill_index or 0]
         _, source = table.estimate(best.url, worker.url)
         why = (f"{decision.reason}; link {best.key} -> {worker.key} "
                f"{table.describe(best.url, worker.url)}")
         return Choice(not decision.local, why, reason, decision, source)
+
+    def _unmeasured(self, worker: WorkerHandle, prompt: Prompt, prefill: list[WorkerHandle]
+                    ) -> Choice:
+        """The fallback before any rate is measured (module docstring)."""
+        mine = self.backlog.tokens(worker.key) + prompt.uncached(worker)
+        theirs = min(self.backlog.tokens(p.key) + prompt.uncached(p) for p in prefill)
+        local = prompt.uncached(worker) <= UNMEASURED_THRESHOLD and \
+            mine <= max(UNMEASURED_THRESHOLD, theirs)
+        return Choice(not local, f"rates not measured yet: {prompt.uncached(worker)} uncached "
+                      f"tokens, {mine} queued here with them against {theirs} on the least "
+                      f"loaded prefill worker (threshold {UNMEASURED_THRESHOLD})",
+                      Reason.UNMEASURED)
 
     def record(self, choice: Choice) -> None:
         """Count the choice a request took (call once per request); its paths' estimated times

@@ -64,8 +64,8 @@ class RouterMetrics:
             "pdserve_router_split_decisions_total", "Requests by the path chosen (local or "
             "disaggregated) and the rule that chose it: collocated_worker, no_prefill_worker, "
             "threshold (--local-prefill-threshold), unmeasured (rates not measured yet: the "
-            "default threshold), measured_cost (the two paths' estimated times), tpot_target "
-            "(a local prefill would break the decode streams' --slo-tpot-ms).",
+            "workers taken as equally fast), measured_cost (the two paths' estimated times), "
+            "tpot_target (a local prefill would break the decode streams' --slo-tpot-ms).",
             ["path", "reason"])
         self.split_estimate = r.histogram(
             "pdserve_router_split_estimate_seconds", "The measured-cost decision's estimated "

@@ -37,8 +37,9 @@ is the largest with step(C beside the batch) <= tpot: found by bisection, since 
 gets faster with more prompt tokens. At least one block (`BLOCK_TOKENS`) per step, so a prompt
 always progresses; at most the prompt tokens ready; with no stream decoding, no cap.
 
-Not modelled: the router's fixed fallback before any rate is measured (`pdserve bench compare`
-warms every cluster up first), the KV-usage term of the least-loaded policy, and the
+Not modelled: the router's fallback before any rate is measured (router/path_choice.py: the
+first prompts of a run, until the health check after its first prompt steps; it shares them
+between the workers by queued tokens, as the rule above does at equal rates), the KV-usage term of the least-loaded policy, and the
 router's measured inputs (the rates here are the cost model's, for this prompt, at the
 decision):
 - R_d: the router derives it from the decode worker's reported marginal prefill rate R_m
