@@ -9,6 +9,7 @@ import json
 
 import pytest
 
+from pdserve.bench import simulator_context
 from pdserve.bench.simulator_check import CheckSettings, _rankings, format_check, run_check
 from tests.planner.cli_run import run_pdserve
 from tests.planner.simulate.step_files import (
@@ -25,7 +26,7 @@ from tests.planner.simulate.step_files import (
 def _settings(tmp_path, **kw) -> CheckSettings:
     base = dict(out_dir=tmp_path, calibrate_on="mixed", held_out=("chat",),
                 configs=("disagg", "collocated"), duration_s=60.0, model="smollm2",
-                remeasure=False)
+                remeasure=False, decode_context="fitted")
     return CheckSettings(**{**base, **kw})
 
 
@@ -57,8 +58,8 @@ def test_each_held_out_run_is_simulated_from_the_calibration_run_alone(results):
 
 def test_the_command_exits_1_when_a_figure_is_outside_and_writes_the_summary(results, capsys):
     rc, _, _ = run_pdserve(["bench", "simulator", "--out", str(results), "--calibrate-on",
-                            "mixed", "--held-out", "chat", "--configs", "disagg,collocated"],
-                           capsys)
+                            "mixed", "--held-out", "chat", "--configs", "disagg,collocated",
+                            "--decode-context", "fitted"], capsys)
     assert rc == 1
     saved = json.loads((results / "simulator_check.json").read_text())
     assert saved["calibrated_on"] == "mixed" and len(saved["rows"]) == 2
@@ -140,5 +141,64 @@ def test_a_held_decode_context_cost_reaches_every_simulation_and_the_header(resu
     workers = {"prefill-0": prefill_steps(), "decode-0": context_decode_steps()}
     write_json(results / "mixed.steps.json", {"disagg": workers, "collocated": workers})
     summary = run_check(_settings(results, decode_context_us=C1 * 1e6))
-    assert summary["decode_context_us"] == C1 * 1e6 and len(summary["rows"]) == 2
+    assert summary["decode_context"] == {"mode": "held",
+                                         "us": {"disagg": C1 * 1e6, "collocated": C1 * 1e6}}
+    assert len(summary["rows"]) == 2
     assert "fitted on 'mixed', decode context cost held at 10 us/token" in format_check(summary)
+
+
+def _with_workers(results, monkeypatch):
+    """The calibration results list each configuration's workers (disagg 2, collocated 1) and
+    its steps record contexts; this process has 2 cores."""
+    workers = {"prefill-0": prefill_steps(), "decode-0": context_decode_steps()}
+    write_json(results / "mixed.steps.json", {"disagg": workers, "collocated": workers})
+    write_json(results / "mixed.json", {"disagg": {"workers": {"prefill-0": {}, "decode-0": {}}},
+                                        "collocated": {"workers": {"collocated-0": {}}}})
+    monkeypatch.setattr(simulator_context, "cores", lambda: 2)
+
+
+def _context_rows(us: float) -> list[dict]:
+    return [{"batch": 4, "per_context_token_us": us * 0.9},
+            {"batch": 8, "per_context_token_us": us * 1.1}]
+
+
+def test_the_measured_context_cost_is_held_per_configuration_at_its_workers_threads(
+        results, monkeypatch):
+    """disagg's two workers on 2 cores compute on 1 thread each, collocated's one on 2: each
+    is held at its own thread count's median, read from decode_context.json in the folder."""
+    _with_workers(results, monkeypatch)
+    write_json(results / simulator_context.FILE, {"model": "smollm2", "threads": {
+        "1": _context_rows(12.0), "2": _context_rows(C1 * 1e6)}})
+    summary = run_check(_settings(results, decode_context="measured"))
+    held = summary["decode_context"]
+    assert held["threads"] == {"disagg": 1, "collocated": 2}
+    assert held["us"] == {"disagg": pytest.approx(12.0), "collocated": pytest.approx(C1 * 1e6)}
+    assert ("decode context cost held at bench decode-context's: disagg 12 us/token (1 thread), "
+            "collocated 10 us/token (2 threads)") in format_check(summary)
+
+
+def test_a_thread_count_not_yet_measured_is_measured_once_and_saved(tmp_path, monkeypatch):
+    calls = []
+
+    def bench(model, threads):
+        calls.append(threads)
+        return _context_rows(float(threads))
+
+    monkeypatch.setattr(simulator_context, "_bench", bench)
+    write_json(tmp_path / simulator_context.FILE, {"model": "smollm2",
+                                                   "threads": {"2": _context_rows(5.0)}})
+    costs = simulator_context.measured_costs(tmp_path, "smollm2", {1, 2}, remeasure=False)
+    assert calls == [1] and costs == {1: pytest.approx(1.0), 2: pytest.approx(5.0)}
+    assert simulator_context.measured_costs(tmp_path, "smollm2", {1, 2}, False) == costs
+    assert calls == [1]
+    simulator_context.measured_costs(tmp_path, "smollm2", {1}, remeasure=True)
+    assert calls == [1, 1]
+    with pytest.raises(ValueError, match="holds 'smollm2''s context costs, not 'qwen3'"):
+        simulator_context.measured_costs(tmp_path, "qwen3", {1}, False)
+
+
+def test_results_that_list_no_workers_cannot_say_their_threads():
+    with pytest.raises(ValueError, match="the results of 'disagg' list no workers"):
+        simulator_context.worker_threads({"disagg": {}}, "disagg", 2)
+    assert simulator_context.worker_threads({"c": {"workers": {"a": {}, "b": {}}}}, "c", 5) == 2
+    assert simulator_context.worker_threads({"c": {"workers": {"a": {}, "b": {}}}}, "c", 1) == 1

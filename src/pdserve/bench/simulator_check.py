@@ -18,6 +18,11 @@ them or the configuration does not split), and its steps priced by the calibrati
 of step, the median of measured / priced (`pdserve simulate`'s step_check.py; near 1: the
 costs hold there, and a miss is the scheduling's).
 
+The decode cost per context token is held, by default, at what `pdserve bench decode-context`
+measures on each configuration's threads per worker (bench/simulator_context.py: a serving
+run's fit cannot tell it from the per-stream cost), and the other costs are fitted around it;
+`--decode-context fitted` fits it too, `--decode-context-us` holds one value for all.
+
 A workload whose results file already exists in DIR is not measured again unless --remeasure:
 a change to the simulator is checked against the same runs; a change to the engine's speed
 needs new runs (--remeasure). Measuring is long (each workload runs every configuration for
@@ -34,6 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pdserve.bench import simulator_context
 from pdserve.planner.plan_simulation import MARGIN
 from pdserve.planner.simulate.file_spec import steps_path
 
@@ -62,7 +68,8 @@ class CheckSettings:
     duration_s: float
     model: str
     remeasure: bool
-    decode_context_us: float | None = None  # `pdserve simulate --decode-context-us`
+    decode_context: str = "measured"  # simulator_context.MODES
+    decode_context_us: float | None = None  # held for every configuration (overrides the mode)
 
     def __post_init__(self) -> None:
         for name in (self.calibrate_on, *self.held_out):
@@ -80,6 +87,9 @@ class CheckSettings:
                              f"{', '.join(SIMULATED)}")
         if not self.duration_s > 0:
             raise ValueError(f"duration must be positive, got {self.duration_s!r}")
+        if self.decode_context not in simulator_context.MODES:
+            raise ValueError(f"decode_context must be one of "
+                             f"{', '.join(simulator_context.MODES)}, got {self.decode_context!r}")
 
 
 def add_simulator_check_args(p: argparse.ArgumentParser) -> None:
@@ -101,15 +111,22 @@ def add_simulator_check_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2", help="default: %(default)s")
     p.add_argument("--remeasure", action="store_true",
                    help="measure every workload again even if its results are in --out")
-    p.add_argument("--decode-context-us", type=float, default=None, metavar="US",
-                   help="hold the fitted decode cost per context token at this "
-                        "(`pdserve simulate --decode-context-us`; default: fitted)")
+    held = p.add_mutually_exclusive_group()
+    held.add_argument("--decode-context", choices=simulator_context.MODES, default="measured",
+                      help="the decode cost per context token: measured (default) by `bench "
+                           "decode-context` on as many threads as each configuration's workers "
+                           "compute on, once per thread count (decode_context.json in --out, "
+                           "reused), and held; or fitted on the calibration run with the other "
+                           "step costs")
+    held.add_argument("--decode-context-us", type=float, default=None, metavar="US",
+                      help="hold it at this for every configuration (`pdserve simulate "
+                           "--decode-context-us`)")
 
 
 def settings(args: argparse.Namespace) -> CheckSettings:
     return CheckSettings(args.out, args.calibrate_on, _names(args.held_out),
                          _names(args.configs), args.duration, args.model, args.remeasure,
-                         args.decode_context_us)
+                         args.decode_context, args.decode_context_us)
 
 
 def _names(text: str) -> tuple[str, ...]:
@@ -134,15 +151,15 @@ def _measure(s: CheckSettings, workload: str) -> Path:
     return out
 
 
-def _simulate(s: CheckSettings, calibration: Path, measured: Path, config: str
-              ) -> dict[str, Any]:
+def _simulate(s: CheckSettings, calibration: Path, measured: Path, config: str,
+              held_us: float | None) -> dict[str, Any]:
     steps = steps_path(calibration)
     argv = [sys.executable, "-m", "pdserve.cli", "simulate",
             "--model", SIM_MODELS.get(s.model, s.model), "--gpu", "cpu",
             "--calibrate", f"{steps}:{config}", "--compare-measured", f"{measured}:{config}",
             "--json"]
-    if s.decode_context_us is not None:
-        argv += ["--decode-context-us", f"{s.decode_context_us:g}"]
+    if held_us is not None:
+        argv += ["--decode-context-us", f"{held_us:g}"]
     done = subprocess.run(argv, capture_output=True, text=True, check=False)
     if done.returncode != 0:
         raise RuntimeError(f"pdserve simulate failed for {measured.name}:{config}: "
@@ -154,16 +171,32 @@ def run_check(s: CheckSettings) -> dict[str, Any]:
     """Measure what is missing, simulate every (held-out workload, configuration)."""
     s.out_dir.mkdir(parents=True, exist_ok=True)
     calibration = _measure(s, s.calibrate_on)
+    held = _held_context(s, calibration)
     rows = []
     for workload in s.held_out:
         measured = _measure(s, workload)
         for config in s.configs:
-            got = _simulate(s, calibration, measured, config)
+            got = _simulate(s, calibration, measured, config, held["us"][config])
             rows.append({"workload": workload, "config": config, **got,
                          "outside": _outside(got)})
     return {"calibrated_on": s.calibrate_on, "duration_s": s.duration_s, "model": s.model,
-            "decode_context_us": s.decode_context_us, "rows": rows,
-            "ranking": _rankings(rows)}
+            "decode_context": held, "rows": rows, "ranking": _rankings(rows)}
+
+
+def _held_context(s: CheckSettings, calibration: Path) -> dict[str, Any]:
+    """{"mode", "us": config -> held us per context token (None: fitted), "threads": config ->
+    its workers' threads (measured mode only)}, simulator_context's rule."""
+    if s.decode_context_us is not None:
+        return {"mode": "held", "us": dict.fromkeys(s.configs, s.decode_context_us)}
+    if s.decode_context == "fitted":
+        return {"mode": "fitted", "us": dict.fromkeys(s.configs)}
+    results = json.loads(calibration.read_text())
+    cores = simulator_context.cores()
+    threads = {c: simulator_context.worker_threads(results, c, cores) for c in s.configs}
+    costs = simulator_context.measured_costs(s.out_dir, s.model, set(threads.values()),
+                                             s.remeasure)
+    return {"mode": "measured", "us": {c: costs[t] for c, t in threads.items()},
+            "threads": threads}
 
 
 def _outside(got: dict[str, Any]) -> list[str]:
@@ -203,10 +236,9 @@ def format_check(summary: dict[str, Any]) -> str:
     """One line per (workload, configuration): each figure measured -> simulated (error)."""
     head = ["workload", "config"] + [f.replace("_ms", "") for f in FIGURES] + \
         ["local_prefills(measured/simulated)", "steps(measured/priced)"]
-    held = summary.get("decode_context_us")
-    held_text = "" if held is None else f", decode context cost held at {held:g} us/token"
-    lines = [f"held-out validation, step costs fitted on {summary['calibrated_on']!r}{held_text} "
-             "(measured -> simulated, error; * outside its tolerance)", "  ".join(head)]
+    lines = [f"held-out validation, step costs fitted on {summary['calibrated_on']!r}"
+             f"{_held_text(summary.get('decode_context'))} (measured -> simulated, error; * "
+             "outside its tolerance)", "  ".join(head)]
     for r in summary["rows"]:
         cells = [r["workload"], r["config"]]
         for f in FIGURES:
@@ -218,6 +250,19 @@ def format_check(summary: dict[str, Any]) -> str:
         lines.append("  ".join(cells))
     lines += [_rank_line(workload, rank) for workload, rank in summary["ranking"].items()]
     return "\n".join(lines)
+
+
+def _held_text(held: dict[str, Any] | None) -> str:
+    """", decode context cost held at ...": what the decode context cost was held at."""
+    if held is None or held["mode"] == "fitted":
+        return ""
+    if held["mode"] == "held":
+        return f", decode context cost held at {next(iter(held['us'].values())):g} us/token"
+    each = []
+    for config, us in held["us"].items():
+        t = held["threads"][config]
+        each.append(f"{config} {us:.3g} us/token ({t} thread{'s' if t > 1 else ''})")
+    return f", decode context cost held at bench decode-context's: {', '.join(each)}"
 
 
 def _steps(ratios: dict[str, Any] | None) -> str:
