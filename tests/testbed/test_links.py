@@ -1,7 +1,8 @@
 """Shaped links, measured with real TCP and UDP between hosts: the rate is what was asked (TCP
 goodput is ~0.95 of a link's rate; the bounds are generous both ways), changes live, loss
-drops that share of datagrams, a partition cuts exactly one pair of hosts, and a delay (where
-the kernel has netem) shows in the round trip."""
+drops that share of datagrams, a partition cuts exactly one pair of hosts, and a delay (netem's,
+or the user-space delay line's where the kernel has no netem) shows in the round trip, changes
+live, and jitters."""
 
 from __future__ import annotations
 
@@ -11,10 +12,10 @@ from collections.abc import Callable
 
 import pytest
 
-from pdserve.testbed import lifecycle
+from pdserve.testbed import delays, lifecycle
 from pdserve.testbed.namespaces import TestbedError, entered
 from pdserve.testbed.probe import ProbeLimits, measure
-from pdserve.testbed.state import BedState
+from pdserve.testbed.state import BedState, DelayMethod
 from pdserve.testbed.topology import LinkShape
 
 HOSTS = ("router", "p0", "d0")
@@ -44,16 +45,50 @@ def test_an_unshaped_round_trip_is_short(make_bed: Callable[..., BedState]) -> N
     assert measure(bed, "p0", "d0", PROBE).rtt_ms < 20
 
 
-def test_delay_shows_in_the_round_trip(make_bed: Callable[..., BedState]) -> None:
-    bed = make_bed(HOSTS, LinkShape(gbps=1))
-    if not bed.netem:
-        with pytest.raises(TestbedError, match="no netem qdisc"):
+def _can_delay(bed: BedState) -> None:
+    if bed.delay is DelayMethod.NONE:
+        with pytest.raises(TestbedError, match="can delay no link"):
             lifecycle.set_link(bed.topology.prefix, "d0", delay_ms=5)
-        pytest.skip("this kernel has no netem (CONFIG_NET_SCH_NETEM): links cannot delay")
+        pytest.skip("no netem in this kernel and no iptables NFQUEUE: links cannot delay")
+
+
+def test_delay_shows_in_the_round_trip_and_changes_live(
+        make_bed: Callable[..., BedState]) -> None:
+    bed = make_bed(HOSTS, LinkShape(gbps=1))
+    _can_delay(bed)
     for host in ("p0", "d0"):
         bed = lifecycle.set_link(bed.topology.prefix, host, delay_ms=5)
     rtt = measure(bed, "p0", "d0", PROBE).rtt_ms
     assert 9 < rtt < 40, f"round trip {rtt} ms between two 5 ms links (one way 5 ms)"
+    assert measure(bed, "p0", "router", PROBE).rtt_ms >= 4.5  # half of p0's 5 ms each way
+    bed = lifecycle.set_link(bed.topology.prefix, "d0", delay_ms=25)
+    rtt = measure(bed, "p0", "d0", PROBE).rtt_ms
+    assert 29 < rtt < 80, f"round trip {rtt} ms between a 5 ms and a 25 ms link (one way 15)"
+
+
+def test_jitter_varies_the_round_trip_within_its_bounds(
+        make_bed: Callable[..., BedState]) -> None:
+    bed = make_bed(HOSTS, LinkShape(gbps=1, delay_ms=20, jitter_ms=20))
+    _can_delay(bed)
+    rtts = [measure(bed, "p0", "d0", CUT).rtt_ms for _ in range(12)]
+    # each way 20 ms +- 10 (two links, each +- 5): round trips 20-60 ms, not all alike
+    assert min(rtts) >= 19 and max(rtts) - min(rtts) > 3, rtts
+
+
+def test_the_delay_line_ends_when_no_link_delays_and_down_leaves_nothing(
+        make_bed: Callable[..., BedState]) -> None:
+    bed = make_bed(HOSTS, LinkShape(gbps=1, delay_ms=10))
+    if bed.delay is not DelayMethod.QUEUE:
+        pytest.skip(f"the links delay by {bed.delay.value}, not the delay line")
+    switch = bed.topology.switch_namespace
+    assert delays.running(switch)
+    for host in HOSTS:
+        bed = lifecycle.set_link(bed.topology.prefix, host, delay_ms=0)
+    deadline = time.monotonic() + 5
+    while delays.running(switch) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not delays.running(switch)
+    assert measure(bed, "p0", "d0", PROBE).rtt_ms < 5
 
 
 def test_loss_drops_that_share_of_datagrams(make_bed: Callable[..., BedState]) -> None:

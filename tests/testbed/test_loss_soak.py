@@ -1,6 +1,7 @@
 """Two minutes of 16 client streams while every link of the testbed drops 1% of its packets:
 no request fails, each gets every token it asked for, and no KV block stays used afterwards.
-(Jitter needs the kernel's netem; where the kernel has it, every link also jitters by 5 ms.)
+Every link also delays by 5 ms with 5 ms of jitter, where the testbed can delay (netem, or the
+delay line: iptables' NFQUEUE).
 
 Marked `soak`: `make soak` runs it; the README's test command leaves it out."""
 
@@ -14,6 +15,7 @@ from collections.abc import Iterator
 import pytest
 
 from pdserve.testbed import lifecycle
+from pdserve.testbed.state import DelayMethod
 from tests.testbed.bed_cluster import MAX_TOKENS, BedCluster, cluster_on_bed
 from tests.testbed.test_cross_host import THRESHOLD
 
@@ -49,7 +51,8 @@ def _client(c: BedCluster, seed: int, until: float, done: list[int],
 def test_sixteen_streams_over_lossy_links_for_two_minutes_fail_no_request(
         bed_cluster: BedCluster) -> None:
     c, prefix = bed_cluster, bed_cluster.bed.topology.prefix
-    jitter = {"delay_ms": JITTER_MS, "jitter_ms": JITTER_MS} if c.bed.netem else {}
+    jitter = {"delay_ms": JITTER_MS, "jitter_ms": JITTER_MS} \
+        if c.bed.delay is not DelayMethod.NONE else {}
     for host in ("router", "p0", "d0"):
         lifecycle.set_link(prefix, host, loss_pct=LOSS_PCT, **jitter)
     done: list[int] = []

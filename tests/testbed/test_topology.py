@@ -6,7 +6,7 @@ import pytest
 
 from pdserve.testbed import namespaces, shaping
 from pdserve.testbed.namespaces import TestbedError
-from pdserve.testbed.state import BedState
+from pdserve.testbed.state import BedState, DelayMethod
 from pdserve.testbed.topology import LinkShape, Topology
 
 
@@ -50,20 +50,22 @@ def test_bad_link_shapes_say_what_to_fix(kwargs: dict, match: str) -> None:
         LinkShape(**kwargs)
 
 
-def test_only_delay_and_jitter_need_netem() -> None:
-    assert not LinkShape(gbps=1, loss_pct=5).needs_netem
-    assert LinkShape(delay_ms=0.5).needs_netem
+def test_only_delay_and_jitter_need_a_delay() -> None:
+    assert not LinkShape(gbps=1, loss_pct=5).needs_delay
+    assert LinkShape(delay_ms=0.5).needs_delay
     assert LinkShape(gbps=1).changed(delay_ms=2, gbps=None) == LinkShape(gbps=1, delay_ms=2)
 
 
 def test_each_direction_gets_the_rate_and_half_the_delay() -> None:
-    tree = shaping.tree("p-d0", LinkShape(gbps=1, delay_ms=5, jitter_ms=1))
+    tree = shaping.tree("p-d0", LinkShape(gbps=1, delay_ms=5, jitter_ms=1), netem=True)
     assert tree[1][:13] == ["class", "add", "dev", "p-d0", "parent", "1:", "classid", "1:10",
                             "htb", "rate", "1000000000bit", "ceil", "1000000000bit"]
     leaf = tree[2]
     assert leaf[leaf.index("netem"):leaf.index("netem") + 4] == ["netem", "delay", "2500us",
                                                                  "500us"]
     assert shaping.leaf(LinkShape(gbps=10)) == ["bfifo", "limit", str(6_250_000)]
+    # without netem the delay line holds the packets: the leaf is the plain queue
+    assert shaping.leaf(LinkShape(gbps=10, delay_ms=5)) == ["bfifo", "limit", str(6_250_000)]
     assert shaping.leaf(LinkShape(gbps=0.01)) == ["bfifo", "limit", str(256 * 1024)]
 
 
@@ -83,7 +85,7 @@ def test_the_loss_program_matches_that_share_of_random_numbers() -> None:
 def test_the_state_reads_back_and_knows_partitions() -> None:
     t = Topology(("router", "p0", "d0", "d1"), "pdq-")
     shape = LinkShape(gbps=2, loss_pct=1)
-    bed = BedState(t, {h: shape for h in t.hosts}, netem=True,
+    bed = BedState(t, {h: shape for h in t.hosts}, delay=DelayMethod.QUEUE,
                    partitions=frozenset({("d0", "p0"), ("d1", "p0")}))
     assert BedState.from_json(bed.to_json()) == bed
     assert bed.cut_from("p0") == ("d0", "d1")

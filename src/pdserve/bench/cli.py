@@ -110,7 +110,7 @@ def _add_transfer(kinds: argparse._SubParsersAction) -> None:
     xfer.add_argument("--link-gbps", default="1,10",
                       help="with --testbed: link rates in Gb/s (default: %(default)s)")
     xfer.add_argument("--delay-ms", type=float, default=0.0,
-                      help="with --testbed: one-way link delay (needs netem; default: 0)")
+                      help="with --testbed: one-way link delay (netem or iptables; default: 0)")
     xfer.add_argument("--concurrent", default="1,8,32",
                       help="with --testbed: transfers started at once (default: %(default)s)")
     xfer.add_argument("--senders", default="1",

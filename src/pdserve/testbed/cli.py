@@ -12,13 +12,14 @@ from pdserve.testbed import lifecycle, state
 from pdserve.testbed import namespaces as ns
 from pdserve.testbed.namespaces import TestbedError
 from pdserve.testbed.probe import ProbeLimits, measure
-from pdserve.testbed.state import BedState
+from pdserve.testbed.state import BedState, DelayMethod
 from pdserve.testbed.topology import DEFAULT_PREFIX, DEFAULT_SUBNET, LinkShape, Topology
 
 _DESCRIPTION = (
     "Hosts on this machine: one network namespace per host, every host linked to one bridge "
-    "(in a namespace of its own) by a veth pair shaped with tc in both directions: rate, and "
-    "with the kernel's netem also delay and jitter; loss and partitions need no netem. "
+    "(in a namespace of its own) by a veth pair shaped with tc in both directions: rate, loss "
+    "and partitions; delay and jitter by the kernel's netem, or where the kernel lacks it by "
+    "a user-space delay line on iptables' NFQUEUE. "
     "Addresses come from a private range and exist only inside the hosts; nothing changes on "
     "the machine's own interfaces. Needs root and iproute2. See docs/testbed.md.")
 _EPILOG = ("Example: pdserve testbed up --hosts router,p0,d0 --link-gbps 10; pdserve up "
@@ -86,9 +87,9 @@ def _add_shape_args(p: argparse.ArgumentParser, *, required: bool) -> None:
                    help="rate of each direction of each link, Gb/s (default: %(default)s)")
     p.add_argument("--delay-ms", type=float, default=default("delay_ms"),
                    help="one-way delay between two hosts with such links (half per link and "
-                        "direction; needs netem) (default: %(default)s)")
+                        "direction; netem or iptables) (default: %(default)s)")
     p.add_argument("--jitter-ms", type=float, default=default("jitter_ms"),
-                   help="delay variation, at most the delay (needs netem) "
+                   help="delay variation, at most the delay, uniform (netem or iptables) "
                         "(default: %(default)s)")
     p.add_argument("--loss", dest="loss_pct", type=float, default=default("loss_pct"),
                    help="percent of packets dropped in each direction of the link "
@@ -190,6 +191,13 @@ def _print_ok(bed: BedState) -> int:
     return 0
 
 
+_DELAY_BY = {
+    DelayMethod.NETEM: "(delay and jitter: the kernel's netem)",
+    DelayMethod.QUEUE: "(delay and jitter: the user-space delay line, no netem in this kernel)",
+    DelayMethod.NONE: "(no netem and no iptables NFQUEUE: links have rate and loss, no delay or "
+                      "jitter)"}
+
+
 def _print(bed: BedState, as_json: bool) -> None:
     if as_json:
         print(json.dumps(bed.to_json(), indent=1))
@@ -201,5 +209,4 @@ def _print(bed: BedState, as_json: bool) -> None:
         print(f"{host:12} {t.address(host):15} namespace {t.namespace(host):20} "
               f"{s.gbps:g} Gb/s, delay {s.delay_ms:g} ms, jitter {s.jitter_ms:g} ms, "
               f"loss {s.loss_pct:g}%" + (f", cut from {','.join(cut)}" if cut else ""))
-    if not bed.netem:
-        print("(this kernel has no netem: links have rate and loss, no delay or jitter)")
+    print(_DELAY_BY[bed.delay])

@@ -9,10 +9,10 @@ links in place and rewrite the state file.
 
 from __future__ import annotations
 
+from pdserve.testbed import delay_line, delays, shaping, state
 from pdserve.testbed import namespaces as ns
-from pdserve.testbed import shaping, state
 from pdserve.testbed.namespaces import TestbedError
-from pdserve.testbed.state import BedState
+from pdserve.testbed.state import BedState, DelayMethod
 from pdserve.testbed.topology import (
     BRIDGE,
     HOST_LINK,
@@ -22,26 +22,23 @@ from pdserve.testbed.topology import (
     port_link,
 )
 
-_NO_NETEM = ("this kernel has no netem qdisc (CONFIG_NET_SCH_NETEM), which link delay and "
-             "jitter need: give --delay-ms 0 --jitter-ms 0 (rate and loss work without it)")
-
 
 def up(topology: Topology, shape: LinkShape) -> BedState:
     """Make the testbed: every host linked to the bridge with `shape`. TestbedError when one
-    with this prefix exists, or the machine cannot (no root, no netem for a delay)."""
+    with this prefix exists, or the machine cannot (no root, no way to delay a link that must
+    be delayed: `delays.py`)."""
     ns.check_can_build()
     existing = ns.names(topology.prefix)
     if existing:
         raise TestbedError(f"a testbed with prefix {topology.prefix!r} exists "
                            f"({', '.join(existing)}): pdserve testbed down first")
     try:
-        netem = _make_switch(topology)
-        if shape.needs_netem and not netem:
-            raise TestbedError(_NO_NETEM)
+        bed = BedState(topology, {h: shape for h in topology.hosts}, _make_switch(topology))
+        delays.check(bed)
         for host in topology.hosts:
-            _make_host(topology, host, shape)
-        bed = BedState(topology, {h: shape for h in topology.hosts}, netem)
+            _make_host(bed, host)
         state.save(bed)
+        delays.apply(bed)
         return bed
     except BaseException:
         down(topology.prefix)
@@ -55,6 +52,8 @@ def down(prefix: str) -> list[str]:
     found = ns.names(prefix)
     ns.delete(found)
     state.remove(prefix)
+    for path in (delays.log_path(prefix), delay_line.applied_path(prefix)):
+        path.unlink(missing_ok=True)  # the line's, if it ran (and was killed outright)
     return found
 
 
@@ -62,15 +61,15 @@ def set_link(prefix: str, host: str, **changes: float | None) -> BedState:
     """Change `host`'s link live (gbps, delay_ms, jitter_ms, loss_pct; None: unchanged)."""
     bed = state.load(prefix)
     shape = bed.links[_known(bed, host)].changed(**changes)
-    if shape.needs_netem and not bed.netem:
-        raise TestbedError(_NO_NETEM)
-    sw = bed.topology.switch_namespace
+    delays.check(bed.with_link(host, shape))
+    sw, netem = bed.topology.switch_namespace, bed.delay is DelayMethod.NETEM
     for dev in (port_link(host), ifb_link(host)):
-        for cmd in shaping.reshape(dev, shape):
+        for cmd in shaping.reshape(dev, shape, netem):
             ns.tc(sw, *cmd)
     bed = bed.with_link(host, shape)
     _refilter(bed, host)
     state.save(bed)
+    delays.apply(bed)
     return bed
 
 
@@ -106,25 +105,17 @@ def _known(bed: BedState, host: str) -> str:
     return host
 
 
-def _make_switch(topology: Topology) -> bool:
-    """The switch namespace with its bridge up; whether the kernel has netem."""
+def _make_switch(topology: Topology) -> DelayMethod:
+    """The switch namespace with its bridge up; how its links can delay."""
     sw = topology.switch_namespace
     ns.add(sw)
     ns.ip(sw, "link", "add", BRIDGE, "type", "bridge")
     ns.ip(sw, "link", "set", BRIDGE, "up")
-    add, remove = shaping.probe_netem("lo")
-    ns.tc(sw, *add, check=False)  # fails where the kernel has no netem
-    if _has_root_qdisc(sw, "lo", "netem"):
-        ns.tc(sw, *remove)
-        return True
-    return False
+    return delays.probe(sw)
 
 
-def _has_root_qdisc(namespace: str, dev: str, kind: str) -> bool:
-    return f"qdisc {kind} 1: root" in ns.tc(namespace, "qdisc", "show", "dev", dev)
-
-
-def _make_host(topology: Topology, host: str, shape: LinkShape) -> None:
+def _make_host(bed: BedState, host: str) -> None:
+    topology, shape, netem = bed.topology, bed.links[host], bed.delay is DelayMethod.NETEM
     sw, inside = topology.switch_namespace, topology.namespace(host)
     port, ifb = port_link(host), ifb_link(host)
     ns.add(inside)
@@ -136,8 +127,8 @@ def _make_host(topology: Topology, host: str, shape: LinkShape) -> None:
     ns.ip(inside, "addr", "add", f"{topology.address(host)}/{topology.prefixlen}", "dev",
           HOST_LINK)
     ns.ip(inside, "link", "set", HOST_LINK, "up")
-    cmds = [*shaping.redirect_ingress(port, ifb), *shaping.tree(port, shape),
-            *shaping.tree(ifb, shape), *shaping.filters(port, shape.loss_pct),
+    cmds = [*shaping.redirect_ingress(port, ifb), *shaping.tree(port, shape, netem),
+            *shaping.tree(ifb, shape, netem), *shaping.filters(port, shape.loss_pct),
             *shaping.filters(ifb, shape.loss_pct)]
     for cmd in cmds:
         ns.tc(sw, *cmd)

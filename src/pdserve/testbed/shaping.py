@@ -7,13 +7,14 @@ which a real network never does):
 
     htb 1: (default 1:10)
       1:10  rate = ceil = the link's rate -> leaf 10: bfifo (byte queue), or netem when the
-            link has delay or jitter (half of each per direction)
+            kernel has it and the link has delay or jitter (half of each per direction)
       1:20  the drop class -> leaf 20: pfifo limit 0 (every packet dropped)
     filters into 1:20: prio 1, u32 on destination addresses (partitions); prio 2, a classic
     BPF program on a random number (loss), so loss needs no netem.
 
 The kernel's netem is optional (some kernels are built without it): only delay and jitter
-need it. Queues: QUEUE_S of the link's rate in bytes, at least MIN_QUEUE_BYTES.
+need it, and without it the delay line (`delay_line.py`) holds the packets instead. Queues:
+QUEUE_S of the link's rate in bytes, at least MIN_QUEUE_BYTES.
 """
 
 from __future__ import annotations
@@ -34,23 +35,24 @@ _PASS, _MATCH = 0, 0xFFFFFFFF  # cls_bpf: 0 = no match, -1 = the filter's class 
 Command = list[str]
 
 
-def tree(dev: str, shape: LinkShape) -> list[Command]:
-    """Build the tree on `dev` (which has none yet)."""
+def tree(dev: str, shape: LinkShape, netem: bool = False) -> list[Command]:
+    """Build the tree on `dev` (which has none yet); `netem`: the delay is netem's."""
     rate = f"{shape.bits_per_s}bit"
     return [
         ["qdisc", "add", "dev", dev, "root", "handle", "1:", "htb", "default", "10"],
         ["class", "add", "dev", dev, "parent", "1:", "classid", "1:10", *_htb(shape)],
-        ["qdisc", "add", "dev", dev, "parent", "1:10", "handle", "10:", *leaf(shape)],
+        ["qdisc", "add", "dev", dev, "parent", "1:10", "handle", "10:", *leaf(shape, netem)],
         ["class", "add", "dev", dev, "parent", "1:", "classid", "1:20", "htb", "rate", rate,
          "quantum", str(QUANTUM)],
         ["qdisc", "add", "dev", dev, "parent", "1:20", "handle", "20:", "pfifo", "limit", "0"],
     ]
 
 
-def reshape(dev: str, shape: LinkShape) -> list[Command]:
+def reshape(dev: str, shape: LinkShape, netem: bool = False) -> list[Command]:
     """Change the rate and the leaf of a built tree in place (traffic keeps flowing)."""
     return [["class", "change", "dev", dev, "parent", "1:", "classid", "1:10", *_htb(shape)],
-            ["qdisc", "replace", "dev", dev, "parent", "1:10", "handle", "10:", *leaf(shape)]]
+            ["qdisc", "replace", "dev", dev, "parent", "1:10", "handle", "10:",
+             *leaf(shape, netem)]]
 
 
 def clear_filters(dev: str) -> list[Command]:
@@ -81,11 +83,12 @@ def probe_netem(dev: str) -> list[Command]:
             ["qdisc", "del", "dev", dev, "root"]]
 
 
-def leaf(shape: LinkShape) -> Command:
-    """The queue under the rate limit, for one direction (half the link's delay and jitter)."""
+def leaf(shape: LinkShape, netem: bool = False) -> Command:
+    """The queue under the rate limit, for one direction (with `netem`, half the link's delay
+    and jitter)."""
     rate_bytes = shape.bits_per_s / 8
     queue = max(MIN_QUEUE_BYTES, math.ceil(rate_bytes * QUEUE_S))
-    if not shape.needs_netem:
+    if not (netem and shape.needs_delay):
         return ["bfifo", "limit", str(queue)]
     held_s = (shape.delay_ms + shape.jitter_ms) / 2000
     packets = max(1000, math.ceil((queue + rate_bytes * held_s) / PACKET_BYTES))

@@ -2,10 +2,11 @@
 `up`, `link`, `partition` and `heal`, removed by `down`.
 
 It holds what the namespaces do not say simply: the hosts in order with their addresses, each
-link's shape, the partitioned host pairs and whether the kernel has netem. The namespaces are
-the truth for what exists (`down` works from them alone, with or without this file).
+link's shape, the partitioned host pairs and how its links delay (`DelayMethod`). The
+namespaces are the truth for what exists (`down` works from them alone, with or without this
+file).
 
-    {"prefix": "pdtb-", "subnet": "10.250.0.0/24", "netem": false,
+    {"prefix": "pdtb-", "subnet": "10.250.0.0/24", "delay": "queue",
      "hosts": {"router": "10.250.0.10", "p0": "10.250.0.11", "d0": "10.250.0.12"},
      "links": {"p0": {"gbps": 10.0, "delay_ms": 0.0, "jitter_ms": 0.0, "loss_pct": 0.0}, ...},
      "partitions": [["d0", "p0"]]}
@@ -16,12 +17,21 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass, field, replace
+from enum import StrEnum
 from pathlib import Path
 
 from pdserve.testbed.namespaces import TestbedError
 from pdserve.testbed.topology import LinkShape, Topology
 
 STATE_DIR = Path("/run/pdserve-testbed")
+
+
+class DelayMethod(StrEnum):
+    """How a testbed's links delay and jitter, the first the machine has (`delays.probe`)."""
+
+    NETEM = "netem"  # the kernel's netem qdisc under each link's rate (shaping.py)
+    QUEUE = "queue"  # delay_line.py: user space, packets held in an NFQUEUE (iptables)
+    NONE = "none"  # neither: links have rate and loss only
 
 
 @dataclass(frozen=True)
@@ -31,7 +41,7 @@ class BedState:
 
     topology: Topology
     links: dict[str, LinkShape] = field(hash=False)
-    netem: bool = False
+    delay: DelayMethod = DelayMethod.NONE
     partitions: frozenset[tuple[str, str]] = frozenset()
 
     def __post_init__(self) -> None:
@@ -55,7 +65,7 @@ class BedState:
 
     def to_json(self) -> dict:
         t = self.topology
-        return {"prefix": t.prefix, "subnet": t.subnet, "netem": self.netem,
+        return {"prefix": t.prefix, "subnet": t.subnet, "delay": self.delay.value,
                 "hosts": {h: t.address(h) for h in t.hosts},
                 "links": {h: self.links[h].to_json() for h in t.hosts},
                 "partitions": sorted(map(list, self.partitions))}
@@ -64,7 +74,7 @@ class BedState:
     def from_json(cls, data: dict) -> BedState:
         topology = Topology(tuple(data["hosts"]), data["prefix"], data["subnet"])
         return cls(topology, {h: LinkShape(**s) for h, s in data["links"].items()},
-                   bool(data["netem"]), frozenset(tuple(p) for p in data["partitions"]))
+                   DelayMethod(data["delay"]), frozenset(tuple(p) for p in data["partitions"]))
 
 
 def state_path(prefix: str) -> Path:

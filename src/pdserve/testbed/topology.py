@@ -53,8 +53,8 @@ class LinkShape:
             raise ValueError(f"loss must be a percentage in [0, 100], got {self.loss_pct:g}")
 
     @property
-    def needs_netem(self) -> bool:
-        """Delay and jitter need the kernel's netem qdisc; rate and loss do not."""
+    def needs_delay(self) -> bool:
+        """Delay and jitter need netem or the delay line (`delays.py`); rate and loss do not."""
         return self.delay_ms > 0 or self.jitter_ms > 0
 
     @property

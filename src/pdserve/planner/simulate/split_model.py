@@ -39,9 +39,9 @@ always progresses; at most the prompt tokens ready; with no stream decoding, no 
 
 Not modelled: the router's fallback before any rate is measured (router/path_choice.py: the
 first prompts of a run, until the health check after its first prompt steps; it shares them
-between the workers by queued tokens, as the rule above does at equal rates), the KV-usage term of the least-loaded policy, and the
-router's measured inputs (the rates here are the cost model's, for this prompt, at the
-decision):
+between the workers by queued tokens, as the rule above does at equal rates), the KV-usage
+term of the least-loaded policy, and the router's measured inputs (the rates here are the
+cost model's, for this prompt, at the decision):
 - R_d: the router derives it from the decode worker's reported marginal prefill rate R_m
   (router/split_decision.py: R_m with no leg open, else C / (s + C / R_m) beside its streams),
   R_m measured over its last prompt steps; here the cost model's rate for this prompt beside
