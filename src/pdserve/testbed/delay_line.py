@@ -28,6 +28,7 @@ whose --queue-bypass then lets packets through undelayed.
 from __future__ import annotations
 
 import contextlib
+import errno
 import heapq
 import os
 import random
@@ -100,10 +101,12 @@ def iptables(*args: str) -> None:
 
 
 class DelayLine:
+    """Packets held (`held`, a heap by release time) from their read until their verdict;
+    every one still held is accepted when `run` ends, so none stays in the kernel's queue."""
+
     def __init__(self, prefix: str) -> None:
         self.prefix = prefix
-        self.queue = nfqueue.Queue(QUEUE)
-        self.queue.sock.setblocking(False)
+        self.queue = nfqueue.Queue(QUEUE, blocking=False)
         self.schedule = Schedule()
         self.held: list[tuple[float, int, int]] = []  # (release_s, arrival order, packet id)
         self.count = 0
@@ -135,6 +138,11 @@ class DelayLine:
                 batch = self.queue.read()
             except BlockingIOError:
                 return
+            except OSError as e:  # ENOBUFS: announcements lost; their packets wait until the
+                # line ends (TCP sends them again meanwhile)
+                if e.errno != errno.ENOBUFS:
+                    raise
+                continue
             for p in batch:
                 heapq.heappush(self.held, (self.schedule.release_s(now, p, self.shapes),
                                            self.count, p.packet_id))

@@ -104,7 +104,8 @@ def packets(data: bytes) -> Iterator[Packet]:
 class Queue:
     """Bound to queue number `queue` in the calling process's network namespace."""
 
-    def __init__(self, queue: int, max_packets: int = 65536, rcvbuf: int = 32 << 20) -> None:
+    def __init__(self, queue: int, max_packets: int = 65536, rcvbuf: int = 32 << 20,
+                 blocking: bool = True) -> None:
         self.queue = queue
         self.sock = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, NETLINK_NETFILTER)
         try:
@@ -115,6 +116,7 @@ class Queue:
             self._configure(_attr(_CFG_QUEUE_MAXLEN, struct.pack(">I", max_packets)))
             self._configure(_attr(_CFG_MASK, struct.pack(">I", _F_GSO))
                             + _attr(_CFG_FLAGS, struct.pack(">I", _F_GSO)))
+            self.sock.setblocking(blocking)
         except BaseException:
             self.sock.close()
             raise
