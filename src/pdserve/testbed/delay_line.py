@@ -91,13 +91,15 @@ def port_shapes(bed: state.BedState) -> dict[int, LinkShape]:
 
 
 def iptables(*args: str) -> None:
-    """`iptables ARGS` with the first of IPTABLES found; OSError when none runs clean."""
-    tool = next((t for t in IPTABLES if shutil.which(t)), None)
-    if tool is None:
-        raise OSError("no iptables on PATH (Debian/Ubuntu: apt-get install iptables)")
-    done = subprocess.run([tool, *args], capture_output=True, text=True)
-    if done.returncode != 0:
-        raise OSError(f"{tool} {' '.join(args)}: {done.stderr.strip()}")
+    """`iptables ARGS` with the first of IPTABLES that runs it clean (as `delays.probe` picks
+    one); OSError when none does."""
+    errors = []
+    for tool in filter(shutil.which, IPTABLES):
+        done = subprocess.run([tool, *args], capture_output=True, text=True)
+        if done.returncode == 0:
+            return
+        errors.append(f"{tool}: {done.stderr.strip()}")
+    raise OSError(f"iptables {' '.join(args)} failed: {'; '.join(errors) or 'none on PATH'}")
 
 
 class DelayLine:
