@@ -128,7 +128,7 @@ class PathChoice:
                           f"{self.threshold}", Reason.THRESHOLD)
         decision, table = self._decide(worker, prompt, prefill)
         if decision is None:
-            return self._unmeasured(worker, prompt, prefill)
+            return self._unmeasured(worker, uncached, prompt, prefill)
         reason = Reason.TPOT_TARGET if decision.over_tpot_target else Reason.MEASURED_COST
         best = prefill[decision.prefill_index or 0]
         _, source = table.estimate(best.url, worker.url)
@@ -136,14 +136,14 @@ class PathChoice:
                f"{table.describe(best.url, worker.url)}")
         return Choice(not decision.local, why, reason, decision, source)
 
-    def _unmeasured(self, worker: WorkerHandle, prompt: Prompt, prefill: list[WorkerHandle]
-                    ) -> Choice:
-        """The fallback before any rate is measured (module docstring)."""
-        mine = self.backlog.tokens(worker.key) + prompt.uncached(worker)
+    def _unmeasured(self, worker: WorkerHandle, uncached: int, prompt: Prompt,
+                    prefill: list[WorkerHandle]) -> Choice:
+        """The fallback before any rate is measured (module docstring); `uncached`: the
+        prompt's tokens uncached on `worker`."""
+        mine = self.backlog.tokens(worker.key) + uncached
         theirs = min(self.backlog.tokens(p.key) + prompt.uncached(p) for p in prefill)
-        local = prompt.uncached(worker) <= UNMEASURED_THRESHOLD and \
-            mine <= max(UNMEASURED_THRESHOLD, theirs)
-        return Choice(not local, f"rates not measured yet: {prompt.uncached(worker)} uncached "
+        local = uncached <= UNMEASURED_THRESHOLD and mine <= max(UNMEASURED_THRESHOLD, theirs)
+        return Choice(not local, f"rates not measured yet: {uncached} uncached "
                       f"tokens, {mine} queued here with them against {theirs} on the least "
                       f"loaded prefill worker (threshold {UNMEASURED_THRESHOLD})",
                       Reason.UNMEASURED)
