@@ -42,6 +42,7 @@ import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
+from pdserve.testbed import namespaces as ns
 from pdserve.testbed import nfqueue, state
 from pdserve.testbed.nfqueue import Packet
 from pdserve.testbed.topology import LinkShape, port_link
@@ -90,12 +91,14 @@ def port_shapes(bed: state.BedState) -> dict[int, LinkShape]:
             if port_link(h) in index}
 
 
-def iptables(*args: str) -> None:
-    """`iptables ARGS` with the first of IPTABLES that runs it clean (as `delays.probe` picks
-    one); OSError when none does."""
+def iptables(*args: str, namespace: str | None = None) -> None:
+    """`iptables ARGS` (inside `namespace`, else here) with the first of IPTABLES that runs it
+    clean; OSError when none does. `delays.probe` and the line itself both choose this way."""
     errors = []
     for tool in filter(shutil.which, IPTABLES):
-        done = subprocess.run([tool, *args], capture_output=True, text=True)
+        argv = [tool, *args]
+        done = subprocess.run(argv if namespace is None else ns.exec_argv(namespace, argv),
+                              capture_output=True, text=True)
         if done.returncode == 0:
             return
         errors.append(f"{tool}: {done.stderr.strip()}")
@@ -128,9 +131,7 @@ class DelayLine:
             if not needs_delay(bed):
                 return False
             self.shapes, self.seen_ns = port_shapes(bed), mtime
-            tmp = applied_path(self.prefix).with_suffix(f".tmp{os.getpid()}")
-            tmp.write_text(str(mtime))
-            os.replace(tmp, applied_path(self.prefix))
+            state.write_atomic(applied_path(self.prefix), str(mtime))
         return True
 
     def take(self, now: float) -> None:

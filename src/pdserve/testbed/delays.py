@@ -40,13 +40,12 @@ def probe(switch: str) -> DelayMethod:
     if "qdisc netem 1: root" in ns.tc(switch, "qdisc", "show", "dev", "lo"):
         ns.tc(switch, *remove)
         return DelayMethod.NETEM
-    for tool in delay_line.IPTABLES:
-        probe_rule = [tool, "-A", *delay_line.RULE]
-        done = subprocess.run(ns.exec_argv(switch, probe_rule), capture_output=True)
-        if done.returncode == 0:
-            ns.run(ns.exec_argv(switch, [tool, "-D", *delay_line.RULE]))
-            return DelayMethod.QUEUE
-    return DelayMethod.NONE
+    try:
+        delay_line.iptables("-A", *delay_line.RULE, namespace=switch)
+    except OSError:
+        return DelayMethod.NONE
+    delay_line.iptables("-D", *delay_line.RULE, namespace=switch)
+    return DelayMethod.QUEUE
 
 
 def check(bed: BedState) -> None:
@@ -77,7 +76,7 @@ def apply(bed: BedState) -> None:
 
 def running(switch: str) -> bool:
     """Whether a delay line process runs in the namespace `switch`."""
-    for pid in ns.ip(None, "netns", "pids", switch, check=False).split():
+    for pid in ns.pids_in([switch]):
         try:
             cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
         except OSError:

@@ -86,20 +86,20 @@ def delete(found: Sequence[str]) -> None:
 
 
 def _end_processes(found: Sequence[str]) -> None:
-    pids = _pids(found)
+    pids = pids_in(found)
     for pid in pids:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGTERM)
     deadline = time.monotonic() + _TERM_GRACE_S
     while pids and time.monotonic() < deadline:
         time.sleep(0.1)
-        pids = _pids(found)
+        pids = pids_in(found)
     for pid in pids:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
 
 
-def _pids(found: Sequence[str]) -> set[int]:
+def pids_in(found: Sequence[str]) -> set[int]:
     """The processes inside the namespaces, this one excepted."""
     pids = {int(p) for namespace in found
             for p in ip(None, "netns", "pids", namespace, check=False).split()}

@@ -82,11 +82,14 @@ def state_path(prefix: str) -> Path:
 
 
 def save(state: BedState) -> None:
-    """Write atomically (a reader sees the old file or the new one)."""
     STATE_DIR.mkdir(mode=0o755, exist_ok=True)
-    path = state_path(state.topology.prefix)
+    write_atomic(state_path(state.topology.prefix), json.dumps(state.to_json(), indent=1) + "\n")
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """A reader sees the old file or the new one, never part of it."""
     tmp = path.with_suffix(f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps(state.to_json(), indent=1) + "\n")
+    tmp.write_text(text)
     os.replace(tmp, path)
 
 
