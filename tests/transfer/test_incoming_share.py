@@ -91,8 +91,8 @@ def _both_sent(pairs: list[tuple[socket.socket, socket.socket]], target_s: float
 
 
 def test_the_share_splits_the_budget_evenly_and_keeps_a_floor() -> None:
-    assert share_bytes(1e9, 0.0005, 0.002, 2) == int(1e9 * 0.003 / 2)
-    assert share_bytes(1e9, 0.0005, 0.002, 4) == int(1e9 * 0.003 / 4)
+    assert share_bytes(1e9, 0.0005, 0.002, 2) == int(1e9 * 0.0025 / 2)
+    assert share_bytes(1e9, 0.0005, 0.002, 4) == int(1e9 * 0.0025 / 4)
     assert share_bytes(1e6, 0.0001, 0.002, 8) == MIN_BYTES
 
 

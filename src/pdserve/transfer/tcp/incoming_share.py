@@ -15,7 +15,7 @@ The share: every `UPDATE_S` (checked as bulk frames arrive), the connections tha
 WRITE or READ_DATA frame since the last update are the active ones, and each gets the same
 window (TCP_WINDOW_CLAMP),
 
-    max(MIN_BYTES, SEGMENTS x advmss, rate x (2 x rtt + target_s) / active)
+    max(MIN_BYTES, SEGMENTS x advmss, rate x (rtt + target_s) / active)
 
 `rate` the host's incoming bytes per second (the highest of the updates in the last `PEAK_S`:
 what the link delivered lately), `rtt` the largest of the active connections' smallest round
@@ -23,11 +23,16 @@ trips (TCP_INFO's `tcpi_min_rtt` on the accepted socket, in microseconds: sample
 handshake and the HELLO_ACK this end sent, on an idle connection, so the path's own; the
 receiver's `tcpi_rcv_rtt` counts in milliseconds and includes the queue), `target_s` the
 queueing the senders may add together (`TcpOptions.frame_s`). Equal windows share a FIFO
-bottleneck equally; their sum, rate x (2 x rtt + target), bounds the queue at the link to
-about rate x (rtt + target): a round trip's bytes and `target_s`, however many peers send.
-The second rtt lets the rate grow (at least doubling each round trip, as TCP's slow start)
-where the link is faster than measured so far, so a window never holds a sender below what
-its own congestion control would send; one sender alone gets the whole budget.
+bottleneck equally; their sum, rate x (rtt + target), is a round trip's bytes (the path's
+bandwidth-delay product) and `target_s` more, so the queue at the link stays near `target_s`
+however many peers send, and below a switch's buffer of a few milliseconds. The `target_s`
+also lets the rate grow where the link is faster than measured so far: the senders together
+may send (rtt + target) / rtt times what the link delivered lately each round trip, more than
+doubling it where the round trip is under `target_s` (a rack), 1.45x on a 4.4 ms round trip,
+and the budget follows within an update. (A budget of 2 x rtt + target, which doubled in
+every case, left a queue of a round trip plus `target_s`: on the testbed's 2 ms link 6.4 ms,
+more than its 5 ms buffer, so segments were dropped and control messages waited for their
+retransmission.) One sender alone gets the whole budget.
 
 The floor: `advmss` is the largest segment the connection told its peer to send (TCP_INFO;
 65,483 bytes on loopback, 1,448 on an Ethernet link). A window under one segment stops the
@@ -74,7 +79,7 @@ SEGMENTS = 4
 
 def share_bytes(rate: float, rtt_s: float, target_s: float, active: int) -> int:
     """Each active connection's window: the host's budget split evenly, at least MIN_BYTES."""
-    return max(MIN_BYTES, int(rate * (2 * rtt_s + target_s) / active))
+    return max(MIN_BYTES, int(rate * (rtt_s + target_s) / active))
 
 
 @dataclass

@@ -291,12 +291,16 @@ class PeerSender:
         return None  # not reached: the last attempt returns or raises
 
     def _connect(self) -> socket.socket:
-        """A TCP connection to the peer's address within `dial_timeout_s`, keepalive on."""
+        """A TCP connection to the peer's address within `dial_timeout_s`, keepalive on, with
+        the congestion control asked for where the kernel gives it."""
         sock = socket.create_connection((self.peer.host, self.peer.port),
                                         self._options.dial_timeout_s)
         try:
             sock.settimeout(None)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if (refused := self._options.congestion_control(sock)) is not None:
+                log.info("the connection to %s keeps the host's congestion control, not %s: "
+                         "%s", self.peer, self._options.congestion, refused)
             self._options.keep_alive(sock)
         except OSError:
             shut(sock)
