@@ -1,7 +1,8 @@
 """Transfers that respect the link, across two testbed hosts (`pdserve bench transfer
 --testbed`'s measurements): control messages do not wait behind a burst of KV writes when the
 link window is on, and do when it is off (whole writes, kernel buffers); either way the burst
-keeps the link busy; tcp and NIXL (UCX kept on the link) pushes fill most of it."""
+keeps the link busy; tcp and NIXL (UCX kept on the link) pushes fill most of it, as a plain
+TCP socket over the same path does."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from collections.abc import Callable
 
 import pytest
 
-from pdserve.bench import link_bench
+from pdserve.bench import link_bench, link_raw
 from pdserve.testbed.state import BedState
 from pdserve.testbed.topology import LinkShape
 
@@ -30,14 +31,19 @@ def test_control_messages_pass_a_burst_of_writes_only_with_the_window(
         assert row.p99_of_ideal < 1.5, row
 
 
-def test_bulk_writes_fill_most_of_the_link(make_bed: Callable[..., BedState]) -> None:
+def test_bulk_writes_fill_most_of_the_link_as_a_raw_socket_does(
+        make_bed: Callable[..., BedState]) -> None:
     bed = make_bed(("p0", "d0"), SHAPE)
-    row = link_bench.bulk(bed.topology, SHAPE, "tcp", repeats=2)
-    assert row.of_link > 0.6, row
+    with link_raw.raw_path(bed.topology, link_bench.PROMPT_BYTES) as raw:
+        base = link_bench.raw_bulk(SHAPE, repeats=2, raw=raw)
+        row = link_bench.bulk(bed.topology, SHAPE, "tcp", repeats=2, raw=raw)
+    assert base.transport == "raw" and base.of_link > 0.6, base
+    assert row.of_link > 0.6 and row.of_raw > 0.6, row
 
 
 def test_nixl_pushes_across_hosts_fill_most_of_the_link(make_bed: Callable[..., BedState]) -> None:
     pytest.importorskip("nixl_cu12")
     bed = make_bed(("p0", "d0"), SHAPE)
-    row = link_bench.nixl_bulk(bed.topology, SHAPE, repeats=2)
-    assert row.transport == "nixl" and row.of_link > 0.6, row
+    with link_raw.raw_path(bed.topology, link_bench.PROMPT_BYTES) as raw:
+        row = link_bench.nixl_bulk(bed.topology, SHAPE, repeats=2, raw=raw)
+    assert row.transport == "nixl" and row.of_link > 0.6 and row.of_raw > 0.6, row

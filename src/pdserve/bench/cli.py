@@ -117,6 +117,10 @@ def _add_transfer(kinds: argparse._SubParsersAction) -> None:
                       help="with --testbed: prefill hosts pushing at once into one decode host, "
                            "each starting --concurrent writes; 1 gives the bulk and burst rows, "
                            "more the incast rows (default: %(default)s)")
+    xfer.add_argument("--congestion", default=None, metavar="NAME",
+                      help="with --testbed: the TCP congestion control the endpoints ask for "
+                           "on the connections they dial, \"\" for the host's default "
+                           "(default: the transport's own, cubic)")
     xfer.set_defaults(func=_bench_transfer)
 
 
@@ -347,9 +351,11 @@ def _bench_transfer(args: argparse.Namespace) -> int:
     if args.testbed:
         from pdserve.bench import link_bench
 
+        congestion = link_bench.CONGESTION if args.congestion is None else args.congestion
         return link_bench.main([float(g) for g in args.link_gbps.split(",")], args.delay_ms,
                                [int(n) for n in args.concurrent.split(",")], args.repeats,
-                               args.json, [int(k) for k in args.senders.split(",")])
+                               args.json, [int(k) for k in args.senders.split(",")],
+                               congestion)
     from pdserve.bench.transfer_bench import main
 
     return main([int(m) for m in args.sizes.split(",")], args.repeats, args.json)

@@ -11,7 +11,10 @@ prompt's KV in SmolLM2's shape (bf16, 63 blocks of 368,640 bytes, 23 MB).
 
 Rows (Gb/s are 1e9 bits per second, as links are rated):
 - bulk, per transport (tcp, tcp-aes): one push at a time, median of `repeats`: `gbps` and
-  `of_link` = gbps / the link's rate.
+  `of_link` = gbps / the link's rate; `of_raw` = the median, over repeats, of the raw
+  socket's time / the transport's, the two timed in turns (`link_raw.py`: the same bytes
+  over a plain TCP connection on the same path, which shows what the testbed itself delivers
+  at this size). The `raw` row is the baseline's own (`of_raw` 1).
 - burst, tcp, with the link window (`TcpOptions.frame_s`, the default) and without it (whole
   writes, kernel buffers): N pushes started at once; each one's time from the start to
   "done" against the ideal N x bytes / link rate (`p99_of_ideal`, nearest rank over every
@@ -38,11 +41,11 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 
-from pdserve.bench import link_nixl, link_receiver
+from pdserve.bench import link_nixl, link_raw, link_receiver
 from pdserve.bench.transfer_bench import (
     BLOCK_SIZE,
     PROMPT_TOKENS,
@@ -61,8 +64,17 @@ from pdserve.transfer.tcp import TcpOptions, TcpTransport
 PING_S = 0.005
 POLL_S = 0.0005  # how often a burst looks at its writes
 BLOCK_BYTES = KVCache.bytes_per_block(SMOLLM2, BLOCK_SIZE, torch.bfloat16)  # 368,640
+BLOCKS = -(-PROMPT_TOKENS // BLOCK_SIZE)  # one prompt's KV: 63 blocks
+PROMPT_BYTES = BLOCKS * BLOCK_BYTES
 OPTIONS = {"tcp": TcpOptions(), "tcp-aes": TcpOptions(encrypt=True),
            "tcp-whole": TcpOptions(frame_s=0)}
+CONGESTION = TcpOptions().congestion  # the transport's own choice
+
+
+def options(kind: str, congestion: str = CONGESTION) -> TcpOptions:
+    """The endpoint options of `kind` (a key of OPTIONS), asking for `congestion` on the
+    connections they dial ("": the host's default)."""
+    return replace(OPTIONS[kind], congestion=congestion)
 
 
 @dataclass(frozen=True)
@@ -73,6 +85,7 @@ class BulkRow:
     bytes: int
     gbps: float
     of_link: float
+    of_raw: float
 
 
 @dataclass(frozen=True)
@@ -128,11 +141,12 @@ def _pair(topology: Topology, options: TcpOptions, num_blocks: int) -> Iterator[
         r.close()
 
 
-def bulk(topology: Topology, shape: LinkShape, transport: str, repeats: int) -> BulkRow:
-    n = -(-PROMPT_TOKENS // BLOCK_SIZE)
-    ids = list(range(n))
+def bulk(topology: Topology, shape: LinkShape, transport: str, repeats: int,
+         raw: Callable[[], float], congestion: str = CONGESTION) -> BulkRow:
+    """One push at a time, each timed in turn with one of the raw baseline's transfers."""
+    ids = list(range(BLOCKS))
     tids = itertools.count(1)
-    with _pair(topology, OPTIONS[transport], n) as p:
+    with _pair(topology, options(transport, congestion), BLOCKS) as p:
         def once() -> None:
             tid = next(tids)
             p.r.allow_writes(tid, p.w.local, ids)
@@ -140,38 +154,48 @@ def bulk(topology: Topology, shape: LinkShape, transport: str, repeats: int) -> 
             p.r.revoke(tid)
 
         once()  # warm-up: the connection's handshake and first frames
-        secs = statistics.median(_timed(once) for _ in range(repeats))
-    nbytes = n * BLOCK_BYTES
-    gbps = nbytes * 8 / secs / 1e9
-    return BulkRow(transport, shape.gbps, shape.delay_ms, nbytes, gbps, gbps / shape.gbps)
+        turns = [(_timed(once), raw()) for _ in range(repeats)]
+    secs = statistics.median(t for t, _ in turns)
+    return _bulk_row(transport, shape, secs, statistics.median(r / t for t, r in turns))
 
 
-def nixl_bulk(topology: Topology, shape: LinkShape, repeats: int) -> BulkRow:
-    n = -(-PROMPT_TOKENS // BLOCK_SIZE)
-    secs = link_nixl.push_seconds(topology, n, repeats)
-    gbps = n * BLOCK_BYTES * 8 / secs / 1e9
-    return BulkRow("nixl", shape.gbps, shape.delay_ms, n * BLOCK_BYTES, gbps, gbps / shape.gbps)
+def raw_bulk(shape: LinkShape, repeats: int, raw: Callable[[], float]) -> BulkRow:
+    raw()  # warm-up: the connection's first round trips
+    return _bulk_row("raw", shape, statistics.median(raw() for _ in range(repeats)), 1.0)
+
+
+def nixl_bulk(topology: Topology, shape: LinkShape, repeats: int, raw: Callable[[], float]
+              ) -> BulkRow:
+    """NIXL's pushes run in a child process of their own (`link_nixl.py`), so the raw
+    baseline is timed right after them rather than in turns."""
+    secs = link_nixl.push_seconds(topology, BLOCKS, repeats)
+    raw_secs = statistics.median(raw() for _ in range(repeats))
+    return _bulk_row("nixl", shape, secs, raw_secs / secs)
+
+
+def _bulk_row(transport: str, shape: LinkShape, secs: float, of_raw: float) -> BulkRow:
+    gbps = PROMPT_BYTES * 8 / secs / 1e9
+    return BulkRow(transport, shape.gbps, shape.delay_ms, PROMPT_BYTES, gbps,
+                   gbps / shape.gbps, of_raw)
 
 
 def burst(topology: Topology, shape: LinkShape, window: bool, concurrent: int,
-          repeats: int) -> BurstRow:
-    n = -(-PROMPT_TOKENS // BLOCK_SIZE)
-    ids = list(range(n))
+          repeats: int, congestion: str = CONGESTION) -> BurstRow:
+    ids = list(range(BLOCKS))
     tids = itertools.count(1)
     times: list[float] = []
     control: list[float] = []
-    options = OPTIONS["tcp" if window else "tcp-whole"]
-    with link_receiver.receiver(topology, options, n) as r, \
-            _writer(topology, options, n, r.peer) as w:
+    opts = options("tcp" if window else "tcp-whole", congestion)
+    with link_receiver.receiver(topology, opts, BLOCKS) as r, \
+            _writer(topology, opts, BLOCKS, r.peer) as w:
         for _ in range(repeats + 1):  # the first is a warm-up
             took, lat = _one_burst(w, r, [next(tids) for _ in range(concurrent)], ids)
             if _ > 0:
                 times += took
                 control += lat
-    nbytes = n * BLOCK_BYTES
-    ideal = concurrent * nbytes * 8 / (shape.gbps * 1e9)
+    ideal = concurrent * PROMPT_BYTES * 8 / (shape.gbps * 1e9)
     p99 = rank(times, 0.99)
-    return BurstRow(window, shape.gbps, shape.delay_ms, concurrent, nbytes,
+    return BurstRow(window, shape.gbps, shape.delay_ms, concurrent, PROMPT_BYTES,
                     rank(times, 0.5) * 1e3, p99 * 1e3, ideal * 1e3, p99 / ideal,
                     rank(control, 0.5) * 1e3, rank(control, 0.99) * 1e3, len(control))
 
@@ -252,26 +276,36 @@ def rank(values: list[float], q: float) -> float:
 
 
 def run(link_gbps: list[float], delay_ms: float, concurrent: list[int], repeats: int,
-        log: Callable[[str], None]) -> tuple[list[BulkRow], list[BurstRow]]:
+        log: Callable[[str], None], congestion: str = CONGESTION
+        ) -> tuple[list[BulkRow], list[BurstRow]]:
     bulks: list[BulkRow] = []
     bursts: list[BurstRow] = []
     for gbps in link_gbps:
         shape = LinkShape(gbps=gbps, delay_ms=delay_ms)
         with _bed(shape) as topology:
-            for transport in ("tcp", "tcp-aes"):
-                log(f"{gbps:g} Gb/s: {transport} bulk ...")
-                bulks.append(bulk(topology, shape, transport, repeats))
-            if link_nixl.nixl_available():
-                log(f"{gbps:g} Gb/s: nixl bulk ...")
-                bulks.append(nixl_bulk(topology, shape, repeats))
+            bulks += _bulks(topology, shape, repeats, log, congestion)
             for n, window in itertools.product(concurrent, (True, False)):
                 log(f"{gbps:g} Gb/s: {n} at once, window {'on' if window else 'off'} ...")
-                bursts.append(burst(topology, shape, window, n, repeats))
+                bursts.append(burst(topology, shape, window, n, repeats, congestion))
     return bulks, bursts
 
 
+def _bulks(topology: Topology, shape: LinkShape, repeats: int, log: Callable[[str], None],
+           congestion: str) -> list[BulkRow]:
+    with link_raw.raw_path(topology, PROMPT_BYTES) as raw:
+        log(f"{shape.gbps:g} Gb/s: raw socket bulk ...")
+        rows = [raw_bulk(shape, repeats, raw)]
+        for transport in ("tcp", "tcp-aes"):
+            log(f"{shape.gbps:g} Gb/s: {transport} bulk, in turns with the raw socket ...")
+            rows.append(bulk(topology, shape, transport, repeats, raw, congestion))
+        if link_nixl.nixl_available():
+            log(f"{shape.gbps:g} Gb/s: nixl bulk ...")
+            rows.append(nixl_bulk(topology, shape, repeats, raw))
+    return rows
+
+
 def main(link_gbps: list[float], delay_ms: float, concurrent: list[int], repeats: int,
-         as_json: bool, senders: Sequence[int] = (1,)) -> int:
+         as_json: bool, senders: Sequence[int] = (1,), congestion: str = CONGESTION) -> int:
     """The rows for each number of senders: 1, the bulk and burst rows (one sender, p0); more,
     the incast rows (`link_incast.py`: that many prefill hosts into d0)."""
     if not link_gbps or min(link_gbps) <= 0 or not concurrent or min(concurrent) < 1 \
@@ -280,15 +314,16 @@ def main(link_gbps: list[float], delay_ms: float, concurrent: list[int], repeats
                          "at least 1")
     logging.getLogger("pdserve.transfer").setLevel(logging.ERROR)
     say = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
-    bulks, bursts = run(link_gbps, delay_ms, concurrent, repeats, say) if 1 in senders \
-        else ([], [])
+    bulks, bursts = run(link_gbps, delay_ms, concurrent, repeats, say, congestion) \
+        if 1 in senders else ([], [])
     many = sorted({k for k in senders if k > 1})
     incasts: tuple[list, list] = ([], [])
     table = ""
     if many:
         from pdserve.bench import link_incast  # it imports this module
 
-        incasts = link_incast.run(link_gbps, delay_ms, concurrent, many, repeats, say)
+        incasts = link_incast.run(link_gbps, delay_ms, concurrent, many, repeats, say,
+                                  congestion)
         table = link_incast.format_rows(*incasts)
     if as_json:
         for row in [*bulks, *bursts]:
@@ -306,10 +341,10 @@ def main(link_gbps: list[float], delay_ms: float, concurrent: list[int], repeats
 
 
 def _print_pair(bulks: list[BulkRow], bursts: list[BurstRow]) -> None:
-    print(f"{'transport':<10}{'link Gb/s':>10}{'MB':>7}{'Gb/s':>8}{'of link':>9}")
+    print(f"{'transport':<10}{'link Gb/s':>10}{'MB':>7}{'Gb/s':>8}{'of link':>9}{'of raw':>8}")
     for b in bulks:
         print(f"{b.transport:<10}{b.link_gbps:>10g}{b.bytes / 1e6:>7.1f}{b.gbps:>8.2f}"
-              f"{b.of_link:>9.0%}")
+              f"{b.of_link:>9.0%}{b.of_raw:>8.2f}")
     print(f"\n{'window':<7}{'link':>6}{'N':>4}{'p50 ms':>9}{'p99 ms':>9}{'ideal ms':>10}"
           f"{'p99/ideal':>10}{'ctl p50':>9}{'ctl p99':>9}")
     for r in bursts:

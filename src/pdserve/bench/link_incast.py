@@ -33,16 +33,13 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from pdserve.bench import link_receiver, link_sender, link_shares
-from pdserve.bench.link_bench import BLOCK_BYTES, PING_S, rank
+from pdserve.bench.link_bench import BLOCKS, CONGESTION, PING_S, PROMPT_BYTES, options, rank
 from pdserve.bench.link_sender import BurstResult
-from pdserve.bench.transfer_bench import BLOCK_SIZE, PROMPT_TOKENS
 from pdserve.testbed import lifecycle
 from pdserve.testbed.topology import MAX_GBPS, LinkShape, Topology
-from pdserve.transfer.tcp import TcpOptions
 
 SENDER_FACTOR = 10.0
 START_AHEAD_S = 0.1  # the shared start: this far after the parent sends the last "go"
-OPTIONS = {True: TcpOptions(), False: TcpOptions(frame_s=0)}
 
 
 @dataclass(frozen=True)
@@ -107,22 +104,23 @@ def sender_shape(shape: LinkShape) -> LinkShape:
 
 
 def incast(topology: Topology, shape: LinkShape, window: bool, concurrent: int,
-           repeats: int) -> tuple[IncastRow, list[SenderRow]]:
+           repeats: int, congestion: str = CONGESTION) -> tuple[IncastRow, list[SenderRow]]:
     """Measure `repeats` bursts (after a warm-up) of `concurrent` writes from every sender
     host of `topology` (all but d0) into d0, whose link is `shape`."""
     hosts = [h for h in topology.hosts if h != "d0"]
-    n = -(-PROMPT_TOKENS // BLOCK_SIZE)
+    n = BLOCKS
     ranges = [range(i * n, (i + 1) * n) for i in range(len(hosts))]
     tids = itertools.count(1)
     bursts: list[_Burst] = []
-    with link_receiver.receiver(topology, OPTIONS[window], n * len(hosts)) as r, \
-            link_sender.senders(topology, hosts, OPTIONS[window], n, r.peer, PING_S) as ss:
+    opts = options("tcp" if window else "tcp-whole", congestion)
+    with link_receiver.receiver(topology, opts, n * len(hosts)) as r, \
+            link_sender.senders(topology, hosts, opts, n, r.peer, PING_S) as ss:
         for i in range(repeats + 1):  # the first is a warm-up
             burst = _one_burst(r, ss, ranges, [[next(tids) for _ in range(concurrent)]
                                                for _ in ss])
             if i > 0:
                 bursts.append(burst)
-    return _rows(shape, window, hosts, concurrent, n * BLOCK_BYTES, bursts)
+    return _rows(shape, window, hosts, concurrent, PROMPT_BYTES, bursts)
 
 
 @dataclass(frozen=True)
@@ -183,7 +181,8 @@ def _burst_shares(b: _Burst) -> list[float]:
 
 
 def run(link_gbps: list[float], delay_ms: float, concurrent: list[int], senders: list[int],
-        repeats: int, log: Callable[[str], None]) -> tuple[list[IncastRow], list[SenderRow]]:
+        repeats: int, log: Callable[[str], None], congestion: str = CONGESTION
+        ) -> tuple[list[IncastRow], list[SenderRow]]:
     """Every (link, K, N, window) row, one testbed per (link, K)."""
     rows: list[IncastRow] = []
     sender_rows: list[SenderRow] = []
@@ -193,7 +192,7 @@ def run(link_gbps: list[float], delay_ms: float, concurrent: list[int], senders:
             for n, window in itertools.product(concurrent, (True, False)):
                 log(f"{gbps:g} Gb/s: {k} senders x {n} at once, window "
                     f"{'on' if window else 'off'} ...")
-                row, per_sender = incast(topology, shape, window, n, repeats)
+                row, per_sender = incast(topology, shape, window, n, repeats, congestion)
                 rows.append(row)
                 sender_rows += per_sender
     return rows, sender_rows
