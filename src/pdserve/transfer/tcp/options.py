@@ -46,15 +46,18 @@ class TcpOptions:
     (megabytes), the order of arrival only, and the kernel's own receive windows.
 
     `congestion` is the TCP congestion control asked for on every connection this endpoint
-    dials (all it sends goes out on those; Linux's TCP_CONGESTION), "" for the host's default.
-    CUBIC by default because the receiver's window (above) already bounds the queue these
-    connections build, and the other common default, BBR (v1, Linux's `tcp_bbr`), enters
-    PROBE_RTT after 10 s without a lower round trip, which a connection that keeps a queue
-    never sees: its window falls to 4 segments for 200 ms, and every control message on it
-    waits that long (measured on the testbed: 190-220 ms stalls in half the 6 s bursts of 32
-    writes on a 1 Gb/s, 2 ms link; none with CUBIC). Where the kernel lacks it, or refuses it
-    (not in `net.ipv4.tcp_allowed_congestion_control` and no CAP_NET_ADMIN), the connection
-    keeps the host's default and says so in the log."""
+    dials (all it sends goes out on those; Linux's TCP_CONGESTION), "" (the default) for the
+    host's. Neither common choice wins everywhere (measured on the testbed, docs/testbed.md):
+    BBR (v1, Linux's `tcp_bbr`) enters PROBE_RTT after 10 s without a lower round trip, which
+    a connection that always keeps a queue never sees, and holds 4 segments for 200 ms, so
+    every control message on it waits that long (190-220 ms stalls in half the 6 s bursts of 32
+    writes on a 1 Gb/s, 2 ms link); CUBIC has no such stall (the receiver's window above bounds
+    its queue), but halves its window on every loss, and with 0.1% random loss on that link a
+    burst of 8 writes took 2.6x the ideal (BBR 1.07x), with 1% 31x. Ask for "cubic" on a
+    clean fabric where control latency matters; keep the host's where links drop packets.
+    Where the kernel lacks the one asked for, or refuses it (not in
+    `net.ipv4.tcp_allowed_congestion_control` and no CAP_NET_ADMIN), the connection keeps the
+    host's default and says so in the log."""
 
     dial_timeout_s: float = 1.0
     handshake_timeout_s: float = 2.0
@@ -67,7 +70,7 @@ class TcpOptions:
     keepalive_interval_s: int = 1
     keepalive_probes: int = 5
     frame_s: float = 0.002
-    congestion: str = "cubic"
+    congestion: str = ""
 
     @property
     def cipher(self) -> str:
