@@ -9,7 +9,7 @@ import multiprocessing
 import pytest
 
 from pdserve.bench import link_bench, link_receiver, link_shares
-from pdserve.testbed.topology import Topology
+from pdserve.testbed.topology import LinkShape, Topology
 from pdserve.transfer.tcp import TcpOptions
 
 
@@ -41,7 +41,7 @@ def test_the_contended_stretch_ends_with_the_first_sender_done() -> None:
 
 def test_the_bench_refuses_zero_senders_before_making_anything() -> None:
     with pytest.raises(ValueError, match="--senders"):
-        link_bench.main([1.0], 0.0, [1], 1, False, senders=[0])
+        link_bench.main([1.0], LinkShape(), [1], 1, False, senders=[0])
 
 
 

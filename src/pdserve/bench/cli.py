@@ -111,16 +111,18 @@ def _add_transfer(kinds: argparse._SubParsersAction) -> None:
                       help="with --testbed: link rates in Gb/s (default: %(default)s)")
     xfer.add_argument("--delay-ms", type=float, default=0.0,
                       help="with --testbed: one-way link delay (netem or iptables; default: 0)")
+    xfer.add_argument("--loss-pct", type=float, default=0.0,
+                      help="with --testbed: percent of packets every link drops in each "
+                           "direction (default: 0)")
     xfer.add_argument("--concurrent", default="1,8,32",
                       help="with --testbed: transfers started at once (default: %(default)s)")
     xfer.add_argument("--senders", default="1",
                       help="with --testbed: prefill hosts pushing at once into one decode host, "
                            "each starting --concurrent writes; 1 gives the bulk and burst rows, "
                            "more the incast rows (default: %(default)s)")
-    xfer.add_argument("--congestion", default=None, metavar="NAME",
+    xfer.add_argument("--congestion", default="", metavar="NAME",
                       help="with --testbed: the TCP congestion control the endpoints ask for "
-                           "on the connections they dial, \"\" for the host's default "
-                           "(default: the transport's own, cubic)")
+                           "on the connections they dial, e.g. cubic (default: the host's)")
     xfer.set_defaults(func=_bench_transfer)
 
 
@@ -350,12 +352,13 @@ def _bench_moe(args: argparse.Namespace) -> int:
 def _bench_transfer(args: argparse.Namespace) -> int:
     if args.testbed:
         from pdserve.bench import link_bench
+        from pdserve.testbed.topology import LinkShape
 
-        congestion = link_bench.CONGESTION if args.congestion is None else args.congestion
-        return link_bench.main([float(g) for g in args.link_gbps.split(",")], args.delay_ms,
+        base = LinkShape(delay_ms=args.delay_ms, loss_pct=args.loss_pct)
+        return link_bench.main([float(g) for g in args.link_gbps.split(",")], base,
                                [int(n) for n in args.concurrent.split(",")], args.repeats,
                                args.json, [int(k) for k in args.senders.split(",")],
-                               congestion)
+                               args.congestion)
     from pdserve.bench.transfer_bench import main
 
     return main([int(m) for m in args.sizes.split(",")], args.repeats, args.json)

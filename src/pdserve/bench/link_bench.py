@@ -9,7 +9,8 @@ interpreter's lock shared by both ends would add its own waits to the control me
 latency). The payload is a 1,000-token
 prompt's KV in SmolLM2's shape (bf16, 63 blocks of 368,640 bytes, 23 MB).
 
-Rows (Gb/s are 1e9 bits per second, as links are rated):
+Rows (Gb/s are 1e9 bits per second, as links are rated; each names its link's rate, delay and
+loss, every link of the bed shaped alike):
 - bulk, per transport (tcp, tcp-aes): one push at a time, median of `repeats`: `gbps` and
   `of_link` = gbps / the link's rate; `of_raw` = the median, over repeats, of the raw
   socket's time / the transport's, the two timed in turns (`link_raw.py`: the same bytes
@@ -86,6 +87,7 @@ class BulkRow:
     gbps: float
     of_link: float
     of_raw: float
+    loss_pct: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -102,6 +104,7 @@ class BurstRow:
     control_p50_ms: float
     control_p99_ms: float
     control_messages: int
+    loss_pct: float = 0.0
 
 
 @dataclass
@@ -176,7 +179,7 @@ def nixl_bulk(topology: Topology, shape: LinkShape, repeats: int, raw: Callable[
 def _bulk_row(transport: str, shape: LinkShape, secs: float, of_raw: float) -> BulkRow:
     gbps = PROMPT_BYTES * 8 / secs / 1e9
     return BulkRow(transport, shape.gbps, shape.delay_ms, PROMPT_BYTES, gbps,
-                   gbps / shape.gbps, of_raw)
+                   gbps / shape.gbps, of_raw, shape.loss_pct)
 
 
 def burst(topology: Topology, shape: LinkShape, window: bool, concurrent: int,
@@ -197,7 +200,8 @@ def burst(topology: Topology, shape: LinkShape, window: bool, concurrent: int,
     p99 = rank(times, 0.99)
     return BurstRow(window, shape.gbps, shape.delay_ms, concurrent, PROMPT_BYTES,
                     rank(times, 0.5) * 1e3, p99 * 1e3, ideal * 1e3, p99 / ideal,
-                    rank(control, 0.5) * 1e3, rank(control, 0.99) * 1e3, len(control))
+                    rank(control, 0.5) * 1e3, rank(control, 0.99) * 1e3, len(control),
+                    shape.loss_pct)
 
 
 @contextlib.contextmanager
@@ -275,13 +279,13 @@ def rank(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, max(0, round(q * len(ordered)) - 1))]
 
 
-def run(link_gbps: list[float], delay_ms: float, concurrent: list[int], repeats: int,
+def run(link_gbps: list[float], base: LinkShape, concurrent: list[int], repeats: int,
         log: Callable[[str], None], congestion: str = CONGESTION
         ) -> tuple[list[BulkRow], list[BurstRow]]:
     bulks: list[BulkRow] = []
     bursts: list[BurstRow] = []
     for gbps in link_gbps:
-        shape = LinkShape(gbps=gbps, delay_ms=delay_ms)
+        shape = base.changed(gbps=gbps)
         with _bed(shape) as topology:
             bulks += _bulks(topology, shape, repeats, log, congestion)
             for n, window in itertools.product(concurrent, (True, False)):
@@ -304,7 +308,7 @@ def _bulks(topology: Topology, shape: LinkShape, repeats: int, log: Callable[[st
     return rows
 
 
-def main(link_gbps: list[float], delay_ms: float, concurrent: list[int], repeats: int,
+def main(link_gbps: list[float], base: LinkShape, concurrent: list[int], repeats: int,
          as_json: bool, senders: Sequence[int] = (1,), congestion: str = CONGESTION) -> int:
     """The rows for each number of senders: 1, the bulk and burst rows (one sender, p0); more,
     the incast rows (`link_incast.py`: that many prefill hosts into d0)."""
@@ -314,7 +318,7 @@ def main(link_gbps: list[float], delay_ms: float, concurrent: list[int], repeats
                          "at least 1")
     logging.getLogger("pdserve.transfer").setLevel(logging.ERROR)
     say = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
-    bulks, bursts = run(link_gbps, delay_ms, concurrent, repeats, say, congestion) \
+    bulks, bursts = run(link_gbps, base, concurrent, repeats, say, congestion) \
         if 1 in senders else ([], [])
     many = sorted({k for k in senders if k > 1})
     incasts: tuple[list, list] = ([], [])
@@ -322,7 +326,7 @@ def main(link_gbps: list[float], delay_ms: float, concurrent: list[int], repeats
     if many:
         from pdserve.bench import link_incast  # it imports this module
 
-        incasts = link_incast.run(link_gbps, delay_ms, concurrent, many, repeats, say,
+        incasts = link_incast.run(link_gbps, base, concurrent, many, repeats, say,
                                   congestion)
         table = link_incast.format_rows(*incasts)
     if as_json:
@@ -333,6 +337,9 @@ def main(link_gbps: list[float], delay_ms: float, concurrent: list[int], repeats
             for row in rows:
                 print(json.dumps({"kind": kind, "testbed": True} | asdict(row)))
         return 0
+    if base.delay_ms or base.loss_pct:
+        print(f"every link: {base.delay_ms:g} ms one-way delay, {base.loss_pct:g}% loss each "
+              f"way\n")
     if 1 in senders:
         _print_pair(bulks, bursts)
     if many:

@@ -61,6 +61,7 @@ class IncastRow:
     control_p99_ms: float
     control_messages: int
     intact: bool
+    loss_pct: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -161,7 +162,7 @@ def _rows(shape: LinkShape, window: bool, hosts: list[str], concurrent: int, nby
         statistics.median(link_shares.jain(s) for s in per_burst),
         statistics.median(min(s) * k for s in per_burst),
         rank(control, 0.5) * 1e3, rank(control, 0.99) * 1e3, len(control),
-        all(b.intact for b in bursts))
+        all(b.intact for b in bursts), shape.loss_pct)
     senders = []
     for i, host in enumerate(hosts):
         last = [max(b.results[i].done) for b in bursts]
@@ -180,14 +181,14 @@ def _burst_shares(b: _Burst) -> list[float]:
     return link_shares.shares([link_shares.bytes_at(res.acked, t) for res in b.results])
 
 
-def run(link_gbps: list[float], delay_ms: float, concurrent: list[int], senders: list[int],
+def run(link_gbps: list[float], base: LinkShape, concurrent: list[int], senders: list[int],
         repeats: int, log: Callable[[str], None], congestion: str = CONGESTION
         ) -> tuple[list[IncastRow], list[SenderRow]]:
     """Every (link, K, N, window) row, one testbed per (link, K)."""
     rows: list[IncastRow] = []
     sender_rows: list[SenderRow] = []
     for gbps, k in itertools.product(link_gbps, senders):
-        shape = LinkShape(gbps=gbps, delay_ms=delay_ms)
+        shape = base.changed(gbps=gbps)
         with incast_bed(shape, k) as topology:
             for n, window in itertools.product(concurrent, (True, False)):
                 log(f"{gbps:g} Gb/s: {k} senders x {n} at once, window "
