@@ -39,6 +39,16 @@ def test_kv_encryption_is_a_tcp_option(tmp_path: Path) -> None:
         _settings(tmp_path, "--role", "decode", "--transport", "nixl", "--kv-encrypt")
 
 
+def test_kv_congestion_is_a_checked_tcp_option(tmp_path: Path) -> None:
+    assert _settings(tmp_path, "--role", "prefill", "--kv-congestion", "cubic").kv_congestion \
+        == "cubic"
+    assert _settings(tmp_path, "--role", "prefill").kv_congestion == ""
+    with pytest.raises(ValueError, match="--kv-congestion sets the tcp transport's"):
+        _settings(tmp_path, "--role", "decode", "--transport", "nixl", "--kv-congestion", "reno")
+    with pytest.raises(ValueError, match=r"--kv-congestion: TcpOptions\.congestion must be"):
+        _settings(tmp_path, "--role", "decode", "--kv-congestion", "two words")
+
+
 def test_a_gpu_worker_that_moves_kv_needs_nixl(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="tcp transport moves host memory only: use --transport"):
         _settings(tmp_path, "--role", "decode", "--device", "cuda")
@@ -159,7 +169,8 @@ LAUNCHES = [
                  limits=RequestLimits(max_body_bytes=2**20, max_stop_strings=4,
                                       body_timeout_s=5.0)),
     WorkerLaunch(role=Role.DECODE, model="/models/x", served_model_name="x", dtype="float32",
-                 host="0.0.0.0", kv_encrypt=True, kv_cache_memory="2GiB", num_kv_blocks=77,
+                 host="0.0.0.0", kv_encrypt=True, kv_congestion="cubic", kv_cache_memory="2GiB",
+                 num_kv_blocks=77,
                  block_size=32, max_model_len=512, max_num_seqs=128, seed=7,
                  secret_file=Path("/run/s"), metrics_key_file=Path("/run/m")),
     WorkerLaunch(serve_public=True, enable_chunked_prefill=True, max_num_batched_tokens=256,

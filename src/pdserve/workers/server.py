@@ -245,7 +245,7 @@ def _open_transport(s: WorkerSettings):
     from pdserve.transfer.tcp import TcpOptions, TcpTransport
 
     return TcpTransport(s.kv_host, s.kv_port, secret=s.secret, advertise_host=s.kv_advertise,
-                        options=TcpOptions(encrypt=s.kv_encrypt))
+                        options=TcpOptions(encrypt=s.kv_encrypt, congestion=s.kv_congestion))
 
 
 def pin_cpus(cpus: tuple[int, ...] | None) -> None:

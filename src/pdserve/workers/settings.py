@@ -71,6 +71,7 @@ class WorkerSettings:
     cpus: tuple[int, ...] | None = None
     kv_lease_s: float = 30.0
     kv_encrypt: bool = False
+    kv_congestion: str = ""  # the tcp transport's congestion control ("": the host's)
     kv_layerwise: str = "auto"  # "on" | "off" | "auto" (on for CUDA engines)
     limits: RequestLimits = field(default_factory=RequestLimits)  # what its /v1 accepts
     join: JoinSettings | None = None  # --register: join that router once loaded
@@ -109,11 +110,25 @@ class WorkerSettings:
         if self.kv_encrypt and self.transport is not TransportName.TCP:
             raise ValueError("--kv-encrypt seals the tcp transport only (NIXL moves KV with "
                              "UCX, unencrypted): use --transport tcp, or a private network")
+        self._check_congestion()
         if self.needs_transport and self.transport is TransportName.TCP \
                 and self.engine.device.startswith("cuda"):
             raise ValueError(f"a {self.role} worker on {self.engine.device} keeps its KV in GPU "
                              "memory, and the tcp transport moves host memory only: use "
                              "--transport nixl (or --role collocated)")
+
+    def _check_congestion(self) -> None:
+        if not self.kv_congestion:
+            return
+        if self.transport is not TransportName.TCP:
+            raise ValueError("--kv-congestion sets the tcp transport's connections only (NIXL's "
+                             "UCX makes its own): use --transport tcp, or leave it out")
+        from pdserve.transfer.tcp.options import TcpOptions
+
+        try:
+            TcpOptions(congestion=self.kv_congestion)
+        except ValueError as e:
+            raise ValueError(f"--kv-congestion: {e}") from None
 
     @property
     def stream_layers(self) -> bool:
@@ -172,6 +187,11 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-encrypt", action="store_true",
                    help="encrypt KV transfers with AES-256-GCM under a key from the shared "
                         "secret (tcp transport; every worker needs the same setting)")
+    p.add_argument("--kv-congestion", default="", metavar="NAME",
+                   help="TCP congestion control for the KV connections this worker dials "
+                        "(tcp transport), e.g. cubic: no 200 ms stalls of a busy connection as "
+                        "BBR's PROBE_RTT makes, but slow on a lossy link (docs/testbed.md); "
+                        "default: the host's")
     p.add_argument("--kv-layerwise", choices=LAYERWISE, default="auto", help=LAYERWISE_HELP)
     p.add_argument("--cpus", default=None,
                    help="pin this worker to these cores, e.g. '0', '0,1' or '0-3' (compute "
@@ -264,6 +284,7 @@ class WorkerLaunch:
     serve_public: bool = False
     metrics_key_file: Path | None = None
     kv_encrypt: bool = False
+    kv_congestion: str = ""
     kv_layerwise: str = "auto"
     cpus: tuple[int, ...] | None = None  # None: not pinned
     kv_cache_memory: str = "512MiB"
@@ -306,7 +327,7 @@ _UNLESS_DEFAULT = (("--served-model-name", "served_model_name"), ("--kv-host", "
                    ("--num-kv-blocks", "num_kv_blocks"), ("--block-size", "block_size"),
                    ("--max-model-len", "max_model_len"), ("--max-num-seqs", "max_num_seqs"),
                    ("--max-num-batched-tokens", "max_num_batched_tokens"), ("--seed", "seed"),
-                   ("--slo-tpot-ms", "slo_tpot_ms"),
+                   ("--slo-tpot-ms", "slo_tpot_ms"), ("--kv-congestion", "kv_congestion"),
                    ("--tensor-parallel-size", "tensor_parallel_size"),
                    ("--register", "register"), ("--name", "name"),
                    ("--drain-timeout", "drain_timeout_s"), ("--log-level", "log_level"))
@@ -337,7 +358,8 @@ def launch_from_args(args: argparse.Namespace) -> WorkerLaunch:
         kv_host=args.kv_host, kv_port=args.kv_port, advertise=args.advertise,
         transport=args.transport, secret_file=args.secret_file, serve_public=args.serve_public,
         metrics_key_file=args.metrics_key_file, kv_encrypt=args.kv_encrypt,
-        kv_layerwise=args.kv_layerwise, cpus=parse_cpus(args.cpus) if args.cpus else None,
+        kv_congestion=args.kv_congestion, kv_layerwise=args.kv_layerwise,
+        cpus=parse_cpus(args.cpus) if args.cpus else None,
         kv_cache_memory=args.kv_cache_memory, num_kv_blocks=args.num_kv_blocks,
         block_size=args.block_size, max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs, enable_chunked_prefill=args.enable_chunked_prefill,
@@ -370,7 +392,8 @@ def worker_settings(launch: WorkerLaunch) -> WorkerSettings:
         kv_advertise=kv_advertise(w), transport=w.transport, secret=secret,
         serve_public=w.serve_public,
         metrics_keys=metrics_keys, cpus=w.cpus, kv_lease_s=w.kv_lease_s,
-        kv_encrypt=w.kv_encrypt, kv_layerwise=w.kv_layerwise, limits=w.limits,
+        kv_encrypt=w.kv_encrypt, kv_congestion=w.kv_congestion, kv_layerwise=w.kv_layerwise,
+        limits=w.limits,
         join=join_settings(w),
         tpot_target_s=None if w.slo_tpot_ms is None else w.slo_tpot_ms / 1000.0)
 
