@@ -10,6 +10,7 @@ from dataclasses import replace
 import pytest
 
 from pdserve.transfer.tcp import TcpOptions, TcpTransport
+from pdserve.transfer.tcp.options import CA_NAME_MAX
 from tests.transfer.test_tcp import OPTS, SECRET, wait_for
 
 
@@ -24,13 +25,17 @@ def _congestion_after_a_message(options: TcpOptions) -> str:
         assert [m for _, m in got] == [b"hello"]
         sock = a._send._senders[b.local].sock  # the dialed connection
         assert sock is not None
-        name = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, 16)
-        return name.rstrip(b"\0").decode()
+        return _congestion_of(sock)
+
+
+def _congestion_of(sock: socket.socket) -> str:
+    return sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION,
+                           CA_NAME_MAX).rstrip(b"\0").decode()
 
 
 def _host_default() -> str:
     with socket.socket() as s:
-        return s.getsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, 16).rstrip(b"\0").decode()
+        return _congestion_of(s)
 
 
 def test_a_dialed_connection_uses_the_congestion_control_asked_for() -> None:

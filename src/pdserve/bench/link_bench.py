@@ -164,7 +164,7 @@ def bulk(topology: Topology, shape: LinkShape, transport: str, repeats: int,
 
 def raw_bulk(shape: LinkShape, repeats: int, raw: Callable[[], float]) -> BulkRow:
     raw()  # warm-up: the connection's first round trips
-    return _bulk_row("raw", shape, statistics.median(raw() for _ in range(repeats)), 1.0)
+    return _bulk_row("raw", shape, _median_of(raw, repeats), 1.0)
 
 
 def nixl_bulk(topology: Topology, shape: LinkShape, repeats: int, raw: Callable[[], float]
@@ -172,8 +172,11 @@ def nixl_bulk(topology: Topology, shape: LinkShape, repeats: int, raw: Callable[
     """NIXL's pushes run in a child process of their own (`link_nixl.py`), so the raw
     baseline is timed right after them rather than in turns."""
     secs = link_nixl.push_seconds(topology, BLOCKS, repeats)
-    raw_secs = statistics.median(raw() for _ in range(repeats))
-    return _bulk_row("nixl", shape, secs, raw_secs / secs)
+    return _bulk_row("nixl", shape, secs, _median_of(raw, repeats) / secs)
+
+
+def _median_of(timed: Callable[[], float], repeats: int) -> float:
+    return statistics.median(timed() for _ in range(repeats))
 
 
 def _bulk_row(transport: str, shape: LinkShape, secs: float, of_raw: float) -> BulkRow:
