@@ -384,7 +384,10 @@ def test_a_lost_peer_is_dead_for_a_pause_a_restarted_one_for_good() -> None:
 
 
 @pytest.mark.parametrize("delay", [0.0, 0.002, 0.01])
-def test_nothing_of_a_cancelled_write_lands_after_a_control_message_sent_next(delay):
+def test_nothing_of_a_cancelled_write_lands_once_the_receiver_revokes_on_its_abort(delay):
+    """The sessions' order: the writer cancels, then sends ABORT (on its control connection,
+    which may overtake the write's frames); the receiver revokes on the ABORT and only then
+    reuses the blocks. Frames still on the way are refused whole."""
     src, dst = pool(2048, seed=2), pool(2048)
     first, second = list(range(1024)), list(range(1024, 2048))
     with endpoint(src) as w, endpoint(dst) as r:
@@ -393,15 +396,17 @@ def test_nothing_of_a_cancelled_write_lands_after_a_control_message_sent_next(de
         w.send(r.local, b"connect")
         wait_for(lambda: r.receive())
         ahead = w.write(8, first, r.local, first)
-        queued = w.write(9, second, r.local, second)  # behind `ahead` on the one connection
+        queued = w.write(9, second, r.local, second)  # behind `ahead` on the bulk connection
         time.sleep(delay)
         w.cancel(queued)
         w.cancel(ahead)
         w.send(r.local, b"abort")
         wait_for(lambda: r.receive() == [(w.local, b"abort")])
+        r.revoke(8)
+        r.revoke(9)
         seen = dst.data.clone()
         time.sleep(0.2)
-        assert torch.equal(dst.data, seen), "a write landed after the control message"
+        assert torch.equal(dst.data, seen), "a write landed after its permit was revoked"
         # a fenced write lands whole frames or nothing: each (block, layer) slice is the
         # source's or untouched
         whole = (dst.data == src.data).flatten(2).all(-1)  # [blocks, layers]

@@ -110,7 +110,8 @@ def test_a_captured_greeting_replayed_to_a_third_worker_is_refused(replayed, cap
     a, b, relay = _pair_behind_relay(False)
     with a, b, endpoint() as c, caplog.at_level(logging.WARNING, LOG):
         up_both_ways(a, b)
-        hello, ack = first_envelope(relay.sent), first_envelope(relay.answered)
+        stream = relay.streams[0]
+        hello, ack = first_envelope(stream.sent), first_envelope(stream.answered)
         envelope = ack if replayed == "ack as hello" else hello
         assert answered(c.local.port, Frame.HELLO, envelope) == b""
         wait_for(lambda: "refused connection from 127.0.0.1" in caplog.text)

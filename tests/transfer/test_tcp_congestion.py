@@ -16,16 +16,19 @@ from tests.transfer.test_tcp import OPTS, SECRET, wait_for
 
 def _congestion_after_a_message(options: TcpOptions) -> str:
     """Send one message from an endpoint with `options` to another; the congestion control of
-    the connection it went out on."""
+    the connections it dialed (control and bulk: one and the same)."""
     with TcpTransport(secret=SECRET, options=options) as a, \
             TcpTransport(secret=SECRET, options=OPTS) as b:
         a.send(b.local, b"hello")
         got: list = []
         wait_for(lambda: got.extend(b.receive()) or got)
         assert [m for _, m in got] == [b"hello"]
-        sock = a._send._senders[b.local].sock  # the dialed connection
-        assert sock is not None
-        return _congestion_of(sock)
+        a.reach(b.local)
+        senders = list(a._send._senders.values())  # the dialed connections
+        wait_for(lambda: all(s.sock is not None for s in senders))
+        names = {_congestion_of(s.sock) for s in senders if s.sock is not None}
+        assert len(senders) == 2 and len(names) == 1
+        return names.pop()
 
 
 def _congestion_of(sock: socket.socket) -> str:

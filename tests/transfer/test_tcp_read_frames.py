@@ -49,9 +49,17 @@ def read_data(sent: list[Sent]) -> list[Sent]:
     return [s for s in sent if s.ftype is Frame.READ_DATA]
 
 
+def bulk_frames(relay: Relay) -> list[Sent]:
+    """The frames `a` sent on its bulk connection (the one that carried READ_DATA)."""
+    streams = [frames_sent(s) for s in relay.sent()]
+    bulk = [f for f in streams if read_data(f)]
+    assert len(bulk) == 1, f"READ_DATA on {len(bulk)} of {len(streams)} connections"
+    return bulk[0]
+
+
 @contextmanager
 def holder_behind_relay(options: TcpOptions = OPTS,
-                        edit: Callable[[int, bytes], bytes] | None = None,
+                        edit: Callable[[], Callable[[int, bytes], bytes]] | None = None,
                         ) -> Iterator[tuple[TcpTransport, TcpTransport, Relay]]:
     """(a, b, relay): `a` reaches `b` only through `relay` (b advertises the relay's port)."""
     probe = socket.create_server(("127.0.0.1", 0))
@@ -82,7 +90,7 @@ def test_a_pull_of_many_blocks_arrives_in_several_frames_and_lands_byte_exact() 
         assert torch.equal(dst.data[d], src.data[s])
         untouched = sorted(set(range(400)) - set(d))
         assert not dst.data[untouched].any()
-        frames = read_data(frames_sent(bytes(relay.sent)))
+        frames = read_data(bulk_frames(relay))
     assert len(frames) > 1, "one READ_DATA frame for the whole pull"
     covered = [(i, layer) for f in frames for i in f.ids
                for layer in range(*f.layers)]
@@ -98,7 +106,7 @@ def test_frame_s_0_answers_a_pull_in_one_frame() -> None:
         a.allow_reads(3, b.local, s)
         assert finish(b, b.read(3, d, a.local, s), a) == "done"
         assert torch.equal(dst.data[d], src.data[s])
-        frames = read_data(frames_sent(bytes(relay.sent)))
+        frames = read_data(bulk_frames(relay))
     assert frames == [Sent(Frame.READ_DATA, 300, (0, MODEL.num_layers), tuple(s))]
 
 
@@ -118,10 +126,10 @@ def test_a_control_message_overtakes_the_rest_of_a_large_read() -> None:
         assert not landed(dst, 2047, src, 2047), "the control message waited for the read"
         assert finish(b, handle, a) == "done"
         assert torch.equal(dst.data, src.data)
-        sent = frames_sent(bytes(relay.sent))
-    urgent = sent.index(Sent(Frame.CONTROL, 0, payload=b"urgent"))
-    last = max(i for i, f in enumerate(sent) if f.ftype is Frame.READ_DATA)
-    assert 0 < urgent < last
+        streams = [frames_sent(s) for s in relay.sent()]
+    urgent = Sent(Frame.CONTROL, 0, payload=b"urgent")
+    (control,) = [f for f in streams if urgent in f]
+    assert not read_data(control), "the control message shared the bulk connection"
 
 
 def test_a_read_whose_permit_ends_part_way_is_refused_the_rest_and_fails() -> None:
@@ -140,7 +148,7 @@ def test_a_read_whose_permit_ends_part_way_is_refused_the_rest_and_fails() -> No
         a.allow_reads(6, b.local, [2047])  # the connection still serves reads
         assert finish(b, b.read(6, [2047], a.local, [2047]), a) == "done"
         assert landed(dst, 2047, src, 2047)
-        sent = frames_sent(bytes(relay.sent))
+        sent = bulk_frames(relay)
     refused = [i for i, f in enumerate(sent) if f.ftype is Frame.READ_ERROR]
     assert len(refused) == 1 and sent[refused[0]].payload.startswith(b"not permitted")
     before = read_data(sent[: refused[0]])
@@ -173,7 +181,7 @@ class FirstReadDataEdit:
 
 def test_a_read_data_frame_that_does_not_continue_its_read_is_a_protocol_error() -> None:
     src, dst = pool(8, seed=11), pool(8)
-    with holder_behind_relay(edit=FirstReadDataEdit(block=7)) as (a, b, _):
+    with holder_behind_relay(edit=lambda: FirstReadDataEdit(block=7)) as (a, b, _):
         a.register(src)
         b.register(dst)
         a.allow_reads(7, b.local, [0, 1, 2])

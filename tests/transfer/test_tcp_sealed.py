@@ -10,6 +10,7 @@ import logging
 import socket
 import threading
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 
 import pytest
 import torch
@@ -23,40 +24,58 @@ SEALED = dataclasses.replace(OPTS, encrypt=True)
 MARK = bytes(range(256)) * 8  # 2 KiB a block's bytes carry, easy to spot in a capture
 
 
+@dataclass
+class Stream:
+    """One relayed connection: what the dialer sent (after the edit) and the acceptor answered."""
+
+    sent: bytearray = field(default_factory=bytearray)
+    answered: bytearray = field(default_factory=bytearray)
+
+
 class Relay:
-    """A TCP relay in front of one endpoint: records what the dialer sends (`sent`, which it
-    may alter: `edit(offset, data) -> data`, offset counted over the dialer-to-acceptor stream)
-    and what the acceptor answers (`answered`)."""
+    """A TCP relay in front of one endpoint, for every connection dialed through it (an
+    endpoint dials two per peer: control and bulk). Each is a `Stream` in `streams`, in the
+    order accepted; `edit()`, when given, makes each connection's editor
+    `editor(offset, data) -> data`, offset counted over that connection's dialer-to-acceptor
+    bytes."""
 
     def __init__(self, target_port: int,
-                 edit: Callable[[int, bytes], bytes] | None = None) -> None:
+                 edit: Callable[[], Callable[[int, bytes], bytes]] | None = None) -> None:
         self.target_port, self.edit = target_port, edit
-        self.sent = bytearray()
-        self.answered = bytearray()
+        self.streams: list[Stream] = []
         self._server = socket.create_server(("127.0.0.1", 0))
         self.port = self._server.getsockname()[1]
         self._socks: list[socket.socket] = [self._server]
         threading.Thread(target=self._accept, daemon=True).start()
 
-    def _accept(self) -> None:
-        try:
-            client, _ = self._server.accept()
-        except OSError:
-            return
-        upstream = socket.create_connection(("127.0.0.1", self.target_port))
-        self._socks += [client, upstream]
-        threading.Thread(target=self._pump, args=(client, upstream, True), daemon=True).start()
-        threading.Thread(target=self._pump, args=(upstream, client, False), daemon=True).start()
+    def sent(self) -> list[bytes]:
+        """What the dialer sent on each connection."""
+        return [bytes(s.sent) for s in self.streams]
 
-    def _pump(self, src: socket.socket, dst: socket.socket, record: bool) -> None:
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self._server.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection(("127.0.0.1", self.target_port))
+            self._socks += [client, upstream]
+            stream = Stream()
+            self.streams.append(stream)
+            editor = None if self.edit is None else self.edit()
+            threading.Thread(target=self._pump, args=(client, upstream, stream.sent, editor),
+                             daemon=True).start()
+            threading.Thread(target=self._pump, args=(upstream, client, stream.answered, None),
+                             daemon=True).start()
+
+    @staticmethod
+    def _pump(src: socket.socket, dst: socket.socket, record: bytearray,
+              editor: Callable[[int, bytes], bytes] | None) -> None:
         try:
             while data := src.recv(1 << 16):
-                if record:
-                    if self.edit is not None:
-                        data = self.edit(len(self.sent), data)
-                    self.sent += data
-                else:
-                    self.answered += data
+                if editor is not None:
+                    data = editor(len(record), data)
+                record += data
                 dst.sendall(data)
         except OSError:
             pass
@@ -69,7 +88,8 @@ class Relay:
             s.close()
 
 
-def _pair_behind_relay(encrypt: bool, edit: Callable[[int, bytes], bytes] | None = None
+def _pair_behind_relay(encrypt: bool,
+                       edit: Callable[[], Callable[[int, bytes], bytes]] | None = None
                        ) -> tuple[TcpTransport, TcpTransport, Relay]:
     """a -> relay -> b: b advertises the relay's port, so a dials b through it."""
     options = SEALED if encrypt else OPTS
@@ -109,10 +129,11 @@ def test_block_bytes_cross_the_wire_only_as_ciphertext_when_sealed(marked_pools,
         wait_for(lambda: got.extend(b.receive()) or got)
         assert got == [(a.local, b"control message in the clear?")]
     relay.close()
-    wire = bytes(relay.sent)
-    assert len(wire) > 3 * a_pool.block_nbytes
-    assert (MARK[:64] in wire) is not encrypt
-    assert (b"in the clear" in wire) is not encrypt
+    wires = relay.sent()
+    assert len(wires) == 2, "a control and a bulk connection"
+    assert max(len(w) for w in wires) > 3 * a_pool.block_nbytes
+    assert any(MARK[:64] in w for w in wires) is not encrypt
+    assert any(b"in the clear" in w for w in wires) is not encrypt
 
 
 def test_a_flipped_bit_fails_the_move_and_the_peer_and_never_completes(marked_pools, caplog):
@@ -125,7 +146,7 @@ def test_a_flipped_bit_fails_the_move_and_the_peer_and_never_completes(marked_po
             return data[:i] + bytes([data[i] ^ 0x01]) + data[i + 1:]
         return data
 
-    a, b, relay = _pair_behind_relay(True, flip)
+    a, b, relay = _pair_behind_relay(True, lambda: flip)
     with a, b, caplog.at_level(logging.WARNING, logger="pdserve.transfer.tcp"):
         a.register(a_pool)
         b.register(b_pool)

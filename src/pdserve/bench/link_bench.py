@@ -16,12 +16,13 @@ loss, every link of the bed shaped alike):
   socket's time / the transport's, the two timed in turns (`link_raw.py`: the same bytes
   over a plain TCP connection on the same path, which shows what the testbed itself delivers
   at this size). The `raw` row is the baseline's own (`of_raw` 1).
-- burst, tcp, with the link window (`TcpOptions.frame_s`, the default) and without it (whole
-  writes, kernel buffers): N pushes started at once; each one's time from the start to
-  "done" against the ideal N x bytes / link rate (`p99_of_ideal`, nearest rank over every
-  transfer of every repeat), and control messages sent every `PING_S` while the burst runs
-  (`control_p50_ms`, `control_p99_ms`: one-way, sent to delivered, on the machine's one
-  monotonic clock).
+- burst, tcp, in three setups (`BURSTS`): the default (the link window, `TcpOptions.frame_s`,
+  and control messages on a connection of their own, `control_connection`); the window with
+  one connection per peer; and neither (whole writes, kernel buffers, one connection). N
+  pushes started at once; each one's time from the start to "done" against the ideal
+  N x bytes / link rate (`p99_of_ideal`, nearest rank over every transfer of every repeat),
+  and control messages sent every `PING_S` while the burst runs (`control_p50_ms`,
+  `control_p99_ms`: one-way, sent to delivered, on the machine's one monotonic clock).
 
 NIXL's bulk row (where nixl-cu12 is installed) pushes into a pool a child process hosts on d0
 (`link_nixl.py`): two UCX endpoints of one process would talk through shared memory.
@@ -68,7 +69,9 @@ BLOCK_BYTES = KVCache.bytes_per_block(SMOLLM2, BLOCK_SIZE, torch.bfloat16)  # 36
 BLOCKS = -(-PROMPT_TOKENS // BLOCK_SIZE)  # one prompt's KV: 63 blocks
 PROMPT_BYTES = BLOCKS * BLOCK_BYTES
 OPTIONS = {"tcp": TcpOptions(), "tcp-aes": TcpOptions(encrypt=True),
-           "tcp-whole": TcpOptions(frame_s=0)}
+           "tcp-one": TcpOptions(control_connection=False),
+           "tcp-whole": TcpOptions(frame_s=0, control_connection=False)}
+BURSTS = ((True, True), (True, False), (False, False))  # (window, control connection)
 CONGESTION = TcpOptions().congestion  # the transport's own choice
 
 
@@ -105,6 +108,7 @@ class BurstRow:
     control_p99_ms: float
     control_messages: int
     loss_pct: float = 0.0
+    control_connection: bool = True
 
 
 @dataclass
@@ -186,12 +190,15 @@ def _bulk_row(transport: str, shape: LinkShape, secs: float, of_raw: float) -> B
 
 
 def burst(topology: Topology, shape: LinkShape, window: bool, concurrent: int,
-          repeats: int, congestion: str = CONGESTION) -> BurstRow:
+          repeats: int, congestion: str = CONGESTION, control_connection: bool = True
+          ) -> BurstRow:
+    """`control_connection` counts with the window only: without it the connection is one."""
     ids = list(range(BLOCKS))
     tids = itertools.count(1)
     times: list[float] = []
     control: list[float] = []
-    opts = options("tcp" if window else "tcp-whole", congestion)
+    kind = ("tcp" if control_connection else "tcp-one") if window else "tcp-whole"
+    opts = options(kind, congestion)
     with link_receiver.receiver(topology, opts, BLOCKS) as r, \
             _writer(topology, opts, BLOCKS, r.peer) as w:
         for _ in range(repeats + 1):  # the first is a warm-up
@@ -204,7 +211,7 @@ def burst(topology: Topology, shape: LinkShape, window: bool, concurrent: int,
     return BurstRow(window, shape.gbps, shape.delay_ms, concurrent, PROMPT_BYTES,
                     rank(times, 0.5) * 1e3, p99 * 1e3, ideal * 1e3, p99 / ideal,
                     rank(control, 0.5) * 1e3, rank(control, 0.99) * 1e3, len(control),
-                    shape.loss_pct)
+                    shape.loss_pct, opts.control_connection)
 
 
 @contextlib.contextmanager
@@ -291,9 +298,10 @@ def run(link_gbps: list[float], base: LinkShape, concurrent: list[int], repeats:
         shape = base.changed(gbps=gbps)
         with _bed(shape) as topology:
             bulks += _bulks(topology, shape, repeats, log, congestion)
-            for n, window in itertools.product(concurrent, (True, False)):
-                log(f"{gbps:g} Gb/s: {n} at once, window {'on' if window else 'off'} ...")
-                bursts.append(burst(topology, shape, window, n, repeats, congestion))
+            for n, (window, lane) in itertools.product(concurrent, BURSTS):
+                log(f"{gbps:g} Gb/s: {n} at once, window {'on' if window else 'off'}, "
+                    f"{'a control connection' if lane else 'one connection'} ...")
+                bursts.append(burst(topology, shape, window, n, repeats, congestion, lane))
     return bulks, bursts
 
 
@@ -355,9 +363,10 @@ def _print_pair(bulks: list[BulkRow], bursts: list[BurstRow]) -> None:
     for b in bulks:
         print(f"{b.transport:<10}{b.link_gbps:>10g}{b.bytes / 1e6:>7.1f}{b.gbps:>8.2f}"
               f"{b.of_link:>9.0%}{b.of_raw:>8.2f}")
-    print(f"\n{'window':<7}{'link':>6}{'N':>4}{'p50 ms':>9}{'p99 ms':>9}{'ideal ms':>10}"
-          f"{'p99/ideal':>10}{'ctl p50':>9}{'ctl p99':>9}")
+    print(f"\n{'window':<7}{'ctl conn':<9}{'link':>6}{'N':>4}{'p50 ms':>9}{'p99 ms':>9}"
+          f"{'ideal ms':>10}{'p99/ideal':>10}{'ctl p50':>9}{'ctl p99':>9}")
     for r in bursts:
-        print(f"{'on' if r.window else 'off':<7}{r.link_gbps:>6g}{r.concurrent:>4}"
+        print(f"{'on' if r.window else 'off':<7}{'own' if r.control_connection else 'shared':<9}"
+              f"{r.link_gbps:>6g}{r.concurrent:>4}"
               f"{r.p50_ms:>9.0f}{r.p99_ms:>9.0f}{r.ideal_ms:>10.0f}{r.p99_of_ideal:>10.2f}"
               f"{r.control_p50_ms:>9.1f}{r.control_p99_ms:>9.1f}")

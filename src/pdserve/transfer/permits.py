@@ -11,17 +11,25 @@ its reader, when it sends the descriptor; each revokes when it ends, on every te
 
 Invariant (kept by the sessions): a permit exists only while its blocks are reserved or held
 for its transfer, so whenever a permitted write lands, the generations the Reservation named
-are still current. Revoked transfer ids are remembered with their peers (the newest
-`REMEMBER` ids), so that a late move of the permit's own peer (bytes that were on the wire
-when its transfer ended) is refused as late, quietly, rather than reported as a stray.
+are still current.
+
+Fence: a move that passed its check `use`s the permit until `done` (one frame landing or
+going out), and `revoke(transfer_id, wait_s)` waits up to `wait_s` for the uses of that
+transfer to end. Once it returns with nothing still in use, no byte of the permit's blocks is
+touched for that transfer again, whatever order the peer's frames and messages arrive in; the
+holders of uses that outlast the wait are returned, for the caller to cut off.
+
+Revoked transfer ids are remembered with their peers (the newest `REMEMBER` ids), so that a
+late move of the permit's own peer (bytes that were on the wire when its transfer ended) is
+refused as late, quietly, rather than reported as a stray.
 Thread-safe. Lifetime: one per endpoint.
 """
 
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict
-from collections.abc import Sequence
+from collections import Counter, OrderedDict
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -49,9 +57,10 @@ class Refusal:
 
 class Permits:
     def __init__(self) -> None:
-        self._lock = threading.Lock()
+        self._lock = threading.Condition()
         self._live: dict[tuple[int, Kind], Permit] = {}
         self._ended: OrderedDict[int, frozenset[PeerId]] = OrderedDict()
+        self._uses: dict[int, Counter[Hashable]] = {}  # transfer id -> holder -> uses
 
     def allow(self, kind: Kind, transfer_id: int, peer: PeerId, blocks: Sequence[int],
               layers: range | None = None) -> None:
@@ -65,17 +74,39 @@ class Permits:
         with self._lock:
             self._live[(transfer_id, kind)] = Permit(peer, frozenset(ids), layers)
 
-    def revoke(self, transfer_id: int) -> None:
-        """End every permit of `transfer_id` (idempotent)."""
+    def revoke(self, transfer_id: int, wait_s: float = 0.0) -> list[Hashable]:
+        """End every permit of `transfer_id` (idempotent), then wait up to `wait_s` for its
+        uses to end; the holders of those still in use (none: the fence holds)."""
         with self._lock:
             peers = {p.peer for k in ("write", "read")
                      if (p := self._live.pop((transfer_id, k), None)) is not None}
-            if not peers:
-                return
-            self._ended[transfer_id] = self._ended.get(transfer_id, frozenset()) | peers
-            self._ended.move_to_end(transfer_id)
-            while len(self._ended) > REMEMBER:
-                self._ended.popitem(last=False)
+            if peers:
+                self._ended[transfer_id] = self._ended.get(transfer_id, frozenset()) | peers
+                self._ended.move_to_end(transfer_id)
+                while len(self._ended) > REMEMBER:
+                    self._ended.popitem(last=False)
+            self._lock.wait_for(lambda: transfer_id not in self._uses, wait_s)
+            return list(self._uses.get(transfer_id, ()))
+
+    def use(self, kind: Kind, transfer_id: int, peer: PeerId, blocks: Sequence[int],
+            layers: tuple[int, int], holder: Hashable) -> Refusal | None:
+        """`refusal`, and when there is none, one use of the permit by `holder` until `done`."""
+        with self._lock:
+            refusal = self.refusal(kind, transfer_id, peer, blocks, layers)
+            if refusal is None:
+                self._uses.setdefault(transfer_id, Counter())[holder] += 1
+            return refusal
+
+    def done(self, transfer_id: int, holder: Hashable) -> None:
+        """One use by `holder` ended."""
+        with self._lock:
+            uses = self._uses[transfer_id]
+            uses[holder] -= 1
+            if uses[holder] <= 0:
+                del uses[holder]
+            if not uses:
+                del self._uses[transfer_id]
+                self._lock.notify_all()
 
     def refusal(self, kind: Kind, transfer_id: int, peer: PeerId, blocks: Sequence[int],
                 layers: tuple[int, int]) -> Refusal | None:

@@ -55,8 +55,10 @@ class SendSession(Session):
     are held for this transfer. Push grants nothing: this side writes.
     Lifetime: from the prefill output (blocks held, PREFILLED; streamed: from the step that
     computes the prompt's last tokens) until `blocks_reusable`, when
-    the caller releases the source blocks. In pull mode a reader that is still reading when a
-    failed sender frees its blocks reads garbage, which the receiver's CRC32C check rejects.
+    the caller releases the source blocks. In pull mode the revoke is the fence over TCP (a
+    READ_DATA frame going out finishes first, and none follows); over NIXL a reader that is
+    still reading when a failed sender frees its blocks reads garbage, which the receiver's
+    CRC32C check rejects.
     """
 
     peer_role = "receiver"

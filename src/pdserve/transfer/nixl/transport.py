@@ -12,6 +12,7 @@ import logging
 import threading
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from nixl_cu12 import _api as nixl_api
@@ -124,9 +125,10 @@ class NixlTransport:
                  instance_id: int | None = None, advertise_port: int | None = None,
                  advertise_host: str | None = None, options: NixlOptions | None = None) -> None:
         self.options = options or NixlOptions()
+        # it carries control messages only: one connection to each peer is enough
         self._tcp = TcpTransport(local_host, port, secret=secret, instance_id=instance_id,
                                  advertise_port=advertise_port, advertise_host=advertise_host,
-                                 options=self.options.tcp)
+                                 options=replace(self.options.tcp, control_connection=False))
         self._name = agent_name(self._tcp.local)
         self._agent = make_agent(self._name, self.options)
         self._lock = threading.RLock()

@@ -31,30 +31,38 @@ class TcpOptions:
 
     `max_connections` caps the connections an endpoint has accepted and not yet closed (one
     reader thread each); one more is closed at once, with a rate-limited warning. Each peer
-    instance that talks to this endpoint holds one (its own dialed connection; this endpoint's
-    connection to it is counted at the peer), and a connection that has not authenticated
-    holds its slot for at most `handshake_timeout_s`: keep it above the number of workers.
+    instance that talks to this endpoint holds two (the connections it dialed, see
+    `control_connection`; this endpoint's to it are counted at the peer), and a connection
+    that has not authenticated holds its slot for at most `handshake_timeout_s`: keep it above
+    twice the number of workers.
+
+    `control_connection` sends control messages, the answers to a peer's moves and read
+    requests on a connection of their own to each peer, beside the one that carries bulk data
+    (`send_side.py`), so they wait for no bulk byte and no bulk congestion window: on a 1 Gb/s
+    testbed link full of 32 writes, with the host's BBR, it took control P99 from 55-107 ms
+    to under 10 ms (docs/testbed.md). Off: one connection per peer carries both.
 
     `frame_s` cuts a write into WRITE frames, and the answer to a read into READ_DATA frames,
     of about that many seconds of the connection's measured send rate, and caps the bytes its
-    socket holds not yet sent (TCP_NOTSENT_LOWAT) to one frame (`frame_pace.py`): a control
-    message then waits behind bulk data for about 2 x `frame_s` plus what is already in flight
-    (`send_queue.py`). It is also the queueing that peers writing into this endpoint at once
-    may add together: with two or more sending bulk data, each gets an equal receive window
-    of the measured rate x (round trip + `frame_s`) split among them
-    (`incoming_share.py`). 0: one frame a write or a read and the kernel's unsent limit
-    (megabytes), the order of arrival only, and the kernel's own receive windows.
+    socket holds not yet sent (TCP_NOTSENT_LOWAT) to one frame (`frame_pace.py`): a message
+    queued behind bulk data on the same connection (without `control_connection`) waits for
+    about 2 x `frame_s` plus what is already in flight (`send_queue.py`). It is also the
+    queueing that peers writing into this endpoint at once may add together: with two or more
+    sending bulk data, each gets an equal receive window of the measured rate x (round trip +
+    `frame_s`) split among them (`incoming_share.py`). 0: one frame a write or a read and the
+    kernel's unsent limit (megabytes), the order of arrival only, and the kernel's own receive
+    windows.
 
     `congestion` is the TCP congestion control asked for on every connection this endpoint
     dials (all it sends goes out on those; Linux's TCP_CONGESTION), "" (the default) for the
     host's. Neither common choice wins everywhere (measured on the testbed, docs/testbed.md):
     BBR (v1, Linux's `tcp_bbr`) enters PROBE_RTT after 10 s without a lower round trip, which
-    a connection that always keeps a queue never sees, and holds 4 segments for 200 ms, so
-    every control message on it waits that long (190-220 ms stalls in half the 6 s bursts of 32
-    writes on a 1 Gb/s, 2 ms link); CUBIC has no such stall (the receiver's window above bounds
-    its queue), but halves its window on every loss, and with 0.1% random loss on that link a
-    burst of 8 writes took 2.6x the ideal (BBR 1.07x), with 1% 31x. Ask for "cubic" on a
-    clean fabric where control latency matters; keep the host's where links drop packets.
+    a connection that always keeps a queue never sees, and holds 4 segments for 200 ms (a
+    190-220 ms stall of the bulk connection in half the 6 s bursts of 32 writes on a 1 Gb/s,
+    2 ms link, which `control_connection` keeps control messages out of); CUBIC has no such
+    stall (the receiver's window above bounds its queue), but halves its window on every loss,
+    and with 0.1% random loss on that link a burst of 8 writes took 2.6x the ideal (BBR 1.07x),
+    with 1% 31x. Keep the host's where links drop packets.
     Where the kernel lacks the one asked for, or refuses it (not in
     `net.ipv4.tcp_allowed_congestion_control` and no CAP_NET_ADMIN), the connection keeps the
     host's default and says so in the log."""
@@ -64,13 +72,14 @@ class TcpOptions:
     handshake_redials: int = 4
     cancel_wait_s: float = 5.0
     max_queued: int = 10_000
-    max_connections: int = 64
+    max_connections: int = 128
     encrypt: bool = False
     keepalive_idle_s: int = 5
     keepalive_interval_s: int = 1
     keepalive_probes: int = 5
     frame_s: float = 0.002
     congestion: str = ""
+    control_connection: bool = True
 
     @property
     def cipher(self) -> str:

@@ -2,21 +2,26 @@
 
 `BlockPool` gives byte views of a registered CPU pool (no copies). `PoolGate` is what both
 sides of the endpoint consult before they touch the pool for a peer: the registered pool
-(None until `register`) and the `Permits` the sessions grant, with the refusal logging.
+(None until `register`) and the `Permits` the sessions grant, with the refusal logging, and
+the fence of `revoke`: a frame that lands in or goes out of the pool for a peer does so
+inside `use`, on its connection's socket, and `revoke` waits for those of its transfer to end
+(up to `wait_s`, then it shuts their sockets down).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+import socket
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, cast
 
 import torch
 
 from pdserve.throttled_log import ThrottledLog
 from pdserve.transfer.peer import PeerId
-from pdserve.transfer.permits import Kind, Permits
-from pdserve.transfer.tcp.frames import ProtocolError
+from pdserve.transfer.permits import Kind, Permits, Refusal
+from pdserve.transfer.tcp.frames import ProtocolError, shut
 
 if TYPE_CHECKING:
     from pdserve.engine.kv_cache import KVCache
@@ -61,13 +66,44 @@ class PoolGate:
     permits for the moves peers start. Thread-safe (`Permits` locks; the pool is swapped
     whole). Lifetime: the endpoint's."""
 
-    def __init__(self, throttled: ThrottledLog) -> None:
+    def __init__(self, throttled: ThrottledLog, wait_s: float) -> None:
         self.pool: BlockPool | None = None
         self.permits = Permits()
-        self._throttled = throttled
+        self._throttled, self._wait_s = throttled, wait_s
 
     def register(self, cache: KVCache) -> None:
         self.pool = BlockPool(cache)
+
+    def revoke(self, tid: int) -> None:
+        """End the permits of transfer `tid`; once this returns none of its frames touches
+        the pool (one still landing or going out after `wait_s` has its connection shut
+        down, which stops it at once)."""
+        stuck = self.permits.revoke(tid, self._wait_s)
+        if not stuck:
+            return
+        log.warning("transfer %x: a frame still moving %.1f s after its permit ended; "
+                    "dropping its connection", tid, self._wait_s)
+        for sock in stuck:
+            shut(cast(socket.socket, sock))
+        if self.permits.revoke(tid, self._wait_s):
+            log.error("transfer %x: a frame still moving after its connection was shut", tid)
+
+    @contextlib.contextmanager
+    def use(self, kind: Kind, peer: PeerId, tid: int, ids: Sequence[int],
+            layers: tuple[int, int] | None, sock: socket.socket) -> Iterator[str | None]:
+        """Inside: None when `peer` holds a permit for this frame, which then moves on `sock`
+        before `revoke(tid)` can return; else the reason (`refusal`)."""
+        pool = self.pool
+        assert pool is not None
+        span = layers or (0, pool.num_layers)
+        refusal = self.permits.use(kind, tid, peer, ids, span, sock)
+        if refusal is not None:
+            yield self._refused(kind, peer, refusal)
+            return
+        try:
+            yield None
+        finally:
+            self.permits.done(tid, sock)
 
     def refusal(self, kind: Kind, peer: PeerId, tid: int, ids: Sequence[int],
                 layers: tuple[int, int] | None) -> str | None:
@@ -77,8 +113,9 @@ class PoolGate:
         pool = self.pool
         assert pool is not None
         refusal = self.permits.refusal(kind, tid, peer, ids, layers or (0, pool.num_layers))
-        if refusal is None:
-            return None
+        return None if refusal is None else self._refused(kind, peer, refusal)
+
+    def _refused(self, kind: Kind, peer: PeerId, refusal: Refusal) -> str:
         if refusal.late:
             log.debug("dropped a late %s from %s: %s", kind, peer, refusal.reason)
         else:

@@ -1,9 +1,12 @@
 """The TCP endpoint's receive side: the accept loop and one reader thread per connection.
 
 A reader first runs the acceptor's handshake, then handles the peer's frames strictly in
-order: a WRITE's bytes land in the pool before any later CONTROL frame on that connection is
-delivered (the fence the sessions rely on; see `TcpTransport`). WRITEs and READ_REQUESTs are
-checked against the permits here, and answered through the send side. The READ_DATA frames of
+order. A peer dials two connections (control and bulk, `send_side.py`), so its control
+messages may arrive before bulk frames it sent earlier: the fence the sessions rely on is the
+permit's (`PoolGate.use` / `revoke`), not the order of arrival. A WRITE lands inside a use of
+its write permit, so once the session revokes (on the writer's ABORT, say) no byte of it lands.
+WRITEs and READ_REQUESTs are checked against the permits here, and answered through the send
+side. The READ_DATA frames of
 one of this endpoint's reads come in order, each continuing at the (block, layer) slice where
 the last one ended (anything else is a protocol error); the read is done once every slice has
 landed. They, and the answers to this endpoint's own moves, settle its moves in the move
@@ -207,13 +210,14 @@ class ReceiveSide:
             raise ProtocolError(f"WRITE of {count} blocks x layers [{first}, {end}) in a "
                                 f"payload of {plen} bytes")
         pool.check(ids, "WRITE destination")
-        refusal = self._gate.refusal("write", peer, tid, ids, (first, end))
+        with self._gate.use("write", peer, tid, ids, (first, end), wire.sock) as refusal:
+            if refusal is None:
+                for b in ids:
+                    wire.recv_into(pool.view(b, (first, end)))
         if refusal is not None:  # drained, the pool untouched; the connection lives on
             wire.skip([(end - first) * pool.layer_nbytes] * count)
             self._send.answer(peer, Frame.WRITE_ERROR, tid, mid, refusal.encode())
             return
-        for b in ids:
-            wire.recv_into(pool.view(b, (first, end)))
         self._send.answer(peer, Frame.WRITE_DONE, tid, mid)
 
     def _on_read_request(self, wire: Wire, peer: PeerId, count: int, tid: int,

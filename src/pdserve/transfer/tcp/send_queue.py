@@ -1,4 +1,4 @@
-"""One peer's send queue: control before bulk, bulk in arrival order.
+"""One connection's send queue: control before bulk, bulk in arrival order.
 
 Jobs are urgent (control messages, answers to a peer's moves, read requests: each a few
 hundred bytes) or bulk (a write's WRITE frames, a read's READ_DATA frames). `get` hands out
@@ -8,9 +8,9 @@ frame at a time (`chunks.py`) and its next frame is `resume`d at the head of the
 transfers to one peer finish in the order they started (the first one done soonest) rather
 than all late together.
 
-Ordering the sessions rely on still holds: a sender fences (`MoveTable.cancel`) its write
-before it queues an ABORT, and a fenced write sends no further frame; what it sent is already
-on the connection, ahead of the ABORT.
+A fenced write (`MoveTable.cancel`) sends no further frame. Each of a peer's two connections
+has a queue of its own (`send_side.py`): the control connection's jobs are all urgent, so
+there the order is the order queued; with one connection per peer both kinds share one.
 
 Invariant: at most `limit` jobs queued (a resumed write or read is not counted again).
 Thread-safe: any thread puts, the peer's sender thread gets. Lifetime: the `PeerSender`'s.

@@ -1,22 +1,32 @@
-"""The TCP endpoint's send side: one outgoing connection per peer instance, fed by a queue.
+"""The TCP endpoint's send side: two outgoing connections per peer instance, each fed by a queue.
 
-Everything this endpoint sends to a peer (control messages, writes, read requests, and the
-answers and READ_DATA its receive side owes that peer) is a job on that peer's `SendQueue`,
-sent by that peer's `PeerSender` thread on the one connection it dialed. So `send`, `write`
-and `read` never block. Control messages and answers go ahead of queued bulk data; a write
-(WRITE frames) and the answer to a read (READ_DATA frames) go out in frames of about
-`TcpOptions.frame_s` of the link (`chunks.py`, `frame_pace.py`), so a control message waits
-for at most one frame, and the socket holds at most one frame not yet sent
-(TCP_NOTSENT_LOWAT), so it does not wait behind megabytes in the kernel either. Each READ_DATA
-frame is sent only while the read permit still covers its blocks; once it does not, the rest
-of that read is one READ_ERROR and no further frame of it goes out. A sender fences its write
-before it queues an ABORT (`MoveTable.cancel`), so the write's frames that went out are on the
-connection ahead of the ABORT (the order the sessions rely on; see `TcpTransport`).
+Everything this endpoint sends to a peer is a job on one of that peer's two lanes, each a
+`SendQueue` sent by its own `PeerSender` thread on a connection of its own, so `send`, `write`
+and `read` never block:
+- the control lane carries control messages, the answers this endpoint owes the peer's
+  moves (WRITE_DONE / WRITE_ERROR, a refused READ_REQUEST) and this endpoint's read requests,
+  each a few hundred bytes, in the order they were queued;
+- the bulk lane carries writes (WRITE frames) and the answers to the peer's reads (READ_DATA
+  frames, or the READ_ERROR that ends one).
+A control message so never waits behind bulk data: not in a queue, not in a socket's buffer,
+not in the bulk connection's congestion window (which BBR holds at 4 segments for 200 ms every
+10 s while a queue persists). What it shares is the network's own queue, which the receiver's
+window bounds (`incoming_share.py`). With `TcpOptions.control_connection` off, one connection
+per peer carries both, urgent jobs still ahead of queued bulk ones.
+
+On the bulk lane a write and the answer to a read go out in frames of about
+`TcpOptions.frame_s` of the link (`chunks.py`, `frame_pace.py`), and the socket holds at most
+one frame not yet sent (TCP_NOTSENT_LOWAT). Each READ_DATA frame goes out only inside the read
+permit (`PoolGate.use`); once the permit no longer covers its blocks, the rest of that read is
+one READ_ERROR and no further frame of it goes out. A write is fenced (`MoveTable.cancel`)
+before its sender queues an ABORT, so no frame of it starts after the ABORT is queued; frames
+already sent may arrive after the ABORT (it travels on the other connection), and the receiver
+refuses them: its `revoke` fences the permit (`PoolGate.revoke`), see `TcpTransport`.
 
 Collaborators, given at construction: the options, the handshake (dialing), the pool gate
-(block views, the read permits checked again as each READ_DATA frame goes out), the move table
-(a write is claimed while each frame's bytes go out), and the peer table (who is alive; where
-a failed connection is reported).
+(block views, the read permits used as each READ_DATA frame goes out), the move table (a
+write is claimed while each frame's bytes go out), and the peer table (who is alive; where a
+failed connection is reported: either lane's failure is the peer's).
 """
 
 from __future__ import annotations
@@ -25,6 +35,7 @@ import contextlib
 import logging
 import socket
 import threading
+from typing import Literal
 
 from pdserve.transfer.link_report import LinkReport
 from pdserve.transfer.peer import PeerId
@@ -46,18 +57,20 @@ log = logging.getLogger(__name__)
 #       | ("read_data", tid, mid, ids) | ("read_frame", tid, mid, ids, [Chunk], next index)
 #       | ("answer", frame, tid, mid, reason)
 URGENT = frozenset({"control", "answer"})
+Lane = Literal["control", "bulk"]
 
 
 class SendSide:
-    """The live `PeerSender` of every peer instance this endpoint talks to, made on first use.
-    Thread-safe. Lifetime: the endpoint's; `close` stops every sender."""
+    """The live `PeerSender`s of every peer instance this endpoint talks to, made on first use
+    (both lanes by `reach`). Thread-safe. Lifetime: the endpoint's; `close` stops every
+    sender."""
 
     def __init__(self, options: TcpOptions, handshake: BoundHandshake, gate: PoolGate,
                  moves: MoveTable, peers: PeerTable) -> None:
         self._options, self._handshake, self._peers = options, handshake, peers
         self._writer = JobWriter(gate, moves)
         self._lock = threading.Lock()
-        self._senders: dict[PeerId, PeerSender] = {}
+        self._senders: dict[tuple[PeerId, Lane], PeerSender] = {}
 
     def send(self, peer: PeerId, message: bytes) -> None:
         """Queue a control message; dropped if the peer is dead or its queue is full."""
@@ -76,16 +89,19 @@ class SendSide:
         self._put(peer, ("read_data", tid, mid, ids))
 
     def reach(self, peer: PeerId) -> None:
-        """Make the sender to `peer` now, if it is alive and has none: its thread dials at once,
-        so a dead or replaced instance is known before anything must go to it."""
-        self._sender(peer)
+        """Make the senders to `peer` now, if it is alive and has none: their threads dial at
+        once, so a dead or replaced instance is known before anything must go to it, and the
+        first transfer finds its connections made."""
+        for lane in self._lanes():
+            self._sender(peer, lane)
 
     def links(self) -> list[LinkReport]:
-        """The kernel's estimates for each live connection this endpoint dialed; the rate is
-        the current sample's unless the sender limited it (`app_limited`) and a sample of a
+        """The kernel's estimates for each live bulk connection this endpoint dialed; the rate
+        is the current sample's unless the sender limited it (`app_limited`) and a sample of a
         full sender was read during a transfer (`full_rate`)."""
         with self._lock:
-            senders = [s for s in self._senders.values() if not s.stopped]
+            senders = [s for (_, lane), s in self._senders.items()
+                       if lane == "bulk" and not s.stopped]
         reports = []
         for s in senders:
             info = None if s.sock is None else tcp_info(s.sock)
@@ -100,8 +116,8 @@ class SendSide:
 
     def drop_peer(self, peer: PeerId) -> None:
         with self._lock:
-            sender = self._senders.pop(peer, None)
-        if sender is not None:
+            senders = [self._senders.pop(key) for key in list(self._senders) if key[0] == peer]
+        for sender in senders:
             sender.stop()
 
     def close(self) -> list[threading.Thread]:
@@ -112,20 +128,26 @@ class SendSide:
             s.stop()
         return [s.thread for s in senders]
 
+    def _lanes(self) -> tuple[Lane, ...]:
+        return ("control", "bulk") if self._options.control_connection else ("bulk",)
+
     def _put(self, peer: PeerId, job: Job) -> bool:
-        sender = self._sender(peer)
         urgent = job[0] in URGENT or (job[0] == "move" and job[1].kind == "read")
+        lane: Lane = "control" if urgent and self._options.control_connection else "bulk"
+        sender = self._sender(peer, lane)
         return sender is not None and sender.jobs.put(job, urgent)
 
-    def _sender(self, peer: PeerId) -> PeerSender | None:
-        """The live sender to `peer`, made on first use; None if closed or the peer is dead."""
+    def _sender(self, peer: PeerId, lane: Lane) -> PeerSender | None:
+        """The live sender of `lane` to `peer`, made on first use; None if closed or the peer
+        is dead."""
         with self._lock:
             if not self._peers.alive(peer):
                 return None
-            if peer not in self._senders:
-                self._senders[peer] = PeerSender(peer, self._options, self._handshake,
-                                                 self._writer, self._peers)
-            return self._senders[peer]
+            if (peer, lane) not in self._senders:
+                self._senders[peer, lane] = PeerSender(peer, lane, self._options,
+                                                       self._handshake, self._writer,
+                                                       self._peers)
+            return self._senders[peer, lane]
 
 
 class JobWriter:
@@ -201,12 +223,15 @@ class JobWriter:
         job of the frames after it."""
         c = frames[i]
         blocks = ids[c.blocks]
-        refusal = ("no pool registered" if self._gate.pool is None
-                   else self._gate.refusal("read", peer, tid, blocks, (c.first, c.end)))
+        if self._gate.pool is None:
+            self._refuse_read(wire, tid, mid, "no pool registered")
+            return None
+        with self._gate.use("read", peer, tid, blocks, (c.first, c.end), wire.sock) as refusal:
+            if refusal is None:
+                self._send_slices(wire, Frame.READ_DATA, tid, mid, c, blocks, blocks, pace)
         if refusal is not None:
             self._refuse_read(wire, tid, mid, refusal)
             return None
-        self._send_slices(wire, Frame.READ_DATA, tid, mid, c, blocks, blocks, pace)
         return ("read_frame", tid, mid, ids, frames, i + 1) if i + 1 < len(frames) else None
 
     def _send_slices(self, wire: Wire, ftype: Frame, tid: int, mid: int, c: chunks.Chunk,
@@ -230,7 +255,7 @@ class JobWriter:
 
 
 class PeerSender:
-    """The one outgoing connection to one peer instance and its daemon sender thread.
+    """One lane's outgoing connection to one peer instance and its daemon sender thread.
 
     The thread dials as soon as it starts (the sender is made on the first job or `reach`:
     HELLO, then it waits for the signed HELLO_ACK however long a stalled peer takes, see
@@ -243,19 +268,22 @@ class PeerSender:
     Any other failure, or the last cut handshake, declares the peer dead in the peer table (see
     `TcpTransport`, "Peer death") and the thread ends; later jobs are dropped. `stop`
     (endpoint close or peer death) wakes both threads.
+    The bulk lane's frames are sized by a `FramePace` (with `frame_s` > 0); the control lane
+    sends whole jobs.
     """
 
-    def __init__(self, peer: PeerId, options: TcpOptions, handshake: BoundHandshake,
-                 writer: JobWriter, peers: PeerTable) -> None:
+    def __init__(self, peer: PeerId, lane: Lane, options: TcpOptions,
+                 handshake: BoundHandshake, writer: JobWriter, peers: PeerTable) -> None:
         self.peer, self._options, self._handshake = peer, options, handshake
         self._writer, self._peers = writer, peers
         self.sock: socket.socket | None = None  # the wire's socket, once dialed
         self._stopping = threading.Event()
         self.jobs = SendQueue(options.max_queued)
-        self._pace = FramePace(options.frame_s) if options.frame_s > 0 else None
+        paced = lane == "bulk" and options.frame_s > 0
+        self._pace = FramePace(options.frame_s) if paced else None
         self._unsent = 0  # the socket's TCP_NOTSENT_LOWAT, once set
         self.thread = threading.Thread(target=self._run, daemon=True,
-                                       name=f"pdserve-tcp-send-{peer.host}:{peer.port}")
+                                       name=f"pdserve-tcp-{lane}-{peer.host}:{peer.port}")
         self.thread.start()
 
     @property

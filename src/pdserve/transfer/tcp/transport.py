@@ -55,28 +55,32 @@ class TcpTransport:
       `advertise_port`, default: the real port; tests use it to simulate a restarted peer at
       the same address).
     - Incoming: at most `max_connections` accepted connections at a time (one more is closed at
-      once), each with one daemon reader thread. It first expects, within `handshake_timeout_s`
-      of the accept, a HELLO (`hello.py`) signed with the shared secret (`HandshakeAuth`)
-      and addressed to exactly `local`; a bad signature, a replay, another kind of greeting, a
-      HELLO addressed elsewhere (relayed), a malformed PeerId, an instance known dead or the
-      deadline closes the connection with a rate-limited warning naming the remote address.
+      once; a peer holds two), each with one daemon reader thread. It first expects, within
+      `handshake_timeout_s` of the accept, a HELLO (`hello.py`) signed with the shared secret
+      (`HandshakeAuth`) and addressed to exactly `local`; a bad signature, a replay, another
+      kind of greeting, a HELLO addressed elsewhere (relayed), a malformed PeerId, an
+      instance known dead or the deadline closes the connection with a rate-limited warning
+      naming the remote address.
       A HELLO for another instance at this address (the dialer has not learnt of a restart)
       gets a signed HELLO_ACK first, so the dialer learns it, and is refused the same way. The
       reader answers a signed HELLO_ACK bound to that HELLO, then processes frames strictly in
-      order: WRITE bytes land in the pool (recv_into the block's memory, no staging) before any
-      later CONTROL frame on that connection is delivered. That order is the fence the sessions
-      rely on (data before the writer's ABORT / ABORT_ACK).
+      order; WRITE bytes land in the pool with recv_into the block's memory (no staging).
     - Permits (`permits.py`): a WRITE lands only inside a write permit of its transfer id for
       the connection's authenticated peer (every block id, its layers); a READ_REQUEST is
       served only inside a read permit, checked again as each READ_DATA frame goes out (once
       it is not, the rest of the read is answered READ_ERROR and the read fails). Anything
       else is drained without touching the pool and answered WRITE_ERROR / READ_ERROR "not
       permitted" (a rate-limited warning; a late move of the permit's own peer after `revoke`
-      only a debug line). A refusal never ends the connection or marks anyone dead.
-    - Outgoing: frames to a peer instance travel on one connection this endpoint dials lazily
-      (first send / write / read, or `reach`), fed by that peer's `PeerSender` queue and thread
-      (`send_side.py`), so `send`, `write`, `read` and `reach` never block. Dialing waits at
-      most `dial_timeout_s`.
+      only a debug line). A refusal never ends the connection or marks anyone dead. `revoke`
+      is a fence: it waits for a frame of the transfer still landing or going out (up to
+      `cancel_wait_s`, then shuts that connection down), so once it returns no byte of the
+      transfer touches the pool, in whatever order the peer's frames and messages arrive.
+    - Outgoing: frames to a peer instance travel on two connections this endpoint dials lazily
+      (first use of each, or both at `reach`): control messages, answers and read requests
+      on one, WRITE and READ_DATA frames on the other (`TcpOptions.control_connection`; off:
+      both on one), each fed by its own `PeerSender` queue and thread (`send_side.py`), so
+      `send`, `write`, `read` and `reach` never block. Dialing waits at most
+      `dial_timeout_s`.
     - Peer death marks that exact instance dead: `peer_alive` is False (`why_dead` says why),
       its pending moves end in "error", messages to it are dropped; a new instance at the
       address is a different peer. A death by a lost link (EOF, a reset, a failed send or
@@ -105,9 +109,10 @@ class TcpTransport:
       nothing is delivered, moves end in "error" and `peer_alive(local)` is False.
 
     Cancel. A move not yet started never starts. A write whose frame is being sent finishes
-    that `sendmsg` first (cancel waits up to `cancel_wait_s`, then shuts the connection down):
-    the bytes then lie in order on the one connection ahead of any control message the writer
-    sends after `cancel`, so the receiver lands them before it sees, say, the ABORT. A read
+    that `sendmsg` first (cancel waits up to `cancel_wait_s`, then shuts the connection down).
+    Frames already sent may still arrive after a control message the writer sends after
+    `cancel` (the ABORT travels on the control connection); the receiver's `revoke` on that
+    ABORT refuses them, and a frame landing meanwhile finishes before `revoke` returns. A read
     being landed stops at the next block of its READ_DATA frame; the rest of that frame and
     every later READ_DATA frame of a cancelled read are drained, never written to the pool.
     The holder may still be sending its source blocks for a cancelled read; those bytes are
@@ -124,7 +129,7 @@ class TcpTransport:
         throttled = ThrottledLog(log)
         self._peers = PeerTable(self._local)
         self._moves = MoveTable(self.options.cancel_wait_s)
-        self._gate = PoolGate(throttled)
+        self._gate = PoolGate(throttled, self.options.cancel_wait_s)
         handshake = BoundHandshake(HandshakeAuth(secret), self._local, self.options,
                                    self._peers.seen, throttled)
         self._send = SendSide(self.options, handshake, self._gate, self._moves, self._peers)
@@ -163,7 +168,7 @@ class TcpTransport:
         self._gate.permits.allow("read", transfer_id, peer, blocks)
 
     def revoke(self, transfer_id: int) -> None:
-        self._gate.permits.revoke(transfer_id)
+        self._gate.revoke(transfer_id)
 
     def status(self, handle: MoveHandle) -> MoveStatus:
         return self._moves.status(handle)
