@@ -2,7 +2,8 @@
 --testbed`'s measurements): control messages do not wait behind a burst of KV writes when the
 link window is on, and do when it is off (whole writes, kernel buffers); either way the burst
 keeps the link busy; tcp and NIXL (UCX kept on the link) pushes fill most of it, as a plain
-TCP socket over the same path does."""
+TCP socket over the same path does; the raw sockets' burst baseline (one stream, stamps on a
+second connection) keeps the link as busy and its stamps do not wait behind the stream."""
 
 from __future__ import annotations
 
@@ -29,6 +30,17 @@ def test_control_messages_pass_a_burst_of_writes_only_with_the_window(
     assert off.control_p50_ms > one_write_ms / 4, off
     for row in (on, off):  # FIFO per peer: the last write ends near N x one write's time
         assert row.p99_of_ideal < 1.5, row
+
+
+def test_the_raw_burst_baseline_fills_the_link_with_stamps_beside_it(
+        make_bed: Callable[..., BedState]) -> None:
+    bed = make_bed(("p0", "d0"), SHAPE)
+    raw = link_bench.raw_burst(bed.topology, SHAPE, concurrent=BURST, repeats=1)
+    one_write_ms = raw.ideal_ms / BURST
+    assert raw.transport == "raw" and raw.concurrent == BURST
+    assert raw.control_messages > 10, raw
+    assert raw.control_p50_ms < one_write_ms / 4, raw
+    assert 0.9 < raw.p99_of_ideal < 1.5, raw  # the shaped link's rate bounds the stream
 
 
 def test_bulk_writes_fill_most_of_the_link_as_a_raw_socket_does(

@@ -96,9 +96,11 @@ def _add_transfer(kinds: argparse._SubParsersAction) -> None:
                     "session for a 1,000-token SmolLM2-shaped prompt and the CRC32C cost. "
                     "Medians of --repeats runs. With --testbed (root): between two hosts of a "
                     "testbed made for the run, over links shaped to each --link-gbps: bulk "
-                    "Gb/s against the link's rate, and bursts of --concurrent transfers with "
-                    "and without the link window (each transfer's tail against the ideal, and "
-                    "the latency of control messages sent meanwhile); with --senders K > 1, "
+                    "Gb/s against the link's rate, and bursts of --concurrent transfers: raw "
+                    "sockets, the default (link window, control messages on a connection of "
+                    "their own), the window on one connection, and neither (each transfer's "
+                    "tail against the ideal, and the latency of control messages sent "
+                    "meanwhile); with --senders K > 1, "
                     "K prefill hosts push into one decode host whose link is the bottleneck "
                     "(each sender's share, Jain's index, control latency per sender).")
     xfer.add_argument("--sizes", default="1,4,16,64,256",

@@ -23,6 +23,10 @@ loss, every link of the bed shaped alike):
   N x bytes / link rate (`p99_of_ideal`, nearest rank over every transfer of every repeat),
   and control messages sent every `PING_S` while the burst runs (`control_p50_ms`,
   `control_p99_ms`: one-way, sent to delivered, on the machine's one monotonic clock).
+  Before them, the raw socket's burst row (`transport` "raw", `link_raw_burst.py`): the same
+  bytes in one `sendall` and a stamp every `PING_S` on a second plain connection, which shows
+  the tail the testbed itself leaves a small message beside a full link (its p50 and p99 are
+  over the bursts' total times: one stream has no per-transfer ends).
 
 NIXL's bulk row (where nixl-cu12 is installed) pushes into a pool a child process hosts on d0
 (`link_nixl.py`): two UCX endpoints of one process would talk through shared memory.
@@ -47,7 +51,7 @@ from dataclasses import asdict, dataclass, replace
 
 import torch
 
-from pdserve.bench import link_nixl, link_raw, link_receiver
+from pdserve.bench import link_nixl, link_raw, link_raw_burst, link_receiver
 from pdserve.bench.transfer_bench import (
     BLOCK_SIZE,
     PROMPT_TOKENS,
@@ -109,6 +113,7 @@ class BurstRow:
     control_messages: int
     loss_pct: float = 0.0
     control_connection: bool = True
+    transport: str = "tcp"
 
 
 @dataclass
@@ -214,6 +219,26 @@ def burst(topology: Topology, shape: LinkShape, window: bool, concurrent: int,
                     shape.loss_pct, opts.control_connection)
 
 
+def raw_burst(topology: Topology, shape: LinkShape, concurrent: int, repeats: int
+              ) -> BurstRow:
+    """The raw socket's burst row: `concurrent` prompts' bytes in one stream, stamps beside."""
+    nbytes = concurrent * PROMPT_BYTES
+    times: list[float] = []
+    control: list[float] = []
+    with link_raw_burst.raw_burst(topology) as once:
+        for i in range(repeats + 1):  # the first is a warm-up
+            took, lat = once(nbytes, PING_S)
+            if i > 0:
+                times.append(took)
+                control += lat
+    ideal = nbytes * 8 / (shape.gbps * 1e9)
+    p99 = rank(times, 0.99)
+    return BurstRow(False, shape.gbps, shape.delay_ms, concurrent, PROMPT_BYTES,
+                    rank(times, 0.5) * 1e3, p99 * 1e3, ideal * 1e3, p99 / ideal,
+                    rank(control, 0.5) * 1e3, rank(control, 0.99) * 1e3, len(control),
+                    shape.loss_pct, True, "raw")
+
+
 @contextlib.contextmanager
 def _writer(topology: Topology, options: TcpOptions, num_blocks: int, to: PeerId
             ) -> Iterator[TcpTransport]:
@@ -298,6 +323,9 @@ def run(link_gbps: list[float], base: LinkShape, concurrent: list[int], repeats:
         shape = base.changed(gbps=gbps)
         with _bed(shape) as topology:
             bulks += _bulks(topology, shape, repeats, log, congestion)
+            for n in concurrent:
+                log(f"{gbps:g} Gb/s: {n} at once, raw sockets ...")
+                bursts.append(raw_burst(topology, shape, n, repeats))
             for n, (window, lane) in itertools.product(concurrent, BURSTS):
                 log(f"{gbps:g} Gb/s: {n} at once, window {'on' if window else 'off'}, "
                     f"{'a control connection' if lane else 'one connection'} ...")
@@ -363,10 +391,11 @@ def _print_pair(bulks: list[BulkRow], bursts: list[BurstRow]) -> None:
     for b in bulks:
         print(f"{b.transport:<10}{b.link_gbps:>10g}{b.bytes / 1e6:>7.1f}{b.gbps:>8.2f}"
               f"{b.of_link:>9.0%}{b.of_raw:>8.2f}")
-    print(f"\n{'window':<7}{'ctl conn':<9}{'link':>6}{'N':>4}{'p50 ms':>9}{'p99 ms':>9}"
-          f"{'ideal ms':>10}{'p99/ideal':>10}{'ctl p50':>9}{'ctl p99':>9}")
-    for r in bursts:
-        print(f"{'on' if r.window else 'off':<7}{'own' if r.control_connection else 'shared':<9}"
+    print(f"\n{'transport':<10}{'window':<7}{'ctl conn':<9}{'link':>6}{'N':>4}{'p50 ms':>9}"
+          f"{'p99 ms':>9}{'ideal ms':>10}{'p99/ideal':>10}{'ctl p50':>9}{'ctl p99':>9}")
+    for r in sorted(bursts, key=lambda r: (r.link_gbps, r.concurrent)):
+        window = "-" if r.transport == "raw" else "on" if r.window else "off"
+        print(f"{r.transport:<10}{window:<7}{'own' if r.control_connection else 'shared':<9}"
               f"{r.link_gbps:>6g}{r.concurrent:>4}"
               f"{r.p50_ms:>9.0f}{r.p99_ms:>9.0f}{r.ideal_ms:>10.0f}{r.p99_of_ideal:>10.2f}"
               f"{r.control_p50_ms:>9.1f}{r.control_p99_ms:>9.1f}")
