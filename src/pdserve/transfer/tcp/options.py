@@ -39,8 +39,9 @@ class TcpOptions:
     `control_connection` sends control messages, the answers to a peer's moves and read
     requests on a connection of their own to each peer, beside the one that carries bulk data
     (`send_side.py`), so they wait for no bulk byte and no bulk congestion window: on a 1 Gb/s
-    testbed link full of 32 writes, with the host's BBR, it took control P99 from 55-107 ms
-    to under 10 ms (docs/testbed.md). Off: one connection per peer carries both.
+    testbed link full of 32 writes, with the host's BBR, it took the control P99 from 40.8 ms
+    to 9.5 ms (medians of nine runs), what raw sockets beside the full link got
+    (docs/testbed.md). Off: one connection per peer carries both.
 
     `frame_s` cuts a write into WRITE frames, and the answer to a read into READ_DATA frames,
     of about that many seconds of the connection's measured send rate, and caps the bytes its
