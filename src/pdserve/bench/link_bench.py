@@ -211,32 +211,34 @@ def burst(topology: Topology, shape: LinkShape, window: bool, concurrent: int,
             if _ > 0:
                 times += took
                 control += lat
-    ideal = concurrent * PROMPT_BYTES * 8 / (shape.gbps * 1e9)
-    p99 = rank(times, 0.99)
-    return BurstRow(window, shape.gbps, shape.delay_ms, concurrent, PROMPT_BYTES,
-                    rank(times, 0.5) * 1e3, p99 * 1e3, ideal * 1e3, p99 / ideal,
-                    rank(control, 0.5) * 1e3, rank(control, 0.99) * 1e3, len(control),
-                    shape.loss_pct, opts.control_connection)
+    return _burst_row(shape, window, concurrent, times, control, opts.control_connection)
 
 
 def raw_burst(topology: Topology, shape: LinkShape, concurrent: int, repeats: int
               ) -> BurstRow:
     """The raw socket's burst row: `concurrent` prompts' bytes in one stream, stamps beside."""
-    nbytes = concurrent * PROMPT_BYTES
     times: list[float] = []
     control: list[float] = []
-    with link_raw_burst.raw_burst(topology) as once:
+    with link_raw_burst.raw_burst(topology, concurrent * PROMPT_BYTES) as once:
         for i in range(repeats + 1):  # the first is a warm-up
-            took, lat = once(nbytes, PING_S)
+            took, lat = once(PING_S)
             if i > 0:
                 times.append(took)
                 control += lat
-    ideal = nbytes * 8 / (shape.gbps * 1e9)
+    return _burst_row(shape, False, concurrent, times, control, True, "raw")
+
+
+def _burst_row(shape: LinkShape, window: bool, concurrent: int, times: list[float],
+               control: list[float], control_connection: bool, transport: str = "tcp"
+               ) -> BurstRow:
+    """The row of `concurrent` prompts' pushes at once: `times` their seconds to the end,
+    `control` the control messages' one-way seconds."""
+    ideal = concurrent * PROMPT_BYTES * 8 / (shape.gbps * 1e9)
     p99 = rank(times, 0.99)
-    return BurstRow(False, shape.gbps, shape.delay_ms, concurrent, PROMPT_BYTES,
+    return BurstRow(window, shape.gbps, shape.delay_ms, concurrent, PROMPT_BYTES,
                     rank(times, 0.5) * 1e3, p99 * 1e3, ideal * 1e3, p99 / ideal,
                     rank(control, 0.5) * 1e3, rank(control, 0.99) * 1e3, len(control),
-                    shape.loss_pct, True, "raw")
+                    shape.loss_pct, control_connection, transport)
 
 
 @contextlib.contextmanager

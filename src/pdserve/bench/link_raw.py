@@ -63,11 +63,16 @@ def _receive(conn: socket.socket, nbytes: int) -> None:
     """Read transfers of `nbytes` and answer each with one byte, until the sender closes."""
     view = memoryview(bytearray(CHUNK))
     with conn:
-        while True:
-            left = nbytes
-            while left:
-                got = conn.recv_into(view[:min(left, CHUNK)])
-                if not got:
-                    return
-                left -= got
+        while receive(conn, view, nbytes):
             conn.sendall(b"x")
+
+
+def receive(conn: socket.socket, view: memoryview, nbytes: int) -> bool:
+    """Read and drop `nbytes` from `conn` through `view`; False if the sender closed first."""
+    left = nbytes
+    while left:
+        got = conn.recv_into(view[:min(left, CHUNK)])
+        if not got:
+            return False
+        left -= got
+    return True

@@ -18,30 +18,29 @@ from __future__ import annotations
 import contextlib
 import multiprocessing as mp
 import socket
-import struct
 import threading
 import time
 from collections.abc import Callable, Iterator
 from multiprocessing.connection import Connection
 
-from pdserve.bench.link_raw import CHUNK, TIMEOUT_S
-from pdserve.bench.link_receiver import stop_child
+from pdserve.bench.link_raw import CHUNK, TIMEOUT_S, receive
+from pdserve.bench.link_receiver import STAMP, stop_child
 from pdserve.testbed.namespaces import enter_for_good, entered
 from pdserve.testbed.topology import Topology
 
-STAMP = struct.Struct("<d")
-
-Burst = Callable[[int, float], tuple[float, list[float]]]
+Burst = Callable[[float], tuple[float, list[float]]]
 
 
 @contextlib.contextmanager
-def raw_burst(topology: Topology) -> Iterator[Burst]:
-    """A callable `(nbytes, ping_s)` that sends `nbytes` from p0 to d0 with stamps every
-    `ping_s` beside them: (the seconds until d0 had them all, the stamps' one-way seconds)."""
+def raw_burst(topology: Topology, nbytes: int) -> Iterator[Burst]:
+    """A callable `(ping_s)` that sends `nbytes` from p0 to d0 with stamps every `ping_s`
+    beside them: (the seconds until d0 had them all, the stamps' one-way seconds). The payload
+    is made once, here, out of the timed part."""
     ctx = mp.get_context("spawn")
     ours, theirs = ctx.Pipe()
     proc = ctx.Process(target=_serve, daemon=True, name="pdserve-bench-raw-burst",
-                       args=(theirs, topology.namespace("d0"), topology.address("d0")))
+                       args=(theirs, topology.namespace("d0"), topology.address("d0"),
+                             nbytes))
     proc.start()
     theirs.close()
     try:
@@ -50,20 +49,21 @@ def raw_burst(topology: Topology) -> Iterator[Burst]:
             bulk = socket.create_connection((topology.address("d0"), port), TIMEOUT_S)
             pings = socket.create_connection((topology.address("d0"), port), TIMEOUT_S)
         pings.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        payload = bytes(nbytes)
         with bulk, pings:
-            yield lambda nbytes, ping_s: _once(ours, bulk, pings, nbytes, ping_s)
+            yield lambda ping_s: _once(ours, bulk, pings, payload, ping_s)
     finally:
         stop_child(ours, proc)
 
 
-def _once(child: Connection, bulk: socket.socket, pings: socket.socket, nbytes: int,
+def _once(child: Connection, bulk: socket.socket, pings: socket.socket, payload: bytes,
           ping_s: float) -> tuple[float, list[float]]:
-    child.send(("burst", nbytes))
+    child.send(("burst",))
     done = threading.Event()
     pinger = threading.Thread(target=_ping, args=(pings, done, ping_s), daemon=True)
     start = time.perf_counter()
     pinger.start()
-    bulk.sendall(bytes(nbytes))
+    bulk.sendall(payload)
     if bulk.recv(1) != b"x":
         raise RuntimeError("the raw burst's receiver closed mid-transfer")
     took = time.perf_counter() - start
@@ -79,9 +79,9 @@ def _ping(sock: socket.socket, done: threading.Event, ping_s: float) -> None:
         sock.sendall(STAMP.pack(time.perf_counter()))
 
 
-def _serve(conn: Connection, namespace: str, address: str) -> None:
+def _serve(conn: Connection, namespace: str, address: str, nbytes: int) -> None:
     """Child process: inside d0, accept the bulk and the stamp connections (in that order);
-    drain bursts of the sizes the parent names, keep the stamps' latencies."""
+    drain a burst of `nbytes` each time the parent says, keep the stamps' latencies."""
     enter_for_good(namespace)
     with socket.create_server((address, 0)) as listener:
         conn.send(listener.getsockname()[1])
@@ -90,25 +90,17 @@ def _serve(conn: Connection, namespace: str, address: str) -> None:
     latencies: list[float] = []
     lock = threading.Lock()
     threading.Thread(target=_stamps, args=(pings, latencies, lock), daemon=True).start()
+    view = memoryview(bytearray(CHUNK))
     with bulk, pings:
         while (request := conn.recv())[0] != "stop":
             if request[0] == "burst":
-                _drain(bulk, request[1])
+                if not receive(bulk, view, nbytes):
+                    raise RuntimeError("the raw burst's sender closed mid-transfer")
+                bulk.sendall(b"x")
             else:  # "latencies"
                 with lock:
                     conn.send(latencies[:])
                     latencies.clear()
-
-
-def _drain(sock: socket.socket, nbytes: int) -> None:
-    view = memoryview(bytearray(CHUNK))
-    left = nbytes
-    while left:
-        got = sock.recv_into(view[:min(left, CHUNK)])
-        if not got:
-            raise RuntimeError("the raw burst's sender closed mid-transfer")
-        left -= got
-    sock.sendall(b"x")
 
 
 def _stamps(sock: socket.socket, latencies: list[float], lock: threading.Lock) -> None:
