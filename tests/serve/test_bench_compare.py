@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import socket
 import sys
 from pathlib import Path
@@ -60,10 +61,16 @@ def test_compare_runs_each_configuration_and_writes_json_and_pictures(tiny_model
         assert s.connect_ex(("127.0.0.1", port)) != 0
     for r in results.values():
         assert r["completed"] == 6 and r["failed"] == 0 and "p99_itl_ms" in r
-    for name in ("collocated", "disagg"):  # pdserve's: probed idle after the run
+    cores = len(os.sched_getaffinity(0))
+    for name, workers in (("collocated", 1), ("disagg", 2)):  # pdserve's: probed idle after
         probe = results[name]["frontend_probe"]
         assert probe["prompt_tokens"] == 32 and len(probe["ttft_s"]) == 5
         assert all(t > 0 for t in probe["ttft_s"])
+        ref = results[name]["speed_reference"]  # timed alone before and after the run
+        assert ref["threads"] == max(1, cores // workers) and ref["prefill_tokens"] == 512
+        assert len(ref["prefill_s"]) == len(ref["decode_step_s"]) == 2
+        assert all(t > 0 for t in ref["prefill_s"] + ref["decode_step_s"])
+    assert "speed_reference" not in results["worker-alone"]
     steps = json.loads(out.with_suffix(".steps.json").read_text())
     assert set(steps["disagg"]) == {"prefill-0", "decode-0"}
     assert any(s[2] == 300 for s in steps["disagg"]["prefill-0"])  # prompts split off
@@ -83,7 +90,8 @@ def test_compare_repeats_give_medians_and_keep_every_run(tiny_model, tmp_path: P
                  "--workload", "fixed", "--input-len", "300", "--output-len", "8", "--vocab",
                  "512", "--rate", "8", "--num-requests", "4", "--repeats", "2",
                  "--external", f"worker-alone=http://127.0.0.1:{port}/v1",
-                 "--external-start", f"worker-alone={worker}", "--out", str(out)])
+                 "--external-start", f"worker-alone={worker}", "--out", str(out),
+                 "--no-speed-reference"])
     assert code == 0
     assert "each value is the median of 2 runs" in capsys.readouterr().out
     results = json.loads(out.read_text())
@@ -94,5 +102,6 @@ def test_compare_repeats_give_medians_and_keep_every_run(tiny_model, tmp_path: P
         for key in ("p99_itl_ms", "mean_ttft_ms", "request_throughput"):
             assert r[key] == pytest.approx((runs[0][key] + runs[1][key]) / 2)
         assert len(r["requests"]) == 4  # the last run's
+        assert "speed_reference" not in r
     steps = json.loads(out.with_suffix(".steps.json").read_text())
     assert set(steps) == {"collocated"} and steps["collocated"]["collocated-0"]

@@ -23,7 +23,11 @@ measured run began, numbered per role in `pdserve up`'s order ("prefill-0"): one
 whole run, whatever flips came later. The table gets a line of each flipping configuration's
 seconds per role. After the run, before the stop, the idle cluster answers a few one-token
 probes (`bench/frontend_probe.py`): `frontend_probe`, the front end's round trip that `pdserve
-simulate` adds to every TTFT. `--external NAME=URL` adds a server someone else started (vLLM, see
+simulate` adds to every TTFT. Before the cluster starts and after it stops, a fixed engine job is
+timed alone on the threads each of the configuration's workers computes on
+(`bench/speed_reference.py`): `speed_reference`, how fast the machine was around the run, by
+which `pdserve simulate` scales a calibration measured at another time (`--no-speed-reference`:
+none). `--external NAME=URL` adds a server someone else started (vLLM, see
 docs/vllm.md) to the same table.
 
 `--testbed` (root) runs every pdserve configuration across the hosts of a testbed made for the
@@ -48,8 +52,9 @@ Repeats (`--repeats N`, default 1). Invariants:
 - `split_decisions` too: each count (local, remote, each path/reason) is the median of that
   count over the runs (a run without a reason counts 0 for it), so the parts need not add up
   to the whole; every run's own counts are under `repeats`.
-- The step traces (`X.steps.json`), the `requests`, `workers`, `run_window` and
-  `frontend_probe` in `--out`, and the `--plots` pictures are those of the last round.
+- The step traces (`X.steps.json`), the `requests`, `workers`, `run_window`,
+  `frontend_probe` and `speed_reference` in `--out`, and the `--plots` pictures are those of
+  the last round (every run's `speed_reference` is under `repeats` too).
 - With N = 1 every output is exactly that of a single run (no `repeats` key).
 """
 
@@ -74,6 +79,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pdserve.bench import speed_reference
 from pdserve.bench.frontend_probe import probe_frontend
 from pdserve.bench.role_time import flips_within, format_role_seconds, role_at, role_seconds
 from pdserve.bench.serve.metrics import MAX_ERRORS, Slo, distribution_ms
@@ -138,6 +144,7 @@ class CompareSettings:
     starts: tuple[tuple[str, str], ...] = ()  # external name -> command that serves it
     repeats: int = 1  # runs of each configuration, interleaved in rounds
     testbed: LinkShape | None = None  # run pdserve's configurations across testbed hosts
+    speed_reference: bool = True  # time bench/speed_reference.py's job around each run
 
     def __post_init__(self) -> None:
         if self.repeats < 1:
@@ -281,6 +288,25 @@ def _turn(s: CompareSettings, name: str, repeat: int) -> str:
 
 def run_config(s: CompareSettings, name: str, repeat: int = 0,
                bed: BedState | None = None) -> tuple[dict[str, Any], dict[str, list]]:
+    """One run of a pdserve configuration, bracketed by the speed reference (when on)."""
+    threads = max(1, s.cores // config_workers(name))
+    before = speed_reference.measure(s.model, threads) if s.speed_reference else None
+    result, steps = _serve(s, name, repeat, bed)
+    if before is not None:
+        result["speed_reference"] = speed_reference.bracket(
+            before, speed_reference.measure(s.model, threads))
+    return result, steps
+
+
+def config_workers(name: str) -> int:
+    """The workers `pdserve up` starts for configuration `name` (its role counts summed)."""
+    flags = CONFIGS[name]
+    return sum(int(flags[i + 1]) for i, flag in enumerate(flags)
+               if flag in ("--collocated", "--prefill", "--decode"))
+
+
+def _serve(s: CompareSettings, name: str, repeat: int, bed: BedState | None
+           ) -> tuple[dict[str, Any], dict[str, list]]:
     where = f" across testbed {bed.topology.prefix}" if bed is not None else ""
     print(f"== {_turn(s, name, repeat)}: pdserve up {' '.join(CONFIGS[name])} on cores "
           f"{s.cpus}{where}", file=sys.stderr, flush=True)
@@ -414,7 +440,7 @@ def combine_repeats(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
         return runs[0]
     errors = [e for run in runs for e in run.get("errors", [])][:MAX_ERRORS]
     keys = (*METRIC_KEYS, *(k for k in CLUSTER_KEYS if any(k in run for run in runs)))
-    kept = (*keys, "split_decisions", "errors")
+    kept = (*keys, "split_decisions", "errors", "speed_reference")
     repeats = [{k: run[k] for k in kept if k in run} for run in runs]
     combined = {**runs[-1], **median_of_runs(runs, keys), "errors": errors, "repeats": repeats}
     counted = [run["split_decisions"] for run in runs if "split_decisions" in run]
@@ -560,6 +586,10 @@ def add_compare_args(p: argparse.ArgumentParser) -> None:
                         "give the median of each metric over the runs, --out also every run's "
                         "metrics under 'repeats'; step traces and --plots use the last round "
                         "(default: %(default)s)")
+    p.add_argument("--no-speed-reference", dest="speed_reference", action="store_false",
+                   help="do not time the fixed engine job before and after each pdserve run "
+                        "(`speed_reference` in --out, ~20 s a run: what `pdserve simulate` "
+                        "scales a calibration measured at another time by)")
     p.add_argument("--out", type=Path, default=None,
                    help="JSON: one object per configuration, keyed by its name, with the same "
                         "metric names as `bench serve` (and every request's timings); its "
@@ -577,6 +607,7 @@ def settings(args: argparse.Namespace) -> CompareSettings:
         configs=tuple(c for c in args.configs.split(",") if c), externals=tuple(externals),
         cores=args.cores, model=args.model, workload=workload, load=load, slo=slo,
         timeout_s=args.timeout, up_args=_up_args(args), starts=starts, repeats=args.repeats,
+        speed_reference=args.speed_reference,
         testbed=LinkShape(gbps=args.link_gbps) if args.testbed else None)
 
 

@@ -16,7 +16,11 @@ configuration's row also has its local prefills, measured (the router's, from th
 `split_decisions`) / simulated, informational: no tolerance ("-" where a results file predates
 them or the configuration does not split), and its steps priced by the calibration: per kind
 of step, the median of measured / priced (`pdserve simulate`'s step_check.py; near 1: the
-costs hold there, and a miss is the scheduling's).
+costs hold there, and a miss is the scheduling's). Each calibration is scaled to the held-out
+run's speed by the fixed engine job bench compare times before and after every run (`pdserve
+simulate --speed-reference`, speed_scale.py; the row shows the prefill and decode factors):
+the machine's speed drifts between runs by more than the model misses. `--speed-reference
+ignore` prices every run at the calibration run's speed.
 
 The decode cost per context token is held, by default, at what `pdserve bench decode-context`
 measures on each configuration's threads per worker (bench/simulator_context.py: a serving
@@ -70,6 +74,7 @@ class CheckSettings:
     remeasure: bool
     decode_context: str = "measured"  # simulator_context.MODES
     decode_context_us: float | None = None  # held for every configuration (overrides the mode)
+    speed_reference: str = "scale"  # `pdserve simulate --speed-reference`
 
     def __post_init__(self) -> None:
         for name in (self.calibrate_on, *self.held_out):
@@ -87,6 +92,9 @@ class CheckSettings:
                              f"{', '.join(SIMULATED)}")
         if not self.duration_s > 0:
             raise ValueError(f"duration must be positive, got {self.duration_s!r}")
+        if self.speed_reference not in ("scale", "ignore"):
+            raise ValueError(f"speed_reference must be scale or ignore, got "
+                             f"{self.speed_reference!r}")
         if self.decode_context not in simulator_context.MODES:
             raise ValueError(f"decode_context must be one of "
                              f"{', '.join(simulator_context.MODES)}, got {self.decode_context!r}")
@@ -111,6 +119,11 @@ def add_simulator_check_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2", help="default: %(default)s")
     p.add_argument("--remeasure", action="store_true",
                    help="measure every workload again even if its results are in --out")
+    p.add_argument("--speed-reference", choices=("scale", "ignore"), default="scale",
+                   help="scale each calibration to the held-out run's speed by the fixed engine "
+                        "job bench compare times around every run (`pdserve simulate "
+                        "--speed-reference`; runs without one are priced unscaled), or ignore "
+                        "the references (default: %(default)s)")
     held = p.add_mutually_exclusive_group()
     held.add_argument("--decode-context", choices=simulator_context.MODES, default="measured",
                       help="the decode cost per context token: measured (default) by `bench "
@@ -126,7 +139,7 @@ def add_simulator_check_args(p: argparse.ArgumentParser) -> None:
 def settings(args: argparse.Namespace) -> CheckSettings:
     return CheckSettings(args.out, args.calibrate_on, _names(args.held_out),
                          _names(args.configs), args.duration, args.model, args.remeasure,
-                         args.decode_context, args.decode_context_us)
+                         args.decode_context, args.decode_context_us, args.speed_reference)
 
 
 def _names(text: str) -> tuple[str, ...]:
@@ -157,7 +170,7 @@ def _simulate(s: CheckSettings, calibration: Path, measured: Path, config: str,
     argv = [sys.executable, "-m", "pdserve.cli", "simulate",
             "--model", SIM_MODELS.get(s.model, s.model), "--gpu", "cpu",
             "--calibrate", f"{steps}:{config}", "--compare-measured", f"{measured}:{config}",
-            "--json"]
+            "--json", "--speed-reference", s.speed_reference]
     if held_us is not None:
         argv += ["--decode-context-us", f"{held_us:g}"]
     done = subprocess.run(argv, capture_output=True, text=True, check=False)
@@ -180,7 +193,8 @@ def run_check(s: CheckSettings) -> dict[str, Any]:
             rows.append({"workload": workload, "config": config, **got,
                          "outside": _outside(got)})
     return {"calibrated_on": s.calibrate_on, "duration_s": s.duration_s, "model": s.model,
-            "decode_context": held, "rows": rows, "ranking": _rankings(rows)}
+            "decode_context": held, "speed_reference": s.speed_reference, "rows": rows,
+            "ranking": _rankings(rows)}
 
 
 def _held_context(s: CheckSettings, calibration: Path) -> dict[str, Any]:
@@ -235,7 +249,7 @@ def _rank_line(workload: str, rank: dict[str, Any]) -> str:
 def format_check(summary: dict[str, Any]) -> str:
     """One line per (workload, configuration): each figure measured -> simulated (error)."""
     head = ["workload", "config"] + [f.replace("_ms", "") for f in FIGURES] + \
-        ["local_prefills(measured/simulated)", "steps(measured/priced)"]
+        ["local_prefills(measured/simulated)", "speed(prefill/decode)", "steps(measured/priced)"]
     lines = [f"held-out validation, step costs fitted on {summary['calibrated_on']!r}"
              f"{_held_text(summary.get('decode_context'))} (measured -> simulated, error; * "
              "outside its tolerance)", "  ".join(head)]
@@ -246,7 +260,8 @@ def format_check(summary: dict[str, Any]) -> str:
             flag = "*" if f in r["outside"] else ""
             cells.append("-" if m is None or sim is None or err is None else
                          f"{m:.3g}->{sim:.3g} ({err:+.0%}){flag}")
-        cells += [_local_prefills(r.get("local_prefills")), _steps(r.get("step_ratios"))]
+        cells += [_local_prefills(r.get("local_prefills")), _speed(r.get("speed_scale")),
+                  _steps(r.get("step_ratios"))]
         lines.append("  ".join(cells))
     lines += [_rank_line(workload, rank) for workload, rank in summary["ranking"].items()]
     return "\n".join(lines)
@@ -271,6 +286,12 @@ def _steps(ratios: dict[str, Any] | None) -> str:
     if not ratios:
         return "-"
     return " ".join(f"{kind} x{r['median_ratio']:.2f}" for kind, r in ratios.items())
+
+
+def _speed(scale: dict[str, float] | None) -> str:
+    """"x1.05/x0.98": the calibration's scaling to the held-out run's speed reference, prefill
+    and decode (`pdserve simulate`'s speed_scale.py); "-" where it was not scaled."""
+    return "-" if scale is None else f"x{scale['prefill']:.2f}/x{scale['decode']:.2f}"
 
 
 def _local_prefills(counts: dict[str, Any] | None) -> str:

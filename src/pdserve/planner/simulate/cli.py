@@ -77,6 +77,7 @@ from pdserve.planner.simulate.measured_compare import (
 )
 from pdserve.planner.simulate.measured_run import MeasuredRun, load_measured_run, read_trace_file
 from pdserve.planner.simulate.metrics import Slo, Summary, summarize, summary_to_dict
+from pdserve.planner.simulate.speed_scale import SpeedScale, scale_profile, speed_scale
 from pdserve.planner.simulate.split_model import SplitRule
 from pdserve.planner.simulate.step_check import step_ratios, steps_beside
 from pdserve.planner.simulate.step_fit import DECODE_TIMES
@@ -156,6 +157,12 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                         "this many microseconds and fit the rest (a calibration run whose "
                         "long contexts all come in large batches cannot tell that cost from "
                         "the per-stream one; measure it apart)")
+    p.add_argument("--speed-reference", choices=("scale", "ignore"), default="scale",
+                   help="with --calibrate FILE.steps.json:CONFIG and --compare-measured: scale "
+                        "the fitted costs by the measured run's speed reference over the "
+                        "calibration run's (the fixed engine job bench compare times around "
+                        "each run), when both have one; ignore: price at the calibration "
+                        "run's speed (default: %(default)s)")
     p.add_argument("--write-profile", default=None, metavar="FILE",
                    help="with --calibrate: write the fitted profile JSON here")
 
@@ -251,6 +258,7 @@ class Setup:
     measured: MeasuredRun | None = None
     frontend_source: str = "none"  # where cluster.frontend_latency_s comes from
     measured_spec: str | None = None  # --compare-measured as given
+    speed_scale: SpeedScale | None = None  # the profile's scaling to the measured run's speed
 
     @property
     def clients(self) -> int | None:
@@ -295,7 +303,7 @@ def _against_measured(setup: Setup, results: list[tuple[SimResult, Summary]]
     result, summary = results[0]
     return compare(setup.measured, layout_label(result.layout, setup.cluster),
                    summary_to_dict(summary), split_local_prefills(result),
-                   _held_out_ratios(setup))
+                   _held_out_ratios(setup), setup.speed_scale)
 
 
 def _held_out_ratios(setup: Setup) -> dict[str, dict[str, Any]] | None:
@@ -340,31 +348,46 @@ def resolve(args: argparse.Namespace) -> Setup:
     slo = _slo(args, measured)
     cluster = replace(_cluster(args, shape, hw, tp, kv_rank, how or _FLAGS_ONLY,
                                slo.tpot_ms / 1e3), admission=_admission(args, measured))
-    latency, latency_label = _frontend_latency(args, profile, shape, hw, tp, kv_rank)
+    calibration = calibration_run(args.calibrate, FLAG) if args.calibrate and profile else None
+    latency, latency_label = _frontend_latency(args, calibration, profile, shape, hw, tp,
+                                               kv_rank)  # at the calibration run's own speed
     cluster = replace(cluster, frontend_latency_s=latency)
+    scale = _speed_scale(args, calibration, measured) if profile else None
+    if scale is not None and profile is not None:
+        profile = scale_profile(profile, scale, context_held=args.decode_context_us is not None)
     trace, label = _trace(args, measured)
     check_fits(trace, cluster)
     return Setup(shape, hw, tp, eff, profile, cluster, trace, label,
                  (how.layout,) if how else layouts or tuple(Layout), slo, measured,
-                 latency_label, args.compare_measured)
+                 latency_label, args.compare_measured, scale)
+
+
+def _speed_scale(args: argparse.Namespace, calibration: MeasuredRun | None,
+                 measured: MeasuredRun | None) -> SpeedScale | None:
+    """The measured run's speed over the calibration run's (speed_scale.py); None unless
+    --speed-reference scale and both runs have a reference."""
+    if args.speed_reference != "scale" or calibration is None or measured is None:
+        return None
+    if calibration.speed_reference is None or measured.speed_reference is None:
+        return None
+    return speed_scale(calibration.speed_reference, measured.speed_reference)
 
 
 _OWN_LIMITS = ("prefill", "decode", "collocated", "chunk", "max_batch", "kv_capacity_tokens",
                "split")  # cluster flags a calibration run does not take: it ran with its own
 
 
-def _frontend_latency(args: argparse.Namespace, profile: CalibrationProfile | None,
-                      shape: ModelShape, hw: Hardware, tp: int, kv_rank: int
-                      ) -> tuple[float, str]:
+def _frontend_latency(args: argparse.Namespace, run: MeasuredRun | None,
+                      profile: CalibrationProfile | None, shape: ModelShape, hw: Hardware,
+                      tp: int, kv_rank: int) -> tuple[float, str]:
     """(seconds, where they come from): --frontend-latency-ms, else fitted to the calibration
-    run beside the steps (frontend_fit.py) when it is a pdserve configuration, else 0."""
+    run beside the steps (`run`, frontend_fit.py) when it is a pdserve configuration, else 0."""
     ms = args.frontend_latency_ms
     if ms is not None:
         if not 0 <= ms < math.inf:
             raise ValueError(f"--frontend-latency-ms must be a number of ms >= 0, got {ms!r}")
         return ms / 1e3, "--frontend-latency-ms"
-    run = calibration_run(args.calibrate, FLAG) if args.calibrate and profile else None
-    if run is None or run.config not in PDSERVE_CONFIGS:
+    if run is None or profile is None or run.config not in PDSERVE_CONFIGS:
         return 0.0, "none"
     how = PDSERVE_CONFIGS[run.config]
     own = argparse.Namespace(**{**vars(args), **dict.fromkeys(_OWN_LIMITS)})

@@ -34,12 +34,13 @@ JSON holds them always.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from pdserve.planner.simulate.cluster import Layout
 from pdserve.planner.simulate.events import SimResult
 from pdserve.planner.simulate.measured_run import METRICS, MeasuredRun
+from pdserve.planner.simulate.speed_scale import SpeedScale
 from pdserve.planner.simulate.split_model import SplitRule
 from pdserve.planner.simulate.step_check import describe_ratios
 
@@ -112,6 +113,8 @@ class Comparison:
     failed: int = 0  # the simulation's requests refused by admission
     # the measured run's steps priced by the calibration (step_check.py); None: not known
     step_ratios: dict[str, dict[str, Any]] | None = None
+    # the calibration scaled to the measured run's speed (speed_scale.py); None: not scaled
+    speed_scale: SpeedScale | None = None
 
     def error(self, key: str) -> float | None:
         m, s = self.measured[key], self.simulated[key]
@@ -126,13 +129,15 @@ class Comparison:
 
 def compare(run: MeasuredRun, label: str, simulated: dict[str, Any],
             local_prefills: int | None = None,
-            step_ratios: dict[str, dict[str, Any]] | None = None) -> Comparison:
+            step_ratios: dict[str, dict[str, Any]] | None = None,
+            speed_scale: SpeedScale | None = None) -> Comparison:
     """`simulated`: metrics.summary_to_dict of the simulated layout (its "failed" count of
     refused requests, 0 when absent); `local_prefills`: its local prefills when it splits
-    prompts (`split_local_prefills`); `step_ratios`: step_check.step_ratios of the run."""
+    prompts (`split_local_prefills`); `step_ratios`: step_check.step_ratios of the run;
+    `speed_scale`: how the calibration was scaled to the run's speed."""
     return Comparison(run, label, {k: run.measured[k] for k in METRICS},
                       {k: simulated[k] for k in METRICS}, local_prefills,
-                      simulated.get("failed", 0), step_ratios)
+                      simulated.get("failed", 0), step_ratios, speed_scale)
 
 
 def split_local_prefills(result: SimResult) -> int | None:
@@ -160,6 +165,9 @@ def render_comparison(c: Comparison) -> str:
     if run.failed or c.failed:
         lines.append(f"{'failed requests':<22}{run.failed:>12,}{c.failed:>12,}{'':>10}  "
                      "(simulated: refused by admission; no tolerance)")
+    if c.speed_scale is not None:
+        lines.append(f"calibration scaled to the run's speed reference: prefill "
+                     f"x{c.speed_scale.prefill:.3f}, decode x{c.speed_scale.decode:.3f}")
     if c.step_ratios:
         lines.append(f"its steps, measured / priced by the calibration: "
                      f"{describe_ratios(c.step_ratios)}")
@@ -190,4 +198,5 @@ def comparison_json(c: Comparison) -> dict[str, Any]:
                                  "simulated": c.local_prefills}
     if c.step_ratios is not None:
         out["step_ratios"] = c.step_ratios
+    out["speed_scale"] = None if c.speed_scale is None else asdict(c.speed_scale)
     return out
