@@ -33,7 +33,11 @@ import statistics
 import subprocess
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from pdserve.common.sampling_params import SamplingParams
+    from pdserve.engine.engine import Engine
 
 PREFILL_TOKENS = 512
 DECODE_BATCH = 8
@@ -44,8 +48,7 @@ KV_BLOCKS = 256  # room for the job (the prompt: 33 blocks of 16; the streams: 8
 
 
 def _time_job(model: str) -> dict[str, Any]:
-    import torch  # noqa: F401  (the child only: bench compare itself stays light)
-
+    # imported here, in the child: bench compare, which imports this module, stays light
     from pdserve.bench.engine_bench import RandomPrompts
     from pdserve.common.model_config import ModelConfig
     from pdserve.common.model_folder import resolve_model
@@ -64,14 +67,15 @@ def _time_job(model: str) -> dict[str, Any]:
     try:
         prefill = [_prefill_s(engine, prompts(1, PREFILL_TOKENS)[0], SamplingParams(max_tokens=1))
                    for _ in range(REPEATS + 1)][1:]
-        decode = _decode_step_s(engine, prompts(DECODE_BATCH, DECODE_PROMPT))
+        decode = _decode_step_s(engine, prompts(DECODE_BATCH, DECODE_PROMPT),
+                                SamplingParams(max_tokens=DECODE_STEPS + 4, ignore_eos=True))
     finally:
         engine.close()
     return {"prefill_tokens": PREFILL_TOKENS, "prefill_s": statistics.median(prefill),
             "decode_batch": DECODE_BATCH, "decode_step_s": decode}
 
 
-def _prefill_s(engine, prompt: list[int], params) -> float:
+def _prefill_s(engine: Engine, prompt: list[int], params: SamplingParams) -> float:
     engine.add_request(prompt, params)
     t0 = time.perf_counter()
     while engine.has_unfinished_requests():
@@ -79,10 +83,7 @@ def _prefill_s(engine, prompt: list[int], params) -> float:
     return time.perf_counter() - t0
 
 
-def _decode_step_s(engine, prompts: list[list[int]]) -> float:
-    from pdserve.common.sampling_params import SamplingParams
-
-    params = SamplingParams(max_tokens=DECODE_STEPS + 4, ignore_eos=True)
+def _decode_step_s(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> float:
     for prompt in prompts:
         engine.add_request(prompt, params)
     engine.step()  # every prompt in (a budget far over 8 x 64 tokens)
@@ -113,6 +114,8 @@ def measure(model: str, threads: int) -> dict[str, Any]:
     "decode_batch", "decode_step_s"}. RuntimeError when the child fails."""
     argv = [sys.executable, "-m", "pdserve.bench.speed_reference", "--model", model,
             "--threads", str(threads)]
+    print(f"speed reference: timing {model} on {threads} thread{'s' if threads > 1 else ''}",
+          file=sys.stderr, flush=True)
     done = subprocess.run(argv, stdout=subprocess.PIPE, text=True, check=False)
     if done.returncode != 0:
         raise RuntimeError(f"the speed reference failed on {threads} threads "
