@@ -114,6 +114,8 @@ def test_three_prefill_two_decode_on_two_cores() -> None:
     (["--max-num-seqs", "0"], "max_num_seqs must be positive"),
     (["--ready-timeout", "0"], "timeout"),
     (["--transport", "nixl", "--kv-encrypt"], "tcp transport only"),
+    (["--transport", "nixl", "--kv-congestion", "cubic"], "tcp transport's connections only"),
+    (["--kv-congestion", "two words"], r"--kv-congestion: TcpOptions\.congestion must be"),
     (["--prefill-tp", "0"], "--prefill-tp must be an int >= 1, got 0"),
     (["--collocated", "1", "--decode-tp", "2"], "use --collocated-tp with --collocated"),
     (["--collocated-tp", "2"], "use --prefill-tp and --decode-tp"),
@@ -250,6 +252,14 @@ def test_kv_encryption_reaches_every_worker() -> None:
     assert len(workers) == 3 and all("--kv-encrypt" in w.argv for w in workers)
     plain = plan_processes(UpConfig(), SECRET)[:-1]
     assert not any("--kv-encrypt" in w.argv for w in plain)
+
+
+def test_kv_congestion_control_reaches_every_worker() -> None:
+    workers = plan_processes(UpConfig.from_args(_args("--kv-congestion", "cubic")), SECRET)[:-1]
+    assert len(workers) == 2
+    for w in workers:
+        assert w.argv[w.argv.index("--kv-congestion") + 1] == "cubic"
+    assert not any("--kv-congestion" in w.argv for w in plan_processes(UpConfig(), SECRET)[:-1])
 
 
 def test_layerwise_streaming_setting_reaches_every_worker() -> None:

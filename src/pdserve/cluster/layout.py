@@ -50,6 +50,7 @@ from pdserve.workers.settings import (
     MAX_NUM_SEQS,
     TransportName,
     WorkerLaunch,
+    check_kv_congestion,
     worker_argv,
 )
 
@@ -76,6 +77,7 @@ class UpConfig:
     port: int = 8000
     transport: str = "tcp"
     kv_encrypt: bool = False
+    kv_congestion: str = ""  # the tcp transport's congestion control ("": the host's)
     kv_layerwise: str = "auto"
     kv_lease_s: float = 30.0
     dtype: str = "auto"
@@ -191,6 +193,7 @@ class UpConfig:
         if self.kv_encrypt and self.transport != "tcp":
             raise ValueError("--kv-encrypt seals the tcp transport only (NIXL moves KV with "
                              "UCX, unencrypted)")
+        check_kv_congestion(self.kv_congestion, self.transport)
 
     @property
     def num_workers(self) -> int:
@@ -235,6 +238,7 @@ class UpConfig:
                    decode_tp=args.decode_tp, collocated_tp=args.collocated_tp,
                    host=args.host, port=args.port,
                    transport=args.transport, kv_encrypt=args.kv_encrypt,
+                   kv_congestion=args.kv_congestion,
                    kv_layerwise=args.kv_layerwise, kv_lease_s=args.kv_lease, dtype=args.dtype,
                    device=args.device, kv_cache_memory=args.kv_cache_memory,
                    max_model_len=args.max_model_len,
@@ -331,6 +335,7 @@ def _worker_spec(config: UpConfig, index: int, role: str, secret_file: Path) -> 
         kv_port=config.port + KV_PORT_OFFSET + index, transport=config.transport,
         secret_file=secret_file, serve_public=config.serve_public,
         metrics_key_file=config.metrics_key_file, kv_encrypt=config.kv_encrypt,
+        kv_congestion=config.kv_congestion,
         kv_layerwise=config.kv_layerwise, cpus=worker_cores(config, index),
         tensor_parallel_size=config.tensor_parallel_sizes[index],
         kv_cache_memory=config.kv_cache_memory, max_model_len=config.max_model_len,

@@ -42,7 +42,7 @@ from pdserve.router.access import add_client_access_args
 from pdserve.router.admission_settings import add_admission_args
 from pdserve.router.elastic_settings import add_elastic_args
 from pdserve.testbed.topology import DEFAULT_PREFIX
-from pdserve.workers.settings import LAYERWISE, LAYERWISE_HELP
+from pdserve.workers.settings import KV_CONGESTION_HELP, LAYERWISE, LAYERWISE_HELP
 
 __all__ = ["UpConfig", "add_up_parser", "plan_processes", "run_up"]
 
@@ -137,6 +137,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                         "(default: %(default)s)")
     p.add_argument("--kv-encrypt", action="store_true",
                    help="encrypt KV transfers with AES-256-GCM (tcp transport)")
+    p.add_argument("--kv-congestion", default="", metavar="NAME", help=KV_CONGESTION_HELP)
     p.add_argument("--kv-layerwise", choices=LAYERWISE, default="auto", help=LAYERWISE_HELP)
     p.add_argument("--kv-lease", type=float, default=30.0, metavar="SECONDS",
                    help="longest wait of a decode worker's KV reservation for its prefill "

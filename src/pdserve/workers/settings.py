@@ -45,6 +45,28 @@ class TransportName(StrEnum):
 
 
 LAYERWISE = ("auto", "on", "off")
+KV_CONGESTION_HELP = ("TCP congestion control for the KV connections a worker dials (tcp "
+                      "transport), e.g. cubic: no 200 ms stalls of a busy connection as BBR's "
+                      "PROBE_RTT makes, but slow on a lossy link (docs/testbed.md); default: "
+                      "the host's")
+
+
+def check_kv_congestion(name: str, transport: str) -> None:
+    """ValueError unless `name` is empty (the host's) or a congestion control the tcp
+    transport can ask for; `pdserve worker` and `pdserve up` check it alike."""
+    if not name:
+        return
+    if transport != TransportName.TCP:
+        raise ValueError("--kv-congestion sets the tcp transport's connections only (NIXL's "
+                         "UCX makes its own): use --transport tcp, or leave it out")
+    from pdserve.transfer.tcp.options import TcpOptions
+
+    try:
+        TcpOptions(congestion=name)
+    except ValueError as e:
+        raise ValueError(f"--kv-congestion: {e}") from None
+
+
 LAYERWISE_HELP = ("prefill workers write each layer's KV while the next layers compute: on, "
                   "off, or auto = on for CUDA engines, off on CPU, where sending shares the "
                   "compute core and measured slower (pdserve bench layerwise) "
@@ -118,17 +140,7 @@ class WorkerSettings:
                              "--transport nixl (or --role collocated)")
 
     def _check_congestion(self) -> None:
-        if not self.kv_congestion:
-            return
-        if self.transport is not TransportName.TCP:
-            raise ValueError("--kv-congestion sets the tcp transport's connections only (NIXL's "
-                             "UCX makes its own): use --transport tcp, or leave it out")
-        from pdserve.transfer.tcp.options import TcpOptions
-
-        try:
-            TcpOptions(congestion=self.kv_congestion)
-        except ValueError as e:
-            raise ValueError(f"--kv-congestion: {e}") from None
+        check_kv_congestion(self.kv_congestion, self.transport)
 
     @property
     def stream_layers(self) -> bool:
@@ -187,11 +199,7 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-encrypt", action="store_true",
                    help="encrypt KV transfers with AES-256-GCM under a key from the shared "
                         "secret (tcp transport; every worker needs the same setting)")
-    p.add_argument("--kv-congestion", default="", metavar="NAME",
-                   help="TCP congestion control for the KV connections this worker dials "
-                        "(tcp transport), e.g. cubic: no 200 ms stalls of a busy connection as "
-                        "BBR's PROBE_RTT makes, but slow on a lossy link (docs/testbed.md); "
-                        "default: the host's")
+    p.add_argument("--kv-congestion", default="", metavar="NAME", help=KV_CONGESTION_HELP)
     p.add_argument("--kv-layerwise", choices=LAYERWISE, default="auto", help=LAYERWISE_HELP)
     p.add_argument("--cpus", default=None,
                    help="pin this worker to these cores, e.g. '0', '0,1' or '0-3' (compute "
