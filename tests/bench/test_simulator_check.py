@@ -87,7 +87,7 @@ def test_a_split_configurations_row_has_its_local_prefills_measured_and_simulate
     assert rows["disagg"]["local_prefills"]["measured"] == 1
     assert "local_prefills" not in rows["collocated"]
     lines = format_check(summary).splitlines()
-    assert lines[1].endswith("local_prefills(measured/simulated)  speed(prefill/decode)  "
+    assert lines[1].endswith("local_prefills(measured/simulated)  speed  "
                              "steps(measured/priced)")
     assert lines[2].startswith("chat  disagg") and lines[2].endswith(f"  1/{simulated}  -  -")
     assert lines[3].startswith("chat  collocated") and lines[3].endswith("  -  -  -")
@@ -102,18 +102,18 @@ def test_results_without_split_decisions_show_a_dash_for_the_measured_count(resu
 
 
 def test_a_row_shows_the_calibrations_scaling_to_the_held_out_runs_speed(results):
-    """Both runs timed the speed reference; the held-out one 1.2x slower at prefill, 0.9x at
-    decode: its row says so; with --speed-reference ignore it is priced unscaled."""
-    ref = {"threads": 1, "prefill_tokens": 512, "decode_batch": 8}
+    """Both runs timed the speed reference, the held-out one 1.2x slower: its row says so;
+    with --speed-reference ignore it is priced unscaled."""
+    ref = {"threads": 1, "prefill_tokens": 512}
     mixed = {"disagg": {**serve_result([request(0.0, 1000, 11)]),
-                        "speed_reference": {**ref, "prefill_s": [0.5], "decode_step_s": [0.02]}}}
+                        "speed_reference": {**ref, "prefill_s": [0.5]}}}
     write_json(results / "mixed.json", mixed)
     chat = json.loads((results / "chat.json").read_text())
-    chat["disagg"]["speed_reference"] = {**ref, "prefill_s": [0.6], "decode_step_s": [0.018]}
+    chat["disagg"]["speed_reference"] = {**ref, "prefill_s": [0.6]}
     write_json(results / "chat.json", chat)
     summary = run_check(_settings(results, configs=("disagg",)))
-    assert summary["rows"][0]["speed_scale"] == pytest.approx({"prefill": 1.2, "decode": 0.9})
-    assert format_check(summary).splitlines()[2].endswith("  x1.20/x0.90  -")
+    assert summary["rows"][0]["speed_scale"] == pytest.approx(1.2)
+    assert format_check(summary).splitlines()[2].endswith("  x1.20  -")
     summary = run_check(_settings(results, configs=("disagg",), speed_reference="ignore"))
     assert summary["rows"][0]["speed_scale"] is None
 

@@ -68,8 +68,7 @@ def test_compare_runs_each_configuration_and_writes_json_and_pictures(tiny_model
         assert all(t > 0 for t in probe["ttft_s"])
         ref = results[name]["speed_reference"]  # timed alone before and after the run
         assert ref["threads"] == max(1, cores // workers) and ref["prefill_tokens"] == 512
-        assert len(ref["prefill_s"]) == len(ref["decode_step_s"]) == 2
-        assert all(t > 0 for t in ref["prefill_s"] + ref["decode_step_s"])
+        assert len(ref["prefill_s"]) == 2 and all(t > 0 for t in ref["prefill_s"])
     assert "speed_reference" not in results["worker-alone"]
     steps = json.loads(out.with_suffix(".steps.json").read_text())
     assert set(steps["disagg"]) == {"prefill-0", "decode-0"}

@@ -18,7 +18,7 @@ them or the configuration does not split), and its steps priced by the calibrati
 of step, the median of measured / priced (`pdserve simulate`'s step_check.py; near 1: the
 costs hold there, and a miss is the scheduling's). Each calibration is scaled to the held-out
 run's speed by the fixed engine job bench compare times before and after every run (`pdserve
-simulate --speed-reference`, speed_scale.py; the row shows the prefill and decode factors):
+simulate --speed-reference`, speed_scale.py; the row shows the factor):
 the machine's speed drifts between runs by more than the model misses. `--speed-reference
 ignore` prices every run at the calibration run's speed.
 
@@ -249,7 +249,7 @@ def _rank_line(workload: str, rank: dict[str, Any]) -> str:
 def format_check(summary: dict[str, Any]) -> str:
     """One line per (workload, configuration): each figure measured -> simulated (error)."""
     head = ["workload", "config"] + [f.replace("_ms", "") for f in FIGURES] + \
-        ["local_prefills(measured/simulated)", "speed(prefill/decode)", "steps(measured/priced)"]
+        ["local_prefills(measured/simulated)", "speed", "steps(measured/priced)"]
     lines = [f"held-out validation, step costs fitted on {summary['calibrated_on']!r}"
              f"{_held_text(summary.get('decode_context'))} (measured -> simulated, error; * "
              "outside its tolerance)", "  ".join(head)]
@@ -288,10 +288,10 @@ def _steps(ratios: dict[str, Any] | None) -> str:
     return " ".join(f"{kind} x{r['median_ratio']:.2f}" for kind, r in ratios.items())
 
 
-def _speed(scale: dict[str, float] | None) -> str:
-    """"x1.05/x0.98": the calibration's scaling to the held-out run's speed reference, prefill
-    and decode (`pdserve simulate`'s speed_scale.py); "-" where it was not scaled."""
-    return "-" if scale is None else f"x{scale['prefill']:.2f}/x{scale['decode']:.2f}"
+def _speed(factor: float | None) -> str:
+    """"x1.05": the calibration's factor to the held-out run's speed reference (`pdserve
+    simulate`'s speed_scale.py); "-" where it was not scaled."""
+    return "-" if factor is None else f"x{factor:.2f}"
 
 
 def _local_prefills(counts: dict[str, Any] | None) -> str:

@@ -8,17 +8,17 @@ miss reads as the model's. `pdserve bench compare` times this job before each co
 run and again after it (on the threads that configuration's workers compute on), and keeps both
 in the results as `speed_reference`; `pdserve simulate --calibrate A --compare-measured B`
 scales A's fitted costs by B's reference over A's (planner/simulate/speed_scale.py). One timing
-is a snapshot: the same job timed twice a minute apart here differed by up to 16% (prefill) and
-50% (decode on one thread), so the two that bracket the run are averaged.
+is a snapshot: the same job timed twice a minute apart here differed by up to 16%, so the two
+that bracket the run are averaged.
 
 The job, on the run's model in the engine alone (no worker, no HTTP), `threads` compute threads
 pinned to the first `threads` cores this process may use (a configuration's first worker is
-pinned there too: `pdserve up` splits the cores in order):
-- prefill: one prompt of PREFILL_TOKENS random tokens, whole; the median of REPEATS, after one
-  untimed (first-use costs). Compute-bound, as the prompt part of a serving step.
-- decode: DECODE_BATCH streams of DECODE_PROMPT tokens; the median of DECODE_STEPS steps once
-  all are in. Memory-bound, as the decode part of a serving step.
-About 10 s with SmolLM2 on 2 cores, half of it the model's load.
+pinned there too: `pdserve up` splits the cores in order): one prompt of PREFILL_TOKENS random
+tokens prefilled whole, the median of REPEATS after one untimed (first-use costs). A prefill
+of a few hundred milliseconds is the steadiest step to time; the decode steps of eight streams
+(~25 ms each) were tried beside it as the reference of the memory-bound part and moved more
+between two timings a minute apart than the machine drifted (docs/benchmarks.md).
+About 8 s with SmolLM2 on 2 cores, half of it the model's load.
 
 Run as `python -m pdserve.bench.speed_reference --model M --threads T`: one JSON object on
 stdout (`measure` runs it so, in a process of its own that is gone before the cluster starts).
@@ -40,11 +40,8 @@ if TYPE_CHECKING:
     from pdserve.engine.engine import Engine
 
 PREFILL_TOKENS = 512
-DECODE_BATCH = 8
-DECODE_PROMPT = 64
-DECODE_STEPS = 48
-REPEATS = 5
-KV_BLOCKS = 256  # room for the job (the prompt: 33 blocks of 16; the streams: 8 x 8), not 512 MiB
+REPEATS = 7
+KV_BLOCKS = 64  # room for the job (the prompt: 33 blocks of 16), not 512 MiB
 
 
 def _time_job(model: str) -> dict[str, Any]:
@@ -67,12 +64,9 @@ def _time_job(model: str) -> dict[str, Any]:
     try:
         prefill = [_prefill_s(engine, prompts(1, PREFILL_TOKENS)[0], SamplingParams(max_tokens=1))
                    for _ in range(REPEATS + 1)][1:]
-        decode = _decode_step_s(engine, prompts(DECODE_BATCH, DECODE_PROMPT),
-                                SamplingParams(max_tokens=DECODE_STEPS + 4, ignore_eos=True))
     finally:
         engine.close()
-    return {"prefill_tokens": PREFILL_TOKENS, "prefill_s": statistics.median(prefill),
-            "decode_batch": DECODE_BATCH, "decode_step_s": decode}
+    return {"prefill_tokens": PREFILL_TOKENS, "prefill_s": statistics.median(prefill)}
 
 
 def _prefill_s(engine: Engine, prompt: list[int], params: SamplingParams) -> float:
@@ -81,21 +75,6 @@ def _prefill_s(engine: Engine, prompt: list[int], params: SamplingParams) -> flo
     while engine.has_unfinished_requests():
         engine.step()
     return time.perf_counter() - t0
-
-
-def _decode_step_s(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> float:
-    for prompt in prompts:
-        engine.add_request(prompt, params)
-    engine.step()  # every prompt in (a budget far over 8 x 64 tokens)
-    engine.step()  # the first decode step: first-use costs
-    times = []
-    for _ in range(DECODE_STEPS):
-        t0 = time.perf_counter()
-        engine.step()
-        times.append(time.perf_counter() - t0)
-    while engine.has_unfinished_requests():
-        engine.step()
-    return statistics.median(times)
 
 
 def pin(threads: int) -> None:
@@ -110,8 +89,8 @@ def pin(threads: int) -> None:
 
 
 def measure(model: str, threads: int) -> dict[str, Any]:
-    """The job timed in a child process: {"threads", "prefill_tokens", "prefill_s",
-    "decode_batch", "decode_step_s"}. RuntimeError when the child fails."""
+    """The job timed in a child process: {"threads", "prefill_tokens", "prefill_s"}.
+    RuntimeError when the child fails."""
     argv = [sys.executable, "-m", "pdserve.bench.speed_reference", "--model", model,
             "--threads", str(threads)]
     print(f"speed reference: timing {model} on {threads} thread{'s' if threads > 1 else ''}",
@@ -124,9 +103,8 @@ def measure(model: str, threads: int) -> dict[str, Any]:
 
 
 def bracket(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
-    """The results' `speed_reference`: the job's shape once, each timing as [before, after]."""
-    return {**before, "prefill_s": [before["prefill_s"], after["prefill_s"]],
-            "decode_step_s": [before["decode_step_s"], after["decode_step_s"]]}
+    """The results' `speed_reference`: the job's shape once, its timings as [before, after]."""
+    return {**before, "prefill_s": [before["prefill_s"], after["prefill_s"]]}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,6 +1,6 @@
 """A calibration scaled to the held-out run's speed: bench compare's speed references around
-each run, read from the results, and the profile's prefill and decode terms scaled by their
-ratio in `pdserve simulate --compare-measured`."""
+each run, read from the results, and the profile's costs scaled by their ratio in `pdserve
+simulate --compare-measured`."""
 
 from __future__ import annotations
 
@@ -11,54 +11,49 @@ import pytest
 from pdserve.planner.simulate.calibration import CalibrationProfile
 from pdserve.planner.simulate.speed_scale import (
     SpeedReference,
-    SpeedScale,
     read_speed_reference,
     scale_profile,
-    speed_scale,
+    speed_factor,
 )
 from tests.planner.simulate.step_files import disagg_workers, request, serve_result, write_json
 from tests.planner.simulate.test_measured import simulate_cli
 
 
-def reference(prefill_s: list[float], decode_s: list[float], threads: int = 1
-              ) -> dict[str, object]:
-    return {"threads": threads, "prefill_tokens": 512, "decode_batch": 8,
-            "prefill_s": prefill_s, "decode_step_s": decode_s}
+def reference(prefill_s: list[float], threads: int = 1) -> dict[str, object]:
+    return {"threads": threads, "prefill_tokens": 512, "prefill_s": prefill_s}
 
 
-def test_the_scale_is_the_mean_of_each_bracket_over_the_calibration_runs():
-    a = read_speed_reference({"speed_reference": reference([0.4, 0.6], [0.02, 0.02])}, "a")
-    b = read_speed_reference({"speed_reference": reference([0.9, 0.6], [0.03, 0.05])}, "b")
-    got = speed_scale(a, b)
-    assert got.prefill == pytest.approx(1.5) and got.decode == pytest.approx(2.0)
+def test_the_factor_is_the_mean_of_the_measured_bracket_over_the_calibrations():
+    a = read_speed_reference({"speed_reference": reference([0.4, 0.6])}, "a")
+    b = read_speed_reference({"speed_reference": reference([0.9, 0.6])}, "b")
+    assert speed_factor(a, b) == pytest.approx(1.5)
 
 
 def test_a_run_without_a_reference_has_none_and_a_malformed_one_is_refused():
     assert read_speed_reference({}, "b") is None
-    for bad in (reference([], [0.02]), reference([0.4], [-1.0]), reference([0.4], [0.02], 0),
+    for bad in (reference([]), reference([-1.0]), reference([0.4], 0), reference([True]),
                 {"threads": 1}, [0.4]):
         with pytest.raises(ValueError, match="b: speed_reference must be"):
             read_speed_reference({"speed_reference": bad}, "b")
 
 
 def test_references_of_different_jobs_are_refused():
-    one = SpeedReference(1, 512, 8, (0.4,), (0.02,))
-    two = SpeedReference(2, 512, 8, (0.4,), (0.02,))
-    with pytest.raises(ValueError, match=r"timed different jobs.*1 threads.*2 threads"):
-        speed_scale(one, two)
+    one, two = SpeedReference(1, 512, (0.4,)), SpeedReference(2, 512, (0.4,))
+    with pytest.raises(ValueError, match=r"timed different jobs.*on 1 threads.*on 2 threads"):
+        speed_factor(one, two)
 
 
-def test_each_term_scales_by_its_kind_and_a_held_context_cost_stays():
+def test_every_cost_scales_by_the_factor_and_a_held_context_cost_stays():
     p = CalibrationProfile(decode_overhead_s=0.02, decode_per_seq_s=0.002,
                            prefill_per_token_s=2e-4, prefill_overhead_s=0.01,
                            decode_per_context_token_s=1e-6, prefill_per_attention_pair_s=1e-8)
-    scale = SpeedScale(prefill=1.5, decode=2.0)
-    got = scale_profile(p, scale, context_held=False)
+    got = scale_profile(p, 1.5, context_held=False)
     assert (got.prefill_overhead_s, got.prefill_per_token_s, got.prefill_per_attention_pair_s) \
         == pytest.approx((0.015, 3e-4, 1.5e-8))
     assert (got.decode_overhead_s, got.decode_per_seq_s, got.decode_per_context_token_s) \
-        == pytest.approx((0.04, 0.004, 2e-6))
-    assert scale_profile(p, scale, context_held=True).decode_per_context_token_s == 1e-6
+        == pytest.approx((0.03, 0.003, 1.5e-6))
+    held = scale_profile(p, 1.5, context_held=True)
+    assert held.decode_per_context_token_s == 1e-6 and held.decode_per_seq_s == 0.003
 
 
 def _slower(factor: float) -> dict[str, list[list[float]]]:
@@ -80,14 +75,14 @@ def _runs(tmp_path, a_ref, b_ref):
 def test_simulate_prices_a_slower_run_at_its_own_speed(tmp_path, capsys):
     """The held-out run's references say 1.5x slower: its own steps, priced by the scaled
     calibration, come out x1.00 (unscaled: x1.50)."""
-    argv = _runs(tmp_path, reference([0.4, 0.4], [0.02, 0.02]), reference([0.6, 0.6], [0.03, 0.03]))
+    argv = _runs(tmp_path, reference([0.4, 0.4]), reference([0.5, 0.7]))
     rc, out, err = simulate_cli(capsys, *argv)
     assert rc == 0, err
-    assert "calibration scaled to the run's speed reference: prefill x1.500, decode x1.500" in out
+    assert "calibration scaled x1.500 to the run's speed reference" in out
     assert "decode x1.00" in out and "prompt x1.00" in out
     rc, out, _ = simulate_cli(capsys, *argv, "--json")
     got = json.loads(out)
-    assert got["measured"]["speed_scale"] == pytest.approx({"prefill": 1.5, "decode": 1.5})
+    assert got["measured"]["speed_scale"] == pytest.approx(1.5)
     assert got["measured"]["step_ratios"]["decode"]["median_ratio"] == pytest.approx(1.0)
     rc, out, _ = simulate_cli(capsys, *argv, "--json", "--speed-reference", "ignore")
     got = json.loads(out)
@@ -96,6 +91,6 @@ def test_simulate_prices_a_slower_run_at_its_own_speed(tmp_path, capsys):
 
 
 def test_simulate_refuses_references_of_different_jobs(tmp_path, capsys):
-    argv = _runs(tmp_path, reference([0.4], [0.02], threads=2), reference([0.6], [0.03]))
+    argv = _runs(tmp_path, reference([0.4], threads=2), reference([0.6]))
     rc, _, err = simulate_cli(capsys, *argv)
     assert rc == 2 and "timed different jobs" in err and "--speed-reference ignore" in err

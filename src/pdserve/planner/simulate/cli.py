@@ -77,7 +77,7 @@ from pdserve.planner.simulate.measured_compare import (
 )
 from pdserve.planner.simulate.measured_run import MeasuredRun, load_measured_run, read_trace_file
 from pdserve.planner.simulate.metrics import Slo, Summary, summarize, summary_to_dict
-from pdserve.planner.simulate.speed_scale import SpeedScale, scale_profile, speed_scale
+from pdserve.planner.simulate.speed_scale import scale_profile, speed_factor
 from pdserve.planner.simulate.split_model import SplitRule
 from pdserve.planner.simulate.step_check import step_ratios, steps_beside
 from pdserve.planner.simulate.step_fit import DECODE_TIMES
@@ -258,7 +258,7 @@ class Setup:
     measured: MeasuredRun | None = None
     frontend_source: str = "none"  # where cluster.frontend_latency_s comes from
     measured_spec: str | None = None  # --compare-measured as given
-    speed_scale: SpeedScale | None = None  # the profile's scaling to the measured run's speed
+    speed_scale: float | None = None  # the profile's factor to the measured run's speed
 
     @property
     def clients(self) -> int | None:
@@ -353,7 +353,7 @@ def resolve(args: argparse.Namespace) -> Setup:
                                                kv_rank)  # at the calibration run's own speed
     cluster = replace(cluster, frontend_latency_s=latency)
     scale = _speed_scale(args, calibration, measured) if profile else None
-    if scale is not None and profile is not None:
+    if scale is not None and profile is not None:  # after the front end's fit, at A's speed
         profile = scale_profile(profile, scale, context_held=args.decode_context_us is not None)
     trace, label = _trace(args, measured)
     check_fits(trace, cluster)
@@ -363,14 +363,14 @@ def resolve(args: argparse.Namespace) -> Setup:
 
 
 def _speed_scale(args: argparse.Namespace, calibration: MeasuredRun | None,
-                 measured: MeasuredRun | None) -> SpeedScale | None:
-    """The measured run's speed over the calibration run's (speed_scale.py); None unless
-    --speed-reference scale and both runs have a reference."""
+                 measured: MeasuredRun | None) -> float | None:
+    """The measured run's time for the speed reference's job over the calibration run's
+    (speed_scale.py); None unless --speed-reference scale and both runs have a reference."""
     if args.speed_reference != "scale" or calibration is None or measured is None:
         return None
     if calibration.speed_reference is None or measured.speed_reference is None:
         return None
-    return speed_scale(calibration.speed_reference, measured.speed_reference)
+    return speed_factor(calibration.speed_reference, measured.speed_reference)
 
 
 _OWN_LIMITS = ("prefill", "decode", "collocated", "chunk", "max_batch", "kv_capacity_tokens",

@@ -29,18 +29,19 @@ from this run's own steps, per kind, which tells a miss of the costs from one of
 scheduling. Failed requests are shown the same way, informational, whenever either side has any: the
 measured run's (every request that ended in an error, the router's refusals among them) beside
 the simulation's (those its admission refused, admission.py; none without admission). The
-JSON holds them always.
+JSON holds them always. When both runs carry bench compare's speed reference, the calibration
+is priced at the measured run's speed first (speed_scale.py) and the comparison says by what
+factor (`speed_scale` in the JSON; null: not scaled).
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 from pdserve.planner.simulate.cluster import Layout
 from pdserve.planner.simulate.events import SimResult
 from pdserve.planner.simulate.measured_run import METRICS, MeasuredRun
-from pdserve.planner.simulate.speed_scale import SpeedScale
 from pdserve.planner.simulate.split_model import SplitRule
 from pdserve.planner.simulate.step_check import describe_ratios
 
@@ -113,8 +114,8 @@ class Comparison:
     failed: int = 0  # the simulation's requests refused by admission
     # the measured run's steps priced by the calibration (step_check.py); None: not known
     step_ratios: dict[str, dict[str, Any]] | None = None
-    # the calibration scaled to the measured run's speed (speed_scale.py); None: not scaled
-    speed_scale: SpeedScale | None = None
+    # the calibration's factor to the measured run's speed (speed_scale.py); None: not scaled
+    speed_scale: float | None = None
 
     def error(self, key: str) -> float | None:
         m, s = self.measured[key], self.simulated[key]
@@ -130,11 +131,11 @@ class Comparison:
 def compare(run: MeasuredRun, label: str, simulated: dict[str, Any],
             local_prefills: int | None = None,
             step_ratios: dict[str, dict[str, Any]] | None = None,
-            speed_scale: SpeedScale | None = None) -> Comparison:
+            speed_scale: float | None = None) -> Comparison:
     """`simulated`: metrics.summary_to_dict of the simulated layout (its "failed" count of
     refused requests, 0 when absent); `local_prefills`: its local prefills when it splits
     prompts (`split_local_prefills`); `step_ratios`: step_check.step_ratios of the run;
-    `speed_scale`: how the calibration was scaled to the run's speed."""
+    `speed_scale`: the factor the calibration was scaled by to the run's speed."""
     return Comparison(run, label, {k: run.measured[k] for k in METRICS},
                       {k: simulated[k] for k in METRICS}, local_prefills,
                       simulated.get("failed", 0), step_ratios, speed_scale)
@@ -166,8 +167,7 @@ def render_comparison(c: Comparison) -> str:
         lines.append(f"{'failed requests':<22}{run.failed:>12,}{c.failed:>12,}{'':>10}  "
                      "(simulated: refused by admission; no tolerance)")
     if c.speed_scale is not None:
-        lines.append(f"calibration scaled to the run's speed reference: prefill "
-                     f"x{c.speed_scale.prefill:.3f}, decode x{c.speed_scale.decode:.3f}")
+        lines.append(f"calibration scaled x{c.speed_scale:.3f} to the run's speed reference")
     if c.step_ratios:
         lines.append(f"its steps, measured / priced by the calibration: "
                      f"{describe_ratios(c.step_ratios)}")
@@ -198,5 +198,5 @@ def comparison_json(c: Comparison) -> dict[str, Any]:
                                  "simulated": c.local_prefills}
     if c.step_ratios is not None:
         out["step_ratios"] = c.step_ratios
-    out["speed_scale"] = None if c.speed_scale is None else asdict(c.speed_scale)
+    out["speed_scale"] = c.speed_scale
     return out

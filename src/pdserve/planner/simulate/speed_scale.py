@@ -1,31 +1,27 @@
 """A calibration scaled to the machine's speed when another run was measured.
 
 A shared machine's speed drifts between runs by more than the simulator's model misses. So
-`pdserve bench compare` times one fixed engine job right before and right after each pdserve
-run, on the threads that configuration's workers compute on (bench/speed_reference.py), and
-keeps it in the results as
+`pdserve bench compare` times one fixed engine job (a 512-token prefill of the run's model)
+right before and right after each pdserve run, on the threads that configuration's workers
+compute on (bench/speed_reference.py), and keeps it in the results as
 
-    "speed_reference": {"threads": T, "prefill_tokens": P, "decode_batch": B,
-                        "prefill_s": [before, after], "decode_step_s": [before, after]}
+    "speed_reference": {"threads": T, "prefill_tokens": P, "prefill_s": [before, after]}
 
-With the calibration run A's reference and the held-out run B's (same job), the profile fitted
-on A is priced at B's speed:
+With the calibration run A's reference and the held-out run B's (same job), every fitted cost
+of the profile (overheads, per token, per attention pair, per stream, per context token) is
+priced at B's speed:
 
-    a = mean(B.prefill_s) / mean(A.prefill_s)            (the prompt: compute-bound)
-    d = mean(B.decode_step_s) / mean(A.decode_step_s)    (the streams: memory-bound)
+    cost x f,    f = mean(B.prefill_s) / mean(A.prefill_s)
 
-    prefill overhead, per token and per attention pair  x a
-    decode overhead and per stream                       x d
-    decode per context token                             x d, unless it is held: a value
-                                                         measured apart (--decode-context-us),
-                                                         not at A's speed, stays as given
+except a decode cost per context token held at a value measured apart (--decode-context-us):
+it was not measured at A's speed, and stays as given. The mean of the two timings stands for
+the whole run: one timing is a snapshot (the same job a minute apart differed by up to 16%
+here), and bracketing halves its variance. One factor for every kind of cost: a second, for
+the decode terms, from the decode steps of eight streams moved more between its two timings
+than the machine drifted (docs/benchmarks.md).
 
-A mixed step's parts scale by their kind. The mean of the two timings stands for the whole
-run: one timing is a snapshot (the same job a minute apart differed by up to 16% in prefill and
-50% in a one-thread decode step here), and bracketing halves its variance.
-
-Refused (ValueError): references of different jobs (threads, prompt tokens, batch): the
-runs' workers did not compute on the same threads, or the job changed between versions.
+Refused (ValueError): references of different jobs (threads, prompt tokens): the runs'
+workers did not compute on the same threads, or the job changed between versions.
 """
 
 from __future__ import annotations
@@ -46,25 +42,14 @@ class SpeedReference:
 
     threads: int
     prefill_tokens: int
-    decode_batch: int
     prefill_s: tuple[float, ...]
-    decode_step_s: tuple[float, ...]
 
     @property
-    def job(self) -> tuple[int, int, int]:
-        return self.threads, self.prefill_tokens, self.decode_batch
+    def job(self) -> tuple[int, int]:
+        return self.threads, self.prefill_tokens
 
     def describe(self) -> str:
-        return (f"{self.threads} threads, a {self.prefill_tokens}-token prefill and "
-                f"{self.decode_batch}-stream decode steps")
-
-
-@dataclass(frozen=True)
-class SpeedScale:
-    """B's time over A's, per kind of work: above 1, B ran on a slower machine."""
-
-    prefill: float
-    decode: float
+        return f"a {self.prefill_tokens}-token prefill on {self.threads} threads"
 
 
 def read_speed_reference(result: dict[str, Any], label: str) -> SpeedReference | None:
@@ -73,15 +58,13 @@ def read_speed_reference(result: dict[str, Any], label: str) -> SpeedReference |
     ref = result.get(KEY)
     if ref is None:
         return None
-    shape = ("threads", "prefill_tokens", "decode_batch")
-    if not isinstance(ref, dict) or not all(_count(ref.get(k)) for k in shape) or not all(
-            _timings(ref.get(k)) for k in ("prefill_s", "decode_step_s")):
-        raise ValueError(f"{label}: {KEY} must be {{\"threads\", \"prefill_tokens\", "
-                         f"\"decode_batch\": n >= 1, \"prefill_s\", \"decode_step_s\": "
-                         f"[seconds > 0, ...]}}, got {str(ref)[:80]}")
-    return SpeedReference(ref["threads"], ref["prefill_tokens"], ref["decode_batch"],
-                          tuple(map(float, ref["prefill_s"])),
-                          tuple(map(float, ref["decode_step_s"])))
+    if not isinstance(ref, dict) or not all(_count(ref.get(k)) for k in
+                                            ("threads", "prefill_tokens")) or \
+            not _timings(ref.get("prefill_s")):
+        raise ValueError(f"{label}: {KEY} must be {{\"threads\", \"prefill_tokens\": n >= 1, "
+                         f"\"prefill_s\": [seconds > 0, ...]}}, got {str(ref)[:80]}")
+    return SpeedReference(ref["threads"], ref["prefill_tokens"],
+                          tuple(map(float, ref["prefill_s"])))
 
 
 def _count(value: object) -> bool:
@@ -94,28 +77,25 @@ def _timings(value: object) -> bool:
         for t in value)
 
 
-def speed_scale(calibration: SpeedReference, measured: SpeedReference) -> SpeedScale:
-    """a and d above; ValueError when the two timed different jobs."""
+def speed_factor(calibration: SpeedReference, measured: SpeedReference) -> float:
+    """f above (above 1: the measured run's machine was slower); ValueError when the two timed
+    different jobs."""
     if calibration.job != measured.job:
         raise ValueError(f"the speed references timed different jobs (calibration: "
                          f"{calibration.describe()}; measured: {measured.describe()}), so they "
                          "do not compare: leave the scaling out with --speed-reference ignore")
-    return SpeedScale(
-        statistics.fmean(measured.prefill_s) / statistics.fmean(calibration.prefill_s),
-        statistics.fmean(measured.decode_step_s) / statistics.fmean(calibration.decode_step_s))
+    return statistics.fmean(measured.prefill_s) / statistics.fmean(calibration.prefill_s)
 
 
-def scale_profile(profile: CalibrationProfile, scale: SpeedScale, context_held: bool
+def scale_profile(profile: CalibrationProfile, factor: float, context_held: bool
                   ) -> CalibrationProfile:
     """`profile` priced at the measured run's speed (the module docstring)."""
-    a, d = scale.prefill, scale.decode
-    context = profile.decode_per_context_token_s * (1.0 if context_held else d)
+    context = profile.decode_per_context_token_s * (1.0 if context_held else factor)
     return replace(profile,
-                   prefill_overhead_s=profile.prefill_overhead_s * a,
-                   prefill_per_token_s=profile.prefill_per_token_s * a,
-                   prefill_per_attention_pair_s=profile.prefill_per_attention_pair_s * a,
-                   decode_overhead_s=profile.decode_overhead_s * d,
-                   decode_per_seq_s=profile.decode_per_seq_s * d,
+                   prefill_overhead_s=profile.prefill_overhead_s * factor,
+                   prefill_per_token_s=profile.prefill_per_token_s * factor,
+                   prefill_per_attention_pair_s=profile.prefill_per_attention_pair_s * factor,
+                   decode_overhead_s=profile.decode_overhead_s * factor,
+                   decode_per_seq_s=profile.decode_per_seq_s * factor,
                    decode_per_context_token_s=context,
-                   source=f"{profile.source}, scaled x{a:.3f} prefill and x{d:.3f} decode by "
-                          "the speed references")
+                   source=f"{profile.source}, scaled x{factor:.3f} by the speed references")
