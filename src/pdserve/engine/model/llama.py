@@ -99,17 +99,17 @@ class DecoderLayer(nn.Module):
         h, residual = self.post_attention_layernorm(self.self_attn(h, rope, kv, meta), residual)
         return self.mlp(h), residual
 
-    def fused_decode(self, x: torch.Tensor, residual: torch.Tensor | None, step: Any,
-                     kv: tuple) -> tuple[torch.Tensor, torch.Tensor]:
-        """`forward` of a decode-only step as one call of the operators' `decode_layer` (the
-        same operators, no Python between them); `step` is the step's `DecodeStep`."""
-        return self.fused.decode_layer(x, residual, self._fused_weights, step, *kv)
+    def fused_forward(self, x: torch.Tensor, residual: torch.Tensor | None, step: Any,
+                      kv: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward` as one call of the operators' `fused_layer` (the same operators, no
+        Python between them); `step` is the step's `LayerStep`."""
+        return self.fused.fused_layer(x, residual, self._fused_weights, step, *kv)
 
     @functools.cached_property
     def _fused_weights(self) -> Any:
-        """The layer's weights for `decode_layer`, gathered on first use (after packing)."""
+        """The layer's weights for `fused_layer`, gathered on first use (after packing)."""
         attn, mlp = self.self_attn, self.mlp
-        w = self.fused.DecodeLayerWeights()
+        w = self.fused.LayerWeights()
         w.input_norm = self.input_layernorm.weight
         w.post_norm = self.post_attention_layernorm.weight
         w.qkv, w.qkv_bias = attn.qkv_proj.packed, attn.qkv_proj.bias
@@ -141,22 +141,31 @@ class LlamaForCausalLM(DecoderStack):
 
     def layer_call(self, positions: torch.Tensor, meta: AttentionMetadata,
                    rope: StepRope) -> LayerCall:
-        """A decode-only step on the operators' kernels runs each layer as one C++ call
-        (`DecoderLayer.fused_decode`, same result); any other step runs `forward`."""
-        step = self._fused_decode_step(positions, meta)
+        """A step on the operators' kernels runs each layer as one C++ call
+        (`DecoderLayer.fused_forward`, same result); any other step runs `forward`."""
+        step = self._fused_step(positions, meta)
         if step is None:
             return super().layer_call(positions, meta, rope)
-        return lambda layer, x, residual, kv: layer.fused_decode(x, residual, step, kv)
+        return lambda layer, x, residual, kv: layer.fused_forward(x, residual, step, kv)
 
-    def _fused_decode_step(self, positions: torch.Tensor, meta: AttentionMetadata) -> Any:
-        """What a decode-only step's layers share for `DecoderLayer.fused_decode`, or None where
-        the layers run through Python: a prefill in the step, PyTorch operators, or a linear
-        not on one of pdserve's kernels."""
-        if self.fused is None or meta.prefills or self._layer_kernel is None:
+    def _fused_step(self, positions: torch.Tensor, meta: AttentionMetadata) -> Any:
+        """What a step's layers share for `DecoderLayer.fused_forward`, or None where the
+        layers run through Python: PyTorch operators, a linear not on one of pdserve's kernels,
+        or a prompt in the step without the operators' prefill attention (it then goes through
+        PyTorch's SDPA). The rows are the prompts' in order, then the decode groups'
+        (`AttentionMetadata`; checked here, else Python)."""
+        if self.fused is None or self._layer_kernel is None:
             return None
-        step = self.fused.DecodeStep()
+        if meta.prefills and not self.fused.prefill_attention_available():
+            return None
+        if not _rows_in_order(meta):
+            return None
+        step = self.fused.LayerStep()
         step.positions, step.cos, step.sin_signed = positions, self.rope.cos, self.rope.sin_signed
         step.slot_blocks, step.slot_offsets = meta.slot_blocks, meta.slot_offsets
+        step.prompt_tables = [seq.block_ids for seq in meta.prefills]
+        step.prompt_tokens = [seq.num_tokens for seq in meta.prefills]
+        step.prompt_context = [seq.context_len for seq in meta.prefills]
         step.tables = [g.blocks.view(g.lens.shape[0], -1) for g in meta.decode_groups]
         step.lens = [g.lens for g in meta.decode_groups]
         return step
@@ -177,6 +186,20 @@ class LlamaForCausalLM(DecoderStack):
             if all(p is not None for p in parts):
                 weights[f"{a}qkv_proj.{kind}"] = torch.cat(parts, dim=0)
         fuse_gate_up(weights, f"layers.{index}.mlp.")
+
+
+def _rows_in_order(meta: AttentionMetadata) -> bool:
+    """The step's rows are its prompts' in order, then its decode groups', with no gap."""
+    row = 0
+    for seq in meta.prefills:
+        if seq.token_start != row:
+            return False
+        row += seq.num_tokens
+    for group in meta.decode_groups:
+        if group.start != row:
+            return False
+        row += group.lens.shape[0]
+    return True
 
 
 def fuse_gate_up(weights: dict[str, torch.Tensor], prefix: str) -> None:

@@ -25,8 +25,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dpbf16_available", &pdserve::dpbf16_available);
   m.def("dpbf16_pack", &pdserve::dpbf16_pack, kFree);
   m.def("dpbf16_linear", &pdserve::dpbf16_linear, kFree);
-  using W = pdserve::DecodeLayerWeights;
-  py::class_<W>(m, "DecodeLayerWeights")
+  using W = pdserve::LayerWeights;
+  py::class_<W>(m, "LayerWeights")
       .def(py::init<>())
       .def_readwrite("input_norm", &W::input_norm)
       .def_readwrite("post_norm", &W::post_norm)
@@ -41,15 +41,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("head_dim", &W::head_dim)
       .def_readwrite("eps", &W::eps)
       .def_readwrite("scale", &W::scale);
-  using S = pdserve::DecodeStep;
-  py::class_<S>(m, "DecodeStep")
+  using S = pdserve::LayerStep;
+  py::class_<S>(m, "LayerStep")
       .def(py::init<>())
       .def_readwrite("positions", &S::positions)
       .def_readwrite("cos", &S::cos)
       .def_readwrite("sin_signed", &S::sin_signed)
       .def_readwrite("slot_blocks", &S::slot_blocks)
       .def_readwrite("slot_offsets", &S::slot_offsets)
+      .def_readwrite("prompt_tables", &S::prompt_tables)
+      .def_readwrite("prompt_tokens", &S::prompt_tokens)
+      .def_readwrite("prompt_context", &S::prompt_context)
       .def_readwrite("tables", &S::tables)
       .def_readwrite("lens", &S::lens);
-  m.def("decode_layer", &pdserve::decode_layer, kFree);
+  m.def("fused_layer", &pdserve::fused_layer, kFree);
 }

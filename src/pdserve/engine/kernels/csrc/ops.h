@@ -82,8 +82,8 @@ at::Tensor dpbf16_pack(const at::Tensor& weight);
 at::Tensor dpbf16_linear(const at::Tensor& x, const at::Tensor& packed,
                          const std::optional<at::Tensor>& bias);
 
-// A decoder layer's weights for decode_layer, made once per layer after the linears are packed.
-struct DecodeLayerWeights {
+// A decoder layer's weights for fused_layer, made once per layer after the linears are packed.
+struct LayerWeights {
   at::Tensor input_norm, post_norm;          // [hidden] bf16
   at::Tensor qkv, o_proj, gate_up, down;     // packed for `kernel`
   std::optional<at::Tensor> qkv_bias;        // [(H + 2 KVH) D] fp32
@@ -92,19 +92,22 @@ struct DecodeLayerWeights {
   double eps = 0, scale = 0;
 };
 
-// What every layer of one decode-only step shares, made once per step.
-struct DecodeStep {
+// What every layer of one step shares, made once per step. Rows: the prompts' first (each
+// prompt's `prompt_tokens` rows in order), then the decode groups' (each group's lens.size(0)).
+struct LayerStep {
   at::Tensor positions;              // [T] int64
   at::Tensor cos, sin_signed;        // fp32 [P, D] tables (rope_)
   at::Tensor slot_blocks, slot_offsets;  // [T] int64: where each row's K/V goes
-  std::vector<at::Tensor> tables, lens;  // per decode group, covering [0, T) in order
+  std::vector<at::Tensor> prompt_tables;  // per prompt: its block ids [num_blocks] int64
+  std::vector<int64_t> prompt_tokens, prompt_context;  // per prompt: its rows, positions attended
+  std::vector<at::Tensor> tables, lens;  // per decode group
 };
 
-// One decoder layer (Llama family) over a decode-only step: the same operators in the same
-// order as model/llama.py's DecoderLayer on these operators. x [T, hidden] bf16; residual
-// None for the first layer. Returns (out, residual), as DecoderLayer does.
-std::tuple<at::Tensor, at::Tensor> decode_layer(
-    const at::Tensor& x, const std::optional<at::Tensor>& residual, const DecodeLayerWeights& w,
-    const DecodeStep& step, at::Tensor& k_cache, at::Tensor& v_cache);
+// One decoder layer (Llama family) over a step: the same operators in the same order as
+// model/llama.py's DecoderLayer on these operators. x [T, hidden] bf16; residual None for the
+// first layer. Returns (out, residual), as DecoderLayer does.
+std::tuple<at::Tensor, at::Tensor> fused_layer(
+    const at::Tensor& x, const std::optional<at::Tensor>& residual, const LayerWeights& w,
+    const LayerStep& step, at::Tensor& k_cache, at::Tensor& v_cache);
 
 }  // namespace pdserve
