@@ -7,7 +7,9 @@ Measured runs: --calibrate takes a worker steps file (calibration_source.py), --
 serve/compare results file (measured_run.py), and --compare-measured RESULTS[:CONFIG] simulates
 that run's requests on its own layout and prints the simulated median and P99 TTFT and ITL,
 goodput and output throughput beside the measured ones, each against its tolerance
-(measured_compare.py, which also says how the layout is found).
+(measured_compare.py, which also says how the layout is found). When the calibration run and
+the measured one both carry bench compare's speed reference, the fitted costs are first scaled
+to the measured run's speed (speed_scale.py; --speed-reference ignore: not scaled).
 
 Admission (admission.py): --max-inflight-per-worker, --max-queue and --max-queue-wait-s model
 the router's back-pressure, as its flags of the same names (one declaration serves both,
