@@ -161,6 +161,8 @@ def test_a_model_volume_is_mounted_where_the_path_points() -> None:
     ("spec.router.replicas", 2, "spec.router.replicas must be 1, got 2"),
     ("spec.interconnect.blockSize", 24, "spec.interconnect.blockSize must be a power of two"),
     ("spec.interconnect.encryption", True, None),  # tcp: allowed
+    ("spec.interconnect.congestion", "two words", "spec.interconnect.congestion: "
+                                                  "--kv-congestion: TcpOptions.congestion must"),
     ("spec.prefillPool.kvCacheMemory", "lots", "spec.prefillPool.kvCacheMemory: cannot read"),
     ("spec.device", "cuda", "spec.interconnect.transport: workers on cuda keep their KV in GPU "
                             "memory"),
@@ -201,6 +203,22 @@ def test_cpu_pools_of_different_tensor_parallelism_render_their_sizes() -> None:
     decode = _worker_launch(_container(manifests, "smollm2-decode")["args"])
     assert (prefill.role, prefill.tensor_parallel_size) == ("prefill", 2)
     assert (decode.role, decode.tensor_parallel_size) == ("decode", 1)
+
+
+def test_the_interconnects_congestion_control_reaches_every_worker() -> None:
+    manifests = render(changed(cpu(), "spec.interconnect.congestion", "cubic"))
+    _validate_all(manifests)
+    for pool in ("prefill", "decode"):
+        assert _worker_launch(_container(manifests, f"smollm2-{pool}")["args"]).kv_congestion \
+            == "cubic"
+    plain = render(cpu())
+    assert _worker_launch(_container(plain, "smollm2-decode")["args"]).kv_congestion == ""
+    nixl = changed(changed(cpu(), "spec.interconnect.transport", "nixl"),
+                   "spec.interconnect.congestion", "cubic")
+    with pytest.raises(ValueError, match=re.escape(
+            "spec.interconnect.congestion: --kv-congestion sets the tcp transport's "
+            "connections only")):
+        render(nixl)
 
 
 def test_a_preset_checks_the_heads_of_a_model_that_is_not_here() -> None:

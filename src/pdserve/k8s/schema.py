@@ -105,6 +105,8 @@ def _interconnect() -> Schema:
                            "how KV moves between workers"),
         "encryption": {"type": "boolean", "default": False,
                        "description": "seal KV transfers with AES-256-GCM (tcp only)"},
+        "congestion": _str("TCP congestion control for the KV connections (tcp only), e.g. "
+                           "cubic (default: the node's)", minLength=1),
         "hugepages": quantity("2 MiB huge pages reserved per worker pod (hugepages-2Mi), "
                               "mounted at /dev/hugepages"),
         "blockSize": _int("tokens per KV block, a power of two", minimum=1, default=16),

@@ -17,6 +17,7 @@ from pdserve.k8s.defaults import with_defaults
 from pdserve.k8s.names import API_VERSION, KIND, check_cluster_name
 from pdserve.k8s.schema import resource_schema
 from pdserve.k8s.schema_check import check_schema
+from pdserve.workers.settings import check_kv_congestion
 
 
 @dataclass(frozen=True)
@@ -64,6 +65,7 @@ class PoolSpec:
 class Interconnect:
     transport: str = "tcp"
     encryption: bool = False
+    congestion: str = ""  # the tcp transport's congestion control ("": the node's)
     hugepages: str | int | None = None  # hugepages-2Mi per worker pod
     block_size: int = 16
 
@@ -75,6 +77,10 @@ class Interconnect:
             raise ValueError("spec.interconnect.encryption seals the tcp transport only (NIXL "
                              "moves KV with UCX, unencrypted): set transport: tcp, or "
                              "encryption: false on a private network")
+        try:
+            check_kv_congestion(self.congestion, self.transport)
+        except ValueError as e:
+            raise ValueError(f"spec.interconnect.congestion: {e}") from None
 
 
 @dataclass(frozen=True)
@@ -205,7 +211,8 @@ def _model(m: dict[str, Any]) -> ModelSource:
 
 def _interconnect(i: dict[str, Any]) -> Interconnect:
     return Interconnect(transport=i["transport"], encryption=i["encryption"],
-                        hugepages=i.get("hugepages"), block_size=i["blockSize"])
+                        congestion=i.get("congestion", ""), hugepages=i.get("hugepages"),
+                        block_size=i["blockSize"])
 
 
 def _router(r: dict[str, Any]) -> RouterSpec:
