@@ -588,7 +588,7 @@ def add_compare_args(p: argparse.ArgumentParser) -> None:
                         "(default: %(default)s)")
     p.add_argument("--no-speed-reference", dest="speed_reference", action="store_false",
                    help="do not time the fixed engine job before and after each pdserve run "
-                        "(`speed_reference` in --out, ~20 s a run: what `pdserve simulate` "
+                        "(`speed_reference` in --out, ~16 s a run: what `pdserve simulate` "
                         "scales a calibration measured at another time by)")
     p.add_argument("--out", type=Path, default=None,
                    help="JSON: one object per configuration, keyed by its name, with the same "

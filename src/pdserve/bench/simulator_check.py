@@ -46,6 +46,7 @@ from typing import Any
 from pdserve.bench import simulator_context
 from pdserve.planner.plan_simulation import MARGIN
 from pdserve.planner.simulate.file_spec import steps_path
+from pdserve.planner.simulate.speed_scale import SPEED_REFERENCE_MODES
 
 CONFIGS = ("collocated", "collocated-chunked", "disagg")
 SIMULATED = (*CONFIGS, "disagg-local", "disagg-remote")  # what the simulator can lay out
@@ -92,9 +93,9 @@ class CheckSettings:
                              f"{', '.join(SIMULATED)}")
         if not self.duration_s > 0:
             raise ValueError(f"duration must be positive, got {self.duration_s!r}")
-        if self.speed_reference not in ("scale", "ignore"):
-            raise ValueError(f"speed_reference must be scale or ignore, got "
-                             f"{self.speed_reference!r}")
+        if self.speed_reference not in SPEED_REFERENCE_MODES:
+            raise ValueError(f"speed_reference must be one of {', '.join(SPEED_REFERENCE_MODES)}, "
+                             f"got {self.speed_reference!r}")
         if self.decode_context not in simulator_context.MODES:
             raise ValueError(f"decode_context must be one of "
                              f"{', '.join(simulator_context.MODES)}, got {self.decode_context!r}")
@@ -119,7 +120,7 @@ def add_simulator_check_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2", help="default: %(default)s")
     p.add_argument("--remeasure", action="store_true",
                    help="measure every workload again even if its results are in --out")
-    p.add_argument("--speed-reference", choices=("scale", "ignore"), default="scale",
+    p.add_argument("--speed-reference", choices=SPEED_REFERENCE_MODES, default="scale",
                    help="scale each calibration to the held-out run's speed by the fixed engine "
                         "job bench compare times around every run (`pdserve simulate "
                         "--speed-reference`; runs without one are priced unscaled), or ignore "

@@ -79,7 +79,11 @@ from pdserve.planner.simulate.measured_compare import (
 )
 from pdserve.planner.simulate.measured_run import MeasuredRun, load_measured_run, read_trace_file
 from pdserve.planner.simulate.metrics import Slo, Summary, summarize, summary_to_dict
-from pdserve.planner.simulate.speed_scale import scale_profile, speed_factor
+from pdserve.planner.simulate.speed_scale import (
+    SPEED_REFERENCE_MODES,
+    scale_profile,
+    speed_factor,
+)
 from pdserve.planner.simulate.split_model import SplitRule
 from pdserve.planner.simulate.step_check import step_ratios, steps_beside
 from pdserve.planner.simulate.step_fit import DECODE_TIMES
@@ -159,7 +163,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                         "this many microseconds and fit the rest (a calibration run whose "
                         "long contexts all come in large batches cannot tell that cost from "
                         "the per-stream one; measure it apart)")
-    p.add_argument("--speed-reference", choices=("scale", "ignore"), default="scale",
+    p.add_argument("--speed-reference", choices=SPEED_REFERENCE_MODES, default="scale",
                    help="with --calibrate FILE.steps.json:CONFIG and --compare-measured: scale "
                         "the fitted costs by the measured run's speed reference over the "
                         "calibration run's (the fixed engine job bench compare times around "
@@ -354,7 +358,7 @@ def resolve(args: argparse.Namespace) -> Setup:
     latency, latency_label = _frontend_latency(args, calibration, profile, shape, hw, tp,
                                                kv_rank)  # at the calibration run's own speed
     cluster = replace(cluster, frontend_latency_s=latency)
-    scale = _speed_scale(args, calibration, measured) if profile else None
+    scale = _speed_scale(args, calibration, measured)  # None without a calibration run
     if scale is not None and profile is not None:  # after the front end's fit, at A's speed
         profile = scale_profile(profile, scale, context_held=args.decode_context_us is not None)
     trace, label = _trace(args, measured)

@@ -34,6 +34,8 @@ from typing import Any
 from pdserve.planner.simulate.calibration import CalibrationProfile
 
 KEY = "speed_reference"
+# `--speed-reference`: scale by the references, or price at the calibration run's speed
+SPEED_REFERENCE_MODES = ("scale", "ignore")
 
 
 @dataclass(frozen=True)
