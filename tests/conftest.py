@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -17,6 +18,9 @@ if TYPE_CHECKING:
     from pdserve.engine.engine import Engine
 
 torch.set_num_threads(min(2, torch.get_num_threads()))
+if not torch.cuda.is_available():
+    # Triton kernels run in Triton's interpreter without a GPU (read when Triton is imported)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")

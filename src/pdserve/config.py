@@ -33,6 +33,10 @@ class EngineConfig:
     # heads and MLP columns split across them, each holding its heads' share of the KV pool
     # (kv_cache_bytes each). Collocated serving only.
     tensor_parallel_size: int = 1
+    # CUDA: decode steps run eagerly, kernel by kernel, instead of replaying CUDA graphs
+    # captured per batch size at start (`engine/decode_graphs.py`). The CPU always runs
+    # eagerly.
+    enforce_eager: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "role", Role(self.role))

@@ -52,6 +52,22 @@ def test_greedy_batch_matches_transformers(tiny_model, chunked):
     assert llm.engine.block_manager.num_used_blocks == 0
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_decode_steps_replay_cuda_graphs_with_the_eager_steps_tokens(tiny_model, arch):
+    path = tiny_model(arch)
+    graphed = _llm(path, max_num_seqs=6)
+    runner = graphed.engine.runner
+    assert runner.graphs is not None and runner.graphs.buckets == (1, 2, 4, 6)
+    assert runner.kernels is not None  # the Triton kernels passed their check here
+    eager = _llm(path, max_num_seqs=6, enforce_eager=True)
+    assert eager.engine.runner.graphs is None
+    ours = graphed.generate(PROMPTS, GREEDY, use_tqdm=False)
+    theirs = eager.generate(PROMPTS, GREEDY, use_tqdm=False)
+    for prompt, a, b in zip(PROMPTS, ours, theirs, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids == hf_greedy(path, prompt, 48)
+    assert graphed.engine.block_manager.num_used_blocks == 0
+
+
 def test_preempted_requests_recompute_to_the_same_tokens(tiny_model):
     path = tiny_model("llama")
     assert_preempted_requests_keep_their_tokens(_llm(path, max_model_len=128, num_kv_blocks=12),

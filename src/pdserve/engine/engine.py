@@ -31,7 +31,9 @@ from pdserve.common.model_folder import resolve_model
 from pdserve.common.sampling_params import SamplingParams
 from pdserve.common.tokenizer import load_tokenizer
 from pdserve.config import EngineConfig
+from pdserve.engine import decode_path
 from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.decode_graphs import Capture
 from pdserve.engine.model.loader import eos_token_ids, load_model
 from pdserve.engine.output_processor import OutputProcessor
 from pdserve.engine.outputs import CompletionOutput, EngineLoad, RequestOutput, StepStats
@@ -47,7 +49,11 @@ DEFAULT_CHUNK_TOKENS = 512
 
 
 class Engine:
-    def __init__(self, config: EngineConfig) -> None:
+    """`graph_capture`: how decode graphs are captured; None captures CUDA graphs where they
+    apply (`decode_path.graph_capture`). Tests pass a stand-in that runs the forward at each
+    replay, to take the graph path on a CPU."""
+
+    def __init__(self, config: EngineConfig, graph_capture: Capture | None = None) -> None:
         path = resolve_model(config.model)
         self.model_config = ModelConfig.from_folder(path)
         self.config = config = _resolve(config, self.model_config)
@@ -71,10 +77,19 @@ class Engine:
         finally:
             if pool is not None:  # every rank has mapped it
                 pool.close()
-        self.block_manager = BlockManager(self.kv_cache.num_blocks, config.block_size,
+        kernels = decode_path.paged_kernels(config, self.kv_cache.data.dtype, graph_capture)
+        if graph_capture is None:
+            graph_capture = decode_path.graph_capture(config, self.model_config, self.kv_cache,
+                                                      kernels)
+        # decode graphs' padding rows write to the pool's last block: never handed out
+        usable = self.kv_cache.num_blocks - (graph_capture is not None)
+        self.block_manager = BlockManager(usable, config.block_size,
                                           config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.block_manager)
-        self.runner = ModelRunner(self.model, self.kv_cache, config.device, self.ranks)
+        graphs = None if graph_capture is None else decode_path.build_graphs(
+            self.model, self.kv_cache, config, usable, graph_capture)
+        self.runner = ModelRunner(self.model, self.kv_cache, config.device, self.ranks,
+                                  kernels, graphs)
         self.sampler = Sampler(config.seed, self.model.fused)
         self.outputs = OutputProcessor(self.tokenizer, eos_token_ids(path, self.tokenizer),
                                        config.max_model_len)

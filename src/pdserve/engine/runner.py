@@ -12,8 +12,14 @@ from dataclasses import dataclass
 
 import torch
 
+from pdserve.engine.decode_graphs import DecodeGraphs
 from pdserve.engine.kv_cache import KVCache
-from pdserve.engine.model.attention import AttentionMetadata, DecodeGroup, PrefillSeq
+from pdserve.engine.model.attention import (
+    AttentionMetadata,
+    DecodeGroup,
+    PagedKernels,
+    PrefillSeq,
+)
 from pdserve.engine.model.llama import LlamaForCausalLM
 from pdserve.engine.parallel.rank_group import RankGroup
 from pdserve.engine.request import Request
@@ -43,12 +49,17 @@ class ModelInputs:
 
 class ModelRunner:
     """`ranks`: the other ranks of a tensor-parallel engine, sent every step's inputs before
-    this rank's forward."""
+    this rank's forward. `kernels`: paged attention off the CPU operators (the Triton
+    kernels on a GPU), None for SDPA. `graphs`: decode steps that fit them replay a
+    captured graph instead of running the model eagerly."""
 
     def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, device: str,
-                 ranks: RankGroup | None = None) -> None:
+                 ranks: RankGroup | None = None, kernels: PagedKernels | None = None,
+                 graphs: DecodeGraphs | None = None) -> None:
         self.model = model
         self.ranks = ranks
+        self.kernels = kernels
+        self.graphs = graphs
         self.kv_cache = kv_cache
         self.device = device
         self.block_size = kv_cache.block_size
@@ -58,6 +69,10 @@ class ModelRunner:
         """Compute the batch; return logits [N, vocab] for the N requests that sample.
         `on_layer(i, batch)` runs when layer i's KV of the batch is in the pool (on CUDA after
         a stream sync, which costs the overlap of CPU launch and GPU compute)."""
+        if self.graphs is not None and on_layer is None and self.graphs.fits(batch):
+            # decode only: every request samples, in the batch's order
+            return (self.model.compute_logits(self.graphs.run(batch.requests)),
+                    list(batch.requests))
         inputs = self.prepare(batch)
         after = None
         if on_layer is not None:
@@ -103,6 +118,7 @@ class ModelRunner:
             slot_offsets=positions % self.block_size,
             prefills=seqs,
             decode_groups=self._decode_groups([r for r, _ in decodes], len(ids) - len(decodes)),
+            kernels=self.kernels,
         )
         return ModelInputs(self._long(ids), positions, meta, sample_rows, sampling)
 

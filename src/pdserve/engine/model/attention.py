@@ -5,12 +5,15 @@ Each step writes the new tokens' K and V into their slots first, then attends:
   [0, context_len), causal with the query offset. With the compiled CPU operators, one flash
   attention kernel reads every position from the pool in place (csrc/prefill_attention.cpp);
   its result for a position does not depend on how the prompt was chunked or what was
-  cached. Otherwise PyTorch's SDPA, over the fresh K/V when nothing was cached before, else
-  over K/V gathered from the blocks.
+  cached. Otherwise PyTorch's SDPA over the fresh K/V when nothing was cached before; with
+  earlier positions in the pool, the step's `kernels` read them in place (the Triton kernel
+  on a GPU), else SDPA over K/V gathered from the blocks.
 - decode (one token per request): in groups of similar context length (`DecodeGroup`, formed
-  by the runner), each group at once: its requests' blocks gathered into a padded
-  [B, max_blocks * block_size] context, padding masked out. One group for the whole batch
-  would make a batch of short chats beside one long prompt pay the long context B times.
+  by the runner), each group at once. A kernel reads each request's blocks in place where
+  one runs (the compiled CPU operators; `triton_paged` on a GPU, the step's `kernels`);
+  otherwise SDPA over the blocks gathered into a padded [B, max_blocks * block_size] context,
+  padding masked out. One group for the whole batch would make a batch of short chats beside
+  one long prompt pay the long context B times.
 """
 
 from __future__ import annotations
@@ -22,6 +25,23 @@ from types import ModuleType
 
 import torch
 import torch.nn.functional as F
+
+# (q [B, H, D], k_cache, v_cache, tables [B, W], lens [B], scale) -> [B, H, D]
+DecodeKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                         float], torch.Tensor]
+# (q [n, H, D], k_cache, v_cache, block_ids [nb], context_len, scale) -> [n, H, D], causal
+PrefillKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, float],
+                         torch.Tensor]
+
+
+@dataclass(frozen=True)
+class PagedKernels:
+    """Attention that reads the pool's blocks in place, for steps off the compiled CPU
+    operators (on a GPU: `triton_paged.KERNELS`). The step's new K/V are in the pool before
+    either runs."""
+
+    decode: DecodeKernel
+    prefill: PrefillKernel
 
 
 @dataclass
@@ -70,6 +90,8 @@ class AttentionMetadata:
     slot_offsets: torch.Tensor  # [T] long: offset inside that block
     prefills: list[PrefillSeq]
     decode_groups: list[DecodeGroup]  # cover the decode rows, which follow the prefill rows
+    # None: SDPA, over gathered blocks where a context is in the pool already
+    kernels: PagedKernels | None = None
 
 
 def paged_attention(
@@ -90,7 +112,8 @@ def paged_attention(
     else:
         k_cache[meta.slot_blocks, meta.slot_offsets] = k
         v_cache[meta.slot_blocks, meta.slot_offsets] = v
-    decode = _decode if fused is None else _fused_decode(fused)
+    decode = (_in_place_decode(fused.decode_attention) if fused is not None
+              else _decode if meta.kernels is None else _in_place_decode(meta.kernels.decode))
     if not meta.prefills and len(meta.decode_groups) == 1:  # one steady group: no copies
         return decode(q, k_cache, v_cache, meta.decode_groups[0], scale)
     out = torch.empty_like(q)
@@ -100,6 +123,9 @@ def paged_attention(
         if flash:  # over the pool in place: the new rows' K/V were stored above
             out[rows] = fused.prefill_attention(q[rows], k_cache, v_cache, seq.block_ids,
                                                 seq.context_len, scale)
+        elif meta.kernels is not None and seq.mask is not None:  # a prefix in the pool
+            out[rows] = meta.kernels.prefill(q[rows], k_cache, v_cache, seq.block_ids,
+                                             seq.context_len, scale)
         else:
             out[rows] = _prefill(q[rows], k[rows], v[rows], k_cache, v_cache, seq, scale)
     for group in meta.decode_groups:
@@ -107,11 +133,12 @@ def paged_attention(
     return out
 
 
-def _fused_decode(fused: ModuleType) -> Callable[..., torch.Tensor]:
+def _in_place_decode(kernel: DecodeKernel) -> Callable[..., torch.Tensor]:
+    """A decode group through a kernel that reads the blocks in place."""
     def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                group: DecodeGroup, scale: float) -> torch.Tensor:
         tables = group.blocks.view(group.lens.shape[0], -1)  # [B, max_blocks]
-        return fused.decode_attention(q, k_cache, v_cache, tables, group.lens, scale)
+        return kernel(q, k_cache, v_cache, tables, group.lens, scale)
 
     return decode
 
