@@ -7,7 +7,12 @@ import importlib
 import sys
 import time
 
-from pdserve.cli_args import add_cpu_kernels_arg, add_device_arg, add_model_args
+from pdserve.cli_args import (
+    add_cpu_kernels_arg,
+    add_device_arg,
+    add_enforce_eager_arg,
+    add_model_args,
+)
 
 # Every sub-command but `generate`: its name -> (module, function adding its parser), in the
 # order `pdserve --help` lists them. A run imports only its own command's module (the router's
@@ -32,6 +37,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None,
                    help="longest prompt + output in tokens (default: the model's context)")
     add_cpu_kernels_arg(p)
+    add_enforce_eager_arg(p)
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -39,7 +45,8 @@ def _generate(args: argparse.Namespace) -> int:
 
     t0 = time.perf_counter()
     llm = LLM(model=args.model, dtype=args.dtype, device=args.device,
-              max_model_len=args.max_model_len, cpu_kernels=args.cpu_kernels)
+              max_model_len=args.max_model_len, cpu_kernels=args.cpu_kernels,
+              enforce_eager=args.enforce_eager)
     load_s = time.perf_counter() - t0
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                             top_p=args.top_p, seed=args.seed)

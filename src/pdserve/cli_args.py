@@ -57,6 +57,14 @@ def add_cpu_kernels_arg(p: argparse.ArgumentParser) -> None:
                         "built once into the pdserve cache on first use)")
 
 
+def add_enforce_eager_arg(p: argparse.ArgumentParser) -> None:
+    """--enforce-eager: CUDA decode steps without graphs (`EngineConfig.enforce_eager`)."""
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="on a GPU, run every decode step eagerly, kernel by kernel, instead of "
+                        "replaying the CUDA graphs captured per batch size at start (takes a "
+                        "few seconds and some GPU memory); the CPU always runs eagerly")
+
+
 def add_tensor_parallel_arg(p: argparse.ArgumentParser) -> None:
     """--tensor-parallel-size: the engine's processes (`pdserve.engine.parallel`)."""
     p.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",

@@ -246,6 +246,12 @@ def test_no_cpu_kernels_reaches_every_worker() -> None:
     assert not any("--no-cpu-kernels" in w.argv for w in plan_processes(UpConfig(), SECRET))
 
 
+def test_enforce_eager_reaches_every_worker() -> None:
+    config = UpConfig.from_args(_args("--enforce-eager", "--device", "cuda", "--collocated", "2"))
+    assert all("--enforce-eager" in w.argv for w in plan_processes(config, SECRET)[:-1])
+    assert not any("--enforce-eager" in w.argv for w in plan_processes(UpConfig(), SECRET))
+
+
 def test_kv_encryption_reaches_every_worker() -> None:
     config = UpConfig.from_args(_args("--kv-encrypt", "--prefill", "2"))
     workers = plan_processes(config, SECRET)[:-1]

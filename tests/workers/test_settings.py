@@ -69,6 +69,11 @@ def test_no_cpu_kernels_reaches_the_engine_config(tmp_path: Path) -> None:
     assert not _settings(tmp_path, "--role", "decode", "--no-cpu-kernels").engine.cpu_kernels
 
 
+def test_enforce_eager_reaches_the_engine_config(tmp_path: Path) -> None:
+    assert not _settings(tmp_path, "--role", "decode").engine.enforce_eager
+    assert _settings(tmp_path, "--role", "decode", "--enforce-eager").engine.enforce_eager
+
+
 def test_cpus_takes_the_same_ranges_as_pdserve_up(tmp_path: Path) -> None:
     n = len(os.sched_getaffinity(0))
     assert _settings(tmp_path, "--role", "decode", "--cpus", f"0-{n - 1}").cpus == \
@@ -174,7 +179,7 @@ LAUNCHES = [
                  block_size=32, max_model_len=512, max_num_seqs=128, seed=7,
                  secret_file=Path("/run/s"), metrics_key_file=Path("/run/m")),
     WorkerLaunch(serve_public=True, enable_chunked_prefill=True, max_num_batched_tokens=256,
-                 cpu_kernels=False, max_num_seqs=1),
+                 cpu_kernels=False, max_num_seqs=1, enforce_eager=True),
 ]
 
 

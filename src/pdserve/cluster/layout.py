@@ -100,6 +100,7 @@ class UpConfig:
     max_num_batched_tokens: int | None = None
     max_num_seqs: int | None = None
     cpu_kernels: bool = True
+    enforce_eager: bool = False
     secret_file: Path | None = None  # the user's; None: `up` makes one for the run
     serve_public: bool = False  # every worker answers /v1 itself too (--serve-public)
     metrics_key_file: Path | None = None  # /metrics of every process needs its key
@@ -252,6 +253,7 @@ class UpConfig:
                    enable_chunked_prefill=args.enable_chunked_prefill,
                    max_num_batched_tokens=args.max_num_batched_tokens,
                    max_num_seqs=args.max_num_seqs, cpu_kernels=args.cpu_kernels,
+                   enforce_eager=args.enforce_eager,
                    secret_file=args.secret_file, serve_public=args.serve_public,
                    metrics_key_file=args.metrics_key_file, api_keys_file=args.api_keys_file,
                    rate_limit=rate_limit_from_args(args), limits=limits_from_args(args),
@@ -346,7 +348,8 @@ def _worker_spec(config: UpConfig, index: int, role: str, secret_file: Path) -> 
         # within the target (the capacity the split decision and the elastic controller count
         # on); a collocated-only layout prefills whole prompts unless chunked prefill is asked
         slo_tpot_ms=config.slo_tpot_s * 1000.0 if _splits(config) else None,
-        cpu_kernels=config.cpu_kernels, limits=config.limits)
+        cpu_kernels=config.cpu_kernels, enforce_eager=config.enforce_eager,
+        limits=config.limits)
     argv = (sys.executable, "-m", "pdserve.cli", "worker", *worker_argv(launch))
     return ProcessSpec(worker_name(config, index), argv, worker_url(config, index) + "/health",
                        restart=True, signed_health=True)

@@ -17,6 +17,7 @@ from pdserve.api.limits import add_limit_args
 from pdserve.cli_args import (
     add_cpu_kernels_arg,
     add_device_arg,
+    add_enforce_eager_arg,
     add_log_level_arg,
     add_model_args,
 )
@@ -132,6 +133,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="most requests each worker runs in one step; more wait in its queue "
                         "(default: the worker's, 64)")
     add_cpu_kernels_arg(p)
+    add_enforce_eager_arg(p)
     p.add_argument("--transport", default="tcp", choices=TRANSPORTS,
                    help="how KV blocks move from prefill to decode workers "
                         "(default: %(default)s)")

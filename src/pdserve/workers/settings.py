@@ -27,6 +27,7 @@ from pdserve.bearer import read_key_file
 from pdserve.cli_args import (
     add_cpu_kernels_arg,
     add_device_arg,
+    add_enforce_eager_arg,
     add_log_level_arg,
     add_tensor_parallel_arg,
     log_level,
@@ -231,6 +232,7 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
                         "within it (default: whole prompts)")
     p.add_argument("--seed", type=int, default=0, help="engine seed (default: %(default)s)")
     add_cpu_kernels_arg(p)
+    add_enforce_eager_arg(p)
     add_tensor_parallel_arg(p)
     add_limit_args(p)
     add_join_args(p)
@@ -306,6 +308,7 @@ class WorkerLaunch:
     slo_tpot_ms: float | None = None
     seed: int = 0
     cpu_kernels: bool = True
+    enforce_eager: bool = False
     tensor_parallel_size: int = 1
     limits: RequestLimits = DEFAULT_LIMITS
     register: str | None = None  # the router to join
@@ -340,7 +343,8 @@ _UNLESS_DEFAULT = (("--served-model-name", "served_model_name"), ("--kv-host", "
                    ("--register", "register"), ("--name", "name"),
                    ("--drain-timeout", "drain_timeout_s"), ("--log-level", "log_level"))
 _SWITCHES = (("--serve-public", "serve_public"), ("--kv-encrypt", "kv_encrypt"),
-             ("--enable-chunked-prefill", "enable_chunked_prefill"))
+             ("--enable-chunked-prefill", "enable_chunked_prefill"),
+             ("--enforce-eager", "enforce_eager"))
 _DEFAULTS = {f.name: f.default for f in fields(WorkerLaunch)}
 
 
@@ -373,7 +377,8 @@ def launch_from_args(args: argparse.Namespace) -> WorkerLaunch:
         max_num_seqs=args.max_num_seqs, enable_chunked_prefill=args.enable_chunked_prefill,
         max_num_batched_tokens=args.max_num_batched_tokens, kv_lease_s=args.kv_lease,
         slo_tpot_ms=args.slo_tpot_ms, seed=args.seed, cpu_kernels=args.cpu_kernels,
-        tensor_parallel_size=args.tensor_parallel_size, limits=limits_from_args(args),
+        enforce_eager=args.enforce_eager, tensor_parallel_size=args.tensor_parallel_size,
+        limits=limits_from_args(args),
         register=args.register, name=args.name, drain_timeout_s=args.drain_timeout,
         log_level=args.log_level)
 
@@ -393,7 +398,8 @@ def worker_settings(launch: WorkerLaunch) -> WorkerSettings:
         num_kv_blocks=w.num_kv_blocks, kv_cache_bytes=parse_size(w.kv_cache_memory),
         max_num_seqs=w.max_num_seqs, max_num_batched_tokens=w.max_num_batched_tokens,
         max_model_len=w.max_model_len, enable_chunked_prefill=w.enable_chunked_prefill,
-        seed=w.seed, cpu_kernels=w.cpu_kernels, tensor_parallel_size=w.tensor_parallel_size)
+        seed=w.seed, cpu_kernels=w.cpu_kernels, enforce_eager=w.enforce_eager,
+        tensor_parallel_size=w.tensor_parallel_size)
     return WorkerSettings(
         role=w.role, engine=engine, served_model_name=w.served_model_name or w.model,
         host=w.host, port=w.port, kv_host=w.kv_host or w.host, kv_port=w.kv_port,
