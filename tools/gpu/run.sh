@@ -1,8 +1,14 @@
 #!/usr/bin/env bash
 # On the GPU machine (the device tool's `run`, carry [".whl", ".gpu"], after prepare.sh here):
-# the gpu-marked tests, then `pdserve bench router --device cuda` on a SmolLM2-shaped model with
-# random weights. Logs go to $OUT. About 5 minutes after the machine starts (on an H200: tests
-# 135 s with the set-up, the one-stream level of the bench 190 s).
+#  1. the gpu-marked tests, the paged Triton kernels' and the decode graphs' tests (compiled for
+#     the GPU, not interpreted);
+#  2. `pdserve bench engine --device cuda` on a SmolLM2-shaped model with random weights,
+#     decode steps from CUDA graphs, then the same with --enforce-eager (decode batch
+#     1/8/32/128, prefill of 1,000 and 8,191 tokens; beside transformers on the same GPU and
+#     its measured memory read and matmul peak), one JSON object per row;
+#  3. with ROUTER=1, `pdserve bench router --device cuda` as before.
+# Everything lands in $OUT. Budget: under 8 minutes after the machine starts (TEST_S, BENCH_S
+# bound each part).
 export PYTHONUNBUFFERED=1
 t0=$(date +%s)
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
@@ -11,11 +17,27 @@ export PYTHONPATH=/tmp/site:$PWD/src:$PWD
 export LD_LIBRARY_PATH=/tmp/site/nvidia/cuda_runtime/lib:${LD_LIBRARY_PATH:-}  # UCX's CUDA module
 nvidia-smi -L; nproc
 python3 -c "import torch, transformers, nixl_cu12; print(torch.__version__, transformers.__version__, torch.cuda.get_device_name())"
-timeout "${TEST_S:-150}" python3 -m pytest -q -p no:cacheprovider --timeout 100 -rA -m gpu \
-  tests/engine/test_cuda.py tests/serve/test_cuda.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -25
+python3 -c "import triton; print('triton', triton.__version__)" || echo "no triton: SDPA, no graphs"
+timeout "${TEST_S:-180}" python3 -m pytest -q -p no:cacheprovider --timeout 120 -rA \
+  tests/engine/test_triton_paged.py tests/engine/test_decode_graphs.py tests/engine/test_cuda.py \
+  tests/serve/test_cuda.py 2>&1 \
+  | tee "$OUT/gpu_tests.log" | tail -30
 echo "== tests done at +$(( $(date +%s) - t0 )) s"
 python3 .gpu/random_model.py .gpu/smollm2 /tmp/smollm2-random 2>&1 | tail -1
-timeout "${BENCH_S:-170}" python3 -m pdserve.cli bench router --model /tmp/smollm2-random \
-  --device cuda --concurrency "${LEVELS:-1,64}" --repeats 3 --requests 24 2>&1 \
-  | tee "$OUT/bench_router_cuda.log" | tail -6
-echo "== bench done at +$(( $(date +%s) - t0 )) s"
+bench() {  # $1: a name for the files, then bench engine's extra flags
+  local name=$1; shift
+  timeout "${BENCH_S:-120}" python3 -m pdserve.cli bench engine --model /tmp/smollm2-random \
+    --device cuda --dtype bfloat16 --batches 1,8,32,128 --prompt-lens 1000,8191 \
+    --cached-len 0 --chunk 0 --repeats 3 --json "$@" \
+    > "$OUT/bench_engine_cuda_$name.jsonl" 2> "$OUT/bench_engine_cuda_$name.log"
+  echo "== bench engine ($name) rc=$? at +$(( $(date +%s) - t0 )) s"
+  tail -3 "$OUT/bench_engine_cuda_$name.log"; cat "$OUT/bench_engine_cuda_$name.jsonl"
+}
+bench graphs
+bench eager --enforce-eager
+if [ "${ROUTER:-0}" = 1 ]; then
+  timeout "${ROUTER_S:-170}" python3 -m pdserve.cli bench router --model /tmp/smollm2-random \
+    --device cuda --concurrency "${LEVELS:-1,64}" --repeats 3 --requests 24 2>&1 \
+    | tee "$OUT/bench_router_cuda.log" | tail -6
+  echo "== bench router done at +$(( $(date +%s) - t0 )) s"
+fi

@@ -13,7 +13,12 @@ from pdserve.bench.flip.cli import DESCRIPTION as FLIP_DESCRIPTION
 from pdserve.bench.flip.cli import add_flip_args, run_flip_cli
 from pdserve.bench.serve.runner import add_bench_serve_args, run_bench_serve
 from pdserve.bench.simulator_check import add_simulator_check_args, run_simulator_check_cli
-from pdserve.cli_args import add_cpu_kernels_arg, add_device_arg, add_tensor_parallel_arg
+from pdserve.cli_args import (
+    add_cpu_kernels_arg,
+    add_device_arg,
+    add_enforce_eager_arg,
+    add_tensor_parallel_arg,
+)
 from pdserve.common.engine_options import DTYPE_CHOICES, DTYPE_HELP
 
 
@@ -34,8 +39,8 @@ def _add_engine(kinds: argparse._SubParsersAction) -> None:
         description="Decode tok/s at several batch sizes and prefill tok/s at several prompt "
                     "lengths (and with half a prompt in the prefix cache), each beside "
                     "transformers generate() in the same process and the roofline from this "
-                    "machine's measured memory bandwidth and matmul peak. Medians of --repeats "
-                    "runs.")
+                    "machine's measured memory bandwidth and matmul peak (on --device cuda: the "
+                    "GPU's). Medians of --repeats runs.")
     eng.add_argument("--model", default="smollm2", help="default: %(default)s")
     eng.add_argument("--batches", default="1,8,32", help="decode batch sizes (default: "
                                                          "%(default)s)")
@@ -55,6 +60,8 @@ def _add_engine(kinds: argparse._SubParsersAction) -> None:
                      help="both engines' weights and KV, and the matmul roof's; " + DTYPE_HELP)
     add_cpu_kernels_arg(eng)
     add_tensor_parallel_arg(eng)
+    add_device_arg(eng)
+    add_enforce_eager_arg(eng)
     eng.set_defaults(func=_bench_engine)
 
 
@@ -332,7 +339,8 @@ def _bench_engine(args: argparse.Namespace) -> int:
                               cached_len=args.cached_len, chunk=args.chunk,
                               repeats=args.repeats, cpu_kernels=args.cpu_kernels,
                               tensor_parallel_size=args.tensor_parallel_size,
-                              dtype=args.dtype), args.json)
+                              dtype=args.dtype, device=args.device,
+                              enforce_eager=args.enforce_eager), args.json)
 
 
 def _bench_moe(args: argparse.Namespace) -> int:

@@ -41,7 +41,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from pdserve.bench.timing import fastest_seconds, median_seconds
-from pdserve.common.engine_options import resolve_dtype
+from pdserve.common.engine_options import check_device, resolve_dtype
 from pdserve.common.model_config import ModelConfig
 from pdserve.common.model_folder import resolve_model
 from pdserve.common.sampling_params import SamplingParams
@@ -98,9 +98,13 @@ class BenchSettings:
     # rank 0, so transformers and the roofs then run on rank 0's share only
     tensor_parallel_size: int = 1
     dtype: str = "auto"  # both engines' and the matmul roof's (common/engine_options.py)
+    # where both engines and the roofs run; on a GPU the roofs are its memory and its matmuls
+    device: str = "cpu"
+    enforce_eager: bool = False  # a GPU engine's decode steps without CUDA graphs
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "dtype", resolve_dtype(self.dtype, "cpu"))
+        check_device(self.device)
+        object.__setattr__(self, "dtype", resolve_dtype(self.dtype, self.device))
         if not self.batches or min(self.batches) <= 0:
             raise ValueError("batches must be positive integers")
         if not self.prompt_lens or min(self.prompt_lens) <= 0:
@@ -120,25 +124,43 @@ class BenchSettings:
         return max(*self.prompt_lens, self.cached_len, self.decode_prompt_len)
 
 
-def memory_bandwidth(repeats: int = 5) -> float:
-    """Bytes/s of a 1 GiB read (torch.amax over all threads), its fastest run: the decode
-    roofline's bound.
-    On huge pages, as the engine's weights and KV pool are: with 4 KiB pages the same read
-    measured 14-15 GB/s here against 27 on huge pages (page walks, engine/huge_pages.py)."""
-    x = huge_pages.zeros((256 * 2**20,), torch.float32).fill_(1.0)
-    return x.numel() * x.element_size() / fastest_seconds(lambda: x.amax(), repeats)
+def memory_bandwidth(repeats: int = 5, device: str = "cpu") -> float:
+    """Bytes/s of a 1 GiB read (torch.amax over all threads, or the GPU's memory), its fastest
+    run: the decode roofline's bound.
+    On a CPU on huge pages, as the engine's weights and KV pool are: with 4 KiB pages the same
+    read measured 14-15 GB/s here against 27 on huge pages (page walks,
+    engine/huge_pages.py)."""
+    shape = (256 * 2**20,)
+    x = (huge_pages.zeros(shape, torch.float32) if device == "cpu"
+         else torch.zeros(shape, device=device)).fill_(1.0)
+    return x.numel() * x.element_size() / fastest_seconds(synced(lambda: x.amax(), device),
+                                                          repeats)
 
 
-def matmul_flops(dtype: torch.dtype, repeats: int = 5) -> float:
-    """FLOP/s of an n^3 matmul, its fastest run: the compute roof. n = MATMUL_N, halved while
-    a probe says one run would take over MATMUL_BUDGET_S (a CPU that emulates bf16 takes
-    minutes over 2,048^3 repeats; its roof is low at any size)."""
-    n = matmul_size(dtype)
-    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
-    return 2 * n**3 / fastest_seconds(lambda: a @ b, repeats)
+def matmul_flops(dtype: torch.dtype, repeats: int = 5, device: str = "cpu") -> float:
+    """FLOP/s of an n^3 matmul, its fastest run: the compute roof. On a CPU n = MATMUL_N,
+    halved while a probe says one run would take over MATMUL_BUDGET_S (a CPU that emulates
+    bf16 takes minutes over 2,048^3 repeats; its roof is low at any size); on a GPU
+    GPU_MATMUL_N, which keeps its tensor cores busy for a millisecond or more."""
+    n = matmul_size(dtype) if device == "cpu" else GPU_MATMUL_N
+    a, b = (torch.randn(n, n, dtype=dtype, device=device) for _ in range(2))
+    return 2 * n**3 / fastest_seconds(synced(lambda: a @ b, device), repeats)
 
 
-MATMUL_N, MATMUL_PROBE_N, MATMUL_BUDGET_S = 2048, 256, 0.5
+MATMUL_N, MATMUL_PROBE_N, MATMUL_BUDGET_S, GPU_MATMUL_N = 2048, 256, 0.5, 8192
+
+
+def synced(fn: Callable[[], object], device: str) -> Callable[[], None]:
+    """fn, then a wait for the GPU's queued work when `device` is one (what a timing of work
+    queued on a GPU must include)."""
+    if device == "cpu":
+        return fn
+
+    def run() -> None:
+        fn()
+        torch.cuda.synchronize(device)
+
+    return run
 
 
 def matmul_size(dtype: torch.dtype) -> int:
@@ -240,6 +262,7 @@ def pdserve_cached_prefill(engine: Engine, prompts: RandomPrompts, length: int,
 
 
 def hf_generate_seconds(model, ids: torch.Tensor, new_tokens: int, repeats: int) -> float:
+    """`ids` on the model's device."""
     mask = torch.ones_like(ids)
 
     def run() -> None:
@@ -247,11 +270,11 @@ def hf_generate_seconds(model, ids: torch.Tensor, new_tokens: int, repeats: int)
             model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens,
                            min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
 
-    return median_seconds(run, repeats)
+    return median_seconds(synced(run, str(ids.device)), repeats)
 
 
 def hf_decode(model, prompts: RandomPrompts, batch: int, s: BenchSettings) -> float:
-    ids = torch.tensor(prompts(batch, s.decode_prompt_len))
+    ids = torch.tensor(prompts(batch, s.decode_prompt_len), device=s.device)
     full = hf_generate_seconds(model, ids, s.decode_steps + 1, s.repeats)
     first = hf_generate_seconds(model, ids, 1, s.repeats)
     return batch * s.decode_steps / max(full - first, 1e-9)
@@ -263,7 +286,8 @@ def pdserve_chunked_prefill(s: BenchSettings, prompts: RandomPrompts, max_model_
     engine = Engine(EngineConfig(model=s.model, dtype=s.dtype, max_model_len=max_model_len,
                                  enable_prefix_caching=False, enable_chunked_prefill=True,
                                  max_num_batched_tokens=s.chunk, cpu_kernels=s.cpu_kernels,
-                                 tensor_parallel_size=s.tensor_parallel_size))
+                                 tensor_parallel_size=s.tensor_parallel_size, device=s.device,
+                                 enforce_eager=s.enforce_eager))
 
     def run() -> None:
         engine.add_request(prompts(1, s.cached_len)[0], SamplingParams(max_tokens=1))
@@ -289,11 +313,13 @@ def run_bench(s: BenchSettings, log: Callable[[str], None]) -> list[BenchRow]:
         model=s.model, dtype=s.dtype,
         max_model_len=min(cfg.max_context, s.max_prompt + 64 + s.decode_steps),
         enable_prefix_caching=s.cached_len > 0, cpu_kernels=s.cpu_kernels,
-        tensor_parallel_size=s.tensor_parallel_size))
+        tensor_parallel_size=s.tensor_parallel_size, device=s.device,
+        enforce_eager=s.enforce_eager, max_num_seqs=max(64, *s.batches)))
     dtype = getattr(torch, s.dtype)
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(s.device).eval()
     prompts = RandomPrompts(cfg.vocab_size)
-    roofs = _measure_roofs(dtype)  # here and again at the end: the best of both is the roof
+    # here and again at the end: the best of both is the roof
+    roofs = _measure_roofs(dtype, s.device)
     log(f"measured: memory read {roofs[0] / 1e9:.1f} GB/s, {s.dtype} matmul "
         f"{roofs[1] / 1e9:.0f} "
         f"GFLOP/s, {torch.get_num_threads()} threads; pdserve on {_operators(engine)}"
@@ -306,7 +332,7 @@ def run_bench(s: BenchSettings, log: Callable[[str], None]) -> list[BenchRow]:
     for length in s.prompt_lens:
         log(f"prefill, {length}-token prompt ...")
         hf_prefill = length / hf_generate_seconds(
-            hf, torch.tensor(prompts(1, length)), 1, s.repeats)
+            hf, torch.tensor(prompts(1, length), device=s.device), 1, s.repeats)
         runs.append(("prefill", 1, length, pdserve_prefill(engine, prompts, length, s.repeats),
                      hf_prefill))
     if s.cached_len:
@@ -316,7 +342,8 @@ def run_bench(s: BenchSettings, log: Callable[[str], None]) -> list[BenchRow]:
     if s.chunk:
         log(f"prefill, {s.cached_len}-token prompt in chunks of {s.chunk} ...")
         chunked = pdserve_chunked_prefill(s, prompts, engine.config.max_model_len)
-    bandwidth, flops = (max(a, b) for a, b in zip(roofs, _measure_roofs(dtype), strict=True))
+    bandwidth, flops = (max(a, b) for a, b in zip(roofs, _measure_roofs(dtype, s.device),
+                                                          strict=True))
     log(f"roofs (best of the start and the end): memory read {bandwidth / 1e9:.1f} GB/s, "
         f"{s.dtype} matmul {flops / 1e9:.0f} GFLOP/s")
     step_floor = weight_bytes_per_step(cfg, dtype.itemsize) / bandwidth
@@ -339,8 +366,8 @@ def run_bench(s: BenchSettings, log: Callable[[str], None]) -> list[BenchRow]:
     return rows
 
 
-def _measure_roofs(dtype: torch.dtype) -> tuple[float, float]:
-    return memory_bandwidth(), matmul_flops(dtype)
+def _measure_roofs(dtype: torch.dtype, device: str) -> tuple[float, float]:
+    return memory_bandwidth(device=device), matmul_flops(dtype, device=device)
 
 
 def _ranks(size: int) -> str:
@@ -348,6 +375,11 @@ def _ranks(size: int) -> str:
 
 
 def _operators(engine: Engine) -> str:
+    runner = engine.runner
+    if engine.kv_cache.data.is_cuda:
+        return (f"{engine.config.device}, decode attention on "
+                f"{'SDPA' if runner.kernels is None else 'Triton'}, decode steps "
+                f"{'eager' if runner.graphs is None else 'from CUDA graphs'}")
     fused = engine.model.fused
     if fused is None:
         return "PyTorch operators"
