@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On the GPU machine (the device tool's `run`, carry [".whl", ".gpu"], after prepare.sh here):
-#  1. the gpu-marked tests, the paged Triton kernels' and the decode graphs' tests (compiled for
-#     the GPU, not interpreted);
+#  1. the gpu-marked tests, and the tests of the Triton kernels (paged attention, CRC32C) and of
+#     the decode graphs, compiled for the GPU rather than interpreted;
 #  2. `pdserve bench engine --device cuda` on a SmolLM2-shaped model with random weights,
 #     decode steps from CUDA graphs, then the same with --enforce-eager (decode batch
 #     1/8/32/128, prefill of 1,000 and 8,191 tokens; beside transformers on the same GPU and
@@ -20,7 +20,7 @@ python3 -c "import torch, transformers, nixl_cu12; print(torch.__version__, tran
 python3 -c "import triton; print('triton', triton.__version__)" || echo "no triton: SDPA, no graphs"
 timeout "${TEST_S:-180}" python3 -m pytest -q -p no:cacheprovider --timeout 120 -rA \
   tests/engine/test_triton_paged.py tests/engine/test_decode_graphs.py tests/engine/test_cuda.py \
-  tests/serve/test_cuda.py 2>&1 \
+  tests/transfer/test_device_crc32c.py tests/serve/test_cuda.py 2>&1 \
   | tee "$OUT/gpu_tests.log" | tail -30
 echo "== tests done at +$(( $(date +%s) - t0 )) s"
 python3 .gpu/random_model.py .gpu/smollm2 /tmp/smollm2-random 2>&1 | tail -1
