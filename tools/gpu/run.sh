@@ -6,7 +6,9 @@
 #     decode steps from CUDA graphs, then the same with --enforce-eager (decode batch
 #     1/8/32/128, prefill of 1,000 and 8,191 tokens; beside transformers on the same GPU and
 #     its measured memory read and matmul peak), one JSON object per row;
-#  3. with ROUTER=1, `pdserve bench router --device cuda` as before.
+#  3. `pdserve bench transfer --device cuda`: KV in VRAM moved over NIXL between two processes
+#     on the GPU, beside a device-to-device copy; the session's CRC32C on the GPU;
+#  4. with ROUTER=1, `pdserve bench router --device cuda` as before.
 # Everything lands in $OUT. Budget: under 8 minutes after the machine starts (TEST_S, BENCH_S
 # bound each part).
 export PYTHONUNBUFFERED=1
@@ -20,7 +22,8 @@ python3 -c "import torch, transformers, nixl_cu12; print(torch.__version__, tran
 python3 -c "import triton; print('triton', triton.__version__)" || echo "no triton: SDPA, no graphs"
 timeout "${TEST_S:-180}" python3 -m pytest -q -p no:cacheprovider --timeout 120 -rA \
   tests/engine/test_triton_paged.py tests/engine/test_decode_graphs.py tests/engine/test_cuda.py \
-  tests/transfer/test_device_crc32c.py tests/serve/test_cuda.py 2>&1 \
+  tests/transfer/test_device_crc32c.py tests/bench/test_transfer_bench_device.py \
+  tests/serve/test_cuda.py 2>&1 \
   | tee "$OUT/gpu_tests.log" | tail -30
 echo "== tests done at +$(( $(date +%s) - t0 )) s"
 python3 .gpu/random_model.py .gpu/smollm2 /tmp/smollm2-random 2>&1 | tail -1
@@ -35,6 +38,10 @@ bench() {  # $1: a name for the files, then bench engine's extra flags
 }
 bench graphs
 bench eager --enforce-eager
+timeout "${TRANSFER_S:-90}" python3 -m pdserve.cli bench transfer --device cuda \
+  --sizes 16,256 --repeats 3 --json > "$OUT/bench_transfer_cuda.jsonl" \
+  2> "$OUT/bench_transfer_cuda.log"
+echo "== bench transfer rc=$? at +$(( $(date +%s) - t0 )) s"; cat "$OUT/bench_transfer_cuda.jsonl"
 if [ "${ROUTER:-0}" = 1 ]; then
   timeout "${ROUTER_S:-170}" python3 -m pdserve.cli bench router --model /tmp/smollm2-random \
     --device cuda --concurrency "${LEVELS:-1,64}" --repeats 3 --requests 24 2>&1 \

@@ -109,7 +109,9 @@ def _add_transfer(kinds: argparse._SubParsersAction) -> None:
                     "tail against the ideal, and the latency of control messages sent "
                     "meanwhile); with --senders K > 1, "
                     "K prefill hosts push into one decode host whose link is the bottleneck "
-                    "(each sender's share, Jain's index, control latency per sender).")
+                    "(each sender's share, Jain's index, control latency per sender). With "
+                    "--device cuda: both pools in that GPU's memory, nixl only, beside a "
+                    "device-to-device copy.")
     xfer.add_argument("--sizes", default="1,4,16,64,256",
                       help="payload sizes in MiB (default: %(default)s)")
     xfer.add_argument("--repeats", type=int, default=3, help="default: %(default)s")
@@ -132,6 +134,7 @@ def _add_transfer(kinds: argparse._SubParsersAction) -> None:
     xfer.add_argument("--congestion", default="", metavar="NAME",
                       help="with --testbed: the TCP congestion control the endpoints ask for "
                            "on the connections they dial, e.g. cubic (default: the host's)")
+    add_device_arg(xfer)
     xfer.set_defaults(func=_bench_transfer)
 
 
@@ -360,6 +363,8 @@ def _bench_moe(args: argparse.Namespace) -> int:
 
 
 def _bench_transfer(args: argparse.Namespace) -> int:
+    if args.testbed and args.device != "cpu":
+        raise ValueError("--testbed moves host memory between network namespaces: no --device")
     if args.testbed:
         from pdserve.bench import link_bench
         from pdserve.testbed.topology import LinkShape
@@ -371,7 +376,7 @@ def _bench_transfer(args: argparse.Namespace) -> int:
                                args.congestion)
     from pdserve.bench.transfer_bench import main
 
-    return main([int(m) for m in args.sizes.split(",")], args.repeats, args.json)
+    return main([int(m) for m in args.sizes.split(",")], args.repeats, args.json, args.device)
 
 
 def _bench_layerwise(args: argparse.Namespace) -> int:

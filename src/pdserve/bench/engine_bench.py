@@ -40,7 +40,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from pdserve.bench.timing import fastest_seconds, median_seconds
+from pdserve.bench.timing import fastest_seconds, median_seconds, synced
 from pdserve.common.engine_options import check_device, resolve_dtype
 from pdserve.common.model_config import ModelConfig
 from pdserve.common.model_folder import resolve_model
@@ -148,19 +148,6 @@ def matmul_flops(dtype: torch.dtype, repeats: int = 5, device: str = "cpu") -> f
 
 
 MATMUL_N, MATMUL_PROBE_N, MATMUL_BUDGET_S, GPU_MATMUL_N = 2048, 256, 0.5, 8192
-
-
-def synced(fn: Callable[[], object], device: str) -> Callable[[], None]:
-    """fn, then a wait for the GPU's queued work when `device` is one (what a timing of work
-    queued on a GPU must include)."""
-    if device == "cpu":
-        return fn
-
-    def run() -> None:
-        fn()
-        torch.cuda.synchronize(device)
-
-    return run
 
 
 def matmul_size(dtype: torch.dtype) -> int:

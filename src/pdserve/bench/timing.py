@@ -30,3 +30,18 @@ def fastest_seconds(fn: Callable[[], object], repeats: int) -> float:
     which a neighbour's load on a shared machine only ever hides (STREAM reports its best
     run for the same reason)."""
     return min(_timed(fn, repeats))
+
+
+def synced(fn: Callable[[], object], device: str) -> Callable[[], object]:
+    """fn, then a wait for the GPU's queued work when `device` is one (what a timing of work
+    queued on a GPU must include); fn itself on the CPU."""
+    if device == "cpu":
+        return fn
+
+    def run() -> None:
+        import torch  # a GPU timing only: this module stays torch-free
+
+        fn()
+        torch.cuda.synchronize(device)
+
+    return run

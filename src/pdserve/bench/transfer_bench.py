@@ -14,6 +14,10 @@ Every number is a median of `repeats`, measured in this run:
   a bare write of the same blocks; and the CRC32C of those slices on its own.
 - KV bytes per token (`kv_per_token.py`): DeepSeek-V3's latent pool against a GQA model of the
   same width, from the engine's own pools, checked against the planner (no timing).
+
+With `device` a GPU, both pools are in its memory (two processes on the same GPU), the
+transport is nixl only (tcp moves host memory), memcpy is a device-to-device copy of the same
+bytes on that GPU, and the session's CRC32C runs on the GPU (`transfer/device_crc32c.py`).
 """
 
 from __future__ import annotations
@@ -32,7 +36,8 @@ import numpy as np
 import torch
 
 from pdserve.bench.kv_per_token import format_kv_rows, kv_per_token_rows
-from pdserve.bench.timing import median_seconds
+from pdserve.bench.timing import median_seconds, synced
+from pdserve.common.engine_options import check_device
 from pdserve.common.model_config import ModelConfig
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.kv_cache import KVCache
@@ -96,19 +101,32 @@ class OverheadRow:
     crc32c_ms: float
 
 
-def smollm2_pool(num_blocks: int, seed: int = 0) -> KVCache:
-    """A bf16 pool of SmolLM2's KV shape, filled with the random bits of `seed`."""
-    cache = KVCache(SMOLLM2, num_blocks, BLOCK_SIZE, torch.bfloat16)
-    cache.data.view(torch.int16).random_(generator=torch.Generator().manual_seed(seed))
+def smollm2_pool(num_blocks: int, seed: int = 0, device: str = "cpu") -> KVCache:
+    """A bf16 pool of SmolLM2's KV shape on `device`, filled with the random bits of `seed`."""
+    cache = KVCache(SMOLLM2, num_blocks, BLOCK_SIZE, torch.bfloat16, device)
+    bits = torch.empty(cache.data.shape, dtype=torch.int16)
+    cache.data.view(torch.int16).copy_(bits.random_(generator=torch.Generator().manual_seed(seed)))
     return cache
 
 
-def _host(conn, transport: str, num_blocks: int) -> None:
+def transports_for(device: str) -> list[str]:
+    """The transports measured on `device`: every installed one on the CPU, nixl alone on a GPU
+    (ValueError without it: tcp sends host memory)."""
+    names = available_transports()
+    if device == "cpu":
+        return names
+    if "nixl" not in names:
+        raise ValueError(f"KV in {device} memory moves over nixl only (tcp sends host memory): "
+                         f"pip install nixl-cu12")
+    return ["nixl"]
+
+
+def _host(conn, transport: str, num_blocks: int, device: str) -> None:
     """Child process: host a pool until told to stop; report our PeerId first, then permit the
     parent (its PeerId is the answer) every move of transfer 1. Control messages are pumped
     meanwhile (a NIXL endpoint answers metadata requests from `receive`)."""
     tx = TRANSPORTS[transport]()
-    tx.register(smollm2_pool(num_blocks))
+    tx.register(smollm2_pool(num_blocks, device=device))
     conn.send(tx.local.to_json())
     parent = PeerId.from_json(conn.recv())
     tx.allow_writes(1, parent, list(range(num_blocks)))
@@ -128,9 +146,15 @@ def wait_done(tx: Transport, handle: int) -> None:
         raise RuntimeError(f"the benchmark move ended {status!r}")
 
 
-def memcpy_gbps(nbytes: int, repeats: int) -> float:
-    src, dst = np.ones(nbytes, dtype=np.uint8), np.empty(nbytes, dtype=np.uint8)
-    return nbytes / median_seconds(lambda: np.copyto(dst, src), repeats) / 1e9
+def memcpy_gbps(nbytes: int, repeats: int, device: str = "cpu") -> float:
+    """The same bytes copied in this process's memory: numpy on the CPU, a device-to-device
+    copy on a GPU (timed to its end)."""
+    if device == "cpu":
+        src, dst = np.ones(nbytes, dtype=np.uint8), np.empty(nbytes, dtype=np.uint8)
+        return nbytes / median_seconds(lambda: np.copyto(dst, src), repeats) / 1e9
+    src = torch.ones(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    return nbytes / median_seconds(synced(lambda: dst.copy_(src), device), repeats) / 1e9
 
 
 def socket_gbps(nbytes: int, repeats: int) -> float:
@@ -155,17 +179,19 @@ def socket_gbps(nbytes: int, repeats: int) -> float:
             s.close()
 
 
-def move_gbps(transport: str, sizes_mib: list[int], repeats: int) -> list[tuple[str, int, float]]:
-    """(mode, bytes, GB/s) for each size, moving between this process and a child."""
+def move_gbps(transport: str, sizes_mib: list[int], repeats: int,
+              device: str = "cpu") -> list[tuple[str, int, float]]:
+    """(mode, bytes, GB/s) for each size, moving between this process and a child, both pools
+    on `device`."""
     nbytes = max(sizes_mib) * 2**20
     blocks = -(-nbytes // smollm2_pool(1).block_nbytes)
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_host, args=(child, transport, blocks), daemon=True)
+    proc = ctx.Process(target=_host, args=(child, transport, blocks, device), daemon=True)
     proc.start()
     tx = TRANSPORTS[transport]()
     try:
-        local = smollm2_pool(blocks)
+        local = smollm2_pool(blocks, device=device)
         tx.register(local)
         peer = PeerId.from_json(parent.recv())
         parent.send(tx.local.to_json())
@@ -185,10 +211,10 @@ def move_gbps(transport: str, sizes_mib: list[int], repeats: int) -> list[tuple[
         tx.close()
 
 
-def session_overhead(transport: str, repeats: int) -> OverheadRow:
+def session_overhead(transport: str, repeats: int, device: str = "cpu") -> OverheadRow:
     """A 1,000-token prompt through a push session vs a bare write, both endpoints here."""
     n = -(-PROMPT_TOKENS // BLOCK_SIZE)
-    pre_pool, dec_pool = smollm2_pool(n), smollm2_pool(n)
+    pre_pool, dec_pool = smollm2_pool(n, device=device), smollm2_pool(n, device=device)
     bm = BlockManager(n, BLOCK_SIZE, enable_prefix_caching=False)
     layout = KVLayout.of_cache(pre_pool, "smollm2-shape")
     ids = list(range(n))
@@ -229,35 +255,37 @@ def session_overhead(transport: str, repeats: int) -> OverheadRow:
                        bare_s * 1e3, (session_s - bare_s) * 1e3, crc_s * 1e3)
 
 
-def run(sizes_mib: list[int], repeats: int, log: Callable[[str], None]):
+def run(sizes_mib: list[int], repeats: int, log: Callable[[str], None], device: str = "cpu"):
     rows: list[TransferRow] = []
     overheads: list[OverheadRow] = []
     baselines = {}
+    names = transports_for(device)
     for mib in sizes_mib:
         nbytes = mib * 2**20
         log(f"baselines, {mib} MiB ...")
-        baselines[mib] = (memcpy_gbps(nbytes, repeats), socket_gbps(nbytes, repeats))
-    for name in available_transports():
-        log(f"{name}: moves between two processes ...")
+        baselines[mib] = (memcpy_gbps(nbytes, repeats, device), socket_gbps(nbytes, repeats))
+    for name in names:
+        log(f"{name}: moves between two processes ({device} memory) ...")
         for (mode, nbytes, gbps), mib in zip(
-                move_gbps(name, sizes_mib, repeats), [m for m in sizes_mib for _ in (0, 1)],
-                strict=True):
+                move_gbps(name, sizes_mib, repeats, device),
+                [m for m in sizes_mib for _ in (0, 1)], strict=True):
             rows.append(TransferRow(name, mode, nbytes, gbps, *baselines[mib]))
         log(f"{name}: session overhead for a {PROMPT_TOKENS}-token prompt ...")
-        overheads.append(session_overhead(name, repeats))
+        overheads.append(session_overhead(name, repeats, device))
     return rows, overheads
 
 
-def main(sizes_mib: list[int], repeats: int, as_json: bool) -> int:
+def main(sizes_mib: list[int], repeats: int, as_json: bool, device: str = "cpu") -> int:
     if not sizes_mib or min(sizes_mib) <= 0 or repeats <= 0:
         raise ValueError("sizes (MiB) and repeats must be positive")
+    check_device(device)
     # closing the endpoints makes each report the other dead: expected here, not worth a warning
     logging.getLogger("pdserve.transfer").setLevel(logging.ERROR)
     say = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
-    if "nixl" not in available_transports():
+    if "nixl" not in available_transports() and device == "cpu":
         say("nixl: skipped (pip install nixl-cu12 to measure it)")
     kv_rows = kv_per_token_rows()  # configs and one-block pools only: no weights, no moves
-    rows, overheads = run(sizes_mib, repeats, say)
+    rows, overheads = run(sizes_mib, repeats, say, device)
     if as_json:
         for r in rows:
             print(json.dumps(asdict(r)))
@@ -266,8 +294,9 @@ def main(sizes_mib: list[int], repeats: int, as_json: bool) -> int:
         for k in kv_rows:
             print(json.dumps({"kind": "kv_per_token"} | asdict(k) | {"ratio": round(k.ratio, 4)}))
         return 0
-    print(f"{'transport':<10}{'mode':<6}{'MiB':>8}{'GB/s':>8}{'memcpy':>8}{'socket':>8}"
-          f"{'of memcpy':>11}{'of socket':>11}")
+    copy = "memcpy" if device == "cpu" else "D2D"  # a device-to-device copy on a GPU
+    print(f"{'transport':<10}{'mode':<6}{'MiB':>8}{'GB/s':>8}{copy:>8}{'socket':>8}"
+          f"{'of ' + copy:>11}{'of socket':>11}")
     for r in rows:
         print(f"{r.transport:<10}{r.mode:<6}{r.bytes / 2**20:>8.1f}{r.gbps:>8.2f}"
               f"{r.memcpy_gbps:>8.2f}{r.socket_gbps:>8.2f}{r.gbps / r.memcpy_gbps:>10.0%}"
