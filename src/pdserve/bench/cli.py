@@ -164,13 +164,15 @@ def _add_layerwise(kinds: argparse._SubParsersAction) -> None:
                     "child process on another core receives its KV (reservation, checksums, "
                     "verification), once with the KV written after token 0 and once layer by "
                     "layer during the prefill; prints the medians of prefill time, KV ready "
-                    "after token 0 and prompt to KV ready, and the saving.")
+                    "after token 0 and prompt to KV ready, and the saving. With --device cuda "
+                    "both sides keep their KV in that GPU's memory (nixl only).")
     lw.add_argument("--model", default="smollm2", help="default: %(default)s")
     lw.add_argument("--transport", default="tcp", help="tcp, tcp-aes or nixl (default: "
                                                        "%(default)s)")
     lw.add_argument("--prompt-tokens", type=int, default=1000, help="default: %(default)s")
     lw.add_argument("--repeats", type=int, default=5, help="default: %(default)s")
     lw.add_argument("--json", action="store_true", help="one JSON object per mode")
+    add_device_arg(lw)
     lw.set_defaults(func=_bench_layerwise)
 
 
@@ -382,7 +384,8 @@ def _bench_transfer(args: argparse.Namespace) -> int:
 def _bench_layerwise(args: argparse.Namespace) -> int:
     from pdserve.bench.layerwise_bench import main
 
-    return main(args.model, args.transport, args.prompt_tokens, args.repeats, args.json)
+    return main(args.model, args.transport, args.prompt_tokens, args.repeats, args.json,
+                args.device)
 
 
 def _bench_router(args: argparse.Namespace) -> int:

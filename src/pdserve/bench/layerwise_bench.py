@@ -15,6 +15,10 @@ prefill seconds (step start to token 0), KV ready after token 0 (token 0 to the 
 DONE, both on CLOCK_MONOTONIC, which is system-wide on Linux), and prompt to KV ready. The
 saving is whole minus layerwise of the last; it is bounded by the transfer time of all but the
 last layer, which this machine's loopback makes small next to a CPU prefill.
+
+With `device` a GPU, the engine and the decode side's pool are in its memory (two processes on
+one GPU; nixl only, `transfer_bench.transports_for`), and each layer's hook first waits for
+the GPU's queued kernels (`ModelRunner.run`).
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from pdserve.bench.transfer_bench import TRANSPORTS, available_transports
+from pdserve.bench.transfer_bench import TRANSPORTS, transports_for
 from pdserve.common.engine_options import Role
 from pdserve.common.model_config import ModelConfig
 from pdserve.common.model_folder import resolve_model
@@ -68,12 +72,12 @@ def _pin(core: int) -> None:
         os.sched_setaffinity(0, {cores[core % len(cores)]})
 
 
-def _decode_side(conn, transport: str, model: ModelConfig, num_blocks: int, block_size: int
-                 ) -> None:
+def _decode_side(conn, transport: str, model: ModelConfig, num_blocks: int, block_size: int,
+                 device: str) -> None:
     """Child: for each ("open", tid, peer, n) reserve n blocks, receive, report DONE's time."""
     _pin(1)
     torch.set_num_threads(1)
-    pool = KVCache(model, num_blocks, block_size, torch.bfloat16)
+    pool = KVCache(model, num_blocks, block_size, torch.bfloat16, device)
     tx = TRANSPORTS[transport]()
     tx.register(pool)
     inbox = Inbox(tx)
@@ -149,19 +153,19 @@ class _Prefill:
 
 
 def run(model: str, transport: str, prompt_tokens: int, repeats: int,
-        log: Callable[[str], None]) -> list[LayerwiseRow]:
+        log: Callable[[str], None], device: str = "cpu") -> list[LayerwiseRow]:
     _pin(0)
     torch.set_num_threads(1)
-    log(f"loading {model} ...")
+    log(f"loading {model} ({device}) ...")
     engine = Engine(EngineConfig(model=model, dtype="bfloat16", role=Role.PREFILL,
-                                 enable_prefix_caching=False,
+                                 enable_prefix_caching=False, device=device,
                                  max_model_len=max(prompt_tokens + 16, 256)))
     cache = engine.kv_cache
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
     proc = ctx.Process(target=_decode_side, daemon=True, args=(
         child, transport, ModelConfig.from_folder(resolve_model(model)),
-        -(-prompt_tokens // cache.block_size), cache.block_size))
+        -(-prompt_tokens // cache.block_size), cache.block_size, device))
     proc.start()
     try:
         prefill = _Prefill(engine, transport, parent, PeerId.from_json(parent.recv()))
@@ -186,13 +190,14 @@ def run(model: str, transport: str, prompt_tokens: int, repeats: int,
             for m in MODES]
 
 
-def main(model: str, transport: str, prompt_tokens: int, repeats: int, as_json: bool) -> int:
+def main(model: str, transport: str, prompt_tokens: int, repeats: int, as_json: bool,
+         device: str = "cpu") -> int:
     if prompt_tokens < 1 or repeats < 1:
         raise ValueError("--prompt-tokens and --repeats must be >= 1")
-    if transport not in available_transports():
-        raise ValueError(f"--transport must be one of {', '.join(available_transports())}")
+    if transport not in (names := transports_for(device)):
+        raise ValueError(f"--transport must be one of {', '.join(names)} on {device}")
     rows = run(model, transport, prompt_tokens, repeats,
-               lambda m: print(m, file=sys.stderr, flush=True))
+               lambda m: print(m, file=sys.stderr, flush=True), device)
     if as_json:
         for r in rows:
             print(json.dumps(asdict(r)))
