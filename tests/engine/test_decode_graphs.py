@@ -89,21 +89,25 @@ def _generate(engine: Engine, prompts: list[list[int]], max_tokens: int,
     return tokens
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize(("arch", "max_seqs", "buckets", "prompts", "tokens"), [
+    ("llama", 6, (1, 2, 4, 6), 7, 16),
+    ("qwen3", 4, (1, 2, 4), 5, 8),  # q/k norms in the captured forward
+])
 def test_graph_replays_give_the_eager_steps_tokens_and_return_every_block(
-        tiny_model, arch) -> None:
+        tiny_model, arch, max_seqs, buckets, prompts, tokens) -> None:
     config = EngineConfig(model=str(tiny_model(arch)), dtype="float32", max_model_len=128,
-                          num_kv_blocks=64, max_num_seqs=6, block_size=16, device=DEVICE)
-    eager = _generate(Engine(dataclasses.replace(config, enforce_eager=True)), PROMPTS, 16,
-                      stagger=True)
+                          num_kv_blocks=64, max_num_seqs=max_seqs, block_size=16,
+                          device=DEVICE)
+    eager = _generate(Engine(dataclasses.replace(config, enforce_eager=True)),
+                      PROMPTS[:prompts], tokens, stagger=True)
     replays: dict[int, int] = {}
     graphed = Engine(config, graph_capture=_replaying(replays))
-    assert graphed.runner.graphs.buckets == (1, 2, 4, 6)
-    assert sorted(replays) == [1, 2, 4, 6]
+    assert graphed.runner.graphs.buckets == buckets
+    assert tuple(sorted(replays)) == buckets
     # the pool's last block pads the buckets: the block manager never hands it out
     assert graphed.block_manager.num_blocks == graphed.kv_cache.num_blocks - 1 == 63
-    assert _generate(graphed, PROMPTS, 16, stagger=True) == eager
-    # the batch grew one prompt every other step, up to 6 sequences: every bucket replayed
+    assert _generate(graphed, PROMPTS[:prompts], tokens, stagger=True) == eager
+    # the batch grew one prompt every other step, up to max_seqs: every bucket replayed
     assert all(n > 0 for n in replays.values()), replays
     assert graphed.block_manager.num_used_blocks == 0
 
