@@ -123,7 +123,7 @@ def paged_attention(
         if flash:  # over the pool in place: the new rows' K/V were stored above
             out[rows] = fused.prefill_attention(q[rows], k_cache, v_cache, seq.block_ids,
                                                 seq.context_len, scale)
-        elif meta.kernels is not None and seq.mask is not None:  # a prefix in the pool
+        elif meta.kernels is not None and seq.context_len > seq.num_tokens:  # a prefix in the pool
             out[rows] = meta.kernels.prefill(q[rows], k_cache, v_cache, seq.block_ids,
                                              seq.context_len, scale)
         else:
