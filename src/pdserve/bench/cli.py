@@ -5,6 +5,7 @@ when their benchmark runs (some load torch), so `pdserve --help` and every `pdse
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from pdserve.bench.chaos.cli import DESCRIPTION as CHAOS_DESCRIPTION
 from pdserve.bench.chaos.cli import add_chaos_args, run_chaos_cli
@@ -213,6 +214,17 @@ def _add_simulator(kinds: argparse._SubParsersAction) -> None:
                     "in --out are reused: --remeasure after the engine's speed changed.")
     add_simulator_check_args(sim)
     sim.set_defaults(func=run_simulator_check_cli)
+    rep = kinds.add_parser(
+        "simulator-repeat", help="two bench simulator runs: which misses are noise",
+        description="Reads two `bench simulator` summaries of the same workloads measured at "
+                    "different times and prints, for each figure that is not within "
+                    "tolerance in both, the run-to-run change of the measured figure beside "
+                    "each run's simulated error: noise (the measured change alone is over the "
+                    "tolerance), model (both runs miss on the same side), or one run.")
+    rep.add_argument("a", type=Path, help="the first run's --out folder")
+    rep.add_argument("b", type=Path, help="the second run's --out folder")
+    rep.add_argument("--json", action="store_true", help="one JSON object per figure")
+    rep.set_defaults(func=_bench_simulator_repeat)
 
 
 def _add_router(kinds: argparse._SubParsersAction) -> None:
@@ -379,6 +391,12 @@ def _bench_transfer(args: argparse.Namespace) -> int:
     from pdserve.bench.transfer_bench import main
 
     return main([int(m) for m in args.sizes.split(",")], args.repeats, args.json, args.device)
+
+
+def _bench_simulator_repeat(args: argparse.Namespace) -> int:
+    from pdserve.bench.simulator_repeat import run_simulator_repeat_cli
+
+    return run_simulator_repeat_cli(args)
 
 
 def _bench_layerwise(args: argparse.Namespace) -> int:
