@@ -51,7 +51,6 @@ def paged_decode_kernel(
              o.to(out_ptr.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :])
 
 
-
 @triton.jit
 def paged_prefill_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, num_tokens, context_len, scale,
