@@ -104,8 +104,8 @@ class OverheadRow:
 def smollm2_pool(num_blocks: int, seed: int = 0, device: str = "cpu") -> KVCache:
     """A bf16 pool of SmolLM2's KV shape on `device`, filled with the random bits of `seed`."""
     cache = KVCache(SMOLLM2, num_blocks, BLOCK_SIZE, torch.bfloat16, device)
-    bits = torch.empty(cache.data.shape, dtype=torch.int16)
-    cache.data.view(torch.int16).copy_(bits.random_(generator=torch.Generator().manual_seed(seed)))
+    gen = torch.Generator(device=cache.data.device).manual_seed(seed)
+    cache.data.view(torch.int16).random_(generator=gen)
     return cache
 
 

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from pdserve.transfer.checksum import crc32c
+from pdserve.transfer import checksum
 
 log = logging.getLogger(__name__)
 
@@ -42,8 +42,7 @@ def usable(device: str) -> bool:
     if importlib.util.find_spec("triton") is None:
         return False
     pool = torch.randint(-2**31, 2**31 - 1, (3, 2, 48), dtype=torch.int32, generator=_gen())
-    host = memoryview(pool.numpy()).cast("B")
-    want = [crc32c(host[i * 192:(i + 1) * 192]) for i in (4, 5, 0, 1)]  # blocks 2, 0
+    want = checksum.slices_crc32c(pool, [2, 0], [0, 1])  # the host's
     try:
         got = slices_crc32c(pool.to(device), [2, 0], [0, 1])
     except Exception as e:  # a Triton or driver this kernel was not written for
@@ -85,7 +84,7 @@ def slices_crc32c(pool: torch.Tensor, block_ids: Sequence[int], layers: list[int
 
 @functools.cache
 def _zeros_crc(size: int) -> int:
-    return crc32c(bytes(size))
+    return checksum.crc32c(bytes(size))
 
 
 @functools.cache
