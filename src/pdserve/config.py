@@ -41,7 +41,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         object.__setattr__(self, "role", Role(self.role))
         check_device(self.device)
-        object.__setattr__(self, "dtype", resolve_dtype(self.dtype, self.device))
+        object.__setattr__(self, "dtype",
+                           resolve_dtype(self.dtype, self.device, self.cpu_kernels))
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
         if self.num_kv_blocks is not None and self.num_kv_blocks <= 0:

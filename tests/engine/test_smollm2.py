@@ -34,8 +34,11 @@ def test_greedy_matches_transformers_on_the_same_weights(folder):
 
 
 def test_bf16_chat_answers_paris():
+    """The question is put so that the answer's first token leads by a wide margin (1.4 in
+    fp32). Asked "What is the capital of France?", "The" led "L" by 0.08, under bf16's logit
+    step of 0.125 at that size: which one a bf16 run picks depends on rounding alone."""
     llm = LLM(model="smollm2", dtype="bfloat16", max_model_len=512)
-    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+    out = llm.chat([{"role": "user", "content": "Name the capital of France."}],
                    SamplingParams(temperature=0, max_tokens=16))
     assert "Paris" in out.outputs[0].text
     assert out.outputs[0].finish_reason == "stop"

@@ -11,11 +11,11 @@ at the start and at the end of the bench (a shared machine's neighbours only eve
   the bandwidth measured here by a large read (decode is memory-bound: each step reads
   every weight once).
   compute roof: every token costs its FLOPs (below), so tok/s <= peak matmul FLOP/s (in the
-  bench's dtype: `--dtype auto` is bf16 where the CPU computes it, else fp32) measured here /
-  FLOPs per token, whatever the batch. A step is bound by the lower of the two
-  (Williams et al. 2009, "Roofline"); `of bound` is the share of that. Where the matmul peak
-  is low against the bandwidth (no AMX: 32-row decode on AVX512-BF16 is compute-bound), the
-  compute roof is the lower one.
+  dtype the engine's matmuls compute in: the bench's dtype, except fp32 for bf16 weights on
+  the AVX2 kernel) measured here / FLOPs per token, whatever the batch. A step is bound by
+  the lower of the two (Williams et al. 2009, "Roofline"); `of bound` is the share of that.
+  Where the matmul peak is low against the bandwidth (no AMX: 32-row decode on AVX512-BF16 is
+  compute-bound), the compute roof is the lower one.
 - prefill tok/s for one prompt of each of `prompt_lens` tokens: one engine step; transformers:
   one `generate()` of 1 token. roofline: peak matmul FLOP/s measured here over the FLOPs
   per prompt token (2 x matmul parameters + attention, Kaplan et al. 2020, eq. 2.1 style count).
@@ -104,7 +104,8 @@ class BenchSettings:
 
     def __post_init__(self) -> None:
         check_device(self.device)
-        object.__setattr__(self, "dtype", resolve_dtype(self.dtype, self.device))
+        object.__setattr__(self, "dtype",
+                           resolve_dtype(self.dtype, self.device, self.cpu_kernels))
         if not self.batches or min(self.batches) <= 0:
             raise ValueError("batches must be positive integers")
         if not self.prompt_lens or min(self.prompt_lens) <= 0:
@@ -305,9 +306,10 @@ def run_bench(s: BenchSettings, log: Callable[[str], None]) -> list[BenchRow]:
     dtype = getattr(torch, s.dtype)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(s.device).eval()
     prompts = RandomPrompts(cfg.vocab_size)
+    roof_dtype = _arithmetic_dtype(engine, dtype)
     # here and again at the end: the best of both is the roof
-    roofs = _measure_roofs(dtype, s.device)
-    log(f"measured: memory read {roofs[0] / 1e9:.1f} GB/s, {s.dtype} matmul "
+    roofs = _measure_roofs(roof_dtype, s.device)
+    log(f"measured: memory read {roofs[0] / 1e9:.1f} GB/s, {_name(roof_dtype)} matmul "
         f"{roofs[1] / 1e9:.0f} "
         f"GFLOP/s, {torch.get_num_threads()} threads; pdserve on {_operators(engine)}"
         f"{_ranks(s.tensor_parallel_size)}")
@@ -329,10 +331,10 @@ def run_bench(s: BenchSettings, log: Callable[[str], None]) -> list[BenchRow]:
     if s.chunk:
         log(f"prefill, {s.cached_len}-token prompt in chunks of {s.chunk} ...")
         chunked = pdserve_chunked_prefill(s, prompts, engine.config.max_model_len)
-    bandwidth, flops = (max(a, b) for a, b in zip(roofs, _measure_roofs(dtype, s.device),
+    bandwidth, flops = (max(a, b) for a, b in zip(roofs, _measure_roofs(roof_dtype, s.device),
                                                           strict=True))
     log(f"roofs (best of the start and the end): memory read {bandwidth / 1e9:.1f} GB/s, "
-        f"{s.dtype} matmul {flops / 1e9:.0f} GFLOP/s")
+        f"{_name(roof_dtype)} matmul {flops / 1e9:.0f} GFLOP/s")
     step_floor = weight_bytes_per_step(cfg, dtype.itemsize) / bandwidth
     decode_roof = flops / flops_per_token(cfg, s.decode_prompt_len + s.decode_steps / 2)
     rows = []
@@ -351,6 +353,19 @@ def run_bench(s: BenchSettings, log: Callable[[str], None]) -> list[BenchRow]:
         rows.append(BenchRow("prefill", 1, s.cached_len, chunked, None, roof, roof,
                              chunk_tokens=s.chunk))
     return rows
+
+
+def _arithmetic_dtype(engine: Engine, dtype: torch.dtype) -> torch.dtype:
+    """The dtype the engine's matmuls compute in, whose peak is the compute roof: float32 for
+    bf16 weights on the AVX2 kernel (fp32 FMAs over widened weights; PyTorch's own bf16
+    matmul there is emulated, ~1 GFLOP/s), else the weights' dtype."""
+    fused = engine.model.fused
+    kernel = None if fused is None else linear_kernel(fused)
+    return torch.float32 if kernel is not None and kernel.name == "avx2" else dtype
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def _measure_roofs(dtype: torch.dtype, device: str) -> tuple[float, float]:

@@ -331,7 +331,8 @@ def planned_ports(config: UpConfig) -> list[tuple[int, str]]:
 def _worker_spec(config: UpConfig, index: int, role: str, secret_file: Path) -> ProcessSpec:
     launch = WorkerLaunch(
         role=Role(role), model=config.model, device=config.device,
-        dtype=resolve_dtype(config.dtype, config.device),  # once here: every worker alike
+        # once here: every worker alike
+        dtype=resolve_dtype(config.dtype, config.device, config.cpu_kernels),
         log_level=config.log_level,
         host=config.host, port=config.port + HTTP_PORT_OFFSET + index,
         kv_port=config.port + KV_PORT_OFFSET + index, transport=config.transport,

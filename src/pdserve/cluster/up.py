@@ -242,7 +242,7 @@ def _layout_line(config: UpConfig) -> str:
 def _note_kernel_build(config: UpConfig) -> None:
     """Say so, before the workers start, when their first health check waits on a build of the
     CPU operators (bf16 on CPU with them on, none cached for this environment)."""
-    bf16 = resolve_dtype(config.dtype, config.device) == "bfloat16"
+    bf16 = resolve_dtype(config.dtype, config.device, config.cpu_kernels) == "bfloat16"
     if not (config.cpu_kernels and config.device == "cpu" and bf16):
         return
     from pdserve.engine import kernels

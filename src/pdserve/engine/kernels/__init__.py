@@ -4,7 +4,8 @@ On CPU most of a small model's step outside its matmuls is PyTorch dispatch: an 
 several aten calls, rotary embedding five, decode attention a block gather, a padded copy and a
 masked SDPA per layer. The C++ operators in `csrc/` do each in one pass (see `csrc/ops.h`),
 and the linear layers run on pdserve's own kernels: AMX tiles where the CPU has them
-(`amx_linear.cpp`), else AVX512-BF16's VDPBF16PS (`dpbf16_linear.cpp`).
+(`amx_linear.cpp`), else AVX512-BF16's VDPBF16PS (`dpbf16_linear.cpp`), else fp32 FMAs over
+bf16 weights on AVX2 (`avx2_linear.cpp`).
 They are built with `-fopenmp`, so `at::parallel_for` uses ATen's thread pool (without it
 the loops silently run on one thread); the library then shares torch's libgomp, already
 loaded under the same soname.
@@ -42,7 +43,7 @@ NAME = "pdserve_cpu_ops"
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = ("bindings.cpp", "norm.cpp", "activation.cpp", "rope.cpp", "kv_store.cpp",
            "decode_attention.cpp", "prefill_attention.cpp", "amx_linear.cpp",
-           "dpbf16_linear.cpp", "argmax.cpp", "fused_layer.cpp")
+           "dpbf16_linear.cpp", "avx2_linear.cpp", "argmax.cpp", "fused_layer.cpp")
 HEADERS = ("ops.h", "vec.h", "linear_call.h")
 BUILD_CORE_SECONDS = 100  # compiler time of a build over its sources (110 s on 1 Zen 4 core, busy)
 

@@ -54,7 +54,9 @@ def available_kernels(ops: ModuleType | None) -> list[LinearKernel]:
         return []
     kernels = [(ops.amx_available(), LinearKernel("amx", ops.amx_pack, ops.amx_linear, 32, 32)),
                (ops.dpbf16_available(), LinearKernel("avx512_bf16", ops.dpbf16_pack,
-                                                     ops.dpbf16_linear, 16, 2))]
+                                                     ops.dpbf16_linear, 16, 2)),
+               (ops.avx2_available(), LinearKernel("avx2", ops.avx2_pack, ops.avx2_linear, 16,
+                                                   1))]
     return [kernel for available, kernel in kernels if available]
 
 

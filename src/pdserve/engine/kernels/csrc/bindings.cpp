@@ -25,6 +25,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dpbf16_available", &pdserve::dpbf16_available);
   m.def("dpbf16_pack", &pdserve::dpbf16_pack, kFree);
   m.def("dpbf16_linear", &pdserve::dpbf16_linear, kFree);
+  m.def("avx2_available", &pdserve::avx2_available);
+  m.def("avx2_pack", &pdserve::avx2_pack, kFree);
+  m.def("avx2_linear", &pdserve::avx2_linear, kFree);
   using W = pdserve::LayerWeights;
   py::class_<W>(m, "LayerWeights")
       .def(py::init<>())

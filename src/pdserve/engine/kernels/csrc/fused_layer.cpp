@@ -20,6 +20,7 @@ namespace {
 at::Tensor linear(const std::string& kernel, const at::Tensor& x, const at::Tensor& packed,
                   const std::optional<at::Tensor>& bias) {
   if (kernel == "amx") return amx_linear(x, packed, bias);
+  if (kernel == "avx2") return avx2_linear(x, packed, bias);
   TORCH_CHECK(kernel == "avx512_bf16", "unknown linear kernel ", kernel);
   return dpbf16_linear(x, packed, bias);
 }

@@ -82,12 +82,23 @@ at::Tensor dpbf16_pack(const at::Tensor& weight);
 at::Tensor dpbf16_linear(const at::Tensor& x, const at::Tensor& packed,
                          const std::optional<at::Tensor>& bias);
 
+// Whether this build has AVX2 and FMA: the linear layer for CPUs without bf16 arithmetic.
+bool avx2_available();
+
+// weight [N, K] bf16 (N a multiple of 16) -> [N/16, K, 8, 2] (16 columns per K row).
+at::Tensor avx2_pack(const at::Tensor& weight);
+
+// x [M, K] bf16 (rows may be strided) . weight^T (+ bias [N]) -> [M, N], fp32 FMAs over
+// avx2_pack's layout.
+at::Tensor avx2_linear(const at::Tensor& x, const at::Tensor& packed,
+                       const std::optional<at::Tensor>& bias);
+
 // A decoder layer's weights for fused_layer, made once per layer after the linears are packed.
 struct LayerWeights {
   at::Tensor input_norm, post_norm;          // [hidden] bf16
   at::Tensor qkv, o_proj, gate_up, down;     // packed for `kernel`
   std::optional<at::Tensor> qkv_bias;        // [(H + 2 KVH) D] fp32
-  std::string kernel;                        // "amx" | "avx512_bf16"
+  std::string kernel;                        // "amx" | "avx512_bf16" | "avx2"
   int64_t heads = 0, kv_heads = 0, head_dim = 0;
   double eps = 0, scale = 0;
 };
