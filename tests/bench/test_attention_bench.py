@@ -27,7 +27,8 @@ def test_bad_settings_say_what_to_fix(kwargs, message):
 def test_a_run_prints_a_row_per_length_with_the_causal_flops(capsys):
     ops = kernels.cpu_ops()
     if ops is None or not ops.prefill_attention_available():
-        pytest.skip("this CPU has no AVX512-BF16: no compiled prefill attention to measure")
+        pytest.skip("this CPU has neither AVX512-BF16 nor AVX2 and FMA: no compiled prefill "
+                    "attention to measure")
     assert main(["bench", "attention", "--prompt-lens", "40,100", "--cached", "30",
                  "--repeats", "1", "--json"]) == 0
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]

@@ -17,8 +17,23 @@ def ops():
 
 @pytest.fixture(scope="module")
 def flash(ops):
-    """The operators, where this CPU runs their prefill attention (AVX512-BF16); else the test
-    is skipped, as a CUDA test is without a GPU (the engine then takes PyTorch's SDPA)."""
+    """The operators, where this CPU runs their prefill attention (AVX512-BF16, or AVX2 and
+    FMA); else the test is skipped, as a CUDA test is without a GPU (the engine then takes
+    PyTorch's SDPA)."""
     if not ops.prefill_attention_available():
-        pytest.skip("this CPU has no AVX512-BF16: no compiled prefill attention")
+        pytest.skip("this CPU has neither AVX512-BF16 nor AVX2 and FMA: no compiled prefill "
+                    "attention")
     return ops
+
+
+@pytest.fixture(params=["avx512_bf16", "fma"])
+def prefill_kernel(request, ops):
+    """Each prefill attention kernel this CPU runs: VDPBF16PS (what `prefill_attention` runs
+    on AVX512-BF16) and the fp32 FMA one (what it runs on AVX2, callable on both)."""
+    if request.param == "avx512_bf16":
+        if not ops.dpbf16_available():
+            pytest.skip("this CPU has no AVX512-BF16")
+        return ops.prefill_attention
+    if not ops.prefill_attention_fma_available():
+        pytest.skip("this CPU has no AVX2 and FMA")
+    return ops.prefill_attention_fma

@@ -1,8 +1,9 @@
-"""The compiled prefill attention (csrc/prefill_attention.cpp): causal flash attention over the
-paged pool, read in place. As close to fp32 as PyTorch's bf16 SDPA; a position's output the
-same bits however the prompt is chunked, whatever was cached; and an engine that chunks its
-prompts (pacing) or serves them from the prefix cache samples from the same logits as one that
-computes them whole."""
+"""The compiled prefill attention (csrc/prefill_attention.cpp on AVX512-BF16,
+prefill_attention_fma.cpp on AVX2): causal flash attention over the paged pool, read in
+place. As close to fp32 as PyTorch's bf16 SDPA; a position's output the same bits however the
+prompt is chunked, whatever was cached; and an engine that chunks its prompts (pacing) or
+serves them from the prefix cache samples from the same logits as one that computes them
+whole."""
 
 from __future__ import annotations
 
@@ -55,41 +56,41 @@ def _sdpa(q, k_cache, v_cache, table, length, dtype):
     (2048, 0, 9, 3, 64),    # a long prompt
     (1024, 1024, 9, 3, 64),  # its second half over a cached first half
 ])
-def test_it_is_as_close_to_fp32_as_bf16_sdpa(flash, n, start, heads, kvh, d):
+def test_it_is_as_close_to_fp32_as_bf16_sdpa(prefill_kernel, n, start, heads, kvh, d):
     gen = torch.Generator().manual_seed(n + start)
     q, k_cache, v_cache, table, length = _case(gen, n, start, heads, kvh, d)
-    got = flash.prefill_attention(q, k_cache, v_cache, table, length, d**-0.5).float()
+    got = prefill_kernel(q, k_cache, v_cache, table, length, d**-0.5).float()
     want = _sdpa(q, k_cache, v_cache, table, length, torch.float32)
     sdpa_error = (_sdpa(q, k_cache, v_cache, table, length, BF16) - want).abs().max()
     assert not got.isnan().any()  # the NaN block is never read
     assert (got - want).abs().max() <= 1.5 * sdpa_error + 1e-3
 
 
-def test_a_position_gives_the_same_bits_in_any_chunk(flash):
+def test_a_position_gives_the_same_bits_in_any_chunk(prefill_kernel):
     gen = torch.Generator().manual_seed(3)
     q, k_cache, v_cache, table, length = _case(gen, 300, 0, 9, 3, 64)
-    whole = flash.prefill_attention(q, k_cache, v_cache, table, length, 0.125)
+    whole = prefill_kernel(q, k_cache, v_cache, table, length, 0.125)
     for cuts in ([0, 77, 200, 300], [0, 1, 64, 65, 299, 300], [0, 150, 300]):
-        parts = [flash.prefill_attention(q[a:b], k_cache, v_cache, table, b, 0.125)
+        parts = [prefill_kernel(q[a:b], k_cache, v_cache, table, b, 0.125)
                  for a, b in itertools.pairwise(cuts)]
         assert torch.equal(torch.cat(parts), whole), cuts
 
 
-def test_it_refuses_what_it_cannot_read(flash):
+def test_it_refuses_what_it_cannot_read(prefill_kernel):
     gen = torch.Generator().manual_seed(1)
     q, k_cache, v_cache, table, length = _case(gen, 20, 0, 9, 3, 64)
     with pytest.raises(RuntimeError, match="context_len 10 < 20 query rows"):
-        flash.prefill_attention(q, k_cache, v_cache, table, 10, 0.125)
+        prefill_kernel(q, k_cache, v_cache, table, 10, 0.125)
     with pytest.raises(RuntimeError, match="block_table must be contiguous int64 covering"):
-        flash.prefill_attention(q, k_cache, v_cache, table, 100, 0.125)
+        prefill_kernel(q, k_cache, v_cache, table, 100, 0.125)
     bad = table.clone()
     bad[1] = 1000
     with pytest.raises(RuntimeError, match="block id 1000 is outside the pool"):
-        flash.prefill_attention(q, k_cache, v_cache, bad, length, 0.125)
+        prefill_kernel(q, k_cache, v_cache, bad, length, 0.125)
     with pytest.raises(RuntimeError, match="multiples of 64, not 32"):
-        flash.prefill_attention(*_case(gen, 20, 0, 9, 3, 32), 0.125)
+        prefill_kernel(*_case(gen, 20, 0, 9, 3, 32), 0.125)
     with pytest.raises(RuntimeError, match="q must be bf16"):
-        flash.prefill_attention(q.float(), k_cache, v_cache, table, length, 0.125)
+        prefill_kernel(q.float(), k_cache, v_cache, table, length, 0.125)
 
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)

@@ -116,7 +116,7 @@ def main(s: AttentionSettings, as_json: bool) -> int:
     ops = cpu_ops()
     if ops is None or not ops.prefill_attention_available():
         print("pdserve bench attention: the compiled prefill attention is not available here "
-              "(it needs AVX512-BF16 and a C++ compiler)", file=sys.stderr)
+              "(it needs AVX512-BF16, or AVX2 and FMA, and a C++ compiler)", file=sys.stderr)
         return 1
     print(f"H={s.heads} KVH={s.kv_heads} D={s.head_dim}, {torch.get_num_threads()} threads, "
           f"medians of {s.repeats}", file=sys.stderr)

@@ -14,22 +14,27 @@
 //
 // Register blocking: a block is R rows x G groups, 2 R G fp32 accumulators of 8 lanes
 // (R <= 6 at G = 1: 12 of the 16 ymm, plus 2 weight vectors and a broadcast; R <= 2 at G = 2,
-// so that one or two rows still keep 8 FMA chains in flight). Rows are widened to fp32 once per call. A thread owns a contiguous range of
-// column groups; a group's weights (K x 32 bytes, 48 KiB at K = 1536) stay in L2 while the row
-// blocks reuse them, so weights cross the memory bus once per call.
+// so that one or two rows still keep 8 FMA chains in flight). A thread owns a contiguous range
+// of column groups and takes the rows in chunks, each widened to fp32 into the thread's own
+// buffer, which stays in L2 (192 KiB) while its groups pass over it; a group's weights
+// (K x 32 bytes, 48 KiB at K = 1536) stay in L1/L2 while the chunk's row blocks reuse them.
+// Weights cross the memory bus once per chunk: once per call at decode's few rows.
 //
 // Every output's sum runs over K in one FMA chain, in order, whatever the block shape: a row's
 // result does not depend on the rows batched with it (greedy decoding gives the same tokens
 // alone or in a batch).
 #include <ATen/Parallel.h>
-#include <ATen/ops/empty.h>
 
 #include <algorithm>
 #include <array>
+#include <cstdint>
+#include <cstring>
+#include <memory>
 #include <utility>
 
 #include "linear_call.h"
 #include "ops.h"
+#include "thread_buffer.h"
 #include "vec.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -118,6 +123,26 @@ void run_rows(const float* x, int64_t k, const bf16* w, int64_t groups_here, con
                         out + g * kGroup, ldo);
 }
 
+struct RowsTag;
+
+// rows x k bf16 (rows ldx apart) -> fp32 rows k apart: a bf16 is the top half of its fp32.
+void widen(const bf16* x, int64_t ldx, int64_t rows, int64_t k, float* out) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const uint16_t* src = reinterpret_cast<const uint16_t*>(x + r * ldx);
+    float* dst = out + r * k;
+    int64_t i = 0;
+    for (; i + 8 <= k; i += 8) {
+      const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
+      _mm256_storeu_ps(dst + i, _mm256_castsi256_ps(
+                                    _mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)));
+    }
+    for (; i < k; ++i) {
+      const uint32_t bits = static_cast<uint32_t>(src[i]) << 16;
+      std::memcpy(dst + i, &bits, sizeof bits);
+    }
+  }
+}
+
 }  // namespace
 
 bool avx2_available() { return true; }
@@ -136,9 +161,8 @@ at::Tensor avx2_linear(const at::Tensor& x_in, const at::Tensor& packed,
   TORCH_CHECK(packed.dim() == 4, "the packed weight is avx2_pack's 4-d layout");
   const int64_t k = packed.size(1), groups = packed.size(0);
   const LinearCall call = linear_call(x_in, k, groups * kGroup, bias);
-  const int64_t m = call.m, n = call.n;
-  const at::Tensor x32 = call.x.to(at::kFloat).contiguous();  // [M, K]
-  const float* xp = x32.data_ptr<float>();
+  const int64_t m = call.m, n = call.n, ldx = call.ldx;
+  const bf16* xp = call.xp();
   const bf16* wp = packed.data_ptr<bf16>();
   const float* bp = call.bp();
   bf16* op = call.op();
@@ -147,14 +171,16 @@ at::Tensor avx2_linear(const at::Tensor& x_in, const at::Tensor& packed,
   // pass over them; a multiple of the block's rows
   const int64_t chunk = std::max<int64_t>(kMaxRows, kChunkBytes / (4 * k) / kMaxRows * kMaxRows);
   at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+    float* rows32 = thread_buffer<float, RowsTag>(std::min(m, chunk) * k);
     for (int64_t c0 = 0; c0 < m; c0 += chunk) {
       const int64_t c1 = std::min(m, c0 + chunk);
+      widen(xp + c0 * ldx, ldx, c1 - c0, k, rows32);
       for (int64_t g = g0; g < g1; g += 2) {
         const int64_t gs = std::min<int64_t>(2, g1 - g);
         for (int64_t m0 = c0; m0 < c1; m0 += kMaxRows) {
           const int64_t rows = std::min<int64_t>(kMaxRows, c1 - m0);
-          run_rows(xp + m0 * k, k, wp + g * group_elems, gs, bp ? bp + g * kGroup : nullptr,
-                   op + m0 * n + g * kGroup, n, rows);
+          run_rows(rows32 + (m0 - c0) * k, k, wp + g * group_elems, gs,
+                   bp ? bp + g * kGroup : nullptr, op + m0 * n + g * kGroup, n, rows);
         }
       }
     }

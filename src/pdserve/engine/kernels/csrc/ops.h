@@ -46,8 +46,20 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
                             const at::Tensor& v_cache, const at::Tensor& block_tables,
                             const at::Tensor& lens, double scale);
 
-// Whether this build has the prefill attention kernel (it needs AVX512-BF16).
+// Whether this build has the prefill attention kernel (AVX512-BF16, or AVX2 and FMA).
 bool prefill_attention_available();
+
+// prefill_attention's kernel for CPUs without AVX512-BF16 (prefill_attention_fma.cpp): the
+// same contract in fp32 FMAs (AVX2 and FMA); prefill_attention calls it on such a build.
+bool prefill_attention_fma_available();
+at::Tensor prefill_attention_fma(const at::Tensor& q, const at::Tensor& k_cache,
+                                 const at::Tensor& v_cache, const at::Tensor& block_table,
+                                 int64_t context_len, double scale);
+
+// prefill_attention's argument checks (both kernels'); returns the block table's ids.
+const int64_t* check_prefill_args(const at::Tensor& q, const at::Tensor& k_cache,
+                                  const at::Tensor& v_cache, const at::Tensor& block_table,
+                                  int64_t context_len);
 
 // Causal attention of one prefill's n new rows over its paged context of context_len
 // positions (the new rows are its last n, their K and V already stored): q [n, H, D] (rows

@@ -32,7 +32,6 @@
 #include <ATen/ops/empty.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -40,6 +39,8 @@
 #include <vector>
 
 #include "ops.h"
+#include "paged_context.h"
+#include "thread_buffer.h"
 #include "vec.h"
 
 #if defined(__AVX512BF16__)
@@ -68,27 +69,8 @@ struct Packed {
   const uint32_t* v_tile(int64_t g, int64_t t) const { return v + (g * tiles + t) * tile_pairs; }
 };
 
-uint32_t* pack_buffer(int64_t count) {  // at least count uint32, this thread's, uninitialized
-  thread_local std::unique_ptr<uint32_t[]> buffer;
-  thread_local int64_t size = 0;
-  if (size < count) {
-    buffer.reset(new uint32_t[count]);
-    size = count;
-  }
-  return buffer.get();
-}
-
-// The paged context of one request: position p is slot p % bs of block table[p / bs].
-struct Pool {
-  const bf16* k;
-  const bf16* v;
-  const int64_t* table;
-  int64_t bs, block_stride, slot_stride, d;
-
-  int64_t row(int64_t p, int64_t g) const {
-    return table[p / bs] * block_stride + (p % bs) * slot_stride + g * d;
-  }
-};
+struct PackTag;
+using Pool = PagedContext;
 
 // 16 x 16 32-bit transpose in registers: out[c] lane i = r[i] lane c. Within each 128-bit lane
 // L (columns 4L .. 4L + 3), unpacking 32 then 64-bit elements transposes the 4 x 4 blocks of
@@ -158,7 +140,7 @@ Packed pack(const Pool& pool, int64_t kvh, int64_t len) {
   out.tiles = (len + kTile - 1) / kTile;
   out.tile_pairs = kTile * pool.d / 2;
   const int64_t count = kvh * out.tiles * out.tile_pairs;
-  out.k = pack_buffer(2 * count);
+  out.k = thread_buffer<uint32_t, PackTag>(2 * count);
   out.v = out.k + count;
   at::parallel_for(0, kvh * out.tiles, 4, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
@@ -351,14 +333,13 @@ bool prefill_attention_available() {
 #ifdef PDSERVE_DPBF16
   return true;
 #else
-  return false;
+  return prefill_attention_fma_available();
 #endif
 }
 
-at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k_cache,
-                             const at::Tensor& v_cache, const at::Tensor& block_table,
-                             int64_t context_len, double scale) {
-#ifdef PDSERVE_DPBF16
+const int64_t* check_prefill_args(const at::Tensor& q, const at::Tensor& k_cache,
+                                  const at::Tensor& v_cache, const at::Tensor& block_table,
+                                  int64_t context_len) {
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.scalar_type() == at::kBFloat16,
               "q must be bf16 [n, H, D] with contiguous heads");
   check_kv_cache(k_cache, v_cache);
@@ -378,23 +359,25 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k_cache,
   for (int64_t i = 0; i < (context_len + bs - 1) / bs; ++i)
     TORCH_CHECK(table[i] >= 0 && table[i] < k_cache.size(0), "block id ", table[i],
                 " is outside the pool");
-  const Pool pool{k_cache.data_ptr<bf16>(), v_cache.data_ptr<bf16>(), table, bs,
-                  k_cache.stride(0), k_cache.stride(1), d};
-  const Packed packed = pack(pool, kvh, context_len);
+  return table;
+}
+
+at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k_cache,
+                             const at::Tensor& v_cache, const at::Tensor& block_table,
+                             int64_t context_len, double scale) {
+#ifdef PDSERVE_DPBF16
+  const int64_t* table = check_prefill_args(q, k_cache, v_cache, block_table, context_len);
+  const int64_t n = q.size(0), h = q.size(1), d = q.size(2), kvh = k_cache.size(2);
+  const Packed packed = pack(paged_context(k_cache, v_cache, table), kvh, context_len);
   auto out = at::empty({n, h, d}, q.options().memory_format(at::MemoryFormat::Contiguous));
   bf16* op = out.data_ptr<bf16>();
-  const int64_t start = context_len - n, group = h / kvh, blocks = (n + kPos - 1) / kPos;
-  std::atomic<int64_t> next{0};
-  const int64_t items = kvh * blocks;
-  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
-    for (int64_t i = next++; i < items; i = next++) {
-      const Item it{i % kvh, (blocks - 1 - i / kvh) * kPos};  // the longest rows first
-      attend_item(it, q, start, n, group, static_cast<float>(scale), packed, op, h);
-    }
+  const int64_t start = context_len - n, group = h / kvh;
+  for_each_item(kvh, n, kPos, [&](int64_t g, int64_t first) {
+    attend_item(Item{g, first}, q, start, n, group, static_cast<float>(scale), packed, op, h);
   });
   return out;
 #else
-  TORCH_CHECK(false, "prefill_attention needs AVX512-BF16 (VDPBF16PS) in this build");
+  return prefill_attention_fma(q, k_cache, v_cache, block_table, context_len, scale);
 #endif
 }
 

@@ -1,0 +1,46 @@
+// One request's context in the paged KV pool, as the prefill attention kernels read it.
+#pragma once
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+
+#include <atomic>
+#include <cstdint>
+
+#include "vec.h"
+
+namespace pdserve {
+
+// Position p of KV head g: slot p % bs of block table[p / bs] (K and V alike).
+struct PagedContext {
+  const bf16* k;
+  const bf16* v;
+  const int64_t* table;
+  int64_t bs, block_stride, slot_stride, d;
+
+  int64_t row(int64_t p, int64_t g) const {
+    return table[p / bs] * block_stride + (p % bs) * slot_stride + g * d;
+  }
+};
+
+// The context of a block table's ids in a [num_blocks, block_size, KVH, D] pool.
+inline PagedContext paged_context(const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                  const int64_t* table) {
+  return {k_cache.data_ptr<bf16>(), v_cache.data_ptr<bf16>(), table, k_cache.size(1),
+          k_cache.stride(0), k_cache.stride(1), k_cache.size(3)};
+}
+
+// item(g, first) for every KV head g and run of `rows` query positions from `first` of a
+// prompt of n, on every thread, the runs with the longest rows (the last positions attend to
+// the most keys) taken first from a shared counter, so the threads finish together under the
+// causal triangle.
+template <typename Item>
+void for_each_item(int64_t kvh, int64_t n, int64_t rows, const Item& item) {
+  const int64_t blocks = (n + rows - 1) / rows, items = kvh * blocks;
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+    for (int64_t i = next++; i < items; i = next++) item(i % kvh, (blocks - 1 - i / kvh) * rows);
+  });
+}
+
+}  // namespace pdserve

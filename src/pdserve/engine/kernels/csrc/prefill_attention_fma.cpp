@@ -1,0 +1,267 @@
+// Causal attention of a prefill's query rows over its paged context on AVX2 + FMA, for CPUs
+// without AVX512-BF16 (prefill_attention.cpp's kernel): the same flash attention (Dao et al.
+// 2022, Algorithm 1) with the same contract, its K and V widened to fp32 once per call and
+// every product an fp32 FMA.
+//
+// The prompt's rows are positions [start, start + n) of a context of `len` = start + n
+// positions, whose K and V rows are all in the paged pool already. Row i attends to positions
+// [0, start + i].
+//
+// Tiles. Keys go in tiles of kTile = 64 positions aligned to absolute positions. Each KV
+// head's tiles are packed once per call from the pool (read in place through the block table),
+// widened to fp32:
+//   K tile: [D][64 keys]   one vector = one dimension of 8 keys
+//   V tile: [64 keys][D]   one vector = 8 dimensions of one key
+// Positions past `len` are packed as zeros (a free slot may hold NaN, and 0 x NaN is NaN).
+//
+// A work item is one KV head and kPos consecutive query positions: its G query heads at those
+// positions share every K and V tile, up to 3 heads of a position at once in registers (each
+// K or V vector loaded feeds 3 rows' FMAs). Per key tile, each row r:
+//   s_j = scale x q_r . k_j               (8 keys a vector: a broadcast of q_r[d] times K[d])
+//   m'  = max(m, max_j s_j)               (keys j > pos_r are -inf)
+//   p_j = exp(s_j - m'),  l' = l exp(m - m') + sum_j p_j
+//   o'  = o exp(m - m') + sum_j p_j v_j   (fp32 accumulators)
+// and out_r = o / l. A row takes exactly the tiles 0 .. pos_r / 64, in order, with the same
+// arithmetic whatever item or step computes it: a position's output does not depend on how the
+// prompt is chunked, on a prefix-cache hit, or on the rest of the step.
+#include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <memory>
+
+#include "ops.h"
+#include "paged_context.h"
+#include "thread_buffer.h"
+#include "vec.h"
+
+#if defined(__AVX2__) && defined(__FMA__)
+#define PDSERVE_FMA_ATTENTION 1
+#endif
+
+namespace pdserve {
+
+#ifdef PDSERVE_FMA_ATTENTION
+namespace {
+
+constexpr int64_t kTile = 64;              // keys per tile
+constexpr int64_t kTileVecs = kTile / kVec;  // score vectors per tile
+constexpr int64_t kPos = 32;               // query positions per work item
+
+// Each KV head's widened tiles: tile t of head g at (g * tiles + t) * tile_floats.
+struct Tiles {
+  float* k = nullptr;
+  float* v = nullptr;
+  int64_t tiles = 0, tile_floats = 0;  // tile_floats: 64 x D
+
+  const float* k_tile(int64_t g, int64_t t) const { return k + (g * tiles + t) * tile_floats; }
+  const float* v_tile(int64_t g, int64_t t) const { return v + (g * tiles + t) * tile_floats; }
+};
+
+struct TileTag;
+struct ItemTag;
+using Pool = PagedContext;
+
+inline float widen(bf16 x) { return static_cast<float>(x); }
+
+void pack_tile(const Pool& pool, int64_t g, int64_t t, int64_t len, float* kt, float* vt) {
+  const int64_t d = pool.d, first = t * kTile;
+  const int64_t valid = std::min(kTile, len - first);
+  for (int64_t j = 0; j < kTile; ++j) {
+    float* v_row = vt + j * d;
+    if (j >= valid) {
+      std::fill(v_row, v_row + d, 0.f);
+      for (int64_t e = 0; e < d; ++e) kt[e * kTile + j] = 0.f;
+      continue;
+    }
+    const bf16* k_src = pool.k + pool.row(first + j, g);
+    const bf16* v_src = pool.v + pool.row(first + j, g);
+    for (int64_t e = 0; e < d; e += kBVec) {
+      auto [a, b] = load_bf16(v_src + e);
+      a.store(v_row + e);
+      b.store(v_row + e + kVec);
+    }
+    for (int64_t e = 0; e < d; ++e) kt[e * kTile + j] = widen(k_src[e]);
+  }
+}
+
+Tiles pack(const Pool& pool, int64_t kvh, int64_t len) {
+  Tiles out;
+  out.tiles = (len + kTile - 1) / kTile;
+  out.tile_floats = kTile * pool.d;
+  const int64_t count = kvh * out.tiles * out.tile_floats;
+  out.k = thread_buffer<float, TileTag>(2 * count);
+  out.v = out.k + count;
+  at::parallel_for(0, kvh * out.tiles, 1, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t g = i / out.tiles, t = i % out.tiles;
+      pack_tile(pool, g, t, len, const_cast<float*>(out.k_tile(g, t)),
+                const_cast<float*>(out.v_tile(g, t)));
+    }
+  });
+  return out;
+}
+
+constexpr int kRows = 3;    // rows per register block: 3 x 4 accumulators (12 of 16 ymm)
+constexpr int64_t kCols = 4;  // vectors per block: 32 keys of scores, 32 dimensions of o
+
+// A block of R rows of one query position (R of its G heads): views into the item's state.
+struct Rows {
+  const float* q;  // [R][D], widened
+  float* s;        // [R][64]: scores, then their exp (scratch)
+  float* o;        // [R][D]
+  float* m;        // [R]
+  float* l;        // [R]
+};
+
+// s[r][0..64) = scale x q_r . k_j over one K tile; keys past `last` (relative) are -inf.
+template <int R>
+void scores(Rows& rows, const float* kt, int64_t d, float scale, int64_t last) {
+  for (int64_t c0 = 0; c0 < kTile; c0 += kCols * kVec) {  // 32 keys at a time
+    Vec acc[R][kCols];
+    for (int r = 0; r < R; ++r)
+      for (int64_t v = 0; v < kCols; ++v) acc[r][v] = Vec(0.f);
+    for (int64_t e = 0; e < d; ++e) {
+      const float* row = kt + e * kTile + c0;
+      Vec k[kCols];
+      for (int64_t v = 0; v < kCols; ++v) k[v] = Vec::loadu(row + v * kVec);
+      for (int r = 0; r < R; ++r) {
+        const Vec a(rows.q[r * d + e]);
+        for (int64_t v = 0; v < kCols; ++v) acc[r][v] = at::vec::fmadd(a, k[v], acc[r][v]);
+      }
+    }
+    const Vec sv(scale);
+    for (int r = 0; r < R; ++r)
+      for (int64_t v = 0; v < kCols; ++v)
+        (acc[r][v] * sv).store(rows.s + r * kTile + c0 + v * kVec);
+  }
+  for (int r = 0; r < R; ++r)
+    for (int64_t j = last + 1; j < kTile; ++j)
+      rows.s[r * kTile + j] = -std::numeric_limits<float>::infinity();
+}
+
+// Each row's online-softmax update over one tile: m, l and o in place.
+template <int R>
+void update(Rows& rows, const float* vt, int64_t d) {
+  float alpha[R];
+  for (int r = 0; r < R; ++r) {
+    float* s = rows.s + r * kTile;
+    Vec mv(-std::numeric_limits<float>::infinity());
+    for (int64_t v = 0; v < kTileVecs; ++v) mv = at::vec::maximum(mv, Vec::loadu(s + v * kVec));
+    const float m_new = std::max(rows.m[r], max_lane(mv));
+    alpha[r] = std::exp(rows.m[r] - m_new);  // 0 on the first tile (m = -inf)
+    const Vec mn(m_new);
+    Vec total(0.f);
+    for (int64_t v = 0; v < kTileVecs; ++v) {
+      const Vec p = (Vec::loadu(s + v * kVec) - mn).exp_u20();
+      p.store(s + v * kVec);
+      total = total + p;
+    }
+    rows.l[r] = rows.l[r] * alpha[r] + sum(total);
+    rows.m[r] = m_new;
+  }
+  for (int64_t e0 = 0; e0 < d; e0 += kCols * kVec) {  // 32 dimensions of o at a time
+    Vec acc[R][kCols];
+    for (int r = 0; r < R; ++r) {
+      const Vec av(alpha[r]);
+      for (int64_t v = 0; v < kCols; ++v)
+        acc[r][v] = Vec::loadu(rows.o + r * d + e0 + v * kVec) * av;
+    }
+    for (int64_t j = 0; j < kTile; ++j) {
+      const float* row = vt + j * d + e0;
+      Vec val[kCols];
+      for (int64_t v = 0; v < kCols; ++v) val[v] = Vec::loadu(row + v * kVec);
+      for (int r = 0; r < R; ++r) {
+        const Vec p(rows.s[r * kTile + j]);
+        for (int64_t v = 0; v < kCols; ++v) acc[r][v] = at::vec::fmadd(p, val[v], acc[r][v]);
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int64_t v = 0; v < kCols; ++v) acc[r][v].store(rows.o + r * d + e0 + v * kVec);
+  }
+}
+
+// The rows of KV head g at query positions [first, first + kPos) (those < n), tile by tile:
+// each tile is read once for all of the item's rows that attend to it (from L1/L2 after the
+// first row block), and each row still takes its tiles 0 .. pos / 64 in order.
+void attend_item(int64_t g, int64_t first, const at::Tensor& q, int64_t start, int64_t n,
+                 int64_t group, float scale, const Tiles& tiles, bf16* out, int64_t heads) {
+  const int64_t d = q.size(2), positions = std::min(kPos, n - first);
+  const int64_t count = positions * group;  // rows: position-major, then head
+  float* qs = thread_buffer<float, ItemTag>(count * (2 * d + 2) + kRows * kTile);
+  float* os = qs + count * d;
+  float* ms = os + count * d;
+  float* ls = ms + count;
+  float* s = ls + count;
+  const bf16* qp = q.data_ptr<bf16>();
+  for (int64_t i = 0; i < positions; ++i)
+    for (int64_t h = 0; h < group; ++h) {
+      const bf16* src = qp + (first + i) * q.stride(0) + (g * group + h) * q.stride(1);
+      float* dst = qs + (i * group + h) * d;
+      for (int64_t e = 0; e < d; ++e) dst[e] = widen(src[e]);
+    }
+  std::fill(os, os + count * d, 0.f);
+  std::fill(ms, ms + count, -std::numeric_limits<float>::infinity());
+  std::fill(ls, ls + count, 0.f);
+  const int64_t last_tile = (start + first + positions - 1) / kTile;
+  for (int64_t t = 0; t <= last_tile; ++t) {
+    const float* kt = tiles.k_tile(g, t);
+    const float* vt = tiles.v_tile(g, t);
+    for (int64_t i = 0; i < positions; ++i) {
+      const int64_t pos = start + first + i;
+      if (pos / kTile < t) continue;  // its last tile is behind
+      const int64_t last = std::min(kTile - 1, pos - t * kTile);
+      for (int64_t h0 = 0; h0 < group; h0 += kRows) {
+        const int64_t r0 = i * group + h0;
+        Rows rows{qs + r0 * d, s, os + r0 * d, ms + r0, ls + r0};
+        switch (std::min<int64_t>(kRows, group - h0)) {
+          case 3: scores<3>(rows, kt, d, scale, last); update<3>(rows, vt, d); break;
+          case 2: scores<2>(rows, kt, d, scale, last); update<2>(rows, vt, d); break;
+          default: scores<1>(rows, kt, d, scale, last); update<1>(rows, vt, d);
+        }
+      }
+    }
+  }
+  for (int64_t r = 0; r < count; ++r) {
+    const int64_t i = r / group, h = r % group;
+    const Vec inv(1.f / ls[r]);
+    bf16* dst = out + ((first + i) * heads + g * group + h) * d;
+    const float* o = os + r * d;
+    for (int64_t e = 0; e < d; e += kBVec)
+      store_bf16(dst + e, Vec::loadu(o + e) * inv, Vec::loadu(o + e + kVec) * inv);
+  }
+}
+
+}  // namespace
+
+bool prefill_attention_fma_available() { return true; }
+
+at::Tensor prefill_attention_fma(const at::Tensor& q, const at::Tensor& k_cache,
+                                 const at::Tensor& v_cache, const at::Tensor& block_table,
+                                 int64_t context_len, double scale) {
+  const int64_t* table = check_prefill_args(q, k_cache, v_cache, block_table, context_len);
+  const int64_t n = q.size(0), h = q.size(1), d = q.size(2), kvh = k_cache.size(2);
+  const Tiles tiles = pack(paged_context(k_cache, v_cache, table), kvh, context_len);
+  auto out = at::empty({n, h, d}, q.options().memory_format(at::MemoryFormat::Contiguous));
+  bf16* op = out.data_ptr<bf16>();
+  const int64_t start = context_len - n, group = h / kvh;
+  for_each_item(kvh, n, kPos, [&](int64_t g, int64_t first) {
+    attend_item(g, first, q, start, n, group, static_cast<float>(scale), tiles, op, h);
+  });
+  return out;
+}
+
+#else  // compiled for a CPU without AVX2 and FMA
+
+bool prefill_attention_fma_available() { return false; }
+
+at::Tensor prefill_attention_fma(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                 const at::Tensor&, int64_t, double) {
+  TORCH_CHECK(false, "prefill_attention needs AVX512-BF16 or AVX2 and FMA in this build");
+}
+
+#endif
+
+}  // namespace pdserve
