@@ -7,12 +7,12 @@ bf16 arithmetic: oneDNN, which runs PyTorch's CPU matmuls, has a bf16 path only 
 core, PyTorch emulates bf16: measured on a 2-core AVX2 EPYC, a 1,024^3 matmul ran at 0.6
 GFLOP/s in bf16 against 29 in fp32, and a 128-token SmolLM2 prefill 6.3x slower than fp32.
 
-pdserve's own AVX2 linear kernel (`engine/kernels/csrc/avx2_linear.cpp`: bf16 weights widened to
-fp32 in registers, fp32 FMAs) turns that around where the compiled operators build (a C++
-compiler is there): `pdserve bench engine` on a 2-core AVX2 EPYC (Zen 3), SmolLM2, bf16 on the
-kernel against fp32 on oneDNN: decode 3.3x at batch 1, 2.6x at 8, 1.7x at 32 (half the weight
-bytes, and one compiled call per layer), prefill 0.8-1.0x, and half the KV bytes to hold and
-to move.
+pdserve's own AVX2 kernels (`engine/kernels/csrc/avx2_linear.cpp`: bf16 weights widened to fp32
+in registers, fp32 FMAs; `prefill_attention_fma.cpp`) turn that around where the compiled
+operators build (a C++ compiler is there): `pdserve bench engine` on a 2-core AVX2 EPYC (Zen 3),
+SmolLM2, `--dtype bfloat16` against `--dtype float32`: decode 4.3x at batch 1, 3.0x at 8, 1.8x
+at 32 (half the weight bytes, and one compiled call per layer), prefill 1.1-1.3x at 512-2,048
+tokens, and half the KV bytes to hold and to move.
 """
 from __future__ import annotations
 
