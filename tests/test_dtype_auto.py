@@ -76,6 +76,7 @@ def test_native_bf16_gets_bfloat16_with_or_without_the_operators(cpuinfo, monkey
     cpuinfo(ZEN4)
     monkeypatch.setattr(cpu_features, "compiler_present", lambda: False)
     assert resolve_dtype("auto", "cpu", cpu_kernels) == "bfloat16"
+    assert EngineConfig(dtype="auto", cpu_kernels=cpu_kernels).dtype == "bfloat16"
 
 
 def test_the_compiler_is_looked_up_as_torch_builds(monkeypatch, tmp_path):

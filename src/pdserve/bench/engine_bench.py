@@ -48,7 +48,7 @@ from pdserve.common.sampling_params import SamplingParams
 from pdserve.config import EngineConfig
 from pdserve.engine import huge_pages
 from pdserve.engine.engine import Engine
-from pdserve.engine.model.packed_linear import linear_kernel
+from pdserve.engine.model.packed_linear import LinearKernel, linear_kernel
 
 
 @dataclass(frozen=True)
@@ -359,9 +359,14 @@ def _arithmetic_dtype(engine: Engine, dtype: torch.dtype) -> torch.dtype:
     """The dtype the engine's matmuls compute in, whose peak is the compute roof: float32 for
     bf16 weights on the AVX2 kernel (fp32 FMAs over widened weights; PyTorch's own bf16
     matmul there is emulated, ~1 GFLOP/s), else the weights' dtype."""
-    fused = engine.model.fused
-    kernel = None if fused is None else linear_kernel(fused)
+    kernel = _linear_kernel(engine)
     return torch.float32 if kernel is not None and kernel.name == "avx2" else dtype
+
+
+def _linear_kernel(engine: Engine) -> LinearKernel | None:
+    """The pdserve kernel the engine's linears run on (None: oneDNN or PyTorch)."""
+    fused = engine.model.fused
+    return None if fused is None else linear_kernel(fused)
 
 
 def _name(dtype: torch.dtype) -> str:
@@ -382,10 +387,9 @@ def _operators(engine: Engine) -> str:
         return (f"{engine.config.device}, decode attention on "
                 f"{'SDPA' if runner.kernels is None else 'Triton'}, decode steps "
                 f"{'eager' if runner.graphs is None else 'from CUDA graphs'}")
-    fused = engine.model.fused
-    if fused is None:
+    if engine.model.fused is None:
         return "PyTorch operators"
-    kernel = linear_kernel(fused)
+    kernel = _linear_kernel(engine)
     return (f"its fused CPU operators, linears on "
             f"{'oneDNN' if kernel is None else kernel.name}")
 

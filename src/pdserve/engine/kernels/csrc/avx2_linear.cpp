@@ -52,6 +52,8 @@ constexpr int kMaxRows = 6;     // rows per block at one group
 constexpr int64_t kChunkBytes = 192 * 1024;  // fp32 rows a thread's groups pass over at once
 
 // fp32 -> bf16, round to nearest even (a NaN stays a NaN: its payload's top bits are kept).
+// Raw 256-bit intrinsics here and in `widen`, not vec.h's load_bf16/store_bf16: those follow
+// the build's vector width, which is 512 bits where this file is also built for AVX-512 CPUs.
 inline __m128i to_bf16(__m256 v) {
   const __m256i bits = _mm256_castps_si256(v);
   const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
