@@ -42,6 +42,16 @@ def bed_cluster(tiny_model) -> Iterator[BedCluster]:
         yield cluster
 
 
+def wait_lost_on_both_sides(c: BedCluster, timeout: float) -> None:
+    """Until each worker has logged that its peer behind the partition is lost."""
+    deadline = time.monotonic() + timeout
+    while not all(any(line.startswith(f"[{worker}]") and " is lost: " in line
+                      for line in list(c.log)) for worker in ("prefill-0", "decode-0")):
+        if time.monotonic() > deadline:
+            raise AssertionError("a worker never found its peer lost:\n" + "\n".join(c.log))
+        time.sleep(0.1)
+
+
 def test_a_partition_between_prefill_and_decode_hosts_ends_requests_and_leaks_no_block(
         bed_cluster: BedCluster) -> None:
     c, prefix = bed_cluster, bed_cluster.bed.topology.prefix
@@ -58,9 +68,12 @@ def test_a_partition_between_prefill_and_decode_hosts_ends_requests_and_leaks_no
         assert got == text
     assert metric_value(c.metrics(DECODE), RECOMPUTES) >= 1
     c.wait_blocks_free([PREFILL, DECODE], timeout=LEASE_S + KEEPALIVE_S + 10)
+    # each side holds the other lost from its keepalive's verdict on, which may come after
+    # the blocks are free, and dials it again only LOST_RETRY_S later
+    wait_lost_on_both_sides(c, timeout=KEEPALIVE_S + 10)
 
     lifecycle.heal(prefix, "p0", "d0")
-    time.sleep(peers.LOST_RETRY_S)  # a peer lost behind the link is dialed again after this
+    time.sleep(peers.LOST_RETRY_S)
     recomputes = metric_value(c.metrics(DECODE), RECOMPUTES)
     received = metric_value(c.metrics(DECODE), RECV_BYTES)
     assert c.complete(after, MAX_TOKENS)["choices"][0]["text"] == expected[3]
