@@ -15,8 +15,13 @@
 // Positions past `len` are packed as zeros (a free slot may hold NaN, and 0 x NaN is NaN).
 //
 // A work item is one KV head and kPos consecutive query positions: its G query heads at those
-// positions share every K and V tile, up to 3 heads of a position at once in registers (each
-// K or V vector loaded feeds 3 rows' FMAs). Per key tile, each row r:
+// positions share every K and V tile. Its rows (position-major, then head) go through a tile
+// in register blocks of 6 consecutive rows, which may span positions, by 16 keys (scores) or
+// 16 dimensions (o): 12 accumulators, 2 K or V vectors and a broadcast fill 15 of the 16 ymm,
+// and each vector loaded feeds 6 FMAs. (Blocks of one position's 3 heads by 32 keys need 17:
+// the compiler then reloads every K and V vector for each row, and the kernel ran ~1.3x
+// slower.) Keys past the block's last position are skipped: they would add exact zeros. Per
+// key tile, each row r:
 //   s_j = scale x q_r . k_j               (8 keys a vector: a broadcast of q_r[d] times K[d])
 //   m'  = max(m, max_j s_j)               (keys j > pos_r are -inf)
 //   p_j = exp(s_j - m'),  l' = l exp(m - m') + sum_j p_j
@@ -47,7 +52,6 @@ namespace pdserve {
 namespace {
 
 constexpr int64_t kTile = 64;              // keys per tile
-constexpr int64_t kTileVecs = kTile / kVec;  // score vectors per tile
 constexpr int64_t kPos = 32;               // query positions per work item
 
 // Each KV head's widened tiles: tile t of head g at (g * tiles + t) * tile_floats.
@@ -104,22 +108,27 @@ Tiles pack(const Pool& pool, int64_t kvh, int64_t len) {
   return out;
 }
 
-constexpr int kRows = 3;    // rows per register block: 3 x 4 accumulators (12 of 16 ymm)
-constexpr int64_t kCols = 4;  // vectors per block: 32 keys of scores, 32 dimensions of o
+constexpr int kRows = 6;      // rows per register block: 6 x 2 accumulators (12 of 16 ymm)
+constexpr int64_t kCols = 2;  // vectors per block: 16 keys of scores, 16 dimensions of o
 
-// A block of R rows of one query position (R of its G heads): views into the item's state.
+// A block of R consecutive rows of an item (position-major, then head): views into the item's
+// state.
 struct Rows {
-  const float* q;  // [R][D], widened
-  float* s;        // [R][64]: scores, then their exp (scratch)
-  float* o;        // [R][D]
-  float* m;        // [R]
-  float* l;        // [R]
+  const float* q;       // [R][D], widened
+  float* s;             // [R][64]: scores, then their exp (scratch)
+  float* o;             // [R][D]
+  float* m;             // [R]
+  float* l;             // [R]
+  const int64_t* last;  // [R]: each row's last key in the tile (relative to its start)
+  int64_t keys;         // 1 + the largest of `last`: the keys past it are -inf for every row
 };
 
-// s[r][0..64) = scale x q_r . k_j over one K tile; keys past `last` (relative) are -inf.
+// s[r][0..64) = scale x q_r . k_j over one K tile; keys past row r's `last` are -inf.
+// Each K vector loaded feeds the R rows' FMAs (2 loads and R broadcasts per 2 R FMAs). Keys
+// that are -inf for every row are not computed (they would add exact zeros in `update`).
 template <int R>
-void scores(Rows& rows, const float* kt, int64_t d, float scale, int64_t last) {
-  for (int64_t c0 = 0; c0 < kTile; c0 += kCols * kVec) {  // 32 keys at a time
+void scores(Rows& rows, const float* kt, int64_t d, float scale) {
+  for (int64_t c0 = 0; c0 < rows.keys; c0 += kCols * kVec) {  // 16 keys at a time
     Vec acc[R][kCols];
     for (int r = 0; r < R; ++r)
       for (int64_t v = 0; v < kCols; ++v) acc[r][v] = Vec(0.f);
@@ -138,7 +147,7 @@ void scores(Rows& rows, const float* kt, int64_t d, float scale, int64_t last) {
         (acc[r][v] * sv).store(rows.s + r * kTile + c0 + v * kVec);
   }
   for (int r = 0; r < R; ++r)
-    for (int64_t j = last + 1; j < kTile; ++j)
+    for (int64_t j = rows.last[r] + 1; j < kTile; ++j)
       rows.s[r * kTile + j] = -std::numeric_limits<float>::infinity();
 }
 
@@ -146,15 +155,16 @@ void scores(Rows& rows, const float* kt, int64_t d, float scale, int64_t last) {
 template <int R>
 void update(Rows& rows, const float* vt, int64_t d) {
   float alpha[R];
+  const int64_t vecs = (rows.keys + kVec - 1) / kVec;  // the rest are -inf: p = 0
   for (int r = 0; r < R; ++r) {
     float* s = rows.s + r * kTile;
     Vec mv(-std::numeric_limits<float>::infinity());
-    for (int64_t v = 0; v < kTileVecs; ++v) mv = at::vec::maximum(mv, Vec::loadu(s + v * kVec));
+    for (int64_t v = 0; v < vecs; ++v) mv = at::vec::maximum(mv, Vec::loadu(s + v * kVec));
     const float m_new = std::max(rows.m[r], max_lane(mv));
     alpha[r] = std::exp(rows.m[r] - m_new);  // 0 on the first tile (m = -inf)
     const Vec mn(m_new);
     Vec total(0.f);
-    for (int64_t v = 0; v < kTileVecs; ++v) {
+    for (int64_t v = 0; v < vecs; ++v) {
       const Vec p = (Vec::loadu(s + v * kVec) - mn).exp_u20();
       p.store(s + v * kVec);
       total = total + p;
@@ -162,14 +172,14 @@ void update(Rows& rows, const float* vt, int64_t d) {
     rows.l[r] = rows.l[r] * alpha[r] + sum(total);
     rows.m[r] = m_new;
   }
-  for (int64_t e0 = 0; e0 < d; e0 += kCols * kVec) {  // 32 dimensions of o at a time
+  for (int64_t e0 = 0; e0 < d; e0 += kCols * kVec) {  // 16 dimensions of o at a time
     Vec acc[R][kCols];
     for (int r = 0; r < R; ++r) {
       const Vec av(alpha[r]);
       for (int64_t v = 0; v < kCols; ++v)
         acc[r][v] = Vec::loadu(rows.o + r * d + e0 + v * kVec) * av;
     }
-    for (int64_t j = 0; j < kTile; ++j) {
+    for (int64_t j = 0; j < rows.keys; ++j) {
       const float* row = vt + j * d + e0;
       Vec val[kCols];
       for (int64_t v = 0; v < kCols; ++v) val[v] = Vec::loadu(row + v * kVec);
@@ -183,9 +193,21 @@ void update(Rows& rows, const float* vt, int64_t d) {
   }
 }
 
+template <int R>
+void attend_tile(Rows& rows, const float* kt, const float* vt, int64_t d, float scale) {
+  scores<R>(rows, kt, d, scale);
+  update<R>(rows, vt, d);
+}
+
+using TileFn = void (*)(Rows&, const float*, const float*, int64_t, float);
+constexpr TileFn kTileFns[kRows] = {&attend_tile<1>, &attend_tile<2>, &attend_tile<3>,
+                                    &attend_tile<4>, &attend_tile<5>, &attend_tile<6>};
+
 // The rows of KV head g at query positions [first, first + kPos) (those < n), tile by tile:
 // each tile is read once for all of the item's rows that attend to it (from L1/L2 after the
-// first row block), and each row still takes its tiles 0 .. pos / 64 in order.
+// first row block), and each row still takes its tiles 0 .. pos / 64 in order. A register
+// block may span positions: rows are independent, so a row's arithmetic is the same in any
+// block.
 void attend_item(int64_t g, int64_t first, const at::Tensor& q, int64_t start, int64_t n,
                  int64_t group, float scale, const Tiles& tiles, bf16* out, int64_t heads) {
   const int64_t d = q.size(2), positions = std::min(kPos, n - first);
@@ -205,23 +227,20 @@ void attend_item(int64_t g, int64_t first, const at::Tensor& q, int64_t start, i
   std::fill(os, os + count * d, 0.f);
   std::fill(ms, ms + count, -std::numeric_limits<float>::infinity());
   std::fill(ls, ls + count, 0.f);
+  std::unique_ptr<int64_t[]> last(new int64_t[count]);
   const int64_t last_tile = (start + first + positions - 1) / kTile;
   for (int64_t t = 0; t <= last_tile; ++t) {
     const float* kt = tiles.k_tile(g, t);
     const float* vt = tiles.v_tile(g, t);
-    for (int64_t i = 0; i < positions; ++i) {
-      const int64_t pos = start + first + i;
-      if (pos / kTile < t) continue;  // its last tile is behind
-      const int64_t last = std::min(kTile - 1, pos - t * kTile);
-      for (int64_t h0 = 0; h0 < group; h0 += kRows) {
-        const int64_t r0 = i * group + h0;
-        Rows rows{qs + r0 * d, s, os + r0 * d, ms + r0, ls + r0};
-        switch (std::min<int64_t>(kRows, group - h0)) {
-          case 3: scores<3>(rows, kt, d, scale, last); update<3>(rows, vt, d); break;
-          case 2: scores<2>(rows, kt, d, scale, last); update<2>(rows, vt, d); break;
-          default: scores<1>(rows, kt, d, scale, last); update<1>(rows, vt, d);
-        }
-      }
+    // the item's positions whose last tile is behind are its first ones
+    const int64_t i0 = std::max<int64_t>(0, t * kTile - start - first);
+    for (int64_t r = i0 * group; r < count; ++r)
+      last[r] = std::min(kTile - 1, start + first + r / group - t * kTile);
+    for (int64_t r0 = i0 * group; r0 < count; r0 += kRows) {
+      const int64_t r1 = std::min(count, r0 + kRows);
+      Rows rows{qs + r0 * d, s, os + r0 * d, ms + r0, ls + r0, last.get() + r0,
+                last[r1 - 1] + 1};  // positions ascend: the block's last row has most keys
+      kTileFns[r1 - r0 - 1](rows, kt, vt, d, scale);
     }
   }
   for (int64_t r = 0; r < count; ++r) {
