@@ -19,9 +19,9 @@
 // in register blocks of 6 consecutive rows, which may span positions, by 16 keys (scores) or
 // 16 dimensions (o): 12 accumulators, 2 K or V vectors and a broadcast fill 15 of the 16 ymm,
 // and each vector loaded feeds 6 FMAs. (Blocks of one position's 3 heads by 32 keys need 17:
-// the compiler then reloads every K and V vector for each row, and the kernel ran ~1.3x
-// slower.) Keys past the block's last position are skipped: they would add exact zeros. Per
-// key tile, each row r:
+// the compiler then reloads every K and V vector for each row, 15 loads per 12 FMAs against
+// 8.) Keys past the block's last position are skipped: they would add exact zeros. Per key
+// tile, each row r:
 //   s_j = scale x q_r . k_j               (8 keys a vector: a broadcast of q_r[d] times K[d])
 //   m'  = max(m, max_j s_j)               (keys j > pos_r are -inf)
 //   p_j = exp(s_j - m'),  l' = l exp(m - m') + sum_j p_j
