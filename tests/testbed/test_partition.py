@@ -2,8 +2,9 @@
 of a running cluster: split requests still end, in bounded time (the KV lease, or the TCP
 keepalive that finds the peer gone, whichever comes first), with the one-host greedy tokens
 (the decode worker recomputes what it could not receive), and no KV block stays used on
-either side; once the link heals, the same two processes move KV over it again. The router's
-own links to both hosts are untouched."""
+either side; each worker's metrics show its peer lost until the pause before it is dialed
+again; once the link heals, the same two processes move KV over it again. The router's own
+links to both hosts are untouched."""
 
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ LEASE_S = 3.0
 KEEPALIVE_S = 12.0  # the tcp transport's keepalive finds a silent peer within ~10 s
 PREFILL, DECODE = 0, 1
 RECOMPUTES = "pdserve_kv_recomputes_total"
+PEERS_LOST = "pdserve_transfer_peers_lost"
 
 
 def prompts() -> list[list[int]]:
@@ -42,13 +44,17 @@ def bed_cluster(tiny_model) -> Iterator[BedCluster]:
         yield cluster
 
 
+def peers_lost(c: BedCluster) -> list[float]:
+    return [metric_value(c.metrics(i), PEERS_LOST) for i in (PREFILL, DECODE)]
+
+
 def wait_lost_on_both_sides(c: BedCluster, timeout: float) -> None:
-    """Until each worker has logged that its peer behind the partition is lost."""
-    deadline = time.monotonic() + timeout
-    while not all(any(line.startswith(f"[{worker}]") and " is lost: " in line
-                      for line in list(c.log)) for worker in ("prefill-0", "decode-0")):
+    """Until each worker's metrics have said it holds its peer behind the partition lost."""
+    deadline, seen = time.monotonic() + timeout, [False, False]
+    while not all(seen):
+        seen = [was or now == 1 for was, now in zip(seen, peers_lost(c), strict=True)]
         if time.monotonic() > deadline:
-            raise AssertionError("a worker never found its peer lost:\n" + "\n".join(c.log))
+            raise AssertionError(f"lost seen (prefill, decode): {seen}:\n" + "\n".join(c.log))
         time.sleep(0.1)
 
 
@@ -74,6 +80,7 @@ def test_a_partition_between_prefill_and_decode_hosts_ends_requests_and_leaks_no
 
     lifecycle.heal(prefix, "p0", "d0")
     time.sleep(peers.LOST_RETRY_S)
+    assert peers_lost(c) == [0, 0]  # both due to be dialed again
     recomputes = metric_value(c.metrics(DECODE), RECOMPUTES)
     received = metric_value(c.metrics(DECODE), RECV_BYTES)
     assert c.complete(after, MAX_TOKENS)["choices"][0]["text"] == expected[3]

@@ -380,6 +380,22 @@ def test_a_lost_peer_is_dead_for_a_pause_a_restarted_one_for_good() -> None:
     assert table.why_dead(lost) == "a sealed record failed its tag"
 
 
+def test_lost_peers_are_counted_until_they_may_be_dialed_again() -> None:
+    now = [0.0]
+    table = peers.PeerTable(PeerId(1, "127.0.0.1", 1), clock=lambda: now[0])
+    a, b, c = PeerId(2, "10.0.0.2", 9), PeerId(3, "10.0.0.3", 9), PeerId(4, "10.0.0.4", 9)
+    assert table.lost_now() == 0
+    table.died(a, "connection reset", lost=True)
+    now[0] = peers.LOST_RETRY_S / 2
+    table.died(b, "keepalive: no answer", lost=True)
+    table.died(c, "a sealed record failed its tag")  # dead for good: not lost
+    assert table.lost_now() == 2
+    now[0] = peers.LOST_RETRY_S  # a's pause is over, even before anything dials it
+    assert table.lost_now() == 1
+    table.seen(b)  # b greeted us again
+    assert table.lost_now() == 0
+
+
 # -- the cancel fence ----------------------------------------------------------------------------
 
 

@@ -321,6 +321,10 @@ class FakeTransport:
     def why_dead(self, peer: PeerId) -> str | None:
         return self._fabric.why_dead(peer)
 
+    def peers_lost(self) -> int:
+        """None: the fabric knows every death at once, and a death is for good."""
+        return 0
+
     def links(self) -> list[LinkReport]:
         """Nothing measured: the fabric moves bytes in memory."""
         return []

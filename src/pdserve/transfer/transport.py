@@ -119,6 +119,13 @@ class Transport(Protocol):
         connection closed", ...); None while `peer_alive`."""
         ...
 
+    def peers_lost(self) -> int:
+        """How many peer instances this endpoint holds lost now: unreachable (their connection
+        ended, was reset or could not be made: a partition, a host that stopped answering)
+        and not yet due to be dialed again. Dead-for-good instances (restarted, refused) are
+        not counted; a transport that knows every death at once has none."""
+        ...
+
     def links(self) -> list[LinkReport]:
         """What this endpoint measured of its link to each peer it moved KV to
         (`link_report.py`); never blocks."""

@@ -92,6 +92,7 @@ class Worker:
         if _moves_kv(s):
             self.transport = _open_transport(s)
             self.transport.register(self.engine.kv_cache)
+            self.metrics.bind_transport(self.transport.peers_lost)
             hub = HubPump(TransferHub(self.transport, self.engine.kv_cache, layout,
                                       self.engine.block_generation, s.kv_lease_s))
             hub.start()

@@ -84,6 +84,14 @@ class WorkerMetrics:
                 fn=lambda: load().waiting_for_kv)
         r.gauge("pdserve_num_legs", "Legs streaming or transferring.", fn=num_legs)
 
+    def bind_transport(self, peers_lost: Callable[[], int]) -> None:
+        """Gauges read from the KV transport at scrape time."""
+        self.registry.gauge("pdserve_transfer_peers_lost",
+                            "Peer workers the KV transport holds unreachable now (a partition, "
+                            "a host that stopped answering) until it dials them again; their "
+                            "transfers end at once and the decode side recomputes.",
+                            fn=peers_lost)
+
     def flipped(self, old: str, new: str, seconds: float) -> None:
         self.role.set(0, role=old)
         self.role.set(1, role=new)

@@ -224,6 +224,9 @@ class NixlTransport:
     def why_dead(self, peer: PeerId) -> str | None:
         return self._tcp.why_dead(peer)
 
+    def peers_lost(self) -> int:
+        return self._tcp.peers_lost()
+
     def links(self) -> list[LinkReport]:
         """Bytes over seconds of the moves this endpoint posted (NIXL gives no RTT)."""
         return self._rates.reports()

@@ -79,6 +79,12 @@ class PeerTable:
                 self._revive(peer, "it may be reachable again")
             return None if peer == self.local else self._dead.get(peer)
 
+    def lost_now(self) -> int:
+        """Lost instances not yet due to be dialed again."""
+        with self._lock:
+            now = self._clock()
+            return sum(1 for retry_at in self._lost.values() if now < retry_at)
+
     def seen(self, peer: PeerId) -> None:
         """`peer` proved itself with a bound greeting (its HELLO to us, or its HELLO_ACK to our
         HELLO); the instance that proved itself at that address before is dead (restarted).

@@ -192,6 +192,9 @@ class TcpTransport:
         if peer != self._local:
             self._send.reach(peer)
 
+    def peers_lost(self) -> int:
+        return self._peers.lost_now()
+
     def links(self) -> list[LinkReport]:
         return self._send.links()
 
