@@ -322,7 +322,7 @@ class FakeTransport:
         return self._fabric.why_dead(peer)
 
     def peers_lost(self) -> int:
-        """None: the fabric knows every death at once, and a death is for good."""
+        """Always 0: the fabric knows every death at once, and a death is for good."""
         return 0
 
     def links(self) -> list[LinkReport]:

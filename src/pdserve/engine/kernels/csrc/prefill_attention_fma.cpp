@@ -33,9 +33,10 @@
 #include <ATen/ops/empty.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <limits>
-#include <memory>
+#include <utility>
 
 #include "ops.h"
 #include "paged_context.h"
@@ -114,13 +115,18 @@ constexpr int64_t kCols = 2;  // vectors per block: 16 keys of scores, 16 dimens
 // A block of R consecutive rows of an item (position-major, then head): views into the item's
 // state.
 struct Rows {
-  const float* q;       // [R][D], widened
-  float* s;             // [R][64]: scores, then their exp (scratch)
-  float* o;             // [R][D]
-  float* m;             // [R]
-  float* l;             // [R]
-  const int64_t* last;  // [R]: each row's last key in the tile (relative to its start)
-  int64_t keys;         // 1 + the largest of `last`: the keys past it are -inf for every row
+  const float* q;  // [R][D], widened
+  float* s;        // [R][64]: scores, then their exp (scratch)
+  float* o;        // [R][D]
+  float* m;        // [R]
+  float* l;        // [R]
+  int64_t first;   // the block's first row's index in its item
+  int64_t group;   // rows per position (query heads per KV head)
+  int64_t base;    // the item's first position relative to the tile's first key
+  int64_t keys;    // 1 + the block's last row's last key: the keys past it are -inf for every row
+
+  // row r's last key in the tile (relative to its start): its position, capped at the tile
+  int64_t last(int r) const { return std::min(kTile - 1, base + (first + r) / group); }
 };
 
 // s[r][0..64) = scale x q_r . k_j over one K tile; keys past row r's `last` are -inf.
@@ -147,7 +153,7 @@ void scores(Rows& rows, const float* kt, int64_t d, float scale) {
         (acc[r][v] * sv).store(rows.s + r * kTile + c0 + v * kVec);
   }
   for (int r = 0; r < R; ++r)
-    for (int64_t j = rows.last[r] + 1; j < kTile; ++j)
+    for (int64_t j = rows.last(r) + 1; j < kTile; ++j)
       rows.s[r * kTile + j] = -std::numeric_limits<float>::infinity();
 }
 
@@ -200,8 +206,12 @@ void attend_tile(Rows& rows, const float* kt, const float* vt, int64_t d, float 
 }
 
 using TileFn = void (*)(Rows&, const float*, const float*, int64_t, float);
-constexpr TileFn kTileFns[kRows] = {&attend_tile<1>, &attend_tile<2>, &attend_tile<3>,
-                                    &attend_tile<4>, &attend_tile<5>, &attend_tile<6>};
+template <int... R>
+constexpr std::array<TileFn, sizeof...(R)> tile_table(std::integer_sequence<int, R...>) {
+  return {&attend_tile<R + 1>...};
+}
+
+constexpr auto kTileFns = tile_table(std::make_integer_sequence<int, kRows>{});
 
 // The rows of KV head g at query positions [first, first + kPos) (those < n), tile by tile:
 // each tile is read once for all of the item's rows that attend to it (from L1/L2 after the
@@ -227,20 +237,18 @@ void attend_item(int64_t g, int64_t first, const at::Tensor& q, int64_t start, i
   std::fill(os, os + count * d, 0.f);
   std::fill(ms, ms + count, -std::numeric_limits<float>::infinity());
   std::fill(ls, ls + count, 0.f);
-  std::unique_ptr<int64_t[]> last(new int64_t[count]);
   const int64_t last_tile = (start + first + positions - 1) / kTile;
   for (int64_t t = 0; t <= last_tile; ++t) {
     const float* kt = tiles.k_tile(g, t);
     const float* vt = tiles.v_tile(g, t);
     // the item's positions whose last tile is behind are its first ones
     const int64_t i0 = std::max<int64_t>(0, t * kTile - start - first);
-    for (int64_t r = i0 * group; r < count; ++r)
-      last[r] = std::min(kTile - 1, start + first + r / group - t * kTile);
     for (int64_t r0 = i0 * group; r0 < count; r0 += kRows) {
-      const int64_t r1 = std::min(count, r0 + kRows);
-      Rows rows{qs + r0 * d, s, os + r0 * d, ms + r0, ls + r0, last.get() + r0,
-                last[r1 - 1] + 1};  // positions ascend: the block's last row has most keys
-      kTileFns[r1 - r0 - 1](rows, kt, vt, d, scale);
+      const int r = static_cast<int>(std::min<int64_t>(kRows, count - r0));
+      Rows rows{qs + r0 * d, s, os + r0 * d, ms + r0, ls + r0, r0, group,
+                start + first - t * kTile, 0};
+      rows.keys = rows.last(r - 1) + 1;  // positions ascend: the block's last row has most keys
+      kTileFns[r - 1](rows, kt, vt, d, scale);
     }
   }
   for (int64_t r = 0; r < count; ++r) {
