@@ -90,9 +90,14 @@ void block(const float* x, int64_t k, const bf16* w, const float* bias, bf16* ou
       }
     }
   }
+  // Both loops unrolled in full (G <= 2, R <= kMaxRows), so every acc index is a constant:
+  // otherwise GCC 12 keeps the G = 2 blocks' acc in memory too, and the loop above stores
+  // each accumulator after its FMA (a store per FMA).
+#pragma GCC unroll 2
   for (int g = 0; g < G; ++g) {
     const __m256 b0 = bias ? _mm256_loadu_ps(bias + g * kGroup) : _mm256_setzero_ps();
     const __m256 b1 = bias ? _mm256_loadu_ps(bias + g * kGroup + 8) : _mm256_setzero_ps();
+#pragma GCC unroll 6
     for (int r = 0; r < R; ++r) {
       __m128i* o = reinterpret_cast<__m128i*>(out + r * ldo + g * kGroup);
       _mm_storeu_si128(o, to_bf16(_mm256_add_ps(acc[r][g][0], b0)));
