@@ -11,6 +11,8 @@ from pdserve import LLM, SamplingParams
 from pdserve.common.model_config import ModelConfig
 from pdserve.engine import kernels
 from pdserve.engine.kv_cache import KVCache
+from pdserve.engine.model.mla_attention import absorbed_dtype
+from pdserve.engine.model.packed_linear import onednn_packs
 from pdserve.planner.kv_math import kv_bytes_per_token
 from pdserve.planner.model_shape import load_model_shape
 from pdserve.router.split_decision import kv_bytes_per_token as layout_bytes_per_token
@@ -114,6 +116,11 @@ def test_mla_models_run_on_pytorch_operators(tiny_model):
     assert not kernels.supports(cfg)
     llm = LLM(model=str(_path(tiny_model, "v3")), dtype="bfloat16", max_model_len=256)
     assert llm.engine.model.fused is None
+    # decode's absorbed matmuls in fp32 where PyTorch would emulate bf16 (no oneDNN path)
+    native = torch.bfloat16 if onednn_packs(torch.bfloat16) else torch.float32
+    attn = llm.engine.model.layers[0].self_attn
+    assert attn.w_uk.dtype == attn.w_uv.dtype == native
+    assert absorbed_dtype(torch.zeros(1, dtype=torch.float32)) == torch.float32
     out = llm.generate([PROMPTS[2]], SamplingParams(temperature=0, max_tokens=4,
                                                     ignore_eos=True), use_tqdm=False)[0]
     assert len(out.outputs[0].token_ids) == 4

@@ -1,5 +1,6 @@
 """Routed experts on pdserve's bf16 linear kernels: the same sums as `Experts` to bf16
-rounding, an unchosen expert's packed bytes never read, and a bf16 MoE model loads with them."""
+rounding, each expert exactly as its two kernel calls and `silu_mul` compute it, an unchosen
+expert's packed bytes never read, and a bf16 MoE model loads with them."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ HIDDEN, INTER, E = 64, 64, 6  # sides that fit AMX (multiples of 32) and AVX512-
 def kernel(ops):
     found = linear_kernel(ops)
     if found is None:
-        pytest.skip("this CPU has neither AMX nor AVX512-BF16")
+        pytest.skip("this CPU has none of pdserve's linear kernels")
     return found
 
 
@@ -38,35 +39,65 @@ def _inputs(t: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor
     return x, ids, torch.rand(t, 2, generator=gen)
 
 
-def test_packed_experts_sum_like_experts(kernel):
+def test_packed_experts_sum_like_experts(kernel, ops):
     experts = _experts()
     x, ids, weights = _inputs(17, seed=1)
     reference = experts.float()(x.float(), ids, weights)
-    packed = PackedExperts(_experts(), kernel)(x, ids, weights)
+    packed = PackedExperts(_experts(), kernel, ops)(x, ids, weights)
     assert packed.dtype == torch.bfloat16
     torch.testing.assert_close(packed.float(), reference, rtol=2e-2, atol=2e-2)
 
 
-def test_packed_experts_never_read_unchosen_experts(kernel):
-    packed = PackedExperts(_experts(), kernel)
+def test_packed_experts_never_read_unchosen_experts(kernel, ops):
+    packed = PackedExperts(_experts(), kernel, ops)
     x, _, weights = _inputs(3, seed=2)
     ids = torch.tensor([[4, 1], [1, 4], [4, 1]])  # experts 0, 2, 3, 5 unchosen
     before = packed(x, ids, weights)
     for e in (0, 2, 3, 5):
-        packed.gate_up[e].fill_(float("nan"))
-        packed.down[e].fill_(float("nan"))
+        packed.weights.gate_up[e].fill_(float("nan"))
+        packed.weights.down[e].fill_(float("nan"))
     after = packed(x, ids, weights)
     assert torch.isfinite(after).all()
     assert torch.equal(before, after)
 
 
-def test_pack_experts_leaves_fp32_and_misfit_experts_alone(kernel):
+def test_each_expert_is_its_two_kernel_calls_and_silu_mul(kernel, ops):
+    """Rows grouped by expert, some experts with none: each row's output is bit for bit what
+    gate_up, `silu_mul` and down on that expert's packed weights give it alone."""
+    packed = PackedExperts(_experts(), kernel, ops)
+    counts = torch.tensor([2, 0, 3, 1, 0, 1])
+    xs = torch.randn(7, HIDDEN, generator=torch.Generator().manual_seed(3)).bfloat16()
+    got = ops.moe_experts(xs, counts, packed.weights)
+    rows = xs.split(counts.tolist())
+    for e, (n, x) in enumerate(zip(counts.tolist(), rows, strict=True)):
+        start = sum(counts[:e].tolist())
+        for r in range(n):  # alone: a row's result does not depend on its expert's other rows
+            h = ops.silu_mul(kernel.run(x[r : r + 1], packed.weights.gate_up[e], None))
+            alone = kernel.run(h, packed.weights.down[e], None)
+            assert torch.equal(got[start + r : start + r + 1], alone)
+
+
+def test_the_experts_op_refuses_counts_that_do_not_cover_the_rows(kernel, ops):
+    packed = PackedExperts(_experts(), kernel, ops)
+    xs = torch.zeros(4, HIDDEN, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="counts cover 3 of 4 rows"):
+        ops.moe_experts(xs, torch.tensor([1, 2, 0, 0, 0, 0]), packed.weights)
+    with pytest.raises(RuntimeError, match="counts exceed the 4 rows"):
+        ops.moe_experts(xs, torch.tensor([3, 2, 0, 0, 0, 0]), packed.weights)
+    with pytest.raises(RuntimeError, match=r"counts must be a contiguous int64 \[6\] tensor"):
+        ops.moe_experts(xs, torch.tensor([4, 0, 0, 0, 0]), packed.weights)
+
+
+def test_pack_experts_leaves_fp32_and_misfit_experts_alone(kernel, ops):
     model = torch.nn.Sequential(Experts(E, HIDDEN, INTER), Experts(E, HIDDEN, 7).bfloat16())
-    pack_experts(model, kernel)
+    pack_experts(model, ops)
     assert [type(m) for m in model] == [Experts, Experts]  # fp32; odd width (7)
     model[0] = _experts()
-    pack_experts(model, kernel)
+    pack_experts(model, ops)
     assert type(model[0]) is PackedExperts
+    alone = torch.nn.Sequential(_experts())
+    pack_experts(alone, None)  # no compiled operators: PyTorch's
+    assert type(alone[0]) is Experts
 
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3"])

@@ -11,7 +11,7 @@ from torch import nn
 from pdserve.common.model_config import ModelConfig
 from pdserve.engine.kernels import cpu_ops, supports
 from pdserve.engine.model.packed_experts import pack_experts
-from pdserve.engine.model.packed_linear import can_pack, linear_kernel, pack_linears
+from pdserve.engine.model.packed_linear import can_pack, pack_linears
 from pdserve.engine.model.registry import model_class
 from pdserve.engine.model.weights import load_weights
 from pdserve.engine.parallel.shard_plan import ShardPlan
@@ -43,7 +43,7 @@ def load_model(
     model.load_hf_weights(weights)
     if can_pack(device):
         pack_linears(model, ops)
-        pack_experts(model, linear_kernel(ops))  # routed experts on our kernels, if any
+        pack_experts(model, ops)  # routed experts on our kernels, if any
     return model.eval()
 
 

@@ -29,15 +29,29 @@ from pdserve.common.model_config import ModelConfig
 from pdserve.engine.model.attention import AttentionMetadata, DecodeGroup, PrefillSeq
 from pdserve.engine.model.llama import RMSNorm
 from pdserve.engine.model.mla_rope import MlaStepRope
+from pdserve.engine.model.packed_linear import onednn_packs
 from pdserve.engine.model.yarn import softmax_scale
 
 # transformers builds q_a_layernorm and kv_a_layernorm with this eps, not config.rms_norm_eps
 LATENT_NORM_EPS = 1e-6
 
 
+def absorbed_dtype(weight: torch.Tensor) -> torch.dtype:
+    """The dtype decode's absorbed matmuls run in: the weight's, except a bf16 or fp16 weight on
+    a CPU where oneDNN has no path for it (AVX2-only cores), whose batched matmul PyTorch
+    emulates: fp32 there, much faster at decode's shapes (`pdserve bench moe` times the
+    whole step). Either way the sums are fp32 and the result is rounded
+    to the model's dtype once."""
+    low = weight.dtype in (torch.bfloat16, torch.float16)
+    if weight.device.type == "cpu" and low and not onednn_packs(weight.dtype):
+        return torch.float32
+    return weight.dtype
+
+
 class MlaAttention(nn.Module):
     """`w_uk`, `w_uv`: kv_b_proj's key and value halves per head, copied out by `absorb()`
-    once the weights are loaded (the linear itself may be repacked afterwards).
+    once the weights are loaded (the linear itself may be repacked afterwards), in
+    `absorbed_dtype`.
 
     With `attention_bias` q_a_proj, kv_a_proj_with_mqa and o_proj carry a bias, as in
     transformers (a plain q_proj never does). `cfg.num_heads` is this process's heads: a
@@ -68,10 +82,12 @@ class MlaAttention(nn.Module):
 
     @torch.no_grad()
     def absorb(self) -> None:
-        """Split kv_b_proj's weight [H (d_n + d_v), r] into w_uk [H, d_n, r], w_uv [H, d_v, r]."""
+        """Split kv_b_proj's weight [H (d_n + d_v), r] into w_uk [H, d_n, r], w_uv [H, d_v, r],
+        in `absorbed_dtype`."""
         w = self.kv_b_proj.weight.view(self.h, self.d_nope + self.d_v, self.r)
-        self.w_uk.copy_(w[:, : self.d_nope])
-        self.w_uv.copy_(w[:, self.d_nope :])
+        dtype = absorbed_dtype(w)
+        self.w_uk = w[:, : self.d_nope].to(dtype).contiguous()
+        self.w_uv = w[:, self.d_nope :].to(dtype).contiguous()
 
     def forward(self, x: torch.Tensor, rope: MlaStepRope, kv: tuple[torch.Tensor, ...],
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -122,13 +138,16 @@ class MlaAttention(nn.Module):
         latent, never expanded per head."""
         b, length = q_nope.shape[0], group.mask.shape[-1]
         latent = cache.index_select(0, group.blocks).view(b, 1, length, -1)  # [B, 1, L, r+d_r]
-        # (W_UK^T q_nope) per head: [B, H, d_n] x [H, d_n, r] -> [B, H, r]
-        q_latent = torch.einsum("bhn,hnr->bhr", q_nope, self.w_uk)
+        # (W_UK^T q_nope) per head: [H, B, d_n] x [H, d_n, r] -> [H, B, r]
+        q_latent = torch.bmm(q_nope.transpose(0, 1).to(self.w_uk.dtype), self.w_uk)
+        q_latent = q_latent.transpose(0, 1).to(q_rope.dtype)  # [B, H, r]
         q = torch.cat([q_latent, q_rope], dim=-1)[:, None]  # [B, 1, H, r + d_r]
         # The H heads are H queries of one shared latent "head" (MQA): scores = q_latent . c +
         # q_rope . k_rope; the values are the latents c themselves.
         o_latent = F.scaled_dot_product_attention(
             q, latent, latent[..., : self.r], attn_mask=group.mask, scale=self.scale,
         )  # [B, 1, H, r]
-        # W_UV per head: [B, H, r] x [H, d_v, r] -> [B, H, d_v]
-        return torch.einsum("bhr,hvr->bhv", o_latent[:, 0], self.w_uv)
+        # W_UV per head: [H, B, r] x [H, r, d_v] -> [H, B, d_v]
+        o = torch.bmm(o_latent[:, 0].transpose(0, 1).to(self.w_uv.dtype),
+                      self.w_uv.transpose(1, 2))
+        return o.transpose(0, 1).to(q_rope.dtype)  # [B, H, d_v]

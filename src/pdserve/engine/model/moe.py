@@ -31,19 +31,28 @@ class Experts(nn.Module):
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor,
                 topk_weights: torch.Tensor) -> torch.Tensor:
         """x [T, hidden], topk_ids [T, k] (long), topk_weights [T, k] -> [T, hidden]."""
-        return run_chosen_experts(x, topk_ids, topk_weights, self.num_experts, self._expert)
+        return run_chosen_experts(x, topk_ids, topk_weights, self.num_experts, self._grouped)
 
-    def _expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(x, self.gate_up_proj[e]).split(self.inter, dim=-1)  # [n, I] each
-        return F.linear(F.silu(gate) * up, self.down_proj[e])  # [n, hidden]
+    def _grouped(self, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        ys = torch.empty_like(xs)  # [S, hidden]
+        start = 0
+        for e, n in enumerate(counts.tolist()):
+            if n:
+                gate, up = F.linear(xs[start : start + n], self.gate_up_proj[e]).split(
+                    self.inter, dim=-1)  # [n, I] each
+                ys[start : start + n] = F.linear(F.silu(gate) * up, self.down_proj[e])
+                start += n
+        return ys
 
 
 def run_chosen_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                        num_experts: int,
-                       expert: Callable[[int, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+                       grouped: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+                       ) -> torch.Tensor:
     """x [T, hidden], topk_ids [T, k] (long), topk_weights [T, k] -> [T, hidden]: the
-    (token, slot) pairs grouped by expert, `expert(e, rows [n, hidden]) -> [n, hidden]` called
-    once per chosen expert (never for an unchosen one), in expert order.
+    (token, slot) pairs grouped by expert and `grouped(xs [T*k, hidden], counts [E] int64)
+    -> [T*k, hidden]` called once, xs holding each expert's rows in expert order (counts[e] of
+    them) and returning each row's expert output; an unchosen expert must not be read.
 
     Sums like transformers' default ("grouped_mm") experts: each slot's output times its
     weight (in the promoted dtype: fp32 for DeepSeek's fp32 weights), then the k slots of a
@@ -51,14 +60,8 @@ def run_chosen_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: to
     t, k = topk_ids.shape
     flat_ids = topk_ids.reshape(-1)  # [T*k]
     order = flat_ids.argsort(stable=True)  # [T*k]: slots grouped by expert
-    counts = torch.bincount(flat_ids, minlength=num_experts).tolist()  # [E]
-    xs = x[order // k]  # [T*k, hidden]: each slot's token, in expert order
-    ys = torch.empty_like(xs)  # [T*k, hidden]
-    start = 0
-    for e, n in enumerate(counts):
-        if n:
-            ys[start : start + n] = expert(e, xs[start : start + n])
-            start += n
+    counts = torch.bincount(flat_ids, minlength=num_experts)  # [E]
+    ys = grouped(x[order // k], counts)  # [T*k, hidden], in expert order
     weighted = ys * topk_weights.reshape(-1)[order, None]  # [T*k, hidden]
     slots = torch.empty_like(weighted)
     slots[order] = weighted  # back to (token, slot) order

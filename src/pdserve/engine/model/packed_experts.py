@@ -1,6 +1,6 @@
 """Routed experts with each expert's weights reordered once, at load time, for one of pdserve's
-bf16 linear kernels (`packed_linear.LinearKernel`: AMX tiles or AVX512-BF16's VDPBF16PS), the
-way `pack_linears` does for nn.Linear.
+bf16 linear kernels (`packed_linear.LinearKernel`: AMX tiles, AVX512-BF16's VDPBF16PS, or AVX2
+FMAs), the way `pack_linears` does for nn.Linear.
 
 Why: PyTorch runs a bf16 [n, hidden] x [2I, hidden]^T product on a plain (unpacked) weight well
 below the memory bandwidth at decode's few rows: one expert of DeepSeek-V3's shape scaled to
@@ -16,13 +16,14 @@ from a loaded `Experts`, which it replaces; the mapping lives as long as the mod
 
 from __future__ import annotations
 
+from types import ModuleType
+
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pdserve.engine import huge_pages
 from pdserve.engine.model.moe import Experts, run_chosen_experts
-from pdserve.engine.model.packed_linear import LinearKernel
+from pdserve.engine.model.packed_linear import LinearKernel, linear_kernel
 
 
 def _fits(experts: Experts, kernel: LinearKernel) -> bool:
@@ -34,12 +35,15 @@ def _fits(experts: Experts, kernel: LinearKernel) -> bool:
 
 
 class PackedExperts(nn.Module):
-    """`Experts.forward`'s interface and grouping; each chosen expert's two products run on
-    `kernel` from its packed weights (`gate_up[e]`, `down[e]`: views into one mapping)."""
+    """`Experts.forward`'s interface and grouping; the chosen experts run in one call of the
+    compiled `moe_experts` (csrc/moe_experts.cpp) on `kernel`, from each expert's packed weights
+    (`weights.gate_up[e]`, `weights.down[e]`: views into one mapping). An expert's activation
+    is `silu_mul`, rounded to bf16 once, as in the fused Llama layer (PyTorch's
+    `F.silu(gate) * up` rounds twice)."""
 
-    def __init__(self, experts: Experts, kernel: LinearKernel) -> None:
+    def __init__(self, experts: Experts, kernel: LinearKernel, ops: ModuleType) -> None:
         super().__init__()
-        self.num_experts, self.inter, self.kernel = experts.num_experts, experts.inter, kernel
+        self.num_experts, self.inter, self.ops = experts.num_experts, experts.inter, ops
         pieces = [kernel.pack(w[e].detach()) for e in range(self.num_experts)
                   for w in (experts.gate_up_proj, experts.down_proj)]
         arena = huge_pages.zeros((sum(p.numel() for p in pieces),), torch.bfloat16)
@@ -47,25 +51,28 @@ class PackedExperts(nn.Module):
         for piece in pieces:
             views.append(arena[offset : offset + piece.numel()].view(piece.shape).copy_(piece))
             offset += piece.numel()
-        self.gate_up, self.down = views[0::2], views[1::2]
+        self.weights = ops.ExpertWeights()
+        self.weights.gate_up, self.weights.down = views[0::2], views[1::2]
+        self.weights.kernel = kernel.name
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor,
                 topk_weights: torch.Tensor) -> torch.Tensor:
         """x [T, hidden], topk_ids [T, k] (long), topk_weights [T, k] -> [T, hidden]."""
-        return run_chosen_experts(x, topk_ids, topk_weights, self.num_experts, self._expert)
+        return run_chosen_experts(x, topk_ids, topk_weights, self.num_experts, self._grouped)
 
-    def _expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.kernel.run(x, self.gate_up[e], None).split(self.inter, dim=-1)
-        return self.kernel.run(F.silu(gate) * up, self.down[e], None)  # [n, hidden]
+    def _grouped(self, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        return self.ops.moe_experts(xs, counts, self.weights)  # [S, hidden]
 
 
-def pack_experts(module: nn.Module, kernel: LinearKernel | None) -> None:
-    """Replace every loaded bf16 `Experts` under `module` whose shapes fit `kernel` by a
-    `PackedExperts` (the others, and every one when `kernel` is None, stay as they are)."""
+def pack_experts(module: nn.Module, ops: ModuleType | None) -> None:
+    """Replace every loaded bf16 `Experts` under `module` whose shapes fit the fastest of
+    `ops`'s linear kernels by a `PackedExperts` (the others, and every one when `ops` has no
+    kernel for this CPU or is None, stay as they are)."""
+    kernel = linear_kernel(ops)
     if kernel is None:
         return
     found = [(parent, name, child) for parent in module.modules()
              for name, child in parent.named_children() if isinstance(child, Experts)]
     for parent, name, child in found:
         if _fits(child, kernel):
-            setattr(parent, name, PackedExperts(child, kernel))
+            setattr(parent, name, PackedExperts(child, kernel, ops))

@@ -60,4 +60,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("tables", &S::tables)
       .def_readwrite("lens", &S::lens);
   m.def("fused_layer", &pdserve::fused_layer, kFree);
+  using X = pdserve::ExpertWeights;
+  py::class_<X>(m, "ExpertWeights")
+      .def(py::init<>())
+      .def_readwrite("gate_up", &X::gate_up)
+      .def_readwrite("down", &X::down)
+      .def_readwrite("kernel", &X::kernel);
+  m.def("moe_experts", &pdserve::moe_experts, kFree);
 }

@@ -17,14 +17,6 @@ namespace pdserve {
 
 namespace {
 
-at::Tensor linear(const std::string& kernel, const at::Tensor& x, const at::Tensor& packed,
-                  const std::optional<at::Tensor>& bias) {
-  if (kernel == "amx") return amx_linear(x, packed, bias);
-  if (kernel == "avx2") return avx2_linear(x, packed, bias);
-  TORCH_CHECK(kernel == "avx512_bf16", "unknown linear kernel ", kernel);
-  return dpbf16_linear(x, packed, bias);
-}
-
 // q [T, H, D] (rows strided): the prompts' rows first, each prompt's in order, then the decode
 // groups' rows in order (model/attention.py's paged_attention, operator by operator).
 at::Tensor attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -70,18 +62,18 @@ std::tuple<at::Tensor, at::Tensor> fused_layer(
     res = x;
   }
   // attention: qkv [T, (H + 2 KVH) D]; q and k heads rotate in place
-  at::Tensor qkv = linear(w.kernel, normed, w.qkv, w.qkv_bias);
+  at::Tensor qkv = kernel_linear(w.kernel, normed, w.qkv, w.qkv_bias);
   rope_(qkv, step.positions, step.cos, step.sin_signed, h + kvh, d);
   const at::Tensor qk = qkv.narrow(1, 0, (h + kvh) * d).view({t, h + kvh, d});
   const at::Tensor q = qk.narrow(1, 0, h), k = qk.narrow(1, h, kvh);
   const at::Tensor v = qkv.narrow(1, (h + kvh) * d, kvh * d).view({t, kvh, d});
   store_kv_(k, v, k_cache, v_cache, step.slot_blocks, step.slot_offsets);
   const at::Tensor o = attend(q, k_cache, v_cache, step, w.scale);
-  const at::Tensor attn = linear(w.kernel, o.reshape({t, h * d}), w.o_proj, std::nullopt);
+  const at::Tensor attn = kernel_linear(w.kernel, o.reshape({t, h * d}), w.o_proj, std::nullopt);
   // h, residual = post_attention_layernorm(attn, residual); mlp
   auto [mlp_in, res2] = add_rms_norm(attn, res, w.post_norm, w.eps);
-  const at::Tensor gate_up = linear(w.kernel, mlp_in, w.gate_up, std::nullopt);
-  return {linear(w.kernel, silu_mul(gate_up), w.down, std::nullopt), res2};
+  const at::Tensor gate_up = kernel_linear(w.kernel, mlp_in, w.gate_up, std::nullopt);
+  return {kernel_linear(w.kernel, silu_mul(gate_up), w.down, std::nullopt), res2};
 }
 
 }  // namespace pdserve

@@ -105,6 +105,22 @@ at::Tensor avx2_pack(const at::Tensor& weight);
 at::Tensor avx2_linear(const at::Tensor& x, const at::Tensor& packed,
                        const std::optional<at::Tensor>& bias);
 
+// x . weight^T (+ bias) on the named kernel ("amx" | "avx512_bf16" | "avx2"), from that
+// kernel's packed weight.
+at::Tensor kernel_linear(const std::string& kernel, const at::Tensor& x, const at::Tensor& packed,
+                         const std::optional<at::Tensor>& bias);
+
+// A MoE layer's routed experts, each packed once for `kernel` (model/packed_experts.py).
+struct ExpertWeights {
+  std::vector<at::Tensor> gate_up, down;  // per expert: [2I, hidden] and [hidden, I], packed
+  std::string kernel;
+};
+
+// xs [S, hidden] bf16: the rows of every (token, slot) pair grouped by expert, in expert order
+// (counts [E] int64: expert e's rows; they sum to S) -> [S, hidden], each row
+// down(silu_mul(gate_up(row))) on its expert's weights. An expert with no rows is not read.
+at::Tensor moe_experts(const at::Tensor& xs, const at::Tensor& counts, const ExpertWeights& w);
+
 // A decoder layer's weights for fused_layer, made once per layer after the linears are packed.
 struct LayerWeights {
   at::Tensor input_norm, post_norm;          // [hidden] bf16
