@@ -50,11 +50,18 @@ BUILD_CORE_SECONDS = 100  # compiler time of a build over its sources (110 s on 
 
 
 def supports(cfg: ModelConfig) -> bool:
-    """Whether the operators cover this model: decode attention is compiled for head sizes 64
-    and 128 with up to 8 query heads per KV head (csrc/decode_attention.cpp, `pick`), for the
-    Llama family only (MLA, MoE and q/k-norm models run on PyTorch operators)."""
-    return (cfg.mla is None and cfg.moe is None and not cfg.qk_norm
-            and cfg.head_dim in (64, 128) and cfg.num_heads // cfg.num_kv_heads <= 8)
+    """Whether the operators cover the whole layer of this model (`fused_layer`): the Llama
+    family with attention they cover. MoE, q/k-norm and MLA models take the operators for
+    parts of their layers (their decoders say which)."""
+    return cfg.mla is None and cfg.moe is None and not cfg.qk_norm and covers_attention(cfg)
+
+
+def covers_attention(cfg: ModelConfig) -> bool:
+    """Whether the operators' paged attention covers this model's heads: decode attention is
+    compiled for head sizes 64 and 128 with up to 8 query heads per KV head
+    (csrc/decode_attention.cpp, `pick`); MLA attends over latents and is not covered."""
+    return (cfg.mla is None and cfg.head_dim in (64, 128)
+            and cfg.num_heads // cfg.num_kv_heads <= 8)
 
 
 def build_facts() -> BuildFacts:

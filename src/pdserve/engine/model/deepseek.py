@@ -25,12 +25,14 @@ from pdserve.engine.model.mla_rope import MlaRotary, MlaStepRope
 
 
 class DeepseekDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, moe: bool) -> None:
+    """`ops`: the compiled CPU operators for the norms and a dense MLP's activation, or None."""
+
+    def __init__(self, cfg: ModelConfig, moe: bool, ops: ModuleType | None) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, None)
-        self.self_attn = MlaAttention(cfg)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, None)
-        self.mlp: nn.Module = DeepseekMoE(cfg.hidden_size, cfg.moe) if moe else MLP(cfg, None)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
+        self.self_attn = MlaAttention(cfg, ops)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
+        self.mlp: nn.Module = DeepseekMoE(cfg.hidden_size, cfg.moe) if moe else MLP(cfg, ops)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rope: MlaStepRope,
                 kv: tuple[torch.Tensor, ...], meta: AttentionMetadata,
@@ -43,16 +45,18 @@ class DeepseekDecoderLayer(nn.Module):
 
 
 class DeepseekForCausalLM(DecoderStack):
-    """`fused` is accepted for the registry's signature; MLA models always get None."""
+    """`fused`: the compiled CPU operators, for the norms and dense MLPs only (MLA attention
+    and the router run on PyTorch's, the routed experts on `packed_experts.py`); the stack
+    itself (`self.fused`) never has them."""
 
     def __init__(self, cfg: ModelConfig, max_positions: int, device: torch.device | str,
                  fused: ModuleType | None = None) -> None:
         if cfg.mla is None or cfg.moe is None:
             raise ValueError(f"{cfg.architecture}: a DeepSeek decoder needs the MLA and MoE "
                              "fields of its config.json")
-        layers = (DeepseekDecoderLayer(cfg, cfg.moe.is_moe_layer(i))
+        layers = (DeepseekDecoderLayer(cfg, cfg.moe.is_moe_layer(i), fused)
                   for i in range(cfg.num_layers))
-        super().__init__(cfg, layers, RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, None), None)
+        super().__init__(cfg, layers, RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, fused), None)
         with torch.device(device):  # real tables, also while the layers are built on meta
             self.rope = MlaRotary(cfg, max_positions, device)
 

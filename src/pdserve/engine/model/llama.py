@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.common.model_config import ModelConfig
+from pdserve.engine.kernels import supports
 from pdserve.engine.model.attention import AttentionMetadata, paged_attention
 from pdserve.engine.model.decoder_stack import DecoderStack, LayerCall
 from pdserve.engine.model.packed_linear import KernelLinear
@@ -127,10 +128,12 @@ class DecoderLayer(nn.Module):
 
 class LlamaForCausalLM(DecoderStack):
     """`fused`: pdserve's compiled CPU operators (`pdserve.engine.kernels.cpu_ops()`), for a
-    bf16 model on CPU, or None for PyTorch operators throughout."""
+    bf16 model on CPU, or None for PyTorch operators throughout. Kept only where they cover
+    the whole layer (`kernels.supports`): the Python layer path passes them to its attention."""
 
     def __init__(self, cfg: ModelConfig, max_positions: int, device: torch.device | str,
                  fused: ModuleType | None = None) -> None:
+        fused = fused if fused is not None and supports(cfg) else None
         super().__init__(cfg, (DecoderLayer(cfg, fused) for _ in range(cfg.num_layers)),
                          RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, fused), fused)
         with torch.device(device):  # real tables, also while the layers are built on meta

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from pdserve.common.model_config import ModelConfig
-from pdserve.engine.kernels import cpu_ops, supports
+from pdserve.engine.kernels import cpu_ops
 from pdserve.engine.model.packed_experts import pack_experts
 from pdserve.engine.model.packed_linear import can_pack, pack_linears
 from pdserve.engine.model.registry import model_class
@@ -30,12 +30,11 @@ def load_model(
     if shard is not None:
         weights = shard_weights(weights, shard, cfg)
         cfg = shard.local_config(cfg)
-    # the operators: every bf16 CPU model's linears and experts; the rest of the layer only
-    # for the models they cover (`supports`)
+    # the operators (bf16 on CPU): every model's linears and experts; each decoder takes the
+    # rest of its layer from them where they cover it (`kernels.supports`)
     ops = cpu_ops() if cpu_kernels and device == "cpu" and dtype == torch.bfloat16 else None
-    fused = ops if ops is not None and supports(cfg) else None
     with torch.device("meta"):  # no time spent initialising weights that are overwritten
-        model = model_class(cfg.architecture)(cfg, max_positions, device, fused)
+        model = model_class(cfg.architecture)(cfg, max_positions, device, ops)
     _to_empty(model, device)
     model.to(dtype)
     if cfg.tie_word_embeddings:  # _to_empty() makes new parameters: tie them again

@@ -21,6 +21,8 @@ The softmax scale is 1/sqrt(d_n + d_r) times YaRN's mscale^2 (`yarn.softmax_scal
 
 from __future__ import annotations
 
+from types import ModuleType
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -55,9 +57,11 @@ class MlaAttention(nn.Module):
 
     With `attention_bias` q_a_proj, kv_a_proj_with_mqa and o_proj carry a bias, as in
     transformers (a plain q_proj never does). `cfg.num_heads` is this process's heads: a
-    tensor-parallel rank's run of them (`engine/parallel/shard_plan.py`), the latent whole."""
+    tensor-parallel rank's run of them (`engine/parallel/shard_plan.py`), the latent whole.
+    `ops` (the compiled CPU operators, or None) normalise the query's latent; the KV latent
+    is a strided slice, so its norm stays on PyTorch's operators."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, ops: ModuleType | None = None) -> None:
         super().__init__()
         mla = cfg.mla
         assert mla is not None
@@ -68,7 +72,7 @@ class MlaAttention(nn.Module):
         self.q_lora = mla.q_lora_rank is not None
         if mla.q_lora_rank is not None:
             self.q_a_proj = nn.Linear(hidden, mla.q_lora_rank, bias=bias)
-            self.q_a_layernorm = RMSNorm(mla.q_lora_rank, LATENT_NORM_EPS, None)
+            self.q_a_layernorm = RMSNorm(mla.q_lora_rank, LATENT_NORM_EPS, ops)
             self.q_b_proj = nn.Linear(mla.q_lora_rank, self.h * qk, bias=False)
         else:
             self.q_proj = nn.Linear(hidden, self.h * qk, bias=False)
