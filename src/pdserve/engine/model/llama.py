@@ -34,10 +34,11 @@ class RMSNorm(nn.Module):
         self.fused = fused
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        if self.fused is not None:
+        if self.fused is not None:  # the operators take rows one after another in memory
+            x = x.contiguous()
             if residual is None:
                 return self.fused.rms_norm(x, self.weight, self.eps), x
-            return self.fused.add_rms_norm(x, residual, self.weight, self.eps)
+            return self.fused.add_rms_norm(x, residual.contiguous(), self.weight, self.eps)
         if residual is not None:
             x = x + residual
         # x [T, dim]; y = w * x / sqrt(mean(x^2) + eps)  (Zhang & Sennrich 2019)

@@ -58,8 +58,7 @@ class MlaAttention(nn.Module):
     With `attention_bias` q_a_proj, kv_a_proj_with_mqa and o_proj carry a bias, as in
     transformers (a plain q_proj never does). `cfg.num_heads` is this process's heads: a
     tensor-parallel rank's run of them (`engine/parallel/shard_plan.py`), the latent whole.
-    `ops` (the compiled CPU operators, or None) normalise the query's latent; the KV latent
-    is a strided slice, so its norm stays on PyTorch's operators."""
+    `ops`: the compiled CPU operators for the two latent norms, or None."""
 
     def __init__(self, cfg: ModelConfig, ops: ModuleType | None = None) -> None:
         super().__init__()
@@ -77,7 +76,7 @@ class MlaAttention(nn.Module):
         else:
             self.q_proj = nn.Linear(hidden, self.h * qk, bias=False)
         self.kv_a_proj_with_mqa = nn.Linear(hidden, self.r + self.d_rope, bias=bias)
-        self.kv_a_layernorm = RMSNorm(self.r, LATENT_NORM_EPS, None)
+        self.kv_a_layernorm = RMSNorm(self.r, LATENT_NORM_EPS, ops)
         self.kv_b_proj = nn.Linear(self.r, self.h * (self.d_nope + self.d_v), bias=False)
         self.o_proj = nn.Linear(self.h * self.d_v, hidden, bias=bias)
         self.register_buffer("w_uk", torch.empty(self.h, self.d_nope, self.r), persistent=False)
