@@ -124,3 +124,19 @@ def test_mla_models_run_on_pytorch_operators(tiny_model):
     out = llm.generate([PROMPTS[2]], SamplingParams(temperature=0, max_tokens=4,
                                                     ignore_eos=True), use_tqdm=False)[0]
     assert len(out.outputs[0].token_ids) == 4
+
+
+@pytest.mark.parametrize("variant", ["v3", "v2"])
+def test_a_bf16_mla_model_decodes_tokens_fp32_scores_as_its_best(tiny_model, variant):
+    """bf16 through the absorbed decode (fp32 matmuls where PyTorch's bf16 ones are
+    emulated): every greedy token is one the fp32 model scores within bf16 rounding of its
+    best, teacher-forced on the same tokens."""
+    path = str(_path(tiny_model, variant))
+    bf16 = LLM(model=path, dtype="bfloat16", max_model_len=256)
+    fp32 = LLM(model=path, dtype="float32", max_model_len=256)
+    prompt = PROMPTS[2]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    tokens = bf16.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+    scores = _engine_logits(fp32, prompt + tokens[:-1])[len(prompt) - 1 :]  # [16, vocab]
+    chosen = scores.gather(1, torch.tensor(tokens)[:, None])[:, 0]
+    assert (scores.max(dim=1).values - chosen).max() < 0.1

@@ -138,19 +138,31 @@ class MlaAttention(nn.Module):
     def _decode(self, q_nope: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor,
                 group: DecodeGroup) -> torch.Tensor:
         """q_nope [B, H, d_n], q_rope [B, H, d_r] -> [B, H, d_v], over the group's paged
-        latent, never expanded per head."""
-        b, length = q_nope.shape[0], group.mask.shape[-1]
-        latent = cache.index_select(0, group.blocks).view(b, 1, length, -1)  # [B, 1, L, r+d_r]
+        latent, never expanded per head. Computed in the absorbed weights' dtype; where that
+        is wider than the pool's, the latents are widened once and the result rounded once."""
+        b, length, dtype = q_nope.shape[0], group.mask.shape[-1], self.w_uk.dtype
+        latent = cache.index_select(0, group.blocks).view(b, length, -1)  # [B, L, r + d_r]
         # (W_UK^T q_nope) per head: [H, B, d_n] x [H, d_n, r] -> [H, B, r]
-        q_latent = torch.bmm(q_nope.transpose(0, 1).to(self.w_uk.dtype), self.w_uk)
-        q_latent = q_latent.transpose(0, 1).to(q_rope.dtype)  # [B, H, r]
-        q = torch.cat([q_latent, q_rope], dim=-1)[:, None]  # [B, 1, H, r + d_r]
+        q_latent = torch.bmm(q_nope.transpose(0, 1).to(dtype), self.w_uk).transpose(0, 1)
+        q = torch.cat([q_latent, q_rope.to(dtype)], dim=-1)  # [B, H, r + d_r]
         # The H heads are H queries of one shared latent "head" (MQA): scores = q_latent . c +
         # q_rope . k_rope; the values are the latents c themselves.
-        o_latent = F.scaled_dot_product_attention(
-            q, latent, latent[..., : self.r], attn_mask=group.mask, scale=self.scale,
-        )  # [B, 1, H, r]
+        if dtype == cache.dtype:
+            o_latent = F.scaled_dot_product_attention(
+                q[:, None], latent[:, None], latent[:, None, :, : self.r],
+                attn_mask=group.mask, scale=self.scale)[:, 0]  # [B, H, r]
+        else:  # PyTorch's SDPA would multiply in the pool's dtype, emulated here
+            o_latent = _attend(q, latent.to(dtype), self.r, group.mask[:, 0], self.scale)
         # W_UV per head: [H, B, r] x [H, r, d_v] -> [H, B, d_v]
-        o = torch.bmm(o_latent[:, 0].transpose(0, 1).to(self.w_uv.dtype),
-                      self.w_uv.transpose(1, 2))
+        o = torch.bmm(o_latent.transpose(0, 1), self.w_uv.transpose(1, 2))
         return o.transpose(0, 1).to(q_rope.dtype)  # [B, H, d_v]
+
+
+def _attend(q: torch.Tensor, latent: torch.Tensor, r: int, mask: torch.Tensor,
+            scale: float) -> torch.Tensor:
+    """q [B, H, r + d_r], latent [B, L, r + d_r], mask [B, 1, L] bool (True: attend) ->
+    [B, H, r]: softmax(scale q . latent) over the unmasked positions, times their first r
+    columns (Vaswani et al. 2017, eq. 1)."""
+    scores = torch.bmm(q, latent.transpose(1, 2)) * scale  # [B, H, L]
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.bmm(torch.softmax(scores, dim=-1), latent[..., :r])  # [B, H, r]
