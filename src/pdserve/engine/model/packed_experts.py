@@ -43,7 +43,7 @@ class PackedExperts(nn.Module):
 
     def __init__(self, experts: Experts, kernel: LinearKernel, ops: ModuleType) -> None:
         super().__init__()
-        self.num_experts, self.inter, self.ops = experts.num_experts, experts.inter, ops
+        self.num_experts, self.ops = experts.num_experts, ops
         pieces = [kernel.pack(w[e].detach()) for e in range(self.num_experts)
                   for w in (experts.gate_up_proj, experts.down_proj)]
         arena = huge_pages.zeros((sum(p.numel() for p in pieces),), torch.bfloat16)
