@@ -71,9 +71,12 @@ class SparseMoeBlock(nn.Module):
 
 
 class Qwen3DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, index: int, ops: ModuleType | None) -> None:
+    """`ops`: the compiled CPU operators for the norms and a dense MLP's activation;
+    `attention_ops`: the same, or None where they do not cover the heads."""
+
+    def __init__(self, cfg: ModelConfig, index: int, ops: ModuleType | None,
+                 attention_ops: ModuleType | None) -> None:
         super().__init__()
-        attention_ops = ops if ops is not None and covers_attention(cfg) else None
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
         self.self_attn = Qwen3Attention(cfg, ops, attention_ops)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
@@ -95,13 +98,13 @@ class Qwen3ForCausalLM(LlamaForCausalLM):
     def __init__(self, cfg: ModelConfig, max_positions: int, device: torch.device | str,
                  fused: ModuleType | None = None) -> None:
         super().__init__(cfg, max_positions, device, None)
-        self.layers = nn.ModuleList(Qwen3DecoderLayer(cfg, i, fused)
+        self._attention_ops = fused if fused is not None and covers_attention(cfg) else None
+        self.layers = nn.ModuleList(Qwen3DecoderLayer(cfg, i, fused, self._attention_ops)
                                     for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, fused)
-        self._rope_ops = fused if fused is not None and covers_attention(cfg) else None
 
     def step_rope(self, positions: torch.Tensor, dtype: torch.dtype) -> StepRope:
-        return self.rope.for_step(positions, dtype, self._rope_ops)
+        return self.rope.for_step(positions, dtype, self._attention_ops)
 
     def convert_layer(self, weights: dict[str, torch.Tensor], index: int) -> None:
         """As Llama's, with a MoE layer's experts stacked first (either checkpoint layout)."""
