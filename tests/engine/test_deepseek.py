@@ -111,28 +111,34 @@ def test_latent_pool_bytes_per_token_equal_the_planners(tiny_model, variant):
     assert layout.bytes_per_token == layout_bytes_per_token(layout.to_json()) == planner
 
 
-def test_mla_models_run_on_pytorch_operators(tiny_model):
+def test_mla_models_take_the_operators_for_parts_of_their_layers(tiny_model):
+    """No whole-layer fusion for MLA; on the operators the absorbed weights stay bf16 (the
+    decode operator widens them as it reads), else they are in `absorbed_dtype`: fp32 where
+    PyTorch would emulate bf16 matmuls (no oneDNN path)."""
     cfg = ModelConfig.from_folder(_path(tiny_model, "v3"))
     assert not kernels.supports(cfg)
-    llm = LLM(model=str(_path(tiny_model, "v3")), dtype="bfloat16", max_model_len=256)
-    assert llm.engine.model.fused is None
-    # decode's absorbed matmuls in fp32 where PyTorch would emulate bf16 (no oneDNN path)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     native = torch.bfloat16 if onednn_packs(torch.bfloat16) else torch.float32
-    attn = llm.engine.model.layers[0].self_attn
-    assert attn.w_uk.dtype == attn.w_uv.dtype == native
     assert absorbed_dtype(torch.zeros(1, dtype=torch.float32)) == torch.float32
-    out = llm.generate([PROMPTS[2]], SamplingParams(temperature=0, max_tokens=4,
-                                                    ignore_eos=True), use_tqdm=False)[0]
-    assert len(out.outputs[0].token_ids) == 4
+    for cpu_kernels, dtype in ((True, torch.bfloat16), (False, native)):
+        llm = LLM(model=str(_path(tiny_model, "v3")), dtype="bfloat16", max_model_len=256,
+                  cpu_kernels=cpu_kernels)
+        assert llm.engine.model.fused is None
+        attn = llm.engine.model.layers[0].self_attn
+        assert attn.w_uk.dtype == attn.w_uv.dtype == dtype
+        out = llm.generate([PROMPTS[2]], params, use_tqdm=False)[0]
+        assert len(out.outputs[0].token_ids) == 4
 
 
+@pytest.mark.parametrize("cpu_kernels", [True, False], ids=["operators", "pytorch"])
 @pytest.mark.parametrize("variant", ["v3", "v2"])
-def test_a_bf16_mla_model_decodes_tokens_fp32_scores_as_its_best(tiny_model, variant):
-    """bf16 through the absorbed decode (fp32 matmuls where PyTorch's bf16 ones are
-    emulated): every greedy token is one the fp32 model scores within bf16 rounding of its
-    best, teacher-forced on the same tokens."""
+def test_a_bf16_mla_model_decodes_tokens_fp32_scores_as_its_best(tiny_model, variant,
+                                                                  cpu_kernels):
+    """bf16 through the absorbed decode (the operators' `mla_decode`, or on PyTorch fp32
+    matmuls where its bf16 ones are emulated): every greedy token is one the fp32 model scores
+    within bf16 rounding of its best, teacher-forced on the same tokens."""
     path = str(_path(tiny_model, variant))
-    bf16 = LLM(model=path, dtype="bfloat16", max_model_len=256)
+    bf16 = LLM(model=path, dtype="bfloat16", max_model_len=256, cpu_kernels=cpu_kernels)
     fp32 = LLM(model=path, dtype="float32", max_model_len=256)
     prompt = PROMPTS[2]
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)

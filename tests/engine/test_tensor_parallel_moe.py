@@ -64,7 +64,7 @@ def test_a_rank_of_deepseek_holds_its_heads_the_whole_latent_and_its_expert_colu
     model = load_model(path, cfg, torch.float32, "cpu", 256, shard=plan)
     full = load_model(path, cfg, torch.float32, "cpu", 256)
     attn, whole = model.layers[0].self_attn, full.layers[0].self_attn
-    assert (attn.h, attn.w_uk.shape, attn.w_uv.shape) == (2, (2, 12, 24), (2, 10, 24))
+    assert (attn.h, attn.w_uk.shape, attn.w_uv.shape) == (2, (2, 12, 24), (2, 24, 10))
     torch.testing.assert_close(attn.w_uk, whole.w_uk[1:3], rtol=0, atol=0)
     assert attn.kv_a_proj_with_mqa.out_features == whole.kv_a_proj_with_mqa.out_features == 32
     moe, full_moe = model.layers[1].mlp, full.layers[1].mlp

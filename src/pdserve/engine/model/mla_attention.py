@@ -51,14 +51,16 @@ def absorbed_dtype(weight: torch.Tensor) -> torch.dtype:
 
 
 class MlaAttention(nn.Module):
-    """`w_uk`, `w_uv`: kv_b_proj's key and value halves per head, copied out by `absorb()`
+    """`w_uk` [H, d_n, r], `w_uv` [H, r, d_v]: kv_b_proj's key and value halves per head (the
+    value half transposed: decode multiplies latent rows by it), copied out by `absorb()`
     once the weights are loaded (the linear itself may be repacked afterwards), in
     `absorbed_dtype`.
 
     With `attention_bias` q_a_proj, kv_a_proj_with_mqa and o_proj carry a bias, as in
     transformers (a plain q_proj never does). `cfg.num_heads` is this process's heads: a
     tensor-parallel rank's run of them (`engine/parallel/shard_plan.py`), the latent whole.
-    `ops`: the compiled CPU operators for the two latent norms, or None."""
+    `ops`: the compiled CPU operators (a bf16 model on CPU) for the two latent norms and the
+    whole absorbed decode (`mla_decode`, on bf16 `w_uk` and `w_uv`), or None."""
 
     def __init__(self, cfg: ModelConfig, ops: ModuleType | None = None) -> None:
         super().__init__()
@@ -80,17 +82,18 @@ class MlaAttention(nn.Module):
         self.kv_b_proj = nn.Linear(self.r, self.h * (self.d_nope + self.d_v), bias=False)
         self.o_proj = nn.Linear(self.h * self.d_v, hidden, bias=bias)
         self.register_buffer("w_uk", torch.empty(self.h, self.d_nope, self.r), persistent=False)
-        self.register_buffer("w_uv", torch.empty(self.h, self.d_v, self.r), persistent=False)
+        self.register_buffer("w_uv", torch.empty(self.h, self.r, self.d_v), persistent=False)
         self.scale = softmax_scale(cfg)
+        self._ops = ops
 
     @torch.no_grad()
     def absorb(self) -> None:
-        """Split kv_b_proj's weight [H (d_n + d_v), r] into w_uk [H, d_n, r], w_uv [H, d_v, r],
-        in `absorbed_dtype`."""
+        """Split kv_b_proj's weight [H (d_n + d_v), r] into w_uk [H, d_n, r], w_uv [H, r, d_v],
+        in `absorbed_dtype` (the weight's own on the operators, which widen it as they read)."""
         w = self.kv_b_proj.weight.view(self.h, self.d_nope + self.d_v, self.r)
-        dtype = absorbed_dtype(w)
+        dtype = w.dtype if self._ops is not None else absorbed_dtype(w)
         self.w_uk = w[:, : self.d_nope].to(dtype).contiguous()
-        self.w_uv = w[:, self.d_nope :].to(dtype).contiguous()
+        self.w_uv = w[:, self.d_nope :].transpose(1, 2).to(dtype).contiguous()
 
     def forward(self, x: torch.Tensor, rope: MlaStepRope, kv: tuple[torch.Tensor, ...],
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -140,7 +143,11 @@ class MlaAttention(nn.Module):
         """q_nope [B, H, d_n], q_rope [B, H, d_r] -> [B, H, d_v], over the group's paged
         latent, never expanded per head. Computed in the absorbed weights' dtype; where that
         is wider than the pool's, the latents are widened once and the result rounded once."""
-        b, length, dtype = q_nope.shape[0], group.mask.shape[-1], self.w_uk.dtype
+        b, dtype = q_nope.shape[0], self.w_uk.dtype
+        if self._ops is not None:
+            return self._ops.mla_decode(q_nope, q_rope, cache, group.blocks.view(b, -1),
+                                        group.lens, self.w_uk, self.w_uv, self.scale)
+        length = group.mask.shape[-1]
         latent = cache.index_select(0, group.blocks).view(b, length, -1)  # [B, L, r + d_r]
         # (W_UK^T q_nope) per head: [H, B, d_n] x [H, d_n, r] -> [H, B, r]
         q_latent = torch.bmm(q_nope.transpose(0, 1).to(dtype), self.w_uk).transpose(0, 1)
@@ -154,7 +161,7 @@ class MlaAttention(nn.Module):
         else:  # PyTorch's SDPA would multiply in the pool's dtype, emulated here
             o_latent = _attend(q, latent.to(dtype), self.r, group.mask[:, 0], self.scale)
         # W_UV per head: [H, B, r] x [H, r, d_v] -> [H, B, d_v]
-        o = torch.bmm(o_latent.transpose(0, 1), self.w_uv.transpose(1, 2))
+        o = torch.bmm(o_latent.transpose(0, 1), self.w_uv)
         return o.transpose(0, 1).to(q_rope.dtype)  # [B, H, d_v]
 
 

@@ -121,6 +121,16 @@ struct ExpertWeights {
 // down(silu_mul(gate_up(row))) on its expert's weights. An expert with no rows is not read.
 at::Tensor moe_experts(const at::Tensor& xs, const at::Tensor& counts, const ExpertWeights& w);
 
+// MLA decode attention in the absorbed form (mla_decode.cpp), one query row per request:
+// q_nope [B, H, d_n] and q_rope [B, H, d_r] (rotated; rows may be strided); cache: one layer's
+// latent pool [num_blocks, block_size, r + d_r]; block_tables [B, W] int64; lens [B] int64
+// (positions attended, the new token's included); w_uk [H, d_n, r] and w_uv [H, r, d_v]:
+// kv_b_proj's key and value halves per head (the value half transposed). All bf16, computed
+// in fp32. -> [B, H, d_v].
+at::Tensor mla_decode(const at::Tensor& q_nope, const at::Tensor& q_rope, const at::Tensor& cache,
+                      const at::Tensor& block_tables, const at::Tensor& lens,
+                      const at::Tensor& w_uk, const at::Tensor& w_uv, double scale);
+
 // A decoder layer's weights for fused_layer, made once per layer after the linears are packed.
 struct LayerWeights {
   at::Tensor input_norm, post_norm;          // [hidden] bf16
