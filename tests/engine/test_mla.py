@@ -1,4 +1,5 @@
-"""MLA's configuration, YaRN tables and latent pool: what the DeepSeek decoders rely on."""
+"""MLA's configuration, YaRN tables, rotary and latent pool: what the DeepSeek decoders rely
+on."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from pdserve.common.mla_config import MlaConfig
 from pdserve.common.model_config import ModelConfig
 from pdserve.engine.kv_cache import KVCache
 from pdserve.engine.model import yarn
+from pdserve.engine.model.mla_rope import MlaRotary
 
 BASE = {"architectures": ["DeepseekV3ForCausalLM"], "vocab_size": 512, "hidden_size": 48,
         "intermediate_size": 80, "num_hidden_layers": 2, "num_attention_heads": 3,
@@ -81,6 +83,28 @@ def test_yarn_tables_and_scale_equal_transformers(scaling):
         assert factor != 1.0 and yarn.softmax_scale(ours) != 20 ** -0.5
         assert math.isclose(yarn.softmax_scale(ours),
                             20 ** -0.5 * (0.1 * math.log(40.0) + 1) ** 2)
+
+
+@pytest.mark.parametrize("arch", ["DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM"])
+@pytest.mark.parametrize("interleave", [True, False])
+def test_the_operators_rotate_in_place_as_pytorch_does_in_fp32(ops, arch, interleave):
+    """`mla_rope_` on strided views (q's rotary columns, as the model rotates them) equals the
+    PyTorch rotation computed in fp32 and rounded once, for both pair layouts (to one bf16
+    step: the compiler may fuse a product and a sum into one FMA)."""
+    cfg = ModelConfig.from_hf_dict({**BASE, "architectures": [arch], "rope_scaling": YARN,
+                                    "rope_interleave": interleave})
+    positions = torch.tensor([0, 5, 63, 700])
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(4, 3, 12 + 8, generator=gen).bfloat16()  # [T, H, d_n + d_r]
+    expected = MlaRotary(cfg, 1024, "cpu").for_step(positions, torch.float32).rotate(
+        q[..., 12:].float()).bfloat16()
+    step = MlaRotary(cfg, 1024, "cpu", ops).for_step(positions, torch.bfloat16)
+    nope = q[..., :12].clone()
+    assert step.rotate(q[..., 12:]).data_ptr() == q[..., 12:].data_ptr()  # in place
+    torch.testing.assert_close(q[..., 12:], expected, rtol=2**-8, atol=1e-6)
+    assert torch.equal(q[..., :12], nope)
+    with pytest.raises(RuntimeError, match=r"cos and sin must be contiguous fp32 \[3, 4\]"):
+        step.rotate(q[:3, :, 12:])
 
 
 def test_latent_pool_is_one_row_per_token_per_layer_in_contiguous_blocks():

@@ -58,7 +58,7 @@ class DeepseekForCausalLM(DecoderStack):
                   for i in range(cfg.num_layers))
         super().__init__(cfg, layers, RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, fused), None)
         with torch.device(device):  # real tables, also while the layers are built on meta
-            self.rope = MlaRotary(cfg, max_positions, device)
+            self.rope = MlaRotary(cfg, max_positions, device, fused)
 
     def step_rope(self, positions: torch.Tensor, dtype: torch.dtype) -> MlaStepRope:
         return self.rope.for_step(positions, dtype)

@@ -14,6 +14,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &pdserve::add_rms_norm, kFree);
   m.def("silu_mul", &pdserve::silu_mul, kFree);
   m.def("rope_", &pdserve::rope_, kFree);
+  m.def("mla_rope_", &pdserve::mla_rope_, kFree);
   m.def("store_kv_", &pdserve::store_kv_, kFree);
   m.def("decode_attention", &pdserve::decode_attention, kFree);
   m.def("prefill_attention_available", &pdserve::prefill_attention_available);

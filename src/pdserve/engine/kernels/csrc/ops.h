@@ -30,6 +30,11 @@ at::Tensor silu_mul(const at::Tensor& gate_up);
 void rope_(at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos,
            const at::Tensor& sin_signed, int64_t heads, int64_t head_dim);
 
+// MLA's rotary part (model/mla_rope.py), in place: each head of x [T, heads, d] (rows and
+// heads may be strided) rotated by its row's fp32 cos and sin [T, d/2], pairs adjacent
+// (`interleave`) or the two halves, written de-interleaved: [x1 cos - x2 sin, x2 cos + x1 sin].
+void mla_rope_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, bool interleave);
+
 // Checks that k_cache and v_cache are one layer's views of the pool:
 // [num_blocks, block_size, KVH, D], same shape and strides, each slot's KVH x D contiguous.
 void check_kv_cache(const at::Tensor& k_cache, const at::Tensor& v_cache);

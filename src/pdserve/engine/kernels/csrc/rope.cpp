@@ -62,4 +62,38 @@ void rope_(at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos,
   });
 }
 
+void mla_rope_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, bool interleave) {
+  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.scalar_type() == at::kBFloat16 &&
+                  x.size(2) % 2 == 0,
+              "x must be bf16 [T, heads, d] with contiguous heads and d even");
+  const int64_t t = x.size(0), heads = x.size(1), half = x.size(2) / 2;
+  const auto table = [&](const at::Tensor& z) {
+    return z.scalar_type() == at::kFloat && z.is_contiguous() && z.dim() == 2 &&
+           z.size(0) == t && z.size(1) == half;
+  };
+  TORCH_CHECK(table(cos) && table(sin), "cos and sin must be contiguous fp32 [", t, ", ", half,
+              "]: one row per row of x");
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  bf16* base = x.data_ptr<bf16>();
+  at::parallel_for(0, t, 8, [&](int64_t r0, int64_t r1) {
+    std::vector<float> a(half), b(half);
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* c = cp + r * half;
+      const float* s = sp + r * half;
+      for (int64_t h = 0; h < heads; ++h) {
+        bf16* p = base + r * x.stride(0) + h * x.stride(1);
+        for (int64_t i = 0; i < half; ++i) {  // the pairs: adjacent, or the two halves
+          a[i] = static_cast<float>(interleave ? p[2 * i] : p[i]);
+          b[i] = static_cast<float>(interleave ? p[2 * i + 1] : p[half + i]);
+        }
+        for (int64_t i = 0; i < half; ++i) {  // RoFormer eq. 34, written de-interleaved
+          p[i] = static_cast<bf16>(a[i] * c[i] - b[i] * s[i]);
+          p[half + i] = static_cast<bf16>(b[i] * c[i] + a[i] * s[i]);
+        }
+      }
+    }
+  });
+}
+
 }  // namespace pdserve
