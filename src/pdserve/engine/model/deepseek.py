@@ -32,7 +32,8 @@ class DeepseekDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
         self.self_attn = MlaAttention(cfg, ops)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
-        self.mlp: nn.Module = DeepseekMoE(cfg.hidden_size, cfg.moe) if moe else MLP(cfg, ops)
+        self.mlp: nn.Module = (DeepseekMoE(cfg.hidden_size, cfg.moe, ops) if moe
+                               else MLP(cfg.hidden_size, cfg.intermediate_size, ops))
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rope: MlaStepRope,
                 kv: tuple[torch.Tensor, ...], meta: AttentionMetadata,

@@ -12,45 +12,33 @@ Parameter names (under a decoder layer's `mlp.`): `gate.weight [E, hidden]`,
 from __future__ import annotations
 
 from collections.abc import Callable
+from types import ModuleType
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pdserve.common.moe_config import MoeConfig
+from pdserve.engine.model.llama import MLP
 from pdserve.engine.model.moe import Experts, stack_expert_weights
 from pdserve.engine.model.moe_gate import Router
 
 
-class SharedExperts(nn.Module):
-    """The n_shared_experts always-on experts as one SwiGLU of width S, gate|up fused."""
-
-    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
-        super().__init__()
-        self.inter = intermediate_size
-        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)  # [T, S] each
-        return self.down_proj(F.silu(gate) * up)  # [T, hidden]
-
-
 class DeepseekMoE(nn.Module):
     """Built on any device (meta included); filled by the owner's weight copy after
-    `convert_moe_weights`. Runs on PyTorch operators in the model's dtype, except the router:
-    its weight and score bias stay fp32 whatever `.to(dtype)` asks (`_apply`), and its logits
-    are fp32, as in transformers."""
+    `convert_moe_weights`. Runs in the model's dtype, except the router: its weight and
+    score bias stay fp32 whatever `.to(dtype)` asks (`_apply`), and its logits are fp32, as in
+    transformers. `ops`: the compiled CPU operators for the shared experts' activation, or
+    None; the routed experts move onto them after loading (`packed_experts.py`)."""
 
-    def __init__(self, hidden_size: int, cfg: MoeConfig) -> None:
+    def __init__(self, hidden_size: int, cfg: MoeConfig, ops: ModuleType | None = None) -> None:
         super().__init__()
         if cfg.n_shared_experts <= 0:
             raise ValueError("config.json: DeepSeek MoE layers need n_shared_experts >= 1")
         self.cfg = cfg
         self.gate = Router(hidden_size, cfg)
         self.experts = Experts(cfg.num_experts, hidden_size, cfg.intermediate_size)
-        self.shared_experts = SharedExperts(hidden_size,
-                                            cfg.intermediate_size * cfg.n_shared_experts)
+        # the n_shared_experts always-on experts: one SwiGLU of their summed width
+        self.shared_experts = MLP(hidden_size, cfg.intermediate_size * cfg.n_shared_experts, ops)
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True):
         """What `.to()`, `.to_empty()`, `.bfloat16()` run on every tensor: the router's

@@ -68,12 +68,15 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, fused: ModuleType | None) -> None:
+    """SwiGLU with gate|up fused: a dense layer's MLP, and DeepSeek's shared experts."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int,
+                 fused: ModuleType | None) -> None:
         super().__init__()
         self.fused = fused
-        self.inter = cfg.intermediate_size
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * self.inter, bias=False)
-        self.down_proj = nn.Linear(self.inter, cfg.hidden_size, bias=False)
+        self.inter = intermediate_size
+        self.gate_up_proj = nn.Linear(hidden_size, 2 * self.inter, bias=False)
+        self.down_proj = nn.Linear(self.inter, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)  # [T, 2I]
@@ -90,7 +93,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, fused)
         self.self_attn = Attention(cfg, fused)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, fused)
-        self.mlp = MLP(cfg, fused)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, fused)
 
     def forward(self, x, residual, rope, kv, meta):
         """x: the previous layer's output (the embeddings first, with residual None);

@@ -81,7 +81,8 @@ class Qwen3DecoderLayer(nn.Module):
         self.self_attn = Qwen3Attention(cfg, ops, attention_ops)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
         moe = cfg.moe is not None and cfg.moe.is_moe_layer(index)
-        self.mlp = SparseMoeBlock(cfg.hidden_size, cfg.moe) if moe else MLP(cfg, ops)
+        self.mlp = (SparseMoeBlock(cfg.hidden_size, cfg.moe) if moe
+                    else MLP(cfg.hidden_size, cfg.intermediate_size, ops))
 
     def forward(self, x, residual, rope, kv, meta):
         """As `llama.DecoderLayer.forward`: returns (this layer's output, residual before it)."""
