@@ -98,6 +98,40 @@ def test_noaux_tc_bias_steers_the_choice_but_not_the_weights():
     torch.testing.assert_close(weights, expected)
 
 
+@pytest.mark.parametrize("fields", [V3, {**V3, "norm_topk_prob": False}],
+                         ids=["normed", "unnormed"])
+def test_the_operators_route_noaux_tc_as_transformers_does(ops, fields):
+    """`noaux_tc_route`: transformers' choice and weights (to fp32 rounding), best first."""
+    hf_cfg = _hf_config("DeepseekV3ForCausalLM", fields)
+    hf = DeepseekV3TopkRouter(hf_cfg)
+    _randomize(hf, seed=3)
+    ours = Router(HIDDEN, MoeConfig.from_hf_dict(hf_cfg.to_dict(), "DeepseekV3ForCausalLM"), ops)
+    ours.load_state_dict(hf.state_dict())
+    x = _x(64)
+    _, hf_weights, hf_ids = hf(x)
+    weights, ids = ours(x)
+    order = hf_ids.argsort(dim=1)
+    assert torch.equal(ids.sort(dim=1).values, hf_ids.gather(1, order))
+    torch.testing.assert_close(weights.gather(1, ids.argsort(dim=1)), hf_weights.gather(1, order),
+                               rtol=1e-6, atol=1e-6)
+    biased = torch.nn.functional.linear(x, ours.weight).sigmoid() + ours.e_score_correction_bias
+    chosen = biased.gather(1, ids)
+    assert (chosen[:, :-1] >= chosen[:, 1:]).all()  # best first
+
+
+def test_the_operators_break_routing_ties_toward_the_lower_expert(ops):
+    logits = torch.zeros(1, 12)  # every score equal: groups 0 and 1, then experts 0, 1, 2
+    weights, ids = ops.noaux_tc_route(logits, torch.zeros(12), 3, 4, 2, True, 2.5)
+    assert ids.tolist() == [[0, 1, 2]]
+    torch.testing.assert_close(weights, torch.full((1, 3), 2.5 / 3))
+    with pytest.raises(RuntimeError, match="top_k 7 must fit the 2 best groups of 3"):
+        ops.noaux_tc_route(logits, torch.zeros(12), 7, 4, 2, True, 2.5)
+    with pytest.raises(RuntimeError, match="n_group must split the 12 experts"):
+        ops.noaux_tc_route(logits, torch.zeros(12), 3, 5, 2, True, 2.5)
+    with pytest.raises(RuntimeError, match=r"the score bias must be contiguous fp32 \[12\]"):
+        ops.noaux_tc_route(logits, torch.zeros(11), 3, 4, 2, True, 2.5)
+
+
 def test_experts_never_read_unchosen_experts():
     experts = Experts(num_experts=6, hidden_size=HIDDEN, intermediate_size=24)
     _randomize(experts, seed=5)

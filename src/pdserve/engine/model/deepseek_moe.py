@@ -27,15 +27,16 @@ class DeepseekMoE(nn.Module):
     """Built on any device (meta included); filled by the owner's weight copy after
     `convert_moe_weights`. Runs in the model's dtype, except the router: its weight and
     score bias stay fp32 whatever `.to(dtype)` asks (`_apply`), and its logits are fp32, as in
-    transformers. `ops`: the compiled CPU operators for the shared experts' activation, or
-    None; the routed experts move onto them after loading (`packed_experts.py`)."""
+    transformers. `ops`: the compiled CPU operators for the router and the shared experts'
+    activation, or None; the routed experts move onto them after loading
+    (`packed_experts.py`)."""
 
     def __init__(self, hidden_size: int, cfg: MoeConfig, ops: ModuleType | None = None) -> None:
         super().__init__()
         if cfg.n_shared_experts <= 0:
             raise ValueError("config.json: DeepSeek MoE layers need n_shared_experts >= 1")
         self.cfg = cfg
-        self.gate = Router(hidden_size, cfg)
+        self.gate = Router(hidden_size, cfg, ops)
         self.experts = Experts(cfg.num_experts, hidden_size, cfg.intermediate_size)
         # the n_shared_experts always-on experts: one SwiGLU of their summed width
         self.shared_experts = MLP(hidden_size, cfg.intermediate_size * cfg.n_shared_experts, ops)

@@ -2,10 +2,15 @@
 
 Each rule is written with the same tensor operations, in the same order, as transformers 5.24
 (`Qwen3MoeTopKRouter`, `DeepseekV2TopkRouter`, `DeepseekV3TopkRouter`), so on the same
-logits the chosen ids, their slot order and the weights are the same (ties included).
+logits the chosen ids, their slot order and the weights are the same (ties included). On the
+compiled CPU operators (a bf16 model on CPU) noaux_tc, ~25 operator calls here, is one call
+(`noaux_tc_route`): the same choice and weights to fp32 rounding, best first, ties to the
+lower expert id.
 """
 
 from __future__ import annotations
+
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
@@ -74,15 +79,20 @@ def noaux_tc(scores: torch.Tensor, bias: torch.Tensor, top_k: int, n_group: int,
     return weights * scaling, ids
 
 
-def route(logits: torch.Tensor, cfg: MoeConfig,
-          bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def route(logits: torch.Tensor, cfg: MoeConfig, bias: torch.Tensor | None = None,
+          ops: ModuleType | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Router logits [T, E] -> (weights [T, k], ids [T, k] long) by `cfg`'s rule; `bias` is
-    DeepSeek-V3's `e_score_correction_bias` [E] (fp32)."""
+    DeepSeek-V3's `e_score_correction_bias` [E] (fp32); `ops`: the compiled CPU operators, or
+    None."""
     if not cfg.gate_fp32:
         return softmax_topk(logits, cfg.top_k, cfg.norm_topk_prob)
     if cfg.topk_method == "noaux_tc":
         if bias is None:
             raise ValueError("noaux_tc routing needs e_score_correction_bias")
+        if ops is not None and logits.device.type == "cpu":
+            return ops.noaux_tc_route(logits, bias.float(), cfg.top_k, cfg.n_group,
+                                      cfg.topk_group, cfg.norm_topk_prob,
+                                      cfg.routed_scaling_factor)
         return noaux_tc(logits.sigmoid(), bias.float(), cfg.top_k, cfg.n_group, cfg.topk_group,
                         cfg.norm_topk_prob, cfg.routed_scaling_factor)
     scores = logits.softmax(dim=-1, dtype=torch.float32)  # [T, E]
@@ -95,11 +105,12 @@ def route(logits: torch.Tensor, cfg: MoeConfig,
 
 class Router(nn.Module):
     """The gate: `weight [E, hidden]` and, for noaux_tc, `e_score_correction_bias [E]` (HF
-    names). DeepSeek's logits are computed in fp32 (`cfg.gate_fp32`), Qwen3's in x's dtype."""
+    names). DeepSeek's logits are computed in fp32 (`cfg.gate_fp32`), Qwen3's in x's dtype.
+    `ops`: the compiled CPU operators (`route`), or None."""
 
-    def __init__(self, hidden_size: int, cfg: MoeConfig) -> None:
+    def __init__(self, hidden_size: int, cfg: MoeConfig, ops: ModuleType | None = None) -> None:
         super().__init__()
-        self.cfg = cfg
+        self.cfg, self.ops = cfg, ops
         self.weight = nn.Parameter(torch.empty(cfg.num_experts, hidden_size))  # [E, hidden]
         if cfg.topk_method == "noaux_tc":
             self.register_buffer("e_score_correction_bias", torch.empty(cfg.num_experts))
@@ -112,4 +123,4 @@ class Router(nn.Module):
             logits = F.linear(x.float(), self.weight.float())  # [T, E] fp32
         else:
             logits = F.linear(x, self.weight)  # [T, E]
-        return route(logits, self.cfg, self.e_score_correction_bias)
+        return route(logits, self.cfg, self.e_score_correction_bias, self.ops)

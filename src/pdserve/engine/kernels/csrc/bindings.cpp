@@ -69,4 +69,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("kernel", &X::kernel);
   m.def("moe_experts", &pdserve::moe_experts, kFree);
   m.def("mla_decode", &pdserve::mla_decode, kFree);
+  m.def("noaux_tc_route", &pdserve::noaux_tc_route, kFree);
 }

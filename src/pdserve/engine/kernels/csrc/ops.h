@@ -126,6 +126,14 @@ struct ExpertWeights {
 // down(silu_mul(gate_up(row))) on its expert's weights. An expert with no rows is not read.
 at::Tensor moe_experts(const at::Tensor& xs, const at::Tensor& counts, const ExpertWeights& w);
 
+// DeepSeek-V3's noaux_tc routing (moe_route.cpp; model/moe_gate.py's rule): logits [T, E]
+// fp32, bias [E] fp32 -> (weights [T, k] fp32, ids [T, k] int64), the chosen best first, ties
+// to the lower expert id.
+std::tuple<at::Tensor, at::Tensor> noaux_tc_route(const at::Tensor& logits,
+                                                  const at::Tensor& bias, int64_t top_k,
+                                                  int64_t n_group, int64_t topk_group,
+                                                  bool norm_topk_prob, double scaling);
+
 // MLA decode attention in the absorbed form (mla_decode.cpp), one query row per request:
 // q_nope [B, H, d_n] and q_rope [B, H, d_r] (rotated; rows may be strided); cache: one layer's
 // latent pool [num_blocks, block_size, r + d_r]; block_tables [B, W] int64; lens [B] int64
