@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from pdserve import LLM, SamplingParams
-from pdserve.engine.model.moe import Experts
+from pdserve.engine.model.moe import Experts, run_chosen_experts
 from pdserve.engine.model.packed_experts import PackedExperts, pack_experts
 from pdserve.engine.model.packed_linear import linear_kernel
 
@@ -61,31 +61,50 @@ def test_packed_experts_never_read_unchosen_experts(kernel, ops):
     assert torch.equal(before, after)
 
 
+def _alone(ops, kernel, packed: PackedExperts, row: torch.Tensor, e: int) -> torch.Tensor:
+    """Expert e's gate_up, `silu_mul` and down on its packed weights, for one row alone."""
+    h = ops.silu_mul(kernel.run(row, packed.weights.gate_up[e], None))
+    return kernel.run(h, packed.weights.down[e], None)
+
+
 def test_each_expert_is_its_two_kernel_calls_and_silu_mul(kernel, ops):
-    """Rows grouped by expert, some experts with none: each row's output is bit for bit what
-    gate_up, `silu_mul` and down on that expert's packed weights give it alone."""
+    """One slot of weight 1, some experts chosen by several tokens, some by none: each token's
+    output is bit for bit what its expert's kernel calls give it alone (a row's result does
+    not depend on its expert's other rows)."""
     packed = PackedExperts(_experts(), kernel, ops)
-    counts = torch.tensor([2, 0, 3, 1, 0, 1])
-    xs = torch.randn(7, HIDDEN, generator=torch.Generator().manual_seed(3)).bfloat16()
-    got = ops.moe_experts(xs, counts, packed.weights)
-    rows = xs.split(counts.tolist())
-    for e, (n, x) in enumerate(zip(counts.tolist(), rows, strict=True)):
-        start = sum(counts[:e].tolist())
-        for r in range(n):  # alone: a row's result does not depend on its expert's other rows
-            h = ops.silu_mul(kernel.run(x[r : r + 1], packed.weights.gate_up[e], None))
-            alone = kernel.run(h, packed.weights.down[e], None)
-            assert torch.equal(got[start + r : start + r + 1], alone)
+    ids = torch.tensor([[2], [0], [2], [3], [0], [5], [2]])
+    x = torch.randn(7, HIDDEN, generator=torch.Generator().manual_seed(3)).bfloat16()
+    got = ops.moe_experts(x, ids, torch.ones(7, 1), packed.weights)
+    for t, e in enumerate(ids[:, 0].tolist()):
+        assert torch.equal(got[t : t + 1], _alone(ops, kernel, packed, x[t : t + 1], e))
 
 
-def test_the_experts_op_refuses_counts_that_do_not_cover_the_rows(kernel, ops):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_experts_op_sums_slots_as_pytorch_does(kernel, ops, dtype):
+    """Weighted slots summed in slot order in fp32 (each product rounded to bf16 first where
+    the weights are bf16, as `run_chosen_experts` computes with PyTorch operators), to one
+    bf16 rounding of the result."""
     packed = PackedExperts(_experts(), kernel, ops)
-    xs = torch.zeros(4, HIDDEN, dtype=torch.bfloat16)
-    with pytest.raises(RuntimeError, match="counts cover 3 of 4 rows"):
-        ops.moe_experts(xs, torch.tensor([1, 2, 0, 0, 0, 0]), packed.weights)
-    with pytest.raises(RuntimeError, match="counts exceed the 4 rows"):
-        ops.moe_experts(xs, torch.tensor([3, 2, 0, 0, 0, 0]), packed.weights)
-    with pytest.raises(RuntimeError, match=r"counts must be a contiguous int64 \[6\] tensor"):
-        ops.moe_experts(xs, torch.tensor([4, 0, 0, 0, 0]), packed.weights)
+    x, ids, weights = _inputs(9, seed=4)
+    weights = weights.to(dtype)
+    expected = run_chosen_experts(x, ids, weights, E, lambda xs, counts: torch.cat(
+        [_alone(ops, kernel, packed, xs[i : i + 1], e) for i, e in
+         enumerate(torch.repeat_interleave(torch.arange(E), counts).tolist())]))
+    got = packed(x, ids, weights)
+    torch.testing.assert_close(got, expected, rtol=2**-7, atol=1e-5)
+
+
+def test_the_experts_op_refuses_bad_ids_and_weights(kernel, ops):
+    packed = PackedExperts(_experts(), kernel, ops)
+    x = torch.zeros(4, HIDDEN, dtype=torch.bfloat16)
+    ids, weights = torch.zeros(4, 2, dtype=torch.long), torch.ones(4, 2)
+    ids[3, 1] = 6
+    with pytest.raises(RuntimeError, match="expert id 6 is outside the 6 experts"):
+        ops.moe_experts(x, ids, weights, packed.weights)
+    with pytest.raises(RuntimeError, match=r"ids must be contiguous int64 \[4, k\]"):
+        ops.moe_experts(x, ids[:3], weights, packed.weights)
+    with pytest.raises(RuntimeError, match=r"weights must be contiguous fp32 or bf16 \[4, 2\]"):
+        ops.moe_experts(x, ids.clamp(max=5), weights.half(), packed.weights)
 
 
 def test_pack_experts_leaves_fp32_and_misfit_experts_alone(kernel, ops):

@@ -3,8 +3,8 @@
 Layout as transformers 5 keeps it in memory (`Qwen3MoeExperts`, `DeepseekV3Experts`):
 `gate_up_proj [E, 2I, hidden]` (gate rows, then up rows) and `down_proj [E, hidden, I]`.
 Checkpoints store one module per expert; `stack_expert_weights` builds this layout. A bf16
-model on CPU runs them as `packed_experts.PackedExperts` (the same grouping,
-`run_chosen_experts`, on pdserve's linear kernels).
+model on CPU runs them as `packed_experts.PackedExperts` (the grouping and sums of
+`run_chosen_experts` in one compiled call, on pdserve's linear kernels).
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from pdserve.engine import huge_pages
-from pdserve.engine.model.moe import Experts, run_chosen_experts
+from pdserve.engine.model.moe import Experts
 from pdserve.engine.model.packed_linear import LinearKernel, linear_kernel
 
 
@@ -35,10 +35,11 @@ def _fits(experts: Experts, kernel: LinearKernel) -> bool:
 
 
 class PackedExperts(nn.Module):
-    """`Experts.forward`'s interface and grouping; the chosen experts run in one call of the
-    compiled `moe_experts` (csrc/moe_experts.cpp) on `kernel`, from each expert's packed weights
-    (`weights.gate_up[e]`, `weights.down[e]`: views into one mapping). An expert's activation
-    is `silu_mul`, rounded to bf16 once, as in the fused Llama layer (PyTorch's
+    """`Experts.forward`'s interface and sums (`run_chosen_experts`) in one call of the
+    compiled `moe_experts` (csrc/moe_experts.cpp): the grouping by expert, the chosen experts
+    on `kernel` from each expert's packed weights (`weights.gate_up[e]`, `weights.down[e]`:
+    views into one mapping), the weighted sum over slots. An expert's activation is
+    `silu_mul`, rounded to bf16 once, as in the fused Llama layer (PyTorch's
     `F.silu(gate) * up` rounds twice)."""
 
     def __init__(self, experts: Experts, kernel: LinearKernel, ops: ModuleType) -> None:
@@ -58,10 +59,8 @@ class PackedExperts(nn.Module):
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor,
                 topk_weights: torch.Tensor) -> torch.Tensor:
         """x [T, hidden], topk_ids [T, k] (long), topk_weights [T, k] -> [T, hidden]."""
-        return run_chosen_experts(x, topk_ids, topk_weights, self.num_experts, self._grouped)
-
-    def _grouped(self, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        return self.ops.moe_experts(xs, counts, self.weights)  # [S, hidden]
+        return self.ops.moe_experts(x, topk_ids.contiguous(), topk_weights.contiguous(),
+                                    self.weights)
 
 
 def pack_experts(module: nn.Module, ops: ModuleType | None) -> None:

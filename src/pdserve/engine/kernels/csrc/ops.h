@@ -121,10 +121,13 @@ struct ExpertWeights {
   std::string kernel;
 };
 
-// xs [S, hidden] bf16: the rows of every (token, slot) pair grouped by expert, in expert order
-// (counts [E] int64: expert e's rows; they sum to S) -> [S, hidden], each row
-// down(silu_mul(gate_up(row))) on its expert's weights. An expert with no rows is not read.
-at::Tensor moe_experts(const at::Tensor& xs, const at::Tensor& counts, const ExpertWeights& w);
+// x [T, hidden] bf16 (rows may be strided), ids [T, k] int64, weights [T, k] fp32 or bf16 ->
+// [T, hidden] bf16: per token, the sum over its slots j, in slot order and in fp32, of
+// weights[t, j] times expert ids[t, j]'s down(silu_mul(gate_up(x[t]))) (each product rounded
+// to bf16 first where the weights are bf16, as PyTorch multiplies). An unchosen expert is not
+// read.
+at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& weights,
+                       const ExpertWeights& w);
 
 // DeepSeek-V3's noaux_tc routing (moe_route.cpp; model/moe_gate.py's rule): logits [T, E]
 // fp32, bias [E] fp32 -> (weights [T, k] fp32, ids [T, k] int64), the chosen best first, ties
