@@ -20,7 +20,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <limits>
 
 #include "ops.h"
 #include "thread_buffer.h"
@@ -84,7 +83,7 @@ float dot(const float* q, const bf16* x, int64_t n) {
 }
 
 struct Shapes {
-  int64_t heads, r, d_n, d_r, d_v, bs, block_stride, width;
+  int64_t r, d_n, d_r, d_v, bs, block_stride, width;
 };
 
 struct ItemScratch {};  // thread_buffer's tag
@@ -148,7 +147,7 @@ at::Tensor mla_decode(const at::Tensor& q_nope, const at::Tensor& q_rope, const 
                   w_uv.scalar_type() == at::kBFloat16,
               "w_uk and w_uv must be contiguous bf16 [H, d_n, r] and [H, r, d_v]");
   const int64_t b = q_nope.size(0), h = q_nope.size(1);
-  const Shapes s{h, w_uk.size(2), q_nope.size(2), q_rope.size(2), w_uv.size(2),
+  const Shapes s{w_uk.size(2), q_nope.size(2), q_rope.size(2), w_uv.size(2),
                  cache.dim() == 3 ? cache.size(1) : 0, cache.dim() == 3 ? cache.stride(0) : 0,
                  block_tables.dim() == 2 ? block_tables.size(1) : 0};
   TORCH_CHECK(q_rope.size(0) == b && q_rope.size(1) == h && w_uk.size(0) == h &&
