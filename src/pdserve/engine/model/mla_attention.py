@@ -141,8 +141,9 @@ class MlaAttention(nn.Module):
     def _decode(self, q_nope: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor,
                 group: DecodeGroup) -> torch.Tensor:
         """q_nope [B, H, d_n], q_rope [B, H, d_r] -> [B, H, d_v], over the group's paged
-        latent, never expanded per head. Computed in the absorbed weights' dtype; where that
-        is wider than the pool's, the latents are widened once and the result rounded once."""
+        latent, never expanded per head: one `mla_decode` call on the operators, else
+        computed in the absorbed weights' dtype (where that is wider than the pool's, the
+        latents are widened once and the result rounded once)."""
         b, dtype = q_nope.shape[0], self.w_uk.dtype
         if self._ops is not None:
             return self._ops.mla_decode(q_nope, q_rope, cache, group.blocks.view(b, -1),
