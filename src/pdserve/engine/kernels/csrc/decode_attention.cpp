@@ -181,6 +181,25 @@ AttendFn pick(int64_t g, int64_t d) {
 
 }  // namespace
 
+void check_decode_tables(const at::Tensor& block_tables, const at::Tensor& lens, int64_t b,
+                         int64_t block_size, int64_t num_blocks) {
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == b &&
+                  block_tables.is_contiguous() && block_tables.scalar_type() == at::kLong,
+              "block_tables must be contiguous int64 [B, W]");
+  TORCH_CHECK(lens.numel() == b && lens.scalar_type() == at::kLong && lens.is_contiguous(),
+              "lens must be contiguous int64 [B]");
+  const int64_t width = block_tables.size(1);
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
+  const int64_t* lp = lens.data_ptr<int64_t>();
+  for (int64_t r = 0; r < b; ++r) {
+    TORCH_CHECK(lp[r] > 0 && lp[r] <= width * block_size, "context length ", lp[r],
+                " does not fit a table of ", width, " blocks");
+    for (int64_t i = 0; i < (lp[r] + block_size - 1) / block_size; ++i)
+      TORCH_CHECK(tables[r * width + i] >= 0 && tables[r * width + i] < num_blocks,
+                  "block id ", tables[r * width + i], " is outside the pool");
+  }
+}
+
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
                             const at::Tensor& v_cache, const at::Tensor& block_tables,
                             const at::Tensor& lens, double scale) {
@@ -195,22 +214,10 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
   const AttendFn fn = pick(h / kvh, d);
   TORCH_CHECK(fn != nullptr, "decode_attention supports head sizes 64 and 128 with up to 8 ",
               "query heads per KV head, not ", d, " and ", h / kvh);
-  TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == b &&
-                  block_tables.is_contiguous() && block_tables.scalar_type() == at::kLong,
-              "block_tables must be contiguous int64 [B, W]");
-  TORCH_CHECK(lens.numel() == b && lens.scalar_type() == at::kLong && lens.is_contiguous(),
-              "lens must be contiguous int64 [B]");
+  check_decode_tables(block_tables, lens, b, bs, k_cache.size(0));
   const int64_t g = h / kvh, width = block_tables.size(1), block_stride = k_cache.stride(0);
-  const int64_t num_blocks = k_cache.size(0);
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   const int64_t* lp = lens.data_ptr<int64_t>();
-  for (int64_t r = 0; r < b; ++r) {
-    TORCH_CHECK(lp[r] > 0 && lp[r] <= width * bs, "context length ", lp[r],
-                " does not fit a table of ", width, " blocks");
-    for (int64_t i = 0; i < (lp[r] + bs - 1) / bs; ++i)
-      TORCH_CHECK(tables[r * width + i] >= 0 && tables[r * width + i] < num_blocks,
-                  "block id ", tables[r * width + i], " is outside the pool");
-  }
   auto out = at::empty({b, h, d}, q.options().memory_format(at::MemoryFormat::Contiguous));
   const bf16* qp = q.data_ptr<bf16>();
   const bf16* kp = k_cache.data_ptr<bf16>();

@@ -158,20 +158,9 @@ at::Tensor mla_decode(const at::Tensor& q_nope, const at::Tensor& q_rope, const 
                   cache.stride(1) == s.r + s.d_r,
               "cache must be one layer's bf16 latent pool [num_blocks, block_size, ",
               s.r + s.d_r, "] with contiguous slots");
-  TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == b &&
-                  block_tables.is_contiguous() && block_tables.scalar_type() == at::kLong,
-              "block_tables must be contiguous int64 [B, W]");
-  TORCH_CHECK(lens.numel() == b && lens.scalar_type() == at::kLong && lens.is_contiguous(),
-              "lens must be contiguous int64 [B]");
+  check_decode_tables(block_tables, lens, b, s.bs, cache.size(0));
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   const int64_t* lp = lens.data_ptr<int64_t>();
-  for (int64_t i = 0; i < b; ++i) {
-    TORCH_CHECK(lp[i] > 0 && lp[i] <= s.width * s.bs, "context length ", lp[i],
-                " does not fit a table of ", s.width, " blocks");
-    for (int64_t k = 0; k < (lp[i] + s.bs - 1) / s.bs; ++k)
-      TORCH_CHECK(tables[i * s.width + k] >= 0 && tables[i * s.width + k] < cache.size(0),
-                  "block id ", tables[i * s.width + k], " is outside the pool");
-  }
   auto out = at::empty({b, h, s.d_v}, q_nope.options().memory_format(at::MemoryFormat::Contiguous));
   const int64_t head_bytes = 2 * s.r * (s.d_n + s.d_v);
   const int64_t threads = at::get_num_threads();

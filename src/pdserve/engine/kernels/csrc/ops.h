@@ -44,6 +44,11 @@ void check_kv_cache(const at::Tensor& k_cache, const at::Tensor& v_cache);
 void store_kv_(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at::Tensor& v_cache,
                const at::Tensor& slot_blocks, const at::Tensor& slot_offsets);
 
+// Decode's block tables [B, W] int64 (contiguous) and lens [B] int64: every length fits its
+// table's W blocks of block_size, and every block a length reaches is inside the pool.
+void check_decode_tables(const at::Tensor& block_tables, const at::Tensor& lens, int64_t b,
+                         int64_t block_size, int64_t num_blocks);
+
 // One query token per request against its paged context. q [B, H, D] (rows may be strided);
 // k_cache, v_cache [num_blocks, block_size, KVH, D] (blocks may be strided); block_tables
 // [B, W] int64; lens [B] int64 (positions attended, the new token included). -> [B, H, D].
