@@ -21,7 +21,7 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
 from pdserve.common.moe_config import MoeConfig
 from pdserve.engine.model.deepseek_moe import DeepseekMoE, convert_moe_weights
 from pdserve.engine.model.moe import Experts
-from pdserve.engine.model.moe_gate import Router
+from pdserve.engine.model.moe_gate import Router, route
 
 HIDDEN = 40
 # 12 routed experts in 4 groups of 3, 2 groups kept, 3 experts per token; MLA fields tiny.
@@ -65,6 +65,19 @@ ROUTERS = [
 ]
 
 
+def _router(arch: str, hf_cfg, hf: torch.nn.Module, ops=None, dtype=torch.float32):
+    """x -> (weights, ids) as pdserve routes for `arch`, with `hf`'s router weights: DeepSeek's
+    `Router`, or Qwen3-MoE's gate linear (`SparseMoeBlock.gate`) and `route`."""
+    cfg = MoeConfig.from_hf_dict(hf_cfg.to_dict(), arch)
+    if arch != "Qwen3MoeForCausalLM":
+        router = Router(HIDDEN, cfg, ops)
+        router.load_state_dict(hf.state_dict())
+        return router
+    gate = torch.nn.Linear(HIDDEN, cfg.num_experts, bias=False, dtype=dtype)
+    gate.load_state_dict(hf.state_dict())
+    return lambda x: route(gate(x), cfg, ops=ops)
+
+
 @pytest.mark.parametrize(("arch", "fields", "hf_cls"), ROUTERS,
                          ids=["v2-greedy", "v2-group", "v3-noaux", "v3-unnormed", "qwen3-norm",
                               "qwen3"])
@@ -72,8 +85,7 @@ def test_routing_matches_transformers(arch, fields, hf_cls):
     hf_cfg = _hf_config(arch, fields)
     hf = hf_cls(hf_cfg)
     _randomize(hf, seed=3)
-    ours = Router(HIDDEN, MoeConfig.from_hf_dict(hf_cfg.to_dict(), arch))
-    ours.load_state_dict(hf.state_dict())
+    ours = _router(arch, hf_cfg, hf)
     x = _x()
     _, hf_weights, hf_ids = hf(x)
     weights, ids = ours(x)
@@ -119,6 +131,41 @@ def test_the_operators_route_noaux_tc_as_transformers_does(ops, fields):
     assert (chosen[:, :-1] >= chosen[:, 1:]).all()  # best first
 
 
+QWEN3_ROUTERS = [{"hidden_size": HIDDEN, "num_experts": e, "num_experts_per_tok": k,
+                  "norm_topk_prob": norm} for e, k, norm in [(7, 3, True), (7, 3, False),
+                                                             (128, 8, True), (5, 5, True)]]
+
+
+@pytest.mark.parametrize("fields", QWEN3_ROUTERS, ids=["7-3-norm", "7-3", "128-8-norm", "all"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_operators_route_softmax_topk_as_transformers_does(ops, fields, dtype):
+    """`softmax_topk_route`: transformers' choice and weights, best first, in the logits'
+    dtype (fp32 rounding apart; a bf16 weight may round to its neighbour)."""
+    hf_cfg = _hf_config("Qwen3MoeForCausalLM", fields)
+    hf = Qwen3MoeTopKRouter(hf_cfg)
+    _randomize(hf, seed=3)
+    hf.to(dtype)
+    ours = _router("Qwen3MoeForCausalLM", hf_cfg, hf, ops, dtype)
+    x = _x(64).to(dtype)
+    logits, hf_weights, hf_ids = hf(x)
+    weights, ids = ours(x)
+    assert weights.dtype == dtype and ids.dtype == torch.long
+    probs = torch.softmax(logits.float(), dim=-1)  # [T, E]
+    chosen = probs.gather(1, ids)  # [T, k]
+    assert (chosen[:, :-1] >= chosen[:, 1:]).all()  # best first
+    # the same probabilities chosen (bf16 logits tie often: which of equals is PyTorch's pick)
+    torch.testing.assert_close(chosen, probs.gather(1, hf_ids).sort(dim=1, descending=True)[0],
+                               rtol=0, atol=0)
+    left = probs.scatter(1, ids, -1.0).max(dim=1)  # the best expert not chosen
+    tied = left.values == chosen[:, -1]
+    assert (left.indices[tied] > ids[tied, -1]).all()  # ties to the lower id
+    for t in range(x.shape[0]):  # each expert's weight, where both chose it
+        mine = dict(zip(ids[t].tolist(), weights[t].float().tolist(), strict=True))
+        for e, w in zip(hf_ids[t].tolist(), hf_weights[t].float().tolist(), strict=True):
+            if e in mine:
+                assert mine[e] == pytest.approx(w, rel=1e-6 if dtype == torch.float32 else 2**-7)
+
+
 def test_the_operators_break_routing_ties_toward_the_lower_expert(ops):
     logits = torch.zeros(1, 12)  # every score equal: groups 0 and 1, then experts 0, 1, 2
     weights, ids = ops.noaux_tc_route(logits, torch.zeros(12), 3, 4, 2, True, 2.5)
@@ -130,6 +177,13 @@ def test_the_operators_break_routing_ties_toward_the_lower_expert(ops):
         ops.noaux_tc_route(logits, torch.zeros(12), 3, 5, 2, True, 2.5)
     with pytest.raises(RuntimeError, match=r"the score bias must be contiguous fp32 \[12\]"):
         ops.noaux_tc_route(logits, torch.zeros(11), 3, 4, 2, True, 2.5)
+    weights, ids = ops.softmax_topk_route(logits, 3, False)
+    assert ids.tolist() == [[0, 1, 2]]
+    torch.testing.assert_close(weights, torch.full((1, 3), 1 / 12))
+    with pytest.raises(RuntimeError, match=r"top_k must be 1 to 12 \(the experts\), got 13"):
+        ops.softmax_topk_route(logits, 13, True)
+    with pytest.raises(RuntimeError, match="logits must be contiguous fp32 or bf16"):
+        ops.softmax_topk_route(logits.half(), 3, True)
 
 
 def test_experts_never_read_unchosen_experts():

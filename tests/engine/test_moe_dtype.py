@@ -30,10 +30,14 @@ def test_a_bf16_deepseek_routes_on_the_checkpoints_fp32_router(tiny_model, arch,
 
 
 def test_qwen3_moe_router_follows_the_model_dtype(tiny_model):
-    """transformers keeps Qwen3-MoE's router in the model's dtype; so does pdserve."""
+    """transformers keeps Qwen3-MoE's router in the model's dtype; so does pdserve: bf16
+    logits from the checkpoint's weight (a linear layer, packed or not as this CPU allows)."""
     path = tiny_model("qwen3_moe")
-    saved = load_file(str(path / "model.safetensors"))
-    model = load_model(path, ModelConfig.from_folder(path), torch.bfloat16, "cpu", 256)
-    gate = model.layers[0].mlp.gate
-    assert gate.weight.dtype == torch.bfloat16
-    assert torch.equal(gate.weight, saved["model.layers.0.mlp.gate.weight"].bfloat16())
+    saved = load_file(str(path / "model.safetensors"))["model.layers.0.mlp.gate.weight"]
+    cfg = ModelConfig.from_folder(path)
+    model = load_model(path, cfg, torch.bfloat16, "cpu", 256)
+    x = torch.randn(3, cfg.hidden_size, generator=torch.Generator().manual_seed(0)).bfloat16()
+    logits = model.layers[0].mlp.gate(x)
+    assert logits.dtype == torch.bfloat16 and logits.shape == (3, saved.shape[0])
+    expected = torch.nn.functional.linear(x.float(), saved.bfloat16().float())
+    torch.testing.assert_close(logits.float(), expected, rtol=2**-7, atol=1e-3)

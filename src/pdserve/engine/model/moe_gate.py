@@ -3,9 +3,9 @@
 Each rule is written with the same tensor operations, in the same order, as transformers 5.24
 (`Qwen3MoeTopKRouter`, `DeepseekV2TopkRouter`, `DeepseekV3TopkRouter`), so on the same
 logits the chosen ids, their slot order and the weights are the same (ties included). On the
-compiled CPU operators (a bf16 model on CPU) noaux_tc, ~25 operator calls here, is one call
-(`noaux_tc_route`): the same choice and weights to fp32 rounding, best first, ties to the
-lower expert id.
+compiled CPU operators (a bf16 model on CPU) noaux_tc (~25 operator calls here) and softmax
+top-k (5) are one call each (`noaux_tc_route`, `softmax_topk_route`): the same choice and
+weights to fp32 rounding, best first, ties to the lower expert id.
 """
 
 from __future__ import annotations
@@ -84,12 +84,15 @@ def route(logits: torch.Tensor, cfg: MoeConfig, bias: torch.Tensor | None = None
     """Router logits [T, E] -> (weights [T, k], ids [T, k] long) by `cfg`'s rule; `bias` is
     DeepSeek-V3's `e_score_correction_bias` [E] (fp32); `ops`: the compiled CPU operators, or
     None."""
+    on_ops = ops is not None and logits.device.type == "cpu"
     if not cfg.gate_fp32:
+        if on_ops:
+            return ops.softmax_topk_route(logits.contiguous(), cfg.top_k, cfg.norm_topk_prob)
         return softmax_topk(logits, cfg.top_k, cfg.norm_topk_prob)
     if cfg.topk_method == "noaux_tc":
         if bias is None:
             raise ValueError("noaux_tc routing needs e_score_correction_bias")
-        if ops is not None and logits.device.type == "cpu":
+        if on_ops:
             return ops.noaux_tc_route(logits, bias.float(), cfg.top_k, cfg.n_group,
                                       cfg.topk_group, cfg.norm_topk_prob,
                                       cfg.routed_scaling_factor)
@@ -104,9 +107,11 @@ def route(logits: torch.Tensor, cfg: MoeConfig, bias: torch.Tensor | None = None
 
 
 class Router(nn.Module):
-    """The gate: `weight [E, hidden]` and, for noaux_tc, `e_score_correction_bias [E]` (HF
-    names). DeepSeek's logits are computed in fp32 (`cfg.gate_fp32`), Qwen3's in x's dtype.
-    `ops`: the compiled CPU operators (`route`), or None."""
+    """DeepSeek's gate: `weight [E, hidden]` and, for noaux_tc, `e_score_correction_bias [E]`
+    (HF names). The logits are computed in fp32 where `cfg.gate_fp32` (DeepSeek), else in x's
+    dtype. `ops`: the compiled CPU operators (`route`), or None. Qwen3-MoE's gate is a plain
+    linear layer (`qwen3.SparseMoeBlock`), so that it is packed for the linear kernels with the
+    model's other linears."""
 
     def __init__(self, hidden_size: int, cfg: MoeConfig, ops: ModuleType | None = None) -> None:
         super().__init__()

@@ -6,8 +6,9 @@ a sparse block of routed experts (softmax top-k, no shared experts) in the layer
 Everything but the layers is `LlamaForCausalLM`'s (rotary tables, q|k|v and gate|up fusing
 at load) or its `DecoderStack`'s (embeddings, forward loop, logits). With the compiled CPU
 operators (`ops`, a bf16 model on CPU) the norms (q and k heads' included), a dense MLP's
-activation, rotary, the KV store and paged attention (where `kernels.covers_attention`) run on
-them, each layer through Python; the routed experts are `packed_experts.py`'s.
+activation, rotary, the KV store, paged attention (where `kernels.covers_attention`) and the
+MoE routing run on them, each layer through Python; the routed experts are
+`packed_experts.py`'s, the router's linear packed with the others (`packed_linear.py`).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from pdserve.engine.kernels import covers_attention
 from pdserve.engine.model.attention import AttentionMetadata, paged_attention
 from pdserve.engine.model.llama import MLP, LlamaForCausalLM, RMSNorm
 from pdserve.engine.model.moe import Experts, stack_expert_weights
-from pdserve.engine.model.moe_gate import Router
+from pdserve.engine.model.moe_gate import route
 from pdserve.engine.model.rope import StepRope
 
 
@@ -57,16 +58,19 @@ class Qwen3Attention(nn.Module):
 
 
 class SparseMoeBlock(nn.Module):
-    """Qwen3-MoE's MoE MLP (transformers' `Qwen3MoeSparseMoeBlock`): `gate.weight [E, hidden]`
-    and the stacked `experts`."""
+    """Qwen3-MoE's MoE MLP (transformers' `Qwen3MoeSparseMoeBlock`): the router's logits from
+    `gate.weight [E, hidden]` (a linear layer in x's dtype, packed like the others), softmax
+    top-k routing (`moe_gate.route`), the stacked `experts`. `ops`: the compiled CPU operators
+    for the routing, or None."""
 
-    def __init__(self, hidden_size: int, moe: MoeConfig) -> None:
+    def __init__(self, hidden_size: int, moe: MoeConfig, ops: ModuleType | None = None) -> None:
         super().__init__()
-        self.gate = Router(hidden_size, moe)
+        self.cfg, self.ops = moe, ops
+        self.gate = nn.Linear(hidden_size, moe.num_experts, bias=False)
         self.experts = Experts(moe.num_experts, hidden_size, moe.intermediate_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = self.gate(x)  # [T, k] each
+        weights, ids = route(self.gate(x), self.cfg, ops=self.ops)  # [T, k] each
         return self.experts(x, ids, weights)  # [T, hidden]
 
 
@@ -81,7 +85,7 @@ class Qwen3DecoderLayer(nn.Module):
         self.self_attn = Qwen3Attention(cfg, ops, attention_ops)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
         moe = cfg.moe is not None and cfg.moe.is_moe_layer(index)
-        self.mlp = (SparseMoeBlock(cfg.hidden_size, cfg.moe) if moe
+        self.mlp = (SparseMoeBlock(cfg.hidden_size, cfg.moe, ops) if moe
                     else MLP(cfg.hidden_size, cfg.intermediate_size, ops))
 
     def forward(self, x, residual, rope, kv, meta):

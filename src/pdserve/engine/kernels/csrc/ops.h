@@ -142,6 +142,13 @@ std::tuple<at::Tensor, at::Tensor> noaux_tc_route(const at::Tensor& logits,
                                                   int64_t n_group, int64_t topk_group,
                                                   bool norm_topk_prob, double scaling);
 
+// The softmax top-k routing of Qwen3-MoE, Qwen2-MoE and Mixtral (moe_route.cpp;
+// model/moe_gate.py's `softmax_topk`): logits [T, E] fp32 or bf16 -> (weights [T, k] in the
+// logits' dtype, ids [T, k] int64): the k largest softmax probabilities (fp32), renormalised to
+// sum 1 if `norm_topk_prob`, best first, ties to the lower expert id.
+std::tuple<at::Tensor, at::Tensor> softmax_topk_route(const at::Tensor& logits, int64_t top_k,
+                                                      bool norm_topk_prob);
+
 // MLA decode attention in the absorbed form (mla_decode.cpp), one query row per request:
 // q_nope [B, H, d_n] and q_rope [B, H, d_r] (rotated; rows may be strided); cache: one layer's
 // latent pool [num_blocks, block_size, r + d_r]; block_tables [B, W] int64; lens [B] int64
