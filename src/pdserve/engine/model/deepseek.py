@@ -4,8 +4,11 @@ DeepSeekMoE block (`deepseek_moe.py`) after them (`MoeConfig.is_moe_layer`).
 
 Parameter names follow Hugging Face (transformers' `DeepseekV3ForCausalLM` /
 `DeepseekV2ForCausalLM`) except that a dense layer's gate/up projections are fused into
-`gate_up_proj` and a MoE layer's experts are stacked (`convert_moe_weights`). Runs on PyTorch
-operators only (`kernels.supports` is False for MLA): fp32 runs match transformers to rounding.
+`gate_up_proj` and a MoE layer's experts are stacked (`convert_moe_weights`). No whole-layer
+compiled call (`kernels.supports` is False for MLA): a bf16 model on CPU takes the compiled
+operators for the parts they cover, layer by layer in Python (norms, the MLPs' activation,
+MLA's rotary and absorbed decode, noaux_tc routing, linears and routed experts packed after
+loading); fp32 runs are PyTorch's and match transformers to rounding.
 """
 
 from __future__ import annotations
@@ -25,7 +28,8 @@ from pdserve.engine.model.mla_rope import MlaRotary, MlaStepRope
 
 
 class DeepseekDecoderLayer(nn.Module):
-    """`ops`: the compiled CPU operators for the norms and a dense MLP's activation, or None."""
+    """`ops`: the compiled CPU operators for the norms, MLA, the MoE block or a dense MLP's
+    activation, or None."""
 
     def __init__(self, cfg: ModelConfig, moe: bool, ops: ModuleType | None) -> None:
         super().__init__()
@@ -46,9 +50,9 @@ class DeepseekDecoderLayer(nn.Module):
 
 
 class DeepseekForCausalLM(DecoderStack):
-    """`fused`: the compiled CPU operators, for the norms and dense MLPs only (MLA attention
-    and the router run on PyTorch's, the routed experts on `packed_experts.py`); the stack
-    itself (`self.fused`) never has them."""
+    """`fused`: the compiled CPU operators, handed to each layer's parts (see the module's
+    docstring), or None; the stack itself (`self.fused`) never has them, as its layers are
+    not Llama's."""
 
     def __init__(self, cfg: ModelConfig, max_positions: int, device: torch.device | str,
                  fused: ModuleType | None = None) -> None:
