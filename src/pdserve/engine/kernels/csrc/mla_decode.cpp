@@ -32,10 +32,31 @@ namespace {
 // take at most this many bytes (at least one head).
 constexpr int64_t kItemWeightBytes = 256 << 10;
 
+// kBVec bf16 at p as fp32 in "quad order": on AVX2, a = elements 0-3 and 8-11, b = 4-7 and
+// 12-15, from two unpacks (ATen's natural-order conversion, `load_bf16`, takes a second load
+// and five operations); `quads` turns a pair of vectors from quad order to natural order and
+// back. Elsewhere quad order is natural order.
+#if defined(CPU_CAPABILITY_AVX2)
+inline std::pair<Vec, Vec> load_quads(const bf16* p) {
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  const __m256i zero = _mm256_setzero_si256();  // a bf16 is the top half of its fp32
+  return {Vec(_mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, v))),
+          Vec(_mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, v)))};
+}
+
+inline std::pair<Vec, Vec> quads(const Vec& a, const Vec& b) {
+  return {Vec(_mm256_permute2f128_ps(a, b, 0x20)), Vec(_mm256_permute2f128_ps(a, b, 0x31))};
+}
+#else
+inline std::pair<Vec, Vec> load_quads(const bf16* p) { return load_bf16(p); }
+
+inline std::pair<Vec, Vec> quads(const Vec& a, const Vec& b) { return {a, b}; }
+#endif
+
 // y[0, cols) = sum_i x[i] w(i)[0, cols): x [rows] and y fp32, each row w(i) bf16. A vector-
 // matrix product with the rows streamed once per chunk of 4 kBVec columns, whose sums stay in
-// registers (8 vectors) over all rows; the columns past the last whole chunk go one vector at
-// a time.
+// registers (8 vectors, in quad order until stored) over all rows; the columns past the last
+// whole chunk go one vector at a time.
 template <typename Row>
 void gemv_rows(const float* x, int64_t rows, const Row& w, int64_t cols, float* y) {
   constexpr int64_t kChunk = 4 * kBVec;
@@ -49,13 +70,17 @@ void gemv_rows(const float* x, int64_t rows, const Row& w, int64_t cols, float* 
       const bf16* wi = w(i) + c0;
 #pragma GCC unroll 4
       for (int k = 0; k < 4; ++k) {
-        auto [a, b] = load_bf16(wi + k * kBVec);
+        auto [a, b] = load_quads(wi + k * kBVec);
         acc[2 * k] = at::vec::fmadd(xi, a, acc[2 * k]);
         acc[2 * k + 1] = at::vec::fmadd(xi, b, acc[2 * k + 1]);
       }
     }
-#pragma GCC unroll 8
-    for (int k = 0; k < 8; ++k) acc[k].store(y + c0 + k * kVec);
+#pragma GCC unroll 4
+    for (int k = 0; k < 4; ++k) {
+      auto [a, b] = quads(acc[2 * k], acc[2 * k + 1]);
+      a.store(y + c0 + 2 * k * kVec);
+      b.store(y + c0 + (2 * k + 1) * kVec);
+    }
   }
   for (; c0 < cols; c0 += kVec) {
     const int64_t c = std::min(kVec, cols - c0);
@@ -68,16 +93,34 @@ void gemv_rows(const float* x, int64_t rows, const Row& w, int64_t cols, float* 
   }
 }
 
-// q[0, n) . x[0, n); q fp32, x bf16, summed in fp32.
-float dot(const float* q, const bf16* x, int64_t n) {
-  Vec acc0(0.f), acc1(0.f);
-  int64_t i = 0;
-  for (; i + kBVec <= n; i += kBVec) {
-    auto [x0, x1] = load_bf16(x + i);
-    acc0 = at::vec::fmadd(Vec::loadu(q + i), x0, acc0);
-    acc1 = at::vec::fmadd(Vec::loadu(q + i + kVec), x1, acc1);
+// q[0, n) in place: each whole kBVec block into quad order (`quads`), the tail as it is.
+void to_quads(float* q, int64_t n) {
+  for (int64_t i = 0; i + kBVec <= n; i += kBVec) {
+    auto [a, b] = quads(Vec::loadu(q + i), Vec::loadu(q + i + kVec));
+    a.store(q + i);
+    b.store(q + i + kVec);
   }
-  float total = sum(acc0 + acc1);
+}
+
+// q . x[0, n); q fp32 as `to_quads` leaves it, x bf16, summed in fp32 (four sums in flight).
+float dot(const float* q, const bf16* x, int64_t n) {
+  Vec acc[4] = {Vec(0.f), Vec(0.f), Vec(0.f), Vec(0.f)};
+  int64_t i = 0;
+  for (; i + 2 * kBVec <= n; i += 2 * kBVec) {
+#pragma GCC unroll 2
+    for (int k = 0; k < 2; ++k) {
+      auto [a, b] = load_quads(x + i + k * kBVec);
+      acc[2 * k] = at::vec::fmadd(Vec::loadu(q + i + k * kBVec), a, acc[2 * k]);
+      acc[2 * k + 1] = at::vec::fmadd(Vec::loadu(q + i + k * kBVec + kVec), b, acc[2 * k + 1]);
+    }
+  }
+  if (i + kBVec <= n) {
+    auto [a, b] = load_quads(x + i);
+    acc[0] = at::vec::fmadd(Vec::loadu(q + i), a, acc[0]);
+    acc[1] = at::vec::fmadd(Vec::loadu(q + i + kVec), b, acc[1]);
+    i += kBVec;
+  }
+  float total = sum((acc[0] + acc[1]) + (acc[2] + acc[3]));
   for (; i < n; ++i) total += q[i] * static_cast<float>(x[i]);
   return total;
 }
@@ -108,6 +151,7 @@ void attend_heads(const Shapes& s, int64_t h0, int64_t g, const bf16* q_nope, in
     gemv_rows(q_in, s.d_n, [&](int64_t n) { return uk + n * s.r; }, s.r, qj);
     for (int64_t e = 0; e < s.d_r; ++e)
       qj[s.r + e] = scale * static_cast<float>(q_rope[h * qr_head + e]);
+    to_quads(qj, row);  // as `dot` reads it
   }
   const auto latent = [&](int64_t t) {  // the pool's row of position t: [c_t ; k_rope_t]
     return cache + table[t / s.bs] * s.block_stride + (t % s.bs) * row;
