@@ -166,6 +166,25 @@ def test_the_operators_route_softmax_topk_as_transformers_does(ops, fields, dtyp
                 assert mine[e] == pytest.approx(w, rel=1e-6 if dtype == torch.float32 else 2**-7)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_router_logits_are_the_fp32_gate_products_whatever_the_batch(ops, dtype):
+    """`router_logits`: x . w_e in fp32 (to fp32 rounding) for bf16 or fp32 tokens on strided
+    rows; each token's logits bit for bit the same alone as among 0-6 others."""
+    gen = torch.Generator().manual_seed(7)
+    w = torch.randn(12, 67, generator=gen)  # 67: a vector loop's tail
+    x = torch.randn(7, 80, generator=gen).to(dtype)[:, :67]  # rows 80 apart
+    logits = ops.router_logits(x, w)
+    assert logits.dtype == torch.float32 and logits.shape == (7, 12)
+    torch.testing.assert_close(logits.double(), x.double() @ w.double().T, rtol=1e-5, atol=1e-5)
+    for t in range(7):
+        for n in range(1, 7 - t + 1):
+            assert torch.equal(ops.router_logits(x[t : t + n], w)[0], logits[t])
+    with pytest.raises(RuntimeError, match="the gate weight must be contiguous fp32"):
+        ops.router_logits(x, w.bfloat16())
+    with pytest.raises(RuntimeError, match="x has 67 columns, the gate weight 66"):
+        ops.router_logits(x, w[:, :66].contiguous())
+
+
 def test_the_operators_break_routing_ties_toward_the_lower_expert(ops):
     logits = torch.zeros(1, 12)  # every score equal: groups 0 and 1, then experts 0, 1, 2
     weights, ids = ops.noaux_tc_route(logits, torch.zeros(12), 3, 4, 2, True, 2.5)

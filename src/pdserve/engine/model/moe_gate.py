@@ -109,9 +109,9 @@ def route(logits: torch.Tensor, cfg: MoeConfig, bias: torch.Tensor | None = None
 class Router(nn.Module):
     """DeepSeek's gate: `weight [E, hidden]` and, for noaux_tc, `e_score_correction_bias [E]`
     (HF names). The logits are computed in fp32 where `cfg.gate_fp32` (DeepSeek), else in x's
-    dtype. `ops`: the compiled CPU operators (`route`), or None. Qwen3-MoE's gate is a plain
-    linear layer (`qwen3.SparseMoeBlock`), so that it is packed for the linear kernels with the
-    model's other linears."""
+    dtype. `ops`: the compiled CPU operators (`router_logits`, `route`), or None. Qwen3-MoE's
+    gate is a plain linear layer (`qwen3.SparseMoeBlock`), so that it is packed for the linear
+    kernels with the model's other linears."""
 
     def __init__(self, hidden_size: int, cfg: MoeConfig, ops: ModuleType | None = None) -> None:
         super().__init__()
@@ -124,7 +124,9 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, hidden] -> (weights [T, k], ids [T, k])."""
-        if self.cfg.gate_fp32:
+        if self.cfg.gate_fp32 and self.ops is not None and x.device.type == "cpu":
+            logits = self.ops.router_logits(x, self.weight)  # [T, E] fp32
+        elif self.cfg.gate_fp32:
             logits = F.linear(x.float(), self.weight.float())  # [T, E] fp32
         else:
             logits = F.linear(x, self.weight)  # [T, E]

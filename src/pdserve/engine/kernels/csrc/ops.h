@@ -149,6 +149,11 @@ std::tuple<at::Tensor, at::Tensor> noaux_tc_route(const at::Tensor& logits,
 std::tuple<at::Tensor, at::Tensor> softmax_topk_route(const at::Tensor& logits, int64_t top_k,
                                                       bool norm_topk_prob);
 
+// A MoE router's fp32 logits (router_logits.cpp): x [T, hidden] bf16 or fp32 (rows may be
+// strided), weight [E, hidden] fp32 -> [T, E] fp32, each logit summed in the same order
+// whatever T.
+at::Tensor router_logits(const at::Tensor& x, const at::Tensor& weight);
+
 // MLA decode attention in the absorbed form (mla_decode.cpp), one query row per request:
 // q_nope [B, H, d_n] and q_rope [B, H, d_r] (rotated; rows may be strided); cache: one layer's
 // latent pool [num_blocks, block_size, r + d_r]; block_tables [B, W] int64; lens [B] int64
