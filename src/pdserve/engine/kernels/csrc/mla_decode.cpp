@@ -32,27 +32,6 @@ namespace {
 // take at most this many bytes (at least one head).
 constexpr int64_t kItemWeightBytes = 256 << 10;
 
-// kBVec bf16 at p as fp32 in "quad order": on AVX2, a = elements 0-3 and 8-11, b = 4-7 and
-// 12-15, from two unpacks (ATen's natural-order conversion, `load_bf16`, takes a second load
-// and five operations); `quads` turns a pair of vectors from quad order to natural order and
-// back. Elsewhere quad order is natural order.
-#if defined(CPU_CAPABILITY_AVX2)
-inline std::pair<Vec, Vec> load_quads(const bf16* p) {
-  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  const __m256i zero = _mm256_setzero_si256();  // a bf16 is the top half of its fp32
-  return {Vec(_mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, v))),
-          Vec(_mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, v)))};
-}
-
-inline std::pair<Vec, Vec> quads(const Vec& a, const Vec& b) {
-  return {Vec(_mm256_permute2f128_ps(a, b, 0x20)), Vec(_mm256_permute2f128_ps(a, b, 0x31))};
-}
-#else
-inline std::pair<Vec, Vec> load_quads(const bf16* p) { return load_bf16(p); }
-
-inline std::pair<Vec, Vec> quads(const Vec& a, const Vec& b) { return {a, b}; }
-#endif
-
 // y[0, cols) = sum_i x[i] w(i)[0, cols): x [rows] and y fp32, each row w(i) bf16. A vector-
 // matrix product with the rows streamed once per chunk of 4 kBVec columns, whose sums stay in
 // registers (8 vectors, in quad order until stored) over all rows; the columns past the last
@@ -90,15 +69,6 @@ void gemv_rows(const float* x, int64_t rows, const Row& w, int64_t cols, float* 
       acc = at::vec::fmadd(Vec(x[i]), a, acc);
     }
     acc.store(y + c0, c);
-  }
-}
-
-// q[0, n) in place: each whole kBVec block into quad order (`quads`), the tail as it is.
-void to_quads(float* q, int64_t n) {
-  for (int64_t i = 0; i + kBVec <= n; i += kBVec) {
-    auto [a, b] = quads(Vec::loadu(q + i), Vec::loadu(q + i + kVec));
-    a.store(q + i);
-    b.store(q + i + kVec);
   }
 }
 

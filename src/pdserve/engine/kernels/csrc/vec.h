@@ -24,6 +24,36 @@ inline std::pair<Vec, Vec> load_bf16(const bf16* p, int64_t count = kBVec) {
   return {a, b};
 }
 
+// kBVec bf16 at p as fp32 in "quad order": on AVX2, a = elements 0-3 and 8-11, b = 4-7 and
+// 12-15, from two unpacks (ATen's natural-order conversion, `load_bf16`, takes a second load
+// and five operations); `quads` turns a pair of vectors from quad order to natural order and
+// back. Elsewhere quad order is natural order.
+#if defined(CPU_CAPABILITY_AVX2)
+inline std::pair<Vec, Vec> load_quads(const bf16* p) {
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  const __m256i zero = _mm256_setzero_si256();  // a bf16 is the top half of its fp32
+  return {Vec(_mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, v))),
+          Vec(_mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, v)))};
+}
+
+inline std::pair<Vec, Vec> quads(const Vec& a, const Vec& b) {
+  return {Vec(_mm256_permute2f128_ps(a, b, 0x20)), Vec(_mm256_permute2f128_ps(a, b, 0x31))};
+}
+#else
+inline std::pair<Vec, Vec> load_quads(const bf16* p) { return load_bf16(p); }
+
+inline std::pair<Vec, Vec> quads(const Vec& a, const Vec& b) { return {a, b}; }
+#endif
+
+// q[0, n) in place: each whole kBVec block into quad order (`quads`), the tail as it is.
+inline void to_quads(float* q, int64_t n) {
+  for (int64_t i = 0; i + kBVec <= n; i += kBVec) {
+    auto [a, b] = quads(Vec::loadu(q + i), Vec::loadu(q + i + kVec));
+    a.store(q + i);
+    b.store(q + i + kVec);
+  }
+}
+
 inline void store_bf16(bf16* p, const Vec& a, const Vec& b, int64_t count = kBVec) {
   at::vec::convert_from_float<bf16>(a, b).store(p, count);
 }
