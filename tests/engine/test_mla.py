@@ -107,6 +107,35 @@ def test_the_operators_rotate_in_place_as_pytorch_does_in_fp32(ops, arch, interl
         step.rotate(q[:3, :, 12:])
 
 
+@pytest.mark.parametrize("interleave", [True, False])
+def test_the_operators_store_the_latent_rows_as_norm_rotate_and_copy_do(ops, interleave):
+    """`mla_store_`: each token's [norm(c) ; rotated k_rope] in its slot, bit for bit what
+    `rms_norm` and `mla_rope_` give, from strided rows; other slots untouched; bad slots and
+    shapes refused with the reason."""
+    cfg = ModelConfig.from_hf_dict({**BASE, "rope_scaling": YARN, "rope_interleave": interleave})
+    gen = torch.Generator().manual_seed(5)
+    kv = torch.randn(4, 40, generator=gen).bfloat16()[:, :32]  # [T, r + d_r], rows 40 apart
+    weight = torch.randn(24, generator=gen).bfloat16()
+    step = MlaRotary(cfg, 1024, "cpu", ops).for_step(torch.tensor([0, 5, 63, 700]),
+                                                     torch.bfloat16)
+    cache = torch.randn(3, 4, 32, generator=gen).bfloat16()  # [blocks, block_size, latent]
+    before = cache.clone()
+    blocks, offsets = torch.tensor([2, 0, 2, 1]), torch.tensor([3, 1, 0, 3])
+    ops.mla_store_(kv, weight, 1e-6, step.cos, step.sin, interleave, cache, blocks, offsets)
+    rope = kv[:, 24:].clone()[:, None, :]
+    ops.mla_rope_(rope, step.cos, step.sin, interleave)
+    expected = torch.cat([ops.rms_norm(kv[:, :24].contiguous(), weight, 1e-6), rope[:, 0]], 1)
+    assert torch.equal(cache[blocks, offsets], expected)
+    cache[blocks, offsets] = before[blocks, offsets]
+    assert torch.equal(cache, before)
+    with pytest.raises(RuntimeError, match=r"slot \(block 3, offset 0\) is outside the pool"):
+        ops.mla_store_(kv, weight, 1e-6, step.cos, step.sin, interleave, cache,
+                       torch.tensor([2, 0, 3, 1]), offsets)
+    with pytest.raises(RuntimeError, match=r"kv must be bf16 \[T, 32\]"):
+        ops.mla_store_(kv[:, :30], weight, 1e-6, step.cos, step.sin, interleave, cache,
+                       blocks, offsets)
+
+
 def test_latent_pool_is_one_row_per_token_per_layer_in_contiguous_blocks():
     cfg = ModelConfig.from_hf_dict(BASE)
     cache = KVCache(cfg, num_blocks=5, block_size=16, dtype=torch.float32)

@@ -105,24 +105,42 @@ class MlaAttention(nn.Module):
             q = self.q_proj(x)
         q_nope, q_rope = q.view(t, self.h, -1).split([self.d_nope, self.d_rope], dim=-1)
         q_rope = rope.rotate(q_rope)  # [T, H, d_r]
-        c, k_rope = self.kv_a_proj_with_mqa(x).split([self.r, self.d_rope], dim=-1)
-        c = self.kv_a_layernorm(c)[0]  # [T, r]
-        k_rope = rope.rotate(k_rope[:, None, :])[:, 0]  # [T, d_r]
-        latent = torch.cat([c, k_rope], dim=-1)  # [T, r + d_r]
-        cache[meta.slot_blocks, meta.slot_offsets] = latent
+        latent = self._store(self.kv_a_proj_with_mqa(x), rope, cache, meta)
+        if not meta.prefills and len(meta.decode_groups) == 1:  # every row one decode group
+            o = self._decode(q_nope, q_rope, cache, meta.decode_groups[0])  # [T, H, d_v]
+            return self.o_proj(o.reshape(t, self.h * self.d_v))
         o = x.new_empty(t, self.h, self.d_v)  # [T, H, d_v]
         for seq in meta.prefills:
             rows = slice(seq.token_start, seq.token_start + seq.num_tokens)
-            o[rows] = self._prefill(q_nope[rows], q_rope[rows], latent[rows], cache, seq)
+            new = None if latent is None else latent[rows]
+            o[rows] = self._prefill(q_nope[rows], q_rope[rows], new, cache, seq)
         for group in meta.decode_groups:
             o[group.rows] = self._decode(q_nope[group.rows], q_rope[group.rows], cache, group)
         return self.o_proj(o.reshape(t, self.h * self.d_v))
 
-    def _prefill(self, q_nope: torch.Tensor, q_rope: torch.Tensor, latent: torch.Tensor,
+    def _store(self, kv: torch.Tensor, rope: MlaStepRope, cache: torch.Tensor,
+               meta: AttentionMetadata) -> torch.Tensor | None:
+        """kv [T, r + d_r] (kv_a_proj_with_mqa's output) -> this step's latent rows [norm(c) ;
+        rotated k_rope], written into the pool at the step's slots and returned [T, r + d_r];
+        on the operators one `mla_store_` call (the same bits) that returns None: a prefill
+        reads its rows back from the pool."""
+        if self._ops is not None:
+            self._ops.mla_store_(kv, self.kv_a_layernorm.weight, LATENT_NORM_EPS, rope.cos,
+                                 rope.sin, rope.interleave, cache, meta.slot_blocks,
+                                 meta.slot_offsets)
+            return None
+        c, k_rope = kv.split([self.r, self.d_rope], dim=-1)
+        c = self.kv_a_layernorm(c)[0]  # [T, r]
+        k_rope = rope.rotate(k_rope[:, None, :])[:, 0]  # [T, d_r]
+        latent = torch.cat([c, k_rope], dim=-1)  # [T, r + d_r]
+        cache[meta.slot_blocks, meta.slot_offsets] = latent
+        return latent
+
+    def _prefill(self, q_nope: torch.Tensor, q_rope: torch.Tensor, latent: torch.Tensor | None,
                  cache: torch.Tensor, seq: PrefillSeq) -> torch.Tensor:
-        """q_nope [n, H, d_n], q_rope [n, H, d_r], latent: this step's rows [n, r + d_r]
-        -> [n, H, d_v]."""
-        if seq.mask is not None:  # earlier positions are in the pool, not in this step's rows
+        """q_nope [n, H, d_n], q_rope [n, H, d_r], latent: this step's rows [n, r + d_r], or
+        None to read them from the pool -> [n, H, d_v]."""
+        if seq.mask is not None or latent is None:  # the context's rows, from the pool
             blocks = cache.index_select(0, seq.block_ids)  # [nb, block_size, r + d_r]
             latent = blocks.flatten(0, 1)[: seq.context_len]  # [L, r + d_r]
         length = latent.shape[0]

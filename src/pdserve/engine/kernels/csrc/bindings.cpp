@@ -72,4 +72,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("noaux_tc_route", &pdserve::noaux_tc_route, kFree);
   m.def("softmax_topk_route", &pdserve::softmax_topk_route, kFree);
   m.def("router_logits", &pdserve::router_logits, kFree);
+  m.def("mla_store_", &pdserve::mla_store_, kFree);
 }

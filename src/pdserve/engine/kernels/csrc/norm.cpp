@@ -7,10 +7,7 @@
 #include "vec.h"
 
 namespace pdserve {
-namespace {
 
-// y = w * bf16(s / sqrt(mean(s^2) + eps)) for one row s already rounded to bf16 (Zhang &
-// Sennrich 2019; HF's rounding points: fp32 inside, cast, then the weight in bf16).
 void norm_row(const bf16* s, const bf16* w, bf16* y, int64_t n, float eps) {
   Vec ss(0.f);
   for (int64_t i = 0; i < n; i += kBVec) {
@@ -26,6 +23,8 @@ void norm_row(const bf16* s, const bf16* w, bf16* y, int64_t n, float eps) {
     store_bf16(y + i, wa * na, wb * nb, c);
   }
 }
+
+namespace {
 
 void check(const at::Tensor& x, const at::Tensor& w) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kBFloat16,

@@ -35,6 +35,16 @@ void rope_(at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos,
 // (`interleave`) or the two halves, written de-interleaved: [x1 cos - x2 sin, x2 cos + x1 sin].
 void mla_rope_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, bool interleave);
 
+// One row of each, for the operators that fuse them (norm.cpp, rope.cpp):
+// y = w * bf16(s / sqrt(mean(s^2) + eps)) for a row s of n already rounded to bf16 (Zhang &
+// Sennrich 2019; HF's rounding points: fp32 inside, cast, then the weight in bf16);
+void norm_row(const c10::BFloat16* s, const c10::BFloat16* w, c10::BFloat16* y, int64_t n,
+              float eps);
+// out = MLA's rotation of the row `in` of 2 half (as `mla_rope_`; out may be in), a and b fp32
+// scratch of half each.
+void rotate_mla_row(const c10::BFloat16* in, c10::BFloat16* out, const float* c, const float* s,
+                    int64_t half, bool interleave, float* a, float* b);
+
 // Checks that k_cache and v_cache are one layer's views of the pool:
 // [num_blocks, block_size, KVH, D], same shape and strides, each slot's KVH x D contiguous.
 void check_kv_cache(const at::Tensor& k_cache, const at::Tensor& v_cache);
@@ -43,6 +53,15 @@ void check_kv_cache(const at::Tensor& k_cache, const at::Tensor& v_cache);
 // block slot_blocks[r] of k_cache and v_cache [num_blocks, block_size, KVH, D].
 void store_kv_(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at::Tensor& v_cache,
                const at::Tensor& slot_blocks, const at::Tensor& slot_offsets);
+
+// MLA's latent rows into its pool (model/mla_attention.py): row r of kv [T, r + d_r] bf16 (the
+// kv_a_proj_with_mqa output; rows may be strided) becomes [norm(c), rotated k_rope] (the
+// latent norm `norm_row` with weight [r] and eps, the rotation `rotate_mla_row` by cos and
+// sin [T, d_r / 2] fp32) in slot slot_offsets[r] of block slot_blocks[r] of cache
+// [num_blocks, block_size, r + d_r]: the same bits as rms_norm, mla_rope_ and a copy.
+void mla_store_(const at::Tensor& kv, const at::Tensor& norm_weight, double eps,
+                const at::Tensor& cos, const at::Tensor& sin, bool interleave, at::Tensor& cache,
+                const at::Tensor& slot_blocks, const at::Tensor& slot_offsets);
 
 // Decode's block tables [B, W] int64 (contiguous) and lens [B] int64: every length fits its
 // table's W blocks of block_size, and every block a length reaches is inside the pool.

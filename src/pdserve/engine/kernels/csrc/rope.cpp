@@ -25,6 +25,18 @@ void rotate_half(const float* x, const float* x_shifted, const float* c, const f
 
 }  // namespace
 
+void rotate_mla_row(const bf16* in, bf16* out, const float* c, const float* s, int64_t half,
+                    bool interleave, float* a, float* b) {
+  for (int64_t i = 0; i < half; ++i) {  // the pairs: adjacent, or the two halves
+    a[i] = static_cast<float>(interleave ? in[2 * i] : in[i]);
+    b[i] = static_cast<float>(interleave ? in[2 * i + 1] : in[half + i]);
+  }
+  for (int64_t i = 0; i < half; ++i) {  // RoFormer eq. 34, written de-interleaved
+    out[i] = static_cast<bf16>(a[i] * c[i] - b[i] * s[i]);
+    out[half + i] = static_cast<bf16>(b[i] * c[i] + a[i] * s[i]);
+  }
+}
+
 void rope_(at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos,
            const at::Tensor& sin_signed, int64_t heads, int64_t head_dim) {
   TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1 && qkv.scalar_type() == at::kBFloat16,
@@ -78,21 +90,11 @@ void mla_rope_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, bool
   bf16* base = x.data_ptr<bf16>();
   at::parallel_for(0, t, 8, [&](int64_t r0, int64_t r1) {
     std::vector<float> a(half), b(half);
-    for (int64_t r = r0; r < r1; ++r) {
-      const float* c = cp + r * half;
-      const float* s = sp + r * half;
+    for (int64_t r = r0; r < r1; ++r)
       for (int64_t h = 0; h < heads; ++h) {
         bf16* p = base + r * x.stride(0) + h * x.stride(1);
-        for (int64_t i = 0; i < half; ++i) {  // the pairs: adjacent, or the two halves
-          a[i] = static_cast<float>(interleave ? p[2 * i] : p[i]);
-          b[i] = static_cast<float>(interleave ? p[2 * i + 1] : p[half + i]);
-        }
-        for (int64_t i = 0; i < half; ++i) {  // RoFormer eq. 34, written de-interleaved
-          p[i] = static_cast<bf16>(a[i] * c[i] - b[i] * s[i]);
-          p[half + i] = static_cast<bf16>(b[i] * c[i] + a[i] * s[i]);
-        }
+        rotate_mla_row(p, p, cp + r * half, sp + r * half, half, interleave, a.data(), b.data());
       }
-    }
   });
 }
 
