@@ -10,19 +10,22 @@ import torch
 
 H, R, D_N, D_R, D_V, BS = 3, 40, 24, 8, 20, 4  # none a multiple of a vector
 LENS = [1, 7, 13]  # one position, part of a block, several blocks
+# Widths past the operator's column chunks (64 bf16 on AVX2, 128 on AVX-512) with a tail.
+WIDE = {"h": 2, "r": 136, "d_n": 24, "d_r": 16, "d_v": 144}
 
 
-def _inputs(seed: int = 0) -> dict[str, torch.Tensor]:
+def _inputs(seed: int = 0, h: int = H, r: int = R, d_n: int = D_N, d_r: int = D_R,
+            d_v: int = D_V) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
 
     def rand(*shape: int) -> torch.Tensor:
         return (torch.randn(*shape, generator=gen) * 0.5).bfloat16()
 
-    q = rand(len(LENS), H, D_N + D_R)  # as the model splits q_b_proj's output: strided heads
+    q = rand(len(LENS), h, d_n + d_r)  # as the model splits q_b_proj's output: strided heads
     blocks = torch.randperm(16, generator=gen)[: 4 * len(LENS)].view(len(LENS), 4)
-    return {"q_nope": q[..., :D_N], "q_rope": rand(len(LENS), H, D_R),
-            "cache": rand(16, BS, R + D_R), "block_tables": blocks.contiguous(),
-            "lens": torch.tensor(LENS), "w_uk": rand(H, D_N, R), "w_uv": rand(H, R, D_V)}
+    return {"q_nope": q[..., :d_n], "q_rope": rand(len(LENS), h, d_r),
+            "cache": rand(16, BS, r + d_r), "block_tables": blocks.contiguous(),
+            "lens": torch.tensor(LENS), "w_uk": rand(h, d_n, r), "w_uv": rand(h, r, d_v)}
 
 
 def _reference(a: dict[str, torch.Tensor], scale: float) -> torch.Tensor:
@@ -30,11 +33,13 @@ def _reference(a: dict[str, torch.Tensor], scale: float) -> torch.Tensor:
     attention of [q_nope ; q_rope] (DeepSeek-V2 paper, eqs. 10-18), fp64 -> [B, H, d_v]."""
     out = []
     w_uk, w_uv = a["w_uk"].double(), a["w_uv"].double()
+    h, _, r = w_uk.shape
+    d_r = a["q_rope"].shape[-1]
     for b, length in enumerate(a["lens"].tolist()):
         rows = a["cache"][a["block_tables"][b]].flatten(0, 1)[:length].double()  # [L, r + d_r]
-        c, k_rope = rows.split([R, D_R], dim=-1)
+        c, k_rope = rows.split([r, d_r], dim=-1)
         k = torch.cat([torch.einsum("hnr,lr->hln", w_uk, c),
-                       k_rope[None].expand(H, length, D_R)], dim=-1)  # [H, L, d_n + d_r]
+                       k_rope[None].expand(h, length, d_r)], dim=-1)  # [H, L, d_n + d_r]
         v = torch.einsum("hrv,lr->hlv", w_uv, c)  # [H, L, d_v]
         q = torch.cat([a["q_nope"][b], a["q_rope"][b]], dim=-1).double()  # [H, d_n + d_r]
         p = torch.softmax(scale * torch.einsum("hd,hld->hl", q, k), dim=-1)
@@ -47,14 +52,16 @@ def _call(ops, a: dict[str, torch.Tensor], scale: float = 0.15) -> torch.Tensor:
                           a["w_uk"], a["w_uv"], scale)
 
 
-def test_mla_decode_equals_expanded_attention_to_bf16_rounding(ops):
-    a = _inputs()
+@pytest.mark.parametrize("sizes", [{}, WIDE], ids=["odd", "wide"])
+def test_mla_decode_equals_expanded_attention_to_bf16_rounding(ops, sizes):
+    a = _inputs(**sizes)
     out = _call(ops, a)
-    assert out.dtype == torch.bfloat16 and out.shape == (len(LENS), H, D_V)
+    assert out.dtype == torch.bfloat16 and out.shape == (len(LENS), sizes.get("h", H),
+                                                         sizes.get("d_v", D_V))
     expected = _reference(a, 0.15)
     torch.testing.assert_close(out.double(), expected, rtol=1e-2, atol=1e-2)
     # the one-position context attends only its own row: softmax weight 1
-    only = a["cache"][a["block_tables"][0, 0], 0, :R].double()
+    only = a["cache"][a["block_tables"][0, 0], 0, : a["w_uk"].shape[2]].double()
     torch.testing.assert_close(out[0].double(), torch.einsum("hrv,r->hv", a["w_uv"].double(), only),
                                rtol=1e-2, atol=1e-2)
 
