@@ -30,7 +30,7 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     kinds = bench.add_subparsers(dest="bench", required=True)
     for add in (_add_engine, _add_decode_context, _add_attention, _add_transfer,
                 _add_layerwise, _add_serve, _add_compare, _add_simulator, _add_router,
-                _add_hostile, _add_chaos, _add_flip, _add_moe):
+                _add_hostile, _add_chaos, _add_flip, _add_moe, _add_moe_ops):
         add(kinds)
 
 
@@ -93,6 +93,30 @@ def _add_moe(kinds: argparse._SubParsersAction) -> None:
                      help="torch threads for the steps and the bandwidth (default: every core)")
     moe.add_argument("--json", action="store_true", help="one JSON object per measurement")
     moe.set_defaults(func=_bench_moe)
+
+
+def _add_moe_ops(kinds: argparse._SubParsersAction) -> None:
+    ops = kinds.add_parser(
+        "moe-ops", help="MoE/MLA decode operators vs the PyTorch path they replace",
+        description="One call of each compiled operator of a MoE or MLA decode layer (MLA's "
+                    "absorbed decode attention, DeepSeek's router, Qwen3-MoE's gate and "
+                    "routing) beside the engine's PyTorch path for the same inputs, at a real "
+                    "layer's shape, bf16, each call after a cache flush (the weights come from "
+                    "memory, as in a step). Both sides' outputs are compared first. Medians of "
+                    "--repeats calls.")
+    ops.add_argument("--hidden", type=int, default=2048, help="default: %(default)s")
+    ops.add_argument("--heads", type=int, default=16, help="MLA heads (default: %(default)s)")
+    ops.add_argument("--kv-lora-rank", type=int, default=512, help="default: %(default)s")
+    ops.add_argument("--batches", default="1,4", help="decode batch sizes (default: "
+                                                      "%(default)s)")
+    ops.add_argument("--contexts", default="256,2048",
+                     help="MLA context lengths in positions (default: %(default)s)")
+    ops.add_argument("--experts", type=int, default=64,
+                     help="DeepSeek's routed experts (default: %(default)s)")
+    ops.add_argument("--qwen3-experts", type=int, default=128, help="default: %(default)s")
+    ops.add_argument("--repeats", type=int, default=20, help="default: %(default)s")
+    ops.add_argument("--json", action="store_true", help="one JSON object per measurement")
+    ops.set_defaults(func=_bench_moe_ops)
 
 
 def _add_transfer(kinds: argparse._SubParsersAction) -> None:
@@ -374,6 +398,19 @@ def _bench_moe(args: argparse.Namespace) -> int:
     return main(MoeBenchSettings(models=models, batches=batches, shape=shape,
                                  prompt_len=args.prompt_len, decode_steps=args.decode_steps,
                                  repeats=args.repeats, threads=args.threads), args.json)
+
+
+def _bench_moe_ops(args: argparse.Namespace) -> int:
+    from pdserve.bench.moe_ops_bench import MoeOpsSettings, main
+
+    try:
+        batches = tuple(int(b) for b in args.batches.split(","))
+        contexts = tuple(int(n) for n in args.contexts.split(","))
+    except ValueError:
+        raise ValueError("--batches and --contexts take comma-separated lists of integers"
+                         ) from None
+    return main(MoeOpsSettings(args.hidden, args.heads, args.kv_lora_rank, batches, contexts,
+                               args.experts, args.qwen3_experts, args.repeats), args.json)
 
 
 def _bench_transfer(args: argparse.Namespace) -> int:
