@@ -108,8 +108,8 @@ def route(logits: torch.Tensor, cfg: MoeConfig, bias: torch.Tensor | None = None
 
 class Router(nn.Module):
     """DeepSeek's gate: `weight [E, hidden]` and, for noaux_tc, `e_score_correction_bias [E]`
-    (HF names). The logits are computed in fp32 where `cfg.gate_fp32` (DeepSeek), else in x's
-    dtype. `ops`: the compiled CPU operators (`router_logits`, `route`), or None. Qwen3-MoE's
+    (HF names); the logits are computed in fp32 (`cfg.gate_fp32`, as transformers keeps this
+    router). `ops`: the compiled CPU operators (`router_logits`, `route`), or None. Qwen3-MoE's
     gate is a plain linear layer (`qwen3.SparseMoeBlock`), so that it is packed for the linear
     kernels with the model's other linears."""
 
@@ -124,10 +124,8 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, hidden] -> (weights [T, k], ids [T, k])."""
-        if self.cfg.gate_fp32 and self.ops is not None and x.device.type == "cpu":
+        if self.ops is not None and x.device.type == "cpu":
             logits = self.ops.router_logits(x, self.weight)  # [T, E] fp32
-        elif self.cfg.gate_fp32:
-            logits = F.linear(x.float(), self.weight.float())  # [T, E] fp32
         else:
-            logits = F.linear(x, self.weight)  # [T, E]
+            logits = F.linear(x.float(), self.weight.float())  # [T, E] fp32
         return route(logits, self.cfg, self.e_score_correction_bias, self.ops)
