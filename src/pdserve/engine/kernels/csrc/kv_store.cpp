@@ -87,12 +87,7 @@ void mla_store_(const at::Tensor& kv, const at::Tensor& norm_weight, double eps,
               "the norm weight must be contiguous bf16 [r], r < ", width,
               " leaving an even rotary width");
   const int64_t half = (width - r) / 2;
-  const auto table = [&](const at::Tensor& z) {
-    return z.scalar_type() == at::kFloat && z.is_contiguous() && z.dim() == 2 &&
-           z.size(0) == t && z.size(1) == half;
-  };
-  TORCH_CHECK(table(cos) && table(sin), "cos and sin must be contiguous fp32 [", t, ", ", half,
-              "]: one row per row of kv");
+  check_mla_tables(cos, sin, t, half, "kv");
   check_slots(slot_blocks, slot_offsets, t, cache.size(0), cache.size(1));
   const int64_t* blocks = slot_blocks.data_ptr<int64_t>();
   const int64_t* offsets = slot_offsets.data_ptr<int64_t>();

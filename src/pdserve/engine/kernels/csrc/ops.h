@@ -35,11 +35,14 @@ void rope_(at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos,
 // (`interleave`) or the two halves, written de-interleaved: [x1 cos - x2 sin, x2 cos + x1 sin].
 void mla_rope_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, bool interleave);
 
-// One row of each, for the operators that fuse them (norm.cpp, rope.cpp):
+// Pieces of the operators above, for the ones that fuse them (norm.cpp, rope.cpp):
 // y = w * bf16(s / sqrt(mean(s^2) + eps)) for a row s of n already rounded to bf16 (Zhang &
 // Sennrich 2019; HF's rounding points: fp32 inside, cast, then the weight in bf16);
 void norm_row(const c10::BFloat16* s, const c10::BFloat16* w, c10::BFloat16* y, int64_t n,
               float eps);
+// MLA's cos and sin: contiguous fp32 [t, half], one row per row of `rows` (named in the error);
+void check_mla_tables(const at::Tensor& cos, const at::Tensor& sin, int64_t t, int64_t half,
+                      const char* rows);
 // out = MLA's rotation of the row `in` of 2 half (as `mla_rope_`; out may be in), a and b fp32
 // scratch of half each.
 void rotate_mla_row(const c10::BFloat16* in, c10::BFloat16* out, const float* c, const float* s,

@@ -25,6 +25,16 @@ void rotate_half(const float* x, const float* x_shifted, const float* c, const f
 
 }  // namespace
 
+void check_mla_tables(const at::Tensor& cos, const at::Tensor& sin, int64_t t, int64_t half,
+                      const char* rows) {
+  const auto table = [&](const at::Tensor& z) {
+    return z.scalar_type() == at::kFloat && z.is_contiguous() && z.dim() == 2 &&
+           z.size(0) == t && z.size(1) == half;
+  };
+  TORCH_CHECK(table(cos) && table(sin), "cos and sin must be contiguous fp32 [", t, ", ", half,
+              "]: one row per row of ", rows);
+}
+
 void rotate_mla_row(const bf16* in, bf16* out, const float* c, const float* s, int64_t half,
                     bool interleave, float* a, float* b) {
   for (int64_t i = 0; i < half; ++i) {  // the pairs: adjacent, or the two halves
@@ -79,12 +89,7 @@ void mla_rope_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, bool
                   x.size(2) % 2 == 0,
               "x must be bf16 [T, heads, d] with contiguous heads and d even");
   const int64_t t = x.size(0), heads = x.size(1), half = x.size(2) / 2;
-  const auto table = [&](const at::Tensor& z) {
-    return z.scalar_type() == at::kFloat && z.is_contiguous() && z.dim() == 2 &&
-           z.size(0) == t && z.size(1) == half;
-  };
-  TORCH_CHECK(table(cos) && table(sin), "cos and sin must be contiguous fp32 [", t, ", ", half,
-              "]: one row per row of x");
+  check_mla_tables(cos, sin, t, half, "x");
   const float* cp = cos.data_ptr<float>();
   const float* sp = sin.data_ptr<float>();
   bf16* base = x.data_ptr<bf16>();
