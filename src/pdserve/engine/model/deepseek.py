@@ -7,8 +7,9 @@ Parameter names follow Hugging Face (transformers' `DeepseekV3ForCausalLM` /
 `gate_up_proj` and a MoE layer's experts are stacked (`convert_moe_weights`). No whole-layer
 compiled call (`kernels.supports` is False for MLA): a bf16 model on CPU takes the compiled
 operators for the parts they cover, layer by layer in Python (norms, the MLPs' activation,
-MLA's rotary and absorbed decode, noaux_tc routing, linears and routed experts packed after
-loading); fp32 runs are PyTorch's and match transformers to rounding.
+MLA's rotary, latent store and absorbed decode, the router's fp32 logits and noaux_tc routing,
+linears and routed experts packed after loading); fp32 runs are PyTorch's and match
+transformers to rounding.
 """
 
 from __future__ import annotations
