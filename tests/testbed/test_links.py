@@ -68,8 +68,10 @@ def test_delay_shows_in_the_round_trip_and_changes_live(
 
 def test_jitter_varies_the_round_trip_within_its_bounds(
         make_bed: Callable[..., BedState]) -> None:
-    bed = make_bed(HOSTS, LinkShape(gbps=1, delay_ms=20, jitter_ms=20))
+    bed = make_bed(HOSTS, LinkShape(gbps=1))
     _can_delay(bed)
+    for host in HOSTS:
+        bed = lifecycle.set_link(bed.topology.prefix, host, delay_ms=20, jitter_ms=20)
     rtts = [measure(bed, "p0", "d0", CUT).rtt_ms for _ in range(12)]
     # each way 20 ms +- 10 (two links, each +- 5): round trips 20-60 ms, not all alike
     assert min(rtts) >= 19 and max(rtts) - min(rtts) > 3, rtts
@@ -77,7 +79,10 @@ def test_jitter_varies_the_round_trip_within_its_bounds(
 
 def test_the_delay_line_ends_when_no_link_delays_and_down_leaves_nothing(
         make_bed: Callable[..., BedState]) -> None:
-    bed = make_bed(HOSTS, LinkShape(gbps=1, delay_ms=10))
+    bed = make_bed(HOSTS, LinkShape(gbps=1))
+    _can_delay(bed)
+    for host in HOSTS:
+        bed = lifecycle.set_link(bed.topology.prefix, host, delay_ms=10)
     if bed.delay is not DelayMethod.QUEUE:
         pytest.skip(f"the links delay by {bed.delay.value}, not the delay line")
     switch = bed.topology.switch_namespace
