@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from pdserve.bench.moe_ops_bench import MoeOpsSettings, _same
+from pdserve.bench.moe_ops_bench import MoeOpsSettings, check_same
 from pdserve.cli import main
 from pdserve.engine import kernels
 
@@ -43,6 +43,6 @@ def test_a_run_times_each_operator_beside_its_pytorch_path(capsys):
 
 def test_sides_that_disagree_stop_the_run():
     a = torch.ones(4)
-    _same("op", a, a + 1e-3, 2e-2)
+    check_same("op", a, a + 1e-3, 2e-2)
     with pytest.raises(RuntimeError, match=r"op: the operators and PyTorch disagree by 0\.5"):
-        _same("op", a, a + 0.5, 2e-2)
+        check_same("op", a, a + 0.5, 2e-2)

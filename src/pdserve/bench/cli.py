@@ -28,7 +28,8 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     bench = subparsers.add_parser(
         "bench", help="benchmarks, each beside a baseline measured in the same run")
     kinds = bench.add_subparsers(dest="bench", required=True)
-    for add in (_add_engine, _add_decode_context, _add_attention, _add_transfer,
+    for add in (_add_engine, _add_decode_context, _add_attention, _add_decode_attention,
+                _add_transfer,
                 _add_layerwise, _add_serve, _add_compare, _add_simulator, _add_router,
                 _add_hostile, _add_chaos, _add_flip, _add_moe, _add_moe_ops):
         add(kinds)
@@ -182,6 +183,26 @@ def _add_attention(kinds: argparse._SubParsersAction) -> None:
     att.set_defaults(func=_bench_attention)
 
 
+def _add_decode_attention(kinds: argparse._SubParsersAction) -> None:
+    dec = kinds.add_parser(
+        "decode-attention",
+        help="the compiled paged decode attention vs PyTorch and a plain read of its KV",
+        description="One layer's decode attention (one new query per stream over its whole "
+                    "context, the blocks scattered over the pool) at several batch sizes and "
+                    "context lengths: pdserve's compiled kernel beside the engine's PyTorch path "
+                    "(gather and SDPA) and beside a plain read of the same KV bytes (the "
+                    "memory's speed, this kernel's roof), bf16, this process's threads, each "
+                    "call after a cache flush. Medians of --repeats calls.")
+    dec.add_argument("--batches", default="1,8", help="streams (default: %(default)s)")
+    dec.add_argument("--contexts", default="512,2048,8192",
+                     help="positions each stream attends to (default: %(default)s)")
+    dec.add_argument("--shape", default="9,3,64",
+                     help="heads,kv_heads,head_dim (default: %(default)s, SmolLM2-135M)")
+    dec.add_argument("--repeats", type=int, default=9, help="default: %(default)s")
+    dec.add_argument("--json", action="store_true", help="one JSON object per measurement")
+    dec.set_defaults(func=_bench_decode_attention)
+
+
 def _add_layerwise(kinds: argparse._SubParsersAction) -> None:
     lw = kinds.add_parser(
         "layerwise", help="what layer-wise KV streaming saves on one long prompt",
@@ -330,6 +351,20 @@ def _bench_attention(args: argparse.Namespace) -> int:
                          "--prompt-lens a comma-separated list of integers") from None
     return main(AttentionSettings(lengths, args.cached, heads, kv_heads, head_dim,
                                   args.repeats), args.json)
+
+
+def _bench_decode_attention(args: argparse.Namespace) -> int:
+    from pdserve.bench.decode_attention_bench import DecodeAttentionSettings, main
+
+    try:
+        heads, kv_heads, head_dim = (int(x) for x in args.shape.split(","))
+        batches = tuple(int(b) for b in args.batches.split(","))
+        contexts = tuple(int(n) for n in args.contexts.split(","))
+    except ValueError:
+        raise ValueError("--shape takes three integers (heads,kv_heads,head_dim), --batches "
+                         "and --contexts comma-separated lists of integers") from None
+    return main(DecodeAttentionSettings(heads, kv_heads, head_dim, batches, contexts,
+                                        args.repeats), args.json)
 
 
 def _add_decode_context(kinds: argparse._SubParsersAction) -> None:

@@ -39,7 +39,7 @@ from pdserve.engine.model.moe_gate import Router, route
 from pdserve.engine.model.packed_linear import pack_linears
 
 BLOCK = 16
-_FLUSH_BYTES = 64 << 20
+FLUSH_BYTES = 64 << 20
 
 
 @dataclass(frozen=True)
@@ -106,7 +106,7 @@ def _deepseek_config(s: MoeOpsSettings) -> dict:
             "rope_theta": 10000.0}
 
 
-def _same(name: str, ours: torch.Tensor, theirs: torch.Tensor, tol: float) -> None:
+def check_same(name: str, ours: torch.Tensor, theirs: torch.Tensor, tol: float) -> None:
     diff = (ours.float() - theirs.float()).abs().max().item()
     scale = theirs.float().abs().max().item()
     if diff > tol * max(1.0, scale):
@@ -142,7 +142,7 @@ def mla_rows(cfg: ModelConfig, ops, s: MoeOpsSettings, flush: torch.Tensor) -> l
             q_nope, q_rope = q.split([mla.qk_nope_head_dim, mla.qk_rope_head_dim], dim=-1)
             mine = functools.partial(ours._decode, q_nope, q_rope, cache, group)
             other = functools.partial(theirs._decode, q_nope, q_rope, cache, group)
-            _same("mla_decode", mine(), other(), 2e-2)
+            check_same("mla_decode", mine(), other(), 2e-2)
             rows.append(_row("mla_decode", f"B{b} L{length}", mine, other, s, flush))
     return rows
 
@@ -157,7 +157,7 @@ def router_rows(cfg: dict, ops, s: MoeOpsSettings, flush: torch.Tensor) -> list[
     rows = []
     for b in s.batches:
         x = torch.randn(b, s.hidden, generator=gen).bfloat16()
-        _same("router ids", ours(x)[1].sort(dim=1)[0], theirs(x)[1].sort(dim=1)[0], 0)
+        check_same("router ids", ours(x)[1].sort(dim=1)[0], theirs(x)[1].sort(dim=1)[0], 0)
         rows.append(_row("router", f"B{b} E{s.experts}", functools.partial(ours, x),
                          functools.partial(theirs, x), s, flush))
     return rows
@@ -179,7 +179,7 @@ def qwen3_rows(ops, s: MoeOpsSettings, flush: torch.Tensor) -> list[OpRow]:
         mine = functools.partial(_qwen3_route, gate, x, moe, ops)
         other = functools.partial(_qwen3_route, functools.partial(F.linear, weight=w), x, moe,
                                   None)
-        _same("qwen3 router weights", mine()[0].sort(dim=1)[0], other()[0].sort(dim=1)[0],
+        check_same("qwen3 router weights", mine()[0].sort(dim=1)[0], other()[0].sort(dim=1)[0],
               2e-2)
         rows.append(_row("qwen3_router", f"B{b} E{s.qwen3_experts}", mine, other, s, flush))
     return rows
@@ -197,7 +197,7 @@ def _row(op: str, case: str, mine: Callable[[], object], other: Callable[[], obj
 
 
 def run(s: MoeOpsSettings, ops) -> list[OpRow]:
-    flush = torch.empty(_FLUSH_BYTES // 4)
+    flush = torch.empty(FLUSH_BYTES // 4)
     cfg = _deepseek_config(s)
     with torch.inference_mode():
         return (mla_rows(ModelConfig.from_hf_dict(cfg), ops, s, flush)
