@@ -117,6 +117,38 @@ def test_decode_attention_matches_the_padded_sdpa_path(ops, heads, kvh, d):
     torch.testing.assert_close(got.float(), want.float(), atol=0.02, rtol=0.02)
 
 
+@pytest.mark.parametrize(("heads", "kvh", "d", "bs"), [(9, 3, 64, 16), (4, 1, 128, 4),
+                                                   (16, 2, 128, 16)])
+def test_decode_attention_over_many_tiles_is_fp64_attention_and_batch_invariant(
+        ops, heads, kvh, d, bs):
+    """Contexts of one position, just under, at and past a 64-position tile, and several tiles
+    with a tail, each scattered over random blocks whose free slots hold NaN (never read): the
+    kernel's output is fp64 attention's to bf16 rounding, and a request's result is the same
+    bits alone as in the batch (one KV head per work item alone, every head in the batch)."""
+    gen = torch.Generator().manual_seed(heads * bs)
+    lens = [1, 63, 64, 65, 200, 333]
+    k_cache, v_cache, tables = _paged(gen, lens, kvh, d, bs, num_blocks=6 * -(-333 // bs))
+    for r, n in enumerate(lens):  # the slots past each context in its last block
+        for t in range(n, -(-n // bs) * bs):
+            k_cache[tables[r, t // bs], t % bs] = float("nan")
+            v_cache[tables[r, t // bs], t % bs] = float("nan")
+    q = torch.randn(len(lens), heads, d, generator=gen).to(BF16)
+    lengths = torch.tensor(lens)
+    got = ops.decode_attention(q, k_cache, v_cache, tables, lengths, d**-0.5)
+    g = heads // kvh
+    for r, n in enumerate(lens):
+        blocks = tables[r, : -(-n // bs)]
+        k = k_cache[blocks].flatten(0, 1)[:n].double()  # [n, KVH, D]
+        v = v_cache[blocks].flatten(0, 1)[:n].double()
+        for h in range(heads):
+            p = torch.softmax(k[:, h // g] @ q[r, h].double() * d**-0.5, dim=0)
+            torch.testing.assert_close(got[r, h].double(), p @ v[:, h // g], atol=1e-2,
+                                       rtol=1e-2)
+        alone = ops.decode_attention(q[r:r + 1], k_cache, v_cache, tables[r:r + 1],
+                                     lengths[r:r + 1], d**-0.5)
+        assert torch.equal(alone[0], got[r])
+
+
 def test_decode_attention_refuses_what_it_cannot_read(ops):
     gen = torch.Generator().manual_seed(1)
     k_cache, v_cache, tables = _paged(gen, [20], 3, 64)

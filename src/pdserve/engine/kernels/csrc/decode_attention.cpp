@@ -3,7 +3,7 @@
 
 #include <algorithm>
 #include <cmath>
-#include <initializer_list>
+#include <tuple>
 #include <limits>
 #include <utility>
 #include <vector>
@@ -14,166 +14,144 @@
 namespace pdserve {
 namespace {
 
-// Bytes of the next work item's rows prefetched while the current one runs (`Lookahead`):
-// with the current item's own rows, well inside a core's L2.
-constexpr int64_t kLookahead = 512 << 10;
+// Positions per tile. A request's context is read in tiles (FlashAttention's online softmax,
+// Dao et al. 2022, for one query row per head): a tile's K and V rows stay in L1/L2 between
+// its score and value passes and across the item's KV heads, and the next tile's rows are
+// fetched into L2 while this one is computed. A multiple of kVec.
+constexpr int64_t kTile = 64;
 
-// One request's context in the paged cache: position t is slot t % bs of block
-// table[t / bs]; a slot holds every KV head's row (KVH x D, contiguous), slots are
-// `slot_stride` apart (KVH x D, or more where the view is a tensor-parallel rank's heads of a
-// wider pool), blocks `block_stride` apart.
-struct Context {
-  const int64_t* table;
-  int64_t len, bs, block_stride, slot_stride;
-
-  // f(t, row) for every position's row in `cache` (K or V of this layer, at the head's
-  // offset), walking each block's slots in order. While slot i of a block is read, `span`
-  // bytes at slot i of the next block are prefetched from each of `pre` (the K and the V
-  // cache): in step with the reads, since a whole block's prefetches at once stall on the
-  // core's few outstanding misses. Into L2 (PREFETCHT2), not L1: the rows are read a block
-  // later, and ~1.05-1.3x faster than with PREFETCHT0 here (interleaved A/B, 30 layers).
-  template <typename F>
-  void each(const bf16* cache, std::initializer_list<const bf16*> pre, int64_t span, F f) const {
-    const int64_t slot_bytes = slot_stride * static_cast<int64_t>(sizeof(bf16));
-    for (int64_t b = 0, t = 0; t < len; ++b) {
-      const bf16* row = cache + table[b] * block_stride;
-      const bool ahead = t + bs < len;
-      const int64_t next = ahead ? table[b + 1] * block_stride : 0;
-      for (int64_t i = 0, end = std::min(len, t + bs); t < end; ++t, ++i, row += slot_stride) {
-        for (const bf16* p : pre) {
-          const char* line = reinterpret_cast<const char*>(p + next) + i * slot_bytes;
-          for (int64_t o = 0; ahead && o < span; o += 64) __builtin_prefetch(line + o, 0, 1);
-        }
-        f(t, row);
-      }
-    }
-  }
-};
-
-// The rows the next work item will read, prefetched into L2 a few lines per call while this
-// item runs the passes that find their own rows in cache (all but its first K pass): without
-// it the memory bus idles through those passes, and the next item's first pass waits on
-// every block. Lines run block by block, slot by slot, K and V together; at most
-// kLookahead bytes.
-struct Lookahead {
-  const int64_t* table = nullptr;  // the next item's blocks; null: there is no next item
-  const char* k = nullptr;         // the K and V cache at the next item's first head
+// The next tile's rows (or the next work item's first tile), fetched into L2 one position per
+// `step`, `span` bytes of each slot from `k` and `v`: in step with the reads, since a whole
+// tile's prefetches at once stall on the core's few outstanding misses.
+struct Ahead {
+  const char* k = nullptr;
   const char* v = nullptr;
-  int64_t bs = 0, block_bytes = 0, slot_bytes = 0, span = 0;  // span: bytes of a slot it reads
-  int64_t lines = 0, per_call = 0;  // lines left to fetch; K and V line pairs per call
-  int64_t blk = 0, slot = 0, off = 0;  // the cursor: block, slot, byte offset in the span
+  const int64_t* slots = nullptr;  // element offsets of the positions' rows
+  int64_t n = 0, span = 0, p = 0;
 
   void step() {
-    for (int64_t n = 0; n < per_call && lines > 0; ++n, lines -= 2) {
-      const int64_t at = table[blk] * block_bytes + slot * slot_bytes + off;
-      __builtin_prefetch(k + at, 0, 1);
-      __builtin_prefetch(v + at, 0, 1);
-      if ((off += 64) == span) {
-        off = 0;
-        if (++slot == bs) slot = 0, ++blk;
-      }
+    if (p >= n) return;
+    const char* kr = k + slots[p] * static_cast<int64_t>(sizeof(bf16));
+    const char* vr = v + slots[p] * static_cast<int64_t>(sizeof(bf16));
+    for (int64_t o = 0; o < span; o += 64) {
+      __builtin_prefetch(kr + o, 0, 1);
+      __builtin_prefetch(vr + o, 0, 1);
     }
+    ++p;
   }
 };
 
-// Each row of s [rows, len] becomes exp(s_t - max) in place, and inv[j] = 1 / its sum: the
-// softmax p_t = exp(s_t - max) / sum, with the division left to the output (o = inv * sum_t
-// exp(s_t - max) v_t, one multiply per output instead of one per score).
-void exp_rows(float* s, int64_t rows, int64_t len, float* inv) {
-  const Vec lowest(-std::numeric_limits<float>::infinity());
-  for (int64_t j = 0; j < rows; ++j, s += len) {
-    Vec top = lowest;
-    for (int64_t t = 0; t < len; t += kVec) {
-      const int64_t c = std::min(kVec, len - t);
-      const Vec v = Vec::loadu(s + t, c);
-      top = at::vec::maximum(top, c == kVec ? v : Vec::set(lowest, v, c));
-    }
-    const Vec m(max_lane(top));
-    Vec total(0.f);
-    for (int64_t t = 0; t < len; t += kVec) {
-      const int64_t c = std::min(kVec, len - t);
-      const Vec e = (Vec::loadu(s + t, c) - m).exp_u20();
-      e.store(s + t, c);
-      total = total + (c == kVec ? e : Vec::set(Vec(0.f), e, c));
-    }
-    inv[j] = 1.f / sum(total);
+// Element offsets of positions [t0, t0 + n) of a request's rows in the pool: position t is slot
+// t % bs of block table[t / bs], slots `slot_stride` apart (KVH x D, or more where the view is a
+// tensor-parallel rank's heads of a wider pool), blocks `block_stride` apart.
+void tile_slots(const int64_t* table, int64_t t0, int64_t n, int64_t bs, int64_t block_stride,
+                int64_t slot_stride, int64_t* out) {
+  int64_t b = t0 / bs, i = t0 % bs;
+  for (int64_t p = 0; p < n; ++p) {
+    out[p] = table[b] * block_stride + i * slot_stride;
+    if (++i == bs) i = 0, ++b;
   }
 }
 
-// One KV head of one request and its G query heads, D = NV * kVec: q [G, D] (fp32,
-// pre-scaled) -> out [G, D] fp32. `slot_offset` is the head's row inside a slot; the K pass
-// prefetches `pre_span` bytes from `pre_offset` of each slot of the next block, in K and in V.
-// G and NV are compile-time so that q, the partial sums and the output stay in registers.
+// One tile of n <= kTile positions of one KV head (k and v at the head's offset, rows at
+// `slots`) for its G query heads, D = NV * kVec: q [G, D] fp32, pre-scaled, in quad order
+// (vec.h). Query head j's running softmax is m[j] (max score), l[j] (sum of exp(s - m)) and
+// acc[j] [D] (sum of exp(s - m) v, quad order); per tile (online softmax):
+//   m' = max(m, max_t s_t),  l' = l exp(m - m') + sum_t exp(s_t - m'),
+//   acc' = acc exp(m - m') + sum_t exp(s_t - m') v_t.
+// Scores: each K row is widened once (in chunks of NC vectors held in registers) for all G
+// heads; a head's kVec partial sums per position are kept, and every kVec positions
+// `sum_each` adds them up at once. Values: head by head, NC accumulators in registers over the
+// tile's positions (the rows come from L1). G and NV are compile-time.
 template <int G, int NV>
-void attend(const float* q, const Context& ctx, int64_t slot_offset, int64_t pre_offset,
-            int64_t pre_span, const bf16* k_cache, const bf16* v_cache,
-            std::vector<float>& scores, float* out, Lookahead& ahead) {
-  const int64_t len = ctx.len;
-  scores.resize(G * len);
-  Vec qv[G][NV], x[NV];
-  for (int j = 0; j < G; ++j)
-    for (int i = 0; i < NV; ++i) qv[j][i] = Vec::loadu(q + (j * NV + i) * kVec);
-  auto load = [&](const bf16* p) {
-    for (int i = 0; i < NV; i += 2) std::tie(x[i], x[i + 1]) = load_bf16(p + i * kVec);
-  };
-  const std::initializer_list<const bf16*> pre = {k_cache + pre_offset, v_cache + pre_offset};
-  // s[j, t] = q_j . k_t: each product's kVec partial sums are kept, and every kVec positions
-  // `sum_each` adds them up for all of those positions at once
+void attend_tile(const float* q, const bf16* k, const bf16* v, const int64_t* slots, int64_t n,
+                 float* m, float* l, float* acc, Ahead* ahead) {
+  constexpr int NC = NV < 8 ? NV : 8, C = NV / NC;
+  alignas(64) float s[G][kTile];
   Vec part[G][kVec];
-  ctx.each(k_cache + slot_offset, pre, pre_span, [&](int64_t t, const bf16* row) {
-    if (pre_span == 0) ahead.step();  // this pass's rows are in cache already
-    load(row);
-    const int64_t i = t % kVec;
-    for (int j = 0; j < G; ++j) {
-      Vec s = qv[j][0] * x[0];
-      for (int n = 1; n < NV; ++n) s = at::vec::fmadd(qv[j][n], x[n], s);
-      part[j][i] = s;
-    }
-    if (i == kVec - 1 || t == len - 1) {
-      for (int j = 0; j < G; ++j) {
-        for (int64_t z = i + 1; z < kVec; ++z) part[j][z] = Vec(0.f);
-        sum_each(part[j]).store(scores.data() + j * len + t - i, i + 1);
+  for (int64_t p0 = 0; p0 < n; p0 += kVec) {
+    const int64_t e = std::min(kVec, n - p0);
+    for (int64_t i = 0; i < e; ++i) {
+      if (ahead != nullptr) ahead->step();
+      const bf16* row = k + slots[p0 + i];
+      for (int c = 0; c < C; ++c) {
+        Vec x[NC];
+        for (int r = 0; r < NC; r += 2)
+          std::tie(x[r], x[r + 1]) = load_quads(row + (c * NC + r) * kVec);
+        for (int j = 0; j < G; ++j) {  // s_j = q_j . k, two FMA chains
+          const float* qj = q + (j * NV + c * NC) * kVec;
+          Vec s0 = Vec::loadu(qj) * x[0], s1 = Vec::loadu(qj + kVec) * x[1];
+          for (int r = 2; r < NC; r += 2) {
+            s0 = at::vec::fmadd(Vec::loadu(qj + r * kVec), x[r], s0);
+            s1 = at::vec::fmadd(Vec::loadu(qj + (r + 1) * kVec), x[r + 1], s1);
+          }
+          part[j][i] = c == 0 ? s0 + s1 : part[j][i] + (s0 + s1);
+        }
       }
     }
-  });
-  float inv[G];
-  exp_rows(scores.data(), G, len, inv);
-  Vec acc[G][NV];
-  for (int j = 0; j < G; ++j)
-    for (int i = 0; i < NV; ++i) acc[j][i] = Vec(0.f);
-  ctx.each(v_cache + slot_offset, {}, 0, [&](int64_t t, const bf16* row) {
-    ahead.step();
-    load(row);  // o_j = inv_j sum_t exp(s[j, t] - max_j) v_t
     for (int j = 0; j < G; ++j) {
-      const Vec w(scores[j * len + t]);
-      for (int i = 0; i < NV; ++i) acc[j][i] = at::vec::fmadd(w, x[i], acc[j][i]);
+      for (int64_t z = e; z < kVec; ++z) part[j][z] = Vec(0.f);
+      sum_each(part[j]).store(s[j] + p0);
     }
-  });
-  for (int j = 0; j < G; ++j)
-    for (int i = 0; i < NV; ++i) (acc[j][i] * Vec(inv[j])).store(out + (j * NV + i) * kVec);
+  }
+  const Vec lowest(-std::numeric_limits<float>::infinity());
+  for (int j = 0; j < G; ++j) {
+    Vec top = lowest;
+    for (int64_t t = 0; t < n; t += kVec) {
+      const int64_t c = std::min(kVec, n - t);
+      const Vec x = Vec::loadu(s[j] + t);
+      top = at::vec::maximum(top, c == kVec ? x : Vec::set(lowest, x, c));
+    }
+    const float mx = std::max(m[j], max_lane(top));
+    const float alpha = std::exp(m[j] - mx);  // 0 on the first tile (m = -inf)
+    Vec total(0.f);
+    for (int64_t t = 0; t < n; t += kVec) {
+      const int64_t c = std::min(kVec, n - t);
+      const Vec p = (Vec::loadu(s[j] + t) - Vec(mx)).exp_u20();
+      p.store(s[j] + t);
+      total = total + (c == kVec ? p : Vec::set(Vec(0.f), p, c));
+    }
+    l[j] = l[j] * alpha + sum(total);
+    m[j] = mx;
+    for (int c = 0; c < C; ++c) {
+      float* a = acc + (j * NV + c * NC) * kVec;
+      Vec o[NC];
+      for (int r = 0; r < NC; ++r) o[r] = Vec::loadu(a + r * kVec) * Vec(alpha);
+      for (int64_t t = 0; t < n; ++t) {
+        const Vec w(s[j][t]);
+        const bf16* row = v + slots[t] + c * NC * kVec;
+        for (int r = 0; r < NC; r += 2) {
+          auto [x0, x1] = load_quads(row + r * kVec);
+          o[r] = at::vec::fmadd(w, x0, o[r]);
+          o[r + 1] = at::vec::fmadd(w, x1, o[r + 1]);
+        }
+      }
+      for (int r = 0; r < NC; ++r) o[r].store(a + r * kVec);
+    }
+  }
 }
 
-using AttendFn = void (*)(const float*, const Context&, int64_t, int64_t, int64_t,
-                          const bf16*, const bf16*, std::vector<float>&, float*, Lookahead&);
+using TileFn = void (*)(const float*, const bf16*, const bf16*, const int64_t*, int64_t, float*,
+                        float*, float*, Ahead*);
 
 template <int NV>
-AttendFn pick_g(int64_t g) {
+TileFn pick_g(int64_t g) {
   switch (g) {
-    case 1: return attend<1, NV>;
-    case 2: return attend<2, NV>;
-    case 3: return attend<3, NV>;
-    case 4: return attend<4, NV>;
-    case 5: return attend<5, NV>;
-    case 6: return attend<6, NV>;
-    case 7: return attend<7, NV>;
-    case 8: return attend<8, NV>;
+    case 1: return attend_tile<1, NV>;
+    case 2: return attend_tile<2, NV>;
+    case 3: return attend_tile<3, NV>;
+    case 4: return attend_tile<4, NV>;
+    case 5: return attend_tile<5, NV>;
+    case 6: return attend_tile<6, NV>;
+    case 7: return attend_tile<7, NV>;
+    case 8: return attend_tile<8, NV>;
     default: return nullptr;
   }
 }
 
 // The kernel for G query heads per KV head and head size D, or nullptr (the rule
 // pdserve.engine.kernels.supports() states).
-AttendFn pick(int64_t g, int64_t d) {
+TileFn pick(int64_t g, int64_t d) {
   if (d == 64) return pick_g<64 / kVec>(g);
   if (d == 128) return pick_g<128 / kVec>(g);
   return nullptr;
@@ -211,11 +189,12 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
   const int64_t b = q.size(0), h = q.size(1), d = q.size(2);
   const int64_t bs = k_cache.size(1), kvh = k_cache.size(2);
   TORCH_CHECK(k_cache.size(3) == d && h % kvh == 0, "q and the cache disagree on heads");
-  const AttendFn fn = pick(h / kvh, d);
+  const TileFn fn = pick(h / kvh, d);
   TORCH_CHECK(fn != nullptr, "decode_attention supports head sizes 64 and 128 with up to 8 ",
               "query heads per KV head, not ", d, " and ", h / kvh);
   check_decode_tables(block_tables, lens, b, bs, k_cache.size(0));
   const int64_t g = h / kvh, width = block_tables.size(1), block_stride = k_cache.stride(0);
+  const int64_t slot_stride = k_cache.stride(1);  // >= kvh * d: see check_kv_cache
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   const int64_t* lp = lens.data_ptr<int64_t>();
   auto out = at::empty({b, h, d}, q.options().memory_format(at::MemoryFormat::Contiguous));
@@ -224,47 +203,69 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
   const bf16* vp = v_cache.data_ptr<bf16>();
   bf16* op = out.data_ptr<bf16>();
   // A work item is a request and a run of its KV heads: all of them when there are requests
-  // enough for every thread (the first head's pass reads each slot's rows of every head, one
-  // contiguous block region, the next heads' passes find them in cache), else one.
+  // enough for every thread (a tile's slots then hold every head's rows, one contiguous region
+  // per block, read by the first head's pass and found in cache by the others), else one.
   const int64_t heads_per_item = b >= 2 * at::get_num_threads() ? kvh : 1;
   const int64_t items_per_req = kvh / heads_per_item;
-  const int64_t slot_stride = k_cache.stride(1);  // >= kvh * d: see check_kv_cache
-  const int64_t slot_bytes = slot_stride * 2, block_bytes = block_stride * 2;
-  const int64_t item_span = heads_per_item * d * 2;  // bytes of each slot an item reads
+  const int64_t span = heads_per_item * d * static_cast<int64_t>(sizeof(bf16));
   const auto item = [&](int64_t i) {  // (request, first KV head) of work item i
     return std::pair<int64_t, int64_t>{i / items_per_req, (i % items_per_req) * heads_per_item};
   };
-  const auto lookahead = [&](int64_t i) {  // the rows item i reads first, up to kLookahead
-    Lookahead a;
-    if (i < 0) return a;
-    const auto [r, first] = item(i);
-    a.table = tables + r * width;
-    a.k = reinterpret_cast<const char*>(kp + first * d);
-    a.v = reinterpret_cast<const char*>(vp + first * d);
-    a.bs = bs, a.block_bytes = block_bytes, a.slot_bytes = slot_bytes;
-    a.span = item_span;
-    const int64_t blocks = (lp[r] + bs - 1) / bs;
-    a.lines = std::min(blocks * bs * 2 * (a.span / 64), kLookahead / 64);
-    return a;
+  const auto rows = [&](int64_t first) {  // the K and V cache at a KV head, as bytes
+    return std::pair<const char*, const char*>{reinterpret_cast<const char*>(kp + first * d),
+                                               reinterpret_cast<const char*>(vp + first * d)};
   };
   at::parallel_for(0, b * items_per_req, 1, [&](int64_t i0, int64_t i1) {
-    std::vector<float> qf(g * d), of(g * d), scores;
+    const int64_t heads = heads_per_item * g;  // the item's query heads
+    std::vector<float> qf(heads * d), acc(heads * d), of(g * d), m(heads), l(heads);
+    int64_t slots[kTile], next[kTile];
     for (int64_t i = i0; i < i1; ++i) {
       const auto [r, first] = item(i);
-      const Context ctx{tables + r * width, lp[r], bs, block_stride, slot_stride};
-      Lookahead ahead = lookahead(i + 1 < i1 ? i + 1 : -1);
-      // spread over the passes that read from cache: 2 per head, less the first K pass
-      const int64_t calls = (2 * heads_per_item - 1) * lp[r];
-      ahead.per_call = (ahead.lines / 2 + calls - 1) / calls;  // K and V lines per call
-      for (int64_t kh = first; kh < first + heads_per_item; ++kh) {
-        for (int64_t j = 0; j < g; ++j) {  // query heads kh * g ... kh * g + g - 1
-          to_float(qp + r * q.stride(0) + (kh * g + j) * q.stride(1), &qf[j * d], d);
-          for (int64_t e = 0; e < d; ++e) qf[j * d + e] *= static_cast<float>(scale);
+      const int64_t* table = tables + r * width;
+      const int64_t len = lp[r];
+      for (int64_t j = 0; j < heads; ++j) {  // query heads first * g ... (first + run) * g - 1
+        float* qj = &qf[j * d];
+        to_float(qp + r * q.stride(0) + (first * g + j) * q.stride(1), qj, d);
+        for (int64_t e = 0; e < d; ++e) qj[e] *= static_cast<float>(scale);
+        to_quads(qj, d);
+      }
+      std::fill(m.begin(), m.end(), -std::numeric_limits<float>::infinity());
+      std::fill(l.begin(), l.end(), 0.f);
+      std::fill(acc.begin(), acc.end(), 0.f);
+      tile_slots(table, 0, std::min(kTile, len), bs, block_stride, slot_stride, slots);
+      for (int64_t t0 = 0; t0 < len; t0 += kTile) {
+        const int64_t n = std::min(kTile, len - t0);
+        Ahead ahead;  // the next tile's rows, else the next item's first tile
+        ahead.slots = next, ahead.span = span;
+        if (t0 + kTile < len) {
+          std::tie(ahead.k, ahead.v) = rows(first);
+          ahead.n = std::min(kTile, len - t0 - kTile);
+          tile_slots(table, t0 + kTile, ahead.n, bs, block_stride, slot_stride, next);
+        } else if (i + 1 < i1) {
+          const auto [r2, first2] = item(i + 1);
+          std::tie(ahead.k, ahead.v) = rows(first2);
+          ahead.n = std::min(kTile, lp[r2]);
+          tile_slots(tables + r2 * width, 0, ahead.n, bs, block_stride, slot_stride, next);
         }
-        // the item's first K pass prefetches the K and V rows of every head it will read
-        const int64_t span = kh == first ? item_span : 0;
-        fn(qf.data(), ctx, kh * d, first * d, span, kp, vp, scores, of.data(), ahead);
-        to_bf16(of.data(), op + (r * h + kh * g) * d, g * d);
+        for (int64_t kh = 0; kh < heads_per_item; ++kh) {  // the first head's pass prefetches
+          const int64_t at = (first + kh) * d, j = kh * g;
+          fn(&qf[j * d], kp + at, vp + at, slots, n, &m[j], &l[j], &acc[j * d],
+             kh == 0 ? &ahead : nullptr);
+        }
+        while (ahead.p < ahead.n) ahead.step();
+        std::copy(next, next + ahead.n, slots);
+      }
+      for (int64_t kh = 0; kh < heads_per_item; ++kh) {  // o = acc / l, back to natural order
+        for (int64_t j = 0; j < g; ++j) {
+          const float* a = &acc[(kh * g + j) * d];
+          const Vec inv(1.f / l[kh * g + j]);
+          for (int64_t e = 0; e < d; e += 2 * kVec) {
+            auto [x0, x1] = quads(Vec::loadu(a + e), Vec::loadu(a + e + kVec));
+            (x0 * inv).store(&of[j * d + e]);
+            (x1 * inv).store(&of[j * d + e + kVec]);
+          }
+        }
+        to_bf16(of.data(), op + (r * h + (first + kh) * g) * d, g * d);
       }
     }
   });

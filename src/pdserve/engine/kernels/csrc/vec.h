@@ -82,7 +82,8 @@ inline float max_lane(const Vec& v) {
 }
 
 // Lane i of the result is the sum of the lanes of v[i], for i < kVec. On AVX-512 a transpose-
-// and-add tree: 45 instructions for 16 sums, against ~8 for each one alone (`sum`).
+// and-add tree: 45 instructions for 16 sums, against ~8 for each one alone (`sum`); on AVX2 a
+// hadd tree: 9 for 8.
 inline Vec sum_each(const Vec* v) {
 #if defined(CPU_CAPABILITY_AVX512)
   // pairs of rows: per 128-bit lane, (a0 + a2, b0 + b2, a1 + a3, b1 + b3)
@@ -102,6 +103,14 @@ inline Vec sum_each(const Vec* v) {
     return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x88), _mm512_shuffle_f32x4(a, b, 0xdd));
   };
   return fold(fold(x[0], x[1]), fold(x[2], x[3]));
+#elif defined(CPU_CAPABILITY_AVX2)
+  // per 128-bit lane: pair sums of two rows, then of four rows (each row's low or high half)
+  const __m256 a = _mm256_hadd_ps(v[0], v[1]), b = _mm256_hadd_ps(v[2], v[3]);
+  const __m256 c = _mm256_hadd_ps(v[4], v[5]), d = _mm256_hadd_ps(v[6], v[7]);
+  const __m256 ab = _mm256_hadd_ps(a, b), cd = _mm256_hadd_ps(c, d);
+  // rows 0-3 | 4-7: the low halves' sums plus the high halves'
+  return Vec(_mm256_add_ps(_mm256_permute2f128_ps(ab, cd, 0x20),
+                           _mm256_permute2f128_ps(ab, cd, 0x31)));
 #else
   alignas(64) float out[kVec];
   for (int64_t i = 0; i < kVec; ++i) out[i] = sum(v[i]);
