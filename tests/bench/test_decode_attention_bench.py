@@ -43,5 +43,6 @@ def test_a_run_times_each_batch_and_context_against_pytorch_and_a_read(capsys):
         # the pool holds the contexts' whole blocks of 16, K and V, bf16
         blocks = r["batch"] * -(-r["context"] // 16)
         assert r["kv_mb"] == pytest.approx(2 * blocks * 16 * 128 * 2 / 1e6)
-        assert r["of_read"] == pytest.approx(r["read_us"] / r["operators_us"], rel=1e-2)
-        assert r["speedup"] == pytest.approx(r["pytorch_us"] / r["operators_us"], rel=1e-2)
+        # the ratios are printed to 3 decimals
+        assert r["of_read"] == pytest.approx(r["read_us"] / r["operators_us"], abs=6e-4)
+        assert r["speedup"] == pytest.approx(r["pytorch_us"] / r["operators_us"], abs=6e-4)

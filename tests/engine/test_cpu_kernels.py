@@ -121,13 +121,15 @@ def test_decode_attention_matches_the_padded_sdpa_path(ops, heads, kvh, d):
                                                    (16, 2, 128, 16)])
 def test_decode_attention_over_many_tiles_is_fp64_attention_and_batch_invariant(
         ops, heads, kvh, d, bs):
-    """Contexts of one position, just under, at and past a 64-position tile, and several tiles
-    with a tail, each scattered over random blocks whose free slots hold NaN (never read): the
-    kernel's output is fp64 attention's to bf16 rounding, and a request's result is the same
-    bits alone as in the batch (one KV head per work item alone, every head in the batch)."""
+    """Contexts of one position, just under, at and past a 64-position tile, several tiles with
+    a tail, and one, two and three 1,024-position partitions (merged afterwards), each scattered
+    over random blocks whose free slots hold NaN (never read): the kernel's output is fp64
+    attention's to bf16 rounding, and a request's result is the same bits alone as in the batch
+    (one KV head per work item alone, every head in the batch)."""
     gen = torch.Generator().manual_seed(heads * bs)
-    lens = [1, 63, 64, 65, 200, 333]
-    k_cache, v_cache, tables = _paged(gen, lens, kvh, d, bs, num_blocks=6 * -(-333 // bs))
+    lens = [1, 63, 64, 65, 200, 333, 1024, 1025, 2100]
+    k_cache, v_cache, tables = _paged(gen, lens, kvh, d, bs,
+                                      num_blocks=len(lens) * -(-max(lens) // bs))
     for r, n in enumerate(lens):  # the slots past each context in its last block
         for t in range(n, -(-n // bs) * bs):
             k_cache[tables[r, t // bs], t % bs] = float("nan")

@@ -3,8 +3,8 @@
 
 #include <algorithm>
 #include <cmath>
-#include <tuple>
 #include <limits>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -19,6 +19,13 @@ namespace {
 // its score and value passes and across the item's KV heads, and the next tile's rows are
 // fetched into L2 while this one is computed. A multiple of kVec.
 constexpr int64_t kTile = 64;
+
+// Positions per partition. A context longer than one is cut at fixed positions (multiples of
+// kPart), each partition computed as a work item of its own and the partitions' softmax states
+// merged in order afterwards (flash-decoding): a long context on few requests keeps every
+// thread busy, and since the cuts do not depend on the batch or the threads, neither does a
+// request's result.
+constexpr int64_t kPart = 16 * kTile;
 
 // The next tile's rows (or the next work item's first tile), fetched into L2 one position per
 // `step`, `span` bytes of each slot from `k` and `v`: in step with the reads, since a whole
@@ -157,6 +164,103 @@ TileFn pick(int64_t g, int64_t d) {
   return nullptr;
 }
 
+// A work item: a request r, a run of its KV heads from `first`, its positions [t0, t1).
+struct Item {
+  int64_t r, first, t0, t1;
+};
+
+// What every item of a call reads. An item's softmax state, per query head of its run (its
+// `heads` = heads_per_item x G): acc [heads][D] (quad order), then m [heads], then l [heads].
+struct Call {
+  TileFn fn;
+  const bf16* q;
+  const bf16* k;
+  const bf16* v;
+  const int64_t* tables;
+  int64_t q_stride_b, q_stride_h, width, bs, block_stride, slot_stride;
+  int64_t g, d, heads_per_item, span;
+  float scale;
+
+  int64_t heads() const { return heads_per_item * g; }
+  int64_t state_floats() const { return heads() * (d + 2); }
+  const int64_t* table(int64_t r) const { return tables + r * width; }
+  void slots(const Item& it, int64_t t0, int64_t n, int64_t* out) const {
+    tile_slots(table(it.r), t0, n, bs, block_stride, slot_stride, out);
+  }
+};
+
+// The item's tiles in order into `state`; the last tile's pass prefetches `next`'s first tile.
+void run_item(const Call& c, const Item& it, const Item* next, float* state) {
+  const int64_t d = c.d, heads = c.heads();
+  float* acc = state;
+  float* m = state + heads * d;
+  float* l = m + heads;
+  std::vector<float> qf(heads * d);
+  for (int64_t j = 0; j < heads; ++j) {  // query heads first * g ... (first + run) * g - 1
+    float* qj = &qf[j * d];
+    to_float(c.q + it.r * c.q_stride_b + (it.first * c.g + j) * c.q_stride_h, qj, d);
+    for (int64_t e = 0; e < d; ++e) qj[e] *= c.scale;
+    to_quads(qj, d);
+  }
+  std::fill(acc, acc + heads * d, 0.f);
+  std::fill(m, m + heads, -std::numeric_limits<float>::infinity());
+  std::fill(l, l + heads, 0.f);
+  const auto rows = [&](int64_t first) {  // the K and V cache at a KV head, as bytes
+    return std::pair<const char*, const char*>{reinterpret_cast<const char*>(c.k + first * d),
+                                               reinterpret_cast<const char*>(c.v + first * d)};
+  };
+  int64_t slots[kTile], next_slots[kTile];
+  c.slots(it, it.t0, std::min(kTile, it.t1 - it.t0), slots);
+  for (int64_t t0 = it.t0; t0 < it.t1; t0 += kTile) {
+    const int64_t n = std::min(kTile, it.t1 - t0);
+    Ahead ahead;  // the next tile's rows, else the next item's first tile
+    ahead.slots = next_slots, ahead.span = c.span;
+    if (t0 + kTile < it.t1) {
+      std::tie(ahead.k, ahead.v) = rows(it.first);
+      ahead.n = std::min(kTile, it.t1 - t0 - kTile);
+      c.slots(it, t0 + kTile, ahead.n, next_slots);
+    } else if (next != nullptr) {
+      std::tie(ahead.k, ahead.v) = rows(next->first);
+      ahead.n = std::min(kTile, next->t1 - next->t0);
+      c.slots(*next, next->t0, ahead.n, next_slots);
+    }
+    for (int64_t kh = 0; kh < c.heads_per_item; ++kh) {  // the first head's pass prefetches
+      const int64_t at = (it.first + kh) * d, j = kh * c.g;
+      c.fn(&qf[j * d], c.k + at, c.v + at, slots, n, &m[j], &l[j], &acc[j * d],
+           kh == 0 ? &ahead : nullptr);
+    }
+    while (ahead.p < ahead.n) ahead.step();
+    std::copy(next_slots, next_slots + ahead.n, slots);
+  }
+}
+
+// Query head j of a run: its partitions' states (`parts` of them, `stride` floats apart)
+// merged in order, M = max_p m_p, o = sum_p exp(m_p - M) acc_p / sum_p exp(m_p - M) l_p, into
+// out [D] bf16. One partition: o = acc / l, the same bits as without partitions.
+void merge(const Call& c, const float* state, int64_t parts, int64_t stride, int64_t j,
+           bf16* out) {
+  const int64_t d = c.d, heads = c.heads();
+  const auto m = [&](int64_t p) { return state[p * stride + heads * d + j]; };
+  float top = m(0);
+  for (int64_t p = 1; p < parts; ++p) top = std::max(top, m(p));
+  alignas(64) float o[128];  // d <= 128 (pick)
+  std::fill(o, o + d, 0.f);
+  float total = 0.f;
+  for (int64_t p = 0; p < parts; ++p) {
+    const float* acc = state + p * stride + j * d;
+    const float w = parts == 1 ? 1.f : std::exp(m(p) - top);
+    total += w * state[p * stride + heads * d + heads + j];
+    for (int64_t e = 0; e < d; ++e) o[e] += w * acc[e];
+  }
+  const Vec inv(1.f / total);
+  for (int64_t e = 0; e < d; e += 2 * kVec) {
+    auto [x0, x1] = quads(Vec::loadu(&o[e]), Vec::loadu(&o[e + kVec]));
+    (x0 * inv).store(&o[e]);
+    (x1 * inv).store(&o[e + kVec]);
+  }
+  to_bf16(o, out, d);
+}
+
 }  // namespace
 
 void check_decode_tables(const at::Tensor& block_tables, const at::Tensor& lens, int64_t b,
@@ -193,80 +297,42 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
   TORCH_CHECK(fn != nullptr, "decode_attention supports head sizes 64 and 128 with up to 8 ",
               "query heads per KV head, not ", d, " and ", h / kvh);
   check_decode_tables(block_tables, lens, b, bs, k_cache.size(0));
-  const int64_t g = h / kvh, width = block_tables.size(1), block_stride = k_cache.stride(0);
-  const int64_t slot_stride = k_cache.stride(1);  // >= kvh * d: see check_kv_cache
-  const int64_t* tables = block_tables.data_ptr<int64_t>();
-  const int64_t* lp = lens.data_ptr<int64_t>();
+  const int64_t g = h / kvh;
   auto out = at::empty({b, h, d}, q.options().memory_format(at::MemoryFormat::Contiguous));
-  const bf16* qp = q.data_ptr<bf16>();
-  const bf16* kp = k_cache.data_ptr<bf16>();
-  const bf16* vp = v_cache.data_ptr<bf16>();
-  bf16* op = out.data_ptr<bf16>();
-  // A work item is a request and a run of its KV heads: all of them when there are requests
-  // enough for every thread (a tile's slots then hold every head's rows, one contiguous region
-  // per block, read by the first head's pass and found in cache by the others), else one.
+  // A work item is a partition of a request and a run of its KV heads: all of them when there
+  // are requests enough for every thread (a tile's slots then hold every head's rows, one
+  // contiguous region per block, read by the first head's pass and found in cache by the
+  // others), else one. Items run request by request, partition by partition.
   const int64_t heads_per_item = b >= 2 * at::get_num_threads() ? kvh : 1;
-  const int64_t items_per_req = kvh / heads_per_item;
-  const int64_t span = heads_per_item * d * static_cast<int64_t>(sizeof(bf16));
-  const auto item = [&](int64_t i) {  // (request, first KV head) of work item i
-    return std::pair<int64_t, int64_t>{i / items_per_req, (i % items_per_req) * heads_per_item};
-  };
-  const auto rows = [&](int64_t first) {  // the K and V cache at a KV head, as bytes
-    return std::pair<const char*, const char*>{reinterpret_cast<const char*>(kp + first * d),
-                                               reinterpret_cast<const char*>(vp + first * d)};
-  };
-  at::parallel_for(0, b * items_per_req, 1, [&](int64_t i0, int64_t i1) {
-    const int64_t heads = heads_per_item * g;  // the item's query heads
-    std::vector<float> qf(heads * d), acc(heads * d), of(g * d), m(heads), l(heads);
-    int64_t slots[kTile], next[kTile];
-    for (int64_t i = i0; i < i1; ++i) {
-      const auto [r, first] = item(i);
-      const int64_t* table = tables + r * width;
-      const int64_t len = lp[r];
-      for (int64_t j = 0; j < heads; ++j) {  // query heads first * g ... (first + run) * g - 1
-        float* qj = &qf[j * d];
-        to_float(qp + r * q.stride(0) + (first * g + j) * q.stride(1), qj, d);
-        for (int64_t e = 0; e < d; ++e) qj[e] *= static_cast<float>(scale);
-        to_quads(qj, d);
-      }
-      std::fill(m.begin(), m.end(), -std::numeric_limits<float>::infinity());
-      std::fill(l.begin(), l.end(), 0.f);
-      std::fill(acc.begin(), acc.end(), 0.f);
-      tile_slots(table, 0, std::min(kTile, len), bs, block_stride, slot_stride, slots);
-      for (int64_t t0 = 0; t0 < len; t0 += kTile) {
-        const int64_t n = std::min(kTile, len - t0);
-        Ahead ahead;  // the next tile's rows, else the next item's first tile
-        ahead.slots = next, ahead.span = span;
-        if (t0 + kTile < len) {
-          std::tie(ahead.k, ahead.v) = rows(first);
-          ahead.n = std::min(kTile, len - t0 - kTile);
-          tile_slots(table, t0 + kTile, ahead.n, bs, block_stride, slot_stride, next);
-        } else if (i + 1 < i1) {
-          const auto [r2, first2] = item(i + 1);
-          std::tie(ahead.k, ahead.v) = rows(first2);
-          ahead.n = std::min(kTile, lp[r2]);
-          tile_slots(tables + r2 * width, 0, ahead.n, bs, block_stride, slot_stride, next);
-        }
-        for (int64_t kh = 0; kh < heads_per_item; ++kh) {  // the first head's pass prefetches
-          const int64_t at = (first + kh) * d, j = kh * g;
-          fn(&qf[j * d], kp + at, vp + at, slots, n, &m[j], &l[j], &acc[j * d],
-             kh == 0 ? &ahead : nullptr);
-        }
-        while (ahead.p < ahead.n) ahead.step();
-        std::copy(next, next + ahead.n, slots);
-      }
-      for (int64_t kh = 0; kh < heads_per_item; ++kh) {  // o = acc / l, back to natural order
-        for (int64_t j = 0; j < g; ++j) {
-          const float* a = &acc[(kh * g + j) * d];
-          const Vec inv(1.f / l[kh * g + j]);
-          for (int64_t e = 0; e < d; e += 2 * kVec) {
-            auto [x0, x1] = quads(Vec::loadu(a + e), Vec::loadu(a + e + kVec));
-            (x0 * inv).store(&of[j * d + e]);
-            (x1 * inv).store(&of[j * d + e + kVec]);
-          }
-        }
-        to_bf16(of.data(), op + (r * h + (first + kh) * g) * d, g * d);
-      }
+  const int64_t runs = kvh / heads_per_item;
+  const Call c{fn, q.data_ptr<bf16>(), k_cache.data_ptr<bf16>(), v_cache.data_ptr<bf16>(),
+               block_tables.data_ptr<int64_t>(), q.stride(0), q.stride(1), block_tables.size(1),
+               bs, k_cache.stride(0), k_cache.stride(1),  // slots: >= kvh * d, check_kv_cache
+               g, d, heads_per_item, heads_per_item * d * static_cast<int64_t>(sizeof(bf16)),
+               static_cast<float>(scale)};
+  const int64_t* lp = lens.data_ptr<int64_t>();
+  std::vector<Item> items;
+  std::vector<int64_t> first_item(b);  // request r's items: first_item[r] + part * runs + run
+  for (int64_t r = 0; r < b; ++r) {
+    first_item[r] = static_cast<int64_t>(items.size());
+    for (int64_t t0 = 0; t0 < lp[r]; t0 += kPart)
+      for (int64_t run = 0; run < runs; ++run)
+        items.push_back({r, run * heads_per_item, t0, std::min(lp[r], t0 + kPart)});
+  }
+  const int64_t n_items = static_cast<int64_t>(items.size()), stride = c.state_floats();
+  std::vector<float> states(n_items * stride);
+  at::parallel_for(0, n_items, 1, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i)
+      run_item(c, items[i], i + 1 < i1 ? &items[i + 1] : nullptr, &states[i * stride]);
+  });
+  bf16* op = out.data_ptr<bf16>();
+  at::parallel_for(0, b * kvh, 1, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {  // request r, KV head kh: its G query heads
+      const int64_t r = i / kvh, kh = i % kvh, parts = (lp[r] + kPart - 1) / kPart;
+      const float* state = &states[(first_item[r] + kh / heads_per_item) * stride];
+      for (int64_t j = 0; j < g; ++j)
+        merge(c, state, parts, runs * stride, (kh % heads_per_item) * g + j,
+              op + (r * h + kh * g + j) * d);
     }
   });
   return out;
