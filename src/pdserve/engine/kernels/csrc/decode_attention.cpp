@@ -27,6 +27,9 @@ constexpr int64_t kTile = 64;
 // request's result.
 constexpr int64_t kPart = 16 * kTile;
 
+// (request, KV head) merges per thread at least (`merge`).
+constexpr int64_t kMergeGrain = 64;
+
 // The next tile's rows (or the next work item's first tile), fetched into L2 one position per
 // `step`, `span` bytes of each slot from `k` and `v`: in step with the reads, since a whole
 // tile's prefetches at once stall on the core's few outstanding misses.
@@ -190,12 +193,12 @@ struct Call {
 };
 
 // The item's tiles in order into `state`; the last tile's pass prefetches `next`'s first tile.
-void run_item(const Call& c, const Item& it, const Item* next, float* state) {
+// qf: room for the run's queries in fp32 (heads x D).
+void run_item(const Call& c, const Item& it, const Item* next, float* state, float* qf) {
   const int64_t d = c.d, heads = c.heads();
   float* acc = state;
   float* m = state + heads * d;
   float* l = m + heads;
-  std::vector<float> qf(heads * d);
   for (int64_t j = 0; j < heads; ++j) {  // query heads first * g ... (first + run) * g - 1
     float* qj = &qf[j * d];
     to_float(c.q + it.r * c.q_stride_b + (it.first * c.g + j) * c.q_stride_h, qj, d);
@@ -322,11 +325,15 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
   const int64_t n_items = static_cast<int64_t>(items.size()), stride = c.state_floats();
   std::vector<float> states(n_items * stride);
   at::parallel_for(0, n_items, 1, [&](int64_t i0, int64_t i1) {
+    std::vector<float> qf(c.heads() * d);
     for (int64_t i = i0; i < i1; ++i)
-      run_item(c, items[i], i + 1 < i1 ? &items[i + 1] : nullptr, &states[i * stride]);
+      run_item(c, items[i], i + 1 < i1 ? &items[i + 1] : nullptr, &states[i * stride],
+               qf.data());
   });
   bf16* op = out.data_ptr<bf16>();
-  at::parallel_for(0, b * kvh, 1, [&](int64_t i0, int64_t i1) {
+  // a merge is a few hundred operations per query head: fewer than kMergeGrain of them run on
+  // this thread, without waking the others
+  at::parallel_for(0, b * kvh, kMergeGrain, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {  // request r, KV head kh: its G query heads
       const int64_t r = i / kvh, kh = i % kvh, parts = (lp[r] + kPart - 1) / kPart;
       const float* state = &states[(first_item[r] + kh / heads_per_item) * stride];
