@@ -113,7 +113,8 @@ void attend_tile(const float* q, const bf16* k, const bf16* v, const int64_t* sl
       top = at::vec::maximum(top, c == kVec ? x : Vec::set(lowest, x, c));
     }
     const float mx = std::max(m[j], max_lane(top));
-    const float alpha = std::exp(m[j] - mx);  // 0 on the first tile (m = -inf)
+    // 0 on the first tile (m = -inf); exactly 1 while the maximum holds
+    const float alpha = mx == m[j] ? 1.f : std::exp(m[j] - mx);
     Vec total(0.f);
     for (int64_t t = 0; t < n; t += kVec) {
       const int64_t c = std::min(kVec, n - t);

@@ -253,7 +253,8 @@ float softmax_tile(const float* s, int64_t valid, float& m, float& l, uint32_t* 
   const float top = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(x[0], x[1]),
                                                        _mm512_max_ps(x[2], x[3])));
   const float next = std::max(m, top);
-  const float alpha = std::exp(m - next);  // 0 on the first tile (m = -inf)
+  // 0 on the first tile (m = -inf); exactly 1 while the maximum holds
+  const float alpha = next == m ? 1.f : std::exp(m - next);
   const __m512 mv = _mm512_set1_ps(next);
   __m512 sum = _mm512_setzero_ps();
   for (int c = 0; c < 4; c += 2) {

@@ -1,7 +1,7 @@
 // Causal attention of a prefill's query rows over its paged context on AVX2 + FMA, for CPUs
 // without AVX512-BF16 (prefill_attention.cpp's kernel): the same flash attention (Dao et al.
-// 2022, Algorithm 1) with the same contract, its K and V widened to fp32 once per call and
-// every product an fp32 FMA.
+// 2022, Algorithm 1) with the same contract, every product an fp32 FMA over bf16 K and V
+// widened in registers.
 //
 // The prompt's rows are positions [start, start + n) of a context of `len` = start + n
 // positions, whose K and V rows are all in the paged pool already. Row i attends to positions
@@ -9,19 +9,22 @@
 //
 // Tiles. Keys go in tiles of kTile = 64 positions aligned to absolute positions. Each KV
 // head's tiles are packed once per call from the pool (read in place through the block table),
-// widened to fp32:
-//   K tile: [D][64 keys]   one vector = one dimension of 8 keys
-//   V tile: [64 keys][D]   one vector = 8 dimensions of one key
-// Positions past `len` are packed as zeros (a free slot may hold NaN, and 0 x NaN is NaN).
+// still bf16, in avx2_linear.cpp's layout: a 32-byte row holds 16 values, value 8 h + j at
+// bf16 position 2 j + h, so a shift of its 32-bit lanes gives values 0..7 as fp32 and a mask
+// values 8..15 (a bf16 is the top half of its fp32):
+//   K tile: [4 groups of 16 keys][D][16]         one row = one dimension of 16 keys
+//   V tile: [D / 16 groups of dimensions][64 keys][16]   one row = 16 dimensions of one key
+// A tile is 8 KiB at D = 64 (16 KiB for K and V: fp32 tiles filled all of a 32 KiB L1 and ran
+// 1.03-1.19x slower). Positions past `len` are packed as zeros (a free slot may hold NaN, and
+// 0 x NaN is NaN).
 //
 // A work item is one KV head and kPos consecutive query positions: its G query heads at those
 // positions share every K and V tile. Its rows (position-major, then head) go through a tile
 // in register blocks of 6 consecutive rows, which may span positions, by 16 keys (scores) or
-// 16 dimensions (o): 12 accumulators, 2 K or V vectors and a broadcast fill 15 of the 16 ymm,
-// and each vector loaded feeds 6 FMAs. (Blocks of one position's 3 heads by 32 keys need 17:
-// the compiler then reloads every K and V vector for each row, 15 loads per 12 FMAs against
-// 8.) Keys past the block's last position are skipped: they would add exact zeros. Per key
-// tile, each row r:
+// 16 dimensions (o): 12 accumulators, 2 K or V vectors (one packed row) and a broadcast fill
+// 15 of the 16 ymm, and each row loaded feeds 12 FMAs. (Blocks of one position's 3 heads by
+// 32 keys need 17: the compiler then reloads every K and V vector for each row.) Keys past
+// the block's last position are skipped: they would add exact zeros. Per key tile, each row r:
 //   s_j = scale x q_r . k_j               (8 keys a vector: a broadcast of q_r[d] times K[d])
 //   m'  = max(m, max_j s_j)               (keys j > pos_r are -inf)
 //   p_j = exp(s_j - m'),  l' = l exp(m - m') + sum_j p_j
@@ -44,6 +47,7 @@
 #include "vec.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
 #define PDSERVE_FMA_ATTENTION 1
 #endif
 
@@ -55,15 +59,17 @@ namespace {
 constexpr int64_t kTile = 64;              // keys per tile
 constexpr int64_t kPos = 32;               // query positions per work item
 
-// Each KV head's widened tiles: tile t of head g at (g * tiles + t) * tile_floats.
+// Each KV head's packed tiles: tile t of head g at (g * tiles + t) * tile_elems.
 struct Tiles {
-  float* k = nullptr;
-  float* v = nullptr;
-  int64_t tiles = 0, tile_floats = 0;  // tile_floats: 64 x D
+  bf16* k = nullptr;
+  bf16* v = nullptr;
+  int64_t tiles = 0, tile_elems = 0;  // tile_elems: 64 x D
 
-  const float* k_tile(int64_t g, int64_t t) const { return k + (g * tiles + t) * tile_floats; }
-  const float* v_tile(int64_t g, int64_t t) const { return v + (g * tiles + t) * tile_floats; }
+  bf16* k_tile(int64_t g, int64_t t) const { return k + (g * tiles + t) * tile_elems; }
+  bf16* v_tile(int64_t g, int64_t t) const { return v + (g * tiles + t) * tile_elems; }
 };
+
+constexpr int64_t kGroup = 16;  // keys (K tile) or dimensions (V tile) per packed group
 
 struct TileTag;
 struct ItemTag;
@@ -71,46 +77,56 @@ using Pool = PagedContext;
 
 inline float widen(bf16 x) { return static_cast<float>(x); }
 
-void pack_tile(const Pool& pool, int64_t g, int64_t t, int64_t len, float* kt, float* vt) {
+// Index of element c (of 16) in a packed 32-byte row: 8 h + j at 2 j + h.
+constexpr int64_t packed(int64_t c) { return 2 * (c % 8) + c / 8; }
+
+void pack_tile(const Pool& pool, int64_t g, int64_t t, int64_t len, bf16* kt, bf16* vt) {
   const int64_t d = pool.d, first = t * kTile;
   const int64_t valid = std::min(kTile, len - first);
-  for (int64_t j = 0; j < kTile; ++j) {
-    float* v_row = vt + j * d;
-    if (j >= valid) {
-      std::fill(v_row, v_row + d, 0.f);
-      for (int64_t e = 0; e < d; ++e) kt[e * kTile + j] = 0.f;
-      continue;
-    }
+  if (valid < kTile) {
+    std::fill(kt, kt + kTile * d, bf16(0.f));
+    std::fill(vt, vt + kTile * d, bf16(0.f));
+  }
+  for (int64_t j = 0; j < valid; ++j) {
     const bf16* k_src = pool.k + pool.row(first + j, g);
     const bf16* v_src = pool.v + pool.row(first + j, g);
-    for (int64_t e = 0; e < d; e += kBVec) {
-      auto [a, b] = load_bf16(v_src + e);
-      a.store(v_row + e);
-      b.store(v_row + e + kVec);
+    bf16* k_dst = kt + (j / kGroup) * d * kGroup + packed(j % kGroup);
+    for (int64_t e = 0; e < d; ++e) k_dst[e * kGroup] = k_src[e];
+    for (int64_t e = 0; e < d; e += kGroup) {  // interleaving e..e+7 with e+8..e+15 packs them
+      const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(v_src + e));
+      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(v_src + e + 8));
+      __m128i* dst = reinterpret_cast<__m128i*>(vt + ((e / kGroup) * kTile + j) * kGroup);
+      _mm_storeu_si128(dst, _mm_unpacklo_epi16(a, b));
+      _mm_storeu_si128(dst + 1, _mm_unpackhi_epi16(a, b));
     }
-    for (int64_t e = 0; e < d; ++e) kt[e * kTile + j] = widen(k_src[e]);
   }
+}
+
+// A packed row's 16 values as fp32: elements 0..7 and 8..15.
+inline std::pair<__m256, __m256> unpack(const bf16* row) {
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row));
+  return {_mm256_castsi256_ps(_mm256_slli_epi32(v, 16)),
+          _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(
+                                                     static_cast<int32_t>(0xffff0000u))))};
 }
 
 Tiles pack(const Pool& pool, int64_t kvh, int64_t len) {
   Tiles out;
   out.tiles = (len + kTile - 1) / kTile;
-  out.tile_floats = kTile * pool.d;
-  const int64_t count = kvh * out.tiles * out.tile_floats;
-  out.k = thread_buffer<float, TileTag>(2 * count);
+  out.tile_elems = kTile * pool.d;
+  const int64_t count = kvh * out.tiles * out.tile_elems;
+  out.k = thread_buffer<bf16, TileTag>(2 * count);
   out.v = out.k + count;
   at::parallel_for(0, kvh * out.tiles, 1, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t g = i / out.tiles, t = i % out.tiles;
-      pack_tile(pool, g, t, len, const_cast<float*>(out.k_tile(g, t)),
-                const_cast<float*>(out.v_tile(g, t)));
+      pack_tile(pool, g, t, len, out.k_tile(g, t), out.v_tile(g, t));
     }
   });
   return out;
 }
 
 constexpr int kRows = 6;      // rows per register block: 6 x 2 accumulators (12 of 16 ymm)
-constexpr int64_t kCols = 2;  // vectors per block: 16 keys of scores, 16 dimensions of o
 
 // A block of R consecutive rows of an item (position-major, then head): views into the item's
 // state.
@@ -130,27 +146,27 @@ struct Rows {
 };
 
 // s[r][0..64) = scale x q_r . k_j over one K tile; keys past row r's `last` are -inf.
-// Each K vector loaded feeds the R rows' FMAs (2 loads and R broadcasts per 2 R FMAs). Keys
+// Each K row loaded feeds the R rows' FMAs (1 load and R broadcasts per 2 R FMAs). Keys
 // that are -inf for every row are not computed (they would add exact zeros in `update`).
 template <int R>
-void scores(Rows& rows, const float* kt, int64_t d, float scale) {
-  for (int64_t c0 = 0; c0 < rows.keys; c0 += kCols * kVec) {  // 16 keys at a time
-    Vec acc[R][kCols];
-    for (int r = 0; r < R; ++r)
-      for (int64_t v = 0; v < kCols; ++v) acc[r][v] = Vec(0.f);
+void scores(Rows& rows, const bf16* kt, int64_t d, float scale) {
+  for (int64_t c0 = 0; c0 < rows.keys; c0 += kGroup) {
+    const bf16* group = kt + c0 * d;
+    __m256 acc[R][2];
+    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
     for (int64_t e = 0; e < d; ++e) {
-      const float* row = kt + e * kTile + c0;
-      Vec k[kCols];
-      for (int64_t v = 0; v < kCols; ++v) k[v] = Vec::loadu(row + v * kVec);
+      const auto [lo, hi] = unpack(group + e * kGroup);  // keys c0 + 0..7, c0 + 8..15
       for (int r = 0; r < R; ++r) {
-        const Vec a(rows.q[r * d + e]);
-        for (int64_t v = 0; v < kCols; ++v) acc[r][v] = at::vec::fmadd(a, k[v], acc[r][v]);
+        const __m256 a = _mm256_broadcast_ss(rows.q + r * d + e);
+        acc[r][0] = _mm256_fmadd_ps(a, lo, acc[r][0]);
+        acc[r][1] = _mm256_fmadd_ps(a, hi, acc[r][1]);
       }
     }
-    const Vec sv(scale);
-    for (int r = 0; r < R; ++r)
-      for (int64_t v = 0; v < kCols; ++v)
-        (acc[r][v] * sv).store(rows.s + r * kTile + c0 + v * kVec);
+    const __m256 sv = _mm256_set1_ps(scale);
+    for (int r = 0; r < R; ++r) {
+      _mm256_storeu_ps(rows.s + r * kTile + c0, _mm256_mul_ps(acc[r][0], sv));
+      _mm256_storeu_ps(rows.s + r * kTile + c0 + 8, _mm256_mul_ps(acc[r][1], sv));
+    }
   }
   for (int r = 0; r < R; ++r)
     for (int64_t j = rows.last(r) + 1; j < kTile; ++j)
@@ -159,7 +175,7 @@ void scores(Rows& rows, const float* kt, int64_t d, float scale) {
 
 // Each row's online-softmax update over one tile: m, l and o in place.
 template <int R>
-void update(Rows& rows, const float* vt, int64_t d) {
+void update(Rows& rows, const bf16* vt, int64_t d) {
   float alpha[R];
   const int64_t vecs = (rows.keys + kVec - 1) / kVec;  // the rest are -inf: p = 0
   for (int r = 0; r < R; ++r) {
@@ -167,7 +183,8 @@ void update(Rows& rows, const float* vt, int64_t d) {
     Vec mv(-std::numeric_limits<float>::infinity());
     for (int64_t v = 0; v < vecs; ++v) mv = at::vec::maximum(mv, Vec::loadu(s + v * kVec));
     const float m_new = std::max(rows.m[r], max_lane(mv));
-    alpha[r] = std::exp(rows.m[r] - m_new);  // 0 on the first tile (m = -inf)
+    // 0 on the first tile (m = -inf); exactly 1 while the maximum holds
+    alpha[r] = m_new == rows.m[r] ? 1.f : std::exp(rows.m[r] - m_new);
     const Vec mn(m_new);
     Vec total(0.f);
     for (int64_t v = 0; v < vecs; ++v) {
@@ -178,34 +195,36 @@ void update(Rows& rows, const float* vt, int64_t d) {
     rows.l[r] = rows.l[r] * alpha[r] + sum(total);
     rows.m[r] = m_new;
   }
-  for (int64_t e0 = 0; e0 < d; e0 += kCols * kVec) {  // 16 dimensions of o at a time
-    Vec acc[R][kCols];
+  for (int64_t e0 = 0; e0 < d; e0 += kGroup) {  // 16 dimensions of o at a time
+    const bf16* group = vt + e0 * kTile;
+    __m256 acc[R][2];
     for (int r = 0; r < R; ++r) {
-      const Vec av(alpha[r]);
-      for (int64_t v = 0; v < kCols; ++v)
-        acc[r][v] = Vec::loadu(rows.o + r * d + e0 + v * kVec) * av;
+      const __m256 av = _mm256_set1_ps(alpha[r]);
+      acc[r][0] = _mm256_mul_ps(_mm256_loadu_ps(rows.o + r * d + e0), av);
+      acc[r][1] = _mm256_mul_ps(_mm256_loadu_ps(rows.o + r * d + e0 + 8), av);
     }
     for (int64_t j = 0; j < rows.keys; ++j) {
-      const float* row = vt + j * d + e0;
-      Vec val[kCols];
-      for (int64_t v = 0; v < kCols; ++v) val[v] = Vec::loadu(row + v * kVec);
+      const auto [lo, hi] = unpack(group + j * kGroup);  // dimensions e0 + 0..7, e0 + 8..15
       for (int r = 0; r < R; ++r) {
-        const Vec p(rows.s[r * kTile + j]);
-        for (int64_t v = 0; v < kCols; ++v) acc[r][v] = at::vec::fmadd(p, val[v], acc[r][v]);
+        const __m256 p = _mm256_broadcast_ss(rows.s + r * kTile + j);
+        acc[r][0] = _mm256_fmadd_ps(p, lo, acc[r][0]);
+        acc[r][1] = _mm256_fmadd_ps(p, hi, acc[r][1]);
       }
     }
-    for (int r = 0; r < R; ++r)
-      for (int64_t v = 0; v < kCols; ++v) acc[r][v].store(rows.o + r * d + e0 + v * kVec);
+    for (int r = 0; r < R; ++r) {
+      _mm256_storeu_ps(rows.o + r * d + e0, acc[r][0]);
+      _mm256_storeu_ps(rows.o + r * d + e0 + 8, acc[r][1]);
+    }
   }
 }
 
 template <int R>
-void attend_tile(Rows& rows, const float* kt, const float* vt, int64_t d, float scale) {
+void attend_tile(Rows& rows, const bf16* kt, const bf16* vt, int64_t d, float scale) {
   scores<R>(rows, kt, d, scale);
   update<R>(rows, vt, d);
 }
 
-using TileFn = void (*)(Rows&, const float*, const float*, int64_t, float);
+using TileFn = void (*)(Rows&, const bf16*, const bf16*, int64_t, float);
 template <int... R>
 constexpr std::array<TileFn, sizeof...(R)> tile_table(std::integer_sequence<int, R...>) {
   return {&attend_tile<R + 1>...};
@@ -239,8 +258,8 @@ void attend_item(int64_t g, int64_t first, const at::Tensor& q, int64_t start, i
   std::fill(ls, ls + count, 0.f);
   const int64_t last_tile = (start + first + positions - 1) / kTile;
   for (int64_t t = 0; t <= last_tile; ++t) {
-    const float* kt = tiles.k_tile(g, t);
-    const float* vt = tiles.v_tile(g, t);
+    const bf16* kt = tiles.k_tile(g, t);
+    const bf16* vt = tiles.v_tile(g, t);
     // the item's positions whose last tile is behind are its first ones
     const int64_t i0 = std::max<int64_t>(0, t * kTile - start - first);
     for (int64_t r0 = i0 * group; r0 < count; r0 += kRows) {
