@@ -117,7 +117,9 @@ def test_decode_attention_matches_the_padded_sdpa_path(ops, heads, kvh, d):
     torch.testing.assert_close(got.float(), want.float(), atol=0.02, rtol=0.02)
 
 
+# 3, 4, 5, 7 and 8 query heads per KV head (the kernel is compiled for each G up to 8)
 @pytest.mark.parametrize(("heads", "kvh", "d", "bs"), [(9, 3, 64, 16), (4, 1, 128, 4),
+                                                   (5, 1, 64, 8), (14, 2, 64, 16),
                                                    (16, 2, 128, 16)])
 def test_decode_attention_over_many_tiles_is_fp64_attention_and_batch_invariant(
         ops, heads, kvh, d, bs):
