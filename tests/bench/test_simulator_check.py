@@ -10,7 +10,13 @@ import json
 import pytest
 
 from pdserve.bench import simulator_context
-from pdserve.bench.simulator_check import CheckSettings, _rankings, format_check, run_check
+from pdserve.bench.simulator_check import (
+    CheckSettings,
+    _rankings,
+    format_check,
+    run_check,
+    workload_args,
+)
 from tests.planner.cli_run import run_pdserve
 from tests.planner.simulate.step_files import (
     C1,
@@ -70,10 +76,38 @@ def test_the_command_exits_1_when_a_figure_is_outside_and_writes_the_summary(res
     ({"held_out": ("mixed",)}, "'mixed' is the calibration workload"),
     ({"configs": ("elastic",)}, "cannot be simulated"),
     ({"duration_s": 0.0}, "duration must be positive"),
+    ({"load": 0.0}, r"load must be in \(0, 100\], got 0.0"),
 ])
 def test_bad_settings_say_what_to_fix(tmp_path, kw, message):
     with pytest.raises(ValueError, match=message):
         _settings(tmp_path, **kw)
+
+
+def test_load_scales_each_open_loop_rate_and_leaves_the_closed_loop_alone():
+    assert workload_args("long", 0.5) == ("--workload", "rag", "--rate", "0.2")
+    assert workload_args("mixed", 0.5) == ("--workload", "mixed", "--rate", "0.5")
+    assert workload_args("diurnal", 1.0) == ("--workload", "diurnal", "--rate", "0.4")
+    assert workload_args("chat", 0.5) == ("--workload", "chat", "--concurrency", "16")
+
+
+def test_results_measured_at_another_load_are_not_reused(results):
+    """mixed.json measured at --rate 1 (load 1) is refused for --load 0.5, naming the rates; at
+    load 1 it is reused, and a closed-loop run has no rate to disagree with."""
+    write_json(results / "mixed.json", {"disagg": {"request_rate": 1.0},
+                                        "collocated": {"request_rate": 1.0}})
+    with pytest.raises(ValueError, match=r"request rates \{'disagg': 1.0, 'collocated': 1.0\}, "
+                                         r"not 0.5 req/s \(--load 0.5\): --remeasure"):
+        run_check(_settings(results, load=0.5))
+    assert run_check(_settings(results))["load"] == 1.0
+    write_json(results / "mixed.json", {"disagg": {"request_rate": 0.5},
+                                        "collocated": {"request_rate": 0.5}})
+    chat = json.loads((results / "chat.json").read_text())
+    for config in chat.values():
+        config["request_rate"] = None  # a closed loop's results say no rate
+    write_json(results / "chat.json", chat)
+    summary = run_check(_settings(results, load=0.5))
+    assert summary["load"] == 0.5 and len(summary["rows"]) == 2
+    assert "fitted on 'mixed', open-loop rates x0.5" in format_check(summary)
 
 
 def test_a_split_configurations_row_has_its_local_prefills_measured_and_simulated(results):

@@ -27,6 +27,14 @@ measures on each configuration's threads per worker (bench/simulator_context.py:
 run's fit cannot tell it from the per-stream cost), and the other costs are fitted around it;
 `--decode-context fitted` fits it too, `--decode-context-us` holds one value for all.
 
+`--load X` multiplies every open-loop workload's request rate by X (mixed: its chat stream,
+whose long bursts keep their period; chat, a closed loop of 16 clients, sends as fast as the
+server answers at any load): the rates are sized for the 2-core AVX-512 machine of the
+validation tables in docs/benchmarks.md, and on a slower one they overload every
+configuration, so that each run is its admission queue filling up (a diurnal run on a 2-core
+AVX2 EPYC: median TTFTs of 15-22 s, requests refused with 429, goodput 0) rather than the
+regime a user sizes a cluster for.
+
 A workload whose results file already exists in DIR is not measured again unless --remeasure:
 a change to the simulator is checked against the same runs; a change to the engine's speed
 needs new runs (--remeasure). Measuring is long (each workload runs every configuration for
@@ -76,6 +84,7 @@ class CheckSettings:
     decode_context: str = "measured"  # simulator_context.MODES
     decode_context_us: float | None = None  # held for every configuration (overrides the mode)
     speed_reference: str = "scale"  # `pdserve simulate --speed-reference`
+    load: float = 1.0  # factor on every open-loop workload's request rate
 
     def __post_init__(self) -> None:
         for name in (self.calibrate_on, *self.held_out):
@@ -93,6 +102,8 @@ class CheckSettings:
                              f"{', '.join(SIMULATED)}")
         if not self.duration_s > 0:
             raise ValueError(f"duration must be positive, got {self.duration_s!r}")
+        if not 0 < self.load <= 100:
+            raise ValueError(f"load must be in (0, 100], got {self.load!r}")
         if self.speed_reference not in SPEED_REFERENCE_MODES:
             raise ValueError(f"speed_reference must be one of {', '.join(SPEED_REFERENCE_MODES)}, "
                              f"got {self.speed_reference!r}")
@@ -118,6 +129,11 @@ def add_simulator_check_args(p: argparse.ArgumentParser) -> None:
                    help="seconds of arrivals per workload and configuration (diurnal: three "
                         "phases of a third each; default: %(default)s)")
     p.add_argument("--model", default="smollm2", help="default: %(default)s")
+    p.add_argument("--load", type=float, default=1.0,
+                   help="multiply every open-loop workload's request rate by this (mixed 1, "
+                        "long 0.4, diurnal 0.4 and prefix 1 req/s at 1; chat is 16 clients in "
+                        "a closed loop at any load); below 1 on a machine slower than the "
+                        "2-core AVX-512 one they are sized for (default: %(default)s)")
     p.add_argument("--remeasure", action="store_true",
                    help="measure every workload again even if its results are in --out")
     p.add_argument("--speed-reference", choices=SPEED_REFERENCE_MODES, default="scale",
@@ -140,22 +156,45 @@ def add_simulator_check_args(p: argparse.ArgumentParser) -> None:
 def settings(args: argparse.Namespace) -> CheckSettings:
     return CheckSettings(args.out, args.calibrate_on, _names(args.held_out),
                          _names(args.configs), args.duration, args.model, args.remeasure,
-                         args.decode_context, args.decode_context_us, args.speed_reference)
+                         args.decode_context, args.decode_context_us, args.speed_reference,
+                         args.load)
 
 
 def _names(text: str) -> tuple[str, ...]:
     return tuple(n.strip() for n in text.split(",") if n.strip())
 
 
+def workload_args(name: str, load: float) -> tuple[str, ...]:
+    """bench compare's flags for the workload, its --rate (if any) multiplied by `load`."""
+    args = list(WORKLOADS[name])
+    if "--rate" in args:
+        at = args.index("--rate") + 1
+        args[at] = f"{float(args[at]) * load:g}"
+    return tuple(args)
+
+
+def _reused_rate(out: Path, name: str, load: float) -> None:
+    """Refuse results measured at another rate than this load asks (None: a closed loop)."""
+    args = workload_args(name, load)
+    want = float(args[args.index("--rate") + 1]) if "--rate" in args else None
+    rates = {c: r.get("request_rate") for c, r in json.loads(out.read_text()).items()
+             if isinstance(r, dict)}
+    wrong = {c: r for c, r in rates.items() if r is not None and r != want}
+    if wrong:
+        raise ValueError(f"{out} was measured at request rates {wrong}, not {want:g} req/s "
+                         f"(--load {load:g}): --remeasure, or another --out")
+
+
 def _measure(s: CheckSettings, workload: str) -> Path:
     """DIR/<workload>.json, measured now unless it is there already."""
     out = s.out_dir / f"{workload}.json"
     if out.exists() and not s.remeasure:
+        _reused_rate(out, workload, s.load)
         print(f"{workload}: reusing {out}", file=sys.stderr)
         return out
     extra = ("--phase-s", f"{s.duration_s / 3:g}") if workload == "diurnal" else ()
     argv = [sys.executable, "-m", "pdserve.cli", "bench", "compare", "--configs",
-            ",".join(s.configs), "--model", s.model, *WORKLOADS[workload], *extra,
+            ",".join(s.configs), "--model", s.model, *workload_args(workload, s.load), *extra,
             "--duration", f"{s.duration_s:g}", "--slo-ttft-ms", f"{SLO_TTFT_MS:g}",
             "--slo-tpot-ms", f"{SLO_TPOT_MS:g}", "--out", str(out)]
     print(f"{workload}: measuring ({' '.join(argv[3:])})", file=sys.stderr)
@@ -194,6 +233,7 @@ def run_check(s: CheckSettings) -> dict[str, Any]:
             rows.append({"workload": workload, "config": config, **got,
                          "outside": _outside(got)})
     return {"calibrated_on": s.calibrate_on, "duration_s": s.duration_s, "model": s.model,
+            "load": s.load,
             "decode_context": held, "speed_reference": s.speed_reference, "rows": rows,
             "ranking": _rankings(rows)}
 
@@ -251,7 +291,9 @@ def format_check(summary: dict[str, Any]) -> str:
     """One line per (workload, configuration): each figure measured -> simulated (error)."""
     head = ["workload", "config"] + [f.replace("_ms", "") for f in FIGURES] + \
         ["local_prefills(measured/simulated)", "speed", "steps(measured/priced)"]
+    load = summary.get("load", 1.0)
     lines = [f"held-out validation, step costs fitted on {summary['calibrated_on']!r}"
+             f"{'' if load == 1.0 else f', open-loop rates x{load:g}'}"
              f"{_held_text(summary.get('decode_context'))} (measured -> simulated, error; * "
              "outside its tolerance)", "  ".join(head)]
     for r in summary["rows"]:
