@@ -108,6 +108,10 @@ def test_results_measured_at_another_load_are_not_reused(results):
     summary = run_check(_settings(results, load=0.5))
     assert summary["load"] == 0.5 and len(summary["rows"]) == 2
     assert "fitted on 'mixed', open-loop rates x0.5" in format_check(summary)
+    chat["disagg"]["request_rate"] = 2.0  # an open-loop run where the closed loop was asked
+    write_json(results / "chat.json", chat)
+    with pytest.raises(ValueError, match=r"request rates \{'disagg': 2.0\}, not a closed loop"):
+        run_check(_settings(results, load=0.5))
 
 
 def test_a_split_configurations_row_has_its_local_prefills_measured_and_simulated(results):

@@ -181,7 +181,8 @@ def _reused_rate(out: Path, name: str, load: float) -> None:
              if isinstance(r, dict)}
     wrong = {c: r for c, r in rates.items() if r is not None and r != want}
     if wrong:
-        raise ValueError(f"{out} was measured at request rates {wrong}, not {want:g} req/s "
+        asked = "a closed loop" if want is None else f"{want:g} req/s"
+        raise ValueError(f"{out} was measured at request rates {wrong}, not {asked} "
                          f"(--load {load:g}): --remeasure, or another --out")
 
 
