@@ -127,7 +127,7 @@ def test_decode_attention_over_many_tiles_is_fp64_attention_and_batch_invariant(
     a tail, and one, two and three 1,024-position partitions (merged afterwards), each scattered
     over random blocks whose free slots hold NaN (never read): the kernel's output is fp64
     attention's to bf16 rounding, and a request's result is the same bits alone as in the batch
-    (one KV head per work item alone, every head in the batch)."""
+    (one KV head per work item alone, every head in the batch) and on any number of threads."""
     gen = torch.Generator().manual_seed(heads * bs)
     lens = [1, 63, 64, 65, 200, 333, 1024, 1025, 2100]
     k_cache, v_cache, tables = _paged(gen, lens, kvh, d, bs,
@@ -151,6 +151,14 @@ def test_decode_attention_over_many_tiles_is_fp64_attention_and_batch_invariant(
         alone = ops.decode_attention(q[r:r + 1], k_cache, v_cache, tables[r:r + 1],
                                      lengths[r:r + 1], d**-0.5)
         assert torch.equal(alone[0], got[r])
+    threads = torch.get_num_threads()
+    try:  # the items are shared out by positions per thread: any count, the same bits
+        for n in (1, 3, 5):
+            torch.set_num_threads(n)
+            again = ops.decode_attention(q, k_cache, v_cache, tables, lengths, d**-0.5)
+            assert torch.equal(again, got), n
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_decode_attention_refuses_what_it_cannot_read(ops):
