@@ -57,7 +57,7 @@ def test_each_held_out_run_is_simulated_from_the_calibration_run_alone(results):
     assert "median_ttft_ms" not in rows["disagg"]["outside"]
     assert rows["collocated"]["rel_error"]["median_ttft_ms"] == pytest.approx(210 / 900 - 1)
     assert "median_ttft_ms" in rows["collocated"]["outside"]
-    assert set(summary["ranking"]["chat"]) == {"measured", "simulated", "regret", "agree"}
+    assert set(summary["ranking"]["chat"]) == {"measured", "simulated", "regret", "agree", "top"}
     text = format_check(summary)
     assert "fitted on 'mixed'" in text and "900->210 (-77%)*" in text
 
@@ -176,7 +176,18 @@ def test_the_simulated_best_agrees_when_it_measured_within_five_percent_of_the_b
 
 def test_the_same_best_on_both_sides_agrees_with_no_regret():
     rank = _rankings([_row("disagg", 0.5, 0.6), _row("collocated", 0.4, 0.3)])["long"]
-    assert rank == {"measured": "disagg", "simulated": "disagg", "regret": 0.0, "agree": True}
+    assert rank == {"measured": "disagg", "simulated": "disagg", "regret": 0.0, "agree": True,
+                    "top": 0.5}
+
+
+def test_a_workload_whose_requests_all_missed_the_slo_is_not_called_an_agreement():
+    """Long prompts past the TTFT bound everywhere: goodput 0 on both sides, whichever
+    configuration max() happens to pick is no ranking."""
+    rank = _rankings([_row("collocated", 0.0, 0.0), _row("disagg", 0.0, 0.0)])["long"]
+    assert rank["top"] == 0 and rank["agree"] is True  # not a disagreement either
+    text = format_check({"calibrated_on": "diurnal", "rows": [], "ranking": {"long": rank}})
+    assert "long: nothing to rank: no configuration's requests met the SLO" in text
+    assert "agree" not in text.splitlines()[-1]
 
 
 def test_a_held_out_run_with_its_steps_shows_them_priced_by_the_calibration(results):

@@ -10,7 +10,8 @@ simulator's tolerance (25%; 35% for the P99 ITL), and per workload whether the c
 the simulation ranks best by goodput is the one measured best: they agree when the simulation's
 pick measured within `MARGIN` (5%, `pdserve plan`'s tie) of the measured best's goodput, so
 that following the simulator costs less than the noise of one run (configurations 0.4% apart
-in one 60 s run are not ranked by it; the line then says "a tie"). Goodput counts requests
+in one 60 s run are not ranked by it; the line then says "a tie"; where no configuration met
+the SLO in the measured runs the line says there was nothing to rank). Goodput counts requests
 within a 2 s TTFT and a 100 ms TPOT (`SLO_*`; 100 ms is also what `pdserve up` paces to). A split
 configuration's row also has its local prefills, measured (the router's, from the results'
 `split_decisions`) / simulated, informational: no tolerance ("-" where a results file predates
@@ -264,7 +265,8 @@ def _outside(got: dict[str, Any]) -> list[str]:
 def _rankings(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """Per workload: the configuration best by goodput, measured and simulated; `regret` the
     measured goodput lost by taking the simulated best instead (0: the same one), `agree` when
-    it is within MARGIN."""
+    it is within MARGIN; `top` the measured best's goodput (0: no configuration met the SLO, so
+    there was nothing to rank and `agree` says nothing)."""
     out = {}
     for workload in dict.fromkeys(r["workload"] for r in rows):
         goodput = {side: {r["config"]: r[side]["request_goodput"] or 0.0
@@ -274,11 +276,14 @@ def _rankings(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
         top = goodput["measured"][best["measured"]]
         picked = goodput["measured"][best["simulated"]]
         regret = (top - picked) / top if top > 0 else 0.0
-        out[workload] = {**best, "regret": regret, "agree": regret <= MARGIN}
+        out[workload] = {**best, "regret": regret, "agree": regret <= MARGIN, "top": top}
     return out
 
 
 def _rank_line(workload: str, rank: dict[str, Any]) -> str:
+    if rank["top"] == 0:
+        return (f"{workload}: nothing to rank: no configuration's requests met the SLO in the "
+                f"measured runs (goodput 0)")
     line = (f"{workload}: best by goodput measured {rank['measured']}, simulated "
             f"{rank['simulated']}: ")
     if rank["measured"] == rank["simulated"]:
