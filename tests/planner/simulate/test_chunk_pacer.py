@@ -3,7 +3,8 @@ floor((tpot - s) x R)) from its own recent steps, refreshed every REFRESH_S."""
 
 from __future__ import annotations
 
-from pdserve.planner.simulate.chunk_pacer import REFRESH_S, WINDOW, ChunkPacer
+from pdserve.planner.simulate.chunk_pacer import REFRESH_S, ChunkPacer
+from pdserve.planner.simulate.step_window import WINDOW
 
 
 def test_no_cap_before_a_decode_step_and_one_block_before_a_prompt_step():

@@ -99,17 +99,21 @@ def test_the_whole_prompt_kv_still_travels_to_the_decode_worker():
 
 
 def test_the_split_rule_weighs_the_tokens_each_worker_lacks_and_the_whole_prompts_kv():
-    # A leaves prefix 7 on the decode worker; B (3,000 tokens) then prefills there. C, of
-    # prefix 7, is 58 uncached tokens there, behind B's 3 s step; split, the prefill worker
-    # (which lacks the prefix) computes all 1,050 and the whole prompt's KV takes 8.4 s on the
-    # link, as the router prices it: C stays local, first token after B's step and its own
-    # 58 tokens beside B's stream (13.068 s).
+    # W (100 tokens, under the threshold before any rate) prefills on the decode worker, which
+    # then reports 1,000 tokens/s. A (1,050) stays local there too (the same rate on both
+    # paths, a link to pay on one) and leaves prefix 7 on it; B (3,000 tokens) then prefills
+    # there. C, of prefix 7, is 58 uncached tokens there, behind B's 3 s step, at 58 tokens a
+    # step beside B's stream (853 tokens/s: 3.6 s); split, the prefill worker (which lacks the
+    # prefix) computes all 1,050 and the whole prompt's KV takes 8.4 s on the link, as the
+    # router prices it: C stays local, first token after B's step and its own 58 tokens beside
+    # B's stream (13.068 s).
     c = linear_cluster(split=SplitRule.MEASURED, kv_bytes_per_token_rank=1_000_000)
-    trace = [shared(0.0, 7), TraceRequest(10.0, 3000, 2), shared(10.5, 7)]
+    trace = [TraceRequest(0.0, 100, 2), shared(1.0, 7), TraceRequest(10.0, 3000, 2),
+             shared(10.5, 7)]
     result = simulate("disagg", c, LINEAR, trace)
-    assert result.local_prefills == 3
+    assert result.local_prefills == 4 and result.busy["prefill"] == 0.0
     assert c.transfer_seconds(PREFIX + SUFFIX) == pytest.approx(8.4)
-    assert result.records[2].ttft_s == pytest.approx(10.0 + 3.0 + 0.058 + DECODE_S - 10.5)
+    assert result.records[3].ttft_s == pytest.approx(10.0 + 3.0 + 0.058 + DECODE_S - 10.5)
 
 
 def test_prefixes_lower_the_median_ttft_of_the_prefix_preset():

@@ -12,6 +12,7 @@ from pdserve.planner.simulate.pools import CollocatedWorker, DecodeBatch, Prefil
 from pdserve.planner.simulate.prefix_cache import PrefixTable
 from pdserve.planner.simulate.routing import Routing
 from pdserve.planner.simulate.split_model import SplitRule
+from pdserve.planner.simulate.step_window import WINDOW
 from tests.planner.simulate.test_prefix_cache import LINEAR, linear_cluster, shared
 
 KV, BATCH, BUDGET = 100_000, 64, 8192
@@ -50,19 +51,37 @@ def test_the_prefix_policy_goes_where_the_router_sent_the_prefix():
 
 
 def test_route_returns_the_split_to_its_caller_and_queues_a_local_prompt_itself():
-    """The first prompt finds nothing queued: local (queued on decode worker 0, which is woken).
-    The second finds that backlog there and a free prefill worker: split, left to the caller;
-    both count open on the decode worker from now."""
+    """No worker has reported a rate: the first prompt (200 tokens, under the threshold, nothing
+    queued) runs locally (queued on decode worker 0, which is woken); the second (1,000) splits
+    to the least loaded prefill worker, left to the caller; both count open on the decode
+    worker from now."""
     woken: list[Worker] = []
     routing = disagg(woken, split=SplitRule.MEASURED)
-    assert routing.route(record(0), 0) is None
-    assert routing.paced[0].backlog_tokens == 1000 and woken == [routing.paced[0]]
+    assert routing.route(record(0, 200), 0) is None
+    assert routing.paced[0].backlog_tokens == 200 and woken == [routing.paced[0]]
     assert routing.route(record(1), 0) == 0
     assert (routing.local_prefills, routing.loads["decode"], len(woken)) == (1, [2, 0], 1)
     routing.split(record(1), 0, 0)
-    assert (routing.bound, routing.loads["prefill"]) == ({1: 0}, [1000, 0])
+    assert (routing.bound, routing.queued, routing.loads["prefill"]) == ({1: 0}, {1: 1000},
+                                                                         [1000, 0])
     assert routing.prefill_ended(record(1), 0) == 0
     assert (routing.bound, routing.queued, routing.loads["prefill"]) == ({}, {}, [0, 0])
+
+
+def test_the_rule_reads_the_rates_the_workers_report_of_their_own_steps():
+    """Decode worker 0 timed 1,000 prompt tokens in 1 s alone (R_m 1,000/s), prefill worker 1
+    2,000 in 0.5 s (4,000/s), prefill worker 0 nothing. A 1,000-token prompt: local 1 s, split
+    via worker 1 0.25 s + 8 ms on the link: split there. Worker 1's window then fills with
+    steps at 500/s: via worker 0, at the mean of the rates reported (750/s), 1.34 s; local
+    (1 leg open: the first prompt; no decode step timed, so no chunk: C = U) 1 s: local."""
+    routing = disagg([], split=SplitRule.MEASURED)
+    routing.paced[0].pacer.record(1000, 0, 1.0)
+    routing.prefill[1].steps.record(2000, 0, 0.5)
+    assert routing.route(record(0), 0) == 1
+    for _ in range(WINDOW):
+        routing.prefill[1].steps.record(500, 0, 1.0)
+    assert routing.prefill[1].steps.rates().prefill_tokens_per_s == 500.0
+    assert routing.route(record(1), 0) is None
 
 
 def test_every_load_closed_leaves_nothing_over():

@@ -15,10 +15,13 @@ from pdserve.planner.simulate.events import SimResult, simulate
 from pdserve.planner.simulate.metrics import RequestRecord
 from pdserve.planner.simulate.split_model import (
     DEFAULT_TPOT_TARGET_S,
+    Route,
+    Seen,
     SplitRule,
-    paced_tokens,
+    local_rate,
     route,
 )
+from pdserve.planner.simulate.step_window import WINDOW, Rates, StepWindow
 from pdserve.planner.simulate.trace import TraceRequest
 from tests.planner.simulate.test_events import COSTS, HOL_TRACE
 
@@ -63,32 +66,69 @@ def step_end_after(first_token_s: float, t: float) -> float:
 # ---- the rule ------------------------------------------------------------------------------------
 
 
-def test_the_paced_chunk_is_the_most_prompt_tokens_a_step_within_the_target_holds():
-    def plan(n: int) -> list[Chunk]:
-        return [Chunk(0, n, False)]
+def seen(rate: float | None = None, backlog: int = 0, legs: int = 0, chunk: int | None = None,
+         step_s: float | None = None, marginal: float | None = None) -> Seen:
+    """A worker reporting `rate` (and R_m = `marginal`, else `rate`)."""
+    return Seen(Rates(rate, step_s, marginal or rate), backlog, legs, chunk)
 
-    assert paced_tokens(Linear(), plan, 8192, 3, 0, TPOT) == 384
-    assert paced_tokens(Linear(), plan, 100, 3, 0, TPOT) == 100  # all the prompt has left
-    assert paced_tokens(Linear(), plan, 8192, 3, 0, DECODE_S / 2) == 16  # one block at least
-    assert paced_tokens(Linear(), plan, 10, 3, 0, DECODE_S / 2) == 10
+
+def test_before_any_rate_short_prompts_run_locally_while_nothing_longer_is_queued():
+    idle = [seen(), seen(backlog=300)]
+    assert route(256, seen(), [256, 256], idle, 0.0) == Route(True, None, None, None)
+    assert route(257, seen(), [257, 257], idle, 0.0).local is False  # over the threshold
+    assert route(200, seen(backlog=100), [200, 200], idle, 0.0).local is False  # 300 > 256
+    # queued here 300 + 200, on the least loaded prefill worker 0 + 600 (it lacks more)
+    assert route(200, seen(backlog=300), [600, 900], idle, 0.0).local is True
 
 
 def test_route_compares_queue_plus_service_times_and_picks_the_soonest_prefill_worker():
-    def rate(tokens: int) -> float:
-        return 2000.0
-
-    r = route(1000, 0, 1000.0, [3000, 500, 500], [1000] * 3, rate, 0.25)
+    prefill = [seen(2000.0, 3000), seen(2000.0, 500), seen(2000.0, 500)]
+    r = route(1000, seen(1000.0), [1000] * 3, prefill, 0.25)
     assert (r.t_remote_s, r.prefill_index, r.t_local_s, r.local) == (1.0, 1, 1.0, True)
-    r = route(1000, 1, 1000.0, [3000, 500, 500], [1000] * 3, rate, 0.25)
+    r = route(1000, seen(1000.0, backlog=1), [1000] * 3, prefill, 0.25)
     assert r.local is False and r.t_local_s == 1.001
 
 
 def test_route_counts_each_prefill_worker_with_the_tokens_it_lacks():
     # worker 1 holds the prompt's prefix: 100 tokens there against 1,000 at worker 0
-    r = route(1000, 0, 1000.0, [0, 500], [1000, 100], lambda u: 1000.0, 0.0)
+    r = route(1000, seen(1000.0), [1000, 100], [seen(1000.0), seen(1000.0, 500)], 0.0)
     assert (r.prefill_index, r.t_remote_s) == (1, 0.6)
-    r = route(100, 0, 1000.0, [0], [1000], lambda u: 1000.0, 0.0)  # only d holds it: local
+    r = route(100, seen(1000.0), [1000], [seen(1000.0)], 0.0)  # only d holds it: local
     assert r.local and (r.t_local_s, r.t_remote_s) == (0.1, 1.0)
+
+
+def test_a_worker_that_reports_no_rate_counts_at_the_mean_of_those_reported():
+    # d reports 1,000/s, prefill worker 1 3,000/s, worker 0 nothing: 2,000/s for it
+    r = route(1000, seen(1000.0), [1000, 1000], [seen(), seen(3000.0, 5000)], 0.0)
+    assert (r.prefill_index, r.t_remote_s, r.local) == (0, 0.5, False)
+
+
+def test_beside_open_legs_a_prompt_progresses_a_chunk_per_decode_step_plus_its_own_part():
+    # R_m 1,000/s, decode step 50 ms, chunk 100: 100 / (0.05 + 0.1) = 666.7 tokens/s
+    d = seen(800.0, legs=2, chunk=100, step_s=0.05, marginal=1000.0)
+    assert local_rate(d, 5000, 0.0) == pytest.approx(100 / 0.15)
+    assert local_rate(d, 50, 0.0) == pytest.approx(50 / 0.1)  # the prompt is under a chunk
+    assert local_rate(seen(800.0, legs=2, step_s=0.05, marginal=1000.0), 500, 0.0) == \
+        pytest.approx(500 / 0.55)  # no chunk timed yet: the whole prompt in one step
+    assert local_rate(seen(800.0, step_s=0.05, marginal=1000.0), 500, 0.0) == 1000.0  # alone
+    no_marginal = Seen(Rates(800.0, 0.05, None), 0, 2, 100)
+    assert local_rate(no_marginal, 500, 0.0) == 800.0  # its whole-step average
+    assert local_rate(seen(legs=2), 500, 1234.0) == 1234.0  # nothing: the pool's mean
+
+
+def test_a_workers_window_reports_its_newest_steps_of_each_kind():
+    w = StepWindow()
+    assert w.rates() == Rates()
+    w.record(1000, 0, 0.5)  # a prompt alone
+    w.record(100, 4, 0.07)  # a prompt beside 4 streams
+    for _ in range(WINDOW + 1):
+        w.record(0, 4, 0.02)
+    w.record(0, 0, 1.0)  # no work: not timed
+    w.record(50, 0, 0.0)  # no time: not timed
+    rates = w.rates()
+    assert rates.prefill_tokens_per_s == pytest.approx(1100 / 0.57)
+    assert rates.decode_step_s == 0.02 and len(w.decode_s) == WINDOW
+    assert rates.marginal_tokens_per_s == pytest.approx(1100 / 0.55)  # 50 ms of 70 the prompt's
 
 
 def test_the_defaults_are_the_original_model_and_pdserve_ups_target():
@@ -101,15 +141,18 @@ def test_the_defaults_are_the_original_model_and_pdserve_ups_target():
 
 
 def test_an_idle_cluster_keeps_a_prompt_local_and_saves_the_transfer():
-    trace = [TraceRequest(0.0, 1000, 4)]
+    # W (100 tokens, before any rate: under the threshold) runs locally, and the decode worker
+    # reports its rate; then the idle cluster keeps a 1,000-token prompt local too
+    trace = [TraceRequest(0.0, 100, 2), TraceRequest(1.0, 1000, 4)]
     local = run("measured", trace)
-    r = local.records[0]
-    assert local.local_prefills == 1 and local.busy["prefill"] == 0.0
+    r = local.records[1]
+    assert local.local_prefills == 2 and local.busy["prefill"] == 0.0
     assert r.ttft_s == 1000 * TOKEN_S and gaps(r) == [DECODE_S] * 3
+    assert run("measured", trace[1:]).local_prefills == 0  # no rate yet: over the threshold
     remote = run("remote", trace)
     transfer = cluster("remote").transfer_seconds(1000)
-    assert remote.local_prefills == 0 and remote.records[0].ttft_s == 1000 * TOKEN_S
-    assert gaps(remote.records[0]) == pytest.approx([transfer + DECODE_S] + [DECODE_S] * 2,
+    assert remote.local_prefills == 0 and remote.records[1].ttft_s == 1000 * TOKEN_S
+    assert gaps(remote.records[1]) == pytest.approx([transfer + DECODE_S] + [DECODE_S] * 2,
                                                     rel=1e-12)
 
 
@@ -168,12 +211,14 @@ def test_with_no_stream_local_prompts_run_whole_and_unpaced_before_a_decode_step
 
 
 def test_prompts_go_to_the_least_loaded_decode_worker_then_to_an_idle_prefill_worker():
-    # the first two prefill on the two idle decode workers; the third, behind the first on
-    # decode worker 0 (0.98 s), goes to the idle prefill worker (0.49 s + the transfer)
-    trace = [TraceRequest(0.0, 4000, 3)] * 3
+    # W0 and W1 (100 tokens each) run on the two idle decode workers, which report their
+    # rates. At 1 s the first two 4,000-token prompts prefill whole on them; the third, behind
+    # the first on decode worker 0 and beside its leg (chunks of 384 tokens a 62.5 ms step:
+    # 1.3 s), goes to the idle prefill worker (0.49 s + the transfer)
+    trace = [TraceRequest(0.0, 100, 2)] * 2 + [TraceRequest(1.0, 4000, 3)] * 3
     result = run("measured", trace, decode_workers=2)
-    assert result.local_prefills == 2 and result.busy["prefill"] > 0
-    assert [r.ttft_s for r in result.records] == [4000 * TOKEN_S] * 3
+    assert result.local_prefills == 4 and result.busy["prefill"] > 0
+    assert [r.ttft_s for r in result.records[2:]] == [4000 * TOKEN_S] * 3
 
 
 # ---- the original model, and every request completing ------------------------------------------

@@ -20,29 +20,24 @@ a step beside streams is planned.
 from __future__ import annotations
 
 import math
-import statistics
-from collections import deque
+
+from pdserve.planner.simulate.step_window import StepWindow
 
 REFRESH_S = 0.5  # workers/prefill_budget.py REFRESH_S
-WINDOW = 64  # workers/step_rates.py WINDOW
 
 
 class ChunkPacer:
-    """C above. Invariant: `decode_s` and `prompt` hold the newest WINDOW steps of each kind."""
+    """C above, from `steps` (the worker's StepWindow, which its reports read too)."""
 
     def __init__(self, tpot_target_s: float, block_tokens: int) -> None:
         self.tpot_target_s, self.block = tpot_target_s, block_tokens
-        self.decode_s: deque[float] = deque(maxlen=WINDOW)
-        self.prompt: deque[tuple[int, float, bool]] = deque(maxlen=WINDOW)  # (N, t, decoded)
+        self.steps = StepWindow()
         self.current: int | None = None
         self.refresh_at = 0.0
 
     def record(self, prompt_tokens: int, decodes: int, seconds: float) -> None:
         """One finished step of this worker."""
-        if prompt_tokens:
-            self.prompt.append((prompt_tokens, seconds, decodes > 0))
-        elif decodes:
-            self.decode_s.append(seconds)
+        self.steps.record(prompt_tokens, decodes, seconds)
 
     def chunk(self, now: float) -> int | None:
         """C at `now` (None: no cap), recomputed once REFRESH_S has passed since the last."""
@@ -51,13 +46,15 @@ class ChunkPacer:
             self.refresh_at = now + REFRESH_S
         return self.current
 
+    def reported(self) -> int | None:
+        """The chunk the worker's refresh would set now, as its /health reports it."""
+        return self._compute()
+
     def _compute(self) -> int | None:
-        if not self.decode_s:
+        s = self.steps.decode_step_s()
+        if s is None:
             return None
-        s = statistics.median(self.decode_s)
-        parts = [(n, t - s if decoded else t) for n, t, decoded in self.prompt]
-        tokens = sum(n for n, part in parts if part > 0)
-        seconds = sum(part for _, part in parts if part > 0)
-        if seconds <= 0:
+        rate = self.steps.marginal_rate(s)
+        if rate is None:
             return self.block
-        return max(self.block, math.floor(round((self.tpot_target_s - s) * tokens / seconds, 6)))
+        return max(self.block, math.floor(round((self.tpot_target_s - s) * rate, 6)))

@@ -30,7 +30,7 @@ from pdserve.planner.simulate.chunk_pacer import ChunkPacer
 from pdserve.planner.simulate.metrics import RequestRecord
 from pdserve.planner.simulate.pools import DecodeBatch, DecodeWorker, start_decoding
 from pdserve.planner.simulate.prefix_cache import PrefixCache
-from pdserve.planner.simulate.split_model import BLOCK_TOKENS, local_rate
+from pdserve.planner.simulate.split_model import BLOCK_TOKENS, Seen
 
 Planned = list[tuple[RequestRecord, int]]  # (prompt, its tokens computed this step)
 
@@ -61,10 +61,9 @@ class PacedDecodeWorker(DecodeWorker):
         self.backlog_of[record.index] = tokens
         self.backlog_tokens += tokens
 
-    def local_rate(self, tokens: int) -> float:
-        """R_d for a prompt of `tokens` arriving now (split_model.local_rate)."""
-        return local_rate(self.costs, tokens, self.batch.size, self.batch.context_sum,
-                          self.tpot_target_s)
+    def seen(self, legs: int) -> Seen:
+        """This worker as the router sees it, with `legs` open on it (split_model.py)."""
+        return Seen(self.pacer.steps.rates(), self.backlog_tokens, legs, self.pacer.reported())
 
     def start_step(self, now: float) -> float | None:
         self._admit_arrived()

@@ -35,6 +35,7 @@ from collections import deque
 from pdserve.planner.simulate.calibration import Chunk, StepCosts
 from pdserve.planner.simulate.metrics import ItlSamples, RequestRecord
 from pdserve.planner.simulate.prefix_cache import PrefixCache
+from pdserve.planner.simulate.step_window import StepWindow
 
 
 def first_token(record: RequestRecord, now: float) -> None:
@@ -165,6 +166,8 @@ class PrefillWorker(Worker):
         self.prefixes = prefixes or PrefixCache.disabled()
         self.queue: deque[RequestRecord] = deque()
         self.step: list[RequestRecord] = []
+        self.steps = StepWindow()  # what it reports of its speed (the router's R_p)
+        self.step_tokens, self.step_s = 0, 0.0
 
     def start_step(self, now: float) -> float | None:
         if not self.queue:
@@ -177,9 +180,12 @@ class PrefillWorker(Worker):
             tokens += record.prompt_tokens - record.prefilled
             self.step.append(record)
         chunks = [Chunk(r.prefilled, r.prompt_tokens - r.prefilled, True) for r in self.step]
-        return self.costs.step_seconds(chunks, 0, 0)
+        self.step_tokens = tokens
+        self.step_s = self.costs.step_seconds(chunks, 0, 0)
+        return self.step_s
 
     def finish_step(self, now: float) -> tuple[list[RequestRecord], list[RequestRecord]]:
+        self.steps.record(self.step_tokens, 0, self.step_s)
         done, self.step = self.step, []
         finished = []
         for record in done:

@@ -20,7 +20,8 @@ receives them all. With `Cluster.policy` prefix
 (the router's `--policy prefix`, `PrefixAware`), every worker choice above is instead the
 lowest legs - (prompt blocks the router routed there) / PREFIX_BLOCKS_PER_LEG, legs being the
 requests assigned to the worker (for a prefill worker, its queued and running prompts); ties
-to the lowest index. The measured rule's prefill worker stays the one of its t_remote.
+to the lowest index. The measured rule's prefill worker stays the one of its t_remote (before
+any rate is reported, the policy's).
 
 With admission (admission_gate.py) the same choices are made among the workers with room, when
 a request is granted a slot rather than at its arrival.
@@ -36,7 +37,7 @@ from pdserve.planner.simulate.metrics import RequestRecord
 from pdserve.planner.simulate.paced_decode import PacedDecodeWorker
 from pdserve.planner.simulate.pools import CollocatedWorker, DecodeWorker, PrefillWorker, Worker
 from pdserve.planner.simulate.prefix_cache import PrefixTable, RoutedPrefixes
-from pdserve.planner.simulate.split_model import Route, SplitRule, prefill_rate, route
+from pdserve.planner.simulate.split_model import Route, Seen, SplitRule, route
 
 PREFIX_BLOCKS_PER_LEG = 8  # router/policies.py PrefixAware: a cached block is worth 1/8 leg
 
@@ -109,15 +110,16 @@ class Routing:
 
     def route(self, record: RequestRecord, j: int) -> int | None:
         """The router's path (split_model.py) on decode worker j, counted open there: None when
-        it prefills there (queued on it now), else the prefill worker the rule chose, which the
+        it prefills there (queued on it now), else the prefill worker it goes to, which the
         caller sends it to (`split`, or through the prefill pool). U is the prompt's uncached
         tokens on that decode worker, as the router counts them."""
-        self.loads["decode"][j] += 1
         tokens = self.routed["decode"][j].uncached(record)
         path = self._decide(record, j, tokens)
+        self.loads["decode"][j] += 1
         self.routed["decode"][j].add(record)
         if path is not None and not path.local:
-            return path.prefill_index
+            return self.pick("prefill", record) if path.prefill_index is None \
+                else path.prefill_index
         self.local_prefills += 1
         self.paced[j].add_local(record, tokens)
         self.wake(self.paced[j])
@@ -126,13 +128,13 @@ class Routing:
     def _decide(self, record: RequestRecord, j: int, tokens: int) -> Route | None:
         """The measured rule's decision for `record`, `tokens` of it uncached on decode worker
         j (each prefill worker counted with what it lacks, the link with the whole prompt's
-        KV); None: split local."""
+        KV), on the workers' reported speeds; None: split local."""
         if self.cluster.split is SplitRule.LOCAL:
             return None
-        worker = self.paced[j]
+        prefill = [Seen(w.steps.rates(), q) for w, q in zip(self.prefill, self.loads["prefill"],
+                                                            strict=True)]
         remote = [routed.uncached(record) for routed in self.routed["prefill"]]
-        return route(tokens, worker.backlog_tokens, worker.local_rate(tokens),
-                     self.loads["prefill"], remote, lambda u: prefill_rate(self.costs, u),
+        return route(tokens, self.paced[j].seen(self.loads["decode"][j]), remote, prefill,
                      self.cluster.transfer_seconds(record.prompt_tokens))
 
     def open_decode(self, record: RequestRecord, j: int) -> None:

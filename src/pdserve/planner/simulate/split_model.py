@@ -1,7 +1,7 @@
-"""Where a split layout prefills each prompt, and how fast a decode worker prefills beside its
-streams: the router's conditional disaggregation (router/split_decision.py, router/dispatch.py,
-router/path_choice.py) and a decode worker's paced prefill chunk (workers/prefill_budget.py),
-restated in the simulator's terms (the planner imports no serving code).
+"""Where a split layout prefills each prompt: the router's conditional disaggregation
+(router/split_decision.py, router/path_choice.py) restated in the simulator's terms (the
+planner imports no serving code), on the speeds the simulated workers report of themselves
+(step_window.py), as the router decides on the speeds served workers report.
 
 Rules (`SplitRule`, after the router's `--local-prefill-threshold`):
 - remote (threshold 0): every prompt goes to a prefill worker and its KV to a decode worker
@@ -13,59 +13,51 @@ Rules (`SplitRule`, after the router's `--local-prefill-threshold`):
   the lowest index), N its prompt tokens and U_w those the router counts uncached on worker w
   (what it routed there: prefix_cache.RoutedPrefixes):
 
-      t_remote = min over prefill workers p of (Q_p + U_p) / R_p(U_p)  +  T_link(N)
+      t_remote = min over prefill workers p of (Q_p + U_p) / R_p  +  T_link(N)
       t_local  = (Q_d + U_d) / R_d
       local   <=>  t_local <= t_remote  (ties: the prefill worker of lowest index)
 
   Q_w: uncached prompt tokens sent to w whose prefill has not ended (as the router's
-  `PrefillBacklog` counts them); R_p(U) = U / step(U alone), the rate a prefill step of this
-  size runs at; T_link(N): the Cluster's transfer time of the whole prompt's KV (the decode
-  side receives every prompt block, as the engine does); R_d: with streams decoding on d,
-  C / step(C beside them), C the paced chunk below for a chunk at the prompt's middle (the
-  mean context its chunks attend to: the rate a prompt progresses at there, as a worker's
-  steps that also decoded report it, averaged over them), else R_p (no stream: no cap).
+  `PrefillBacklog` counts them); R_p: p's reported `prefill_tokens_per_s`; T_link(N): the
+  Cluster's transfer time of the whole prompt's KV (the decode side receives every prompt
+  block, as the engine does); R_d from d's reports and the legs L the router has open on d
+  (before this one):
+
+      R_d = R_m                  L = 0: the prompt runs alone
+      R_d = C / (s + C / R_m)    L > 0: each step carries C prompt tokens beside the streams
+
+  R_m: d's marginal prefill rate, s: its decode step, C = min(U_d, its chunk), the chunk being
+  the one d paces its prompts in (chunk_pacer.py; the whole prompt while d has timed no
+  decode step). A worker that reports no rate counts at the mean of those reported (d without
+  R_m at its `prefill_tokens_per_s`).
+  Until no worker has reported a rate (a run's first prompts) the router takes the workers as
+  equally fast: a prompt runs locally when U_d <= T and Q_d + U_d <= max(T, min over p of
+  (Q_p + U_p)), T = UNMEASURED_THRESHOLD, and a split one goes to the policy's prefill worker.
   The decision's TPOT-stall test never fires: `pdserve up` gives a split layout's decode
   workers `--slo-tpot-ms` = the router's target, so they pace and their stall needs no check.
 
-Pacing (a decode worker's local prompts, FIFO, beside its streams):
+Why the reported speeds and not the step costs: the router averages a worker's last 64 prompt
+steps and its chunk beside the streams then (one block a step when the decode step nearly
+fills the target), which a rate priced for this prompt misses; measured runs prefilled
+locally what the step costs sent remote, and the other way round.
 
-      C = max(block, floor((tpot - s) x R))
-
-s = step(decodes alone) at the current batch and context; R = C / (step(C beside them) - s),
-the marginal rate of the worker's own paced steps (it measures R over them), so the steady C
-is the largest with step(C beside the batch) <= tpot: found by bisection, since a step never
-gets faster with more prompt tokens. At least one block (`BLOCK_TOKENS`) per step, so a prompt
-always progresses; at most the prompt tokens ready; with no stream decoding, no cap.
-
-Not modelled: the router's fallback before any rate is measured (router/path_choice.py: the
-first prompts of a run, until the health check after its first prompt steps; it shares them
-between the workers by queued tokens, as the rule above does at equal rates), the KV-usage
-term of the least-loaded policy, and the router's measured inputs (the rates here are the
-cost model's, for this prompt, at the decision):
-- R_d: the router derives it from the decode worker's reported marginal prefill rate R_m
-  (router/split_decision.py: R_m with no leg open, else C / (s + C / R_m) beside its streams),
-  R_m measured over its last prompt steps; here the cost model's rate for this prompt beside
-  the streams decoding now, which is what that rule estimates.
-- T_link: the router's estimate from its recent hand-overs (the decode side's wait for its
-  step included), else the prefill worker's report, else 0 once neither is in memory
-  (router/link_estimates.py); here the Cluster's wire time.
-- R_p: the prefill worker's reported rate over its last 64 prompt steps, against U / step(U
-  alone) here.
+Not modelled: the router reads reports at its health checks (a second apart, step_window.py),
+the KV-usage term of the least-loaded policy, and the link's measured estimate (the router
+learns it from its recent hand-overs, else the prefill worker's report; here the Cluster's
+wire time).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
-from pdserve.planner.simulate.calibration import Chunk, StepCosts
+from pdserve.planner.simulate.step_window import Rates
 
 DEFAULT_TPOT_TARGET_S = 0.1  # `pdserve up --slo-tpot-ms` default (100 ms)
 BLOCK_TOKENS = 16  # the engine's KV block: a paced step's smallest prompt chunk
-FIT_SLACK = 1e-9  # relative: a step equal to the target up to float rounding fits
-
-ChunkPlan = Callable[[int], Sequence[Chunk]]  # n prompt tokens -> the chunks that compute them
+UNMEASURED_THRESHOLD = 256  # router/path_choice.py: the rule before any rate is reported
 
 
 class SplitRule(StrEnum):
@@ -75,65 +67,55 @@ class SplitRule(StrEnum):
 
 
 @dataclass(frozen=True)
+class Seen:
+    """One worker as the router sees it at a decision: its reported speed, the uncached prompt
+    tokens it was sent and has not prefilled (Q), the legs open on it (L: requests assigned and
+    not finished, this one left out), and its paced chunk (None: whole prompts)."""
+
+    rates: Rates
+    backlog_tokens: int
+    legs: int = 0
+    chunk_tokens: int | None = None
+
+
+@dataclass(frozen=True)
 class Route:
-    """One measured-rule decision: the two estimates and the prefill worker of t_remote."""
+    """One measured-rule decision: the two estimates (None before any rate was reported) and
+    the prefill worker of t_remote (None: the routing policy's, before any rate)."""
 
     local: bool
-    t_local_s: float
-    t_remote_s: float
-    prefill_index: int
+    t_local_s: float | None
+    t_remote_s: float | None
+    prefill_index: int | None
 
 
-def paced_tokens(costs: StepCosts, plan: ChunkPlan, most: int, decodes: int,
-                 context_sum: int, tpot_target_s: float) -> int:
-    """C for a step of `decodes` streams (summed context `context_sum`) whose prompt tokens
-    `plan` lays out: the largest n in [min(BLOCK_TOKENS, most), most] whose step fits the
-    target, else that lower bound. `most` >= 1."""
-    def fits(n: int) -> bool:
-        seconds = costs.step_seconds(plan(n), decodes, context_sum)
-        return seconds <= tpot_target_s * (1 + FIT_SLACK)
-
-    low = min(BLOCK_TOKENS, most)
-    if fits(most):
-        return most
-    if not fits(low):
-        return low
-    fit, over = low, most  # invariant: fits(fit) and not fits(over)
-    while over - fit > 1:
-        mid = (fit + over) // 2
-        fit, over = (mid, over) if fits(mid) else (fit, mid)
-    return fit
+def local_rate(decode: Seen, uncached: int, prior: float) -> float:
+    """R_d (module docstring) for a prompt of `uncached` tokens; `prior` the mean reported
+    rate."""
+    r = decode.rates
+    if r.marginal_tokens_per_s is None:
+        return r.prefill_tokens_per_s or prior
+    if not decode.legs:
+        return r.marginal_tokens_per_s
+    whole = max(uncached, 1)
+    c = min(whole, decode.chunk_tokens or whole)
+    return c / ((r.decode_step_s or 0.0) + c / r.marginal_tokens_per_s)
 
 
-def prefill_rate(costs: StepCosts, tokens: int) -> float:
-    """R_p: tokens/s of a prefill step of one whole prompt of `tokens`."""
-    return tokens / costs.step_seconds([Chunk(0, tokens, True)], 0, 0)
-
-
-def local_rate(costs: StepCosts, tokens: int, decodes: int, context_sum: int,
-               tpot_target_s: float) -> float:
-    """R_d: tokens/s a prompt of `tokens` progresses at on a decode worker running `decodes`
-    streams, taken at its middle (a chunk there attends to half the prompt: the mean over its
-    chunks, which the worker's measured rate averages); with none, a whole-prompt step's rate."""
-    if not decodes:
-        return prefill_rate(costs, tokens)
-    middle = tokens // 2
-
-    def plan(n: int) -> list[Chunk]:
-        return [Chunk(middle, n, False)]
-
-    n = paced_tokens(costs, plan, tokens - middle, decodes, context_sum, tpot_target_s)
-    return n / costs.step_seconds(plan(n), decodes, context_sum)
-
-
-def route(uncached: int, decode_backlog: int, decode_rate: float,
-          prefill_backlogs: Sequence[int], remote_uncached: Sequence[int],
-          remote_rate: Callable[[int], float], link_s: float) -> Route:
-    """The measured rule (module docstring): `uncached` tokens on the decode worker,
-    `remote_uncached[i]` on prefill worker i behind `prefill_backlogs[i]` (non-empty), which
-    computes U tokens at `remote_rate(U)` (one cost model for them all); `link_s`: T_link(N)."""
-    each = [(q + u) / remote_rate(u) + link_s
-            for q, u in zip(prefill_backlogs, remote_uncached, strict=True)]
+def route(uncached: int, decode: Seen, remote_uncached: Sequence[int],
+          prefill: Sequence[Seen], link_s: float) -> Route:
+    """The measured rule (module docstring): `uncached` tokens on `decode`,
+    `remote_uncached[i]` on `prefill[i]` (non-empty); `link_s`: T_link(N)."""
+    known = [w.rates.prefill_tokens_per_s for w in (decode, *prefill)
+             if w.rates.prefill_tokens_per_s]
+    if not known:
+        mine = decode.backlog_tokens + uncached
+        theirs = min(p.backlog_tokens + u for p, u in zip(prefill, remote_uncached, strict=True))
+        local = uncached <= UNMEASURED_THRESHOLD and mine <= max(UNMEASURED_THRESHOLD, theirs)
+        return Route(local, None, None, None)
+    prior = sum(known) / len(known)
+    each = [(p.backlog_tokens + u) / (p.rates.prefill_tokens_per_s or prior) + link_s
+            for p, u in zip(prefill, remote_uncached, strict=True)]
     t_remote, best = min((t, i) for i, t in enumerate(each))
-    t_local = (decode_backlog + uncached) / decode_rate
+    t_local = (decode.backlog_tokens + uncached) / local_rate(decode, uncached, prior)
     return Route(t_local <= t_remote, t_local, t_remote, best)
