@@ -190,6 +190,32 @@ def test_a_workload_whose_requests_all_missed_the_slo_is_not_called_an_agreement
     assert "agree" not in text.splitlines()[-1]
 
 
+def test_a_disagreement_says_how_the_two_bests_measured_request_by_request(tmp_path):
+    """Measured: collocated met the SLO for requests 0-2, disagg for 0 and 3 (goodput 3 vs 2
+    of the same 4); simulated: a tie, which goes to the first configuration, disagg. The line
+    adds the pairing: 2 requests under collocated only, 1 under disagg only, which one run
+    cannot tell apart (p = 1)."""
+    write_json(tmp_path / "mixed.steps.json", {"disagg": disagg_workers(),
+                                               "collocated": disagg_workers()})
+    write_json(tmp_path / "mixed.json", {})
+    slo = {"slo_ttft_ms": 2000.0, "slo_tpot_ms": 100.0}
+
+    def run(ttfts: list[float]) -> dict:
+        reqs = [request(float(i), 100, 2, ttft_s=t) for i, t in enumerate(ttfts)]
+        return {**serve_result(reqs), **slo, "request_goodput": sum(t <= 2 for t in ttfts) / 4}
+
+    write_json(tmp_path / "chat.json", {"collocated": run([0.1, 0.1, 0.1, 9.0]),
+                                        "disagg": run([0.1, 9.0, 9.0, 0.1])})
+    summary = run_check(_settings(tmp_path))
+    rank = summary["ranking"]["chat"]
+    assert (rank["measured"], rank["simulated"], rank["agree"]) == ("collocated", "disagg", False)
+    assert rank["paired"] == {"a": "collocated", "b": "disagg", "only_a": 2, "only_b": 1,
+                              "p": 1.0}
+    line = format_check({"calibrated_on": "mixed", "rows": [], "ranking": {"chat": rank}})
+    assert line.endswith("; paired by request, 2 met the SLO under collocated only and 1 "
+                         "under disagg only (exact McNemar p = 1)")
+
+
 def test_a_held_out_run_with_its_steps_shows_them_priced_by_the_calibration(results):
     """chat.steps.json beside chat.json, the same steps as the calibration's: each kind x1.00."""
     write_json(results / "chat.steps.json", {"disagg": disagg_workers(),

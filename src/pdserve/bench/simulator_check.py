@@ -11,7 +11,11 @@ the simulation ranks best by goodput is the one measured best: they agree when t
 pick measured within `MARGIN` (5%, `pdserve plan`'s tie) of the measured best's goodput, so
 that following the simulator costs less than the noise of one run (configurations 0.4% apart
 in one 60 s run are not ranked by it; the line then says "a tie"; where no configuration met
-the SLO in the measured runs the line says there was nothing to rank). Goodput counts requests
+the SLO in the measured runs the line says there was nothing to rank). Where the two bests
+differ, the line also pairs them request by request in the measured run (the same trace):
+how many requests met the SLO under one only, and the exact McNemar p of that split
+(paired_goodput.py), so that a reader sees whether the measured ranking is one the run can
+tell apart at all; it does not change the verdict. Goodput counts requests
 within a 2 s TTFT and a 100 ms TPOT (`SLO_*`; 100 ms is also what `pdserve up` paces to). A split
 configuration's row also has its local prefills, measured (the router's, from the results'
 `split_decisions`) / simulated, informational: no tolerance ("-" where a results file predates
@@ -45,6 +49,7 @@ needs new runs (--remeasure). Measuring is long (each workload runs every config
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import subprocess
 import sys
@@ -53,6 +58,7 @@ from pathlib import Path
 from typing import Any
 
 from pdserve.bench import simulator_context
+from pdserve.bench.paired_goodput import paired
 from pdserve.planner.plan_simulation import MARGIN
 from pdserve.planner.simulate.file_spec import steps_path
 from pdserve.planner.simulate.speed_scale import SPEED_REFERENCE_MODES
@@ -227,17 +233,29 @@ def run_check(s: CheckSettings) -> dict[str, Any]:
     s.out_dir.mkdir(parents=True, exist_ok=True)
     calibration = _measure(s, s.calibrate_on)
     held = _held_context(s, calibration)
-    rows = []
+    rows, results = [], {}
     for workload in s.held_out:
         measured = _measure(s, workload)
+        results[workload] = json.loads(measured.read_text())
         for config in s.configs:
             got = _simulate(s, calibration, measured, config, held["us"][config])
             rows.append({"workload": workload, "config": config, **got,
                          "outside": _outside(got)})
+    ranking = _rankings(rows)
+    for workload, rank in ranking.items():
+        _pair(rank, results[workload])
     return {"calibrated_on": s.calibrate_on, "duration_s": s.duration_s, "model": s.model,
             "load": s.load,
             "decode_context": held, "speed_reference": s.speed_reference, "rows": rows,
-            "ranking": _rankings(rows)}
+            "ranking": ranking}
+
+
+def _pair(rank: dict[str, Any], results: dict[str, Any]) -> None:
+    """Where the two bests differ, `rank["paired"]`: the measured best against the simulated
+    best request by request in the measured run (paired_goodput.py; None without records)."""
+    if rank["measured"] != rank["simulated"] and rank["top"] > 0:
+        pair = paired(results, rank["measured"], rank["simulated"])
+        rank["paired"] = None if pair is None else dataclasses.asdict(pair)
 
 
 def _held_context(s: CheckSettings, calibration: Path) -> dict[str, Any]:
@@ -290,7 +308,15 @@ def _rank_line(workload: str, rank: dict[str, Any]) -> str:
         return line + "agree"
     lost = f"the simulated best measured {rank['regret']:.1%} below the measured best"
     return line + (f"agree (a tie: {lost}, within {MARGIN:.0%})" if rank["agree"] else
-                   f"DISAGREE ({lost})")
+                   f"DISAGREE ({lost})") + _pair_text(rank.get("paired"))
+
+
+def _pair_text(pair: dict[str, Any] | None) -> str:
+    """"; paired by request: ..." (paired_goodput.py), or nothing without the pairing."""
+    if pair is None:
+        return ""
+    return (f"; paired by request, {pair['only_a']} met the SLO under {pair['a']} only and "
+            f"{pair['only_b']} under {pair['b']} only (exact McNemar p = {pair['p']:.2g})")
 
 
 def format_check(summary: dict[str, Any]) -> str:
