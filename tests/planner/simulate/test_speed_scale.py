@@ -5,13 +5,16 @@ simulate --compare-measured`."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
 from pdserve.planner.simulate.calibration import CalibrationProfile
 from pdserve.planner.simulate.speed_scale import (
     SpeedReference,
+    parse_cost_scale,
     read_speed_reference,
+    scale_costs,
     scale_profile,
     speed_factor,
 )
@@ -94,3 +97,42 @@ def test_simulate_refuses_references_of_different_jobs(tmp_path, capsys):
     argv = _runs(tmp_path, reference([0.4], threads=2), reference([0.6]))
     rc, _, err = simulate_cli(capsys, *argv)
     assert rc == 2 and "timed different jobs" in err and "--speed-reference ignore" in err
+
+
+def test_scale_costs_multiplies_each_family_of_terms_held_context_included():
+    p = CalibrationProfile(decode_overhead_s=0.02, decode_per_seq_s=0.002,
+                           prefill_per_token_s=2e-4, prefill_overhead_s=0.01,
+                           decode_per_context_token_s=1e-6, prefill_per_attention_pair_s=1e-8)
+    got = scale_costs(p, parse_cost_scale("prefill=2, decode=0.5"))
+    assert (got.prefill_overhead_s, got.prefill_per_token_s, got.prefill_per_attention_pair_s) \
+        == pytest.approx((0.02, 4e-4, 2e-8))
+    assert (got.decode_overhead_s, got.decode_per_seq_s, got.decode_per_context_token_s) \
+        == pytest.approx((0.01, 0.001, 0.5e-6))
+    assert scale_costs(p, parse_cost_scale("decode=3")).prefill_per_token_s == 2e-4
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("prefil=2", "KIND one of prefill, decode, got 'prefil=2'"),
+    ("prefill", "KIND=FACTOR"),
+    ("decode=-1", "decode: the factor must be a positive number, got '-1'"),
+    ("decode=nan", "positive number"),
+    ("prefill=x", "positive number, got 'x'"),
+    (",", "at least one KIND=FACTOR"),
+])
+def test_bad_cost_scales_say_what_is_wrong(text, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        parse_cost_scale(text)
+
+
+def test_scale_costs_prices_the_run_as_the_user_says(tmp_path, capsys):
+    """Unscaled by the references, the 1.5x slower run's steps price x1.50; --scale-costs
+    decode=1.5 prices its decode steps at x1.00 and leaves its prompts at x1.50."""
+    argv = [*_runs(tmp_path, reference([0.4]), reference([0.6])), "--json",
+            "--speed-reference", "ignore"]
+    rc, out, err = simulate_cli(capsys, *argv, "--scale-costs", "decode=1.5")
+    assert rc == 0, err
+    ratios = json.loads(out)["measured"]["step_ratios"]
+    assert ratios["decode"]["median_ratio"] == pytest.approx(1.0)
+    assert ratios["prompt"]["median_ratio"] == pytest.approx(1.5)
+    rc, _, err = simulate_cli(capsys, "--model", "smollm2-135m", "--scale-costs", "decode=2")
+    assert rc == 2 and "--scale-costs scales fitted costs: give --calibrate" in err

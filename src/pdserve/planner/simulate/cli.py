@@ -81,6 +81,8 @@ from pdserve.planner.simulate.measured_run import MeasuredRun, load_measured_run
 from pdserve.planner.simulate.metrics import Slo, Summary, summarize, summary_to_dict
 from pdserve.planner.simulate.speed_scale import (
     SPEED_REFERENCE_MODES,
+    parse_cost_scale,
+    scale_costs,
     scale_profile,
     speed_factor,
 )
@@ -169,6 +171,12 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                         "calibration run's (the fixed engine job bench compare times around "
                         "each run), when both have one; ignore: price at the calibration "
                         "run's speed (default: %(default)s)")
+    p.add_argument("--scale-costs", default=None, metavar="KIND=F[,KIND=F]",
+                   help="with --calibrate: multiply the fitted prompt costs (prefill=F: "
+                        "overhead, per token, per attention pair) or decode costs (decode=F: "
+                        "overhead, per stream, per context token) by F, after any speed "
+                        "reference: what the layouts give on a machine that much slower or "
+                        "faster at that kind of step (e.g. prefill=1.1,decode=0.9)")
     p.add_argument("--write-profile", default=None, metavar="FILE",
                    help="with --calibrate: write the fitted profile JSON here")
 
@@ -361,11 +369,23 @@ def resolve(args: argparse.Namespace) -> Setup:
     scale = _speed_scale(args, calibration, measured)  # None without a calibration run
     if scale is not None and profile is not None:  # after the front end's fit, at A's speed
         profile = scale_profile(profile, scale, context_held=args.decode_context_us is not None)
+    profile = _scaled_costs(args, profile)
     trace, label = _trace(args, measured)
     check_fits(trace, cluster)
     return Setup(shape, hw, tp, eff, profile, cluster, trace, label,
                  (how.layout,) if how else layouts or tuple(Layout), slo, measured,
                  latency_label, args.compare_measured, scale)
+
+
+def _scaled_costs(args: argparse.Namespace, profile: CalibrationProfile | None
+                  ) -> CalibrationProfile | None:
+    """`profile` times --scale-costs (speed_scale.scale_costs); ValueError without one."""
+    if args.scale_costs is None:
+        return profile
+    factors = parse_cost_scale(args.scale_costs)
+    if profile is None:
+        raise ValueError("--scale-costs scales fitted costs: give --calibrate")
+    return scale_costs(profile, factors)
 
 
 def _speed_scale(args: argparse.Namespace, calibration: MeasuredRun | None,

@@ -92,12 +92,53 @@ def speed_factor(calibration: SpeedReference, measured: SpeedReference) -> float
 def scale_profile(profile: CalibrationProfile, factor: float, context_held: bool
                   ) -> CalibrationProfile:
     """`profile` priced at the measured run's speed (the module docstring)."""
-    context = profile.decode_per_context_token_s * (1.0 if context_held else factor)
+    return _times(profile, factor, factor, 1.0 if context_held else factor,
+                  f"{profile.source}, scaled x{factor:.3f} by the speed references")
+
+
+def _times(profile: CalibrationProfile, prompt: float, decode: float, context: float,
+           source: str) -> CalibrationProfile:
+    """`profile` with its prompt terms times `prompt`, its decode overhead and per-stream
+    terms times `decode` and its per-context-token term times `context`."""
     return replace(profile,
-                   prefill_overhead_s=profile.prefill_overhead_s * factor,
-                   prefill_per_token_s=profile.prefill_per_token_s * factor,
-                   prefill_per_attention_pair_s=profile.prefill_per_attention_pair_s * factor,
-                   decode_overhead_s=profile.decode_overhead_s * factor,
-                   decode_per_seq_s=profile.decode_per_seq_s * factor,
-                   decode_per_context_token_s=context,
-                   source=f"{profile.source}, scaled x{factor:.3f} by the speed references")
+                   prefill_overhead_s=profile.prefill_overhead_s * prompt,
+                   prefill_per_token_s=profile.prefill_per_token_s * prompt,
+                   prefill_per_attention_pair_s=profile.prefill_per_attention_pair_s * prompt,
+                   decode_overhead_s=profile.decode_overhead_s * decode,
+                   decode_per_seq_s=profile.decode_per_seq_s * decode,
+                   decode_per_context_token_s=profile.decode_per_context_token_s * context,
+                   source=source)
+
+
+COST_KINDS = ("prefill", "decode")  # `--scale-costs`: the profile's two families of terms
+
+
+def parse_cost_scale(text: str) -> dict[str, float]:
+    """`--scale-costs KIND=F[,KIND=F]` (KIND of COST_KINDS, F > 0 and finite): ValueError
+    saying what is wrong otherwise."""
+    out: dict[str, float] = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        kind, eq, value = part.partition("=")
+        if not eq or kind.strip() not in COST_KINDS:
+            raise ValueError(f"--scale-costs takes KIND=FACTOR with KIND one of "
+                             f"{', '.join(COST_KINDS)}, got {part!r}")
+        try:
+            factor = float(value)
+        except ValueError:
+            factor = math.nan
+        if not (math.isfinite(factor) and factor > 0):
+            raise ValueError(f"--scale-costs {kind.strip()}: the factor must be a positive "
+                             f"number, got {value.strip()!r}")
+        out[kind.strip()] = factor
+    if not out:
+        raise ValueError("--scale-costs needs at least one KIND=FACTOR (prefill, decode)")
+    return out
+
+
+def scale_costs(profile: CalibrationProfile, factors: dict[str, float]) -> CalibrationProfile:
+    """`profile` with its prompt terms (overhead, per token, per attention pair) times
+    factors["prefill"] and its decode terms (overhead, per stream, per context token, a held
+    one included) times factors["decode"]: a what-if price, given by the user."""
+    f, d = factors.get("prefill", 1.0), factors.get("decode", 1.0)
+    return _times(profile, f, d, d, f"{profile.source}, prompt costs x{f:g} and decode costs "
+                                    f"x{d:g} (--scale-costs)")
