@@ -30,7 +30,7 @@ Rules (`SplitRule`, after the router's `--local-prefill-threshold`):
   the one d paces its prompts in (chunk_pacer.py; the whole prompt while d has timed no
   decode step). A worker that reports no rate counts at the mean of those reported (d without
   R_m at its `prefill_tokens_per_s`).
-  Until no worker has reported a rate (a run's first prompts) the router takes the workers as
+  While no worker has reported a rate (a run's first prompts) the router takes the workers as
   equally fast: a prompt runs locally when U_d <= T and Q_d + U_d <= max(T, min over p of
   (Q_p + U_p)), T = UNMEASURED_THRESHOLD, and a split one goes to the policy's prefill worker.
   The decision's TPOT-stall test never fires: `pdserve up` gives a split layout's decode
