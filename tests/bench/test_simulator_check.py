@@ -13,6 +13,7 @@ from pdserve.bench import simulator_context
 from pdserve.bench.simulator_check import (
     CheckSettings,
     _rankings,
+    compare_args,
     format_check,
     run_check,
     workload_args,
@@ -77,10 +78,22 @@ def test_the_command_exits_1_when_a_figure_is_outside_and_writes_the_summary(res
     ({"configs": ("elastic",)}, "cannot be simulated"),
     ({"duration_s": 0.0}, "duration must be positive"),
     ({"load": 0.0}, r"load must be in \(0, 100\], got 0.0"),
+    ({"repeats": 0}, "repeats must be a whole number >= 1, got 0"),
+    ({"repeats": 2.0}, "repeats must be a whole number >= 1, got 2.0"),
 ])
 def test_bad_settings_say_what_to_fix(tmp_path, kw, message):
     with pytest.raises(ValueError, match=message):
         _settings(tmp_path, **kw)
+
+
+def test_repeats_measure_every_workload_in_interleaved_rounds(tmp_path):
+    out = tmp_path / "diurnal.json"
+    once = compare_args(_settings(tmp_path, duration_s=180.0), "diurnal", out)
+    assert "--repeats" not in once
+    assert once[:2] == ["bench", "compare"] and once[-2:] == ["--out", str(out)]
+    assert once[once.index("--phase-s") + 1] == "60"
+    thrice = compare_args(_settings(tmp_path, repeats=3), "chat", out)
+    assert thrice[thrice.index("--repeats") + 1] == "3"
 
 
 def test_load_scales_each_open_loop_rate_and_leaves_the_closed_loop_alone():

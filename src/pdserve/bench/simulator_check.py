@@ -92,6 +92,7 @@ class CheckSettings:
     decode_context_us: float | None = None  # held for every configuration (overrides the mode)
     speed_reference: str = "scale"  # `pdserve simulate --speed-reference`
     load: float = 1.0  # factor on every open-loop workload's request rate
+    repeats: int = 1  # bench compare --repeats: rounds of every configuration, interleaved
 
     def __post_init__(self) -> None:
         for name in (self.calibrate_on, *self.held_out):
@@ -111,6 +112,9 @@ class CheckSettings:
             raise ValueError(f"duration must be positive, got {self.duration_s!r}")
         if not 0 < self.load <= 100:
             raise ValueError(f"load must be in (0, 100], got {self.load!r}")
+        if isinstance(self.repeats, bool) or not isinstance(self.repeats, int) or \
+                self.repeats < 1:
+            raise ValueError(f"repeats must be a whole number >= 1, got {self.repeats!r}")
         if self.speed_reference not in SPEED_REFERENCE_MODES:
             raise ValueError(f"speed_reference must be one of {', '.join(SPEED_REFERENCE_MODES)}, "
                              f"got {self.speed_reference!r}")
@@ -141,6 +145,13 @@ def add_simulator_check_args(p: argparse.ArgumentParser) -> None:
                         "long 0.4, diurnal 0.4 and prefix 1 req/s at 1; chat is 16 clients in "
                         "a closed loop at any load); below 1 on a machine slower than the "
                         "2-core AVX-512 one they are sized for (default: %(default)s)")
+    p.add_argument("--repeats", type=int, default=1, metavar="N",
+                   help="measure each workload with `bench compare --repeats N`: N rounds of "
+                        "every configuration, interleaved, so that the machine's drift falls on "
+                        "every configuration alike; each figure is then the median of N runs, "
+                        "simulated once and priced at all the rounds' speed references pooled "
+                        "(results already in --out keep the rounds they were measured with; "
+                        "default: %(default)s)")
     p.add_argument("--remeasure", action="store_true",
                    help="measure every workload again even if its results are in --out")
     p.add_argument("--speed-reference", choices=SPEED_REFERENCE_MODES, default="scale",
@@ -164,7 +175,7 @@ def settings(args: argparse.Namespace) -> CheckSettings:
     return CheckSettings(args.out, args.calibrate_on, _names(args.held_out),
                          _names(args.configs), args.duration, args.model, args.remeasure,
                          args.decode_context, args.decode_context_us, args.speed_reference,
-                         args.load)
+                         args.load, args.repeats)
 
 
 def _names(text: str) -> tuple[str, ...]:
@@ -200,16 +211,22 @@ def _measure(s: CheckSettings, workload: str) -> Path:
         _reused_rate(out, workload, s.load)
         print(f"{workload}: reusing {out}", file=sys.stderr)
         return out
-    extra = ("--phase-s", f"{s.duration_s / 3:g}") if workload == "diurnal" else ()
-    argv = [sys.executable, "-m", "pdserve.cli", "bench", "compare", "--configs",
-            ",".join(s.configs), "--model", s.model, *workload_args(workload, s.load), *extra,
-            "--duration", f"{s.duration_s:g}", "--slo-ttft-ms", f"{SLO_TTFT_MS:g}",
-            "--slo-tpot-ms", f"{SLO_TPOT_MS:g}", "--out", str(out)]
+    argv = [sys.executable, "-m", "pdserve.cli", *compare_args(s, workload, out)]
     print(f"{workload}: measuring ({' '.join(argv[3:])})", file=sys.stderr)
     subprocess.run(argv, check=False)  # failed requests exit 1 but still write the results
     if not out.exists():
         raise RuntimeError(f"bench compare wrote no results for {workload} ({out})")
     return out
+
+
+def compare_args(s: CheckSettings, workload: str, out: Path) -> list[str]:
+    """`pdserve bench compare`'s arguments that measure `workload` into `out`."""
+    extra = ("--phase-s", f"{s.duration_s / 3:g}") if workload == "diurnal" else ()
+    rounds = ("--repeats", str(s.repeats)) if s.repeats > 1 else ()
+    return ["bench", "compare", "--configs", ",".join(s.configs), "--model", s.model,
+            *workload_args(workload, s.load), *extra, *rounds, "--duration", f"{s.duration_s:g}",
+            "--slo-ttft-ms", f"{SLO_TTFT_MS:g}", "--slo-tpot-ms", f"{SLO_TPOT_MS:g}",
+            "--out", str(out)]
 
 
 def _simulate(s: CheckSettings, calibration: Path, measured: Path, config: str,
@@ -245,7 +262,7 @@ def run_check(s: CheckSettings) -> dict[str, Any]:
     for workload, rank in ranking.items():
         _pair(rank, results[workload])
     return {"calibrated_on": s.calibrate_on, "duration_s": s.duration_s, "model": s.model,
-            "load": s.load,
+            "load": s.load, "repeats": s.repeats,
             "decode_context": held, "speed_reference": s.speed_reference, "rows": rows,
             "ranking": ranking}
 

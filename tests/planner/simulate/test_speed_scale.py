@@ -13,6 +13,7 @@ from pdserve.planner.simulate.calibration import CalibrationProfile
 from pdserve.planner.simulate.speed_scale import (
     SpeedReference,
     parse_cost_scale,
+    read_rounds_reference,
     read_speed_reference,
     scale_costs,
     scale_profile,
@@ -136,3 +137,32 @@ def test_scale_costs_prices_the_run_as_the_user_says(tmp_path, capsys):
     assert ratios["prompt"]["median_ratio"] == pytest.approx(1.5)
     rc, _, err = simulate_cli(capsys, "--model", "smollm2-135m", "--scale-costs", "decode=2")
     assert rc == 2 and "--scale-costs scales fitted costs: give --calibrate" in err
+
+
+def test_a_run_of_several_rounds_pools_every_rounds_reference():
+    rounds = {"speed_reference": reference([0.6, 0.6]),
+              "repeats": [{"speed_reference": reference([0.4, 0.4])},
+                          {"speed_reference": reference([0.6, 0.6])}]}
+    pooled = read_rounds_reference(rounds, "b")
+    assert pooled == SpeedReference(1, 512, (0.4, 0.4, 0.6, 0.6))
+    assert read_speed_reference(rounds, "b").prefill_s == (0.6, 0.6)  # the last round's
+    assert read_rounds_reference({"speed_reference": reference([0.5])}, "b").prefill_s == (0.5,)
+    unlike = {"repeats": [{"speed_reference": reference([0.4])},
+                          {"speed_reference": reference([0.4], threads=2)}]}
+    assert read_rounds_reference(unlike, "b") is None
+    assert read_rounds_reference({"repeats": [{"speed_reference": reference([0.4])}, {}]},
+                                 "b") is None
+
+
+def test_simulate_prices_a_repeated_run_at_all_its_rounds_speed(tmp_path, capsys):
+    """The held-out run's rounds timed 0.5 and 0.7 s (the last round 0.7): its median
+    figures are priced at 0.6 / 0.4 = 1.5, not at the last round's 1.75."""
+    argv = _runs(tmp_path, reference([0.4]), reference([0.7]))
+    results = tmp_path / "b.json"
+    data = json.loads(results.read_text())
+    data["disagg"]["repeats"] = [{"speed_reference": reference([0.5])},
+                                 {"speed_reference": reference([0.7])}]
+    results.write_text(json.dumps(data))
+    rc, out, err = simulate_cli(capsys, *argv, "--json")
+    assert rc == 0, err
+    assert json.loads(out)["measured"]["speed_scale"] == pytest.approx(1.5)

@@ -390,13 +390,14 @@ def _scaled_costs(args: argparse.Namespace, profile: CalibrationProfile | None
 
 def _speed_scale(args: argparse.Namespace, calibration: MeasuredRun | None,
                  measured: MeasuredRun | None) -> float | None:
-    """The measured run's time for the speed reference's job over the calibration run's
-    (speed_scale.py); None unless --speed-reference scale and both runs have a reference."""
+    """The measured run's time for the speed reference's job (every round's, as its figures)
+    over the calibration run's (its steps' round; speed_scale.py); None unless
+    --speed-reference scale and both runs have a reference."""
     if args.speed_reference != "scale" or calibration is None or measured is None:
         return None
-    if calibration.speed_reference is None or measured.speed_reference is None:
+    if calibration.speed_reference is None or measured.rounds_reference is None:
         return None
-    return speed_factor(calibration.speed_reference, measured.speed_reference)
+    return speed_factor(calibration.speed_reference, measured.rounds_reference)
 
 
 _OWN_LIMITS = ("prefill", "decode", "collocated", "chunk", "max_batch", "kv_capacity_tokens",

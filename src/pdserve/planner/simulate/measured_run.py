@@ -32,7 +32,11 @@ from pdserve.planner.simulate.file_spec import (
     read_text,
     refuse_config,
 )
-from pdserve.planner.simulate.speed_scale import SpeedReference, read_speed_reference
+from pdserve.planner.simulate.speed_scale import (
+    SpeedReference,
+    read_rounds_reference,
+    read_speed_reference,
+)
 from pdserve.planner.simulate.trace import TraceRequest, json_row, read_trace_jsonl, request_at
 
 # What a simulation is held to, by vLLM `bench serve` key (ms, requests/s, tokens/s).
@@ -77,8 +81,11 @@ class MeasuredRun:
     # and TTFTs; None and () for a file without them
     probe_prompt_tokens: int | None = None
     probe_ttfts_s: tuple[float, ...] = ()
-    # bench compare's fixed engine job timed around the run (speed_scale.py); None: not timed
+    # bench compare's fixed engine job timed around the run (speed_scale.py); None: not timed.
+    # With repeats: the last round's (the steps' round), and `rounds_reference` every round's
+    # pooled (the figures' rounds); else the two are the same
     speed_reference: SpeedReference | None = None
+    rounds_reference: SpeedReference | None = None
 
     @property
     def probed(self) -> bool:
@@ -128,7 +135,7 @@ def _run(spec: FileSpec, config: str | None, result: dict[str, Any]) -> Measured
                        _bound(result, "slo_ttft_ms", label), _bound(result, "slo_tpot_ms", label),
                        _clients(result, label), _local_prefills(result, label),
                        _ttfts(rows), *_probe(result, label),
-                       read_speed_reference(result, label))
+                       read_speed_reference(result, label), read_rounds_reference(result, label))
 
 
 def _probe(result: dict[str, Any], label: str) -> tuple[int | None, tuple[float, ...]]:

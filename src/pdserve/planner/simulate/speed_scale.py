@@ -18,7 +18,9 @@ it was not measured at A's speed, and stays as given. The mean of the two timing
 the whole run: one timing is a snapshot (the same job a minute apart differed by up to 16%
 here), and bracketing halves its variance. One factor for every kind of cost: a second, for
 the decode terms, from the decode steps of eight streams moved more between its two timings
-than the machine drifted (docs/benchmarks.md).
+than the machine drifted (docs/benchmarks.md). A held-out run of several rounds (`bench
+compare --repeats`, its figures medians over them) is priced at all its rounds' timings pooled
+(`read_rounds_reference`); a calibration, whose steps are its last round's, at that round's.
 
 Refused (ValueError): references of different jobs (threads, prompt tokens): the runs'
 workers did not compute on the same threads, or the job changed between versions.
@@ -67,6 +69,24 @@ def read_speed_reference(result: dict[str, Any], label: str) -> SpeedReference |
                          f"\"prefill_s\": [seconds > 0, ...]}}, got {str(ref)[:80]}")
     return SpeedReference(ref["threads"], ref["prefill_tokens"],
                           tuple(map(float, ref["prefill_s"])))
+
+
+def read_rounds_reference(result: dict[str, Any], label: str) -> SpeedReference | None:
+    """The reference that goes with a run's figures. With `repeats` (`bench compare --repeats
+    N`: each figure the median over N rounds, the steps and `speed_reference` the last
+    round's), every round's timings of the job pooled, so that the figures are priced at the
+    speed of all the rounds they come from; None where a round has none or the rounds timed
+    different jobs. Without: `read_speed_reference`."""
+    rounds = result.get("repeats")
+    if not isinstance(rounds, list) or not rounds:
+        return read_speed_reference(result, label)
+    refs = [read_speed_reference(r if isinstance(r, dict) else {}, f"{label} round {i}")
+            for i, r in enumerate(rounds, start=1)]
+    known = [r for r in refs if r is not None]
+    if len(known) != len(refs) or len({r.job for r in known}) != 1:
+        return None
+    return SpeedReference(known[0].threads, known[0].prefill_tokens,
+                          tuple(t for r in known for t in r.prefill_s))
 
 
 def _count(value: object) -> bool:
