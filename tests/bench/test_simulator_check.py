@@ -203,7 +203,7 @@ def test_a_workload_whose_requests_all_missed_the_slo_is_not_called_an_agreement
     assert "agree" not in text.splitlines()[-1]
 
 
-def test_a_disagreement_says_how_the_two_bests_measured_request_by_request(tmp_path):
+def test_the_ranking_pairs_the_measured_best_with_the_others_request_by_request(tmp_path):
     """Measured: collocated met the SLO for requests 0-2, disagg for 0 and 3 (goodput 3 vs 2
     of the same 4); simulated: a tie, which goes to the first configuration, disagg. The line
     adds the pairing: 2 requests under collocated only, 1 under disagg only, which one run
@@ -222,11 +222,11 @@ def test_a_disagreement_says_how_the_two_bests_measured_request_by_request(tmp_p
     summary = run_check(_settings(tmp_path))
     rank = summary["ranking"]["chat"]
     assert (rank["measured"], rank["simulated"], rank["agree"]) == ("collocated", "disagg", False)
-    assert rank["paired"] == {"a": "collocated", "b": "disagg", "only_a": 2, "only_b": 1,
-                              "p": 1.0}
+    assert rank["paired"] == [{"a": "collocated", "b": "disagg", "only_a": 2, "only_b": 1,
+                               "p": 1.0}]
     line = format_check({"calibrated_on": "mixed", "rows": [], "ranking": {"chat": rank}})
-    assert line.endswith("; paired by request, 2 met the SLO under collocated only and 1 "
-                         "under disagg only (exact McNemar p = 1)")
+    assert line.endswith("; requests that met the SLO under the measured best only / the "
+                         "other only, exact McNemar p: disagg 2/1 (p = 1)")
 
 
 def test_a_held_out_run_with_its_steps_shows_them_priced_by_the_calibration(results):
@@ -308,3 +308,15 @@ def test_results_that_list_no_workers_cannot_say_their_threads():
         simulator_context.worker_threads({"disagg": {}}, "disagg", 2)
     assert simulator_context.worker_threads({"c": {"workers": {"a": {}, "b": {}}}}, "c", 5) == 2
     assert simulator_context.worker_threads({"c": {"workers": {"a": {}, "b": {}}}}, "c", 1) == 1
+
+
+def test_an_agreement_also_shows_how_far_apart_the_run_put_each_configuration():
+    pairs = [{"a": "disagg", "b": "collocated-chunked", "only_a": 8, "only_b": 2, "p": 0.109375},
+             {"a": "disagg", "b": "collocated", "only_a": 7, "only_b": 1, "p": 0.0703125}]
+    rank = {"measured": "disagg", "simulated": "disagg", "regret": 0.0, "agree": True,
+            "top": 0.2, "paired": pairs}
+    line = format_check({"calibrated_on": "diurnal", "rows": [], "ranking": {"mixed": rank}})
+    assert line.splitlines()[-1] == (
+        "mixed: best by goodput measured disagg, simulated disagg: agree; requests that met "
+        "the SLO under the measured best only / the other only, exact McNemar p: "
+        "collocated-chunked 8/2 (p = 0.11), collocated 7/1 (p = 0.07)")

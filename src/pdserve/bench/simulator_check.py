@@ -11,11 +11,12 @@ the simulation ranks best by goodput is the one measured best: they agree when t
 pick measured within `MARGIN` (5%, `pdserve plan`'s tie) of the measured best's goodput, so
 that following the simulator costs less than the noise of one run (configurations 0.4% apart
 in one 60 s run are not ranked by it; the line then says "a tie"; where no configuration met
-the SLO in the measured runs the line says there was nothing to rank). Where the two bests
-differ, the line also pairs them request by request in the measured run (the same trace):
-how many requests met the SLO under one only, and the exact McNemar p of that split
-(paired_goodput.py), so that a reader sees whether the measured ranking is one the run can
-tell apart at all; it does not change the verdict. Goodput counts requests
+the SLO in the measured runs the line says there was nothing to rank). The line also pairs
+the measured best with every other configuration request by request in the measured run (the
+same trace): how many requests met the SLO under the best only and under the other only, and
+the exact McNemar p of that split (paired_goodput.py), so that a reader sees whether the
+measured ranking is one the run can tell apart at all; it does not change the verdict.
+Goodput counts requests
 within a 2 s TTFT and a 100 ms TPOT (`SLO_*`; 100 ms is also what `pdserve up` paces to). A split
 configuration's row also has its local prefills, measured (the router's, from the results'
 `split_decisions`) / simulated, informational: no tolerance ("-" where a results file predates
@@ -268,11 +269,13 @@ def run_check(s: CheckSettings) -> dict[str, Any]:
 
 
 def _pair(rank: dict[str, Any], results: dict[str, Any]) -> None:
-    """Where the two bests differ, `rank["paired"]`: the measured best against the simulated
-    best request by request in the measured run (paired_goodput.py; None without records)."""
-    if rank["measured"] != rank["simulated"] and rank["top"] > 0:
-        pair = paired(results, rank["measured"], rank["simulated"])
-        rank["paired"] = None if pair is None else dataclasses.asdict(pair)
+    """`rank["paired"]`: the measured best against each other configuration, request by
+    request in the measured run (paired_goodput.py), those without records left out; nothing
+    where there was nothing to rank."""
+    if rank["top"] > 0:
+        best = rank["measured"]
+        pairs = (paired(results, best, other) for other in results if other != best)
+        rank["paired"] = [dataclasses.asdict(p) for p in pairs if p is not None]
 
 
 def _held_context(s: CheckSettings, calibration: Path) -> dict[str, Any]:
@@ -322,18 +325,20 @@ def _rank_line(workload: str, rank: dict[str, Any]) -> str:
     line = (f"{workload}: best by goodput measured {rank['measured']}, simulated "
             f"{rank['simulated']}: ")
     if rank["measured"] == rank["simulated"]:
-        return line + "agree"
+        return line + "agree" + _pair_text(rank.get("paired"))
     lost = f"the simulated best measured {rank['regret']:.1%} below the measured best"
     return line + (f"agree (a tie: {lost}, within {MARGIN:.0%})" if rank["agree"] else
                    f"DISAGREE ({lost})") + _pair_text(rank.get("paired"))
 
 
-def _pair_text(pair: dict[str, Any] | None) -> str:
-    """"; paired by request: ..." (paired_goodput.py), or nothing without the pairing."""
-    if pair is None:
+def _pair_text(pairs: list[dict[str, Any]] | None) -> str:
+    """"; met the SLO under the measured best only / the other only: X b/c (exact McNemar p
+    = ...), ..." (paired_goodput.py), or nothing without pairs."""
+    if not pairs:
         return ""
-    return (f"; paired by request, {pair['only_a']} met the SLO under {pair['a']} only and "
-            f"{pair['only_b']} under {pair['b']} only (exact McNemar p = {pair['p']:.2g})")
+    each = [f"{p['b']} {p['only_a']}/{p['only_b']} (p = {p['p']:.2g})" for p in pairs]
+    return ("; requests that met the SLO under the measured best only / the other only, "
+            f"exact McNemar p: {', '.join(each)}")
 
 
 def format_check(summary: dict[str, Any]) -> str:
