@@ -10,7 +10,7 @@ when A and B are alike; McNemar, Psychometrika 12, 1947):
 
 A small p: A and B differ beyond what chance puts between two runs of one configuration; a
 large one: the run does not say which is better (8 against 2 gives 0.11, 2 against 0 gives
-0.5). Meeting the SLO is `bench serve`'s goodput rule (serve/metrics.py `meets_slo`) on the
+0.5). Meeting the SLO is `bench serve`'s goodput rule (serve/metrics.py `within_slo`) on the
 results' per-request records.
 """
 
@@ -20,7 +20,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-MS_PER_S = 1000.0
+from pdserve.bench.serve.metrics import Slo, within_slo
 
 
 @dataclass(frozen=True)
@@ -43,15 +43,10 @@ def mcnemar_p(only_a: int, only_b: int) -> float:
 
 def met_slo(result: dict[str, Any]) -> list[bool]:
     """Per request of one configuration's results, in trace order: ok and within every SLO
-    the run gave (TTFT, TPOT counted 0 for one output token, end to end; bounds included)."""
-    bounds = [(k, result.get(f"slo_{k}_ms")) for k in ("ttft", "tpot", "e2e")]
-
-    def within(r: dict[str, Any]) -> bool:
-        values = {"ttft": r.get("ttft_s"), "tpot": r.get("tpot_s") or 0.0, "e2e": r.get("e2e_s")}
-        return all(bound is None or (values[k] is not None and MS_PER_S * values[k] <= bound)
-                   for k, bound in bounds)
-
-    return [bool(r.get("ok")) and within(r) for r in result.get("requests") or []]
+    the run gave (`within_slo`, the rule of the run's goodput)."""
+    slo = Slo(result.get("slo_ttft_ms"), result.get("slo_tpot_ms"), result.get("slo_e2e_ms"))
+    return [bool(r.get("ok")) and within_slo(r.get("ttft_s"), r.get("tpot_s"), r.get("e2e_s"), slo)
+            for r in result.get("requests") or []]
 
 
 def paired(results: dict[str, Any], a: str, b: str) -> Paired | None:

@@ -110,10 +110,15 @@ def tpot_s(r: RequestRecord) -> float | None:
 
 def meets_slo(r: RequestRecord, slo: Slo) -> bool:
     """A successful request within every given bound (bounds included)."""
-    ttft, tpot = ttft_s(r), tpot_s(r) or 0.0
-    checks = ((ttft, slo.ttft_ms), (tpot, slo.tpot_ms), (e2e_s(r), slo.e2e_ms))
-    return r.ok and all(bound is None or (value is not None and MS_PER_S * value <= bound)
-                        for value, bound in checks)
+    return r.ok and within_slo(ttft_s(r), tpot_s(r), e2e_s(r), slo)
+
+
+def within_slo(ttft: float | None, tpot: float | None, e2e: float | None, slo: Slo) -> bool:
+    """Times in seconds within every given bound (bounds included); a TPOT of None (one
+    output token) counts 0, a missing TTFT or E2E meets no bound on it."""
+    checks = ((ttft, slo.ttft_ms), (tpot or 0.0, slo.tpot_ms), (e2e, slo.e2e_ms))
+    return all(bound is None or (value is not None and MS_PER_S * value <= bound)
+               for value, bound in checks)
 
 
 def duration_s(records: Sequence[RequestRecord]) -> float:
