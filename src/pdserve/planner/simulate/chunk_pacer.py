@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 
-from pdserve.planner.simulate.step_window import StepWindow
+from pdserve.planner.simulate.step_window import Rates, StepWindow
 
 REFRESH_S = 0.5  # workers/prefill_budget.py REFRESH_S
 
@@ -42,19 +42,16 @@ class ChunkPacer:
     def chunk(self, now: float) -> int | None:
         """C at `now` (None: no cap), recomputed once REFRESH_S has passed since the last."""
         if now >= self.refresh_at:
-            self.current = self._compute()
+            self.current = self.chunk_of(self.steps.rates())
             self.refresh_at = now + REFRESH_S
         return self.current
 
-    def reported(self) -> int | None:
-        """The chunk the worker's refresh would set now, as its /health reports it."""
-        return self._compute()
-
-    def _compute(self) -> int | None:
-        s = self.steps.decode_step_s()
+    def chunk_of(self, rates: Rates) -> int | None:
+        """C from `rates` (the window's), as the worker's refresh would set it and its /health
+        report it."""
+        s, rate = rates.decode_step_s, rates.marginal_tokens_per_s
         if s is None:
             return None
-        rate = self.steps.marginal_rate(s)
         if rate is None:
             return self.block
         return max(self.block, math.floor(round((self.tpot_target_s - s) * rate, 6)))

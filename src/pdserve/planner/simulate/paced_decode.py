@@ -63,7 +63,8 @@ class PacedDecodeWorker(DecodeWorker):
 
     def seen(self, legs: int) -> Seen:
         """This worker as the router sees it, with `legs` open on it (split_model.py)."""
-        return Seen(self.pacer.steps.rates(), self.backlog_tokens, legs, self.pacer.reported())
+        rates = self.pacer.steps.rates()
+        return Seen(rates, self.backlog_tokens, legs, self.pacer.chunk_of(rates))
 
     def start_step(self, now: float) -> float | None:
         self._admit_arrived()
