@@ -4,7 +4,7 @@ chunks with known delays: TTFT_S before the first token, ITL_S between tokens.
 The request's `model` picks what the server does: "ok" (tokens, an empty last chunk with the
 finish_reason, usage, [DONE]), "packed" (two tokens per chunk), "nousage", "http400",
 "midstream" (two tokens, then an error event), "nodone" (a token, then the stream closes),
-"slow" (nothing for seconds).
+"slow" (nothing for seconds), "routed" (as "ok", with pdserve's route header).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import pytest
 from aiohttp import web
 
 from pdserve.bench.serve.client import completions_url, request_body, send_request
+from pdserve.bench.serve.metrics import request_json
 from pdserve.bench.serve.runner import (
     Load,
     add_bench_serve_args,
@@ -35,6 +36,7 @@ from tests.http_app import serving
 
 TTFT_S = 0.2
 ITL_S = 0.05
+ROUTED = "disaggregated; rule=measured_cost"
 SPEC = RequestSpec(arrival_s=0.0, prompt_token_ids=(1001, 1002, 1003), max_tokens=5)
 
 
@@ -91,7 +93,10 @@ async def _completions(request: web.Request) -> web.StreamResponse:
     seen.in_flight += 1
     seen.peak = max(seen.peak, seen.in_flight)
     try:
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        headers = {"Content-Type": "text/event-stream"}
+        if body["model"] == "routed":
+            headers["X-Pdserve-Route"] = ROUTED
+        resp = web.StreamResponse(headers=headers)
         await resp.prepare(request)
         await _stream(resp, body["model"], body["max_tokens"])
         return resp
@@ -136,6 +141,14 @@ def test_measured_timings_match_injected_delays():
     assert all(ITL_S * 0.7 <= g <= ITL_S + 0.5 for g in gaps)
     assert statistics.fmean(gaps) == pytest.approx(ITL_S, abs=0.03)
     assert record.end_s >= times[-1]
+
+
+def test_the_route_header_is_kept_where_the_server_sends_one():
+    routed, _ = asyncio.run(_send("routed"))
+    plain, _ = asyncio.run(_send("ok"))
+    assert routed.ok and routed.route == ROUTED
+    assert plain.ok and plain.route is None
+    assert request_json(routed, routed.send_s)["route"] == ROUTED
 
 
 def test_usage_counts_tokens_else_text_events():

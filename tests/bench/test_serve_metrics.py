@@ -141,5 +141,5 @@ def test_slo_validation_and_request_json():
     row = request_json(R2, t0=0.25)
     assert row == {"start_s": 0.25, "ttft_s": 0.5, "itl_s": [0.125] * 4, "e2e_s": 1.0,
                    "tpot_s": 0.125, "output_tokens": 5, "prompt_tokens": 20, "ok": True,
-                   "error": None}
+                   "error": None, "route": None}
     assert request_json(R5, 0.0)["ok"] is False

@@ -144,6 +144,21 @@ def test_a_split_configurations_row_has_its_local_prefills_measured_and_simulate
     assert lines[3].startswith("chat  collocated") and lines[3].endswith("  -  -  -")
 
 
+def test_a_split_row_counts_the_requests_on_the_same_path_where_routes_were_kept(results):
+    chat = json.loads((results / "chat.json").read_text())
+    for r in chat["disagg"]["requests"]:
+        r["route"] = "local; rule=measured_cost"
+    write_json(results / "chat.json", chat)
+    summary = run_check(_settings(results))
+    paths = {r["config"]: r for r in summary["rows"]}["disagg"]["paths"]
+    n = len(chat["disagg"]["requests"])
+    assert paths["compared"] == n and paths["same"] == n - len(paths["local_simulated_only"]) \
+        - len(paths["local_measured_only"])
+    assert not paths["local_simulated_only"]  # every request measured local
+    line = format_check(summary).splitlines()[2]
+    assert line.startswith("chat  disagg") and f", {paths['same']}/{n} same path  -  -" in line
+
+
 def test_results_without_split_decisions_show_a_dash_for_the_measured_count(results):
     rows = {r["config"]: r for r in run_check(_settings(results))["rows"]}
     assert rows["disagg"]["local_prefills"]["measured"] is None

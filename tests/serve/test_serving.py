@@ -164,6 +164,32 @@ def test_metrics_count_both_paths_and_the_transfer(disagg_tcp: Cluster, path: st
         assert _metric(prefill, "pdserve_kv_layers_streamed_total") > 0
 
 
+def _route(cluster: Cluster, prompt: list[int], stream: bool) -> str | None:
+    """The X-Pdserve-Route header of one completion, after the whole response is read."""
+    raw = client(cluster).completions.with_raw_response.create(
+        model=cluster.model, prompt=prompt, max_tokens=4, temperature=0, stream=stream)
+    body = raw.parse()
+    if stream:
+        assert [c for c in body][-1].choices[0].finish_reason is not None
+    return raw.headers.get("x-pdserve-route")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_the_route_header_says_which_path_served_and_by_which_rule(
+        disagg_tcp: Cluster, collocated: Cluster, stream: bool) -> None:
+    rng, vocab = random.Random(), len(tiny_tokenizer())
+    # over the cluster's --local-prefill-threshold, in no worker's prefix cache yet: split
+    over = [rng.randrange(vocab) for _ in range(100)]
+    assert _route(disagg_tcp, over, stream) == "disaggregated; rule=threshold"
+    assert _route(disagg_tcp, prompts()[0], stream) == "local; rule=threshold"
+    assert _route(collocated, over, stream) == "local; rule=collocated_worker"
+    worker = openai.OpenAI(base_url=collocated.worker_url(0) + "/v1", api_key="unused",
+                           max_retries=0)
+    raw = worker.completions.with_raw_response.create(model=collocated.model, prompt=over,
+                                                      max_tokens=2)
+    assert "x-pdserve-route" not in raw.headers  # a worker alone routes nothing
+
+
 def test_workers_record_their_engine_steps_for_timelines(disagg_tcp: Cluster) -> None:
     import time
 

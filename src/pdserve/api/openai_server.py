@@ -8,7 +8,9 @@ a chunk per engine step, the finish_reason on the last, a usage chunk when
 `stream_options.include_usage`, then `[DONE]`).
 
 Writes: `generate` yields events one at a time or in batches (those that were ready together);
-a batch's SSE events go out in one write, and no event waits for a later one. The headers and
+a batch's SSE events go out in one write, and no event waits for a later one. Before its first
+events it may yield `ResponseHeaders`, which the response carries (the router's route header);
+any yielded after the headers went out are dropped. The headers and
 chat's role chunk go with the first token's chunk, and the last chunk, the usage chunk and
 `[DONE]` with the end of the response.
 
@@ -48,9 +50,15 @@ from pdserve.legs.protocol import EventBatch, TokenEvent
 
 log = logging.getLogger("pdserve.api")
 
-GenerateFn = Callable[[str, list[int], SamplingParams],
-                      AsyncIterator[TokenEvent | EventBatch]]
 SERVER_ERROR = "server_error"
+
+
+class ResponseHeaders(dict[str, str]):
+    """Headers for the response, yielded by a generate function before its first events."""
+
+
+GenerateFn = Callable[[str, list[int], SamplingParams],
+                      AsyncIterator[TokenEvent | EventBatch | ResponseHeaders]]
 
 
 class GenerateError(Exception):
@@ -175,10 +183,12 @@ class _Run:
         self.out = StreamAssembler()
         self.chunks = R.ChunkEncoder(req.kind, request_id, req.model, self.created)
         self.response: web.StreamResponse | None = None
+        self.headers: dict[str, str] = {}  # from generate's ResponseHeaders
         self._unsent: list[bytes] = []  # SSE events not written yet
         self._last_token_at: float | None = None
 
-    async def collect(self, events: AsyncIterator[TokenEvent | EventBatch]) -> web.Response:
+    async def collect(self, events: AsyncIterator[TokenEvent | EventBatch | ResponseHeaders]
+                      ) -> web.Response:
         async for item in events:
             if self._take(item):
                 break
@@ -188,9 +198,10 @@ class _Run:
                 self._usage(), lp)
         body = R.chat_response(*args) if r.kind == "chat" else R.completion_response(*args)
         self._done(200)
-        return web.json_response(body)
+        return web.json_response(body, headers=self.headers)
 
-    async def stream(self, request: web.Request, events: AsyncIterator[TokenEvent | EventBatch]
+    async def stream(self, request: web.Request,
+                     events: AsyncIterator[TokenEvent | EventBatch | ResponseHeaders]
                      ) -> web.StreamResponse:
         async for item in events:
             if self._take(item):
@@ -218,9 +229,13 @@ class _Run:
         self._done(500)
         return self.response
 
-    def _take(self, item: TokenEvent | EventBatch) -> bool:
+    def _take(self, item: TokenEvent | EventBatch | ResponseHeaders) -> bool:
         """Add events that were ready together (when streaming, their SSE events to `_unsent`);
         True once the final one is in."""
+        if isinstance(item, ResponseHeaders):
+            if self.response is None:
+                self.headers.update(item)
+            return False
         for event in item if isinstance(item, list) else (item,):
             self._check(event)
             text_before = len(self.out.text)
@@ -250,7 +265,7 @@ class _Run:
         """Send the headers (they go out with the first write) and queue chat's role chunk
         before the first events."""
         self.response = web.StreamResponse(headers={
-            "Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+            **self.headers, "Content-Type": "text/event-stream", "Cache-Control": "no-cache",
             "X-Request-Id": self.request_id})
         await self.response.prepare(request)
         if self.req.kind == "chat":

@@ -16,17 +16,17 @@ the measured best with every other configuration request by request in the measu
 same trace): how many requests met the SLO under the best only and under the other only, and
 the exact McNemar p of that split (paired_goodput.py), so that a reader sees whether the
 measured ranking is one the run can tell apart at all; it does not change the verdict.
-Goodput counts requests
-within a 2 s TTFT and a 100 ms TPOT (`SLO_*`; 100 ms is also what `pdserve up` paces to). A split
-configuration's row also has its local prefills, measured (the router's, from the results'
-`split_decisions`) / simulated, informational: no tolerance ("-" where a results file predates
-them or the configuration does not split), and its steps priced by the calibration: per kind
-of step, the median of measured / priced (`pdserve simulate`'s step_check.py; near 1: the
-costs hold there, and a miss is the scheduling's). Each calibration is scaled to the held-out
-run's speed by the fixed engine job bench compare times before and after every run (`pdserve
-simulate --speed-reference`, speed_scale.py; the row shows the factor):
-the machine's speed drifts between runs by more than the model misses. `--speed-reference
-ignore` prices every run at the calibration run's speed.
+Goodput counts requests within a 2 s TTFT and a 100 ms TPOT (`SLO_*`; 100 ms is also what
+`pdserve up` paces to). A split configuration's row also has its local prefills, measured (the
+router's, from the results' `split_decisions`) / simulated, informational: no tolerance ("-"
+where a results file predates them or the configuration does not split), with how many requests
+took the same path in both where the results hold the router's route per request, and its steps
+priced by the calibration: per kind of step, the median of measured / priced (`pdserve
+simulate`'s step_check.py; near 1: the costs hold there, and a miss is the scheduling's). Each
+calibration is scaled to the held-out run's speed by the fixed engine job bench compare times
+before and after every run (`pdserve simulate --speed-reference`, speed_scale.py; the row shows
+the factor): the machine's speed drifts between runs by more than the model misses.
+`--speed-reference ignore` prices every run at the calibration run's speed.
 
 The decode cost per context token is held, by default, at what `pdserve bench decode-context`
 measures on each configuration's threads per worker (bench/simulator_context.py: a serving
@@ -357,7 +357,8 @@ def format_check(summary: dict[str, Any]) -> str:
             flag = "*" if f in r["outside"] else ""
             cells.append("-" if m is None or sim is None or err is None else
                          f"{m:.3g}->{sim:.3g} ({err:+.0%}){flag}")
-        cells += [_local_prefills(r.get("local_prefills")), _speed(r.get("speed_scale")),
+        cells += [_local_prefills(r.get("local_prefills"), r.get("paths")),
+                  _speed(r.get("speed_scale")),
                   _steps(r.get("step_ratios"))]
         lines.append("  ".join(cells))
     lines += [_rank_line(workload, rank) for workload, rank in summary["ranking"].items()]
@@ -391,12 +392,14 @@ def _speed(factor: float | None) -> str:
     return "-" if factor is None else f"x{factor:.2f}"
 
 
-def _local_prefills(counts: dict[str, Any] | None) -> str:
-    """"measured/simulated" local prefills of a split configuration, else "-"."""
+def _local_prefills(counts: dict[str, Any] | None, paths: dict[str, Any] | None) -> str:
+    """"measured/simulated" local prefills of a split configuration, else "-"; with the
+    requests' routes, ", N/M same path" (`pdserve simulate`'s path_agreement.py)."""
     if counts is None:
         return "-"
     measured = counts.get("measured")
-    return f"{'-' if measured is None else format(measured, 'g')}/{counts['simulated']}"
+    same = "" if paths is None else f", {paths['same']}/{paths['compared']} same path"
+    return f"{'-' if measured is None else format(measured, 'g')}/{counts['simulated']}{same}"
 
 
 def run_simulator_check_cli(args: argparse.Namespace) -> int:

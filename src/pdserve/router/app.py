@@ -36,7 +36,7 @@ from aiohttp import web
 from pdserve.api.errors import ApiError
 from pdserve.api.http_site import start_site, stop_event
 from pdserve.api.limits import RequestLimits, add_limit_args, limits_from_args
-from pdserve.api.openai_server import GenerateError, OpenAIServer
+from pdserve.api.openai_server import GenerateError, OpenAIServer, ResponseHeaders
 from pdserve.cli_args import add_log_level_arg, log_level
 from pdserve.common.model_folder import resolve_model
 from pdserve.common.sampling_params import SamplingParams
@@ -69,6 +69,7 @@ from pdserve.router.elastic_controller import ElasticController
 from pdserve.router.elastic_settings import ElasticSettings, add_elastic_args, elastic_from_args
 from pdserve.router.flips import RoleFlips
 from pdserve.router.leg_client import LegFailed, RouterLegChannels
+from pdserve.router.path_choice import ROUTE_HEADER, Choice
 from pdserve.router.policies import PolicyName, make_policy
 from pdserve.router.pool_metrics import PoolMetrics
 from pdserve.router.registry import WorkerRegistry
@@ -231,9 +232,15 @@ class Router:
                             headers={"Content-Type": CONTENT_TYPE})
 
     async def _generate(self, request_id: str, prompt: list[int], params: SamplingParams
-                        ) -> AsyncIterator[EventBatch]:
+                        ) -> AsyncIterator[EventBatch | ResponseHeaders]:
+        """The dispatcher's events, after the route header (path_choice.py) once the path is
+        chosen."""
+        chosen: list[Choice] = []
         try:
-            async for batch in self.dispatcher.generate(request_id, prompt, params):
+            async for batch in self.dispatcher.generate(request_id, prompt, params,
+                                                        chosen.append):
+                if chosen:
+                    yield ResponseHeaders({ROUTE_HEADER: chosen.pop().header()})
                 yield batch
         except LegFailed as e:
             raise GenerateError(str(e), e.status if e.client_error else 502) from e

@@ -72,7 +72,7 @@ import dataclasses
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 
 from pdserve.common.block_hash import hash_blocks
@@ -194,9 +194,11 @@ class Dispatcher:
         for queue in self.queues.values():
             queue.admit_waiting()
 
-    async def generate(self, request_id: str, prompt: Sequence[int], params: SamplingParams
+    async def generate(self, request_id: str, prompt: Sequence[int], params: SamplingParams,
+                       on_choice: Callable[[Choice], None] | None = None
                        ) -> AsyncIterator[EventBatch]:
         """Token events of one request from any legs, in batches; the last event is final.
+        `on_choice` is told the request's path once it is chosen, before its first event.
         Raises LegFailed (its `client_error` says whose fault), NoWorkers or Overloaded."""
         if params.seed is None and not params.greedy:
             params = dataclasses.replace(params, seed=secrets.randbits(63))
@@ -209,7 +211,7 @@ class Dispatcher:
         generated: int | None = None  # set once the final event went out: a completion
         try:
             run = _Run(request_id, tuple(prompt), params, hashes, slot)
-            async with contextlib.aclosing(self._admitted(run, deadline)) as batches:
+            async with contextlib.aclosing(self._admitted(run, deadline, on_choice)) as batches:
                 async for batch in batches:  # closed first: the legs go before the slot
                     if batch[-1].final:
                         generated = _end(batch)
@@ -217,11 +219,15 @@ class Dispatcher:
         finally:
             slot.release(generated)
 
-    async def _admitted(self, run: _Run, deadline: float) -> AsyncIterator[EventBatch]:
+    async def _admitted(self, run: _Run, deadline: float,
+                        on_choice: Callable[[Choice], None] | None
+                        ) -> AsyncIterator[EventBatch]:
         """The request on the worker of its decode slot, split (after a prefill slot) or whole,
         then wherever the fallback chain moves it."""
         choice = self._path(run.slot.worker, len(run.prompt), run.hashes)
         self.paths.record(choice)
+        if on_choice is not None:
+            on_choice(choice)
         log.debug("request %s: %s on %s: %s", run.request_id,
                   "split" if choice.split else "local", run.slot.worker.name, choice.why)
         if choice.split:

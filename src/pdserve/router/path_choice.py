@@ -32,7 +32,10 @@ and where that link's estimate came from (`LinkSource`: handovers, report, mean,
 `pdserve_router_split_link_source_total{source}` counts.
 
 `choose` may run several times for one request (while the dispatcher picks its worker);
-`record` counts the choice the request took, once per request.
+`record` counts the choice the request took, once per request. The client is told it too:
+the response's `X-Pdserve-Route` header holds the path and the rule, e.g. `disaggregated;
+rule=measured_cost` (`Choice.header`; no worker is named: the router's log does, by request
+id).
 
 Lifetime: one per dispatcher; every method runs on the router's event loop.
 """
@@ -61,6 +64,7 @@ from pdserve.router.worker_pool import WorkerHandle, WorkerPool
 # once (the fixed rule's old default; a few hundred tokens are a short stall on any hardware),
 # more only while it would be done before the prefill workers (module docstring).
 UNMEASURED_THRESHOLD = 256
+ROUTE_HEADER = "X-Pdserve-Route"
 
 
 class Reason(StrEnum):
@@ -97,6 +101,15 @@ class Choice:
     decision: Decision | None = None  # the measured-cost decision, when one was made
     # where the decision's estimate of its fastest prefill worker's link came from
     link_source: LinkSource | None = None
+
+    @property
+    def path(self) -> str:
+        """The path's name in the metrics and the route header: disaggregated or local."""
+        return "disaggregated" if self.split else "local"
+
+    def header(self) -> str:
+        """The value of the response's ROUTE_HEADER: the path, then the rule that chose it."""
+        return f"{self.path}; rule={self.reason.value}"
 
 
 class PathChoice:
@@ -153,8 +166,7 @@ class PathChoice:
         too when the measured-cost decision was made."""
         if self.metrics is None:
             return
-        path = "disaggregated" if choice.split else "local"
-        self.metrics.split_decisions.inc(path=path, reason=choice.reason.value)
+        self.metrics.split_decisions.inc(path=choice.path, reason=choice.reason.value)
         if choice.decision is not None:
             self.metrics.split_estimate.observe(choice.decision.t_remote_s, path="disaggregated")
             self.metrics.split_estimate.observe(choice.decision.t_local_s, path="local")

@@ -15,6 +15,9 @@ Invariants of a `RequestRecord`:
   <the server's message>", "error event: <message>", "timeout after T s" (the whole request,
   `timeout_s`), "connection error: ...", "stream ended without [DONE]", "no token before
   [DONE]", "bad event: ...".
+- `route` is the response's `X-Pdserve-Route` header (pdserve's router: the path that served
+  the request and the rule that chose it, e.g. "disaggregated; rule=measured_cost"), None
+  where the server sent none (another server, a worker alone, a request refused before it).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from typing import Any
 import aiohttp
 
 from pdserve.bench.serve.workloads import RequestSpec
+from pdserve.router.path_choice import ROUTE_HEADER
 
 MAX_ERROR_CHARS = 500
 
@@ -43,6 +47,7 @@ class RequestRecord:
     end_s: float
     output_tokens: int
     error: str | None = None
+    route: str | None = None
 
     @property
     def ok(self) -> bool:
@@ -71,6 +76,7 @@ class _Stream:
     token_times_s: list[float] = field(default_factory=list)
     completion_tokens: int | None = None
     done: bool = False
+    route: str | None = None
 
     def feed(self, line: bytes, now: float) -> str | None:
         """Take one SSE line; returns an error message, else None."""
@@ -132,6 +138,7 @@ async def _http_error(resp: aiohttp.ClientResponse) -> str:
 async def _exchange(session: aiohttp.ClientSession, url: str, body: dict[str, Any],
                     stream: _Stream) -> str | None:
     async with session.post(url, json=body) as resp:
+        stream.route = resp.headers.get(ROUTE_HEADER)
         if resp.status != 200:
             return await _http_error(resp)
         async for line in resp.content:
@@ -161,4 +168,5 @@ async def send_request(session: aiohttp.ClientSession, url: str, model: str, spe
     return RequestRecord(
         prompt_tokens=len(spec.prompt_token_ids), max_tokens=spec.max_tokens, send_s=send_s,
         token_times_s=tuple(stream.token_times_s), end_s=end_s,
-        output_tokens=len(stream.token_times_s) if count is None else count, error=error)
+        output_tokens=len(stream.token_times_s) if count is None else count, error=error,
+        route=stream.route)

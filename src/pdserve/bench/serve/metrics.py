@@ -167,4 +167,4 @@ def request_json(r: RequestRecord, t0: float) -> dict[str, Any]:
     """One request for CDF and timeline pictures; times in seconds, `start_s` from t0."""
     return {"start_s": r.send_s - t0, "ttft_s": ttft_s(r), "itl_s": itl_s(r), "e2e_s": e2e_s(r),
             "tpot_s": tpot_s(r), "output_tokens": r.output_tokens,
-            "prompt_tokens": r.prompt_tokens, "ok": r.ok, "error": r.error}
+            "prompt_tokens": r.prompt_tokens, "ok": r.ok, "error": r.error, "route": r.route}

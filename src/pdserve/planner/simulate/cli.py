@@ -76,6 +76,7 @@ from pdserve.planner.simulate.measured_compare import (
     measured_layout,
     render_comparison,
     split_local_prefills,
+    split_paths,
 )
 from pdserve.planner.simulate.measured_run import MeasuredRun, load_measured_run, read_trace_file
 from pdserve.planner.simulate.metrics import Slo, Summary, summarize, summary_to_dict
@@ -317,7 +318,8 @@ def _against_measured(setup: Setup, results: list[tuple[SimResult, Summary]]
     result, summary = results[0]
     return compare(setup.measured, layout_label(result.layout, setup.cluster),
                    summary_to_dict(summary), split_local_prefills(result),
-                   _held_out_ratios(setup), setup.speed_scale)
+                   _held_out_ratios(setup), setup.speed_scale,
+                   split_paths(setup.measured, result))
 
 
 def _held_out_ratios(setup: Setup) -> dict[str, dict[str, Any]] | None:

@@ -22,7 +22,9 @@ error| as a share of its tolerance (<= 1: every figure within).
 
 A split layout's comparison also shows its local prefills, informational (no tolerance): the
 prompts the router kept on their decode worker (the run's `split_decisions`, bench compare;
-"-" for a file without them) beside the simulation's `local_prefills` (split_model.py's rule).
+"-" for a file without them) beside the simulation's `local_prefills` (split_model.py's rule),
+and, where the run's requests hold the router's route header, how many requests took the same
+path in both and the prompt sizes of those that did not (path_agreement.py).
 With a calibration profile and the run's steps beside its results (X.steps.json beside X.json),
 the comparison also prices those steps by the profile (step_check.py): how far the costs are
 from this run's own steps, per kind, which tells a miss of the costs from one of the
@@ -42,6 +44,7 @@ from typing import Any
 from pdserve.planner.simulate.cluster import Layout
 from pdserve.planner.simulate.events import SimResult
 from pdserve.planner.simulate.measured_run import METRICS, MeasuredRun
+from pdserve.planner.simulate.path_agreement import PathAgreement, agreement
 from pdserve.planner.simulate.split_model import SplitRule
 from pdserve.planner.simulate.step_check import describe_ratios
 
@@ -116,6 +119,8 @@ class Comparison:
     step_ratios: dict[str, dict[str, Any]] | None = None
     # the calibration's factor to the measured run's speed (speed_scale.py); None: not scaled
     speed_scale: float | None = None
+    # a split layout's paths request by request (path_agreement.py); None: not known
+    paths: PathAgreement | None = None
 
     def error(self, key: str) -> float | None:
         m, s = self.measured[key], self.simulated[key]
@@ -131,19 +136,28 @@ class Comparison:
 def compare(run: MeasuredRun, label: str, simulated: dict[str, Any],
             local_prefills: int | None = None,
             step_ratios: dict[str, dict[str, Any]] | None = None,
-            speed_scale: float | None = None) -> Comparison:
+            speed_scale: float | None = None, paths: PathAgreement | None = None
+            ) -> Comparison:
     """`simulated`: metrics.summary_to_dict of the simulated layout (its "failed" count of
     refused requests, 0 when absent); `local_prefills`: its local prefills when it splits
     prompts (`split_local_prefills`); `step_ratios`: step_check.step_ratios of the run;
-    `speed_scale`: the factor the calibration was scaled by to the run's speed."""
+    `speed_scale`: the factor the calibration was scaled by to the run's speed; `paths`: the
+    split paths request by request (`split_paths`)."""
     return Comparison(run, label, {k: run.measured[k] for k in METRICS},
                       {k: simulated[k] for k in METRICS}, local_prefills,
-                      simulated.get("failed", 0), step_ratios, speed_scale)
+                      simulated.get("failed", 0), step_ratios, speed_scale, paths)
 
 
 def split_local_prefills(result: SimResult) -> int | None:
     """The simulation's local prefills for a split layout (disagg), else None."""
     return result.local_prefills if result.layout is Layout.DISAGG else None
+
+
+def split_paths(run: MeasuredRun, result: SimResult) -> PathAgreement | None:
+    """A split layout's paths, the run's against the simulation's, when the run has them."""
+    if result.layout is not Layout.DISAGG or not run.paths:
+        return None
+    return agreement(run.paths, result.records)
 
 
 def _cell(value: float | None, fmt: str) -> str:
@@ -163,6 +177,8 @@ def render_comparison(c: Comparison) -> str:
     if c.local_prefills is not None:
         lines.append(f"{'local prefills':<22}{_cell(c.run.local_prefills, '{:g}'):>12}"
                      f"{c.local_prefills:>12}{'':>10}  (measured: the router's; no tolerance)")
+    if c.paths is not None:
+        lines.append(f"paths: {c.paths.describe()}")
     if run.failed or c.failed:
         lines.append(f"{'failed requests':<22}{run.failed:>12,}{c.failed:>12,}{'':>10}  "
                      "(simulated: refused by admission; no tolerance)")
@@ -186,7 +202,8 @@ _LABELS = {"median_ttft_ms": "median TTFT (ms)", "p99_ttft_ms": "P99 TTFT (ms)",
 def comparison_json(c: Comparison) -> dict[str, Any]:
     """The comparison; `completed` and `failed` are the measured run's, `failed_requests` sets
     them beside the simulation's refusals; `local_prefills` ({"measured": n or None,
-    "simulated": m}) only for a split layout."""
+    "simulated": m}) only for a split layout, and `paths` (PathAgreement.to_json) only for
+    one whose run has its requests' routes."""
     out = {"run": c.run.label, "config": c.run.config, "layout": c.label,
            "completed": c.run.completed, "failed": c.run.failed,
            "failed_requests": {"measured": c.run.failed, "simulated": c.failed},
@@ -196,6 +213,8 @@ def comparison_json(c: Comparison) -> dict[str, Any]:
     if c.local_prefills is not None:
         out["local_prefills"] = {"measured": c.run.local_prefills,
                                  "simulated": c.local_prefills}
+    if c.paths is not None:
+        out["paths"] = c.paths.to_json()
     if c.step_ratios is not None:
         out["step_ratios"] = c.step_ratios
     out["speed_scale"] = c.speed_scale

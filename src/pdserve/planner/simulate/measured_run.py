@@ -11,9 +11,10 @@ Shapes, told apart by shape:
 Trace: every request, ok or not (the server saw them all), as arrival_s = start_s (seconds
 from the run's first send), prompt_tokens, output_tokens, and its shared prefix's prefix_id and
 prefix_tokens where the row has them (the `prefix` workload; absent: none), sorted by arrival
-(stable). A request that failed before its first token reports output_tokens 0; it is replayed
-as a one-token request (it still queued and most likely prefilled; the result does not keep
-the max_tokens it asked for).
+(stable), with each request's path where pdserve's router told it (its `route`,
+path_agreement.py). A request that failed before its first token reports output_tokens 0; it
+is replayed as a one-token request (it still queued and most likely prefilled; the result
+does not keep the max_tokens it asked for).
 Measured figures cover the successful requests only (bench serve's metrics); a run with none
 has None there, as has a result written before a figure was recorded.
 """
@@ -32,6 +33,7 @@ from pdserve.planner.simulate.file_spec import (
     read_text,
     refuse_config,
 )
+from pdserve.planner.simulate.path_agreement import route_is_local
 from pdserve.planner.simulate.speed_scale import (
     SpeedReference,
     read_rounds_reference,
@@ -86,6 +88,10 @@ class MeasuredRun:
     # pooled (the figures' rounds); else the two are the same
     speed_reference: SpeedReference | None = None
     rounds_reference: SpeedReference | None = None
+    # each trace request's path as pdserve's router told it (its `route`,
+    # path_agreement.route_is_local: True local, False split, None not told), in trace order;
+    # () for a file without routes
+    paths: tuple[bool | None, ...] = ()
 
     @property
     def probed(self) -> bool:
@@ -128,14 +134,17 @@ def _request(row: Any, where: str) -> TraceRequest:
 def _run(spec: FileSpec, config: str | None, result: dict[str, Any]) -> MeasuredRun:
     label = str(spec) if config is None or spec.config else f"{spec}:{config}"
     rows = result["requests"]
-    trace = [_request(r, f"{label} request {i}") for i, r in enumerate(rows, start=1)]
+    requests = sorted(((_request(r, f"{label} request {i}"), route_is_local(r.get("route")))
+                       for i, r in enumerate(rows, start=1)), key=lambda pair: pair[0].arrival_s)
+    trace, paths = zip(*requests, strict=True) if requests else ((), ())
     ok = sum(1 for r in rows if r.get("ok", True))
-    return MeasuredRun(label, config, tuple(sorted(trace, key=lambda r: r.arrival_s)),
+    return MeasuredRun(label, config, tuple(trace),
                        {k: result.get(k) for k in METRICS}, ok, len(rows) - ok,
                        _bound(result, "slo_ttft_ms", label), _bound(result, "slo_tpot_ms", label),
                        _clients(result, label), _local_prefills(result, label),
                        _ttfts(rows), *_probe(result, label),
-                       read_speed_reference(result, label), read_rounds_reference(result, label))
+                       read_speed_reference(result, label), read_rounds_reference(result, label),
+                       tuple(paths) if any(p is not None for p in paths) else ())
 
 
 def _probe(result: dict[str, Any], label: str) -> tuple[int | None, tuple[float, ...]]:

@@ -52,6 +52,9 @@ class RequestRecord:
     token_times: list[float] | None = None
     refused: int | None = None
     refused_s: float | None = None
+    # a split layout's path for it (routing.py): True prefilled on its decode worker, False
+    # split; None until routed, and in the other layouts
+    local: bool | None = None
 
     @property
     def ok(self) -> bool:

@@ -95,6 +95,7 @@ class Routing:
         router counts it."""
         if i is None:
             i = self.pick("prefill", record)
+        record.local = False
         tokens = self.routed["prefill"][i].uncached(record)
         self.routed["prefill"][i].add(record)
         self.queued[record.index] = tokens
@@ -117,6 +118,7 @@ class Routing:
         path = self._decide(record, j, tokens)
         self.loads["decode"][j] += 1
         self.routed["decode"][j].add(record)
+        record.local = path is None or path.local
         if path is not None and not path.local:
             return self.pick("prefill", record) if path.prefill_index is None \
                 else path.prefill_index
