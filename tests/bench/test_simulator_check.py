@@ -139,7 +139,7 @@ def test_a_split_configurations_row_has_its_local_prefills_measured_and_simulate
     assert "local_prefills" not in rows["collocated"]
     lines = format_check(summary).splitlines()
     assert lines[1].endswith("local_prefills(measured/simulated)  speed  "
-                             "steps(measured/priced)")
+                             "steps(measured/priced: median/time)")
     assert lines[2].startswith("chat  disagg") and lines[2].endswith(f"  1/{simulated}  -  -")
     assert lines[3].startswith("chat  collocated") and lines[3].endswith("  -  -  -")
 
@@ -251,7 +251,7 @@ def test_a_held_out_run_with_its_steps_shows_them_priced_by_the_calibration(resu
     summary = run_check(_settings(results))
     rows = {r["config"]: r for r in summary["rows"]}
     assert rows["disagg"]["step_ratios"]["decode"]["median_ratio"] == pytest.approx(1.0)
-    assert format_check(summary).splitlines()[2].endswith("  decode x1.00 prompt x1.00")
+    assert format_check(summary).splitlines()[2].endswith("  decode x1.00/1.00 prompt x1.00/1.00")
 
 
 def test_a_held_decode_context_cost_reaches_every_simulation_and_the_header(results):

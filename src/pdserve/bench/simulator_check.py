@@ -344,7 +344,7 @@ def _pair_text(pairs: list[dict[str, Any]] | None) -> str:
 def format_check(summary: dict[str, Any]) -> str:
     """One line per (workload, configuration): each figure measured -> simulated (error)."""
     head = ["workload", "config"] + [f.replace("_ms", "") for f in FIGURES] + \
-        ["local_prefills(measured/simulated)", "speed", "steps(measured/priced)"]
+        ["local_prefills(measured/simulated)", "speed", "steps(measured/priced: median/time)"]
     load = summary.get("load", 1.0)
     lines = [f"held-out validation, step costs fitted on {summary['calibrated_on']!r}"
              f"{'' if load == 1.0 else f', open-loop rates x{load:g}'}"
@@ -379,11 +379,13 @@ def _held_text(held: dict[str, Any] | None) -> str:
 
 
 def _steps(ratios: dict[str, Any] | None) -> str:
-    """"decode x1.23 mixed x1.12": the held-out run's steps, measured / priced by the
-    calibration, per kind (step_check.py); "-" without its steps."""
+    """"decode x1.23/1.41 mixed x1.12/1.20": the held-out run's steps, measured / priced by
+    the calibration, per kind, the median step's and the kind's time's (step_check.py); "-"
+    without its steps."""
     if not ratios:
         return "-"
-    return " ".join(f"{kind} x{r['median_ratio']:.2f}" for kind, r in ratios.items())
+    return " ".join(f"{kind} x{r['median_ratio']:.2f}/{r['time_ratio']:.2f}"
+                    for kind, r in ratios.items())
 
 
 def _speed(factor: float | None) -> str:

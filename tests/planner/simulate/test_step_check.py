@@ -48,7 +48,18 @@ def test_each_kind_is_its_median_measured_over_priced_and_its_share_of_step_time
     assert got["mixed"]["median_ratio"] == pytest.approx(2.0)
     assert got["decode"]["steps"] == 10 and got["mixed"]["steps"] == 1
     assert got["decode"]["share"] == pytest.approx(0.300 / (0.300 + 0.210 + 0.448))
-    assert describe_ratios(got).startswith("decode x1.25 (31% of step time), prompt x1.00")
+    assert describe_ratios(got).startswith("decode x1.25 (time x1.25, 31% of step time), "
+                                           "prompt x1.00 (time x1.00, 22% of step time)")
+
+
+def test_the_time_ratio_weighs_each_step_by_its_seconds():
+    """Nine light decode steps priced right and one heavy one (B = 35: priced 90 ms) taking
+    twice its price: the median passes over it, the time ratio does not: (9 x 24 + 180) /
+    (9 x 24 + 90) = 1.29."""
+    steps = [_decode(i * 1.0, 2, 0.024) for i in range(9)] + [_decode(9.0, 35, 0.180)]
+    got = step_ratios(PROFILE, {"w": steps})["decode"]
+    assert got["median_ratio"] == pytest.approx(1.0)
+    assert got["time_ratio"] == pytest.approx((9 * 0.024 + 0.180) / (9 * 0.024 + 0.090))
 
 
 def test_a_decode_step_is_timed_by_its_period_unless_the_worker_then_idled():

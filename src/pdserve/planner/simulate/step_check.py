@@ -7,11 +7,14 @@ and the model of what runs in them (queues, routing, pacing) is wrong. B's own s
 its counts (`CalibrationProfile.counted_step_seconds`), and its measured time divided by that
 price is its ratio (1: priced exactly; 1.2: it took 20% longer than the profile says).
 
-Per kind of step (KINDS: decode-only, prompt-only, both), the median ratio and the kind's
-share of the run's step time. Times as the fit takes them (step_fit.py): a decode-only step
-by its period (to the same worker's next step: what a stream waits) unless that period holds
-an idle gap, i.e. is more than twice its duration (then its duration), the others by their
-duration. Traces without contexts or attention pairs price those terms at 0.
+Per kind of step (KINDS: decode-only, prompt-only, both), the median ratio, the time ratio (the
+kind's measured seconds over its priced seconds: the few heavy steps that the median passes
+over but a saturated worker's queue is made of, e.g. batches larger than the calibration run
+ever had) and the kind's share of the run's step time. Times as the fit takes them
+(step_fit.py): a decode-only step by its period (to the same worker's next step: what a stream
+waits) unless that period holds an idle gap, i.e. is more than twice its duration (then its
+duration), the others by their duration. Traces without contexts or attention pairs price those
+terms at 0.
 """
 
 from __future__ import annotations
@@ -59,9 +62,12 @@ def kind(step: Step) -> str | None:
 
 def step_ratios(profile: CalibrationProfile, steps: Mapping[str, Sequence[Step]]
                 ) -> dict[str, dict[str, Any]]:
-    """Per kind present: {"steps": n, "median_ratio": r, "share": s} by the module docstring."""
+    """Per kind present: {"steps": n, "median_ratio": r, "time_ratio": t, "share": s} by the
+    module docstring."""
     ratios: dict[str, list[float]] = {k: [] for k in KINDS}
     seconds: dict[str, float] = dict.fromkeys(KINDS, 0.0)
+    timed: dict[str, float] = dict.fromkeys(KINDS, 0.0)  # as priced: decode steps by period
+    priced: dict[str, float] = dict.fromkeys(KINDS, 0.0)
     for rows in steps.values():
         ordered = sorted(rows, key=lambda s: (s.start_s, s.end_s))
         for i, s in enumerate(ordered):
@@ -75,12 +81,21 @@ def step_ratios(profile: CalibrationProfile, steps: Mapping[str, Sequence[Step]]
             price = profile.counted_step_seconds(s.prefill_tokens, s.prefill_attention or 0,
                                                  s.decode_tokens, s.decode_context or 0)
             ratios[k].append(measured / price)
+            timed[k] += measured
+            priced[k] += price
     total = sum(seconds.values())
     return {k: {"steps": len(ratios[k]), "median_ratio": statistics.median(ratios[k]),
-                "share": seconds[k] / total} for k in KINDS if ratios[k]}
+                "time_ratio": timed[k] / priced[k], "share": seconds[k] / total}
+            for k in KINDS if ratios[k]}
 
 
 def describe_ratios(ratios: Mapping[str, Mapping[str, Any]]) -> str:
-    """"decode x1.17 (52% of step time), mixed x1.13 (48%)": measured / priced, per kind."""
-    return ", ".join(f"{k} x{r['median_ratio']:.2f} ({r['share']:.0%} of step time)"
+    """"decode x1.17 (time x1.40, 52% of step time), mixed x1.13 (time x1.20, 48% of step
+    time)": measured / priced, per kind (a file written before the time ratio: the median
+    only)."""
+    return ", ".join(f"{k} x{r['median_ratio']:.2f} ({_time(r)}{r['share']:.0%} of step time)"
                      for k, r in ratios.items())
+
+
+def _time(ratio: Mapping[str, Any]) -> str:
+    return f"time x{ratio['time_ratio']:.2f}, " if "time_ratio" in ratio else ""
