@@ -1,20 +1,29 @@
 """`pdserve bench compare` keeps the router's split decisions of each run: read from its
 /metrics after the warm-up and after the run, the difference by path and reason; a row of the
 table and a line of reasons for the configurations that split prompts; medians over repeats.
-The warm-up sends none of the trace's prompts (no prefix hit the simulator would not see)."""
+The warm-up sends none of the trace's prompts (no prefix hit the simulator would not see), and
+says what it served (the simulator serves the same before the run)."""
 
 from __future__ import annotations
 
+import asyncio
+from typing import Any
+
+from aiohttp import web
+
 from pdserve.bench.compare import (
     METRIC_KEYS,
+    WARM_UP_TOKENS,
     cluster_figures,
     combine_repeats,
     format_table,
+    serve_warm_up,
     split_counts,
     split_decisions,
     warm_up_requests,
 )
 from pdserve.bench.serve.workloads import Workload
+from tests.http_app import serving
 
 SPLITS = "pdserve_router_split_decisions_total"
 # after the warm-up: one request split before any rate was measured, one kept local
@@ -95,3 +104,26 @@ def test_the_warm_up_sends_none_of_the_traces_prompts() -> None:
         trace = {spec.prompt_token_ids for spec in workload.requests(1.0, duration_s=60.0)}
         warm = warm_up_requests(workload)
         assert len(warm) == 2 and not trace & {spec.prompt_token_ids for spec in warm}
+
+
+def test_the_warm_up_says_what_it_served() -> None:
+    """Each request's prompt and the tokens its usage counted (one stopped early here)."""
+    workload, seen = Workload(kind="chat"), []
+
+    async def completions(request: web.Request) -> web.Response:
+        body: dict[str, Any] = await request.json()
+        seen.append(body)
+        return web.json_response({"usage": {"completion_tokens": 2 if len(seen) == 1 else 4}})
+
+    async def go() -> list[dict[str, int]]:
+        app = web.Application()
+        app.router.add_post("/v1/completions", completions)
+        async with serving(app) as base:
+            return await asyncio.to_thread(serve_warm_up, base + "/v1", "m", workload)
+
+    served = asyncio.run(go())
+    sent = [spec.prompt_token_ids for spec in warm_up_requests(workload)]
+    assert [tuple(b["prompt"]) for b in seen] == sent
+    assert all(b["max_tokens"] == WARM_UP_TOKENS for b in seen)
+    assert served == [{"prompt_tokens": len(sent[0]), "output_tokens": 2},
+                      {"prompt_tokens": len(sent[1]), "output_tokens": 4}]

@@ -61,6 +61,14 @@ def test_compare_runs_each_configuration_and_writes_json_and_pictures(tiny_model
         assert s.connect_ex(("127.0.0.1", port)) != 0
     for r in results.values():
         assert r["completed"] == 6 and r["failed"] == 0 and "p99_itl_ms" in r
+        warm = r["warm_up"]  # served before the run, kept for the simulator to serve first
+        assert [w["prompt_tokens"] for w in warm] == [300, 300]
+        assert all(1 <= w["output_tokens"] <= 4 for w in warm)
+    routes = {name: {q["route"] for q in r["requests"]} for name, r in results.items()}
+    assert routes["collocated"] == {"local; rule=collocated_worker"}
+    assert routes["disagg"] <= {f"{path}; rule={rule}" for path in ("local", "disaggregated")
+                                for rule in ("unmeasured", "measured_cost", "tpot_target")}
+    assert routes["worker-alone"] == {None}  # a worker alone routes nothing
     cores = len(os.sched_getaffinity(0))
     for name, workers in (("collocated", 1), ("disagg", 2)):  # pdserve's: probed idle after
         probe = results[name]["frontend_probe"]

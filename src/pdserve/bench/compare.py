@@ -6,7 +6,9 @@ Each pdserve configuration is started here with `pdserve up` on the first `cores
 between them, what the elastic pools become when every worker decodes; disagg: one prefill
 and one decode worker, the cores split between them; elastic: disagg's workers, whose roles
 the router flips itself, `pdserve up --elastic`), warmed up with two requests (the workload's,
-drawn from its next seed: `warm_up_requests`), measured with `bench serve`'s runner, and
+drawn from its next seed: `warm_up_requests`; `warm_up` in the results, each request's
+`prompt_tokens` and `output_tokens`, which `pdserve simulate` serves before it replays the
+run), measured with `bench serve`'s runner, and
 stopped before the next starts. Before the stop the router's `pdserve_role_flips_total` is
 read: `role_flips` (all directions) and `role_flips_by` ("decode->prefill": n, ...); and its
 `pdserve_router_split_decisions_total`, once after the warm-up and once after the run, whose
@@ -109,6 +111,7 @@ CONFIGS: dict[str, tuple[str, ...]] = {
     "elastic": ("--prefill", "1", "--decode", "1", "--elastic"),
 }
 EXTERNAL_READY_S = 900.0  # vLLM compiles its model graphs at start-up
+WARM_UP_TOKENS = 4  # max_tokens of each warm-up request
 TABLE_KEYS = ("completed", "failed", "request_throughput", "output_throughput",
               "request_goodput", "mean_ttft_ms", "median_ttft_ms", "p90_ttft_ms", "p99_ttft_ms",
               "mean_tpot_ms", "median_tpot_ms", "p99_tpot_ms", "mean_itl_ms", "median_itl_ms",
@@ -183,15 +186,20 @@ def warm_up_requests(workload: Workload) -> list[RequestSpec]:
     return other.requests(1.0, num_requests=2)
 
 
-def _warm_up(url: str, model: str, workload: Workload) -> None:
-    """`warm_up_requests`, a few tokens each, one after the other."""
+def serve_warm_up(url: str, model: str, workload: Workload) -> list[dict[str, int]]:
+    """`warm_up_requests`, a few tokens each, one after the other; what was served: each
+    one's prompt_tokens and output_tokens (its usage)."""
+    served = []
     for spec in warm_up_requests(workload):
         body = json.dumps({"model": model, "prompt": list(spec.prompt_token_ids),
-                           "max_tokens": 4, "temperature": 0}).encode()
+                           "max_tokens": WARM_UP_TOKENS, "temperature": 0}).encode()
         req = urllib.request.Request(url + "/completions", data=body,
                                      headers={"Content-Type": "application/json"})
         with urllib.request.urlopen(req, timeout=120) as resp:
-            resp.read()
+            usage = json.loads(resp.read()).get("usage") or {}
+        served.append({"prompt_tokens": len(spec.prompt_token_ids),
+                       "output_tokens": usage.get("completion_tokens", WARM_UP_TOKENS)})
+    return served
 
 
 def _workers(up: UpProcess, start: float, end: float
@@ -315,7 +323,7 @@ def _serve(s: CompareSettings, name: str, repeat: int, bed: BedState | None
     client = up.inside() if isinstance(up, BedUpProcess) else contextlib.nullcontext()
     try:
         with client:
-            _warm_up(up.url, s.model, s.workload)
+            warm = serve_warm_up(up.url, s.model, s.workload)
             router = up.url.removesuffix("/v1")
             before = split_counts(router_metrics(router))
             start = time.time()
@@ -324,8 +332,8 @@ def _serve(s: CompareSettings, name: str, repeat: int, bed: BedState | None
             cluster = cluster_figures(router_metrics(router), before)
             probe = probe_frontend(up.url, s.model)
         steps, workers = _workers(up, start, end)
-        return {**result, **cluster, "frontend_probe": probe, "workers": workers,
-                "run_window": [start, end]}, steps
+        return {**result, **cluster, "warm_up": warm, "frontend_probe": probe,
+                "workers": workers, "run_window": [start, end]}, steps
     finally:
         up.stop()
 
@@ -345,8 +353,9 @@ def run_external(s: CompareSettings, name: str, url: str, repeat: int = 0) -> di
                             preexec_fn=parent_death.guard())
     try:
         _wait_ready(url, proc, EXTERNAL_READY_S)
-        _warm_up(url, s.model, s.workload)
-        return run_bench(url, s.model, s.workload, s.load, s.timeout_s, s.slo)
+        warm = serve_warm_up(url, s.model, s.workload)
+        return {**run_bench(url, s.model, s.workload, s.load, s.timeout_s, s.slo),
+                "warm_up": warm}
     finally:
         _stop_group(proc)
 

@@ -278,8 +278,16 @@ class Setup:
     @property
     def clients(self) -> int | None:
         """The measured run's closed-loop clients when its own requests are replayed."""
-        replayed = self.measured is not None and self.trace is self.measured.trace
-        return self.measured.clients if replayed else None
+        return self.measured.clients if self._replayed else None
+
+    @property
+    def warm_up(self) -> tuple[TraceRequest, ...]:
+        """The measured run's warm-up requests when its own requests are replayed."""
+        return self.measured.warm_up if self._replayed else ()
+
+    @property
+    def _replayed(self) -> bool:
+        return self.measured is not None and self.trace is self.measured.trace
 
     @property
     def costs(self) -> StepCosts:
@@ -296,7 +304,7 @@ def run_simulate(args: argparse.Namespace) -> int:
     costs = setup.costs
     results = [(r, summarize(r.records, r.itl, setup.slo))
                for r in (simulate(layout, setup.cluster, costs, setup.trace,
-                                  clients=setup.clients)
+                                  clients=setup.clients, warm_up=setup.warm_up)
                          for layout in setup.layouts)]
     against = _against_measured(setup, results)
     if args.json:

@@ -208,6 +208,24 @@ class _Loop:
                 self.to_wake.clear()
         return now
 
+    def warm_up(self, requests: Sequence[TraceRequest], first_index: int) -> float:
+        """Serve `requests` one after the other before the trace, as bench compare warms a
+        cluster up; returns when the last one ended. What the workers and the router learnt
+        (reported rates, prefix caches) carries into the run; the warm-up's ITLs, busy time
+        and local prefills do not. Their records take indices from `first_index` (past the
+        trace's: no shared prefix)."""
+        if not requests:
+            return 0.0
+        records = [RequestRecord(first_index + i, 0.0, r.prompt_tokens, r.output_tokens)
+                   for i, r in enumerate(requests)]
+        end = self.run(records, clients=1)
+        self.itl.values.clear()
+        self.itl.counts.clear()
+        for worker in (*self.prefill, *self.decode, *self.colloc):
+            worker.busy_s = 0.0
+        self.routing.local_prefills = 0
+        return end
+
     def leftovers(self) -> list[str]:
         """What a finished run still holds: nothing, unless the model lost track of work."""
         left = self.routing.leftovers()
@@ -221,34 +239,45 @@ class _Loop:
                 for role, workers in pools.items() if workers and span > 0}
 
 
-def _to_client(records: Sequence[RequestRecord], half: float) -> None:
-    """Token times as the client sees them: `half` a front-end round trip after their step."""
-    if not half:
+def _shift(records: Sequence[RequestRecord], seconds: float, arrivals: bool) -> None:
+    """Move the records' token times (and with `arrivals`, their arrival and refusal times
+    too) by `seconds`."""
+    if not seconds:
         return
     for r in records:
+        if arrivals:
+            r.arrival_s += seconds
+            if r.refused_s is not None:
+                r.refused_s += seconds
         if r.first_token_s is not None:
-            r.first_token_s += half
+            r.first_token_s += seconds
         if r.finish_s is not None:
-            r.finish_s += half
+            r.finish_s += seconds
         if r.token_times is not None:
-            r.token_times[:] = [t + half for t in r.token_times]
+            r.token_times[:] = [t + seconds for t in r.token_times]
 
 
 def simulate(layout: Layout | str, cluster: Cluster, costs: StepCosts,
              trace: Sequence[TraceRequest], trace_tokens: bool = False,
-             clients: int | None = None) -> SimResult:
+             clients: int | None = None, warm_up: Sequence[TraceRequest] = ()) -> SimResult:
     """Run `trace` on `cluster` in `layout`; `trace_tokens` keeps every token's time;
-    `clients`: replay it in closed loop with that many clients (`_Loop.run`)."""
+    `clients`: replay it in closed loop with that many clients (`_Loop.run`); `warm_up`:
+    requests served one after the other first (`_Loop.warm_up`; the records' times count from
+    the trace's start all the same)."""
     layout = Layout(layout)
-    check_fits(trace, cluster)
+    check_fits([*trace, *warm_up], cluster)
     records = [RequestRecord(i, r.arrival_s, r.prompt_tokens, r.output_tokens,
                              token_times=[] if trace_tokens else None)
                for i, r in enumerate(trace)]
     loop = _Loop(layout, cluster, costs, trace_tokens, PrefixTable(trace, cluster.block_tokens))
+    start = loop.warm_up(warm_up, len(records))
+    _shift(records, start, arrivals=True)
     end = loop.run(records, clients)
     if left := loop.leftovers():
         raise RuntimeError(f"the simulation ended holding work: {'; '.join(left)}")
-    _to_client(records, cluster.frontend_latency_s / 2)
     span = end - min(r.arrival_s for r in records)
+    _shift(records, -start, arrivals=True)
+    # token times as the client sees them: half a front-end round trip after their step
+    _shift(records, cluster.frontend_latency_s / 2, arrivals=False)
     return SimResult(layout, records, loop.itl, loop.busy_fractions(span),
                      loop.routing.local_prefills)

@@ -113,7 +113,7 @@ def _from_probes(tokens: int, ttfts: Sequence[float], layout: Layout, cluster: C
 def _simulated_quantile(run: MeasuredRun, layout: Layout, cluster: Cluster, costs: StepCosts,
                         latency: float) -> float | None:
     result = simulate(layout, replace(cluster, frontend_latency_s=latency), costs, run.trace,
-                      clients=run.clients)
+                      clients=run.clients, warm_up=run.warm_up)
     ttfts = [r.ttft_s for r in result.records if r.ok and r.first_token_s is not None]
     return quantile(ttfts, QUANTILE) if ttfts else None
 

@@ -15,6 +15,8 @@ prefix_tokens where the row has them (the `prefix` workload; absent: none), sort
 path_agreement.py). A request that failed before its first token reports output_tokens 0; it
 is replayed as a one-token request (it still queued and most likely prefilled; the result
 does not keep the max_tokens it asked for).
+Warm-up: bench compare's `warm_up` requests (prompt_tokens, output_tokens), which served just
+before the run, are kept apart (`MeasuredRun.warm_up`) for the simulation to serve first.
 Measured figures cover the successful requests only (bench serve's metrics); a run with none
 has None there, as has a result written before a figure was recorded.
 """
@@ -92,6 +94,9 @@ class MeasuredRun:
     # path_agreement.route_is_local: True local, False split, None not told), in trace order;
     # () for a file without routes
     paths: tuple[bool | None, ...] = ()
+    # bench compare's warm-up requests, served one after the other just before the run (their
+    # arrival 0, no shared prefix); () for a file without them
+    warm_up: tuple[TraceRequest, ...] = ()
 
     @property
     def probed(self) -> bool:
@@ -144,7 +149,23 @@ def _run(spec: FileSpec, config: str | None, result: dict[str, Any]) -> Measured
                        _clients(result, label), _local_prefills(result, label),
                        _ttfts(rows), *_probe(result, label),
                        read_speed_reference(result, label), read_rounds_reference(result, label),
-                       tuple(paths) if any(p is not None for p in paths) else ())
+                       tuple(paths) if any(p is not None for p in paths) else (),
+                       _warm_up(result, label))
+
+
+def _warm_up(result: dict[str, Any], label: str) -> tuple[TraceRequest, ...]:
+    """The run's `warm_up` requests (bench compare) as a trace; () without them."""
+    rows = result.get("warm_up")
+    if rows is None:
+        return ()
+    if not isinstance(rows, list):
+        raise ValueError(f"{label}: warm_up must be a list of requests, got {str(rows)[:80]}")
+    warm = []
+    for i, row in enumerate(rows, start=1):
+        where = f"{label} warm-up request {i}"
+        row = json_row(row, where, ("prompt_tokens", "output_tokens"))
+        warm.append(request_at(where, 0.0, row["prompt_tokens"], row["output_tokens"]))
+    return tuple(warm)
 
 
 def _probe(result: dict[str, Any], label: str) -> tuple[int | None, tuple[float, ...]]:
