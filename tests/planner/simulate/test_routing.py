@@ -70,18 +70,24 @@ def test_route_returns_the_split_to_its_caller_and_queues_a_local_prompt_itself(
 
 def test_the_rule_reads_the_rates_the_workers_report_of_their_own_steps():
     """Decode worker 0 timed 1,000 prompt tokens in 1 s alone (R_m 1,000/s), prefill worker 1
-    2,000 in 0.5 s (4,000/s), prefill worker 0 nothing. A 1,000-token prompt: local 1 s, split
-    via worker 1 0.25 s + 8 ms on the link: split there. Worker 1's window then fills with
-    steps at 500/s: via worker 0, at the mean of the rates reported (750/s), 1.34 s; local
-    (1 leg open: the first prompt; no decode step timed, so no chunk: C = U) 1 s: local."""
+    2,000 in 0.5 s (4,000/s), prefill worker 0 nothing. Until the router's health check reads
+    them, the rule for unmeasured workers splits the 1,000-token prompt (over 256 tokens) to
+    the least loaded prefill worker, 0. Read: local 1 s, split via worker 1 0.25 s + 8 ms on
+    the link: split there. Worker 1's window then fills with steps at 500/s: via worker 0, at
+    the mean of the rates reported (750/s), 1.34 s; local (1 leg open: the first prompt; no
+    decode step timed, so no chunk: C = U) 1 s: local, once read."""
     routing = disagg([], split=SplitRule.MEASURED)
     routing.paced[0].pacer.record(1000, 0, 1.0)
     routing.prefill[1].steps.record(2000, 0, 0.5)
-    assert routing.route(record(0), 0) == 1
+    assert routing.route(record(0), 0) == 0
+    routing.poll()
+    assert routing.route(record(1), 0) == 1
     for _ in range(WINDOW):
         routing.prefill[1].steps.record(500, 0, 1.0)
     assert routing.prefill[1].steps.rates().prefill_tokens_per_s == 500.0
-    assert routing.route(record(1), 0) is None
+    assert routing.route(record(2), 0) == 1  # what the last check read
+    routing.poll()
+    assert routing.route(record(3), 0) is None
 
 
 def test_every_load_closed_leaves_nothing_over():

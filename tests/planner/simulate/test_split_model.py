@@ -157,20 +157,31 @@ def test_an_idle_cluster_keeps_a_prompt_local_and_saves_the_transfer():
 
 
 def test_a_stream_sends_a_long_prompt_remote_and_a_loaded_prefill_worker_the_next_local():
-    # A streams on the decode worker; at 0.5 s B and C (8192 tokens each) arrive together.
+    # A streams on the decode worker; at 1.5 s, after the router's health check at 1 s read
+    # A's steps, B and C (8192 tokens each) arrive together.
     # B: locally 8192 / 6144 tok/s (paced) = 1.33 s, remotely 1 s + 0.67 ms: remote.
     # C: behind B remotely 2 s + 0.67 ms, locally 1.33 s: local, 384 tokens a step beside A.
-    trace = [TraceRequest(0.0, 100, 400), TraceRequest(0.5, 8192, 2),
-             TraceRequest(0.5, 8192, 2)]
+    trace = [TraceRequest(0.0, 100, 400), TraceRequest(1.5, 8192, 2),
+             TraceRequest(1.5, 8192, 2)]
     result = run("measured", trace)
     a, b, c = result.records
     assert result.local_prefills == 2  # A (idle cluster) and C
     assert a.ttft_s == 100 * TOKEN_S and b.ttft_s == 1.0
-    start = step_end_after(a.first_token_s, 0.5)  # C's first chunk starts there
+    start = step_end_after(a.first_token_s, 1.5)  # C's first chunk starts there
     assert c.first_token_s == start + 21 * TPOT + (DECODE_S + 128 * TOKEN_S)  # 21 x 384 + 128
     chunked = [g for g in gaps(a) if g > DECODE_S]
     assert chunked == [TPOT] * 21 + [DECODE_S + 128 * TOKEN_S]  # every step within the target
     assert all(r.finish_s is not None for r in result.records)
+
+
+def test_the_router_reads_the_rates_at_its_health_checks_only():
+    """At 0.5 s A's steps have run, but the router's last health check (at 0 s) read nothing
+    yet: B and C go by the rule for unmeasured workers, both split (over 256 tokens)."""
+    trace = [TraceRequest(0.0, 100, 400), TraceRequest(0.5, 8192, 2),
+             TraceRequest(0.5, 8192, 2)]
+    result = run("measured", trace)
+    assert [r.local for r in result.records] == [True, False, False]
+    assert result.local_prefills == 1
 
 
 def test_the_local_rule_paces_a_long_prompt_to_the_target_beside_a_stream():

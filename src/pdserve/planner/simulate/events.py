@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import math
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -32,11 +33,11 @@ from pdserve.planner.simulate.pools import (
     Worker,
 )
 from pdserve.planner.simulate.prefix_cache import PrefixCache, PrefixTable
-from pdserve.planner.simulate.routing import Routing
+from pdserve.planner.simulate.routing import HEALTH_INTERVAL_S, Routing
 from pdserve.planner.simulate.split_model import SplitRule
 from pdserve.planner.simulate.trace import TraceRequest
 
-_STEP_END, _KV_READY, _EXPIRE, _ARRIVAL = 0, 1, 2, 3
+_STEP_END, _KV_READY, _POLL, _EXPIRE, _ARRIVAL = 0, 1, 2, 3, 4
 
 
 @dataclass
@@ -86,6 +87,7 @@ class _Loop:
         self.routing = Routing(c, costs, self.table, self.prefill, self.decode, self.colloc,
                                self.wake)
         self.now = 0.0
+        self.polled_at: float | None = None  # the last health check's time
         self.gate = AdmissionGate(c.admission, c, layout, self.routing, self) \
             if c.admission is not None else None
 
@@ -181,21 +183,25 @@ class _Loop:
             self.push(now + 2 * half, _ARRIVAL, record)
 
     def run(self, records: list[RequestRecord], clients: int | None = None) -> float:
-        """Process every event; returns the time of the last one. `clients`: closed loop, the
-        first that many requests arrive at their times and each later one when a request
-        ends (trace order); None: every request at its time."""
+        """Process every event; returns the time of the last one but the health checks.
+        `clients`: closed loop, the first that many requests arrive at their times and each
+        later one when a request ends (trace order); None: every request at its time."""
         first = records if clients is None else records[:clients]
         self.unsent = deque(records[len(first):])
         for record in first:
             self.push(record.arrival_s + self.cluster.frontend_latency_s / 2, _ARRIVAL, record)
-        now = 0.0
+        self.push(self._next_poll(), _POLL, None)
+        end = self.now
         while self.events:
             now, kind, _, payload = heapq.heappop(self.events)
             self.now = now
+            end = end if kind == _POLL else now
             if kind == _STEP_END:
                 self.step_end(payload, now)
             elif kind == _KV_READY:
                 self.kv_ready(payload[0], payload[1], now)
+            elif kind == _POLL:
+                self.poll(now)
             elif kind == _EXPIRE:  # pushed by the gate only
                 self.gate.expire(payload[0], payload[1], now)
             else:
@@ -206,7 +212,23 @@ class _Loop:
                 for worker in self.to_wake:
                     self.kick(worker, now)
                 self.to_wake.clear()
-        return now
+        return end
+
+    def poll(self, now: float) -> None:
+        """The router's health check (routing.py `poll`), then the next one, while anything
+        else is still to happen."""
+        self.routing.poll()
+        self.polled_at = now
+        if self.events:
+            self.push(now + HEALTH_INTERVAL_S, _POLL, None)
+
+    def _next_poll(self) -> float:
+        """The first health check from now on, every HEALTH_INTERVAL_S since the first (at 0):
+        a run after the warm-up keeps its phase."""
+        if self.polled_at is None:
+            return self.now
+        return self.polled_at + math.ceil((self.now - self.polled_at) / HEALTH_INTERVAL_S) \
+            * HEALTH_INTERVAL_S
 
     def warm_up(self, requests: Sequence[TraceRequest], first_index: int) -> float:
         """Serve `requests` one after the other before the trace, as bench compare warms a

@@ -31,6 +31,7 @@ from pdserve.planner.simulate.metrics import RequestRecord
 from pdserve.planner.simulate.pools import DecodeBatch, DecodeWorker, start_decoding
 from pdserve.planner.simulate.prefix_cache import PrefixCache
 from pdserve.planner.simulate.split_model import BLOCK_TOKENS, Seen
+from pdserve.planner.simulate.step_window import Rates
 
 Planned = list[tuple[RequestRecord, int]]  # (prompt, its tokens computed this step)
 
@@ -61,9 +62,9 @@ class PacedDecodeWorker(DecodeWorker):
         self.backlog_of[record.index] = tokens
         self.backlog_tokens += tokens
 
-    def seen(self, legs: int) -> Seen:
-        """This worker as the router sees it, with `legs` open on it (split_model.py)."""
-        rates = self.pacer.steps.rates()
+    def seen(self, legs: int, rates: Rates) -> Seen:
+        """This worker as the router sees it, with `legs` open on it and `rates` the last it
+        read of its reports (split_model.py)."""
         return Seen(rates, self.backlog_tokens, legs, self.pacer.chunk_of(rates))
 
     def start_step(self, now: float) -> float | None:

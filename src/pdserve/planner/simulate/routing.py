@@ -25,6 +25,10 @@ any rate is reported, the policy's).
 
 With admission (admission_gate.py) the same choices are made among the workers with room, when
 a request is granted a slot rather than at its arrival.
+
+The measured rule reads the rates the workers reported (step_window.py) as of the router's
+last health check (`poll`, every HEALTH_INTERVAL_S of simulated time, events.py), not as of
+the decision: the served router reads them from each worker's /health once a second.
 """
 
 from __future__ import annotations
@@ -38,8 +42,10 @@ from pdserve.planner.simulate.paced_decode import PacedDecodeWorker
 from pdserve.planner.simulate.pools import CollocatedWorker, DecodeWorker, PrefillWorker, Worker
 from pdserve.planner.simulate.prefix_cache import PrefixTable, RoutedPrefixes
 from pdserve.planner.simulate.split_model import Route, Seen, SplitRule, route
+from pdserve.planner.simulate.step_window import Rates
 
 PREFIX_BLOCKS_PER_LEG = 8  # router/policies.py PrefixAware: a cached block is worth 1/8 leg
+HEALTH_INTERVAL_S = 1.0  # router/worker_pool.py health_interval_s
 
 Wake = Callable[[Worker], None]  # ask a worker to start a step once the current time is done
 
@@ -70,6 +76,15 @@ class Routing:
                       "colloc": [0] * len(colloc)}
         self.routed = {role: [RoutedPrefixes(table, cluster.block_tokens) for _ in loads]
                        for role, loads in self.loads.items()}
+        # each worker's rates as the last health check read them (`poll`)
+        self.read_prefill = [Rates() for _ in prefill]
+        self.read_decode = [Rates() for _ in self.paced]
+
+    def poll(self) -> None:
+        """The router's health check: it reads every worker's reported rates, which its split
+        rule uses until the next check."""
+        self.read_prefill = [w.steps.rates() for w in self.prefill]
+        self.read_decode = [w.pacer.steps.rates() for w in self.paced]
 
     def pick(self, role: str, record: RequestRecord, among: Sequence[int] | None = None) -> int:
         """The worker of `role` for `record` under `Cluster.policy` (module docstring), among
@@ -133,10 +148,11 @@ class Routing:
         KV), on the workers' reported speeds; None: split local."""
         if self.cluster.split is SplitRule.LOCAL:
             return None
-        prefill = [Seen(w.steps.rates(), q) for w, q in zip(self.prefill, self.loads["prefill"],
-                                                            strict=True)]
+        prefill = [Seen(rates, q) for rates, q in zip(self.read_prefill, self.loads["prefill"],
+                                                      strict=True)]
         remote = [routed.uncached(record) for routed in self.routed["prefill"]]
-        return route(tokens, self.paced[j].seen(self.loads["decode"][j]), remote, prefill,
+        return route(tokens, self.paced[j].seen(self.loads["decode"][j], self.read_decode[j]),
+                     remote, prefill,
                      self.cluster.transfer_seconds(record.prompt_tokens))
 
     def open_decode(self, record: RequestRecord, j: int) -> None:

@@ -9,8 +9,8 @@ worker's paced chunk read these, not the step costs, as the served ones do.
 - `marginal_tokens_per_s` (R_m): sum N / sum (t - d) over those prompt steps, d = the decode
   step for a step that also decoded, else 0 (parts of 0 or less left out).
 
-Each is None until a step of its kind ran. Not modelled: the served router reads them at its
-health checks (a second apart), so its view is up to one interval older than these.
+Each is None until a step of its kind ran. The router reads them at its health checks, a
+second apart (routing.py `poll`), so its view is up to one interval older than these.
 
 Lifetime: one per simulated worker that prefills; `record` after each of its steps.
 """
