@@ -57,10 +57,12 @@ def test_route_returns_the_split_to_its_caller_and_queues_a_local_prompt_itself(
     worker from now."""
     woken: list[Worker] = []
     routing = disagg(woken, split=SplitRule.MEASURED)
-    assert routing.route(record(0, 200), 0) is None
+    first, second = record(0, 200), record(1)
+    assert routing.route(first, 0) is None
     assert routing.paced[0].backlog_tokens == 200 and woken == [routing.paced[0]]
-    assert routing.route(record(1), 0) == 0
-    assert (routing.local_prefills, routing.loads["decode"], len(woken)) == (1, [2, 0], 1)
+    assert routing.route(second, 0) == 0
+    assert ((first.local, second.local), routing.loads["decode"], len(woken)) == \
+        ((True, False), [2, 0], 1)
     routing.split(record(1), 0, 0)
     assert (routing.bound, routing.queued, routing.loads["prefill"]) == ({1: 0}, {1: 1000},
                                                                          [1000, 0])

@@ -42,15 +42,19 @@ _STEP_END, _KV_READY, _POLL, _EXPIRE, _ARRIVAL = 0, 1, 2, 3, 4
 
 @dataclass
 class SimResult:
-    """Ended records (trace order; finished, or refused by admission), ITL samples, each
-    pool's busy fraction and how many requests a split layout prefilled on their decode worker
-    (the router's local path)."""
+    """Ended records (trace order; finished, or refused by admission), ITL samples and each
+    pool's busy fraction."""
 
     layout: Layout
     records: list[RequestRecord]
     itl: ItlSamples
     busy: dict[str, float] = field(default_factory=dict)
-    local_prefills: int = 0
+
+    @property
+    def local_prefills(self) -> int:
+        """How many requests a split layout prefilled on their decode worker (the router's
+        local path)."""
+        return sum(1 for r in self.records if r.local)
 
 
 class _Loop:
@@ -233,9 +237,9 @@ class _Loop:
     def warm_up(self, requests: Sequence[TraceRequest], first_index: int) -> float:
         """Serve `requests` one after the other before the trace, as bench compare warms a
         cluster up; returns when the last one ended. What the workers and the router learnt
-        (reported rates, prefix caches) carries into the run; the warm-up's ITLs, busy time
-        and local prefills do not. Their records take indices from `first_index` (past the
-        trace's: no shared prefix)."""
+        (the rates the workers reported, the health checks' phase) carries into the run; the
+        warm-up's ITLs and busy time do not. Their records take indices from `first_index`
+        (past the trace's: they share no prefix with it)."""
         if not requests:
             return 0.0
         records = [RequestRecord(first_index + i, 0.0, r.prompt_tokens, r.output_tokens)
@@ -245,7 +249,6 @@ class _Loop:
         self.itl.counts.clear()
         for worker in (*self.prefill, *self.decode, *self.colloc):
             worker.busy_s = 0.0
-        self.routing.local_prefills = 0
         return end
 
     def leftovers(self) -> list[str]:
@@ -301,5 +304,4 @@ def simulate(layout: Layout | str, cluster: Cluster, costs: StepCosts,
     _shift(records, -start, arrivals=True)
     # token times as the client sees them: half a front-end round trip after their step
     _shift(records, cluster.frontend_latency_s / 2, arrivals=False)
-    return SimResult(layout, records, loop.itl, loop.busy_fractions(span),
-                     loop.routing.local_prefills)
+    return SimResult(layout, records, loop.itl, loop.busy_fractions(span))

@@ -71,7 +71,6 @@ class Routing:
         self.paced = [w for w in decode if isinstance(w, PacedDecodeWorker)]
         self.bound: dict[int, int] = {}
         self.queued: dict[int, int] = {}  # request index -> its tokens in loads["prefill"]
-        self.local_prefills = 0
         self.loads = {"prefill": [0] * len(prefill), "decode": [0] * len(decode),
                       "colloc": [0] * len(colloc)}
         self.routed = {role: [RoutedPrefixes(table, cluster.block_tokens) for _ in loads]
@@ -137,7 +136,6 @@ class Routing:
         if path is not None and not path.local:
             return self.pick("prefill", record) if path.prefill_index is None \
                 else path.prefill_index
-        self.local_prefills += 1
         self.paced[j].add_local(record, tokens)
         self.wake(self.paced[j])
         return None
