@@ -34,11 +34,13 @@ def test_the_first_prompt_is_decided_on_the_rates_the_warm_up_reported():
 def test_an_idle_workers_warm_up_changes_none_of_the_runs_figures(layout):
     cluster = linear_cluster(frontend_latency_s=0.01)
     trace = [TraceRequest(0.5, 200, 6), TraceRequest(9.0, 900, 5)]
-    cold = simulate(layout, cluster, LINEAR, trace)
-    warm = simulate(layout, cluster, LINEAR, trace, warm_up=WARM)
+    cold = simulate(layout, cluster, LINEAR, trace, trace_tokens=True)
+    warm = simulate(layout, cluster, LINEAR, trace, trace_tokens=True, warm_up=WARM)
     for a, b in zip(cold.records, warm.records, strict=True):
         assert b.arrival_s == pytest.approx(a.arrival_s)
+        assert b.token_times == pytest.approx(a.token_times)
         assert b.ttft_s == pytest.approx(a.ttft_s) and b.e2el_s == pytest.approx(a.e2el_s)
+    assert [len(r.token_times or ()) for r in warm.records] == [6, 5]  # traced, not the warm-up's
     assert sorted(warm.itl.values) == pytest.approx(sorted(cold.itl.values))
     assert warm.itl.total == cold.itl.total == 5 + 4
     assert warm.busy == pytest.approx(cold.busy)

@@ -68,6 +68,7 @@ class _Loop:
     def __init__(self, layout: Layout, cluster: Cluster, costs: StepCosts,
                  trace_tokens: bool, table: PrefixTable | None = None) -> None:
         self.layout, self.cluster, self.costs = layout, cluster, costs
+        self.trace_tokens = trace_tokens
         self.table = table or PrefixTable.empty()
         self.unsent: deque[RequestRecord] = deque()
         self.itl = ItlSamples()
@@ -242,7 +243,8 @@ class _Loop:
         (past the trace's: they share no prefix with it)."""
         if not requests:
             return 0.0
-        records = [RequestRecord(first_index + i, 0.0, r.prompt_tokens, r.output_tokens)
+        records = [RequestRecord(first_index + i, 0.0, r.prompt_tokens, r.output_tokens,
+                                 token_times=[] if self.trace_tokens else None)
                    for i, r in enumerate(requests)]
         end = self.run(records, clients=1)
         self.itl.values.clear()
