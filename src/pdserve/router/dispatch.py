@@ -228,17 +228,16 @@ class Dispatcher:
         self.paths.record(choice)
         if on_choice is not None:
             on_choice(choice)
-        log.debug("request %s: %s on %s: %s", run.request_id,
-                  "split" if choice.split else "local", run.slot.worker.name, choice.why)
+        log.debug("request %s: %s on %s: %s", run.request_id, choice.path,
+                  run.slot.worker.name, choice.why)
         if choice.split:
             pre = await self.queues["prefill"].acquire(
                 lambda free: self._prefill_worker(run, choice, free), len(run.prompt),
                 deadline - time.monotonic())
-            self.metrics.requests.inc(path="disaggregated")
             attempt = self._disaggregated(run, pre)
         else:
-            self.metrics.requests.inc(path="local")
             attempt = self._local(run)
+        self.metrics.requests.inc(path=choice.path)
         while True:
             try:
                 async with contextlib.aclosing(attempt) as batches:
