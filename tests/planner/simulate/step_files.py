@@ -31,16 +31,18 @@ def decode_steps(d0: float = D0, d1: float = D1, repeat: int = 5, gap: float = 0
 
 def context_decode_steps(d0: float = D0, d1: float = D1, c1: float = C1, repeat: int = 5,
                          contexts: tuple[int, ...] = CONTEXTS, spread: int = 0,
-                         t0: float = 1000.0) -> list[list[float]]:
-    """6-field decode-only steps, t = d0 + d1 B + c1 C, at every B in BATCHES and context per
-    sequence in `contexts` (C = B x (context + spread x round): `spread` tokens more per round,
-    within one quarter-octave group), `repeat` rounds back to back."""
+                         t0: float = 1000.0, knee: int = 0, dk: float = 0.0,
+                         batches: tuple[int, ...] = BATCHES) -> list[list[float]]:
+    """6-field decode-only steps, t = d0 + d1 B + dk max(0, B - knee) + c1 C, at every B in
+    `batches` and context per sequence in `contexts` (C = B x (context + spread x round):
+    `spread` tokens more per round, within one quarter-octave group), `repeat` rounds back to
+    back."""
     rows, t = [], t0
     for r in range(repeat):
-        for b in BATCHES:
+        for b in batches:
             for ctx in contexts:
                 c = b * (ctx + spread * r)
-                d = d0 + d1 * b + c1 * c
+                d = d0 + d1 * b + dk * max(0, b - knee) + c1 * c
                 rows.append([t, t + d, 0, b, b, c])
                 t += d
     return rows

@@ -120,6 +120,18 @@ def test_a_mixed_step_pays_one_overhead():
     assert mixed == pytest.approx(0.02 + 100e-4 + 4e-3 + 1e-3)
 
 
+def test_streams_past_the_knee_pay_their_extra_cost():
+    p = CalibrationProfile(decode_overhead_s=0.01, decode_per_seq_s=0.001,
+                           prefill_per_token_s=1e-4, decode_knee_batch=4,
+                           decode_per_seq_past_knee_s=0.002)
+    assert p.step_seconds([], 3, 0) == pytest.approx(0.01 + 3e-3)
+    assert p.step_seconds([], 4, 0) == pytest.approx(0.01 + 4e-3)
+    assert p.step_seconds([], 10, 0) == pytest.approx(0.01 + 10e-3 + 6 * 2e-3)
+    assert p.step_seconds([Chunk(0, 100, True)], 6, 0) == pytest.approx(0.01 + 1e-2 + 6e-3
+                                                                         + 2 * 2e-3)
+    assert "0.001 ms/seq" not in p.describe() and "(+2.000 past 4 streams)" in p.describe()
+
+
 def test_a_chunk_pays_for_the_pairs_it_attends_to():
     p = CalibrationProfile(decode_overhead_s=0.01, decode_per_seq_s=0.001,
                            prefill_per_token_s=1e-4, prefill_per_attention_pair_s=1e-8)
@@ -132,6 +144,10 @@ def test_profile_json_round_trip(tmp_path):
     with_pairs = CalibrationProfile(decode_overhead_s=0.01, decode_per_seq_s=0.001,
                                     prefill_per_token_s=1e-4, prefill_per_attention_pair_s=3e-9)
     assert profile_from_dict(with_pairs.to_dict()) == with_pairs
+    bent = CalibrationProfile(decode_overhead_s=0.01, decode_per_seq_s=0.001,
+                              prefill_per_token_s=1e-4, decode_knee_batch=6,
+                              decode_per_seq_past_knee_s=5e-4)
+    assert profile_from_dict(bent.to_dict()) == bent
     p = fit_bench_rows(bench_rows(), 1e-7, source="bench", model="smollm2-135m", gpu="cpu")
     path = tmp_path / "profile.json"
     path.write_text(json.dumps(p.to_dict()))
@@ -156,6 +172,13 @@ def test_bench_rows_file_is_recognised(tmp_path):
     ({"tp": 0}, "tp must be an integer"),
     ({"model": 7}, "model must be a string"),
     ({"prefill": 3}, "needs 'decode' and 'prefill' objects"),
+    ({"decode": {"overhead_s": 0.01, "per_seq_s": 0, "knee_batch": -1}},
+     r"decode\.knee_batch must be an integer >= 0, got -1"),
+    ({"decode": {"overhead_s": 0.01, "per_seq_s": 0, "knee_batch": 2.5}}, "got 2.5"),
+    ({"decode": {"overhead_s": 0.01, "per_seq_s": 0, "per_seq_past_knee_s": 1e-3}},
+     r"per_seq_past_knee_s needs a decode\.knee_batch >= 1"),
+    ({"decode": {"overhead_s": 0.01, "per_seq_s": 0, "knee_batch": 4,
+                 "per_seq_past_knee_s": -1}}, r"decode\.per_seq_past_knee_s must be"),
 ])
 def test_bad_profiles_name_the_field(patch, message):
     good = {"schema": PROFILE_SCHEMA, "decode": {"overhead_s": 0.01, "per_seq_s": 0.001},

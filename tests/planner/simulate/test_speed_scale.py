@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import replace
 
 import pytest
 
@@ -58,6 +59,9 @@ def test_every_cost_scales_by_the_factor_and_a_held_context_cost_stays():
         == pytest.approx((0.03, 0.003, 1.5e-6))
     held = scale_profile(p, 1.5, context_held=True)
     assert held.decode_per_context_token_s == 1e-6 and held.decode_per_seq_s == 0.003
+    bent = replace(p, decode_knee_batch=5, decode_per_seq_past_knee_s=0.004)
+    got = scale_profile(bent, 1.5, context_held=True)
+    assert (got.decode_knee_batch, got.decode_per_seq_past_knee_s) == (5, pytest.approx(0.006))
 
 
 def _slower(factor: float) -> dict[str, list[list[float]]]:

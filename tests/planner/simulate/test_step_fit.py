@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 
+from pdserve.planner.simulate import step_fit
 from pdserve.planner.simulate.step_fit import Step, fit_step_traces, is_steps_file, parse_steps
 from tests.planner.simulate.step_files import (
     BATCHES,
@@ -234,6 +235,74 @@ def test_a_held_context_cost_is_what_tells_it_from_the_stream_cost():
     assert held_half.decode_per_context_token_s == C1 / 2
     assert held_half.decode_per_seq_s == pytest.approx(D1 + 500 * C1 / 2)
     assert held_half.decode_overhead_s == pytest.approx(D0)
+
+
+def test_steps_on_a_line_keep_the_line():
+    p = _held(context_decode_steps(), C1)
+    assert (p.decode_knee_batch, p.decode_per_seq_past_knee_s) == (0, 0.0)
+
+
+@pytest.mark.parametrize("knee", [2, 3])
+def test_a_knee_in_the_steps_is_found_and_priced_exactly(knee):
+    """Each stream past the knee costs DK more: the held fit finds the knee among the measured
+    batch sizes with two on either side, and prices every step exactly."""
+    dk = 3 * D1
+    p = _held(context_decode_steps(knee=knee, dk=dk), C1)
+    assert_decode(p)
+    assert p.decode_knee_batch == knee
+    assert p.decode_per_seq_past_knee_s == pytest.approx(dk, rel=1e-9)
+    assert p.max_rel_error == pytest.approx(0, abs=1e-9)
+    assert p.step_seconds([], 8, 800) == pytest.approx(D0 + 8 * D1 + (8 - knee) * dk + 800 * C1)
+
+
+def test_a_knee_needs_two_measured_batch_sizes_above_it():
+    """Steps bend past B = 5 but only B = 8 is above it, too little to place a knee on: the
+    fit bends at 3, the last batch size with two above it, and prices B = 8 within 10%."""
+    steps = context_decode_steps(knee=5, dk=3 * D1)
+    p = _held(steps, C1)
+    line = _held(context_decode_steps(), C1)  # the same batches on a line: its shape
+    assert p.decode_knee_batch == 3 and line.decode_knee_batch == 0
+    truth = D0 + 8 * D1 + 3 * 3 * D1 + 800 * C1
+    assert abs(p.step_seconds([], 8, 800) - truth) < 0.1 * truth
+
+
+def test_streams_cheaper_past_a_batch_keep_the_line():
+    """Only a convex bend is a knee (its extra cost is >= 0): steps whose streams get cheaper
+    past a batch keep the line, as steps on a line do."""
+    batches = (1, 2, 3, 4, 6, 8, 12, 16)
+    straight = _held(context_decode_steps(batches=batches), C1)
+    concave = _held(context_decode_steps(knee=4, dk=-D1 / 2, batches=batches), C1)
+    assert straight.decode_knee_batch == concave.decode_knee_batch == 0
+
+
+def test_one_slow_batch_size_is_not_a_knee(monkeypatch):
+    """Steps on a line but for B = 2, 5% slow: some knee cuts the line's error a little, less
+    than KNEE_MIN_GAIN, so the line stays (without the bound, a knee at 8 would be kept)."""
+    rows, t = [], 1000.0
+    for start, end, *rest in context_decode_steps(batches=(1, 2, 3, 4, 6, 8, 12, 16)):
+        d = (end - start) * (1.05 if rest[1] == 2 else 1.0)
+        rows.append([t, t + d, *rest])
+        t += d
+    assert _held(rows, C1).decode_knee_batch == 0
+    monkeypatch.setattr(step_fit, "KNEE_MIN_GAIN", 0.0)
+    assert _held(rows, C1).decode_knee_batch == 8
+
+
+def test_mixed_steps_less_their_decode_part_past_the_knee_fit_prefill():
+    """A collocated worker without pure prefill steps: the mixed ones, less the streams' cost
+    with its knee, price the prompt tokens exactly."""
+    knee, dk = 3, 3 * D1
+    mixed, t = [], 1000.0
+    for n, b, c in [(100, 1, 300), (400, 8, 2000), (1600, 2, 700), (6000, 5, 9000)] * 3:
+        d = P0 + P1 * n + D1 * b + dk * max(0, b - knee) + C1 * c
+        mixed.append([t, t + d, n, b, b + 1, c])
+        t += d + 1.0
+    decode = context_decode_steps(knee=knee, dk=dk, t0=t + 10)
+    parsed = {"w": parse_steps(mixed + decode, "w")}
+    p = fit_step_traces(parsed, source="test", context_token_s=C1)
+    assert p.decode_knee_batch == knee
+    assert (p.prefill_overhead_s, p.prefill_per_token_s) == (pytest.approx(P0),
+                                                             pytest.approx(P1))
 
 
 def test_a_held_context_cost_above_the_steps_is_refused():

@@ -12,10 +12,13 @@ bytes = weight_bytes_read(all tokens of the step) + KV per token x (every chunk'
 itself + context_sum); FLOPs and weight bytes are divided by tp. So a step of one whole prompt
 is cost.prefill_time and a step of decodes alone is cost.decode_step_time.
 
-`CalibrationProfile` (calibrated) is a fitted linear model of one machine running one model:
-  decode step(B, ctx) = decode_overhead_s + decode_per_seq_s x B + decode_per_context_token_s x
-  ctx (ctx = the batch's summed context); prefill step(N, A) = prefill_overhead_s +
-  prefill_per_token_s x N + prefill_per_attention_pair_s x A (N = prompt tokens in the step;
+`CalibrationProfile` (calibrated) is a fitted model of one machine running one model, linear
+in each term:
+  decode step(B, ctx) = decode_overhead_s + decode_per_seq_s x B + decode_per_seq_past_knee_s x
+  max(0, B - decode_knee_batch) + decode_per_context_token_s x ctx (ctx = the batch's summed
+  context; the knee term is 0 unless step_fit.py found one: see its "Decode knee");
+  prefill step(N, A) = prefill_overhead_s + prefill_per_token_s x N +
+  prefill_per_attention_pair_s x A (N = prompt tokens in the step;
   A = their (query, key) pairs: a chunk of n tokens after s already computed attends to
   n x s + n (n + 1) / 2, `attention_pairs`); a mixed step pays the larger overhead once plus
   every per-token and per-pair term.
@@ -50,7 +53,9 @@ converted into it):
    "model": str | null, "gpu": str | null,      optional: preset or config path; device preset
    "tp": int >= 1,                              optional, default 1
    "decode": {"overhead_s": float >= 0, "per_seq_s": float >= 0,
-              "per_context_token_s": float >= 0 (optional, default 0)},
+              "per_context_token_s": float >= 0 (optional, default 0),
+              "knee_batch": int >= 0 (optional, default 0: no knee),
+              "per_seq_past_knee_s": float >= 0 (optional, default 0; 0 without a knee)},
    "prefill": {"overhead_s": float >= 0 (optional, default 0), "per_token_s": float > 0,
                "per_attention_pair_s": float >= 0 (optional, default 0)},
    "fit": {"rows": int, "max_rel_error": float,   optional, informational: steps fitted, the
@@ -180,6 +185,10 @@ class CalibrationProfile:
     prefill_overhead_s: float = 0.0
     decode_per_context_token_s: float = 0.0
     prefill_per_attention_pair_s: float = 0.0
+    # past decode_knee_batch streams, each further stream costs decode_per_seq_past_knee_s
+    # more (0 and 0: one per-stream cost at every batch)
+    decode_knee_batch: int = 0
+    decode_per_seq_past_knee_s: float = 0.0
     model: str | None = None
     gpu: str | None = None
     tp: int = 1
@@ -191,9 +200,16 @@ class CalibrationProfile:
     def __post_init__(self) -> None:
         for name in ("decode_overhead_s", "decode_per_seq_s", "prefill_per_token_s",
                      "prefill_overhead_s", "decode_per_context_token_s",
-                     "prefill_per_attention_pair_s"):
+                     "prefill_per_attention_pair_s", "decode_per_seq_past_knee_s"):
             _check_coefficient(f"{name.split('_')[0]}.{name.split('_', 1)[1]}",
                                getattr(self, name))
+        knee = self.decode_knee_batch
+        if isinstance(knee, bool) or not isinstance(knee, int) or knee < 0:
+            raise ValueError(f"calibration profile: decode.knee_batch must be an integer >= 0, "
+                             f"got {knee!r}")
+        if not knee and self.decode_per_seq_past_knee_s:
+            raise ValueError("calibration profile: decode.per_seq_past_knee_s needs a "
+                             "decode.knee_batch >= 1 (the batch it applies past)")
         if self.decode_overhead_s + self.decode_per_seq_s <= 0:
             raise ValueError("calibration profile: decode.overhead_s + decode.per_seq_s must be "
                              "positive (a decode step takes time)")
@@ -217,16 +233,20 @@ class CalibrationProfile:
             overhead = self.prefill_overhead_s
         if decodes:
             seconds += self.decode_per_seq_s * decodes
+            seconds += self.decode_per_seq_past_knee_s * max(0, decodes - self.decode_knee_batch)
             seconds += self.decode_per_context_token_s * context_sum
             overhead = max(overhead, self.decode_overhead_s)
         return overhead + seconds
 
     def describe(self) -> str:
         """The fitted step costs and how well they fit, in one line."""
+        knee = (f" (+{self.decode_per_seq_past_knee_s * 1e3:.3f} past {self.decode_knee_batch} "
+                "streams)" if self.decode_knee_batch else "")
         text = (f"decode {self.decode_overhead_s * 1e3:.2f} ms + {self.decode_per_seq_s * 1e3:.3f}"
-                f" ms/seq + {self.decode_per_context_token_s * 1e6:.3f} us/context token; prefill "
-                f"{self.prefill_overhead_s * 1e3:.2f} ms + {self.prefill_per_token_s * 1e3:.3f} "
-                f"ms/token + {self.prefill_per_attention_pair_s * 1e9:.2f} ns/attention pair")
+                f" ms/seq{knee} + {self.decode_per_context_token_s * 1e6:.3f} us/context token; "
+                f"prefill {self.prefill_overhead_s * 1e3:.2f} ms + "
+                f"{self.prefill_per_token_s * 1e3:.3f} ms/token + "
+                f"{self.prefill_per_attention_pair_s * 1e9:.2f} ns/attention pair")
         if self.median_rel_error is not None and self.max_rel_error is not None:
             text += (f"; a step within {self.median_rel_error:.0%} (median), a group's medians "
                      f"within {self.max_rel_error:.0%}")
@@ -237,7 +257,9 @@ class CalibrationProfile:
             "schema": PROFILE_SCHEMA, "source": self.source, "model": self.model,
             "gpu": self.gpu, "tp": self.tp,
             "decode": {"overhead_s": self.decode_overhead_s, "per_seq_s": self.decode_per_seq_s,
-                       "per_context_token_s": self.decode_per_context_token_s},
+                       "per_context_token_s": self.decode_per_context_token_s,
+                       "knee_batch": self.decode_knee_batch,
+                       "per_seq_past_knee_s": self.decode_per_seq_past_knee_s},
             "prefill": {"overhead_s": self.prefill_overhead_s,
                         "per_token_s": self.prefill_per_token_s,
                         "per_attention_pair_s": self.prefill_per_attention_pair_s}}
@@ -268,6 +290,8 @@ def profile_from_dict(data: dict[str, Any]) -> CalibrationProfile:
     return CalibrationProfile(
         decode_overhead_s=decode["overhead_s"], decode_per_seq_s=decode["per_seq_s"],
         decode_per_context_token_s=decode.get("per_context_token_s", 0.0),
+        decode_knee_batch=decode.get("knee_batch", 0),
+        decode_per_seq_past_knee_s=decode.get("per_seq_past_knee_s", 0.0),
         prefill_overhead_s=prefill.get("overhead_s", 0.0),
         prefill_per_token_s=prefill["per_token_s"],
         prefill_per_attention_pair_s=prefill.get("per_attention_pair_s", 0.0),

@@ -126,6 +126,7 @@ def _times(profile: CalibrationProfile, prompt: float, decode: float, context: f
                    prefill_per_attention_pair_s=profile.prefill_per_attention_pair_s * prompt,
                    decode_overhead_s=profile.decode_overhead_s * decode,
                    decode_per_seq_s=profile.decode_per_seq_s * decode,
+                   decode_per_seq_past_knee_s=profile.decode_per_seq_past_knee_s * decode,
                    decode_per_context_token_s=profile.decode_per_context_token_s * context,
                    source=source)
 

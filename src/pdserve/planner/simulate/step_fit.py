@@ -63,6 +63,19 @@ CalibrationProfile's invariants), supports preferred in the order of DECODE_SUPP
   contexts' attention (the old behaviour); a negative unconstrained c is never kept (the
   optimum is then on a face, usually (a, b): c = 0);
 - a single B takes the rest as overhead, like calibration.fit_line's decode side.
+Decode knee (context cost held): a decode step's linear layers read every weight once while
+the batch is small (on a CPU, while its rows fit the kernel's block of rows: avx2_linear.cpp
+takes 6), and past some batch each stream adds compute as well (on a GPU the same turn from
+memory- to compute-bound comes at a larger batch). One line through both regimes prices small
+batches too high and large ones too low, so a calibration run of mostly small batches
+underprices a held-out run of large ones. So the held fit also tries a knee K at each measured
+batch size with at least two measured batch sizes at or below it and two above:
+
+    step(B, C) = overhead + per_seq x B + per_seq_past_knee x max(0, B - K) + per_context x C
+
+(nnls.py with y = max(0, B - K), per_seq_past_knee > 0), and keeps the knee of least weighted
+error when it cuts the line's by at least KNEE_MIN_GAIN: steps on a line keep the line. The
+fitted (not held) context cost keeps the line: nnls.py solves three terms at most.
 Prefill fit: (overhead, per_token, per_attention_pair) by calibration.fit_prefill on points
 (N, A), per_token > 0 (a single N takes it all as per-token cost).
 A = the step's (query, key) pairs of prompt tokens (7th field): causal attention over the
@@ -104,6 +117,25 @@ STEP_FIELDS = ("[start_s, end_s, prefill_tokens, decode_tokens, num_requests, de
 # docstring "Decode fit" and "Prefill fit").
 DECODE_SUPPORTS = ((0, 1, 2), (0, 1), (0, 2), (1, 2), (0,), (1,))
 MIN_FIELDS = 5
+KNEE_MIN_GAIN = 0.2  # a knee is kept when it cuts the line's weighted error by a fifth
+
+
+class DecodeTerms(NamedTuple):
+    """A decode fit: step(B, C) = overhead + per_seq x B + past_knee x max(0, B - knee) +
+    per_context x C (knee 0, past_knee 0: the line)."""
+
+    overhead: float
+    per_seq: float
+    per_context: float
+    knee: int = 0
+    past_knee: float = 0.0
+
+    def streams(self, b: float) -> float:
+        """The part of a step that grows with its b decode streams (their contexts aside)."""
+        return self.per_seq * b + self.past_knee * max(0.0, b - self.knee)
+
+    def step(self, b: float, context: float) -> float:
+        return self.overhead + self.streams(b) + self.per_context * context
 
 
 class Step(NamedTuple):
@@ -246,17 +278,17 @@ def _points(groups: Mapping[Any, list[tuple[float, float, float]]]) -> list[Poin
     return points
 
 
-def _fit_decode(points: Sequence[Point], contexts_known: bool) -> nnls.Coefficients:
+def _fit_decode(points: Sequence[Point], contexts_known: bool) -> DecodeTerms:
     """(overhead, per_seq, per_context_token) >= 0 by the module docstring's "Decode fit";
     without contexts, calibration.fit_line on (B, t) and per_context_token 0."""
     if not contexts_known:
         d0, d1 = fit_line([BenchPoint(p.x, p.seconds, p.seconds, p.count) for p in points],
                           single="intercept")
-        return d0, d1, 0.0
+        return DecodeTerms(d0, d1, 0.0)
     coef = nnls.fit(points, DECODE_SUPPORTS, lambda c: c[0] + c[1] > 0)
     if coef is None:  # unreachable: (a) alone is m = sum w > 0, x = sum w t / sum w > 0
         raise ValueError("no decode fit with non-negative coefficients")
-    return coef
+    return DecodeTerms(*coef)
 
 
 def _fit_prefill(points: Sequence[Point], attention_known: bool, source: str
@@ -274,14 +306,14 @@ def _fit_prefill(points: Sequence[Point], attention_known: bool, source: str
     return coef
 
 
-def _mixed_as_prefill(mixed: Sequence[Step], per_seq_s: float, per_context_s: float,
-                      attention_known: bool) -> dict[tuple[int, int], list]:
-    """Mixed steps less their decode part (per_seq x B + per_context_token x C, C = 0 when
+def _mixed_as_prefill(mixed: Sequence[Step], decode: DecodeTerms, attention_known: bool
+                      ) -> dict[tuple[int, int], list]:
+    """Mixed steps less their decode part (the streams' and contexts' terms, C = 0 when
     unknown), grouped like pure prefill steps."""
     groups: dict[tuple[int, int], list[tuple[float, float, float]]] = {}
     for s in mixed:
-        rest = (s.end_s - s.start_s - per_seq_s * s.decode_tokens
-                - per_context_s * (s.decode_context or 0))
+        rest = (s.end_s - s.start_s - decode.streams(s.decode_tokens)
+                - decode.per_context * (s.decode_context or 0))
         pairs = (s.prefill_attention or 0) if attention_known else 0
         if rest > 0:
             groups.setdefault(_prefill_key(s.prefill_tokens, pairs), []).append(
@@ -289,8 +321,7 @@ def _mixed_as_prefill(mixed: Sequence[Step], per_seq_s: float, per_context_s: fl
     return groups
 
 
-def _prefill_groups(groups: _Groups, per_seq_s: float, per_context_s: float
-                    ) -> dict[tuple[int, int], list]:
+def _prefill_groups(groups: _Groups, decode: DecodeTerms) -> dict[tuple[int, int], list]:
     """Pure prefill steps, joined by the mixed ones (less their decode part) when the pure
     ones are fewer: a busy collocated worker has a stray pure step or two (a 1-token prompt
     tail), which alone would price every prompt token like a whole step."""
@@ -298,29 +329,36 @@ def _prefill_groups(groups: _Groups, per_seq_s: float, per_context_s: float
     if sum(map(len, pure.values())) >= len(groups.mixed):
         return pure
     merged = {k: list(v) for k, v in _mixed_as_prefill(
-        groups.mixed, per_seq_s, per_context_s, groups.attention_known).items()}
+        groups.mixed, decode, groups.attention_known).items()}
     for k, v in pure.items():
         merged.setdefault(k, []).extend(v)
     return merged
 
 
 def _median_step_error(decode: Mapping[Any, list[tuple[float, float, float]]],
-                       decode_coef: nnls.Coefficients,
+                       decode_terms: DecodeTerms,
                        prefill: Mapping[Any, list[tuple[float, float, float]]],
                        prefill_coef: nnls.Coefficients) -> float:
     """The median |model - t| / t over every step fitted (not its group's medians): how far
     one step typically is from the model, outliers included."""
-    errors = [abs(nnls.predict(Point(x, y, t, 1), coef) - t) / t
-              for groups, coef in ((decode, decode_coef), (prefill, prefill_coef))
-              for rows in groups.values() for x, y, t in rows]
+    errors = [abs(decode_terms.step(b, c) - t) / t
+              for rows in decode.values() for b, c, t in rows]
+    errors += [abs(nnls.predict(Point(n, a, t, 1), prefill_coef) - t) / t
+               for rows in prefill.values() for n, a, t in rows]
     return statistics.median(errors)
 
 
+def _max_decode_error(points: Sequence[Point], terms: DecodeTerms) -> float:
+    """The largest |model - t| / t over the decode points (nnls.max_rel_error's)."""
+    return max(abs(terms.step(p.x, p.y) - p.seconds) / p.seconds for p in points)
+
+
 def _fit_decode_held(points: Sequence[Point], per_context_s: float, source: str
-                     ) -> nnls.Coefficients:
-    """(overhead, per_seq) >= 0 with per_context_token held at `per_context_s`: each point's t
-    less per_context_s x C, still weighted by its own t (count / t^2, relative error: the
-    count is scaled by (rest / t)^2 since nnls weighs count / rest^2)."""
+                     ) -> DecodeTerms:
+    """(overhead, per_seq) >= 0, and a knee where one pays (`_knee`), with per_context_token
+    held at `per_context_s`: each point's t less per_context_s x C, still weighted by its own t
+    (count / t^2, relative error: the count is scaled by (rest / t)^2 since nnls weighs
+    count / rest^2)."""
     rest = []
     for p in points:
         left = p.seconds - per_context_s * p.y
@@ -333,7 +371,30 @@ def _fit_decode_held(points: Sequence[Point], per_context_s: float, source: str
     coef = nnls.fit(rest, ((0, 1), (0,), (1,)), lambda c: c[0] + c[1] > 0)
     if coef is None:  # unreachable: (a) alone is a weighted mean of positive rests
         raise ValueError(f"{source}: no decode fit with non-negative coefficients")
-    return coef[0], coef[1], per_context_s
+    bent = _knee(rest, coef)
+    if bent is None:
+        return DecodeTerms(coef[0], coef[1], per_context_s)
+    knee, (d0, d1, dk) = bent
+    return DecodeTerms(d0, d1, per_context_s, knee, dk)
+
+
+def _knee(rest: Sequence[Point], line: nnls.Coefficients
+          ) -> tuple[int, nnls.Coefficients] | None:
+    """The module docstring's "Decode knee" on points (B, 0, t less the context term): (K,
+    (overhead, per_seq, per_seq_past_knee)), or None when no knee cuts the line's weighted
+    error by KNEE_MIN_GAIN."""
+    bound = (1 - KNEE_MIN_GAIN) * nnls.weighted_error(rest, line)
+    batches = sorted({p.x for p in rest})
+    best: tuple[float, int, nnls.Coefficients] | None = None
+    for knee in batches[1:-2]:  # two batch sizes at or below it, two above
+        bent = [p._replace(y=max(0.0, p.x - knee)) for p in rest]
+        coef = nnls.fit(bent, ((0, 1, 2), (0, 2)), lambda c: c[0] + c[1] > 0 and c[2] > 0)
+        if coef is None:
+            continue
+        error = nnls.weighted_error(bent, coef)
+        if error < bound and (best is None or error < best[0]):
+            best = error, int(knee), coef
+    return None if best is None else (best[1], best[2])
 
 
 def fit_step_traces(steps: Mapping[str, Sequence[Step]], decode_time: str = "period",
@@ -353,22 +414,24 @@ def fit_step_traces(steps: Mapping[str, Sequence[Step]], decode_time: str = "per
         raise ValueError(f"{source}: no decode-only step (prefill_tokens 0, decode_tokens > 0) "
                          "to fit the decode costs")
     if context_token_s is None:
-        d0, d1, dc = _fit_decode(decode, groups.contexts_known)
+        d = _fit_decode(decode, groups.contexts_known)
     elif groups.contexts_known:
-        d0, d1, dc = _fit_decode_held(decode, context_token_s, source)
+        d = _fit_decode_held(decode, context_token_s, source)
     else:
         raise ValueError(f"{source}: a held decode context cost needs steps that record their "
                          "decode context (6 fields or more)")
-    prefill = _points(_prefill_groups(groups, d1, dc))
+    prefill_groups = _prefill_groups(groups, d)
+    prefill = _points(prefill_groups)
     if not prefill:
         raise ValueError(f"{source}: no prefill step (prefill_tokens > 0) to fit the prefill "
                          "costs")
     p0, p1, pa = _fit_prefill(prefill, groups.attention_known, source)
     return CalibrationProfile(
-        decode_overhead_s=d0, decode_per_seq_s=d1, decode_per_context_token_s=dc,
+        decode_overhead_s=d.overhead, decode_per_seq_s=d.per_seq,
+        decode_per_context_token_s=d.per_context, decode_knee_batch=d.knee,
+        decode_per_seq_past_knee_s=d.past_knee,
         prefill_overhead_s=p0, prefill_per_token_s=p1, prefill_per_attention_pair_s=pa,
         source=source, fit_rows=int(sum(p.count for p in decode) + sum(p.count for p in prefill)),
-        max_rel_error=max(nnls.max_rel_error(decode, (d0, d1, dc)),
+        max_rel_error=max(_max_decode_error(decode, d),
                           nnls.max_rel_error(prefill, (p0, p1, pa))),
-        median_rel_error=_median_step_error(groups.decode, (d0, d1, dc),
-                                            _prefill_groups(groups, d1, dc), (p0, p1, pa)))
+        median_rel_error=_median_step_error(groups.decode, d, prefill_groups, (p0, p1, pa)))
