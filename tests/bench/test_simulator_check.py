@@ -72,6 +72,32 @@ def test_the_command_exits_1_when_a_figure_is_outside_and_writes_the_summary(res
     assert saved["calibrated_on"] == "mixed" and len(saved["rows"]) == 2
 
 
+def test_a_repeated_runs_figures_whose_rounds_moved_past_their_tolerance_are_marked_noise(
+        results):
+    """Collocated's TTFT rounds 600 and 1,200 ms (their median 900): noise, marked ~ beside its
+    miss and counted; disagg's rounds 205 and 215: not."""
+    chat = json.loads((results / "chat.json").read_text())
+    chat["collocated"]["repeats"] = [{"median_ttft_ms": 600.0}, {"median_ttft_ms": 1200.0}]
+    chat["disagg"]["repeats"] = [{"median_ttft_ms": 205.0}, {"median_ttft_ms": 215.0}]
+    write_json(results / "chat.json", chat)
+    summary = run_check(_settings(results, repeats=2))
+    rows = {r["config"]: r for r in summary["rows"]}
+    assert rows["collocated"]["rounds"] == {"median_ttft_ms": [600.0, 1200.0]}
+    assert rows["collocated"]["noise"] == ["median_ttft_ms"]
+    assert rows["disagg"]["noise"] == []
+    text = format_check(summary)
+    assert "900->210 (-77%)*~" in text and "~ its measured rounds moved" in text
+    out = len(rows["collocated"]["outside"]) + len(rows["disagg"]["outside"])
+    compared = sum(e is not None for r in rows.values() for e in r["rel_error"].values())
+    assert f"\n{out} of {compared} figures outside their tolerance, 1 of them noise (~)\n" \
+        in text
+
+
+def test_a_run_of_one_round_has_no_noise_mark(results):
+    text = format_check(run_check(_settings(results)))
+    assert "~" not in text and text.splitlines()[-2].endswith("figures outside their tolerance")
+
+
 @pytest.mark.parametrize(("kw", "message"), [
     ({"held_out": ("weekly",)}, "unknown workload 'weekly'"),
     ({"held_out": ("mixed",)}, "'mixed' is the calibration workload"),

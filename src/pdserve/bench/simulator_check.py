@@ -27,6 +27,12 @@ calibration is scaled to the held-out run's speed by the fixed engine job bench 
 before and after every run (`pdserve simulate --speed-reference`, speed_scale.py; the row shows
 the factor): the machine's speed drifts between runs by more than the model misses.
 `--speed-reference ignore` prices every run at the calibration run's speed.
+With `--repeats N` each figure is the median of its N rounds, and a figure whose rounds moved
+by more than its tolerance (measured_spread.py, `bench simulator-repeat`'s rule for two runs) is
+marked ~, noise: the measurement does not pin it down to the tolerance a simulation is held
+to (a P99 ITL whose run has its stalls' ITLs near 1% of the samples jumps between the stalls
+and the steady steps). The line under the table counts the figures outside their tolerance,
+and of those the noise.
 
 The decode cost per context token is held, by default, at what `pdserve bench decode-context`
 measures on each configuration's threads per worker (bench/simulator_context.py: a serving
@@ -58,7 +64,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pdserve.bench import simulator_context
+from pdserve.bench import measured_spread, simulator_context
 from pdserve.bench.paired_goodput import paired
 from pdserve.planner.plan_simulation import MARGIN
 from pdserve.planner.simulate.file_spec import steps_path
@@ -78,6 +84,8 @@ FIGURES = ("median_ttft_ms", "p99_ttft_ms", "median_itl_ms", "p99_itl_ms", "requ
            "output_throughput")
 SIM_MODELS = {"smollm2": "smollm2-135m"}  # bench's model name -> simulate's preset
 SLO_TTFT_MS, SLO_TPOT_MS = 2000.0, 100.0  # goodput's bounds (`pdserve up`'s TPOT target too)
+ROUNDS_MARK = ("; ~ its measured rounds moved by more than its tolerance: noise, which no "
+               "simulation is held to")
 
 
 @dataclass(frozen=True)
@@ -258,7 +266,8 @@ def run_check(s: CheckSettings) -> dict[str, Any]:
         for config in s.configs:
             got = _simulate(s, calibration, measured, config, held["us"][config])
             rows.append({"workload": workload, "config": config, **got,
-                         "outside": _outside(got)})
+                         "outside": _outside(got),
+                         **_rounds(results[workload].get(config, {}), got["tolerance"])})
     ranking = _rankings(rows)
     for workload, rank in ranking.items():
         _pair(rank, results[workload])
@@ -292,6 +301,16 @@ def _held_context(s: CheckSettings, calibration: Path) -> dict[str, Any]:
                                              s.remeasure)
     return {"mode": "measured", "us": {c: costs[t] for c, t in threads.items()},
             "threads": threads}
+
+
+def _rounds(result: dict[str, Any], tolerance: dict[str, float]) -> dict[str, Any]:
+    """A repeated run's {"rounds": figure -> its value in every round, "noise": the figures
+    whose rounds moved by more than their tolerance (measured_spread.py)}; {} for one round."""
+    each = {f: v for f in FIGURES if (v := measured_spread.rounds(result, f))}
+    if not each:
+        return {}
+    return {"rounds": each,
+            "noise": [f for f, v in each.items() if measured_spread.apart(v, tolerance[f])]}
 
 
 def _outside(got: dict[str, Any]) -> list[str]:
@@ -346,23 +365,35 @@ def format_check(summary: dict[str, Any]) -> str:
     head = ["workload", "config"] + [f.replace("_ms", "") for f in FIGURES] + \
         ["local_prefills(measured/simulated)", "speed", "steps(measured/priced: median/time)"]
     load = summary.get("load", 1.0)
+    rounds = any("rounds" in r for r in summary["rows"])
     lines = [f"held-out validation, step costs fitted on {summary['calibrated_on']!r}"
              f"{'' if load == 1.0 else f', open-loop rates x{load:g}'}"
              f"{_held_text(summary.get('decode_context'))} (measured -> simulated, error; * "
-             "outside its tolerance)", "  ".join(head)]
+             f"outside its tolerance{ROUNDS_MARK if rounds else ''})", "  ".join(head)]
     for r in summary["rows"]:
         cells = [r["workload"], r["config"]]
         for f in FIGURES:
             m, sim, err = r["measured"].get(f), r["simulated"].get(f), r["rel_error"].get(f)
-            flag = "*" if f in r["outside"] else ""
+            flag = ("*" if f in r["outside"] else "") + ("~" if f in r.get("noise", ()) else "")
             cells.append("-" if m is None or sim is None or err is None else
                          f"{m:.3g}->{sim:.3g} ({err:+.0%}){flag}")
         cells += [_local_prefills(r.get("local_prefills"), r.get("paths")),
                   _speed(r.get("speed_scale")),
                   _steps(r.get("step_ratios"))]
         lines.append("  ".join(cells))
+    lines.append(_count_line(summary["rows"], rounds))
     lines += [_rank_line(workload, rank) for workload, rank in summary["ranking"].items()]
     return "\n".join(lines)
+
+
+def _count_line(rows: list[dict[str, Any]], rounds: bool) -> str:
+    """"N of M figures outside their tolerance" and, for repeated runs, how many of those
+    are noise (~)."""
+    figures = sum(1 for r in rows for f in FIGURES if r["rel_error"].get(f) is not None)
+    out = sum(len(r["outside"]) for r in rows)
+    noise = sum(1 for r in rows for f in r["outside"] if f in r.get("noise", ()))
+    return (f"{out} of {figures} figures outside their tolerance"
+            + (f", {noise} of them noise (~)" if rounds else ""))
 
 
 def _held_text(held: dict[str, Any] | None) -> str:

@@ -5,7 +5,8 @@ workloads and configurations measured twice, at different times) and, per (workl
 configuration, figure), sets the run-to-run change of the measured figure, (B - A) / A,
 beside each run's simulated error. A figure is:
 - `noise` when its measured change alone is over the figure's tolerance: one run cannot be
-  predicted within the tolerance of the other, whatever the model;
+  predicted within the tolerance of the other, whatever the model (measured_spread.py, the
+  rule `bench simulator --repeats` applies to its rounds too);
 - `model` when both runs miss it on the same side (the simulation over, or under, both
   times) and the measured change is within tolerance: a miss that repeats;
 - `one run` when only one run misses it (and the change is within tolerance);
@@ -20,6 +21,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from pdserve.bench.measured_spread import change as changed
 from pdserve.bench.simulator_check import FIGURES
 
 VERDICTS = ("noise", "model", "one run", "within")
@@ -45,7 +47,7 @@ def compare(a: dict[tuple[str, str], dict[str, Any]], b: dict[tuple[str, str], d
             if None in (ma, mb, ea, eb) or ma == 0:
                 continue
             tol = ra["tolerance"][f]
-            change = (mb - ma) / ma
+            change = changed(ma, mb)
             out.append({"workload": key[0], "config": key[1], "figure": f, "measured_a": ma,
                         "measured_b": mb, "change": change, "error_a": ea, "error_b": eb,
                         "tolerance": tol, "verdict": _verdict(change, ea, eb, tol)})
