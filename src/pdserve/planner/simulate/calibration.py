@@ -167,6 +167,12 @@ class RooflineCosts:
         return max(flops / self.tp / self.flop_rate, nbytes / self.byte_rate)
 
 
+def streams_seconds(per_seq_s: float, knee: int, past_knee_s: float, streams: float) -> float:
+    """The part of a decode step that grows with its streams (their contexts aside):
+    per_seq_s x B + past_knee_s x max(0, B - knee), B = `streams`."""
+    return per_seq_s * streams + past_knee_s * max(0.0, streams - knee)
+
+
 def _check_coefficient(field: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, int | float) or not (
         value >= 0 and math.isfinite(value)
@@ -232,8 +238,8 @@ class CalibrationProfile:
             seconds += self.prefill_per_attention_pair_s * attention
             overhead = self.prefill_overhead_s
         if decodes:
-            seconds += self.decode_per_seq_s * decodes
-            seconds += self.decode_per_seq_past_knee_s * max(0, decodes - self.decode_knee_batch)
+            seconds += streams_seconds(self.decode_per_seq_s, self.decode_knee_batch,
+                                       self.decode_per_seq_past_knee_s, decodes)
             seconds += self.decode_per_context_token_s * context_sum
             overhead = max(overhead, self.decode_overhead_s)
         return overhead + seconds

@@ -106,6 +106,7 @@ from pdserve.planner.simulate.calibration import (
     CalibrationProfile,
     fit_line,
     fit_prefill,
+    streams_seconds,
 )
 from pdserve.planner.simulate.file_spec import FileSpec, pick_config, refuse_config
 from pdserve.planner.simulate.nnls import Point
@@ -132,7 +133,7 @@ class DecodeTerms(NamedTuple):
 
     def streams(self, b: float) -> float:
         """The part of a step that grows with its b decode streams (their contexts aside)."""
-        return self.per_seq * b + self.past_knee * max(0.0, b - self.knee)
+        return streams_seconds(self.per_seq, self.knee, self.past_knee, b)
 
     def step(self, b: float, context: float) -> float:
         return self.overhead + self.streams(b) + self.per_context * context
