@@ -15,7 +15,9 @@ from pdserve.planner.simulate.measured_compare import (
     PDSERVE_CONFIGS,
     MeasuredLayout,
     compare,
+    comparison_json,
     measured_layout,
+    on_the_cliff,
     render_comparison,
 )
 from pdserve.planner.simulate.measured_run import (
@@ -24,6 +26,7 @@ from pdserve.planner.simulate.measured_run import (
     load_measured_run,
     read_trace_file,
 )
+from pdserve.planner.simulate.metrics import ItlSamples
 from pdserve.planner.simulate.trace import TraceRequest
 from tests.planner.cli_run import run_pdserve
 from tests.planner.simulate.step_files import (
@@ -156,6 +159,23 @@ def test_relative_errors_and_the_verdict():
     none = compare(run_of(None, ttft=0.0, itl=None), "x", _simulated(median_ttft_ms=1.0,
                                                                      median_itl_ms=2.0))
     assert none.error("median_ttft_ms") is None and none.worst is None
+
+
+def test_the_p99_itl_has_the_share_of_simulated_itls_above_the_measured_p99():
+    """Simulated: 980 steady ITLs of 20 ms and 20 stalls of 1.5 s (2%). Measured P99 100 ms:
+    2% of the simulated ITLs lie above it, within a factor two of 1% (the cliff); measured
+    P99 2 s: none do (the model's miss)."""
+    itl = ItlSamples([0.02, 1.5], [980, 20])
+    for p99, share, side in ((100.0, 0.02, "within"), (2000.0, 0.0, "outside")):
+        run = MeasuredRun("r.json", "collocated", (TraceRequest(0, 5, 2),),
+                          _simulated(p99_itl_ms=p99), 1, 0)
+        c = compare(run, "colloc 1", _simulated(p99_itl_ms=1500.0), itl=itl)
+        assert c.itl_above_p99 == pytest.approx(share)
+        assert on_the_cliff(c.itl_above_p99) is (side == "within")
+        assert (f"simulated ITLs above the measured P99 ITL: {share:.2%} (measured: 1%; {side} "
+                "0.5-2%") in render_comparison(c)
+        assert comparison_json(c)["itl_above_p99"] == pytest.approx(share)
+    assert ItlSamples().share_above(1.0) is None
 
 
 # ---- the command line -------------------------------------------------------------------------

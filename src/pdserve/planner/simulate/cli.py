@@ -327,7 +327,7 @@ def _against_measured(setup: Setup, results: list[tuple[SimResult, Summary]]
     return compare(setup.measured, layout_label(result.layout, setup.cluster),
                    summary_to_dict(summary), split_local_prefills(result),
                    _held_out_ratios(setup), setup.speed_scale,
-                   split_paths(setup.measured, result))
+                   split_paths(setup.measured, result), result.itl)
 
 
 def _held_out_ratios(setup: Setup) -> dict[str, dict[str, Any]] | None:

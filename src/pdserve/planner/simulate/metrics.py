@@ -102,6 +102,15 @@ class ItlSamples:
     def total(self) -> int:
         return sum(self.counts)
 
+    def share_above(self, value_ms: float) -> float | None:
+        """The share of the ITLs longer than `value_ms` (None: no ITL)."""
+        total = self.total
+        if total == 0:
+            return None
+        above = sum(c for v, c in zip(self.values, self.counts, strict=True)
+                    if v * 1e3 > value_ms)
+        return above / total
+
 
 @dataclass(frozen=True)
 class Stats:
