@@ -299,6 +299,17 @@ def test_a_held_out_run_with_its_steps_shows_them_priced_by_the_calibration(resu
     assert format_check(summary).splitlines()[2].endswith("  decode x1.00/1.00 prompt x1.00/1.00")
 
 
+def test_the_steps_cell_splits_a_decode_workers_steps_by_their_neighbour():
+    row = {"workload": "mixed", "config": "disagg", "measured": {}, "simulated": {},
+           "rel_error": {}, "outside": [],
+           "step_ratios": {"decode": {"median_ratio": 1.16, "time_ratio": 1.22, "beside": 1.33,
+                                      "alone": 1.13},
+                           "mixed": {"median_ratio": 1.1, "time_ratio": 1.2}}}
+    line = format_check({"calibrated_on": "diurnal", "ranking": {}, "rows": [row]})
+    assert line.splitlines()[2].endswith(
+        "  decode x1.16/1.22 (beside x1.33, alone x1.13) mixed x1.10/1.20")
+
+
 def test_a_held_decode_context_cost_reaches_every_simulation_and_the_header(results):
     """Held at step_files' C1 on steps that record their contexts, every row is simulated and
     the header says so; on steps without contexts, simulate's refusal is raised."""

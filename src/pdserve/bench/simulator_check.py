@@ -421,13 +421,15 @@ def _held_text(held: dict[str, Any] | None) -> str:
 
 
 def _steps(ratios: dict[str, Any] | None) -> str:
-    """"decode x1.23/1.41 mixed x1.12/1.20": the held-out run's steps, measured / priced by
-    the calibration, per kind, the median step's and the kind's time's (step_check.py); "-"
-    without its steps."""
+    """"decode x1.23/1.41 (beside x1.37, alone x0.99) mixed x1.12/1.20": the held-out run's
+    steps, measured / priced by the calibration, per kind, the median step's and the kind's
+    time's, and a decode worker's decode steps' median beside a computing prefill worker and
+    alone where the run has both (step_check.py); "-" without its steps."""
     if not ratios:
         return "-"
-    return " ".join(f"{kind} x{r['median_ratio']:.2f}/{r['time_ratio']:.2f}"
-                    for kind, r in ratios.items())
+    return " ".join(f"{kind} x{r['median_ratio']:.2f}/{r['time_ratio']:.2f}" + (
+        f" (beside x{r['beside']:.2f}, alone x{r['alone']:.2f})" if "beside" in r else "")
+        for kind, r in ratios.items())
 
 
 def _speed(factor: float | None) -> str:

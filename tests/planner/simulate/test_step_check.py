@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+from pdserve.planner.simulate import neighbour
 from pdserve.planner.simulate.calibration import CalibrationProfile
 from pdserve.planner.simulate.step_check import describe_ratios, step_ratios, steps_beside
 from pdserve.planner.simulate.step_fit import Step
@@ -69,6 +70,34 @@ def test_a_decode_step_is_timed_by_its_period_unless_the_worker_then_idled():
     idle = [_decode(0.0, 2, 0.024), _decode(10.0, 2, 0.024)]
     assert step_ratios(PROFILE, {"w": busy})["decode"]["median_ratio"] == pytest.approx(1.125)
     assert step_ratios(PROFILE, {"w": idle})["decode"]["median_ratio"] == pytest.approx(1.0)
+
+
+def _prefill(t: float, seconds: float) -> Step:
+    return Step(t, t + seconds, 100, 0, 1, 0, 100)
+
+
+def test_a_decode_workers_steps_are_split_by_whether_a_prefill_worker_computed_beside_them():
+    """A prefill worker computing 0.5 s of every second; the decode worker's steps (B = 2,
+    priced 24 ms) take 36 ms when one starts inside a prefill step (x1.5) and 24 ms when none
+    overlaps it (x1.0); one that a prefill step starts into counts on neither side. With the
+    neighbour.MIN_STEPS a side needs, the decode kind has both medians."""
+    prefill, decode = [], []
+    for i in range(neighbour.MIN_STEPS):
+        t = float(i)
+        prefill.append(_prefill(t, 0.5))
+        decode.append(_decode(t + 0.1, 2, 0.036))  # beside
+        decode.append(_decode(t + 0.6, 2, 0.024))  # alone
+        decode.append(_decode(t + 0.98, 2, 0.060))  # the next prefill step starts into it
+    steps = {"disagg/prefill-0": prefill, "disagg/decode-0": decode}
+    placed = neighbour.place(steps)["disagg/decode-0"]
+    assert placed[:3] == [(True, False), (False, True), (False, False)]
+    got = step_ratios(PROFILE, steps)["decode"]
+    assert (got["beside"], got["alone"]) == (pytest.approx(1.5), pytest.approx(1.0))
+    assert "a decode worker's steps beside a computing prefill worker x1.50, alone x1.00" in \
+        describe_ratios({"decode": got})
+    fewer = {"disagg/prefill-0": prefill, "disagg/decode-0": decode[:-3]}
+    assert "beside" not in step_ratios(PROFILE, fewer)["decode"]  # a step short on each side
+    assert "beside" not in step_ratios(PROFILE, {"prefill-0": prefill, "w": decode})["decode"]
 
 
 def test_the_steps_beside_a_results_file_are_found_for_its_configuration(tmp_path):

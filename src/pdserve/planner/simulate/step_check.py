@@ -15,6 +15,9 @@ ever had) and the kind's share of the run's step time. Times as the fit takes th
 waits) unless that period holds an idle gap, i.e. is more than twice its duration (then its
 duration), the others by their duration. Traces without contexts or attention pairs price those
 terms at 0.
+A decode worker's decode-only steps also have their median ratio beside a computing prefill
+worker and alone (neighbour.py), where the run has enough of each: how much of a miss is the
+neighbour's.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import statistics
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from pdserve.planner.simulate import neighbour
 from pdserve.planner.simulate.calibration import CalibrationProfile
 from pdserve.planner.simulate.file_spec import (
     FileSpec,
@@ -63,39 +67,62 @@ def kind(step: Step) -> str | None:
 def step_ratios(profile: CalibrationProfile, steps: Mapping[str, Sequence[Step]]
                 ) -> dict[str, dict[str, Any]]:
     """Per kind present: {"steps": n, "median_ratio": r, "time_ratio": t, "share": s} by the
-    module docstring."""
+    module docstring, and for decode-only steps of decode workers, where each side has
+    neighbour.MIN_STEPS, {"beside": r, "alone": r}: their median ratio beside a computing
+    neighbour and alone (neighbour.py)."""
     ratios: dict[str, list[float]] = {k: [] for k in KINDS}
     seconds: dict[str, float] = dict.fromkeys(KINDS, 0.0)
     timed: dict[str, float] = dict.fromkeys(KINDS, 0.0)  # as priced: decode steps by period
     priced: dict[str, float] = dict.fromkeys(KINDS, 0.0)
-    for rows in steps.values():
-        ordered = sorted(rows, key=lambda s: (s.start_s, s.end_s))
-        for i, s in enumerate(ordered):
+    sides: dict[str, list[float]] = {"beside": [], "alone": []}
+    ordered = {w: sorted(rows, key=lambda s: (s.start_s, s.end_s)) for w, rows in steps.items()}
+    placed = neighbour.place(ordered)
+    for name, rows in ordered.items():
+        for i, s in enumerate(rows):
             k, measured = kind(s), s.end_s - s.start_s
             if k is None or measured <= 0:
                 continue
             seconds[k] += measured
-            if k == "decode" and i + 1 < len(ordered):
-                period = ordered[i + 1].start_s - s.start_s
+            if k == "decode" and i + 1 < len(rows):
+                period = rows[i + 1].start_s - s.start_s
                 measured = period if measured <= period <= IDLE_FACTOR * measured else measured
             price = profile.counted_step_seconds(s.prefill_tokens, s.prefill_attention or 0,
                                                  s.decode_tokens, s.decode_context or 0)
             ratios[k].append(measured / price)
             timed[k] += measured
             priced[k] += price
+            if k == "decode" and name in placed:
+                where = placed[name][i]
+                if where.beside or where.alone:
+                    sides["beside" if where.beside else "alone"].append(measured / price)
     total = sum(seconds.values())
-    return {k: {"steps": len(ratios[k]), "median_ratio": statistics.median(ratios[k]),
-                "time_ratio": timed[k] / priced[k], "share": seconds[k] / total}
-            for k in KINDS if ratios[k]}
+    out = {k: {"steps": len(ratios[k]), "median_ratio": statistics.median(ratios[k]),
+               "time_ratio": timed[k] / priced[k], "share": seconds[k] / total}
+           for k in KINDS if ratios[k]}
+    if all(len(v) >= neighbour.MIN_STEPS for v in sides.values()):
+        out["decode"] |= {side: statistics.median(v) for side, v in sides.items()}
+    return out
 
 
 def describe_ratios(ratios: Mapping[str, Mapping[str, Any]]) -> str:
     """"decode x1.17 (time x1.40, 52% of step time), mixed x1.13 (time x1.20, 48% of step
     time)": measured / priced, per kind (a file written before the time ratio: the median
     only)."""
-    return ", ".join(f"{k} x{r['median_ratio']:.2f} ({_time(r)}{r['share']:.0%} of step time)"
-                     for k, r in ratios.items())
+    return ", ".join(f"{k} x{r['median_ratio']:.2f} ({_time(r)}{r['share']:.0%} of step "
+                     f"time{_sides(r)})" for k, r in ratios.items())
 
 
 def _time(ratio: Mapping[str, Any]) -> str:
     return f"time x{ratio['time_ratio']:.2f}, " if "time_ratio" in ratio else ""
+
+
+def neighbour_text(ratio: Mapping[str, Any]) -> str:
+    """"beside a computing prefill worker x1.37, alone x0.99", or "" without the split."""
+    if "beside" not in ratio:
+        return ""
+    return f"beside a computing prefill worker x{ratio['beside']:.2f}, alone x{ratio['alone']:.2f}"
+
+
+def _sides(ratio: Mapping[str, Any]) -> str:
+    text = neighbour_text(ratio)
+    return f"; a decode worker's steps {text}" if text else ""
