@@ -212,6 +212,25 @@ def test_a_row_shows_the_calibrations_scaling_to_the_held_out_runs_speed(results
     assert summary["rows"][0]["speed_scale"] is None
 
 
+def test_a_row_shows_the_decode_jobs_factor_and_split_prices_the_decode_steps_by_it(results):
+    """The held-out run's prefill job 1.2x slower and its decode job 1.5x: the row shows both;
+    under split its decode steps are priced by the decode job's, and the header says so."""
+    ref = {"threads": 1, "prefill_tokens": 512, "decode_streams": 8, "decode_prompt_tokens": 128}
+    write_json(results / "mixed.json", {"disagg": {
+        **serve_result([request(0.0, 1000, 11)]),
+        "speed_reference": {**ref, "prefill_s": [0.5], "decode_step_s": [0.02]}}})
+    chat = json.loads((results / "chat.json").read_text())
+    chat["disagg"]["speed_reference"] = {**ref, "prefill_s": [0.6], "decode_step_s": [0.03]}
+    write_json(results / "chat.json", chat)
+    write_json(results / "chat.steps.json", {"disagg": disagg_workers()})
+    one = run_check(_settings(results, configs=("disagg",)))
+    split = run_check(_settings(results, configs=("disagg",), speed_reference="split"))
+    assert one["rows"][0]["decode_speed_scale"] == pytest.approx(1.5)
+    assert "  x1.20, decode x1.50  decode x0.83/" in format_check(one).splitlines()[2]
+    assert "  x1.20, decode x1.50  decode x0.67/" in format_check(split).splitlines()[2]
+    assert "decode costs by the decode job (measured" in format_check(split).splitlines()[0]
+
+
 def _row(config: str, measured: float, simulated: float) -> dict:
     return {"workload": "long", "config": config, "measured": {"request_goodput": measured},
             "simulated": {"request_goodput": simulated}}

@@ -77,6 +77,8 @@ def test_compare_runs_each_configuration_and_writes_json_and_pictures(tiny_model
         ref = results[name]["speed_reference"]  # timed alone before and after the run
         assert ref["threads"] == max(1, cores // workers) and ref["prefill_tokens"] == 512
         assert len(ref["prefill_s"]) == 2 and all(t > 0 for t in ref["prefill_s"])
+        assert (ref["decode_streams"], ref["decode_prompt_tokens"]) == (8, 128)
+        assert len(ref["decode_step_s"]) == 2 and all(t > 0 for t in ref["decode_step_s"])
     assert "speed_reference" not in results["worker-alone"]
     steps = json.loads(out.with_suffix(".steps.json").read_text())
     assert set(steps["disagg"]) == {"prefill-0", "decode-0"}

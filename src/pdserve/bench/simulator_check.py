@@ -25,8 +25,9 @@ priced by the calibration: per kind of step, the median of measured / priced (`p
 simulate`'s step_check.py; near 1: the costs hold there, and a miss is the scheduling's). Each
 calibration is scaled to the held-out run's speed by the fixed engine job bench compare times
 before and after every run (`pdserve simulate --speed-reference`, speed_scale.py; the row shows
-the factor): the machine's speed drifts between runs by more than the model misses.
-`--speed-reference ignore` prices every run at the calibration run's speed.
+the factor, and the decode job's beside it where both runs timed it): the machine's speed
+drifts between runs by more than the model misses. `--speed-reference split` prices the decode
+costs by the decode job's factor instead, `ignore` every run at the calibration run's speed.
 With `--repeats N` each figure is the median of its N rounds, and a figure whose rounds moved
 by more than its tolerance (measured_spread.py, `bench simulator-repeat`'s rule for two runs) is
 marked ~, noise: the measurement does not pin it down to the tolerance a simulation is held
@@ -169,9 +170,10 @@ def add_simulator_check_args(p: argparse.ArgumentParser) -> None:
                    help="measure every workload again even if its results are in --out")
     p.add_argument("--speed-reference", choices=SPEED_REFERENCE_MODES, default="scale",
                    help="scale each calibration to the held-out run's speed by the fixed engine "
-                        "job bench compare times around every run (`pdserve simulate "
-                        "--speed-reference`; runs without one are priced unscaled), or ignore "
-                        "the references (default: %(default)s)")
+                        "jobs bench compare times around every run (`pdserve simulate "
+                        "--speed-reference`; runs without one are priced unscaled): scale, "
+                        "every cost by the prefill job; split, the decode costs by the decode "
+                        "job; or ignore the references (default: %(default)s)")
     held = p.add_mutually_exclusive_group()
     held.add_argument("--decode-context", choices=simulator_context.MODES, default="measured",
                       help="the decode cost per context token: measured (default) by `bench "
@@ -373,7 +375,8 @@ def format_check(summary: dict[str, Any]) -> str:
     rounds = any("rounds" in r for r in summary["rows"])
     lines = [f"held-out validation, step costs fitted on {summary['calibrated_on']!r}"
              f"{'' if load == 1.0 else f', open-loop rates x{load:g}'}"
-             f"{_held_text(summary.get('decode_context'))} (measured -> simulated, error; * "
+             f"{_held_text(summary.get('decode_context'))}"
+             f"{_split_text(summary.get('speed_reference'))} (measured -> simulated, error; * "
              f"outside its tolerance{ROUNDS_MARK if rounds else ''})", "  ".join(head)]
     for r in summary["rows"]:
         cells = [r["workload"], r["config"]]
@@ -385,7 +388,7 @@ def format_check(summary: dict[str, Any]) -> str:
         above = r.get("itl_above_p99")
         cells += ["-" if above is None else f"{above:.1%}",
                   _local_prefills(r.get("local_prefills"), r.get("paths")),
-                  _speed(r.get("speed_scale")),
+                  _speed(r.get("speed_scale"), r.get("decode_speed_scale")),
                   _steps(r.get("step_ratios"))]
         lines.append("  ".join(cells))
     lines.append(_count_line(summary["rows"], rounds))
@@ -405,6 +408,12 @@ def _count_line(rows: list[dict[str, Any]], rounds: bool) -> str:
             + (f", {noise} of them noise (~)" if rounds else "")
             + (f"; {cliff} of {len(p99)} P99 ITL misses on the stalls' cliff (itl>p99 0.5-2%)"
                if p99 else ""))
+
+
+def _split_text(mode: str | None) -> str:
+    """", decode costs scaled by the decode job" under --speed-reference split."""
+    return ", prompt costs scaled by the prefill job and decode costs by the decode job" \
+        if mode == "split" else ""
 
 
 def _held_text(held: dict[str, Any] | None) -> str:
@@ -432,10 +441,14 @@ def _steps(ratios: dict[str, Any] | None) -> str:
         for kind, r in ratios.items())
 
 
-def _speed(factor: float | None) -> str:
+def _speed(factor: float | None, decode: float | None = None) -> str:
     """"x1.05": the calibration's factor to the held-out run's speed reference (`pdserve
-    simulate`'s speed_scale.py); "-" where it was not scaled."""
-    return "-" if factor is None else f"x{factor:.2f}"
+    simulate`'s speed_scale.py), ", decode x1.20" the decode job's beside it where both runs
+    timed it (applied to the decode costs only with --speed-reference split: the header says);
+    "-" where it was not scaled."""
+    if factor is None:
+        return "-"
+    return f"x{factor:.2f}" + ("" if decode is None else f", decode x{decode:.2f}")
 
 
 def _local_prefills(counts: dict[str, Any] | None, paths: dict[str, Any] | None) -> str:

@@ -13,12 +13,17 @@ that bracket the run are averaged.
 
 The job, on the run's model in the engine alone (no worker, no HTTP), `threads` compute threads
 pinned to the first `threads` cores this process may use (a configuration's first worker is
-pinned there too: `pdserve up` splits the cores in order): one prompt of PREFILL_TOKENS random
-tokens prefilled whole, the median of REPEATS after one untimed (first-use costs). A prefill
-of a few hundred milliseconds is the steadiest step to time; the decode steps of eight streams
-(~25 ms each) were tried beside it as the reference of the memory-bound part and moved more
-between two timings a minute apart than the machine drifted (docs/benchmarks.md).
-About 8 s with SmolLM2 on 2 cores, half of it the model's load.
+pinned there too: `pdserve up` splits the cores in order):
+- prefill: one prompt of PREFILL_TOKENS random tokens prefilled whole, the median of REPEATS
+  after one untimed (first-use costs). A prefill of a few hundred milliseconds is the steadiest
+  step to time, and it prices the compute-bound part.
+- decode: DECODE_STREAMS streams of DECODE_PROMPT random tokens, prefilled (untimed), then
+  DECODE_WINDOWS windows of DECODE_STEPS decode steps, the median of the windows' median
+  steps. A decode step reads every weight for a few rows of arithmetic: memory-bound, as the
+  decode part of a serving step. A machine whose memory slows more than its arithmetic (a
+  neighbour VM streaming memory) shows it here and not in the prefill (docs/benchmarks.md:
+  held-out decode steps 1.16-1.38x their price while the prefill timings moved 0-8%).
+About 10 s with SmolLM2 on 2 cores, a third of it the model's load.
 
 Run as `python -m pdserve.bench.speed_reference --model M --threads T`: one JSON object on
 stdout (`measure` runs it so, in a process of its own that is gone before the cluster starts).
@@ -41,7 +46,11 @@ if TYPE_CHECKING:
 
 PREFILL_TOKENS = 512
 REPEATS = 7
-KV_BLOCKS = 64  # room for the job (the prompt: 33 blocks of 16), not 512 MiB
+DECODE_STREAMS = 8
+DECODE_PROMPT = 128
+DECODE_STEPS = 32
+DECODE_WINDOWS = 3
+KV_BLOCKS = 128  # room for either job (the prompt: 33 blocks of 16; the streams: 8 x 15)
 
 
 def _time_job(model: str) -> dict[str, Any]:
@@ -54,7 +63,7 @@ def _time_job(model: str) -> dict[str, Any]:
     from pdserve.engine.engine import Engine
 
     cfg = ModelConfig.from_folder(resolve_model(model))
-    need = PREFILL_TOKENS + 8
+    need = max(PREFILL_TOKENS + 8, DECODE_PROMPT + DECODE_STEPS * DECODE_WINDOWS + 8)
     if need > cfg.max_context:
         raise ValueError(f"the speed reference's {PREFILL_TOKENS}-token prompt does not fit "
                          f"{model}'s {cfg.max_context} positions")
@@ -64,9 +73,13 @@ def _time_job(model: str) -> dict[str, Any]:
     try:
         prefill = [_prefill_s(engine, prompts(1, PREFILL_TOKENS)[0], SamplingParams(max_tokens=1))
                    for _ in range(REPEATS + 1)][1:]
+        decode = _decode_step_s(engine, prompts(DECODE_STREAMS, DECODE_PROMPT), SamplingParams(
+            temperature=0, max_tokens=DECODE_STEPS * DECODE_WINDOWS + 2, ignore_eos=True))
     finally:
         engine.close()
-    return {"prefill_tokens": PREFILL_TOKENS, "prefill_s": statistics.median(prefill)}
+    return {"prefill_tokens": PREFILL_TOKENS, "prefill_s": statistics.median(prefill),
+            "decode_streams": DECODE_STREAMS, "decode_prompt_tokens": DECODE_PROMPT,
+            "decode_step_s": decode}
 
 
 def _prefill_s(engine: Engine, prompt: list[int], params: SamplingParams) -> float:
@@ -75,6 +88,27 @@ def _prefill_s(engine: Engine, prompt: list[int], params: SamplingParams) -> flo
     while engine.has_unfinished_requests():
         engine.step()
     return time.perf_counter() - t0
+
+
+def _decode_step_s(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> float:
+    """The decode job (module docstring): the median of the windows' median step, timed once
+    every stream decodes (one untimed step first: first-use costs); `params` leave room for
+    every window's steps."""
+    ids = [engine.add_request(p, params) for p in prompts]
+    while any(engine.requests[i].num_output_tokens == 0 for i in ids):
+        engine.step()
+    engine.step()
+    windows = []
+    for _ in range(DECODE_WINDOWS):
+        times = []
+        for _ in range(DECODE_STEPS):
+            t0 = time.perf_counter()
+            engine.step()
+            times.append(time.perf_counter() - t0)
+        windows.append(statistics.median(times))
+    for i in ids:
+        engine.abort(i)
+    return statistics.median(windows)
 
 
 def pin(threads: int) -> None:
@@ -89,8 +123,9 @@ def pin(threads: int) -> None:
 
 
 def measure(model: str, threads: int) -> dict[str, Any]:
-    """The job timed in a child process: {"threads", "prefill_tokens", "prefill_s"}.
-    RuntimeError when the child fails."""
+    """The jobs timed in a child process: {"threads", "prefill_tokens", "prefill_s",
+    "decode_streams", "decode_prompt_tokens", "decode_step_s"}. RuntimeError when the child
+    fails."""
     argv = [sys.executable, "-m", "pdserve.bench.speed_reference", "--model", model,
             "--threads", str(threads)]
     print(f"speed reference: timing {model} on {threads} thread{'s' if threads > 1 else ''}",
@@ -103,8 +138,10 @@ def measure(model: str, threads: int) -> dict[str, Any]:
 
 
 def bracket(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
-    """The results' `speed_reference`: the job's shape once, its timings as [before, after]."""
-    return {**before, "prefill_s": [before["prefill_s"], after["prefill_s"]]}
+    """The results' `speed_reference`: the jobs' shapes once, their timings as [before,
+    after]."""
+    return {**before, "prefill_s": [before["prefill_s"], after["prefill_s"]],
+            "decode_step_s": [before["decode_step_s"], after["decode_step_s"]]}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -13,6 +13,7 @@ import pytest
 from pdserve.planner.simulate.calibration import CalibrationProfile
 from pdserve.planner.simulate.speed_scale import (
     SpeedReference,
+    decode_factor,
     parse_cost_scale,
     read_rounds_reference,
     read_speed_reference,
@@ -24,8 +25,11 @@ from tests.planner.simulate.step_files import disagg_workers, request, serve_res
 from tests.planner.simulate.test_measured import simulate_cli
 
 
-def reference(prefill_s: list[float], threads: int = 1) -> dict[str, object]:
-    return {"threads": threads, "prefill_tokens": 512, "prefill_s": prefill_s}
+def reference(prefill_s: list[float], threads: int = 1, decode_step_s: list[float] | None = None
+              ) -> dict[str, object]:
+    decode = {} if decode_step_s is None else {
+        "decode_streams": 8, "decode_prompt_tokens": 128, "decode_step_s": decode_step_s}
+    return {"threads": threads, "prefill_tokens": 512, "prefill_s": prefill_s, **decode}
 
 
 def test_the_factor_is_the_mean_of_the_measured_bracket_over_the_calibrations():
@@ -64,6 +68,43 @@ def test_every_cost_scales_by_the_factor_and_a_held_context_cost_stays():
     assert (got.decode_knee_batch, got.decode_per_seq_past_knee_s) == (5, pytest.approx(0.006))
 
 
+def test_the_decode_jobs_factor_is_its_own_mean_ratio_and_needs_the_same_job_in_both():
+    a = read_speed_reference({"speed_reference": reference([0.4], 1, [0.02, 0.04])}, "a")
+    b = read_speed_reference({"speed_reference": reference([0.4], 1, [0.045, 0.045])}, "b")
+    assert (speed_factor(a, b), decode_factor(a, b)) == (1.0, pytest.approx(1.5))
+    old = read_speed_reference({"speed_reference": reference([0.4])}, "old")
+    assert old.decode_job is None and decode_factor(old, b) is None
+    assert decode_factor(a, replace(b, decode_job=(4, 128))) is None
+    rounds = {"repeats": [{"speed_reference": reference([0.4], 1, [0.02])},
+                          {"speed_reference": reference([0.4], 1, [0.04])}]}
+    assert read_rounds_reference(rounds, "r").decode_step_s == (0.02, 0.04)
+    rounds["repeats"][0]["speed_reference"] = reference([0.4])  # one round without it
+    pooled = read_rounds_reference(rounds, "r")
+    assert pooled.prefill_s == (0.4, 0.4) and pooled.decode_job is None
+
+
+@pytest.mark.parametrize("bad", [
+    {"decode_streams": 8},  # the decode job's keys come together
+    {"decode_streams": 0, "decode_prompt_tokens": 128, "decode_step_s": [0.02]},
+    {"decode_streams": 8, "decode_prompt_tokens": 128, "decode_step_s": []},
+])
+def test_a_malformed_decode_job_is_refused(bad):
+    with pytest.raises(ValueError, match="b: speed_reference's decode job needs"):
+        read_speed_reference({"speed_reference": {**reference([0.4]), **bad}}, "b")
+
+
+def test_split_scales_the_prompt_terms_by_one_factor_and_the_decode_terms_by_the_other():
+    p = CalibrationProfile(decode_overhead_s=0.02, decode_per_seq_s=0.002,
+                           prefill_per_token_s=2e-4, prefill_overhead_s=0.01,
+                           decode_per_context_token_s=1e-6, decode_knee_batch=5,
+                           decode_per_seq_past_knee_s=0.004)
+    got = scale_profile(p, 1.5, context_held=False, decode=2.0)
+    assert (got.prefill_overhead_s, got.prefill_per_token_s) == pytest.approx((0.015, 3e-4))
+    assert (got.decode_overhead_s, got.decode_per_seq_s, got.decode_per_seq_past_knee_s,
+            got.decode_per_context_token_s) == pytest.approx((0.04, 0.004, 0.008, 2e-6))
+    assert scale_profile(p, 1.5, context_held=True, decode=2.0).decode_per_context_token_s == 1e-6
+
+
 def _slower(factor: float) -> dict[str, list[list[float]]]:
     return {w: [[a * factor, b * factor, *rest] for a, b, *rest in steps]
             for w, steps in disagg_workers().items()}
@@ -96,6 +137,28 @@ def test_simulate_prices_a_slower_run_at_its_own_speed(tmp_path, capsys):
     got = json.loads(out)
     assert got["measured"]["speed_scale"] is None
     assert got["measured"]["step_ratios"]["decode"]["median_ratio"] == pytest.approx(1.5)
+
+
+def test_split_prices_the_decode_steps_by_the_decode_job(tmp_path, capsys):
+    """The held-out steps are all 1.5x slower; the prefill job says x1.0, the decode job x1.5:
+    scale leaves the decode steps x1.50 and reports the decode job's factor, split prices them
+    x1.00; split is refused where a run did not time the decode job."""
+    argv = _runs(tmp_path, reference([0.4], 1, [0.02]), reference([0.4], 1, [0.03]))
+    rc, out, err = simulate_cli(capsys, *argv)
+    assert rc == 0, err
+    assert "calibration scaled x1.000 to the run's speed reference (its decode job: x1.500, " \
+        "not applied)" in out and "decode x1.50" in out
+    rc, out, _ = simulate_cli(capsys, *argv, "--json", "--speed-reference", "split")
+    got = json.loads(out)["measured"]
+    assert (got["speed_scale"], got["decode_speed_scale"], got["speed_split"]) == \
+        (1.0, pytest.approx(1.5), True)
+    assert got["step_ratios"]["decode"]["median_ratio"] == pytest.approx(1.0)
+    assert got["step_ratios"]["prompt"]["median_ratio"] == pytest.approx(1.5)
+    rc, out, _ = simulate_cli(capsys, *argv, "--speed-reference", "split")
+    assert "decode costs x1.500 (decode job)" in out
+    argv = _runs(tmp_path, reference([0.4]), reference([0.4], 1, [0.03]))
+    rc, _, err = simulate_cli(capsys, *argv, "--speed-reference", "split")
+    assert rc == 2 and "--speed-reference split needs the decode job timed around both" in err
 
 
 def test_simulate_refuses_references_of_different_jobs(tmp_path, capsys):

@@ -82,6 +82,8 @@ from pdserve.planner.simulate.measured_run import MeasuredRun, load_measured_run
 from pdserve.planner.simulate.metrics import Slo, Summary, summarize, summary_to_dict
 from pdserve.planner.simulate.speed_scale import (
     SPEED_REFERENCE_MODES,
+    SpeedScale,
+    decode_factor,
     parse_cost_scale,
     scale_costs,
     scale_profile,
@@ -169,9 +171,11 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speed-reference", choices=SPEED_REFERENCE_MODES, default="scale",
                    help="with --calibrate FILE.steps.json:CONFIG and --compare-measured: scale "
                         "the fitted costs by the measured run's speed reference over the "
-                        "calibration run's (the fixed engine job bench compare times around "
-                        "each run), when both have one; ignore: price at the calibration "
-                        "run's speed (default: %(default)s)")
+                        "calibration run's (the fixed engine jobs bench compare times around "
+                        "each run), when both have one: scale, every cost by the prefill job; "
+                        "split, the prompt costs by the prefill job and the decode costs by "
+                        "the decode job; ignore: price at the calibration run's speed "
+                        "(default: %(default)s)")
     p.add_argument("--scale-costs", default=None, metavar="KIND=F[,KIND=F]",
                    help="with --calibrate: multiply the fitted prompt costs (prefill=F: "
                         "overhead, per token, per attention pair) or decode costs (decode=F: "
@@ -273,7 +277,7 @@ class Setup:
     measured: MeasuredRun | None = None
     frontend_source: str = "none"  # where cluster.frontend_latency_s comes from
     measured_spec: str | None = None  # --compare-measured as given
-    speed_scale: float | None = None  # the profile's factor to the measured run's speed
+    speed_scale: SpeedScale | None = None  # the profile's factors to the measured run's speed
 
     @property
     def clients(self) -> int | None:
@@ -378,7 +382,8 @@ def resolve(args: argparse.Namespace) -> Setup:
     cluster = replace(cluster, frontend_latency_s=latency)
     scale = _speed_scale(args, calibration, measured)  # None without a calibration run
     if scale is not None and profile is not None:  # after the front end's fit, at A's speed
-        profile = scale_profile(profile, scale, context_held=args.decode_context_us is not None)
+        profile = scale_profile(profile, scale.prefill, args.decode_context_us is not None,
+                                scale.decode if scale.split else None)
     profile = _scaled_costs(args, profile)
     trace, label = _trace(args, measured)
     check_fits(trace, cluster)
@@ -399,15 +404,21 @@ def _scaled_costs(args: argparse.Namespace, profile: CalibrationProfile | None
 
 
 def _speed_scale(args: argparse.Namespace, calibration: MeasuredRun | None,
-                 measured: MeasuredRun | None) -> float | None:
-    """The measured run's time for the speed reference's job (every round's, as its figures)
-    over the calibration run's (its steps' round; speed_scale.py); None unless
-    --speed-reference scale and both runs have a reference."""
-    if args.speed_reference != "scale" or calibration is None or measured is None:
+                 measured: MeasuredRun | None) -> SpeedScale | None:
+    """The measured run's times for the speed reference's jobs (every round's, as its figures)
+    over the calibration run's (its steps' round; speed_scale.py); None with --speed-reference
+    ignore or where a run has no reference. ValueError for split without the decode job."""
+    if args.speed_reference == "ignore" or calibration is None or measured is None:
         return None
-    if calibration.speed_reference is None or measured.rounds_reference is None:
+    ref, other = calibration.speed_reference, measured.rounds_reference
+    if ref is None or other is None:
         return None
-    return speed_factor(calibration.speed_reference, measured.rounds_reference)
+    scale = SpeedScale(speed_factor(ref, other), decode_factor(ref, other),
+                       args.speed_reference == "split")
+    if scale.split and scale.decode is None:
+        raise ValueError("--speed-reference split needs the decode job timed around both runs "
+                         "(results of a bench compare that times it); use scale")
+    return scale
 
 
 _OWN_LIMITS = ("prefill", "decode", "collocated", "chunk", "max_batch", "kv_capacity_tokens",

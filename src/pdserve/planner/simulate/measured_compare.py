@@ -33,7 +33,9 @@ measured run's (every request that ended in an error, the router's refusals amon
 the simulation's (those its admission refused, admission.py; none without admission). The
 JSON holds them always. When both runs carry bench compare's speed reference, the calibration
 is priced at the measured run's speed first (speed_scale.py) and the comparison says by what
-factor (`speed_scale` in the JSON; null: not scaled).
+factor (`speed_scale` in the JSON; null: not scaled), with the decode job's factor beside it
+(`decode_speed_scale`, null where a run did not time it; `speed_split` true when the decode
+costs were priced by it, `--speed-reference split`).
 
 The P99 ITL also has its tail: the share of the simulated ITLs longer than the measured P99
 (`itl_above_p99`; 1% where the two agree). A run whose decodes stall behind whole prompts puts
@@ -54,6 +56,7 @@ from pdserve.planner.simulate.events import SimResult
 from pdserve.planner.simulate.measured_run import METRICS, MeasuredRun
 from pdserve.planner.simulate.metrics import ItlSamples
 from pdserve.planner.simulate.path_agreement import PathAgreement, agreement
+from pdserve.planner.simulate.speed_scale import SpeedScale
 from pdserve.planner.simulate.split_model import SplitRule
 from pdserve.planner.simulate.step_check import describe_ratios
 
@@ -132,8 +135,8 @@ class Comparison:
     failed: int = 0  # the simulation's requests refused by admission
     # the measured run's steps priced by the calibration (step_check.py); None: not known
     step_ratios: dict[str, dict[str, Any]] | None = None
-    # the calibration's factor to the measured run's speed (speed_scale.py); None: not scaled
-    speed_scale: float | None = None
+    # the calibration's factors to the measured run's speed (speed_scale.py); None: not scaled
+    speed_scale: SpeedScale | None = None
     # a split layout's paths request by request (path_agreement.py); None: not known
     paths: PathAgreement | None = None
     # the share of the simulated ITLs longer than the measured P99 ITL; None: not known
@@ -153,12 +156,12 @@ class Comparison:
 def compare(run: MeasuredRun, label: str, simulated: dict[str, Any],
             local_prefills: int | None = None,
             step_ratios: dict[str, dict[str, Any]] | None = None,
-            speed_scale: float | None = None, paths: PathAgreement | None = None,
+            speed_scale: SpeedScale | None = None, paths: PathAgreement | None = None,
             itl: ItlSamples | None = None) -> Comparison:
     """`simulated`: metrics.summary_to_dict of the simulated layout (its "failed" count of
     refused requests, 0 when absent); `local_prefills`: its local prefills when it splits
     prompts (`split_local_prefills`); `step_ratios`: step_check.step_ratios of the run;
-    `speed_scale`: the factor the calibration was scaled by to the run's speed; `paths`: the
+    `speed_scale`: the factors the calibration was scaled by to the run's speed; `paths`: the
     split paths request by request (`split_paths`); `itl`: the simulation's ITLs."""
     p99 = run.measured["p99_itl_ms"]
     above = None if itl is None or p99 is None else itl.share_above(p99)
@@ -177,6 +180,18 @@ def split_paths(run: MeasuredRun, result: SimResult) -> PathAgreement | None:
     if result.layout is not Layout.DISAGG or not run.paths:
         return None
     return agreement(run.paths, result.records)
+
+
+def _speed_line(scale: SpeedScale) -> str:
+    """"calibration scaled x1.030 to the run's speed reference (its decode job: x1.200, not
+    applied)", or the two factors as applied under split."""
+    if scale.split:
+        return (f"calibration scaled to the run's speed references: prompt costs "
+                f"x{scale.prefill:.3f} (prefill job), decode costs x{scale.decode:.3f} "
+                "(decode job)")
+    decode = "" if scale.decode is None else \
+        f" (its decode job: x{scale.decode:.3f}, not applied)"
+    return f"calibration scaled x{scale.prefill:.3f} to the run's speed reference{decode}"
 
 
 def _cell(value: float | None, fmt: str) -> str:
@@ -206,7 +221,7 @@ def render_comparison(c: Comparison) -> str:
         lines.append(f"{'failed requests':<22}{run.failed:>12,}{c.failed:>12,}{'':>10}  "
                      "(simulated: refused by admission; no tolerance)")
     if c.speed_scale is not None:
-        lines.append(f"calibration scaled x{c.speed_scale:.3f} to the run's speed reference")
+        lines.append(_speed_line(c.speed_scale))
     if c.step_ratios:
         lines.append(f"its steps, measured / priced by the calibration: "
                      f"{describe_ratios(c.step_ratios)}")
@@ -240,5 +255,8 @@ def comparison_json(c: Comparison) -> dict[str, Any]:
         out["paths"] = c.paths.to_json()
     if c.step_ratios is not None:
         out["step_ratios"] = c.step_ratios
-    out["speed_scale"] = c.speed_scale
+    scale = c.speed_scale
+    out["speed_scale"] = None if scale is None else scale.prefill
+    out["decode_speed_scale"] = None if scale is None else scale.decode
+    out["speed_split"] = scale is not None and scale.split
     return out

@@ -1,11 +1,16 @@
 """A calibration scaled to the machine's speed when another run was measured.
 
 A shared machine's speed drifts between runs by more than the simulator's model misses. So
-`pdserve bench compare` times one fixed engine job (a 512-token prefill of the run's model)
-right before and right after each pdserve run, on the threads that configuration's workers
-compute on (bench/speed_reference.py), and keeps it in the results as
+`pdserve bench compare` times two fixed engine jobs (a 512-token prefill of the run's model,
+and decode steps of 8 streams) right before and right after each pdserve run, on the threads
+that configuration's workers compute on (bench/speed_reference.py), and keeps them in the
+results as
 
-    "speed_reference": {"threads": T, "prefill_tokens": P, "prefill_s": [before, after]}
+    "speed_reference": {"threads": T, "prefill_tokens": P, "prefill_s": [before, after],
+                        "decode_streams": S, "decode_prompt_tokens": Q,
+                        "decode_step_s": [before, after]}
+
+(the decode job's three keys are absent in results written before it was timed).
 
 With the calibration run A's reference and the held-out run B's (same job), every fitted cost
 of the profile (overheads, per token, per attention pair, per stream, per context token) is
@@ -16,14 +21,21 @@ priced at B's speed:
 except a decode cost per context token held at a value measured apart (--decode-context-us):
 it was not measured at A's speed, and stays as given. The mean of the two timings stands for
 the whole run: one timing is a snapshot (the same job a minute apart differed by up to 16%
-here), and bracketing halves its variance. One factor for every kind of cost: a second, for
-the decode terms, from the decode steps of eight streams moved more between its two timings
-than the machine drifted (docs/benchmarks.md). A held-out run of several rounds (`bench
-compare --repeats`, its figures medians over them) is priced at all its rounds' timings pooled
-(`read_rounds_reference`); a calibration, whose steps are its last round's, at that round's.
+here), and bracketing halves its variance. By default one factor for every kind of cost; a
+second, for the decode terms, is what `--speed-reference split` gives:
+
+    prompt terms x f,   decode terms (overhead, per stream, past the knee) x d,
+    d = mean(B.decode_step_s) / mean(A.decode_step_s)
+
+and the per-context-token term x d unless held. The default stays one factor until runs show
+the second one predicts better (docs/benchmarks.md); `decode_factor` is reported beside it
+either way. A held-out run of several rounds (`bench compare --repeats`, its figures medians
+over them) is priced at all its rounds' timings pooled (`read_rounds_reference`); a
+calibration, whose steps are its last round's, at that round's.
 
 Refused (ValueError): references of different jobs (threads, prompt tokens): the runs'
-workers did not compute on the same threads, or the job changed between versions.
+workers did not compute on the same threads, or the job changed between versions; `split`
+when either run lacks the decode job's timings.
 """
 
 from __future__ import annotations
@@ -36,8 +48,10 @@ from typing import Any
 from pdserve.planner.simulate.calibration import CalibrationProfile
 
 KEY = "speed_reference"
-# `--speed-reference`: scale by the references, or price at the calibration run's speed
-SPEED_REFERENCE_MODES = ("scale", "ignore")
+# `--speed-reference`: scale by the prefill job; scale the prompt terms by the prefill job and
+# the decode terms by the decode job; or price at the calibration run's speed
+SPEED_REFERENCE_MODES = ("scale", "split", "ignore")
+DECODE_KEYS = ("decode_streams", "decode_prompt_tokens", "decode_step_s")
 
 
 @dataclass(frozen=True)
@@ -47,6 +61,9 @@ class SpeedReference:
     threads: int
     prefill_tokens: int
     prefill_s: tuple[float, ...]
+    # the decode job: (streams, prompt tokens) and its timings; None and (): not timed
+    decode_job: tuple[int, int] | None = None
+    decode_step_s: tuple[float, ...] = ()
 
     @property
     def job(self) -> tuple[int, int]:
@@ -67,8 +84,16 @@ def read_speed_reference(result: dict[str, Any], label: str) -> SpeedReference |
             not _timings(ref.get("prefill_s")):
         raise ValueError(f"{label}: {KEY} must be {{\"threads\", \"prefill_tokens\": n >= 1, "
                          f"\"prefill_s\": [seconds > 0, ...]}}, got {str(ref)[:80]}")
+    known = [k for k in DECODE_KEYS if k in ref]
+    if known and (known != list(DECODE_KEYS) or not _count(ref["decode_streams"]) or
+                  not _count(ref["decode_prompt_tokens"]) or not _timings(ref["decode_step_s"])):
+        raise ValueError(f"{label}: {KEY}'s decode job needs \"decode_streams\", "
+                         f"\"decode_prompt_tokens\": n >= 1 and \"decode_step_s\": [seconds > 0, "
+                         f"...], got {', '.join(f'{k}={ref[k]!r}' for k in known)}")
+    decode = (ref["decode_streams"], ref["decode_prompt_tokens"]) if known else None
     return SpeedReference(ref["threads"], ref["prefill_tokens"],
-                          tuple(map(float, ref["prefill_s"])))
+                          tuple(map(float, ref["prefill_s"])), decode,
+                          tuple(map(float, ref.get("decode_step_s", ()))))
 
 
 def read_rounds_reference(result: dict[str, Any], label: str) -> SpeedReference | None:
@@ -85,8 +110,22 @@ def read_rounds_reference(result: dict[str, Any], label: str) -> SpeedReference 
     known = [r for r in refs if r is not None]
     if len(known) != len(refs) or len({r.job for r in known}) != 1:
         return None
+    decoded = len({r.decode_job for r in known}) == 1 and known[0].decode_job is not None
     return SpeedReference(known[0].threads, known[0].prefill_tokens,
-                          tuple(t for r in known for t in r.prefill_s))
+                          tuple(t for r in known for t in r.prefill_s),
+                          known[0].decode_job if decoded else None,
+                          tuple(t for r in known for t in r.decode_step_s) if decoded else ())
+
+
+@dataclass(frozen=True)
+class SpeedScale:
+    """The calibration's factors to a measured run's speed: `prefill` the prefill job's (f),
+    `decode` the decode job's (d; None: not timed by both runs); `split`: the decode terms are
+    priced by d (--speed-reference split), else d is only reported."""
+
+    prefill: float
+    decode: float | None = None
+    split: bool = False
 
 
 def _count(value: object) -> bool:
@@ -109,11 +148,22 @@ def speed_factor(calibration: SpeedReference, measured: SpeedReference) -> float
     return statistics.fmean(measured.prefill_s) / statistics.fmean(calibration.prefill_s)
 
 
-def scale_profile(profile: CalibrationProfile, factor: float, context_held: bool
-                  ) -> CalibrationProfile:
-    """`profile` priced at the measured run's speed (the module docstring)."""
-    return _times(profile, factor, factor, 1.0 if context_held else factor,
-                  f"{profile.source}, scaled x{factor:.3f} by the speed references")
+def decode_factor(calibration: SpeedReference, measured: SpeedReference) -> float | None:
+    """d above; None unless both runs timed the same decode job."""
+    if calibration.decode_job is None or calibration.decode_job != measured.decode_job or \
+            calibration.threads != measured.threads:
+        return None
+    return statistics.fmean(measured.decode_step_s) / statistics.fmean(calibration.decode_step_s)
+
+
+def scale_profile(profile: CalibrationProfile, factor: float, context_held: bool,
+                  decode: float | None = None) -> CalibrationProfile:
+    """`profile` priced at the measured run's speed (the module docstring): every term by
+    `factor`, or, given `decode` (split), the decode terms by that."""
+    d = factor if decode is None else decode
+    how = f"x{factor:.3f}" if decode is None else f"x{factor:.3f} (prompt), x{d:.3f} (decode)"
+    return _times(profile, factor, d, 1.0 if context_held else d,
+                  f"{profile.source}, scaled {how} by the speed references")
 
 
 def _times(profile: CalibrationProfile, prompt: float, decode: float, context: float,
