@@ -21,6 +21,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from pdserve.bench.measured_spread import apart
 from pdserve.bench.measured_spread import change as changed
 from pdserve.bench.simulator_check import FIGURES
 
@@ -47,15 +48,15 @@ def compare(a: dict[tuple[str, str], dict[str, Any]], b: dict[tuple[str, str], d
             if None in (ma, mb, ea, eb) or ma == 0:
                 continue
             tol = ra["tolerance"][f]
-            change = changed(ma, mb)
             out.append({"workload": key[0], "config": key[1], "figure": f, "measured_a": ma,
-                        "measured_b": mb, "change": change, "error_a": ea, "error_b": eb,
-                        "tolerance": tol, "verdict": _verdict(change, ea, eb, tol)})
+                        "measured_b": mb, "change": changed(ma, mb), "error_a": ea,
+                        "error_b": eb, "tolerance": tol,
+                        "verdict": _verdict(apart((ma, mb), tol), ea, eb, tol)})
     return out
 
 
-def _verdict(change: float, error_a: float, error_b: float, tol: float) -> str:
-    if abs(change) > tol:
+def _verdict(noise: bool, error_a: float, error_b: float, tol: float) -> str:
+    if noise:
         return "noise"
     miss_a, miss_b = abs(error_a) > tol, abs(error_b) > tol
     if miss_a and miss_b and (error_a > 0) == (error_b > 0):

@@ -402,7 +402,8 @@ def fit_bench_rows(rows: Sequence[Any], context_token_s: float = 0.0, source: st
         decode_overhead_s=d0, decode_per_seq_s=d1, decode_per_context_token_s=context_token_s,
         prefill_overhead_s=coef[0], prefill_per_token_s=coef[1],
         prefill_per_attention_pair_s=coef[2], model=model, gpu=gpu, tp=tp, source=source,
-        fit_rows=len(rows), max_rel_error=max(*errors, nnls.max_rel_error(prefill, coef)))
+        fit_rows=len(rows),
+        max_rel_error=max(*errors, nnls.max_rel_error(prefill, lambda p: nnls.predict(p, coef))))
 
 
 def context_token_seconds(kv_bytes_per_token_rank: int, hardware: Hardware,

@@ -69,9 +69,10 @@ def predict(point: Point, coef: Sequence[float]) -> float:
     return sum(f * c for f, c in zip(point.features(), coef, strict=True))
 
 
-def max_rel_error(points: Sequence[Point], coef: Sequence[float]) -> float:
-    """The largest |model - t| / t over the points."""
-    return max(abs(predict(p, coef) - p.seconds) / p.seconds for p in points)
+def max_rel_error(points: Sequence[Point], model: Callable[[Point], float]) -> float:
+    """The largest |model(p) - t| / t over the points (`model`: e.g. predict with fitted
+    coefficients, or a decode fit with its knee)."""
+    return max(abs(model(p) - p.seconds) / p.seconds for p in points)
 
 
 def weighted_error(points: Sequence[Point], coef: Sequence[float]) -> float:

@@ -349,11 +349,6 @@ def _median_step_error(decode: Mapping[Any, list[tuple[float, float, float]]],
     return statistics.median(errors)
 
 
-def _max_decode_error(points: Sequence[Point], terms: DecodeTerms) -> float:
-    """The largest |model - t| / t over the decode points (nnls.max_rel_error's)."""
-    return max(abs(terms.step(p.x, p.y) - p.seconds) / p.seconds for p in points)
-
-
 def _fit_decode_held(points: Sequence[Point], per_context_s: float, source: str
                      ) -> DecodeTerms:
     """(overhead, per_seq) >= 0, and a knee where one pays (`_knee`), with per_context_token
@@ -433,6 +428,6 @@ def fit_step_traces(steps: Mapping[str, Sequence[Step]], decode_time: str = "per
         decode_per_seq_past_knee_s=d.past_knee,
         prefill_overhead_s=p0, prefill_per_token_s=p1, prefill_per_attention_pair_s=pa,
         source=source, fit_rows=int(sum(p.count for p in decode) + sum(p.count for p in prefill)),
-        max_rel_error=max(_max_decode_error(decode, d),
-                          nnls.max_rel_error(prefill, (p0, p1, pa))),
+        max_rel_error=max(nnls.max_rel_error(decode, lambda p: d.step(p.x, p.y)),
+                          nnls.max_rel_error(prefill, lambda p: nnls.predict(p, (p0, p1, pa)))),
         median_rel_error=_median_step_error(groups.decode, d, prefill_groups, (p0, p1, pa)))
