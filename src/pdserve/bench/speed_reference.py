@@ -1,17 +1,17 @@
-"""A speed reference: one fixed engine job, timed just before a serving run, that says how fast
+"""A speed reference: two fixed engine jobs, timed just before a serving run, that say how fast
 the machine was at that moment.
 
 A shared machine's speed drifts by more than the simulator's model misses: the same engine
 step ran 25-30% faster in one hour than in the next here, with nothing else running. A
 calibration fitted on a run at one speed then prices a held-out run at another wrongly, and the
-miss reads as the model's. `pdserve bench compare` times this job before each configuration's
+miss reads as the model's. `pdserve bench compare` times the jobs before each configuration's
 run and again after it (on the threads that configuration's workers compute on), and keeps both
 in the results as `speed_reference`; `pdserve simulate --calibrate A --compare-measured B`
 scales A's fitted costs by B's reference over A's (planner/simulate/speed_scale.py). One timing
 is a snapshot: the same job timed twice a minute apart here differed by up to 16%, so the two
 that bracket the run are averaged.
 
-The job, on the run's model in the engine alone (no worker, no HTTP), `threads` compute threads
+The jobs, on the run's model in the engine alone (no worker, no HTTP), `threads` compute threads
 pinned to the first `threads` cores this process may use (a configuration's first worker is
 pinned there too: `pdserve up` splits the cores in order):
 - prefill: one prompt of PREFILL_TOKENS random tokens prefilled whole, the median of REPEATS
@@ -20,10 +20,12 @@ pinned there too: `pdserve up` splits the cores in order):
 - decode: DECODE_STREAMS streams of DECODE_PROMPT random tokens, prefilled (untimed), then
   DECODE_WINDOWS windows of DECODE_STEPS decode steps, the median of the windows' median
   steps. A decode step reads every weight for a few rows of arithmetic: memory-bound, as the
-  decode part of a serving step. A machine whose memory slows more than its arithmetic (a
-  neighbour VM streaming memory) shows it here and not in the prefill (docs/benchmarks.md:
-  held-out decode steps 1.16-1.38x their price while the prefill timings moved 0-8%).
-About 10 s with SmolLM2 on 2 cores, a third of it the model's load.
+  decode part of a serving step, so a machine whose memory slows more than its arithmetic
+  (held-out decode steps 1.16-1.38x their price while the prefill timings moved 0-8%, on one
+  afternoon here) should show it here and not in the prefill. Measured so far it tracked the
+  serving decode steps on one thread and not on two (docs/benchmarks.md, "A decode job beside
+  the prefill"): `pdserve simulate` reports its factor and prices by it only when asked.
+About 13 s with SmolLM2 on 2 threads and 20 s on 1, 3-4 s of it the model's load.
 
 Run as `python -m pdserve.bench.speed_reference --model M --threads T`: one JSON object on
 stdout (`measure` runs it so, in a process of its own that is gone before the cluster starts).
