@@ -100,6 +100,20 @@ def test_a_decode_workers_steps_are_split_by_whether_a_prefill_worker_computed_b
     assert "beside" not in step_ratios(PROFILE, {"prefill-0": prefill, "w": decode})["decode"]
 
 
+def test_a_long_neighbour_step_counts_behind_many_short_ones_of_another_neighbour():
+    """Two prefill workers: one computes 0-5 s in one step, the other in twelve steps of 0.1 s,
+    half a second apart from 1 s. A decode step at 4.7 s is beside the long one, though eight
+    short steps started between the two; one at 6.12 s, between short steps, is alone; one at
+    6.45 s, which the short step at 6.5 s starts into, is neither."""
+    short = [_prefill(1.0 + 0.5 * i, 0.1) for i in range(12)]
+    steps = {"prefill-0": [_prefill(0.0, 5.0)], "prefill-1": short,
+             "decode-0": [_decode(4.7, 2, 0.02), _decode(6.12, 2, 0.02), _decode(6.45, 2, 0.1)]}
+    assert neighbour.place(steps) == {"decode-0": [(True, False), (False, True),
+                                                   (False, False)]}
+    assert not neighbour.is_decode_worker("prefill-0") and neighbour.is_decode_worker(
+        "disagg/decode-1")
+
+
 def test_the_steps_beside_a_results_file_are_found_for_its_configuration(tmp_path):
     write_json(tmp_path / "b.json", {"disagg": serve_result([request(0.0, 1000, 11)])})
     assert steps_beside(f"{tmp_path / 'b.json'}:disagg", FLAG) is None  # no b.steps.json
