@@ -89,16 +89,18 @@ class ContextRow:
         return (self.shared_ms - self.short_ms) / (self.unique_ms - self.short_ms)
 
 
-def _median_step_ms(engine: Engine, prompts: list[list[int]], steps: int) -> float:
-    """The median decode step of the streams `prompts` start, after each is prefilled (one
-    after the other, so later prompts find the earlier ones' blocks in the prefix cache)."""
-    params = SamplingParams(temperature=0, max_tokens=WARM_STEPS + steps + 1, ignore_eos=True)
+def decode_step_times(engine: Engine, prompts: list[list[int]], steps: int,
+                      warm_steps: int = WARM_STEPS) -> list[float]:
+    """Seconds of each of `steps` decode steps of the streams `prompts` start, after each is
+    prefilled (one after the other, so later prompts find the earlier ones' blocks in the
+    prefix cache) and `warm_steps` more (first-use costs); the streams are aborted after."""
+    params = SamplingParams(temperature=0, max_tokens=warm_steps + steps + 1, ignore_eos=True)
     ids = []
     for p in prompts:
         ids.append(engine.add_request(p, params))
         while engine.requests[ids[-1]].num_output_tokens == 0:
             engine.step()
-    for _ in range(WARM_STEPS):
+    for _ in range(warm_steps):
         engine.step()
     times = []
     for _ in range(steps):
@@ -107,7 +109,12 @@ def _median_step_ms(engine: Engine, prompts: list[list[int]], steps: int) -> flo
         times.append(time.perf_counter() - t0)
     for r in ids:
         engine.abort(r)
-    return statistics.median(times) * 1e3
+    return times
+
+
+def _median_step_ms(engine: Engine, prompts: list[list[int]], steps: int) -> float:
+    """The median decode step of the streams `prompts` start (`decode_step_times`), in ms."""
+    return statistics.median(decode_step_times(engine, prompts, steps)) * 1e3
 
 
 def _row(engine: Engine, prompts: RandomPrompts, batch: int, s: ContextSettings

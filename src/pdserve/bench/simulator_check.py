@@ -72,7 +72,7 @@ from pdserve.bench import measured_spread, simulator_context
 from pdserve.bench.paired_goodput import paired
 from pdserve.planner.plan_simulation import MARGIN
 from pdserve.planner.simulate.file_spec import steps_path
-from pdserve.planner.simulate.measured_compare import on_the_cliff
+from pdserve.planner.simulate.measured_compare import CLIFF_TEXT, on_the_cliff
 from pdserve.planner.simulate.speed_scale import SPEED_REFERENCE_MODES
 
 CONFIGS = ("collocated", "collocated-chunked", "disagg")
@@ -406,8 +406,8 @@ def _count_line(rows: list[dict[str, Any]], rounds: bool) -> str:
     cliff = sum(1 for r in p99 if on_the_cliff(r.get("itl_above_p99")))
     return (f"{out} of {figures} figures outside their tolerance"
             + (f", {noise} of them noise (~)" if rounds else "")
-            + (f"; {cliff} of {len(p99)} P99 ITL misses on the stalls' cliff (itl>p99 0.5-2%)"
-               if p99 else ""))
+            + (f"; {cliff} of {len(p99)} P99 ITL misses on the stalls' cliff (itl>p99 "
+               f"{CLIFF_TEXT})" if p99 else ""))
 
 
 def _split_text(mode: str | None) -> str:

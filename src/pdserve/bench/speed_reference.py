@@ -75,8 +75,7 @@ def _time_job(model: str) -> dict[str, Any]:
     try:
         prefill = [_prefill_s(engine, prompts(1, PREFILL_TOKENS)[0], SamplingParams(max_tokens=1))
                    for _ in range(REPEATS + 1)][1:]
-        decode = _decode_step_s(engine, prompts(DECODE_STREAMS, DECODE_PROMPT), SamplingParams(
-            temperature=0, max_tokens=DECODE_STEPS * DECODE_WINDOWS + 2, ignore_eos=True))
+        decode = _decode_step_s(engine, prompts(DECODE_STREAMS, DECODE_PROMPT))
     finally:
         engine.close()
     return {"prefill_tokens": PREFILL_TOKENS, "prefill_s": statistics.median(prefill),
@@ -92,25 +91,14 @@ def _prefill_s(engine: Engine, prompt: list[int], params: SamplingParams) -> flo
     return time.perf_counter() - t0
 
 
-def _decode_step_s(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> float:
+def _decode_step_s(engine: Engine, prompts: list[list[int]]) -> float:
     """The decode job (module docstring): the median of the windows' median step, timed once
-    every stream decodes (one untimed step first: first-use costs); `params` leave room for
-    every window's steps."""
-    ids = [engine.add_request(p, params) for p in prompts]
-    while any(engine.requests[i].num_output_tokens == 0 for i in ids):
-        engine.step()
-    engine.step()
-    windows = []
-    for _ in range(DECODE_WINDOWS):
-        times = []
-        for _ in range(DECODE_STEPS):
-            t0 = time.perf_counter()
-            engine.step()
-            times.append(time.perf_counter() - t0)
-        windows.append(statistics.median(times))
-    for i in ids:
-        engine.abort(i)
-    return statistics.median(windows)
+    every stream decodes (one untimed step first: first-use costs)."""
+    from pdserve.bench.context_bench import decode_step_times  # in the child, as above
+
+    times = decode_step_times(engine, prompts, DECODE_STEPS * DECODE_WINDOWS, warm_steps=1)
+    return statistics.median(statistics.median(times[i:i + DECODE_STEPS])
+                             for i in range(0, len(times), DECODE_STEPS))
 
 
 def pin(threads: int) -> None:

@@ -66,6 +66,7 @@ PDSERVE_KV_CACHE_BYTES = 512 * 2**20
 TOLERANCE = 0.25  # calibrated on one run, a held-out run's figures within 25% ...
 TOLERANCES = {key: 0.35 if key == "p99_itl_ms" else TOLERANCE for key in METRICS}  # P99 ITL 35%
 CLIFF_TAIL = (0.005, 0.02)  # simulated ITLs above the measured P99: 1% within a factor of two
+CLIFF_TEXT = f"{CLIFF_TAIL[0] * 100:g}-{CLIFF_TAIL[1] * 100:g}%"  # "0.5-2%"
 
 
 def on_the_cliff(itl_above_p99: float | None) -> bool:
@@ -211,7 +212,7 @@ def render_comparison(c: Comparison) -> str:
     if c.itl_above_p99 is not None:
         lines.append(f"simulated ITLs above the measured P99 ITL: {c.itl_above_p99:.2%} "
                      f"(measured: 1%; {'within' if on_the_cliff(c.itl_above_p99) else 'outside'} "
-                     "0.5-2%, where a P99 miss is the stalls' cliff, not the model's)")
+                     f"{CLIFF_TEXT}, where a P99 miss is the stalls' cliff, not the model's)")
     if c.local_prefills is not None:
         lines.append(f"{'local prefills':<22}{_cell(c.run.local_prefills, '{:g}'):>12}"
                      f"{c.local_prefills:>12}{'':>10}  (measured: the router's; no tolerance)")

@@ -116,13 +116,10 @@ def _time(ratio: Mapping[str, Any]) -> str:
     return f"time x{ratio['time_ratio']:.2f}, " if "time_ratio" in ratio else ""
 
 
-def neighbour_text(ratio: Mapping[str, Any]) -> str:
-    """"beside a computing prefill worker x1.37, alone x0.99", or "" without the split."""
+def _sides(ratio: Mapping[str, Any]) -> str:
+    """"; a decode worker's steps beside a computing prefill worker x1.37, alone x0.99", or ""
+    without the split."""
     if "beside" not in ratio:
         return ""
-    return f"beside a computing prefill worker x{ratio['beside']:.2f}, alone x{ratio['alone']:.2f}"
-
-
-def _sides(ratio: Mapping[str, Any]) -> str:
-    text = neighbour_text(ratio)
-    return f"; a decode worker's steps {text}" if text else ""
+    return (f"; a decode worker's steps beside a computing prefill worker x{ratio['beside']:.2f}"
+            f", alone x{ratio['alone']:.2f}")
