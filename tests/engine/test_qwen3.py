@@ -65,10 +65,16 @@ def test_a_bf16_qwen3_on_the_compiled_operators_is_as_close_to_fp32_as_pytorch_o
     assert attn.ops is ops and attn.q_norm.fused is ops and on.engine.model.norm.fused is ops
     assert off.engine.model.layers[0].self_attn.ops is None
     fp32 = LLM(model=str(path), dtype="float32", max_model_len=256)
-    prompt = list(range(20, 60))
-    exact = _engine_logits(fp32, prompt)
-    errors = [(_engine_logits(llm, prompt).float() - exact).abs().mean() for llm in (on, off)]
+    # summed over prompts: one prompt's error ratio alone swings 0.9-1.3x between the CPUs'
+    # linear kernels (an MoE router's near-ties), several prompts' sum stays within 1.1x
+    prompts = [list(range(first, first + 40)) for first in (20, 60, 100, 140)]
+    errors = [0.0, 0.0]
+    for prompt in prompts:
+        exact = _engine_logits(fp32, prompt)
+        for i, llm in enumerate((on, off)):
+            errors[i] += (_engine_logits(llm, prompt).float() - exact).abs().mean().item()
     assert errors[0] <= 1.25 * errors[1], errors
+    prompt = prompts[0]
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     tokens = on.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
     scores = _engine_logits(fp32, prompt + tokens[:-1])[len(prompt) - 1 :]  # [16, vocab]
