@@ -26,14 +26,19 @@ def flash(ops):
     return ops
 
 
-@pytest.fixture(params=["avx512_bf16", "fma"])
+@pytest.fixture(params=["amx", "avx512_bf16", "fma"])
 def prefill_kernel(request, ops):
-    """Each prefill attention kernel this CPU runs: VDPBF16PS (what `prefill_attention` runs
-    on AVX512-BF16) and the fp32 FMA one (what it runs on AVX2, callable on both)."""
+    """Each prefill attention kernel this CPU runs: AMX tiles (what `prefill_attention` runs
+    where the process is granted AMX), VDPBF16PS (what it runs on other AVX512-BF16 CPUs) and
+    the fp32 FMA one (what it runs on AVX2); each callable wherever its CPU features are."""
+    if request.param == "amx":
+        if not ops.prefill_attention_amx_available():
+            pytest.skip("this CPU or kernel grants no AMX")
+        return ops.prefill_attention_amx
     if request.param == "avx512_bf16":
         if not ops.dpbf16_available():
             pytest.skip("this CPU has no AVX512-BF16")
-        return ops.prefill_attention
+        return ops.prefill_attention_dpbf16
     if not ops.prefill_attention_fma_available():
         pytest.skip("this CPU has no AVX2 and FMA")
     return ops.prefill_attention_fma

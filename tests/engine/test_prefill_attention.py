@@ -76,6 +76,18 @@ def test_a_position_gives_the_same_bits_in_any_chunk(prefill_kernel):
         assert torch.equal(torch.cat(parts), whole), cuts
 
 
+def test_prefill_attention_runs_the_fastest_kernel_of_this_cpu(flash):
+    name = flash.prefill_attention_kernel()
+    assert name == ("amx" if flash.prefill_attention_amx_available()
+                    else "avx512_bf16" if flash.dpbf16_available() else "avx2")
+    kernel = {"amx": flash.prefill_attention_amx, "avx512_bf16": flash.prefill_attention_dpbf16,
+              "avx2": flash.prefill_attention_fma}[name]
+    q, k_cache, v_cache, table, length = _case(torch.Generator().manual_seed(5), 70, 30, 9, 3,
+                                               64)
+    assert torch.equal(flash.prefill_attention(q, k_cache, v_cache, table, length, 0.125),
+                       kernel(q, k_cache, v_cache, table, length, 0.125))
+
+
 def test_it_refuses_what_it_cannot_read(prefill_kernel):
     gen = torch.Generator().manual_seed(1)
     q, k_cache, v_cache, table, length = _case(gen, 20, 0, 9, 3, 64)

@@ -119,7 +119,8 @@ def main(s: AttentionSettings, as_json: bool) -> int:
               "(it needs AVX512-BF16, or AVX2 and FMA, and a C++ compiler)", file=sys.stderr)
         return 1
     print(f"H={s.heads} KVH={s.kv_heads} D={s.head_dim}, {torch.get_num_threads()} threads, "
-          f"medians of {s.repeats}", file=sys.stderr)
+          f"pdserve's kernel on {ops.prefill_attention_kernel()}, medians of {s.repeats}",
+          file=sys.stderr)
     rows = [measure(ops, n, s) for n in s.lengths]
     if as_json:
         for r in rows:

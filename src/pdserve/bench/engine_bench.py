@@ -390,8 +390,9 @@ def _operators(engine: Engine) -> str:
     if engine.model.fused is None:
         return "PyTorch operators"
     kernel = _linear_kernel(engine)
+    attention = engine.model.fused.prefill_attention_kernel() or "SDPA"
     return (f"its fused CPU operators, linears on "
-            f"{'oneDNN' if kernel is None else kernel.name}")
+            f"{'oneDNN' if kernel is None else kernel.name}, prefill attention on {attention}")
 
 
 def format_table(rows: list[BenchRow]) -> str:

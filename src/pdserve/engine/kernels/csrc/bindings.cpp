@@ -18,9 +18,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("store_kv_", &pdserve::store_kv_, kFree);
   m.def("decode_attention", &pdserve::decode_attention, kFree);
   m.def("prefill_attention_available", &pdserve::prefill_attention_available);
+  m.def("prefill_attention_kernel", &pdserve::prefill_attention_kernel);
   m.def("prefill_attention", &pdserve::prefill_attention, kFree);
   m.def("prefill_attention_fma_available", &pdserve::prefill_attention_fma_available);
   m.def("prefill_attention_fma", &pdserve::prefill_attention_fma, kFree);
+  m.def("prefill_attention_dpbf16", &pdserve::prefill_attention_dpbf16, kFree);
+  m.def("prefill_attention_amx_available", &pdserve::prefill_attention_amx_available);
+  m.def("prefill_attention_amx", &pdserve::prefill_attention_amx, kFree);
   m.def("argmax_rows", &pdserve::argmax_rows, kFree);
   m.def("amx_available", &pdserve::amx_available);
   m.def("amx_pack", &pdserve::amx_pack, kFree);

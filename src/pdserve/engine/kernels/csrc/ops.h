@@ -81,6 +81,9 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
 // Whether this build has the prefill attention kernel (AVX512-BF16, or AVX2 and FMA).
 bool prefill_attention_available();
 
+// The kernel prefill_attention runs here: "amx", "avx512_bf16", "avx2", or "" (none).
+std::string prefill_attention_kernel();
+
 // prefill_attention's kernel for CPUs without AVX512-BF16 (prefill_attention_fma.cpp): the
 // same contract in fp32 FMAs (AVX2 and FMA); prefill_attention calls it on such a build.
 bool prefill_attention_fma_available();
@@ -88,7 +91,18 @@ at::Tensor prefill_attention_fma(const at::Tensor& q, const at::Tensor& k_cache,
                                  const at::Tensor& v_cache, const at::Tensor& block_table,
                                  int64_t context_len, double scale);
 
-// prefill_attention's argument checks (both kernels'); returns the block table's ids.
+// prefill_attention's kernels on AVX512-BF16's VDPBF16PS (prefill_attention.cpp) and AMX tiles
+// (prefill_attention_amx.cpp): the same contract; prefill_attention calls the AMX one where the
+// process is granted AMX, else VDPBF16PS where the CPU has it, else the FMA one.
+at::Tensor prefill_attention_dpbf16(const at::Tensor& q, const at::Tensor& k_cache,
+                                    const at::Tensor& v_cache, const at::Tensor& block_table,
+                                    int64_t context_len, double scale);
+bool prefill_attention_amx_available();
+at::Tensor prefill_attention_amx(const at::Tensor& q, const at::Tensor& k_cache,
+                                 const at::Tensor& v_cache, const at::Tensor& block_table,
+                                 int64_t context_len, double scale);
+
+// prefill_attention's argument checks (every kernel's); returns the block table's ids.
 const int64_t* check_prefill_args(const at::Tensor& q, const at::Tensor& k_cache,
                                   const at::Tensor& v_cache, const at::Tensor& block_table,
                                   int64_t context_len);

@@ -2,11 +2,13 @@
 #pragma once
 
 #include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
 #include <ATen/core/Tensor.h>
 
 #include <atomic>
 #include <cstdint>
 
+#include "ops.h"
 #include "vec.h"
 
 namespace pdserve {
@@ -41,6 +43,27 @@ void for_each_item(int64_t kvh, int64_t n, int64_t rows, const Item& item) {
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
     for (int64_t i = next++; i < items; i = next++) item(i % kvh, (blocks - 1 - i / kvh) * rows);
   });
+}
+
+// A prefill attention kernel's call: its arguments checked, each KV head's tiles packed once
+// (pack(pool, kvh, len)), then attend(tiles, g, first, start, group, out) for every item of
+// `rows` positions (for_each_item), writing its rows of out [n, H, D].
+template <typename Pack, typename Attend>
+at::Tensor prefill_by_items(const at::Tensor& q, const at::Tensor& k_cache,
+                            const at::Tensor& v_cache, const at::Tensor& block_table,
+                            int64_t context_len, int64_t rows, const Pack& pack,
+                            const Attend& attend) {
+  const int64_t* table = check_prefill_args(q, k_cache, v_cache, block_table, context_len);
+  const int64_t n = q.size(0), h = q.size(1), kvh = k_cache.size(2);
+  const auto tiles = pack(paged_context(k_cache, v_cache, table), kvh, context_len);
+  auto out = at::empty({n, h, q.size(2)},
+                       q.options().memory_format(at::MemoryFormat::Contiguous));
+  bf16* op = out.data_ptr<bf16>();
+  const int64_t start = context_len - n, group = h / kvh;
+  for_each_item(kvh, n, rows, [&](int64_t g, int64_t first) {
+    attend(tiles, g, first, start, group, op);
+  });
+  return out;
 }
 
 }  // namespace pdserve

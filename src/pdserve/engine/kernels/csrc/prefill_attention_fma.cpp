@@ -287,16 +287,12 @@ bool prefill_attention_fma_available() { return true; }
 at::Tensor prefill_attention_fma(const at::Tensor& q, const at::Tensor& k_cache,
                                  const at::Tensor& v_cache, const at::Tensor& block_table,
                                  int64_t context_len, double scale) {
-  const int64_t* table = check_prefill_args(q, k_cache, v_cache, block_table, context_len);
-  const int64_t n = q.size(0), h = q.size(1), d = q.size(2), kvh = k_cache.size(2);
-  const Tiles tiles = pack(paged_context(k_cache, v_cache, table), kvh, context_len);
-  auto out = at::empty({n, h, d}, q.options().memory_format(at::MemoryFormat::Contiguous));
-  bf16* op = out.data_ptr<bf16>();
-  const int64_t start = context_len - n, group = h / kvh;
-  for_each_item(kvh, n, kPos, [&](int64_t g, int64_t first) {
-    attend_item(g, first, q, start, n, group, static_cast<float>(scale), tiles, op, h);
-  });
-  return out;
+  return prefill_by_items(q, k_cache, v_cache, block_table, context_len, kPos, pack,
+                          [&](const Tiles& tiles, int64_t g, int64_t first, int64_t start,
+                              int64_t group, bf16* out) {
+                            attend_item(g, first, q, start, q.size(0), group,
+                                        static_cast<float>(scale), tiles, out, q.size(1));
+                          });
 }
 
 #else  // compiled for a CPU without AVX2 and FMA
