@@ -2,8 +2,9 @@
 
 For each prompt length n, one layer's causal attention of n query rows (H heads, KVH KV heads,
 head size D: a model's shape) over a context of `cached` + n positions, in bf16:
-- pdserve: `prefill_attention` over the paged pool, read in place through a block table that
-  scatters the context over the pool (as a worker's pool is after a while);
+- pdserve: `prefill_attention` over the paged pool (or the named kernel of it: `amx`,
+  `avx512_bf16`, `avx2`), read in place through a block table that scatters the context over
+  the pool (as a worker's pool is after a while);
 - SDPA: `torch.nn.functional.scaled_dot_product_attention` on the contiguous K/V (its CPU flash
   kernel: 4-D inputs, `is_causal` when nothing is cached, else a boolean mask), the engine's
   path without the compiled operators, given the gather for free.
@@ -25,6 +26,9 @@ from pdserve.bench.timing import median_seconds
 from pdserve.engine.kernels import cpu_ops
 
 BLOCK = 16
+# the kernels of prefill_attention by the name `prefill_attention_kernel` gives them
+KERNELS = {"amx": "prefill_attention_amx", "avx512_bf16": "prefill_attention_dpbf16",
+           "avx2": "prefill_attention_fma"}
 
 
 @dataclass(frozen=True)
@@ -56,6 +60,7 @@ class AttentionSettings:
     kv_heads: int = 3
     head_dim: int = 64
     repeats: int = 5
+    kernel: str = ""  # one of KERNELS; "": the one prefill_attention runs here
 
     def __post_init__(self) -> None:
         if not self.lengths or min(self.lengths) <= 0:
@@ -70,6 +75,14 @@ class AttentionSettings:
                              f"{self.head_dim}")
         if self.repeats <= 0:
             raise ValueError(f"repeats must be positive, got {self.repeats}")
+        if self.kernel and self.kernel not in KERNELS:
+            raise ValueError(f"kernel must be one of {', '.join(KERNELS)}, not {self.kernel!r}")
+
+
+def runs_here(ops, kernel: str) -> bool:
+    """Whether this CPU (and the kernel's grant, for AMX) runs the named kernel."""
+    return {"amx": ops.prefill_attention_amx_available, "avx512_bf16": ops.dpbf16_available,
+            "avx2": ops.prefill_attention_fma_available}[kernel]()
 
 
 def measure(ops, n: int, s: AttentionSettings) -> AttentionRow:
@@ -91,8 +104,8 @@ def measure(ops, n: int, s: AttentionSettings) -> AttentionRow:
         mask = torch.arange(length)[None, :] <= (s.cached + torch.arange(n))[:, None]
     # one side after the other, not interleaved: a call right after the other side's finds
     # the caches and thread pool as that left them (up to 40% off this kernel here)
-    ours = median_seconds(
-        lambda: ops.prefill_attention(q, k_cache, v_cache, table, length, scale), s.repeats)
+    attend = getattr(ops, KERNELS[s.kernel]) if s.kernel else ops.prefill_attention
+    ours = median_seconds(lambda: attend(q, k_cache, v_cache, table, length, scale), s.repeats)
     theirs = median_seconds(
         lambda: F.scaled_dot_product_attention(qs, k, v, attn_mask=mask, is_causal=mask is None,
                                                scale=scale, enable_gqa=True), s.repeats)
@@ -118,9 +131,13 @@ def main(s: AttentionSettings, as_json: bool) -> int:
         print("pdserve bench attention: the compiled prefill attention is not available here "
               "(it needs AVX512-BF16, or AVX2 and FMA, and a C++ compiler)", file=sys.stderr)
         return 1
+    if s.kernel and not runs_here(ops, s.kernel):
+        print(f"pdserve bench attention: this CPU does not run the {s.kernel} kernel (it runs "
+              f"{ops.prefill_attention_kernel()})", file=sys.stderr)
+        return 1
     print(f"H={s.heads} KVH={s.kv_heads} D={s.head_dim}, {torch.get_num_threads()} threads, "
-          f"pdserve's kernel on {ops.prefill_attention_kernel()}, medians of {s.repeats}",
-          file=sys.stderr)
+          f"pdserve's kernel on {s.kernel or ops.prefill_attention_kernel()}, medians of "
+          f"{s.repeats}", file=sys.stderr)
     rows = [measure(ops, n, s) for n in s.lengths]
     if as_json:
         for r in rows:

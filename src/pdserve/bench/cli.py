@@ -179,6 +179,9 @@ def _add_attention(kinds: argparse._SubParsersAction) -> None:
     att.add_argument("--shape", default="9,3,64",
                      help="heads,kv_heads,head_dim (default: %(default)s, SmolLM2-135M)")
     att.add_argument("--repeats", type=int, default=5, help="default: %(default)s")
+    att.add_argument("--kernel", choices=("amx", "avx512_bf16", "avx2"), default="",
+                     help="time this one of pdserve's kernels (AMX tiles, VDPBF16PS, fp32 FMAs) "
+                          "where the CPU runs it (default: the one the engine takes here)")
     att.add_argument("--json", action="store_true", help="one JSON object per length")
     att.set_defaults(func=_bench_attention)
 
@@ -350,7 +353,7 @@ def _bench_attention(args: argparse.Namespace) -> int:
         raise ValueError("--shape takes three integers (heads,kv_heads,head_dim) and "
                          "--prompt-lens a comma-separated list of integers") from None
     return main(AttentionSettings(lengths, args.cached, heads, kv_heads, head_dim,
-                                  args.repeats), args.json)
+                                  args.repeats, args.kernel), args.json)
 
 
 def _bench_decode_attention(args: argparse.Namespace) -> int:

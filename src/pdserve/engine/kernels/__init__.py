@@ -5,7 +5,8 @@ several aten calls, rotary embedding five, decode attention a block gather, a pa
 masked SDPA per layer. The C++ operators in `csrc/` do each in one pass (see `csrc/ops.h`),
 and the linear layers run on pdserve's own kernels: AMX tiles where the CPU has them
 (`amx_linear.cpp`), else AVX512-BF16's VDPBF16PS (`dpbf16_linear.cpp`), else fp32 FMAs over
-bf16 weights on AVX2 (`avx2_linear.cpp`).
+bf16 weights on AVX2 (`avx2_linear.cpp`); so does prefill attention (`prefill_attention_amx.cpp`,
+`prefill_attention.cpp`, `prefill_attention_fma.cpp`).
 They are built with `-fopenmp`, so `at::parallel_for` uses ATen's thread pool (without it
 the loops silently run on one thread); the library then shares torch's libgomp, already
 loaded under the same soname.

@@ -78,7 +78,8 @@ inline void transpose16(const __m512i* r, __m512i* out) {
 }
 
 // Packs tile t of KV head g (see the file comment), zeros past len.
-inline void pack_tile(const Pool& pool, int64_t g, int64_t t, int64_t len, uint32_t* kt, uint32_t* vt) {
+inline void pack_tile(const Pool& pool, int64_t g, int64_t t, int64_t len, uint32_t* kt,
+                      uint32_t* vt) {
   const int64_t d = pool.d, first = t * kTile;
   const int64_t valid = std::min(kTile, len - first);
   const __m512i zero = _mm512_setzero_si512();
