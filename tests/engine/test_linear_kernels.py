@@ -72,6 +72,18 @@ def test_a_rows_result_does_not_depend_on_the_rows_batched_with_it(kernel):
     assert kernel.run(x[:0], packed, b).shape == (0, 576)
 
 
+def test_a_long_prompts_rows_taken_a_chunk_at_a_time_are_each_rows_alone(kernel):
+    """A long prompt's x is taken in chunks of rows that stay in L2 (AMX: 256 rows at K =
+    1,536; AVX2: 32): across and inside the chunks a row gets the bits it gets alone."""
+    w, b = _weights(64, 1536, 3)
+    packed = kernel.pack(w)
+    x = torch.randn(700, 1536, generator=torch.Generator().manual_seed(4)).to(BF16)
+    full = kernel.run(x, packed, b)
+    for first, rows in ((0, 1), (255, 2), (256, 33), (511, 3), (660, 40)):
+        assert torch.equal(kernel.run(x[first:first + rows], packed, b),
+                           full[first:first + rows]), (first, rows)
+
+
 def test_the_kernel_refuses_a_mismatched_input(kernel):
     packed = kernel.pack(_weights(64, 576, 0)[0])
     with pytest.raises(RuntimeError, match="x has 512 features, the packed weight 576"):

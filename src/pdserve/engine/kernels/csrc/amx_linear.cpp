@@ -13,7 +13,8 @@
 // (two B tiles side by side) over every row: for each 32-row chunk of x, 32 K at a time,
 // C[rows 0-15 | 16-31][cols 0-15 | 16-31] accumulate in tiles 0-3 from A tiles 4-5 and B
 // tiles 6-7. The item's weights (2 x K x 32 bf16, <= 192 KiB for K <= 1536) stay in L2 while
-// the row chunks reuse them, so weights cross the memory bus once per call.
+// the row chunks reuse them, so weights cross the memory bus once per call, and once per
+// kChunkBytes of x for a long prompt's rows (taken a chunk at a time, in L2).
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -37,6 +38,10 @@ namespace {
 constexpr int64_t kTileK = 32;          // bf16 along K per A row / per B tile
 constexpr int64_t kTileN = 16;          // fp32 columns per C tile
 constexpr int64_t kTileElems = 16 * 32;  // bf16 per B tile (1 KiB)
+// bf16 of x that a thread's items pass over at once, which stays in a core's L2 (2 MiB on
+// Sapphire Rapids) beside an item's weights; a long prompt's whole x (2,048 x 1,536 is 6 MiB)
+// would be read from L3 once per item
+constexpr int64_t kChunkBytes = 768 * 1024;
 
 // The 64-byte operand of LDTILECFG (Intel SDM vol. 1 section 3.2.2, palette 1).
 struct TileConfig {
@@ -135,14 +140,20 @@ at::Tensor amx_linear(const at::Tensor& x_in, const at::Tensor& packed,
   const bf16* wp = packed.data_ptr<bf16>();
   const float* bp = call.bp();
   bf16* op = call.op();
+  // rows per chunk: a chunk of x (kChunkBytes) stays in the core's L2 while the thread's items
+  // pass over it; a multiple of 32
+  const int64_t chunk = std::max<int64_t>(32, kChunkBytes / (2 * k) / 32 * 32);
   at::parallel_for(0, n / (2 * kTileN), 1, [&](int64_t g0, int64_t g1) {
     int64_t configured = -1;  // LDTILECFG is per thread; reload only when the chunk shape changes
-    for (int64_t g = g0; g < g1; ++g) {
-      for (int64_t m0 = 0; m0 < m; m0 += 32) {
-        const int64_t rows = std::min<int64_t>(32, m - m0);
-        if (rows != configured) configure(configured = rows);
-        item(xp + m0 * ldx, ldx, wp + 2 * g * (k / kTileK) * kTileElems, k,
-             bp ? bp + 2 * g * kTileN : nullptr, op + m0 * n + 2 * g * kTileN, n, rows);
+    for (int64_t c0 = 0; c0 < m; c0 += chunk) {
+      const int64_t c1 = std::min(m, c0 + chunk);
+      for (int64_t g = g0; g < g1; ++g) {
+        for (int64_t m0 = c0; m0 < c1; m0 += 32) {
+          const int64_t rows = std::min<int64_t>(32, c1 - m0);
+          if (rows != configured) configure(configured = rows);
+          item(xp + m0 * ldx, ldx, wp + 2 * g * (k / kTileK) * kTileElems, k,
+               bp ? bp + 2 * g * kTileN : nullptr, op + m0 * n + 2 * g * kTileN, n, rows);
+        }
       }
     }
     if (configured >= 0) _tile_release();
