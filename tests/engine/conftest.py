@@ -32,7 +32,7 @@ def prefill_kernel(request, ops):
     where the process is granted AMX), VDPBF16PS (what it runs on other AVX512-BF16 CPUs) and
     the fp32 FMA one (what it runs on AVX2); each callable wherever its CPU features are."""
     if request.param == "amx":
-        if not ops.prefill_attention_amx_available():
+        if not ops.amx_available():
             pytest.skip("this CPU or kernel grants no AMX")
         return ops.prefill_attention_amx
     if request.param == "avx512_bf16":

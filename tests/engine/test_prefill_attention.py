@@ -78,7 +78,7 @@ def test_a_position_gives_the_same_bits_in_any_chunk(prefill_kernel):
 
 def test_prefill_attention_runs_the_fastest_kernel_of_this_cpu(flash):
     name = flash.prefill_attention_kernel()
-    assert name == ("amx" if flash.prefill_attention_amx_available()
+    assert name == ("amx" if flash.amx_available()
                     else "avx512_bf16" if flash.dpbf16_available() else "avx2")
     kernel = {"amx": flash.prefill_attention_amx, "avx512_bf16": flash.prefill_attention_dpbf16,
               "avx2": flash.prefill_attention_fma}[name]

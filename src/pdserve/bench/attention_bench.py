@@ -26,9 +26,11 @@ from pdserve.bench.timing import median_seconds
 from pdserve.engine.kernels import cpu_ops
 
 BLOCK = 16
-# the kernels of prefill_attention by the name `prefill_attention_kernel` gives them
-KERNELS = {"amx": "prefill_attention_amx", "avx512_bf16": "prefill_attention_dpbf16",
-           "avx2": "prefill_attention_fma"}
+# the kernels of prefill_attention by the name `prefill_attention_kernel` gives them: the
+# operator's name, and that of the check whether this CPU (and, for AMX, its kernel) runs it
+KERNELS = {"amx": ("prefill_attention_amx", "amx_available"),
+           "avx512_bf16": ("prefill_attention_dpbf16", "dpbf16_available"),
+           "avx2": ("prefill_attention_fma", "prefill_attention_fma_available")}
 
 
 @dataclass(frozen=True)
@@ -81,8 +83,7 @@ class AttentionSettings:
 
 def runs_here(ops, kernel: str) -> bool:
     """Whether this CPU (and the kernel's grant, for AMX) runs the named kernel."""
-    return {"amx": ops.prefill_attention_amx_available, "avx512_bf16": ops.dpbf16_available,
-            "avx2": ops.prefill_attention_fma_available}[kernel]()
+    return getattr(ops, KERNELS[kernel][1])()
 
 
 def measure(ops, n: int, s: AttentionSettings) -> AttentionRow:
@@ -104,7 +105,7 @@ def measure(ops, n: int, s: AttentionSettings) -> AttentionRow:
         mask = torch.arange(length)[None, :] <= (s.cached + torch.arange(n))[:, None]
     # one side after the other, not interleaved: a call right after the other side's finds
     # the caches and thread pool as that left them (up to 40% off this kernel here)
-    attend = getattr(ops, KERNELS[s.kernel]) if s.kernel else ops.prefill_attention
+    attend = getattr(ops, KERNELS[s.kernel][0]) if s.kernel else ops.prefill_attention
     ours = median_seconds(lambda: attend(q, k_cache, v_cache, table, length, scale), s.repeats)
     theirs = median_seconds(
         lambda: F.scaled_dot_product_attention(qs, k, v, attn_mask=mask, is_causal=mask is None,

@@ -19,6 +19,7 @@
 
 #include <algorithm>
 
+#include "amx_tiles.h"
 #include "linear_call.h"
 #include "ops.h"
 #include "vec.h"
@@ -43,20 +44,9 @@ constexpr int64_t kTileElems = 16 * 32;  // bf16 per B tile (1 KiB)
 // would be read from L3 once per item
 constexpr int64_t kChunkBytes = 768 * 1024;
 
-// The 64-byte operand of LDTILECFG (Intel SDM vol. 1 section 3.2.2, palette 1).
-struct TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
 // Tiles 0-3: C, 4-5: A (rows 0-15, 16-31 of the chunk), 6-7: B; every row 64 bytes.
 void configure(int64_t rows) {
   TileConfig cfg;
-  for (int t = 0; t < 8; ++t) {
-    cfg.rows[t] = 16;
-    cfg.colsb[t] = 64;
-  }
   cfg.rows[0] = cfg.rows[1] = cfg.rows[4] = static_cast<uint8_t>(std::min<int64_t>(rows, 16));
   if (rows > 16) cfg.rows[2] = cfg.rows[3] = cfg.rows[5] = static_cast<uint8_t>(rows - 16);
   _tile_loadconfig(&cfg);

@@ -23,7 +23,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("prefill_attention_fma_available", &pdserve::prefill_attention_fma_available);
   m.def("prefill_attention_fma", &pdserve::prefill_attention_fma, kFree);
   m.def("prefill_attention_dpbf16", &pdserve::prefill_attention_dpbf16, kFree);
-  m.def("prefill_attention_amx_available", &pdserve::prefill_attention_amx_available);
   m.def("prefill_attention_amx", &pdserve::prefill_attention_amx, kFree);
   m.def("argmax_rows", &pdserve::argmax_rows, kFree);
   m.def("amx_available", &pdserve::amx_available);

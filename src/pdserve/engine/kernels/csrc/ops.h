@@ -93,11 +93,10 @@ at::Tensor prefill_attention_fma(const at::Tensor& q, const at::Tensor& k_cache,
 
 // prefill_attention's kernels on AVX512-BF16's VDPBF16PS (prefill_attention.cpp) and AMX tiles
 // (prefill_attention_amx.cpp): the same contract; prefill_attention calls the AMX one where the
-// process is granted AMX, else VDPBF16PS where the CPU has it, else the FMA one.
+// process is granted AMX (amx_available), else VDPBF16PS where the CPU has it, else the FMA one.
 at::Tensor prefill_attention_dpbf16(const at::Tensor& q, const at::Tensor& k_cache,
                                     const at::Tensor& v_cache, const at::Tensor& block_table,
                                     int64_t context_len, double scale);
-bool prefill_attention_amx_available();
 at::Tensor prefill_attention_amx(const at::Tensor& q, const at::Tensor& k_cache,
                                  const at::Tensor& v_cache, const at::Tensor& block_table,
                                  int64_t context_len, double scale);

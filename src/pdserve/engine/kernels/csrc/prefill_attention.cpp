@@ -28,10 +28,7 @@
 #include <ATen/ops/empty.h>
 
 #include <algorithm>
-#include <cmath>
-#include <cstring>
 #include <limits>
-#include <memory>
 #include <string>
 #include <vector>
 

@@ -26,6 +26,7 @@
 #include <limits>
 #include <vector>
 
+#include "amx_tiles.h"
 #include "ops.h"
 #include "paged_context.h"
 #include "prefill_tiles.h"
@@ -46,20 +47,8 @@ using namespace prefill_tiles;
 constexpr int64_t kPos = 32;    // query positions per work item
 constexpr int64_t kBlock = 16;  // query rows per tile block
 
-// The 64-byte operand of LDTILECFG (Intel SDM vol. 1 section 3.2.2, palette 1): tiles 0-7 of
-// 16 rows x 64 bytes.
-struct TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-void configure() {
-  TileConfig cfg;
-  for (int t = 0; t < 8; ++t) {
-    cfg.rows[t] = 16;
-    cfg.colsb[t] = 64;
-  }
+void configure() {  // tiles 0-7 of 16 rows x 64 bytes
+  const TileConfig cfg;
   _tile_loadconfig(&cfg);
 }
 
@@ -162,8 +151,6 @@ void attend_item(int64_t g, int64_t first, const at::Tensor& q, int64_t start, i
 
 }  // namespace
 
-bool prefill_attention_amx_available() { return amx_available(); }
-
 at::Tensor prefill_attention_amx(const at::Tensor& q, const at::Tensor& k_cache,
                                  const at::Tensor& v_cache, const at::Tensor& block_table,
                                  int64_t context_len, double scale) {
@@ -177,8 +164,6 @@ at::Tensor prefill_attention_amx(const at::Tensor& q, const at::Tensor& k_cache,
 }
 
 #else  // compiled for a CPU without AMX-BF16
-
-bool prefill_attention_amx_available() { return false; }
 
 at::Tensor prefill_attention_amx(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                  const at::Tensor&, int64_t, double) {
