@@ -4,6 +4,10 @@
 
 #include <cstdint>
 
+#if defined(__AMX_TILE__)
+#include <immintrin.h>
+#endif
+
 namespace pdserve {
 
 // The 64-byte operand of LDTILECFG (Intel SDM vol. 1 section 3.2.2, palette 1), made with
@@ -20,5 +24,16 @@ struct TileConfig {
     }
   }
 };
+
+#if defined(__AMX_TILE__)
+// LDTILECFG of `cfg`. GCC 12 does not count the intrinsic as a read of its operand: where it
+// sees the whole life of a local TileConfig it drops the stores that filled it (observed on a
+// kernel whose configure() was not inlined: palette 1 and garbage rows, #GP). The empty asm
+// that may read `cfg` and all memory keeps them.
+inline void load_tile_config(const TileConfig& cfg) {
+  asm volatile("" : : "r"(&cfg) : "memory");
+  _tile_loadconfig(&cfg);
+}
+#endif
 
 }  // namespace pdserve

@@ -49,7 +49,7 @@ constexpr int64_t kBlock = 16;  // query rows per tile block
 
 void configure() {  // tiles 0-7 of 16 rows x 64 bytes
   const TileConfig cfg;
-  _tile_loadconfig(&cfg);
+  load_tile_config(cfg);
 }
 
 // C tiles 0-3 += A tile 4 . the four B tiles at b, b + 16, b + 32, b + 48 (rows `stride`
