@@ -42,7 +42,7 @@ def _weights(out: int, inp: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]
     return w, torch.randn(out, generator=gen).to(BF16)
 
 
-@pytest.mark.parametrize("out,inp", [(960, 576), (64, 1536), (96, 64)])
+@pytest.mark.parametrize("out,inp", [(960, 576), (64, 1536), (96, 64), (1088, 576)])
 @pytest.mark.parametrize("rows", [1, 7, 8, 17, 32, 33, 100])
 def test_the_kernel_is_as_close_to_a_float64_product_as_onednn(kernel, out, inp, rows):
     w, b = _weights(out, inp, rows)
@@ -72,14 +72,21 @@ def test_a_rows_result_does_not_depend_on_the_rows_batched_with_it(kernel):
     assert kernel.run(x[:0], packed, b).shape == (0, 576)
 
 
-def test_a_long_prompts_rows_taken_a_chunk_at_a_time_are_each_rows_alone(kernel):
+@pytest.mark.parametrize(("out", "inp", "cuts"), [
+    (64, 1536, ((0, 1), (255, 2), (256, 33), (511, 3), (660, 40))),
+    (1088, 576, ((0, 1), (31, 2), (639, 3), (640, 33), (667, 33))),
+])
+def test_a_long_prompts_rows_taken_a_chunk_at_a_time_are_each_rows_alone(kernel, out, inp,
+                                                                         cuts):
     """A long prompt's x is taken in chunks of rows that stay in L2 (AMX: 256 rows at K =
-    1,536; AVX2: 32): across and inside the chunks a row gets the bits it gets alone."""
-    w, b = _weights(64, 1536, 3)
+    1,536, 640 at 576; AVX2: 32), and AMX's columns in groups whose weights stay there beside
+    it (16 items of 32 columns at K = 576: 1,088 columns are three groups): across and inside
+    the chunks and groups a row gets the bits it gets alone."""
+    w, b = _weights(out, inp, 3)
     packed = kernel.pack(w)
-    x = torch.randn(700, 1536, generator=torch.Generator().manual_seed(4)).to(BF16)
+    x = torch.randn(700, inp, generator=torch.Generator().manual_seed(4)).to(BF16)
     full = kernel.run(x, packed, b)
-    for first, rows in ((0, 1), (255, 2), (256, 33), (511, 3), (660, 40)):
+    for first, rows in cuts:
         assert torch.equal(kernel.run(x[first:first + rows], packed, b),
                            full[first:first + rows]), (first, rows)
 

@@ -29,7 +29,7 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
         "bench", help="benchmarks, each beside a baseline measured in the same run")
     kinds = bench.add_subparsers(dest="bench", required=True)
     for add in (_add_engine, _add_decode_context, _add_attention, _add_decode_attention,
-                _add_transfer,
+                _add_linear, _add_transfer,
                 _add_layerwise, _add_serve, _add_compare, _add_simulator, _add_router,
                 _add_hostile, _add_chaos, _add_flip, _add_moe, _add_moe_ops):
         add(kinds)
@@ -184,6 +184,29 @@ def _add_attention(kinds: argparse._SubParsersAction) -> None:
                           "where the CPU runs it (default: the one the engine takes here)")
     att.add_argument("--json", action="store_true", help="one JSON object per length")
     att.set_defaults(func=_bench_attention)
+
+
+def _add_linear(kinds: argparse._SubParsersAction) -> None:
+    lin = kinds.add_parser(
+        "linear", help="pdserve's bf16 linear kernel vs oneDNN's, a decoder layer's shapes",
+        description="A decoder layer's four linears (qkv, o, gate_up, down) at several row "
+                    "counts, through the linear kernel the engine takes on this CPU (AMX, "
+                    "VDPBF16PS or fp32 FMAs) beside oneDNN on the same weight prepacked (bf16, "
+                    "this process's threads): milliseconds, GFLOP/s and the speed-up. The two "
+                    "alternate in --rounds rounds of --repeats calls each; medians over the "
+                    "rounds.")
+    lin.add_argument("--rows", default="1,32,512,1000,2048",
+                     help="rows of x: batch size of a decode step, or prompt tokens "
+                          "(default: %(default)s)")
+    lin.add_argument("--shape", default="576,1536,9,3,64",
+                     help="hidden,intermediate,heads,kv_heads,head_dim (default: %(default)s, "
+                          "SmolLM2-135M)")
+    lin.add_argument("--repeats", type=int, default=5, help="calls per round (default: "
+                                                              "%(default)s)")
+    lin.add_argument("--rounds", type=int, default=5, help="default: %(default)s")
+    lin.add_argument("--json", action="store_true", help="one JSON object per row count and "
+                                                         "linear")
+    lin.set_defaults(func=_bench_linear)
 
 
 def _add_decode_attention(kinds: argparse._SubParsersAction) -> None:
@@ -354,6 +377,21 @@ def _bench_attention(args: argparse.Namespace) -> int:
                          "--prompt-lens a comma-separated list of integers") from None
     return main(AttentionSettings(lengths, args.cached, heads, kv_heads, head_dim,
                                   args.repeats, args.kernel), args.json)
+
+
+def _bench_linear(args: argparse.Namespace) -> int:
+    from pdserve.bench.linear_bench import LinearSettings, main
+
+    try:
+        shape = tuple(int(x) for x in args.shape.split(","))
+        rows = tuple(int(n) for n in args.rows.split(","))
+    except ValueError:
+        raise ValueError("--shape and --rows take comma-separated integers") from None
+    if len(shape) != 5:
+        raise ValueError("--shape takes five integers: hidden,intermediate,heads,kv_heads,"
+                         "head_dim")
+    return main(LinearSettings(rows, *shape, repeats=args.repeats, rounds=args.rounds),
+                args.json)
 
 
 def _bench_decode_attention(args: argparse.Namespace) -> int:

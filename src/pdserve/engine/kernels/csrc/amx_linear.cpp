@@ -10,11 +10,11 @@
 // Tile algebra (Intel SDM vol. 1 ch. 20): TDPBF16PS C[16 x 16 fp32] += A[16 x 32 bf16] . B, with
 // B one 1 KiB tile of 16 K-pairs x 16 columns x 2 bf16 ("VNNI" order). The weight is packed
 // once into such tiles: [N/16][K/32][16 k-pairs][16 n][2]. A work item is 32 output columns
-// (two B tiles side by side) over every row: for each 32-row chunk of x, 32 K at a time,
-// C[rows 0-15 | 16-31][cols 0-15 | 16-31] accumulate in tiles 0-3 from A tiles 4-5 and B
-// tiles 6-7. The item's weights (2 x K x 32 bf16, <= 192 KiB for K <= 1536) stay in L2 while
-// the row chunks reuse them, so weights cross the memory bus once per call, and once per
-// kChunkBytes of x for a long prompt's rows (taken a chunk at a time, in L2).
+// (two B tiles side by side) of a block of 32 rows: 32 K at a time, C[rows 0-15 | 16-31][cols
+// 0-15 | 16-31] accumulate in tiles 0-3 from A tiles 4-5 and B tiles 6-7. A thread's items go
+// in groups of kGroupBytes of weights, each group over the row blocks of a chunk of
+// kChunkBytes of x; both stay in L2, so the weights cross the memory bus once per call, and
+// once per chunk of a long prompt's rows.
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -43,22 +43,32 @@ constexpr int64_t kTileElems = 16 * 32;  // bf16 per B tile (1 KiB)
 // Sapphire Rapids) beside an item's weights; a long prompt's whole x (2,048 x 1,536 is 6 MiB)
 // would be read from L3 once per item
 constexpr int64_t kChunkBytes = 768 * 1024;
+// bf16 of weights whose items take a row block one after the other: they stay in L2 beside the
+// chunk, the row block's x in L1 between them, and their outputs are neighbouring lines of the
+// same rows. (Each item down the whole chunk, as before, wrote a column strip: at a row stride
+// that is a multiple of 2 KiB, N = 2,048 or 3,072, its lines share L1 sets; SmolLM2's gate/up
+// projection ran at 0.75x oneDNN's rate, now at parity: `pdserve bench linear`.)
+constexpr int64_t kGroupBytes = 576 * 1024;
 
 // Tiles 0-3: C, 4-5: A (rows 0-15, 16-31 of the chunk), 6-7: B; every row 64 bytes.
 void configure(int64_t rows) {
   TileConfig cfg;
   cfg.rows[0] = cfg.rows[1] = cfg.rows[4] = static_cast<uint8_t>(std::min<int64_t>(rows, 16));
   if (rows > 16) cfg.rows[2] = cfg.rows[3] = cfg.rows[5] = static_cast<uint8_t>(rows - 16);
-  _tile_loadconfig(&cfg);
+  load_tile_config(cfg);
 }
 
-// c [rows, 16] fp32 (+ bias[16]) rounded to nearest even into out (row stride ld).
-void emit(const float (*c)[16], int64_t rows, const float* bias, bf16* out, int64_t ld) {
-  const __m512 b = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
+// c [rows, 32] fp32 (+ bias[32]) rounded to nearest even into out (row stride ld): each row
+// one whole 64-byte line of out. (Half lines, one C tile's 16 columns at a time, touched each
+// line twice; where the row stride is a multiple of 2 KiB, as N = 3,072's, a column strip's
+// lines share two L1 sets and were evicted between the halves.)
+void emit(const float (*c)[32], int64_t rows, const float* bias, bf16* out, int64_t ld) {
+  const __m512 b0 = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
+  const __m512 b1 = bias ? _mm512_loadu_ps(bias + 16) : _mm512_setzero_ps();
   for (int64_t r = 0; r < rows; ++r) {
-    const __m256bh v = _mm512_cvtneps_pbh(_mm512_add_ps(_mm512_load_ps(c[r]), b));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + r * ld),
-                        reinterpret_cast<const __m256i&>(v));
+    const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_add_ps(_mm512_load_ps(&c[r][16]), b1),
+                                           _mm512_add_ps(_mm512_load_ps(c[r]), b0));
+    _mm512_storeu_si512(out + r * ld, (__m512i)v);
   }
 }
 
@@ -85,17 +95,14 @@ void item(const bf16* x, int64_t ldx, const bf16* w0, int64_t k, const float* bi
       _tile_dpbf16ps(3, 5, 7);
     }
   }
-  alignas(64) float c[16][16];
-  const int64_t top = std::min<int64_t>(rows, 16);
-  for (int t = 0; t < (two ? 4 : 2); ++t) {
-    switch (t) {  // the tile number is an immediate
-      case 0: _tile_stored(0, c, 64); break;
-      case 1: _tile_stored(1, c, 64); break;
-      case 2: _tile_stored(2, c, 64); break;
-      default: _tile_stored(3, c, 64); break;
-    }
-    const int64_t col = (t % 2) * kTileN, row = (t / 2) * 16;
-    emit(c, t < 2 ? top : rows - 16, bias ? bias + col : nullptr, out + row * n + col, n);
+  alignas(64) float c[16][32];
+  _tile_stored(0, c, 128);
+  _tile_stored(1, &c[0][16], 128);
+  emit(c, std::min<int64_t>(rows, 16), bias, out, n);
+  if (two) {
+    _tile_stored(2, c, 128);
+    _tile_stored(3, &c[0][16], 128);
+    emit(c, rows - 16, bias, out + 16 * n, n);
   }
 }
 
@@ -133,16 +140,20 @@ at::Tensor amx_linear(const at::Tensor& x_in, const at::Tensor& packed,
   // rows per chunk: a chunk of x (kChunkBytes) stays in the core's L2 while the thread's items
   // pass over it; a multiple of 32
   const int64_t chunk = std::max<int64_t>(32, kChunkBytes / (2 * k) / 32 * 32);
+  // items per group: a group's weights (kGroupBytes) stay in L2 beside the chunk
+  const int64_t group = std::max<int64_t>(1, kGroupBytes / (2 * kTileN * k * 2));
   at::parallel_for(0, n / (2 * kTileN), 1, [&](int64_t g0, int64_t g1) {
     int64_t configured = -1;  // LDTILECFG is per thread; reload only when the chunk shape changes
     for (int64_t c0 = 0; c0 < m; c0 += chunk) {
       const int64_t c1 = std::min(m, c0 + chunk);
-      for (int64_t g = g0; g < g1; ++g) {
+      for (int64_t b0 = g0; b0 < g1; b0 += group) {
+        const int64_t b1 = std::min(g1, b0 + group);
         for (int64_t m0 = c0; m0 < c1; m0 += 32) {
           const int64_t rows = std::min<int64_t>(32, c1 - m0);
           if (rows != configured) configure(configured = rows);
-          item(xp + m0 * ldx, ldx, wp + 2 * g * (k / kTileK) * kTileElems, k,
-               bp ? bp + 2 * g * kTileN : nullptr, op + m0 * n + 2 * g * kTileN, n, rows);
+          for (int64_t g = b0; g < b1; ++g)
+            item(xp + m0 * ldx, ldx, wp + 2 * g * (k / kTileK) * kTileElems, k,
+                 bp ? bp + 2 * g * kTileN : nullptr, op + m0 * n + 2 * g * kTileN, n, rows);
         }
       }
     }
