@@ -18,12 +18,13 @@ from types import ModuleType
 import torch
 
 from pdserve.common.model_config import ModelConfig
+from pdserve.engine.model.rope import one_thread
 from pdserve.engine.model.yarn import inv_frequencies
 
 
 class MlaRotary:
-    """cos/sin of every position, built once in fp32: [P, d/2] each. `ops`: the compiled CPU
-    operators, or None."""
+    """cos/sin of every position, built once in fp32 (`rope.one_thread`): [P, d/2] each.
+    `ops`: the compiled CPU operators, or None."""
 
     def __init__(self, cfg: ModelConfig, max_positions: int, device: torch.device | str,
                  ops: ModuleType | None = None) -> None:
@@ -31,7 +32,8 @@ class MlaRotary:
         inv_freq, attention_factor = inv_frequencies(cfg)
         pos = torch.arange(max_positions, device=device).float()
         freqs = pos[:, None] * inv_freq.to(device)[None, :]  # [P, d/2]
-        self.cos, self.sin = freqs.cos() * attention_factor, freqs.sin() * attention_factor
+        with one_thread():
+            self.cos, self.sin = freqs.cos() * attention_factor, freqs.sin() * attention_factor
         self.interleave = cfg.mla.rope_interleave
         self.upcast = cfg.architecture == "DeepseekV2ForCausalLM"
         self.ops = ops
