@@ -46,8 +46,9 @@ constexpr int64_t kChunkBytes = 768 * 1024;
 // bf16 of weights whose items take a row block one after the other: they stay in L2 beside the
 // chunk, the row block's x in L1 between them, and their outputs are neighbouring lines of the
 // same rows. (Each item down the whole chunk, as before, wrote a column strip: at a row stride
-// that is a multiple of 2 KiB, N = 2,048 or 3,072, its lines share L1 sets; SmolLM2's gate/up
-// projection ran at 0.75x oneDNN's rate, now at parity: `pdserve bench linear`.)
+// that is a multiple of 2 KiB, N = 2,048 or 3,072, its lines share L1 sets: SmolLM2's gate/up
+// projection at 2,048 rows ran at 0.72-0.78x oneDNN's rate, now 0.84-0.90x, `pdserve bench
+// linear` on a 2-core Xeon.)
 constexpr int64_t kGroupBytes = 576 * 1024;
 
 // Tiles 0-3: C, 4-5: A (rows 0-15, 16-31 of the chunk), 6-7: B; every row 64 bytes.
