@@ -5,21 +5,17 @@
 // is on AMX) and a tenth of the AMX linears: it was most of a long prompt's step.
 //
 // Tile algebra (Intel SDM vol. 1 ch. 20): TDPBF16PS C[16 x 16 fp32] += A[16 x 32 bf16] . B,
-// B one 1 KiB tile of 16 pairs x 16 columns x 2 bf16. Per block of 16 query rows and span of
-// kSpan key tiles (aligned to absolute positions, as the tiles are):
-//   scores  C = Q [16 x D] . K^T per tile: A = 32 dimensions of the rows, B = 16 dimension
-//           pairs of 16 keys, a row of the packed K tile (256 B apart); 4 C tiles hold the 64
-//           keys, stored side by side for the span;
-//   softmax on the stored scores (prefill_tiles.h's softmax_keys, per row, over the span's
-//           keys), P rounded to bf16;
-//   values  O [16 x 64 dims] = O x alpha + P [16 x 64 kSpan keys] . V: O is rescaled in
-//           memory, loaded into 4 C tiles, A = 32 keys of P, B = 16 key pairs of 16 dimensions.
-// A block takes only the span's tiles its furthest row attends. Each row of C depends only on
-// its own row of A, and a row's masked keys add exact zeros, so a row's arithmetic is the same
-// whatever rows share its block: blocks start at the first row that still attends to the
-// span, and a position's output does not depend on chunking, cache hits or batching (as the
-// VDPBF16PS kernel's; the two kernels' results differ in the last bits, and a CPU always takes
-// the same one).
+// B one 1 KiB tile of 16 pairs x 16 columns x 2 bf16. Per block of 16 query rows and key tile:
+//   scores  C = Q [16 x D] . K^T: A = 32 dimensions of the rows, B = 16 dimension pairs of 16
+//           keys, a row of the packed K tile (256 B apart); 4 C tiles hold the 64 keys;
+//   softmax on the stored C (prefill_tiles.h's softmax_tile, per row), P rounded to bf16;
+//   values  O [16 x 64 dims] = O x alpha + P [16 x 64 keys] . V: O is rescaled in memory,
+//           loaded into 4 C tiles, A = 32 keys of P, B = 16 key pairs of 16 dimensions.
+// Each row of C depends only on its own row of A, so a row's arithmetic is the same whatever
+// rows share its block: blocks start at the first row that still attends to the tile, and a
+// position's output does not depend on chunking, cache hits or batching (as the VDPBF16PS
+// kernel's; the two kernels' results differ in the last bits, and a CPU always takes the same
+// one).
 //
 // Tiles 0-3: C; 4: A; 6-7: B. The tile configuration is per thread: each item loads it and
 // releases the tiles at its end.
@@ -50,12 +46,6 @@ using namespace prefill_tiles;
 
 constexpr int64_t kPos = 32;    // query positions per work item
 constexpr int64_t kBlock = 16;  // query rows per tile block
-// Key tiles per softmax step: P for 128 keys before a product with V, so O goes through the
-// tiles (loaded, accumulated, stored) once per 128 keys, not per 64 (at 2,048 tokens that round
-// trip was a quarter of the kernel's time; 1.10-1.15x at 2,048-4,096 tokens, the same at
-// 512-1,000). At 4 the K and V of a step (64 KiB) no longer stay in L1 across the row blocks.
-constexpr int64_t kSpan = 2;
-static_assert(kSpan == 2, "attend_item's softmax takes spans of one tile or two");
 
 void configure() {  // tiles 0-7 of 16 rows x 64 bytes
   const TileConfig cfg;
@@ -91,10 +81,9 @@ void load_c(const float* c, int64_t stride) {
   _tile_loadd(3, c + 48, stride);
 }
 
-// s [16][64] (rows `ld` floats apart) = q rows [16][D] (bf16 pairs, d / 2 apart) . the K
-// tile's 64 keys^T, unscaled. B: 16 dimension pairs (rows of the packed K tile, 256 B apart)
-// of 16 keys.
-void block_scores(const uint32_t* q, int64_t d, const uint32_t* kt, float* s, int64_t ld) {
+// s [16][64] = q rows [16][D] (bf16 pairs, d / 2 apart) . the K tile's 64 keys^T, unscaled.
+// B: 16 dimension pairs (rows of the packed K tile, 256 B apart) of 16 keys.
+void block_scores(const uint32_t* q, int64_t d, const uint32_t* kt, float* s) {
   _tile_zero(0);
   _tile_zero(1);
   _tile_zero(2);
@@ -103,20 +92,17 @@ void block_scores(const uint32_t* q, int64_t d, const uint32_t* kt, float* s, in
     _tile_loadd(4, q + kc * 16, d * 2);
     four_products(kt + kc * 16 * kTile, kTile * 4);
   }
-  store_c(s, ld * 4);
+  store_c(s, kTile * 4);
 }
 
-// o [16][c0 .. c0 + 64) (rows d floats apart) += p [16][64 `tiles`] (bf16 pairs, 32 kSpan
-// apart) . the V tiles' keys, dimensions c0 ... B: 16 key pairs (rows d x 4 B apart) of 16
-// dimensions.
-void block_values(const uint32_t* p, const uint32_t* const* vt, int64_t tiles, int64_t d,
-                  int64_t c0, float* o) {
+// o [16][c0 .. c0 + 64) (rows d floats apart) += p [16][64 keys] (bf16 pairs, 32 apart) . the
+// V tile's 64 keys, dimensions c0 ... B: 16 key pairs (rows d x 4 B apart) of 16 dimensions.
+void block_values(const uint32_t* p, const uint32_t* vt, int64_t d, int64_t c0, float* o) {
   load_c(o + c0, d * 4);
-  for (int64_t u = 0; u < tiles; ++u)
-    for (int64_t kc = 0; kc < 2; ++kc) {
-      _tile_loadd(4, p + u * kTile / 2 + kc * 16, kSpan * kTile * 2);
-      four_products(vt[u] + kc * 16 * d + c0, d * 4);
-    }
+  for (int64_t kc = 0; kc < 2; ++kc) {
+    _tile_loadd(4, p + kc * 16, kTile * 2);
+    four_products(vt + kc * 16 * d + c0, d * 4);
+  }
   store_c(o + c0, d * 4);
 }
 
@@ -137,39 +123,26 @@ void attend_item(int64_t g, int64_t first, const at::Tensor& q, int64_t start, i
   const int64_t d = q.size(2);
   const int64_t positions = std::min(kPos, n - first), rows = positions * group;
   const int64_t padded = rows + kBlock;
-  std::vector<uint32_t> qrows(padded * d / 2, 0u), p(kBlock * kSpan * kTile / 2);  // bf16 pairs
-  std::vector<float> s(kBlock * kSpan * kTile), o(padded * d, 0.f), l(rows, 0.f), alpha(kBlock);
+  std::vector<uint32_t> qrows(padded * d / 2, 0u), p(kBlock * kTile / 2);  // bf16 pairs
+  std::vector<float> s(kBlock * kTile), o(padded * d, 0.f), l(rows, 0.f), alpha(kBlock);
   std::vector<float> m(rows, -std::numeric_limits<float>::infinity());
   std::vector<int64_t> limit(rows);  // keys each row attends: pos + 1
   gather_rows(q, first, positions, g, group, start, qrows.data(), limit.data());
   configure();
   const int64_t tiles = (start + first + positions + kTile - 1) / kTile;
-  for (int64_t t0 = 0; t0 < tiles; t0 += kSpan) {
-    const int64_t first_key = t0 * kTile;
-    int64_t skip = 0;  // rows done before this span: a prefix, as rows are position-major
+  for (int64_t t = 0; t < tiles; ++t) {
+    const int64_t first_key = t * kTile;
+    int64_t skip = 0;  // rows done before this tile: a prefix, as rows are position-major
     while (skip < rows && limit[skip] <= first_key) ++skip;
     for (int64_t r0 = skip; r0 < rows; r0 += kBlock) {
       const int64_t live = std::min(kBlock, rows - r0);
-      // the span's tiles that the block's last (furthest) row attends
-      const int64_t span = std::min(kSpan, (limit[r0 + live - 1] - first_key + kTile - 1) / kTile);
-      const uint32_t* vt[kSpan];
-      for (int64_t u = 0; u < span; ++u) {
-        block_scores(&qrows[r0 * d / 2], d, packed.k_tile(g, t0 + u), &s[u * kTile],
-                     kSpan * kTile);
-        vt[u] = packed.v_tile(g, t0 + u);
-      }
-      for (int64_t i = 0; i < live; ++i) {
-        const int64_t valid = std::min(kSpan * kTile, limit[r0 + i] - first_key);
-        float* row = &s[i * kSpan * kTile];
-        uint32_t* pr = &p[i * kSpan * kTile / 2];
-        alpha[i] = span == kSpan
-                       ? softmax_keys<kSpan * kTile / 16>(row, valid, scale, m[r0 + i],
-                                                          l[r0 + i], pr)
-                       : softmax_tile(row, valid, scale, m[r0 + i], l[r0 + i], pr);
-      }
+      block_scores(&qrows[r0 * d / 2], d, packed.k_tile(g, t), s.data());
+      for (int64_t i = 0; i < live; ++i)
+        alpha[i] = softmax_tile(&s[i * kTile], std::min(kTile, limit[r0 + i] - first_key),
+                                scale, m[r0 + i], l[r0 + i], &p[i * kTile / 2]);
       rescale(&o[r0 * d], alpha.data(), live, d);
       for (int64_t c0 = 0; c0 < d; c0 += kTile)
-        block_values(p.data(), vt, span, d, c0, &o[r0 * d]);
+        block_values(p.data(), packed.v_tile(g, t), d, c0, &o[r0 * d]);
     }
   }
   _tile_release();

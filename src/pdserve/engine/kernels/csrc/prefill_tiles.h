@@ -144,28 +144,26 @@ inline __m512 exp_nonpositive(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
-// One row's online-softmax update for 16 kVectors keys (one tile: 4; prefill_attention.cpp's
-// file comment): s [16 kVectors] unscaled dot products with keys >= `valid` masked; writes p
-// [16 kVectors] bf16 from s x scale, returns alpha = exp(m - m') and updates m, l.
-template <int kVectors>
-inline float softmax_keys(const float* s, int64_t valid, float scale, float& m, float& l,
+// One row's online-softmax update for one tile (prefill_attention.cpp's file comment): s [64]
+// unscaled dot products with keys >= `valid` masked; writes p [64] bf16 from s x scale,
+// returns alpha = exp(m - m') and updates m, l.
+inline float softmax_tile(const float* s, int64_t valid, float scale, float& m, float& l,
                           uint32_t* p) {
-  static_assert(kVectors % 2 == 0, "keys go to bf16 in pairs of vectors");
-  __m512 x[kVectors];
-  __m512 top_v = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  for (int c = 0; c < kVectors; ++c) {
+  __m512 x[4];
+  for (int c = 0; c < 4; ++c) {
     const int64_t keep = std::clamp<int64_t>(valid - c * 16, 0, 16);
     const __mmask16 k = static_cast<__mmask16>((1u << keep) - 1u);
     x[c] = _mm512_mask_mul_ps(_mm512_set1_ps(-std::numeric_limits<float>::infinity()), k,
                               _mm512_loadu_ps(s + c * 16), _mm512_set1_ps(scale));
-    top_v = _mm512_max_ps(top_v, x[c]);
   }
-  const float next = std::max(m, _mm512_reduce_max_ps(top_v));
+  const float top = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(x[0], x[1]),
+                                                       _mm512_max_ps(x[2], x[3])));
+  const float next = std::max(m, top);
   // 0 on the first tile (m = -inf); exactly 1 while the maximum holds
   const float alpha = next == m ? 1.f : std::exp(m - next);
   const __m512 mv = _mm512_set1_ps(next);
   __m512 sum = _mm512_setzero_ps();
-  for (int c = 0; c < kVectors; c += 2) {
+  for (int c = 0; c < 4; c += 2) {
     const int64_t keep0 = std::clamp<int64_t>(valid - c * 16, 0, 16);
     const int64_t keep1 = std::clamp<int64_t>(valid - c * 16 - 16, 0, 16);
     const __m512 e0 = _mm512_maskz_mov_ps(static_cast<__mmask16>((1u << keep0) - 1u),
@@ -179,12 +177,6 @@ inline float softmax_keys(const float* s, int64_t valid, float scale, float& m, 
   m = next;
   l = l * alpha + _mm512_reduce_add_ps(sum);
   return alpha;
-}
-
-// One tile of keys (kTile = 64).
-inline float softmax_tile(const float* s, int64_t valid, float scale, float& m, float& l,
-                          uint32_t* p) {
-  return softmax_keys<kTile / 16>(s, valid, scale, m, l, p);
 }
 
 // An item's query rows (its G heads x `positions` positions from `first`, position-major; row

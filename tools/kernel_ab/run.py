@@ -1,0 +1,163 @@
+"""Times a compiled operator of two revisions of `kernels/csrc` in one process: the base
+revision's sources and the working tree's, each compiled with its `pdserve` namespace renamed
+(`pdserve_base`, `pdserve_head`) into one extension, called in rounds of random order; prints
+the median over the rounds of base time / head time with its quartiles.
+
+Why one process: on a shared VM whose speed moves by 2x within minutes, two builds timed in
+alternating processes differ by more than most kernel changes (a 15% attention change read
+0.8-1.5x run by run); and the engine's own build cannot be loaded twice in one process (torch
+loads extensions RTLD_GLOBAL: the second build's symbols resolve to the first's).
+
+    .venv/bin/python tools/kernel_ab/run.py --base HEAD~1 attention --lengths 512,2048
+    .venv/bin/python tools/kernel_ab/run.py --base HEAD~1 linear --shapes 2048x576x3072
+
+Builds every source twice (a few minutes of compiler on 2 cores) into a temporary folder.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import random
+import statistics
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch.utils.cpp_extension import load
+
+from pdserve.engine.kernels import CSRC, SOURCES, _cflags, cpu_ops
+
+REPO = CSRC.parents[4]
+OPS = ("prefill_attention", "amx_pack", "amx_linear", "dpbf16_pack", "dpbf16_linear",
+       "avx2_pack", "avx2_linear")
+DECLARATIONS = {  # ops.h's declarations of them (its two copies cannot both be included: GCC
+    # takes identical files for one under #pragma once)
+    "prefill_attention": "at::Tensor {}(const at::Tensor&, const at::Tensor&, const at::Tensor&, "
+                         "const at::Tensor&, int64_t, double)",
+    "pack": "at::Tensor {}(const at::Tensor&)",
+    "linear": "at::Tensor {}(const at::Tensor&, const at::Tensor&, "
+              "const std::optional<at::Tensor>&)",
+}
+
+
+def export(rev: str | None, into: Path) -> None:
+    """csrc at git revision `rev` (None: the working tree) into the folder `into`."""
+    into.mkdir()
+    rel = CSRC.relative_to(REPO)
+    names = subprocess.run(["git", "-C", str(REPO), "ls-files", str(rel)], check=True,
+                           capture_output=True, text=True).stdout.split()
+    for name in names:
+        text = ((REPO / name).read_text() if rev is None else subprocess.run(
+            ["git", "-C", str(REPO), "show", f"{rev}:{name}"], check=True,
+            capture_output=True, text=True).stdout)
+        (into / Path(name).name).write_text(text)
+
+
+def module_source(tags: tuple[str, ...]) -> str:
+    kinds = {op: op if op in DECLARATIONS else op.split("_")[-1] for op in OPS}
+    lines = ["#include <torch/extension.h>"]
+    for tag in tags:
+        lines += [f"namespace pdserve_{tag} {{",
+                  *(DECLARATIONS[kinds[op]].format(op) + ";" for op in OPS), "}"]
+    lines.append("PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {")
+    lines += [f'  m.def("{tag}_{op}", &pdserve_{tag}::{op});' for tag in tags for op in OPS]
+    lines.append("}")
+    return "\n".join(lines) + "\n"
+
+
+def build(base: str, folder: Path):
+    export(base, folder / "base")
+    export(None, folder / "head")
+    units = []
+    for tag in ("base", "head"):
+        for source in SOURCES:
+            if source == "bindings.cpp":
+                continue
+            unit = folder / f"{tag}_{source}"
+            unit.write_text(f'#define pdserve pdserve_{tag}\n#include "{tag}/{source}"\n')
+            units.append(str(unit))
+    (folder / "module.cpp").write_text(module_source(("base", "head")))
+    return load(name="kernel_ab", sources=[str(folder / "module.cpp"), *units],
+                extra_cflags=_cflags(), extra_ldflags=["-fopenmp"], build_directory=str(folder),
+                verbose=False)
+
+
+def compare(name: str, base: Callable[[], object], head: Callable[[], object],
+            rounds: int) -> None:
+    def fastest(fn: Callable[[], object]) -> float:
+        fn()
+        times = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return min(times)
+
+    ratios = []
+    for _ in range(rounds):
+        sides = [("base", base), ("head", head)]
+        random.shuffle(sides)
+        t = {side: fastest(fn) for side, fn in sides}
+        ratios.append(t["base"] / t["head"])
+    q = statistics.quantiles(ratios, n=4)
+    print(f"{name:28s} head speed / base: {statistics.median(ratios):.3f} "
+          f"(quartiles {q[0]:.3f}-{q[2]:.3f}, {rounds} rounds)", flush=True)
+
+
+def attention(ab, lengths: list[int], rounds: int) -> None:
+    heads, kv_heads, d, block = 9, 3, 64, 16  # SmolLM2-135M's shape
+    for n in lengths:
+        gen = torch.Generator().manual_seed(n)
+        blocks = -(-n // block)
+        k = torch.randn(blocks, block, kv_heads, d, generator=gen).bfloat16()
+        v = torch.randn(blocks, block, kv_heads, d, generator=gen).bfloat16()
+        table = torch.randperm(blocks, generator=gen)
+        q = torch.randn(n, heads, d, generator=gen).bfloat16()
+        args = (q, k, v, table, n, d ** -0.5)
+        compare(f"prefill_attention n={n}", functools.partial(ab.base_prefill_attention, *args),
+                functools.partial(ab.head_prefill_attention, *args), rounds)
+
+
+def linear(ab, shapes: list[tuple[int, int, int]], rounds: int) -> None:
+    ops = cpu_ops()
+    kernel = next(k for k, ok in (("amx", ops.amx_available()),
+                                  ("dpbf16", ops.dpbf16_available()),
+                                  ("avx2", ops.avx2_available())) if ok)
+    for m, k, n in shapes:
+        gen = torch.Generator().manual_seed(m + n)
+        x = torch.randn(m, k, generator=gen).bfloat16()
+        w = (torch.randn(n, k, generator=gen) * k ** -0.5).bfloat16()
+        packed = {tag: getattr(ab, f"{tag}_{kernel}_pack")(w) for tag in ("base", "head")}
+        base, head = (functools.partial(getattr(ab, f"{tag}_{kernel}_linear"), x, packed[tag],
+                                        None) for tag in ("base", "head"))
+        compare(f"{kernel}_linear {m}x{k}x{n}", base, head, rounds)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--base", default="HEAD", help="git revision to compare the working "
+                                                        "tree's kernels with (default: HEAD)")
+    parser.add_argument("--rounds", type=int, default=15)
+    sub = parser.add_subparsers(dest="op", required=True)
+    att = sub.add_parser("attention", help="prefill_attention, SmolLM2's heads, no cache")
+    att.add_argument("--lengths", default="512,1000,2048,4096")
+    lin = sub.add_parser("linear", help="the CPU's linear kernel, M x K x N")
+    lin.add_argument("--shapes", default="2048x576x3072,2048x576x960,2048x1536x576,32x576x3072")
+    args = parser.parse_args()
+    if cpu_ops() is None:
+        raise SystemExit("the compiled operators do not build here")
+    with tempfile.TemporaryDirectory() as folder:
+        ab = build(args.base, Path(folder))
+        if args.op == "attention":
+            attention(ab, [int(n) for n in args.lengths.split(",")], args.rounds)
+        else:
+            linear(ab, [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")],
+                   args.rounds)
+
+
+if __name__ == "__main__":
+    main()
