@@ -11,7 +11,8 @@ loads extensions RTLD_GLOBAL: the second build's symbols resolve to the first's)
     .venv/bin/python tools/kernel_ab/run.py --base HEAD~1 attention --lengths 512,2048
     .venv/bin/python tools/kernel_ab/run.py --base HEAD~1 linear --shapes 2048x576x3072
 
-Builds every source twice (a few minutes of compiler on 2 cores) into a temporary folder.
+Builds every source twice (about a minute on 2 cores) into a temporary folder; the base
+revision needs the working tree's source files (`kernels.SOURCES`) and the timed operators.
 """
 
 from __future__ import annotations
@@ -22,14 +23,15 @@ import random
 import statistics
 import subprocess
 import tempfile
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from torch.utils.cpp_extension import load
 
-from pdserve.engine.kernels import CSRC, SOURCES, _cflags, cpu_ops
+from pdserve.bench.timing import fastest_seconds
+from pdserve.engine.kernels import CSRC, SOURCES, compile_flags, cpu_ops
+from pdserve.engine.model.packed_linear import linear_kernel
 
 REPO = CSRC.parents[4]
 OPS = ("prefill_attention", "amx_pack", "amx_linear", "dpbf16_pack", "dpbf16_linear",
@@ -82,26 +84,17 @@ def build(base: str, folder: Path):
             units.append(str(unit))
     (folder / "module.cpp").write_text(module_source(("base", "head")))
     return load(name="kernel_ab", sources=[str(folder / "module.cpp"), *units],
-                extra_cflags=_cflags(), extra_ldflags=["-fopenmp"], build_directory=str(folder),
-                verbose=False)
+                extra_cflags=compile_flags(), extra_ldflags=["-fopenmp"],
+                build_directory=str(folder), verbose=False)
 
 
 def compare(name: str, base: Callable[[], object], head: Callable[[], object],
             rounds: int) -> None:
-    def fastest(fn: Callable[[], object]) -> float:
-        fn()
-        times = []
-        for _ in range(3):
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-        return min(times)
-
     ratios = []
     for _ in range(rounds):
         sides = [("base", base), ("head", head)]
         random.shuffle(sides)
-        t = {side: fastest(fn) for side, fn in sides}
+        t = {side: fastest_seconds(fn, 3) for side, fn in sides}
         ratios.append(t["base"] / t["head"])
     q = statistics.quantiles(ratios, n=4)
     print(f"{name:28s} head speed / base: {statistics.median(ratios):.3f} "
@@ -123,10 +116,7 @@ def attention(ab, lengths: list[int], rounds: int) -> None:
 
 
 def linear(ab, shapes: list[tuple[int, int, int]], rounds: int) -> None:
-    ops = cpu_ops()
-    kernel = next(k for k, ok in (("amx", ops.amx_available()),
-                                  ("dpbf16", ops.dpbf16_available()),
-                                  ("avx2", ops.avx2_available())) if ok)
+    kernel = linear_kernel(cpu_ops()).run.__name__.removesuffix("_linear")  # the engine's
     for m, k, n in shapes:
         gen = torch.Generator().manual_seed(m + n)
         x = torch.randn(m, k, generator=gen).bfloat16()

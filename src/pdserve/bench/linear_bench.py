@@ -25,7 +25,7 @@ from torch import nn
 
 from pdserve.bench.timing import median_seconds
 from pdserve.engine.kernels import cpu_ops
-from pdserve.engine.model.packed_linear import PackedLinear, linear_kernel
+from pdserve.engine.model.packed_linear import LinearKernel, PackedLinear, linear_kernel
 
 
 @dataclass(frozen=True)
@@ -70,8 +70,8 @@ class LinearSettings:
                 ("down", self.intermediate, self.hidden)]
 
 
-def measure(ops, rows: int, name: str, n_in: int, n_out: int, s: LinearSettings) -> LinearRow:
-    kernel = linear_kernel(ops)
+def measure(kernel: LinearKernel, rows: int, name: str, n_in: int, n_out: int,
+            s: LinearSettings) -> LinearRow:
     gen = torch.Generator().manual_seed(rows * 7919 + n_out)
     layer = nn.Linear(n_in, n_out, bias=False, dtype=torch.bfloat16)
     with torch.no_grad():
@@ -106,8 +106,7 @@ def format_table(rows: list[LinearRow]) -> str:
 
 
 def main(s: LinearSettings, as_json: bool) -> int:
-    ops = cpu_ops()
-    kernel = linear_kernel(ops)
+    kernel = linear_kernel(cpu_ops())
     if kernel is None or not torch.ops.mkldnn._is_mkldnn_bf16_supported():
         print("pdserve bench linear: needs one of pdserve's bf16 linear kernels (AMX, "
               "AVX512-BF16, or AVX2 and FMA, and a C++ compiler) and oneDNN's bf16 path on "
@@ -116,7 +115,7 @@ def main(s: LinearSettings, as_json: bool) -> int:
     print(f"pdserve's linear on {kernel.name} vs oneDNN (prepacked), bf16, "
           f"{torch.get_num_threads()} threads, medians of {s.rounds} rounds of {s.repeats}",
           file=sys.stderr)
-    rows = [measure(ops, t, name, n_in, n_out, s)
+    rows = [measure(kernel, t, name, n_in, n_out, s)
             for t in s.rows for name, n_in, n_out in s.layers()]
     if as_json:
         for r in rows:

@@ -70,7 +70,7 @@ def covers_attention(cfg: ModelConfig) -> bool:
 def build_facts() -> BuildFacts:
     """What a build here depends on (the compiler's identity is asked once a process)."""
     files = [CSRC / name for name in (*SOURCES, *HEADERS)]
-    return this_environment(source_digest(files), tuple(_cflags()))
+    return this_environment(source_digest(files), tuple(compile_flags()))
 
 
 def build_dir() -> Path:
@@ -90,7 +90,7 @@ def build_estimate(cores: int) -> str:
     return f"about {seconds} s on {cores} core{'s' if cores != 1 else ''}"
 
 
-def _cflags() -> list[str]:
+def compile_flags() -> list[str]:
     """-march=native, and the ISA ATen's vector types (csrc/vec.h) should compile for."""
     capability = torch.backends.cpu.get_cpu_capability()  # "AVX512", "AVX2" or "DEFAULT"
     flags = ["-O3", "-march=native", "-fopenmp"]
@@ -118,7 +118,7 @@ def _compile(final: Path, tmp: Path) -> ModuleType:
     log.warning("compiling pdserve's fused CPU operators into %s (once for this environment, "
                 "%s)", final, build_estimate(len(os.sched_getaffinity(0))))
     (tmp / "build-key.json").write_text(build_facts().describe())
-    module = load(name=NAME, sources=[str(CSRC / s) for s in SOURCES], extra_cflags=_cflags(),
+    module = load(name=NAME, sources=[str(CSRC / s) for s in SOURCES], extra_cflags=compile_flags(),
                   extra_ldflags=["-fopenmp"], build_directory=str(tmp), verbose=False)
     module.__file__ = str(final / f"{NAME}.so")  # where it lives once the build is published
     return module
