@@ -101,17 +101,20 @@ def compare(name: str, base: Callable[[], object], head: Callable[[], object],
           f"(quartiles {q[0]:.3f}-{q[2]:.3f}, {rounds} rounds)", flush=True)
 
 
-def attention(ab, lengths: list[int], rounds: int) -> None:
-    heads, kv_heads, d, block = 9, 3, 64, 16  # SmolLM2-135M's shape
+def attention(ab, lengths: list[int], cached: int, shape: tuple[int, int, int],
+              rounds: int) -> None:
+    heads, kv_heads, d = shape
+    block = 16
     for n in lengths:
         gen = torch.Generator().manual_seed(n)
-        blocks = -(-n // block)
+        blocks = -(-(cached + n) // block)
         k = torch.randn(blocks, block, kv_heads, d, generator=gen).bfloat16()
         v = torch.randn(blocks, block, kv_heads, d, generator=gen).bfloat16()
         table = torch.randperm(blocks, generator=gen)
         q = torch.randn(n, heads, d, generator=gen).bfloat16()
-        args = (q, k, v, table, n, d ** -0.5)
-        compare(f"prefill_attention n={n}", functools.partial(ab.base_prefill_attention, *args),
+        args = (q, k, v, table, cached + n, d ** -0.5)
+        name = f"prefill_attention n={n}" + (f" after {cached}" if cached else "")
+        compare(name, functools.partial(ab.base_prefill_attention, *args),
                 functools.partial(ab.head_prefill_attention, *args), rounds)
 
 
@@ -133,8 +136,12 @@ def main() -> None:
                                                         "tree's kernels with (default: HEAD)")
     parser.add_argument("--rounds", type=int, default=15)
     sub = parser.add_subparsers(dest="op", required=True)
-    att = sub.add_parser("attention", help="prefill_attention, SmolLM2's heads, no cache")
+    att = sub.add_parser("attention", help="prefill_attention")
     att.add_argument("--lengths", default="512,1000,2048,4096")
+    att.add_argument("--cached", type=int, default=0,
+                     help="context positions before the prompt (default: 0)")
+    att.add_argument("--shape", default="9,3,64",
+                     help="heads,kv_heads,head_dim (default: 9,3,64, SmolLM2-135M)")
     lin = sub.add_parser("linear", help="the CPU's linear kernel, M x K x N")
     lin.add_argument("--shapes", default="2048x576x3072,2048x576x960,2048x1536x576,32x576x3072")
     args = parser.parse_args()
@@ -143,7 +150,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as folder:
         ab = build(args.base, Path(folder))
         if args.op == "attention":
-            attention(ab, [int(n) for n in args.lengths.split(",")], args.rounds)
+            shape = tuple(int(v) for v in args.shape.split(","))
+            attention(ab, [int(n) for n in args.lengths.split(",")], args.cached, shape,
+                      args.rounds)
         else:
             linear(ab, [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")],
                    args.rounds)
