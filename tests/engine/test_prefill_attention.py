@@ -1,9 +1,9 @@
-"""The compiled prefill attention (csrc/prefill_attention.cpp on AVX512-BF16,
-prefill_attention_fma.cpp on AVX2): causal flash attention over the paged pool, read in
-place. As close to fp32 as PyTorch's bf16 SDPA; a position's output the same bits however the
-prompt is chunked, whatever was cached; and an engine that chunks its prompts (pacing) or
-serves them from the prefix cache samples from the same logits as one that computes them
-whole."""
+"""The compiled prefill attention (csrc/prefill_attention_amx.cpp on AMX,
+prefill_attention.cpp on AVX512-BF16, prefill_attention_fma.cpp on AVX2): causal flash
+attention over the paged pool, read in place. As close to fp32 as PyTorch's bf16 SDPA; a
+position's output the same bits however the prompt is chunked, whatever was cached; and an
+engine that chunks its prompts (pacing) or serves them from the prefix cache samples from the
+same logits as one that computes them whole."""
 
 from __future__ import annotations
 
@@ -63,6 +63,20 @@ def test_it_is_as_close_to_fp32_as_bf16_sdpa(prefill_kernel, n, start, heads, kv
     want = _sdpa(q, k_cache, v_cache, table, length, torch.float32)
     sdpa_error = (_sdpa(q, k_cache, v_cache, table, length, BF16) - want).abs().max()
     assert not got.isnan().any()  # the NaN block is never read
+    assert (got - want).abs().max() <= 1.5 * sdpa_error + 1e-3
+
+
+def test_a_maximum_that_jumps_late_in_a_row_rescales_what_came_before(prefill_kernel):
+    """Keys far into the context that score ~10x the others: each row's running maximum jumps
+    by far more than e^8 after hundreds of keys (what an online softmax must rescale, and what
+    a lazily moved maximum must not miss)."""
+    gen = torch.Generator().manual_seed(11)
+    q, k_cache, v_cache, table, length = _case(gen, 300, 500, 9, 3, 64)
+    for pos in (130, 620, 790):
+        k_cache[table[pos // 16], pos % 16] *= 10
+    got = prefill_kernel(q, k_cache, v_cache, table, length, 0.125).float()
+    want = _sdpa(q, k_cache, v_cache, table, length, torch.float32)
+    sdpa_error = (_sdpa(q, k_cache, v_cache, table, length, BF16) - want).abs().max()
     assert (got - want).abs().max() <= 1.5 * sdpa_error + 1e-3
 
 

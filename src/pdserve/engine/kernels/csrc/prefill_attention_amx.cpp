@@ -1,28 +1,48 @@
-// prefill_attention's kernel on Intel AMX tiles (Sapphire Rapids and later): the same flash
-// attention, tiles and per-row update as the VDPBF16PS kernel (prefill_attention.cpp's file
-// comment, prefill_tiles.h's packing), with both products of a tile on TDPBF16PS. On a 2-core
-// Xeon the VDPBF16PS kernel runs at ~130-150 GFLOP/s, a third of PyTorch's SDPA there (which
-// is on AMX) and a tenth of the AMX linears: it was most of a long prompt's step.
+// prefill_attention's kernel on Intel AMX tiles (Sapphire Rapids and later): the flash
+// attention of prefill_attention.cpp (its file comment: per block of keys, a row's scores,
+// online softmax, bf16 weights times V), with both products on TDPBF16PS and the scores
+// transposed so that the softmax runs down the lanes.
 //
 // Tile algebra (Intel SDM vol. 1 ch. 20): TDPBF16PS C[16 x 16 fp32] += A[16 x 32 bf16] . B,
-// B one 1 KiB tile of 16 pairs x 16 columns x 2 bf16. Per block of 16 query rows and key tile:
-//   scores  C = Q [16 x D] . K^T: A = 32 dimensions of the rows, B = 16 dimension pairs of 16
-//           keys, a row of the packed K tile (256 B apart); 4 C tiles hold the 64 keys;
-//   softmax on the stored C (prefill_tiles.h's softmax_tile, per row), P rounded to bf16;
-//   values  O [16 x 64 dims] = O x alpha + P [16 x 64 keys] . V: O is rescaled in memory,
-//           loaded into 4 C tiles, A = 32 keys of P, B = 16 key pairs of 16 dimensions.
-// Each row of C depends only on its own row of A, so a row's arithmetic is the same whatever
-// rows share its block: blocks start at the first row that still attends to the tile, and a
-// position's output does not depend on chunking, cache hits or batching (as the VDPBF16PS
-// kernel's; the two kernels' results differ in the last bits, and a CPU always takes the same
-// one).
+// B one 1 KiB tile of 16 pairs x 16 columns x 2 bf16; row i of C depends on row i of A and
+// column j on column j of B only. A block of 16 query rows (a vector's lanes) goes through
+// its keys in steps of 32 (D = 64) or 64 keys:
+//   scores   S^T [32 keys x 16 queries] = K . Q^T per 32 keys: A = 16 keys' rows (32
+//            dimensions), B = 16 dimension pairs of the 16 queries; C tiles 4-5, stored for
+//            the vectors;
+//   softmax  one vector per key, a query per lane: the maximum, exp and sum run across
+//            vectors (no horizontal reductions); p is rounded to bf16 in key pairs, P^T;
+//   values   O^T [D x 16 queries] += V^T . P^T per 32 keys: A = 16 dimensions' rows of V^T,
+//            B = P^T (16 key pairs of the 16 queries), C tiles 0-3 per 64 dimensions.
+// At D = 64, O^T stays in tiles 0-3 from the block's first key to its last (a round trip
+// through memory per step was a fifth of the kernel's time); at larger D it goes through
+// memory once per step of 64 keys. The next step's scores are issued before this step's
+// softmax, so that the tile unit works while the vector units take the exponentials. Tiles 6
+// (A) and 7 (B) carry the operands.
 //
-// Tiles 0-3: C; 4: A; 6-7: B. The tile configuration is per thread: each item loads it and
-// releases the tiles at its end.
+// Per query (a lane), with c = scale x log2(e) and a reference maximum m that moves lazily:
+//   t  = max_j s_j over the step               (raw dot products; keys j > pos masked)
+//   m' = t where c (t - m) > kSlack or m = -inf, else m   (p_j <= 2^kSlack: no overflow)
+//   p_j = 2^(c s_j - c m'), rounded to bf16;   l' = l x 2^(c m - c m') + sum_j p_j (unrounded)
+//   o' = o x 2^(c m - c m') + sum_j p_j v_j,   and at the end out = o / l
+// (FlashAttention's online softmax, Dao et al. 2022, with the rescaling skipped while the
+// maximum rises by less than kSlack, as FlashAttention-4 does on GPUs). A query's lane takes
+// the keys 0 .. pos in steps aligned to absolute positions, with arithmetic that depends on
+// its own lane only (masked keys add exact zeros): a position's output does not depend on
+// chunking, prefix-cache hits or batching (it differs from the VDPBF16PS kernel's in the last
+// bits; a CPU always takes the same kernel).
+//
+// Packing, once per call and KV head (read in place from the pool through the block table,
+// zeros past the context: a free slot may hold NaN, and 0 x NaN is NaN), per 64 keys:
+//   K tile   [64 keys][D] bf16              (A rows: a key's dimensions)
+//   V^T tile [2 halves][D][32 keys] bf16    (A rows: a dimension's keys in a step, 64 B)
+// A work item is one KV head and kPos positions, its G query heads' rows (position-major)
+// sharing every tile, Q^T [D/2 pairs][rows] gathered once per item. The tile configuration is
+// per thread: each item loads it and releases the tiles at its end.
 #include <ATen/Parallel.h>
-#include <ATen/ops/empty.h>
 
 #include <algorithm>
+#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -30,6 +50,7 @@
 #include "ops.h"
 #include "paged_context.h"
 #include "prefill_tiles.h"
+#include "thread_buffer.h"
 #include "vec.h"
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
@@ -42,111 +63,299 @@ namespace pdserve {
 #ifdef PDSERVE_AMX_ATTENTION
 namespace {
 
-using namespace prefill_tiles;
-
+constexpr int64_t kTile = 64;   // keys per packed tile
+constexpr int64_t kStep = 32;   // keys per pass of scores (two C tiles); a step takes 1 or 2
 constexpr int64_t kPos = 32;    // query positions per work item
-constexpr int64_t kBlock = 16;  // query rows per tile block
+constexpr int64_t kBlock = 16;  // query rows per block: the lanes of a vector
+// How far (log2 units) a lane's maximum may rise above the one its weights use before O is
+// rescaled: p <= 2^8, far inside fp32 and bf16.
+constexpr float kSlack = 8.f;
 
 void configure() {  // tiles 0-7 of 16 rows x 64 bytes
   const TileConfig cfg;
   load_tile_config(cfg);
 }
 
-// C tiles 0-3 += A tile 4 . the four B tiles at b, b + 16, b + 32, b + 48 (rows `stride`
-// bytes apart): 64 columns. B alternates between tiles 6 and 7, so a load overlaps the
-// previous product.
-void four_products(const uint32_t* b, int64_t stride) {
-  _tile_loadd(6, b, stride);
-  _tile_dpbf16ps(0, 4, 6);
-  _tile_loadd(7, b + 16, stride);
-  _tile_dpbf16ps(1, 4, 7);
-  _tile_loadd(6, b + 32, stride);
-  _tile_dpbf16ps(2, 4, 6);
-  _tile_loadd(7, b + 48, stride);
-  _tile_dpbf16ps(3, 4, 7);
+// The KV heads' tiles: tile t of head g at (g * tiles + t) * 64 D bf16, K and V^T alike (the
+// file comment). The buffer is the calling thread's, kept between calls (thread_buffer.h).
+struct Tiles {
+  bf16* k = nullptr;
+  bf16* vt = nullptr;
+  int64_t tiles = 0, elems = 0;  // elems: bf16 per tile (64 D)
+
+  const bf16* k_tile(int64_t g, int64_t t) const { return k + (g * tiles + t) * elems; }
+  const bf16* v_tile(int64_t g, int64_t t) const { return vt + (g * tiles + t) * elems; }
+};
+
+struct TilesTag;
+
+// Tile t of KV head g: K rows copied, V transposed 16 keys x 32 dimensions at a time (a 32-bit
+// transpose of dimension pairs, then each vector's pairs split into its two dimensions' rows,
+// which go to the half of the tile their keys are in).
+void pack_tile(const PagedContext& pool, int64_t g, int64_t t, int64_t len, bf16* kt, bf16* vt) {
+  const int64_t d = pool.d, first = t * kTile;
+  const int64_t valid = std::min(kTile, len - first);
+  for (int64_t j = 0; j < kTile; ++j) {
+    if (j < valid)
+      std::memcpy(kt + j * d, pool.k + pool.row(first + j, g), d * sizeof(bf16));
+    else
+      std::memset(kt + j * d, 0, d * sizeof(bf16));
+  }
+  // 16-bit index: even elements (the first dimension of each pair) to the low half
+  alignas(64) int16_t index[32];
+  for (int i = 0; i < 16; ++i) {
+    index[i] = static_cast<int16_t>(2 * i);
+    index[16 + i] = static_cast<int16_t>(2 * i + 1);
+  }
+  const __m512i split = _mm512_load_si512(index);
+  const __m512i zero = _mm512_setzero_si512();
+  for (int64_t j0 = 0; j0 < kTile; j0 += 16)
+    for (int64_t e0 = 0; e0 < d; e0 += 32) {
+      __m512i r[16], c[16];
+      for (int64_t j = 0; j < 16; ++j)
+        r[j] = j0 + j < valid ? _mm512_loadu_si512(pool.v + pool.row(first + j0 + j, g) + e0)
+                              : zero;
+      // c[p] lane i: key j0 + i, dimensions e0 + 2p and e0 + 2p + 1
+      prefill_tiles::transpose16(r, c);
+      for (int64_t p = 0; p < 16; ++p) {
+        const __m512i rows = _mm512_permutexvar_epi16(split, c[p]);
+        bf16* row = vt + (j0 / kStep * d + e0 + 2 * p) * kStep + j0 % kStep;
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(row), _mm512_castsi512_si256(rows));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(row + kStep),
+                            _mm512_extracti64x4_epi64(rows, 1));
+      }
+    }
 }
 
-// C tiles 0-3 to [16][64] fp32 at c (rows `stride` bytes apart), or from it.
-void store_c(float* c, int64_t stride) {
+Tiles pack(const PagedContext& pool, int64_t kvh, int64_t len) {
+  Tiles out;
+  out.tiles = (len + kTile - 1) / kTile;
+  out.elems = kTile * pool.d;
+  const int64_t count = kvh * out.tiles * out.elems;
+  out.k = thread_buffer<bf16, TilesTag>(2 * count);
+  out.vt = out.k + count;
+  at::parallel_for(0, kvh * out.tiles, 4, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t g = i / out.tiles, t = i % out.tiles;
+      pack_tile(pool, g, t, len, out.k + i * out.elems, out.vt + i * out.elems);
+    }
+  });
+  return out;
+}
+
+// C tiles 0-3 to / from 64 rows of 16 floats at c, tile i at c + i x rows16 floats.
+void store_c(float* c, int64_t rows16, int64_t stride) {
   _tile_stored(0, c, stride);
-  _tile_stored(1, c + 16, stride);
-  _tile_stored(2, c + 32, stride);
-  _tile_stored(3, c + 48, stride);
+  _tile_stored(1, c + rows16, stride);
+  _tile_stored(2, c + 2 * rows16, stride);
+  _tile_stored(3, c + 3 * rows16, stride);
 }
 
-void load_c(const float* c, int64_t stride) {
+void load_c(const float* c, int64_t rows16, int64_t stride) {
   _tile_loadd(0, c, stride);
-  _tile_loadd(1, c + 16, stride);
-  _tile_loadd(2, c + 32, stride);
-  _tile_loadd(3, c + 48, stride);
+  _tile_loadd(1, c + rows16, stride);
+  _tile_loadd(2, c + 2 * rows16, stride);
+  _tile_loadd(3, c + 3 * rows16, stride);
 }
 
-// s [16][64] = q rows [16][D] (bf16 pairs, d / 2 apart) . the K tile's 64 keys^T, unscaled.
-// B: 16 dimension pairs (rows of the packed K tile, 256 B apart) of 16 keys.
-void block_scores(const uint32_t* q, int64_t d, const uint32_t* kt, float* s) {
-  _tile_zero(0);
-  _tile_zero(1);
-  _tile_zero(2);
-  _tile_zero(3);
+// C tiles 0-3 += the V^T rows of dimensions e0 .. e0 + 64 over a step's 32 keys (A, tile 6,
+// rows 64 B apart) . P^T (B, tile 7, loaded by the caller).
+void step_values(const bf16* vt) {
+  _tile_loadd(6, vt, kStep * 2);
+  _tile_dpbf16ps(0, 6, 7);
+  _tile_loadd(6, vt + 16 * kStep, kStep * 2);
+  _tile_dpbf16ps(1, 6, 7);
+  _tile_loadd(6, vt + 32 * kStep, kStep * 2);
+  _tile_dpbf16ps(2, 6, 7);
+  _tile_loadd(6, vt + 48 * kStep, kStep * 2);
+  _tile_dpbf16ps(3, 6, 7);
+}
+
+// 2^y for the weights' exponents, y <= kSlack (finite; masked lanes are the caller's): n =
+// round(y), f = y - n in [-1/2, 1/2], 2^f by a degree-3 polynomial fitted for least maximum
+// relative error on that interval (1.0e-4, a twentieth of the bf16 rounding of the weights,
+// 2^-9), times 2^n by VSCALEFPS (0 below fp32's range).
+inline __m512 exp2_weights(__m512 y) {
+  const __m512 n = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(y, n);
+  __m512 p = _mm512_set1_ps(5.50089292e-2f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.42210959e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.93282902e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// The softmax of 16 queries over kKeys keys with a lazily moved maximum: s [kKeys][16] raw
+// dot products, keys at or past a lane's limit masked (none when kWhole). A lane's reference
+// m moves to the keys' maximum only when c (max - m) > kSlack (or on its first keys), and
+// then alpha = 2^(c m - c m'); elsewhere alpha = 1 and O is left alone. p [kKeys / 2 key
+// pairs][16] bf16 pairs; l = l alpha + sum p. Returns the lanes whose O must be scaled by
+// *alpha.
+template <bool kWhole, int64_t kKeys>
+__mmask16 softmax_step(const float* s, int64_t first_key, __m512i limit, float c, float* m,
+                       float* l, uint32_t* p, __m512* alpha) {
+  const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  auto keep = [&](int64_t j) -> __mmask16 {
+    return _mm512_cmplt_epi32_mask(_mm512_set1_epi32(static_cast<int>(first_key + j)), limit);
+  };
+  const __m512 m_old = _mm512_loadu_ps(m), cv = _mm512_set1_ps(c);
+  __m512 top = ninf;
+  for (int64_t j = 0; j < kKeys; ++j) {
+    const __m512 x = _mm512_loadu_ps(s + j * 16);
+    top = kWhole ? _mm512_max_ps(top, x) : _mm512_mask_max_ps(top, keep(j), top, x);
+  }
+  const __mmask16 seen = _mm512_cmp_ps_mask(m_old, ninf, _CMP_NEQ_OQ);
+  const __mmask16 rise = _mm512_cmp_ps_mask(_mm512_mul_ps(_mm512_sub_ps(top, m_old), cv),
+                                            _mm512_set1_ps(kSlack), _CMP_GT_OQ);
+  const __mmask16 moved = rise | static_cast<__mmask16>(~seen);
+  const __m512 m_new = _mm512_mask_mov_ps(m_old, moved, top);
+  const __m512 cm = _mm512_mul_ps(m_new, cv);
+  const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9,
+                                         24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1,
+                                         16, 0);
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t j = 0; j < kKeys; j += 2) {
+    __m512 e0 = exp2_weights(_mm512_fmsub_ps(_mm512_loadu_ps(s + j * 16), cv, cm));
+    __m512 e1 = exp2_weights(_mm512_fmsub_ps(_mm512_loadu_ps(s + j * 16 + 16), cv, cm));
+    if (!kWhole) {
+      e0 = _mm512_maskz_mov_ps(keep(j), e0);
+      e1 = _mm512_maskz_mov_ps(keep(j + 1), e1);
+    }
+    sum = _mm512_add_ps(sum, _mm512_add_ps(e0, e1));
+    const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(e1, e0);  // [e0 | e1] in bf16
+    _mm512_storeu_si512(p + (j / 2) * 16, _mm512_permutexvar_epi16(pairs, both));
+  }
+  const __mmask16 scaled = moved & seen;
+  *alpha = _mm512_mask_mov_ps(_mm512_set1_ps(1.f), scaled,
+                              exp2_weights(_mm512_fmsub_ps(m_old, cv, cm)));
+  _mm512_storeu_ps(l, _mm512_fmadd_ps(_mm512_maskz_mov_ps(seen, _mm512_loadu_ps(l)), *alpha,
+                                      sum));
+  _mm512_storeu_ps(m, m_new);
+  return scaled;
+}
+
+// One item's buffers: rows = G x positions real rows, then padding to a whole last block.
+struct ItemRows {
+  int64_t rows, width;        // width: columns of q_t and o_t, rows + kBlock
+  std::vector<uint32_t> q_t;  // [D/2][width] bf16 pairs
+  std::vector<float> o_t;     // [D][width]
+  std::vector<float> m, l;    // [width]
+  std::vector<int32_t> limit;  // [width] keys each row attends: pos + 1
+};
+
+ItemRows gather(const at::Tensor& q, int64_t g, int64_t first, int64_t positions,
+                int64_t group, int64_t start) {
+  const int64_t d = q.size(2), rows = positions * group, width = rows + kBlock;
+  ItemRows it{rows, width, std::vector<uint32_t>(d / 2 * width, 0u),
+              std::vector<float>(d * width, 0.f),
+              std::vector<float>(width, -std::numeric_limits<float>::infinity()),
+              std::vector<float>(width, 0.f), std::vector<int32_t>(width)};
+  const bf16* qp = q.data_ptr<bf16>();
+  for (int64_t i = 0; i < positions; ++i)
+    for (int64_t h = 0; h < group; ++h) {
+      const int64_t r = i * group + h;
+      const auto* src = reinterpret_cast<const uint32_t*>(
+          qp + (first + i) * q.stride(0) + (g * group + h) * q.stride(1));
+      for (int64_t pr = 0; pr < d / 2; ++pr) it.q_t[pr * width + r] = src[pr];
+      it.limit[r] = static_cast<int32_t>(start + first + i + 1);
+    }
+  // padding rows (zero queries) attend as the last row, so no lane is all -inf
+  std::fill(it.limit.begin() + rows, it.limit.end(), it.limit[rows - 1]);
+  return it;
+}
+
+// S^T [32 keys][16 lanes] of the step at `first_key` to s: tiles 4-5 += K rows (A, tile 6) .
+// Q^T pairs (B, tile 7), 32 dimensions at a time.
+void step_scores(const ItemRows& it, int64_t r0, const Tiles& tiles, int64_t g, int64_t d,
+                 int64_t first_key, float* s) {
+  const int64_t w = it.width;
+  const bf16* kt = tiles.k_tile(g, first_key / kTile) + first_key % kTile * d;
+  _tile_zero(4);
+  _tile_zero(5);
   for (int64_t kc = 0; kc < d / 32; ++kc) {
-    _tile_loadd(4, q + kc * 16, d * 2);
-    four_products(kt + kc * 16 * kTile, kTile * 4);
+    _tile_loadd(7, it.q_t.data() + kc * 16 * w + r0, w * 4);
+    _tile_loadd(6, kt + kc * 32, d * 2);
+    _tile_dpbf16ps(4, 6, 7);
+    _tile_loadd(6, kt + 16 * d + kc * 32, d * 2);
+    _tile_dpbf16ps(5, 6, 7);
   }
-  store_c(s, kTile * 4);
+  _tile_stored(4, s, kBlock * 4);
+  _tile_stored(5, s + 16 * kBlock, kBlock * 4);
 }
 
-// o [16][c0 .. c0 + 64) (rows d floats apart) += p [16][64 keys] (bf16 pairs, 32 apart) . the
-// V tile's 64 keys, dimensions c0 ... B: 16 key pairs (rows d x 4 B apart) of 16 dimensions.
-void block_values(const uint32_t* p, const uint32_t* vt, int64_t d, int64_t c0, float* o) {
-  load_c(o + c0, d * 4);
-  for (int64_t kc = 0; kc < 2; ++kc) {
-    _tile_loadd(4, p + kc * 16, kTile * 2);
-    four_products(vt + kc * 16 * d + c0, d * 4);
+// Block [r0, r0 + 16) of an item over all the keys its rows attend (the file comment), in
+// steps of kKeys: at D = 64 (kResident) steps of 32 keys with O^T in tiles 0-3 between the
+// first step and the last; at larger D steps of 64 keys with O^T (the item's o_t, columns r0
+// ..) through tiles 0-3 once per step and 64 dimensions. A rescale passes O^T through memory.
+template <bool kResident>
+void attend_block(ItemRows& it, int64_t r0, const Tiles& tiles, int64_t g, int64_t d,
+                  float c) {
+  constexpr int64_t kKeys = kResident ? kStep : 2 * kStep;
+  alignas(64) float s[2][kKeys * kBlock];
+  alignas(64) uint32_t p[kKeys / 2 * kBlock];
+  const int64_t w = it.width, low = it.limit[r0], high = it.limit[r0 + kBlock - 1];
+  const __m512i limit = _mm512_loadu_si512(it.limit.data() + r0);
+  float* o = it.o_t.data() + r0;
+  float* m = it.m.data() + r0;
+  float* l = it.l.data() + r0;
+  auto scores = [&](int64_t first_key, float* out) {
+    for (int64_t h = 0; h < kKeys; h += kStep)
+      step_scores(it, r0, tiles, g, d, first_key + h, out + h * kBlock);
+  };
+  if (kResident) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
   }
-  store_c(o + c0, d * 4);
-}
-
-// o rows [n][d] x= alpha[r] (skipped where every alpha is 1, as while the maxima hold).
-void rescale(float* o, const float* alpha, int64_t n, int64_t d) {
-  for (int64_t r = 0; r < n; ++r) {
-    if (alpha[r] == 1.f) continue;
-    const __m512 a = _mm512_set1_ps(alpha[r]);
-    for (int64_t e = 0; e < d; e += 16)
-      _mm512_storeu_ps(o + r * d + e, _mm512_mul_ps(_mm512_loadu_ps(o + r * d + e), a));
-  }
-}
-
-// The rows of one item: G heads x up to kPos positions, position-major, in blocks of 16. The
-// buffers hold 16 rows past the last, which a last partial block computes and nothing reads.
-void attend_item(int64_t g, int64_t first, const at::Tensor& q, int64_t start, int64_t n,
-                 int64_t group, float scale, const Packed& packed, bf16* out, int64_t heads) {
-  const int64_t d = q.size(2);
-  const int64_t positions = std::min(kPos, n - first), rows = positions * group;
-  const int64_t padded = rows + kBlock;
-  std::vector<uint32_t> qrows(padded * d / 2, 0u), p(kBlock * kTile / 2);  // bf16 pairs
-  std::vector<float> s(kBlock * kTile), o(padded * d, 0.f), l(rows, 0.f), alpha(kBlock);
-  std::vector<float> m(rows, -std::numeric_limits<float>::infinity());
-  std::vector<int64_t> limit(rows);  // keys each row attends: pos + 1
-  gather_rows(q, first, positions, g, group, start, qrows.data(), limit.data());
-  configure();
-  const int64_t tiles = (start + first + positions + kTile - 1) / kTile;
-  for (int64_t t = 0; t < tiles; ++t) {
-    const int64_t first_key = t * kTile;
-    int64_t skip = 0;  // rows done before this tile: a prefix, as rows are position-major
-    while (skip < rows && limit[skip] <= first_key) ++skip;
-    for (int64_t r0 = skip; r0 < rows; r0 += kBlock) {
-      const int64_t live = std::min(kBlock, rows - r0);
-      block_scores(&qrows[r0 * d / 2], d, packed.k_tile(g, t), s.data());
-      for (int64_t i = 0; i < live; ++i)
-        alpha[i] = softmax_tile(&s[i * kTile], std::min(kTile, limit[r0 + i] - first_key),
-                                scale, m[r0 + i], l[r0 + i], &p[i * kTile / 2]);
-      rescale(&o[r0 * d], alpha.data(), live, d);
-      for (int64_t c0 = 0; c0 < d; c0 += kTile)
-        block_values(p.data(), packed.v_tile(g, t), d, c0, &o[r0 * d]);
+  scores(0, s[0]);
+  for (int64_t first_key = 0, i = 0; first_key < high; first_key += kKeys, i ^= 1) {
+    if (first_key + kKeys < high) scores(first_key + kKeys, s[i ^ 1]);
+    __m512 alpha;
+    const __mmask16 scaled =
+        first_key + kKeys <= low
+            ? softmax_step<true, kKeys>(s[i], first_key, limit, c, m, l, p, &alpha)
+            : softmax_step<false, kKeys>(s[i], first_key, limit, c, m, l, p, &alpha);
+    if (scaled) {  // O^T x alpha, rows of 16 lanes
+      if (kResident) store_c(o, 16 * w, w * 4);
+      for (int64_t e = 0; e < d; ++e)
+        _mm512_storeu_ps(o + e * w, _mm512_mul_ps(_mm512_loadu_ps(o + e * w), alpha));
+      if (kResident) load_c(o, 16 * w, w * 4);
+    }
+    for (int64_t e0 = 0; e0 < d; e0 += 64) {
+      if (!kResident) load_c(o + e0 * w, 16 * w, w * 4);
+      for (int64_t h = 0; h < kKeys; h += kStep) {
+        const int64_t key = first_key + h;
+        _tile_loadd(7, p + h / 2 * kBlock, kBlock * 4);
+        step_values(tiles.v_tile(g, key / kTile) + key % kTile * d + e0 * kStep);
+      }
+      if (!kResident) store_c(o + e0 * w, 16 * w, w * 4);
     }
   }
+  if (kResident) store_c(o, 16 * w, w * 4);
+}
+
+// The rows of one item: G heads x up to kPos positions, position-major, in blocks of 16.
+void attend_item(const Tiles& tiles, int64_t g, int64_t first, const at::Tensor& q,
+                 int64_t start, int64_t group, float scale, bf16* out) {
+  const int64_t d = q.size(2), heads = q.size(1);
+  const int64_t positions = std::min(kPos, q.size(0) - first);
+  ItemRows it = gather(q, g, first, positions, group, start);
+  const float c = scale * 1.44269504f;  // scale x log2(e)
+  configure();
+  for (int64_t r0 = 0; r0 < it.rows; r0 += kBlock)
+    d == 64 ? attend_block<true>(it, r0, tiles, g, d, c) : attend_block<false>(it, r0, tiles, g, d, c);
   _tile_release();
-  emit_rows(o.data(), l.data(), first, positions, g, group, d, heads, out);
+  std::vector<float> row(d);
+  for (int64_t i = 0; i < positions; ++i)
+    for (int64_t h = 0; h < group; ++h) {
+      const int64_t r = i * group + h;
+      const float inv = 1.f / it.l[r];
+      for (int64_t e = 0; e < d; ++e) row[e] = it.o_t[e * it.width + r] * inv;
+      bf16* dst = out + ((first + i) * heads + g * group + h) * d;
+      for (int64_t e = 0; e < d; e += kBVec)
+        store_bf16(dst + e, Vec::loadu(&row[e]), Vec::loadu(&row[e + kVec]));
+    }
 }
 
 }  // namespace
@@ -156,10 +365,10 @@ at::Tensor prefill_attention_amx(const at::Tensor& q, const at::Tensor& k_cache,
                                  int64_t context_len, double scale) {
   TORCH_CHECK(amx_available(), "this CPU or kernel does not grant AMX to the process");
   return prefill_by_items(q, k_cache, v_cache, block_table, context_len, kPos, pack,
-                          [&](const Packed& packed, int64_t g, int64_t first, int64_t start,
+                          [&](const Tiles& tiles, int64_t g, int64_t first, int64_t start,
                               int64_t group, bf16* out) {
-                            attend_item(g, first, q, start, q.size(0), group,
-                                        static_cast<float>(scale), packed, out, q.size(1));
+                            attend_item(tiles, g, first, q, start, group,
+                                        static_cast<float>(scale), out);
                           });
 }
 

@@ -1,15 +1,13 @@
-// The packed K/V tiles and the online-softmax step shared by the prefill attention kernels
-// on AVX512-BF16 (prefill_attention.cpp, VDPBF16PS) and AMX (prefill_attention_amx.cpp,
-// TDPBF16PS): both read the same tiles, in the order both instructions take their second
-// operand.
+// The packed K/V tiles, the online-softmax step, the query gather and the output of the
+// VDPBF16PS prefill attention (prefill_attention.cpp), in the order the instruction takes its
+// second operand; the AMX kernel (prefill_attention_amx.cpp) packs its own transposed tiles and
+// takes transpose16 from here.
 //
 // Keys go in tiles of kTile = 64 positions aligned to absolute positions (tile t is
 // [64 t, 64 t + 64)). Each KV head's tiles are packed once per call from the pool, read in
 // place through the block table (no gathered copy of the context):
-//   K tile: [D/2 pairs][64 keys][2]   a VDPBF16PS vector = one dimension pair of 16 keys;
-//                                     an AMX B tile = 16 pairs x 16 keys (rows 256 B apart)
-//   V tile: [32 key pairs][D][2]      a vector = one key pair of 16 dimensions;
-//                                     an AMX B tile = 16 key pairs x 16 dimensions
+//   K tile: [D/2 pairs][64 keys][2]   a VDPBF16PS vector = one dimension pair of 16 keys
+//   V tile: [32 key pairs][D][2]      a vector = one key pair of 16 dimensions
 // Positions past `len` are packed as zeros (the pool's free slots may hold anything, NaN
 // included, and 0 x NaN is NaN).
 #pragma once
