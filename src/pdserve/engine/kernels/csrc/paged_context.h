@@ -9,6 +9,7 @@
 #include <cstdint>
 
 #include "ops.h"
+#include "thread_buffer.h"
 #include "vec.h"
 
 namespace pdserve {
@@ -30,6 +31,38 @@ inline PagedContext paged_context(const at::Tensor& k_cache, const at::Tensor& v
                                   const int64_t* table) {
   return {k_cache.data_ptr<bf16>(), v_cache.data_ptr<bf16>(), table, k_cache.size(1),
           k_cache.stride(0), k_cache.stride(1), k_cache.size(3)};
+}
+
+// A call's packed K and V tiles, each kernel in its own layout: tile t of KV head g at
+// (g * tiles + t) * per_tile elements of T, K and V alike.
+template <typename T>
+struct KVTiles {
+  T* k = nullptr;
+  T* v = nullptr;
+  int64_t tiles = 0, per_tile = 0;
+
+  T* k_tile(int64_t g, int64_t t) const { return k + (g * tiles + t) * per_tile; }
+  T* v_tile(int64_t g, int64_t t) const { return v + (g * tiles + t) * per_tile; }
+};
+
+// The KV heads' tiles of one call, packed in parallel (`grain` tiles a task) by
+// pack_tile(g, t, k, v), into the calling thread's buffer for Tag (thread_buffer.h), which is
+// kept between calls.
+template <typename T, typename Tag, typename PackTile>
+KVTiles<T> pack_kv_tiles(int64_t kvh, int64_t tiles, int64_t per_tile, int64_t grain,
+                         const PackTile& pack_tile) {
+  KVTiles<T> out;
+  out.tiles = tiles;
+  out.per_tile = per_tile;
+  const int64_t count = kvh * tiles * per_tile;
+  out.k = thread_buffer<T, Tag>(2 * count);
+  out.v = out.k + count;
+  at::parallel_for(0, kvh * tiles, grain, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i)
+      pack_tile(i / tiles, i % tiles, out.k_tile(i / tiles, i % tiles),
+                out.v_tile(i / tiles, i % tiles));
+  });
+  return out;
 }
 
 // item(g, first) for every KV head g and run of `rows` query positions from `first` of a

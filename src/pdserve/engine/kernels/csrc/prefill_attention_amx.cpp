@@ -50,7 +50,6 @@
 #include "ops.h"
 #include "paged_context.h"
 #include "prefill_tiles.h"
-#include "thread_buffer.h"
 #include "vec.h"
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
@@ -76,16 +75,8 @@ void configure() {  // tiles 0-7 of 16 rows x 64 bytes
   load_tile_config(cfg);
 }
 
-// The KV heads' tiles: tile t of head g at (g * tiles + t) * 64 D bf16, K and V^T alike (the
-// file comment). The buffer is the calling thread's, kept between calls (thread_buffer.h).
-struct Tiles {
-  bf16* k = nullptr;
-  bf16* vt = nullptr;
-  int64_t tiles = 0, elems = 0;  // elems: bf16 per tile (64 D)
-
-  const bf16* k_tile(int64_t g, int64_t t) const { return k + (g * tiles + t) * elems; }
-  const bf16* v_tile(int64_t g, int64_t t) const { return vt + (g * tiles + t) * elems; }
-};
+// The KV heads' tiles (per_tile: 64 x D bf16), K and V^T alike (the file comment).
+using Tiles = KVTiles<bf16>;
 
 struct TilesTag;
 
@@ -128,19 +119,9 @@ void pack_tile(const PagedContext& pool, int64_t g, int64_t t, int64_t len, bf16
 }
 
 Tiles pack(const PagedContext& pool, int64_t kvh, int64_t len) {
-  Tiles out;
-  out.tiles = (len + kTile - 1) / kTile;
-  out.elems = kTile * pool.d;
-  const int64_t count = kvh * out.tiles * out.elems;
-  out.k = thread_buffer<bf16, TilesTag>(2 * count);
-  out.vt = out.k + count;
-  at::parallel_for(0, kvh * out.tiles, 4, [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; ++i) {
-      const int64_t g = i / out.tiles, t = i % out.tiles;
-      pack_tile(pool, g, t, len, out.k + i * out.elems, out.vt + i * out.elems);
-    }
-  });
-  return out;
+  return pack_kv_tiles<bf16, TilesTag>(
+      kvh, (len + kTile - 1) / kTile, kTile * pool.d, 4,
+      [&](int64_t g, int64_t t, bf16* k, bf16* v) { pack_tile(pool, g, t, len, k, v); });
 }
 
 // C tiles 0-3 to / from 64 rows of 16 floats at c, tile i at c + i x rows16 floats.

@@ -59,15 +59,8 @@ namespace {
 constexpr int64_t kTile = 64;              // keys per tile
 constexpr int64_t kPos = 32;               // query positions per work item
 
-// Each KV head's packed tiles: tile t of head g at (g * tiles + t) * tile_elems.
-struct Tiles {
-  bf16* k = nullptr;
-  bf16* v = nullptr;
-  int64_t tiles = 0, tile_elems = 0;  // tile_elems: 64 x D
-
-  bf16* k_tile(int64_t g, int64_t t) const { return k + (g * tiles + t) * tile_elems; }
-  bf16* v_tile(int64_t g, int64_t t) const { return v + (g * tiles + t) * tile_elems; }
-};
+// Each KV head's packed tiles (per_tile: 64 x D).
+using Tiles = KVTiles<bf16>;
 
 constexpr int64_t kGroup = 16;  // keys (K tile) or dimensions (V tile) per packed group
 
@@ -111,19 +104,9 @@ inline std::pair<__m256, __m256> unpack(const bf16* row) {
 }
 
 Tiles pack(const Pool& pool, int64_t kvh, int64_t len) {
-  Tiles out;
-  out.tiles = (len + kTile - 1) / kTile;
-  out.tile_elems = kTile * pool.d;
-  const int64_t count = kvh * out.tiles * out.tile_elems;
-  out.k = thread_buffer<bf16, TileTag>(2 * count);
-  out.v = out.k + count;
-  at::parallel_for(0, kvh * out.tiles, 1, [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; ++i) {
-      const int64_t g = i / out.tiles, t = i % out.tiles;
-      pack_tile(pool, g, t, len, out.k_tile(g, t), out.v_tile(g, t));
-    }
-  });
-  return out;
+  return pack_kv_tiles<bf16, TileTag>(
+      kvh, (len + kTile - 1) / kTile, kTile * pool.d, 1,
+      [&](int64_t g, int64_t t, bf16* k, bf16* v) { pack_tile(pool, g, t, len, k, v); });
 }
 
 constexpr int kRows = 6;      // rows per register block: 6 x 2 accumulators (12 of 16 ymm)

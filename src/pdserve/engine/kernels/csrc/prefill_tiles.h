@@ -22,24 +22,14 @@
 #include <limits>
 
 #include "paged_context.h"
-#include "thread_buffer.h"
 #include "vec.h"
 
 namespace pdserve::prefill_tiles {
 
 constexpr int64_t kTile = 64;  // keys per tile: 4 vectors of 16 fp32 scores
 
-// The KV heads' packed tiles: tile t of head g at (g * tiles + t) * tile_pairs. The buffer is
-// the calling thread's, kept between calls: a fresh multi-MiB allocation costs its page faults
-// on every call (about as much as packing a 4,096-token context).
-struct Packed {
-  uint32_t* k = nullptr;  // bf16 pairs
-  uint32_t* v = nullptr;
-  int64_t tiles = 0, tile_pairs = 0;  // tile_pairs: uint32 per tile (64 x D / 2)
-
-  const uint32_t* k_tile(int64_t g, int64_t t) const { return k + (g * tiles + t) * tile_pairs; }
-  const uint32_t* v_tile(int64_t g, int64_t t) const { return v + (g * tiles + t) * tile_pairs; }
-};
+// The KV heads' packed tiles, in bf16 pairs (per_tile: 64 x D / 2).
+using Packed = KVTiles<uint32_t>;
 
 struct PackTag;
 using Pool = PagedContext;
@@ -109,19 +99,9 @@ inline void pack_tile(const Pool& pool, int64_t g, int64_t t, int64_t len, uint3
 }
 
 inline Packed pack(const Pool& pool, int64_t kvh, int64_t len) {
-  Packed out;
-  out.tiles = (len + kTile - 1) / kTile;
-  out.tile_pairs = kTile * pool.d / 2;
-  const int64_t count = kvh * out.tiles * out.tile_pairs;
-  out.k = thread_buffer<uint32_t, PackTag>(2 * count);
-  out.v = out.k + count;
-  at::parallel_for(0, kvh * out.tiles, 4, [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; ++i) {
-      const int64_t g = i / out.tiles, t = i % out.tiles;
-      pack_tile(pool, g, t, len, out.k + i * out.tile_pairs, out.v + i * out.tile_pairs);
-    }
-  });
-  return out;
+  return pack_kv_tiles<uint32_t, PackTag>(
+      kvh, (len + kTile - 1) / kTile, kTile * pool.d / 2, 4,
+      [&](int64_t g, int64_t t, uint32_t* k, uint32_t* v) { pack_tile(pool, g, t, len, k, v); });
 }
 
 // exp(x) for x <= 0 (a score less the row's maximum; -inf gives 0) as 2^y, y = x log2(e):
