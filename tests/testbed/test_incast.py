@@ -24,7 +24,7 @@ def test_two_senders_share_the_decode_link_and_every_write_lands_intact() -> Non
         assert links["d0"].gbps == SHAPE.gbps  # the bottleneck
         assert all(links[h].gbps > SHAPE.gbps for h in ("p0", "p1"))
         row, senders = link_incast.incast(topology, SHAPE, window=True, concurrent=EACH,
-                                          repeats=1)
+                                          repeats=3)
     assert_nothing_left(topology.prefix)
     assert row.intact, row
     assert (row.senders, row.concurrent) == (SENDERS, EACH)
@@ -37,7 +37,8 @@ def test_two_senders_share_the_decode_link_and_every_write_lands_intact() -> Non
     one_write_ms = row.ideal_ms / (SENDERS * EACH)
     assert row.control_p50_ms < one_write_ms / 4, row
     # the link stays busy: the last write ends near the ideal, K x N writes at the link's rate
-    assert row.p99_of_ideal < 1.5, row
+    # (the median burst: one stalled repeat does not decide)
+    assert row.last_of_ideal < 1.5, row
 
 
 @pytest.mark.parametrize("stop", [RuntimeError("a failed run"), KeyboardInterrupt()])

@@ -17,30 +17,32 @@ from pdserve.testbed.topology import LinkShape
 
 SHAPE = LinkShape(gbps=1)
 BURST = 4
+REPEATS = 3  # the link-busy checks take the median burst: one stalled repeat does not decide
 
 
 def test_control_messages_pass_a_burst_of_writes_only_with_the_window(
         make_bed: Callable[..., BedState]) -> None:
     bed = make_bed(("p0", "d0"), SHAPE)
-    on = link_bench.burst(bed.topology, SHAPE, window=True, concurrent=BURST, repeats=1)
-    off = link_bench.burst(bed.topology, SHAPE, window=False, concurrent=BURST, repeats=1)
+    on = link_bench.burst(bed.topology, SHAPE, window=True, concurrent=BURST, repeats=REPEATS)
+    off = link_bench.burst(bed.topology, SHAPE, window=False, concurrent=BURST,
+                           repeats=REPEATS)
     one_write_ms = on.ideal_ms / BURST  # one write's bytes at the link's rate
     assert on.control_messages > 10 and off.control_messages > 10
     assert on.control_p99_ms < one_write_ms / 4, on
     assert off.control_p50_ms > one_write_ms / 4, off
     for row in (on, off):  # FIFO per peer: the last write ends near N x one write's time
-        assert row.p99_of_ideal < 1.5, row
+        assert row.last_of_ideal < 1.5, row
 
 
 def test_the_raw_burst_baseline_fills_the_link_with_stamps_beside_it(
         make_bed: Callable[..., BedState]) -> None:
     bed = make_bed(("p0", "d0"), SHAPE)
-    raw = link_bench.raw_burst(bed.topology, SHAPE, concurrent=BURST, repeats=1)
+    raw = link_bench.raw_burst(bed.topology, SHAPE, concurrent=BURST, repeats=REPEATS)
     one_write_ms = raw.ideal_ms / BURST
     assert raw.transport == "raw" and raw.concurrent == BURST
     assert raw.control_messages > 10, raw
     assert raw.control_p50_ms < one_write_ms / 4, raw
-    assert 0.9 < raw.p99_of_ideal < 1.5, raw  # the shaped link's rate bounds the stream
+    assert 0.9 < raw.last_of_ideal < 1.5, raw  # the shaped link's rate bounds the stream
 
 
 def test_bulk_writes_fill_most_of_the_link_as_a_raw_socket_does(

@@ -20,7 +20,9 @@ loss, every link of the bed shaped alike):
   and control messages on a connection of their own, `control_connection`); the window with
   one connection per peer; and neither (whole writes, kernel buffers, one connection). N
   pushes started at once; each one's time from the start to "done" against the ideal
-  N x bytes / link rate (`p99_of_ideal`, nearest rank over every transfer of every repeat),
+  N x bytes / link rate (`p99_of_ideal`, nearest rank over every transfer of every repeat;
+  `last_of_ideal`, the median over repeats of the burst's last end, which one stalled repeat
+  does not move),
   and control messages sent every `PING_S` while the burst runs (`control_p50_ms`,
   `control_p99_ms`: one-way, sent to delivered, on the machine's one monotonic clock).
   Before them, the raw socket's burst row (`transport` "raw", `link_raw_burst.py`): the same
@@ -108,6 +110,7 @@ class BurstRow:
     p99_ms: float
     ideal_ms: float
     p99_of_ideal: float
+    last_of_ideal: float
     control_p50_ms: float
     control_p99_ms: float
     control_messages: int
@@ -200,7 +203,7 @@ def burst(topology: Topology, shape: LinkShape, window: bool, concurrent: int,
     """`control_connection` counts with the window only: without it the connection is one."""
     ids = list(range(BLOCKS))
     tids = itertools.count(1)
-    times: list[float] = []
+    times: list[list[float]] = []
     control: list[float] = []
     kind = ("tcp" if control_connection else "tcp-one") if window else "tcp-whole"
     opts = options(kind, congestion)
@@ -209,7 +212,7 @@ def burst(topology: Topology, shape: LinkShape, window: bool, concurrent: int,
         for _ in range(repeats + 1):  # the first is a warm-up
             took, lat = _one_burst(w, r, [next(tids) for _ in range(concurrent)], ids)
             if _ > 0:
-                times += took
+                times.append(took)
                 control += lat
     return _burst_row(shape, window, concurrent, times, control, opts.control_connection)
 
@@ -223,20 +226,22 @@ def raw_burst(topology: Topology, shape: LinkShape, concurrent: int, repeats: in
         for i in range(repeats + 1):  # the first is a warm-up
             took, lat = once(PING_S)
             if i > 0:
-                times.append(took)
+                times.append([took])
                 control += lat
     return _burst_row(shape, False, concurrent, times, control, True, "raw")
 
 
-def _burst_row(shape: LinkShape, window: bool, concurrent: int, times: list[float],
+def _burst_row(shape: LinkShape, window: bool, concurrent: int, times: list[list[float]],
                control: list[float], control_connection: bool, transport: str = "tcp"
                ) -> BurstRow:
     """The row of `concurrent` prompts' pushes at once: `times` their seconds to the end,
-    `control` the control messages' one-way seconds."""
+    one list per repeat; `control` the control messages' one-way seconds."""
     ideal = concurrent * PROMPT_BYTES * 8 / (shape.gbps * 1e9)
-    p99 = rank(times, 0.99)
+    ends = [t for burst in times for t in burst]
+    p99 = rank(ends, 0.99)
+    last = statistics.median(max(burst) for burst in times)
     return BurstRow(window, shape.gbps, shape.delay_ms, concurrent, PROMPT_BYTES,
-                    rank(times, 0.5) * 1e3, p99 * 1e3, ideal * 1e3, p99 / ideal,
+                    rank(ends, 0.5) * 1e3, p99 * 1e3, ideal * 1e3, p99 / ideal, last / ideal,
                     rank(control, 0.5) * 1e3, rank(control, 0.99) * 1e3, len(control),
                     shape.loss_pct, control_connection, transport)
 
@@ -394,10 +399,11 @@ def _print_pair(bulks: list[BulkRow], bursts: list[BurstRow]) -> None:
         print(f"{b.transport:<10}{b.link_gbps:>10g}{b.bytes / 1e6:>7.1f}{b.gbps:>8.2f}"
               f"{b.of_link:>9.0%}{b.of_raw:>8.2f}")
     print(f"\n{'transport':<10}{'window':<7}{'ctl conn':<9}{'link':>6}{'N':>4}{'p50 ms':>9}"
-          f"{'p99 ms':>9}{'ideal ms':>10}{'p99/ideal':>10}{'ctl p50':>9}{'ctl p99':>9}")
+          f"{'p99 ms':>9}{'ideal ms':>10}{'p99/ideal':>10}{'last/ideal':>11}{'ctl p50':>9}"
+          f"{'ctl p99':>9}")
     for r in sorted(bursts, key=lambda r: (r.link_gbps, r.concurrent)):
         window = "-" if r.transport == "raw" else "on" if r.window else "off"
         print(f"{r.transport:<10}{window:<7}{'own' if r.control_connection else 'shared':<9}"
               f"{r.link_gbps:>6g}{r.concurrent:>4}"
               f"{r.p50_ms:>9.0f}{r.p99_ms:>9.0f}{r.ideal_ms:>10.0f}{r.p99_of_ideal:>10.2f}"
-              f"{r.control_p50_ms:>9.1f}{r.control_p99_ms:>9.1f}")
+              f"{r.last_of_ideal:>11.2f}{r.control_p50_ms:>9.1f}{r.control_p99_ms:>9.1f}")

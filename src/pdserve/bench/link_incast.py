@@ -15,9 +15,11 @@ sender's bytes (`intact`; the pool is zeroed before each burst). Rows (medians o
 bursts after one warm-up; Gb/s are 1e9 bits per second):
 - `IncastRow`, per (link, K, N, window): each write's time from the start to "done", P50 and
   P99 (nearest rank over every write of every sender and repeat) against the ideal
-  K x N x bytes / link rate; Jain's index over the senders' shares and the smallest share x K
-  (1.0: a fair share), shares as `link_shares.py` defines them; control messages' one-way
-  latency, sent to delivered, P50 and P99 over every sender's.
+  K x N x bytes / link rate, and the median over repeats of each burst's last end against it
+  (`last_of_ideal`: one stalled repeat does not move it); Jain's index over the senders'
+  shares and the smallest share x K (1.0: a fair share), shares as `link_shares.py` defines
+  them; control messages' one-way latency, sent to delivered, P50 and P99 over every
+  sender's.
 - `SenderRow`, per sender of that row: its share, its Gb/s (its bytes / its last write's
   end), its last write's end, its own control latency P50 / P99.
 """
@@ -55,6 +57,7 @@ class IncastRow:
     p99_ms: float
     ideal_ms: float
     p99_of_ideal: float
+    last_of_ideal: float
     jain: float
     min_share_of_fair: float
     control_p50_ms: float
@@ -159,6 +162,7 @@ def _rows(shape: LinkShape, window: bool, hosts: list[str], concurrent: int, nby
     row = IncastRow(
         window, shape.gbps, sender_shape(shape).gbps, shape.delay_ms, k, concurrent, nbytes,
         rank(writes, 0.5) * 1e3, p99 * 1e3, ideal * 1e3, p99 / ideal,
+        statistics.median(max(t for res in b.results for t in res.done) for b in bursts) / ideal,
         statistics.median(link_shares.jain(s) for s in per_burst),
         statistics.median(min(s) * k for s in per_burst),
         rank(control, 0.5) * 1e3, rank(control, 0.99) * 1e3, len(control),
@@ -202,12 +206,12 @@ def run(link_gbps: list[float], base: LinkShape, concurrent: list[int], senders:
 def format_rows(rows: list[IncastRow], sender_rows: list[SenderRow]) -> str:
     """The incast table, then each row's senders."""
     out = [f"{'window':<7}{'link':>6}{'K':>3}{'N':>4}{'p50 ms':>9}{'p99 ms':>9}{'ideal ms':>10}"
-           f"{'p99/ideal':>10}{'Jain':>6}{'min/fair':>9}{'ctl p50':>9}{'ctl p99':>9}"
-           f"{'intact':>8}"]
+           f"{'p99/ideal':>10}{'last/ideal':>11}{'Jain':>6}{'min/fair':>9}{'ctl p50':>9}"
+           f"{'ctl p99':>9}{'intact':>8}"]
     for r in rows:
         out.append(f"{'on' if r.window else 'off':<7}{r.link_gbps:>6g}{r.senders:>3}"
                    f"{r.concurrent:>4}{r.p50_ms:>9.0f}{r.p99_ms:>9.0f}{r.ideal_ms:>10.0f}"
-                   f"{r.p99_of_ideal:>10.2f}{r.jain:>6.3f}{r.min_share_of_fair:>9.2f}"
+                   f"{r.p99_of_ideal:>10.2f}{r.last_of_ideal:>11.2f}{r.jain:>6.3f}{r.min_share_of_fair:>9.2f}"
                    f"{r.control_p50_ms:>9.1f}{r.control_p99_ms:>9.1f}"
                    f"{'yes' if r.intact else 'NO':>8}")
     out.append(f"\n{'window':<7}{'link':>6}{'K':>3}{'N':>4}{'sender':>8}{'share':>7}{'Gb/s':>7}"
