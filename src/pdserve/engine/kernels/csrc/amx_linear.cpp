@@ -14,7 +14,11 @@
 // 0-15 | 16-31] accumulate in tiles 0-3 from A tiles 4-5 and B tiles 6-7. A thread's items go
 // in groups of kGroupBytes of weights, each group over the row blocks of a chunk of
 // kChunkBytes of x; both stay in L2, so the weights cross the memory bus once per call, and
-// once per chunk of a long prompt's rows.
+// once per chunk of a long prompt's rows. Each thread copies a chunk's rows into A tiles of
+// 1 KiB each before its items pass over them (`pack_rows`): the tile loads are half of an
+// item's time (an item without them ran 2.0-2.3x faster at 1,500 rows), and a load of 16 rows
+// of x in place reads 16 lines 2 K bytes apart (packed: 1.0-1.15x at 1,500 rows, SmolLM2's
+// projections, `tools/kernel_ab`; docs/benchmarks.md).
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -22,6 +26,7 @@
 #include "amx_tiles.h"
 #include "linear_call.h"
 #include "ops.h"
+#include "thread_buffer.h"
 #include "vec.h"
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
@@ -73,9 +78,29 @@ void emit(const float (*c)[32], int64_t rows, const float* bias, bf16* out, int6
   }
 }
 
-// Columns [32 g, 32 g + 32) of rows [m0, m0 + rows) of out = x . w^T (+ bias).
+// x [m, k] (row stride ldx) -> A tiles a [ceil(m / 16)][k / 32][16 rows][32] (64-byte
+// aligned): each tile's 1 KiB contiguous, as the B tiles are, where a tile loaded straight from
+// x's rows reads 16 lines 2 k bytes apart. Rows past m in the last block are left unset: its
+// tiles are configured to m's rows.
+void pack_rows(const bf16* x, int64_t m, int64_t k, int64_t ldx, bf16* a) {
+  const int64_t kcs = k / kTileK;
+  for (int64_t i = 0; i < m; ++i) {
+    const bf16* row = x + i * ldx;
+    bf16* dst = a + (i / 16) * kcs * kTileElems + (i % 16) * kTileK;
+    for (int64_t kc = 0; kc < kcs; ++kc)
+      _mm512_store_si512(dst + kc * kTileElems, _mm512_loadu_si512(row + kc * kTileK));
+  }
+}
+
+// Columns [32 g, 32 g + 32) of rows [m0, m0 + rows) of out = x . w^T (+ bias); x is the row
+// block's tiles (pack_rows) where kPacked, else its first row (row stride ldx).
+template <bool kPacked>
 void item(const bf16* x, int64_t ldx, const bf16* w0, int64_t k, const float* bias, bf16* out,
           int64_t n, int64_t rows) {
+  // rows 0-15's tile kc at x + kc * step, rows 16-31's at x1 + kc * step; a tile's rows ld
+  // bytes apart
+  const int64_t step = kPacked ? kTileElems : kTileK, ld = kPacked ? 64 : ldx * 2;
+  const bf16* x1 = kPacked ? x + (k / kTileK) * kTileElems : x + 16 * ldx;
   const bf16* w1 = w0 + (k / kTileK) * kTileElems;  // the next 16 columns' tiles
   const bool two = rows > 16;
   _tile_zero(0);
@@ -85,13 +110,13 @@ void item(const bf16* x, int64_t ldx, const bf16* w0, int64_t k, const float* bi
     _tile_zero(3);
   }
   for (int64_t kc = 0; kc < k / kTileK; ++kc) {
-    _tile_loadd(4, x + kc * kTileK, ldx * 2);
+    _tile_loadd(4, x + kc * step, ld);
     _tile_loadd(6, w0 + kc * kTileElems, 64);
     _tile_loadd(7, w1 + kc * kTileElems, 64);
     _tile_dpbf16ps(0, 4, 6);
     _tile_dpbf16ps(1, 4, 7);
     if (two) {
-      _tile_loadd(5, x + 16 * ldx + kc * kTileK, ldx * 2);
+      _tile_loadd(5, x1 + kc * step, ld);
       _tile_dpbf16ps(2, 5, 6);
       _tile_dpbf16ps(3, 5, 7);
     }
@@ -145,16 +170,28 @@ at::Tensor amx_linear(const at::Tensor& x_in, const at::Tensor& packed,
   const int64_t group = std::max<int64_t>(1, kGroupBytes / (2 * kTileN * k * 2));
   at::parallel_for(0, n / (2 * kTileN), 1, [&](int64_t g0, int64_t g1) {
     int64_t configured = -1;  // LDTILECFG is per thread; reload only when the chunk shape changes
+    // each thread packs the chunk it passes over itself (the copy stays in its own L2); fewer
+    // than 16 rows are read in place, a tile's rows as many lines either way
+    const bool pack = m >= 16;
+    const int64_t packed_rows = (std::min(m, chunk) + 15) / 16 * 16;
+    bf16* xa = pack ? thread_buffer<bf16, struct ChunkRows>(packed_rows * k) : nullptr;
     for (int64_t c0 = 0; c0 < m; c0 += chunk) {
       const int64_t c1 = std::min(m, c0 + chunk);
+      if (pack) pack_rows(xp + c0 * ldx, c1 - c0, k, ldx, xa);
       for (int64_t b0 = g0; b0 < g1; b0 += group) {
         const int64_t b1 = std::min(g1, b0 + group);
         for (int64_t m0 = c0; m0 < c1; m0 += 32) {
           const int64_t rows = std::min<int64_t>(32, c1 - m0);
           if (rows != configured) configure(configured = rows);
-          for (int64_t g = b0; g < b1; ++g)
-            item(xp + m0 * ldx, ldx, wp + 2 * g * (k / kTileK) * kTileElems, k,
-                 bp ? bp + 2 * g * kTileN : nullptr, op + m0 * n + 2 * g * kTileN, n, rows);
+          for (int64_t g = b0; g < b1; ++g) {
+            const bf16* w = wp + 2 * g * (k / kTileK) * kTileElems;
+            const float* b = bp ? bp + 2 * g * kTileN : nullptr;
+            bf16* out = op + m0 * n + 2 * g * kTileN;
+            if (pack)
+              item<true>(xa + (m0 - c0) * k, 0, w, k, b, out, n, rows);
+            else
+              item<false>(xp + m0 * ldx, ldx, w, k, b, out, n, rows);
+          }
         }
       }
     }
