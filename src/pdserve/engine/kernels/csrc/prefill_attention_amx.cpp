@@ -34,11 +34,12 @@
 //
 // Packing, once per call and KV head (read in place from the pool through the block table,
 // zeros past the context: a free slot may hold NaN, and 0 x NaN is NaN), per 64 keys:
-//   K tile   [64 keys][D] bf16              (A rows: a key's dimensions)
+//   K tile   [4][D/32][16 keys][32] bf16    (A rows: a key's 32 dimensions, 1 KiB a tile)
 //   V^T tile [2 halves][D][32 keys] bf16    (A rows: a dimension's keys in a step, 64 B)
 // A work item is one KV head and kPos positions, its G query heads' rows (position-major)
-// sharing every tile, Q^T [D/2 pairs][rows] gathered once per item. The tile configuration is
-// per thread: each item loads it and releases the tiles at its end.
+// sharing every tile, Q^T [row blocks][D/2 pairs][16 rows] gathered once per item: every
+// operand tile is 1 KiB contiguous. The tile configuration is per thread: each item loads it
+// and releases the tiles at its end.
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -80,18 +81,25 @@ using Tiles = KVTiles<bf16>;
 
 struct TilesTag;
 
-// Tile t of KV head g: K rows copied, V transposed 16 keys x 32 dimensions at a time (a 32-bit
-// transpose of dimension pairs, then each vector's pairs split into its two dimensions' rows,
-// which go to the half of the tile their keys are in).
+// Where keys [16 b, 16 b + 16) x dimensions [32 kc, 32 kc + 32) of a K tile start: each such
+// A tile's 1 KiB contiguous (loaded from [64 keys][D] rows it read 16 lines 2 D bytes apart).
+inline int64_t k_rows(int64_t b, int64_t kc, int64_t d) { return (b * (d / 32) + kc) * 512; }
+
+// Tile t of KV head g: K copied a key's 32 dimensions at a time to its A tile (k_rows); V
+// transposed 16 keys x 32 dimensions at a time (a 32-bit transpose of dimension pairs, then
+// each vector's pairs split into its two dimensions' rows, which go to the half of the tile
+// their keys are in).
 void pack_tile(const PagedContext& pool, int64_t g, int64_t t, int64_t len, bf16* kt, bf16* vt) {
   const int64_t d = pool.d, first = t * kTile;
   const int64_t valid = std::min(kTile, len - first);
-  for (int64_t j = 0; j < kTile; ++j) {
-    if (j < valid)
-      std::memcpy(kt + j * d, pool.k + pool.row(first + j, g), d * sizeof(bf16));
-    else
-      std::memset(kt + j * d, 0, d * sizeof(bf16));
-  }
+  for (int64_t j = 0; j < kTile; ++j)
+    for (int64_t e0 = 0; e0 < d; e0 += 32) {
+      bf16* dst = kt + k_rows(j / 16, e0 / 32, d) + j % 16 * 32;
+      if (j < valid)
+        std::memcpy(dst, pool.k + pool.row(first + j, g) + e0, 32 * sizeof(bf16));
+      else
+        std::memset(dst, 0, 32 * sizeof(bf16));
+    }
   // 16-bit index: even elements (the first dimension of each pair) to the low half
   alignas(64) int16_t index[32];
   for (int i = 0; i < 16; ++i) {
@@ -218,26 +226,36 @@ __mmask16 softmax_step(const float* s, int64_t first_key, __m512i limit, float c
 // One item's buffers: rows = G x positions real rows, then padding to a whole last block.
 struct ItemRows {
   int64_t rows, width;        // width: columns of q_t and o_t, rows + kBlock
-  std::vector<uint32_t> q_t;  // [D/2][width] bf16 pairs
+  // Q^T from q_t[q0], 64-byte aligned: [width / 16 blocks][D/2][16] bf16 pairs, so that a
+  // block's B tile (16 pairs of its 16 rows) is 1 KiB contiguous
+  std::vector<uint32_t> q_t;
+  int64_t q0, pairs;
   std::vector<float> o_t;     // [D][width]
   std::vector<float> m, l;    // [width]
   std::vector<int32_t> limit;  // [width] keys each row attends: pos + 1
+
+  uint32_t& q_at(int64_t pair, int64_t r) {
+    return q_t[q0 + (r / 16 * pairs + pair) * 16 + r % 16];
+  }
+  const uint32_t* q_block(int64_t r0) const { return q_t.data() + q0 + r0 / 16 * pairs * 16; }
 };
 
 ItemRows gather(const at::Tensor& q, int64_t g, int64_t first, int64_t positions,
                 int64_t group, int64_t start) {
   const int64_t d = q.size(2), rows = positions * group, width = rows + kBlock;
-  ItemRows it{rows, width, std::vector<uint32_t>(d / 2 * width, 0u),
+  const int64_t blocks = (width + kBlock - 1) / kBlock;
+  ItemRows it{rows, width, std::vector<uint32_t>(blocks * kBlock * d / 2 + 16, 0u), 0, d / 2,
               std::vector<float>(d * width, 0.f),
               std::vector<float>(width, -std::numeric_limits<float>::infinity()),
               std::vector<float>(width, 0.f), std::vector<int32_t>(width)};
+  it.q0 = (64 - reinterpret_cast<uintptr_t>(it.q_t.data()) % 64) % 64 / 4;
   const bf16* qp = q.data_ptr<bf16>();
   for (int64_t i = 0; i < positions; ++i)
     for (int64_t h = 0; h < group; ++h) {
       const int64_t r = i * group + h;
       const auto* src = reinterpret_cast<const uint32_t*>(
           qp + (first + i) * q.stride(0) + (g * group + h) * q.stride(1));
-      for (int64_t pr = 0; pr < d / 2; ++pr) it.q_t[pr * width + r] = src[pr];
+      for (int64_t pr = 0; pr < d / 2; ++pr) it.q_at(pr, r) = src[pr];
       it.limit[r] = static_cast<int32_t>(start + first + i + 1);
     }
   // padding rows (zero queries) attend as the last row, so no lane is all -inf
@@ -249,15 +267,16 @@ ItemRows gather(const at::Tensor& q, int64_t g, int64_t first, int64_t positions
 // Q^T pairs (B, tile 7), 32 dimensions at a time.
 void step_scores(const ItemRows& it, int64_t r0, const Tiles& tiles, int64_t g, int64_t d,
                  int64_t first_key, float* s) {
-  const int64_t w = it.width;
-  const bf16* kt = tiles.k_tile(g, first_key / kTile) + first_key % kTile * d;
+  const bf16* kt = tiles.k_tile(g, first_key / kTile);
+  const int64_t b = first_key % kTile / 16;  // the step's first 16 keys in the tile
+  const uint32_t* q = it.q_block(r0);
   _tile_zero(4);
   _tile_zero(5);
   for (int64_t kc = 0; kc < d / 32; ++kc) {
-    _tile_loadd(7, it.q_t.data() + kc * 16 * w + r0, w * 4);
-    _tile_loadd(6, kt + kc * 32, d * 2);
+    _tile_loadd(7, q + kc * 16 * 16, 64);
+    _tile_loadd(6, kt + k_rows(b, kc, d), 64);
     _tile_dpbf16ps(4, 6, 7);
-    _tile_loadd(6, kt + 16 * d + kc * 32, d * 2);
+    _tile_loadd(6, kt + k_rows(b + 1, kc, d), 64);
     _tile_dpbf16ps(5, 6, 7);
   }
   _tile_stored(4, s, kBlock * 4);
@@ -324,8 +343,12 @@ void attend_item(const Tiles& tiles, int64_t g, int64_t first, const at::Tensor&
   ItemRows it = gather(q, g, first, positions, group, start);
   const float c = scale * 1.44269504f;  // scale x log2(e)
   configure();
-  for (int64_t r0 = 0; r0 < it.rows; r0 += kBlock)
-    d == 64 ? attend_block<true>(it, r0, tiles, g, d, c) : attend_block<false>(it, r0, tiles, g, d, c);
+  for (int64_t r0 = 0; r0 < it.rows; r0 += kBlock) {
+    if (d == 64)
+      attend_block<true>(it, r0, tiles, g, d, c);
+    else
+      attend_block<false>(it, r0, tiles, g, d, c);
+  }
   _tile_release();
   std::vector<float> row(d);
   for (int64_t i = 0; i < positions; ++i)
