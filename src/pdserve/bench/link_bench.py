@@ -239,9 +239,9 @@ def _burst_row(shape: LinkShape, window: bool, concurrent: int, times: list[list
     ideal = concurrent * PROMPT_BYTES * 8 / (shape.gbps * 1e9)
     ends = [t for burst in times for t in burst]
     p99 = rank(ends, 0.99)
-    last = statistics.median(max(burst) for burst in times)
     return BurstRow(window, shape.gbps, shape.delay_ms, concurrent, PROMPT_BYTES,
-                    rank(ends, 0.5) * 1e3, p99 * 1e3, ideal * 1e3, p99 / ideal, last / ideal,
+                    rank(ends, 0.5) * 1e3, p99 * 1e3, ideal * 1e3, p99 / ideal,
+                    median_last(times) / ideal,
                     rank(control, 0.5) * 1e3, rank(control, 0.99) * 1e3, len(control),
                     shape.loss_pct, control_connection, transport)
 
@@ -319,6 +319,12 @@ def rank(values: list[float], q: float) -> float:
         return 0.0
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, max(0, round(q * len(ordered)) - 1))]
+
+
+def median_last(bursts: list[list[float]]) -> float:
+    """The median over bursts of each one's last end (its writes' ends in seconds): what
+    `last_of_ideal` divides by the ideal, which one stalled burst does not move."""
+    return statistics.median(max(ends) for ends in bursts)
 
 
 def run(link_gbps: list[float], base: LinkShape, concurrent: list[int], repeats: int,

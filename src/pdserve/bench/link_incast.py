@@ -35,7 +35,15 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from pdserve.bench import link_receiver, link_sender, link_shares
-from pdserve.bench.link_bench import BLOCKS, CONGESTION, PING_S, PROMPT_BYTES, options, rank
+from pdserve.bench.link_bench import (
+    BLOCKS,
+    CONGESTION,
+    PING_S,
+    PROMPT_BYTES,
+    median_last,
+    options,
+    rank,
+)
 from pdserve.bench.link_sender import BurstResult
 from pdserve.testbed import lifecycle
 from pdserve.testbed.topology import MAX_GBPS, LinkShape, Topology
@@ -162,7 +170,7 @@ def _rows(shape: LinkShape, window: bool, hosts: list[str], concurrent: int, nby
     row = IncastRow(
         window, shape.gbps, sender_shape(shape).gbps, shape.delay_ms, k, concurrent, nbytes,
         rank(writes, 0.5) * 1e3, p99 * 1e3, ideal * 1e3, p99 / ideal,
-        statistics.median(max(t for res in b.results for t in res.done) for b in bursts) / ideal,
+        median_last([[t for res in b.results for t in res.done] for b in bursts]) / ideal,
         statistics.median(link_shares.jain(s) for s in per_burst),
         statistics.median(min(s) * k for s in per_burst),
         rank(control, 0.5) * 1e3, rank(control, 0.99) * 1e3, len(control),
@@ -211,7 +219,8 @@ def format_rows(rows: list[IncastRow], sender_rows: list[SenderRow]) -> str:
     for r in rows:
         out.append(f"{'on' if r.window else 'off':<7}{r.link_gbps:>6g}{r.senders:>3}"
                    f"{r.concurrent:>4}{r.p50_ms:>9.0f}{r.p99_ms:>9.0f}{r.ideal_ms:>10.0f}"
-                   f"{r.p99_of_ideal:>10.2f}{r.last_of_ideal:>11.2f}{r.jain:>6.3f}{r.min_share_of_fair:>9.2f}"
+                   f"{r.p99_of_ideal:>10.2f}{r.last_of_ideal:>11.2f}{r.jain:>6.3f}"
+                   f"{r.min_share_of_fair:>9.2f}"
                    f"{r.control_p50_ms:>9.1f}{r.control_p99_ms:>9.1f}"
                    f"{'yes' if r.intact else 'NO':>8}")
     out.append(f"\n{'window':<7}{'link':>6}{'K':>3}{'N':>4}{'sender':>8}{'share':>7}{'Gb/s':>7}"
