@@ -10,6 +10,7 @@ loads extensions RTLD_GLOBAL: the second build's symbols resolve to the first's)
 
     .venv/bin/python tools/kernel_ab/run.py --base HEAD~1 attention --lengths 512,2048
     .venv/bin/python tools/kernel_ab/run.py --base HEAD~1 linear --shapes 2048x576x3072
+    .venv/bin/python tools/kernel_ab/run.py --base HEAD~1 ops --rows 1500
 
 Builds every source twice (about a minute on 2 cores) into a temporary folder; the base
 revision needs the working tree's source files (`kernels.SOURCES`) and the timed operators.
@@ -35,7 +36,7 @@ from pdserve.engine.model.packed_linear import linear_kernel
 
 REPO = CSRC.parents[4]
 OPS = ("prefill_attention", "amx_pack", "amx_linear", "dpbf16_pack", "dpbf16_linear",
-       "avx2_pack", "avx2_linear")
+       "avx2_pack", "avx2_linear", "rms_norm", "add_rms_norm", "silu_mul", "rope_")
 DECLARATIONS = {  # ops.h's declarations of them (its two copies cannot both be included: GCC
     # takes identical files for one under #pragma once)
     "prefill_attention": "at::Tensor {}(const at::Tensor&, const at::Tensor&, const at::Tensor&, "
@@ -43,6 +44,12 @@ DECLARATIONS = {  # ops.h's declarations of them (its two copies cannot both be 
     "pack": "at::Tensor {}(const at::Tensor&)",
     "linear": "at::Tensor {}(const at::Tensor&, const at::Tensor&, "
               "const std::optional<at::Tensor>&)",
+    "rms_norm": "at::Tensor {}(const at::Tensor&, const at::Tensor&, double)",
+    "add_rms_norm": "std::tuple<at::Tensor, at::Tensor> {}(const at::Tensor&, const at::Tensor&, "
+                    "const at::Tensor&, double)",
+    "silu_mul": "at::Tensor {}(const at::Tensor&)",
+    "rope_": "void {}(at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, "
+             "int64_t, int64_t)",
 }
 
 
@@ -130,6 +137,26 @@ def linear(ab, shapes: list[tuple[int, int, int]], rounds: int) -> None:
         compare(f"{kernel}_linear {m}x{k}x{n}", base, head, rounds)
 
 
+def elementwise(ab, rows: list[int], shape: tuple[int, int, int, int, int],
+                rounds: int) -> None:
+    """The operators between a layer's linears, on `rows` rows of a model's widths."""
+    hidden, inter, heads, kv_heads, d = shape
+    for m in rows:
+        gen = torch.Generator().manual_seed(m)
+        x, res = (torch.randn(m, hidden, generator=gen).bfloat16() for _ in range(2))
+        w = (1 + 0.1 * torch.randn(hidden, generator=gen)).bfloat16()
+        gate_up = torch.randn(m, 2 * inter, generator=gen).bfloat16()
+        qkv = torch.randn(m, (heads + 2 * kv_heads) * d, generator=gen).bfloat16()
+        angle = torch.arange(m).float()[:, None] * torch.rand(d, generator=gen)
+        positions = torch.arange(m)
+        calls = {"rms_norm": (x, w, 1e-5), "add_rms_norm": (x, res, w, 1e-5),
+                 "silu_mul": (gate_up,),
+                 "rope_": (qkv, positions, angle.cos(), angle.sin(), heads + kv_heads, d)}
+        for op, args in calls.items():
+            compare(f"{op} rows={m}", functools.partial(getattr(ab, f"base_{op}"), *args),
+                    functools.partial(getattr(ab, f"head_{op}"), *args), rounds)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--base", default="HEAD", help="git revision to compare the working "
@@ -144,6 +171,10 @@ def main() -> None:
                      help="heads,kv_heads,head_dim (default: 9,3,64, SmolLM2-135M)")
     lin = sub.add_parser("linear", help="the CPU's linear kernel, M x K x N")
     lin.add_argument("--shapes", default="2048x576x3072,2048x576x960,2048x1536x576,32x576x3072")
+    ew = sub.add_parser("ops", help="rms_norm, add_rms_norm, silu_mul and rope_")
+    ew.add_argument("--rows", default="1500,32")
+    ew.add_argument("--shape", default="576,1536,9,3,64",
+                    help="hidden,intermediate,heads,kv_heads,head_dim (default: SmolLM2-135M)")
     args = parser.parse_args()
     if cpu_ops() is None:
         raise SystemExit("the compiled operators do not build here")
@@ -153,6 +184,9 @@ def main() -> None:
             shape = tuple(int(v) for v in args.shape.split(","))
             attention(ab, [int(n) for n in args.lengths.split(",")], args.cached, shape,
                       args.rounds)
+        elif args.op == "ops":
+            elementwise(ab, [int(n) for n in args.rows.split(",")],
+                        tuple(int(v) for v in args.shape.split(",")), args.rounds)
         else:
             linear(ab, [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")],
                    args.rounds)

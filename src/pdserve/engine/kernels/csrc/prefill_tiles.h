@@ -104,24 +104,6 @@ inline Packed pack(const Pool& pool, int64_t kvh, int64_t len) {
       [&](int64_t g, int64_t t, uint32_t* k, uint32_t* v) { pack_tile(pool, g, t, len, k, v); });
 }
 
-// exp(x) for x <= 0 (a score less the row's maximum; -inf gives 0) as 2^y, y = x log2(e):
-// n = round(y), f = y - n in [-1/2, 1/2], 2^f = e^(f ln 2) by its Taylor series to degree 5
-// (relative error below (ln 2 / 2)^6 / 6! = 2.4e-6, far under the bf16 rounding of the
-// weights, 2^-9), and VSCALEFPS multiplies by 2^n, flushing to 0 below fp32's range. About
-// half the instructions of ATen's exp_u20, which guards the whole float range.
-inline __m512 exp_nonpositive(__m512 x) {
-  const __m512 y = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504f));  // log2(e)
-  const __m512 n = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 t = _mm512_mul_ps(_mm512_sub_ps(y, n), _mm512_set1_ps(0.693147181f));  // f ln 2
-  __m512 p = _mm512_set1_ps(1.f / 120);
-  p = _mm512_fmadd_ps(p, t, _mm512_set1_ps(1.f / 24));
-  p = _mm512_fmadd_ps(p, t, _mm512_set1_ps(1.f / 6));
-  p = _mm512_fmadd_ps(p, t, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, t, _mm512_set1_ps(1.f));
-  p = _mm512_fmadd_ps(p, t, _mm512_set1_ps(1.f));
-  return _mm512_scalef_ps(p, n);
-}
-
 // One row's online-softmax update for one tile (prefill_attention.cpp's file comment): s [64]
 // unscaled dot products with keys >= `valid` masked; writes p [64] bf16 from s x scale,
 // returns alpha = exp(m - m') and updates m, l.
