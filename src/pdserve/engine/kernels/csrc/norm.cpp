@@ -9,12 +9,14 @@
 namespace pdserve {
 
 void norm_row(const bf16* s, const bf16* w, bf16* y, int64_t n, float eps) {
-  Vec ss(0.f);
+  // two sums of squares, so that each FMA waits for its own chain only
+  Vec sa(0.f), sb(0.f);
   for (int64_t i = 0; i < n; i += kBVec) {
     auto [a, b] = load_bf16(s + i, std::min(kBVec, n - i));
-    ss = at::vec::fmadd(a, a, at::vec::fmadd(b, b, ss));
+    sa = at::vec::fmadd(a, a, sa);
+    sb = at::vec::fmadd(b, b, sb);
   }
-  const Vec r(1.f / std::sqrt(sum(ss) / static_cast<float>(n) + eps));
+  const Vec r(1.f / std::sqrt(sum(sa + sb) / static_cast<float>(n) + eps));
   for (int64_t i = 0; i < n; i += kBVec) {
     const int64_t c = std::min(kBVec, n - i);
     auto [a, b] = load_bf16(s + i, c);
