@@ -70,6 +70,8 @@ constexpr int64_t kTile = 64;   // keys per packed tile
 constexpr int64_t kStep = 32;   // keys per pass of scores (two C tiles); a step takes 1 or 2
 constexpr int64_t kPos = 32;    // query positions per work item
 constexpr int64_t kBlock = 16;  // query rows per block: the lanes of a vector
+constexpr int64_t kTileBf16 = 16 * 32;   // bf16 in a 1 KiB operand tile (16 rows x 64 bytes)
+constexpr int64_t kTilePairs = 16 * 16;  // the same tile as bf16 pairs (Q^T's elements)
 // How far (log2 units) a lane's maximum may rise above the one its weights use before O is
 // rescaled: p <= 2^8, far inside fp32 and bf16.
 constexpr float kSlack = 8.f;
@@ -86,7 +88,9 @@ struct TilesTag;
 
 // Where keys [16 b, 16 b + 16) x dimensions [32 kc, 32 kc + 32) of a K tile start: each such
 // A tile's 1 KiB contiguous (loaded from [64 keys][D] rows it read 16 lines 2 D bytes apart).
-inline int64_t k_rows(int64_t b, int64_t kc, int64_t d) { return (b * (d / 32) + kc) * 512; }
+inline int64_t k_rows(int64_t b, int64_t kc, int64_t d) {
+  return (b * (d / 32) + kc) * kTileBf16;
+}
 
 // Tile t of KV head g: K copied a key's 32 dimensions at a time to its A tile (k_rows); V
 // transposed 16 keys x 32 dimensions at a time (a 32-bit transpose of dimension pairs, then
@@ -276,7 +280,7 @@ void step_scores(const ItemRows& it, int64_t r0, const Tiles& tiles, int64_t g, 
   _tile_zero(4);
   _tile_zero(5);
   for (int64_t kc = 0; kc < d / 32; ++kc) {
-    _tile_loadd(7, q + kc * 16 * 16, 64);
+    _tile_loadd(7, q + kc * kTilePairs, 64);
     _tile_loadd(6, kt + k_rows(b, kc, d), 64);
     _tile_dpbf16ps(4, 6, 7);
     _tile_loadd(6, kt + k_rows(b + 1, kc, d), 64);
@@ -329,7 +333,7 @@ void attend_block(ItemRows& it, int64_t r0, const Tiles& tiles, int64_t g, int64
     _tile_zero(2);
     _tile_zero(3);
     _tile_loadd(4, it.q_block(r0), 64);
-    _tile_loadd(5, it.q_block(r0) + 16 * 16, 64);
+    _tile_loadd(5, it.q_block(r0) + kTilePairs, 64);
   }
   scores(0, s[0]);
   for (int64_t first_key = 0, i = 0; first_key < high; first_key += kKeys, i ^= 1) {
