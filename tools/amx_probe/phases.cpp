@@ -12,24 +12,15 @@
 
 #include <chrono>
 
-namespace {
+#include "amx_tiles.h"  // the engine's kernels/csrc
 
-struct TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
+namespace {
 
 alignas(64) char operands[16 * 1024];  // zeros: the products' values do not matter
 
 double run(int64_t iterations, int64_t mode) {
   TORCH_CHECK(syscall(SYS_arch_prctl, 0x1023, 18) == 0, "the kernel does not grant AMX");
-  TileConfig cfg;
-  for (int t = 0; t < 8; ++t) {
-    cfg.rows[t] = 16;
-    cfg.colsb[t] = 64;
-  }
-  _tile_loadconfig(&cfg);
+  pdserve::load_tile_config(pdserve::TileConfig());  // tiles 0-7 of 16 rows x 64 bytes
   _tile_zero(0);
   _tile_zero(1);
   _tile_zero(2);

@@ -20,6 +20,8 @@ from pathlib import Path
 
 from torch.utils.cpp_extension import load
 
+from pdserve.engine.kernels import CSRC
+
 ITERATIONS = 100  # a call: 400 products, ~3-10 us
 PER_PAIR = 200  # calls per side of a pair, timed as their median: ~1-4 ms a side
 
@@ -37,7 +39,8 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as build:
         ext = load(name="amx_phases", sources=[str(Path(__file__).parent / "phases.cpp")],
-                   build_directory=build, extra_cflags=["-O2", "-march=native"])
+                   build_directory=build, extra_include_paths=[str(CSRC)],
+                   extra_cflags=["-O2", "-march=native"])
         products: list[float] = []
         kernel: list[float] = []
         seconds: list[tuple[float, float]] = []  # (time into the run, ratio) per pair

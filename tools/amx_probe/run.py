@@ -17,6 +17,7 @@ import torch
 from torch.utils.cpp_extension import load
 
 from pdserve.engine import huge_pages
+from pdserve.engine.kernels import CSRC
 
 MODES = ("avx_read", "tile_loads", "tile_loads_pf", "m1_kernel", "m32_kernel", "m32_pf",
          "m32_hot")
@@ -29,6 +30,7 @@ def main() -> None:
     here = Path(__file__).parent
     with tempfile.TemporaryDirectory() as build:
         ext = load(name="amx_probe", sources=[str(here / "stream.cpp")], build_directory=build,
+                   extra_include_paths=[str(CSRC)],
                    extra_cflags=["-O3", "-march=native", "-fopenmp"],
                    extra_ldflags=["-fopenmp"])
         # 270 MB of "weights" (+ 2 KiB the prefetching modes may touch past the end)

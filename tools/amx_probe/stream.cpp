@@ -15,21 +15,14 @@
 #include <unistd.h>
 #include <torch/extension.h>
 
+#include "amx_tiles.h"  // the engine's kernels/csrc
+
 namespace {
 
-struct TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
 void configure(int rows) {  // tiles 0-3: C, 4-5: A (rows of x), 6-7: B (weights)
-  TileConfig c;
-  for (int t = 0; t < 8; ++t) {
-    c.rows[t] = t < 6 ? rows : 16;
-    c.colsb[t] = 64;
-  }
-  _tile_loadconfig(&c);
+  pdserve::TileConfig c;
+  for (int t = 0; t < 6; ++t) c.rows[t] = static_cast<uint8_t>(rows);
+  pdserve::load_tile_config(c);
 }
 
 void stream(const char* w, int64_t n, const char* x, int mode) {
