@@ -2,10 +2,14 @@
 real processes (`pdserve up --prefill 1 --decode 2`): the reservations are handed back rather
 than waited for, the router starts their requests over with the other decode worker, and
 every request completes with the greedy tokens it gets undisturbed; no KV block stays used.
-(`tests/workers/test_role_flip.py` shows that such a flip does not wait for the prefill.)"""
+(`tests/workers/test_role_flip.py` shows that such a flip does not wait for the prefill.)
+The prefill worker is paused (SIGSTOP) from the moment a reservation waits until the flip has
+handed it back, so that no KV can reach the reservation first."""
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 import time
 
@@ -37,6 +41,44 @@ def _complete(cluster: Cluster, n: int) -> list[str] | Exception:
         return e
 
 
+def _flip_while_a_reservation_waits(cluster: Cluster, router: RouterClient, name: str,
+                                    decode0: int, prefill_pid: int,
+                                    threads: list[threading.Thread]) -> dict:
+    """Flip worker `name` (index `decode0`) to prefill while a reservation of it waits, the
+    prefill worker paused (SIGSTOP) until the flip has handed that reservation back: no KV can
+    reach it first. The flip itself waits for the paused writer's fence (a round trip), so the
+    worker is resumed once the hand-back is counted, not after the flip's answer."""
+    deadline = time.monotonic() + 60.0
+    while True:
+        assert time.monotonic() < deadline and any(t.is_alive() for t in threads)
+        if cluster.health(decode0)["waiting_for_kv"] > 0:  # a reservation waits there
+            os.kill(prefill_pid, signal.SIGSTOP)
+            if cluster.health(decode0)["waiting_for_kv"] > 0:  # and still does, paused
+                break
+            os.kill(prefill_pid, signal.SIGCONT)  # its KV came meanwhile: wait for another
+        time.sleep(0.01)
+    answer: list[dict | Exception] = []
+
+    def flip() -> None:
+        try:
+            answer.append(router.call("POST", f"/internal/workers/{name}/flip",
+                                      {"role": "prefill"}))
+        except Exception as e:  # reported by the caller's assertion
+            answer.append(e)
+
+    flipper = threading.Thread(target=flip)
+    try:
+        flipper.start()
+        while metric(cluster.worker_url(decode0), HANDED_BACK) == 0:
+            assert time.monotonic() < deadline and flipper.is_alive(), answer
+            time.sleep(0.01)
+    finally:
+        os.kill(prefill_pid, signal.SIGCONT)
+    flipper.join(60)
+    assert len(answer) == 1 and isinstance(answer[0], dict), answer
+    return answer[0]
+
+
 def test_a_flip_to_prefill_hands_back_reservations_instead_of_waiting(request,
                                                                       tiny_model) -> None:
     cluster = Cluster(tiny_model(**MODEL), "--prefill", "1", "--decode", "2",
@@ -52,12 +94,11 @@ def test_a_flip_to_prefill_hands_back_reservations_instead_of_waiting(request,
                for n in range(REQUESTS)]
     for t in threads:
         t.start()
-    deadline = time.monotonic() + 60.0
-    while cluster.health(decode0)["waiting_for_kv"] == 0:  # a reservation waits there
-        assert time.monotonic() < deadline and all(t.is_alive() for t in threads), results
-        time.sleep(0.01)
-    flip = router.call("POST", f"/internal/workers/{flipping['name']}/flip",
-                       {"role": "prefill"})
+    prefill_url = next(w["url"] for w in members if w["role"] == "prefill")
+    prefill_pid = next(cluster.health(i)["pid"] for i in range(3)
+                       if cluster.worker_url(i) == prefill_url)
+    flip = _flip_while_a_reservation_waits(cluster, router, flipping["name"], decode0,
+                                           prefill_pid, threads)
     assert flip["to"] == "prefill"
     for t in threads:
         t.join(120)
