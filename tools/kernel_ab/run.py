@@ -1,7 +1,8 @@
 """Times a compiled operator of two revisions of `kernels/csrc` in one process: the base
 revision's sources and the working tree's, each compiled with its `pdserve` namespace renamed
 (`pdserve_base`, `pdserve_head`) into one extension, called in rounds of random order; prints
-the median over the rounds of base time / head time with its quartiles.
+the median over the rounds of base time / head time with its quartiles, and whether the two
+give the same bits.
 
 Why one process: on a shared VM whose speed moves by 2x within minutes, two builds timed in
 alternating processes differ by more than most kernel changes (a 15% attention change read
@@ -95,8 +96,20 @@ def build(base: str, folder: Path):
                 build_directory=str(folder), verbose=False)
 
 
+def same_bits(base: object, head: object) -> str:
+    """Whether two calls' results are bit for bit the same (a change meant to be exact is)."""
+    if base is None:  # an operator in place: the two calls saw different inputs
+        return ""
+    pairs = list(zip(base, head, strict=True)) if isinstance(base, tuple) else [(base, head)]
+    if all(torch.equal(a, b) for a, b in pairs):
+        return ", same bits"
+    worst = max((a.float() - b.float()).abs().max().item() for a, b in pairs)
+    return f", bits differ (max |head - base| {worst:.3g})"
+
+
 def compare(name: str, base: Callable[[], object], head: Callable[[], object],
             rounds: int) -> None:
+    bits = same_bits(base(), head())
     ratios = []
     for _ in range(rounds):
         sides = [("base", base), ("head", head)]
@@ -105,7 +118,7 @@ def compare(name: str, base: Callable[[], object], head: Callable[[], object],
         ratios.append(t["base"] / t["head"])
     q = statistics.quantiles(ratios, n=4)
     print(f"{name:28s} head speed / base: {statistics.median(ratios):.3f} "
-          f"(quartiles {q[0]:.3f}-{q[2]:.3f}, {rounds} rounds)", flush=True)
+          f"(quartiles {q[0]:.3f}-{q[2]:.3f}, {rounds} rounds{bits})", flush=True)
 
 
 def attention(ab, lengths: list[int], cached: int, shape: tuple[int, int, int],

@@ -75,6 +75,8 @@ constexpr int64_t kTilePairs = 16 * 16;  // the same tile as bf16 pairs (Q^T's e
 // How far (log2 units) a lane's maximum may rise above the one its weights use before O is
 // rescaled: p <= 2^8, far inside fp32 and bf16.
 constexpr float kSlack = 8.f;
+// A step's weights that sum to at most 2^(kSlack - 1) are each below it: no reference moves.
+constexpr float kSettled = 128.f;
 
 void configure() {  // tiles 0-7 of 16 rows x 64 bytes
   const TileConfig cfg;
@@ -181,31 +183,17 @@ inline __m512 exp2_weights(__m512 y) {
   return _mm512_scalef_ps(p, n);
 }
 
-// The softmax of 16 queries over kKeys keys with a lazily moved maximum: s [kKeys][16] raw
-// dot products, keys at or past a lane's limit masked (none when kWhole). A lane's reference
-// m moves to the keys' maximum only when c (max - m) > kSlack (or on its first keys), and
-// then alpha = 2^(c m - c m'); elsewhere alpha = 1 and O is left alone. p [kKeys / 2 key
-// pairs][16] bf16 pairs; l = l alpha + sum p. Returns the lanes whose O must be scaled by
-// *alpha.
+// The lanes that attend key `key`: those whose limit (keys attended) is past it.
+inline __mmask16 keep_key(int64_t key, __m512i limit) {
+  return _mm512_cmplt_epi32_mask(_mm512_set1_epi32(static_cast<int>(key)), limit);
+}
+
+// A step's weights against the reference maxima cm (c x m per lane): p [kKeys / 2 key
+// pairs][16] bf16 pairs of 2^(c s - cm), keys at or past a lane's limit zero (none when
+// kWhole); returns their sum per lane.
 template <bool kWhole, int64_t kKeys>
-__mmask16 softmax_step(const float* s, int64_t first_key, __m512i limit, float c, float* m,
-                       float* l, uint32_t* p, __m512* alpha) {
-  const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  auto keep = [&](int64_t j) -> __mmask16 {
-    return _mm512_cmplt_epi32_mask(_mm512_set1_epi32(static_cast<int>(first_key + j)), limit);
-  };
-  const __m512 m_old = _mm512_loadu_ps(m), cv = _mm512_set1_ps(c);
-  __m512 top = ninf;
-  for (int64_t j = 0; j < kKeys; ++j) {
-    const __m512 x = _mm512_loadu_ps(s + j * 16);
-    top = kWhole ? _mm512_max_ps(top, x) : _mm512_mask_max_ps(top, keep(j), top, x);
-  }
-  const __mmask16 seen = _mm512_cmp_ps_mask(m_old, ninf, _CMP_NEQ_OQ);
-  const __mmask16 rise = _mm512_cmp_ps_mask(_mm512_mul_ps(_mm512_sub_ps(top, m_old), cv),
-                                            _mm512_set1_ps(kSlack), _CMP_GT_OQ);
-  const __mmask16 moved = rise | static_cast<__mmask16>(~seen);
-  const __m512 m_new = _mm512_mask_mov_ps(m_old, moved, top);
-  const __m512 cm = _mm512_mul_ps(m_new, cv);
+__m512 weights(const float* s, int64_t first_key, __m512i limit, __m512 cv, __m512 cm,
+               uint32_t* p) {
   const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9,
                                          24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1,
                                          16, 0);
@@ -214,16 +202,52 @@ __mmask16 softmax_step(const float* s, int64_t first_key, __m512i limit, float c
     __m512 e0 = exp2_weights(_mm512_fmsub_ps(_mm512_loadu_ps(s + j * 16), cv, cm));
     __m512 e1 = exp2_weights(_mm512_fmsub_ps(_mm512_loadu_ps(s + j * 16 + 16), cv, cm));
     if (!kWhole) {
-      e0 = _mm512_maskz_mov_ps(keep(j), e0);
-      e1 = _mm512_maskz_mov_ps(keep(j + 1), e1);
+      e0 = _mm512_maskz_mov_ps(keep_key(first_key + j, limit), e0);
+      e1 = _mm512_maskz_mov_ps(keep_key(first_key + j + 1, limit), e1);
     }
     sum = _mm512_add_ps(sum, _mm512_add_ps(e0, e1));
     const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(e1, e0);  // [e0 | e1] in bf16
     _mm512_storeu_si512(p + (j / 2) * 16, _mm512_permutexvar_epi16(pairs, both));
   }
+  return sum;
+}
+
+// The softmax of 16 queries over kKeys keys with a lazily moved maximum: s [kKeys][16] raw
+// dot products, keys at or past a lane's limit masked (none when kWhole). A lane's reference
+// m moves to the keys' maximum only when c (max - m) > kSlack (or on its first keys), and
+// then alpha = 2^(c m - c m'); elsewhere alpha = 1 and O is left alone. p [kKeys / 2 key
+// pairs][16] bf16 pairs; l = l alpha + sum p. Returns the lanes whose O must be scaled by
+// *alpha.
+// Once every lane has a reference, the weights are taken against it first, and the keys'
+// maximum is needed only where they sum past kSettled (or to no number): elsewhere every
+// c (s - m) < kSlack - 1, no lane's reference moves, and the weights stand. (The maximum's
+// own pass over the scores was a sixth of the softmax's vector work.)
+template <bool kWhole, int64_t kKeys>
+__mmask16 softmax_step(const float* s, int64_t first_key, __m512i limit, float c, float* m,
+                       float* l, uint32_t* p, __m512* alpha) {
+  const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  const __m512 m_old = _mm512_loadu_ps(m), cv = _mm512_set1_ps(c);
+  const __mmask16 seen = _mm512_cmp_ps_mask(m_old, ninf, _CMP_NEQ_OQ);
+  __m512 m_new = m_old, sum;
+  __mmask16 moved = 0;
+  const bool first = seen != 0xFFFF;
+  if (!first) sum = weights<kWhole, kKeys>(s, first_key, limit, cv, _mm512_mul_ps(m_old, cv), p);
+  if (first || _mm512_cmp_ps_mask(sum, _mm512_set1_ps(kSettled), _CMP_NLE_UQ)) {
+    __m512 top = ninf;
+    for (int64_t j = 0; j < kKeys; ++j) {
+      const __m512 x = _mm512_loadu_ps(s + j * 16);
+      top = kWhole ? _mm512_max_ps(top, x)
+                   : _mm512_mask_max_ps(top, keep_key(first_key + j, limit), top, x);
+    }
+    const __mmask16 rise = _mm512_cmp_ps_mask(_mm512_mul_ps(_mm512_sub_ps(top, m_old), cv),
+                                              _mm512_set1_ps(kSlack), _CMP_GT_OQ);
+    moved = rise | static_cast<__mmask16>(~seen);
+    m_new = _mm512_mask_mov_ps(m_old, moved, top);
+    if (moved) sum = weights<kWhole, kKeys>(s, first_key, limit, cv, _mm512_mul_ps(m_new, cv), p);
+  }
   const __mmask16 scaled = moved & seen;
   *alpha = _mm512_mask_mov_ps(_mm512_set1_ps(1.f), scaled,
-                              exp2_weights(_mm512_fmsub_ps(m_old, cv, cm)));
+                              exp2_weights(_mm512_fmsub_ps(m_old, cv, _mm512_mul_ps(m_new, cv))));
   _mm512_storeu_ps(l, _mm512_fmadd_ps(_mm512_maskz_mov_ps(seen, _mm512_loadu_ps(l)), *alpha,
                                       sum));
   _mm512_storeu_ps(m, m_new);
