@@ -83,6 +83,7 @@ from typing import Any
 
 from pdserve.bench import speed_reference
 from pdserve.bench.frontend_probe import probe_frontend
+from pdserve.bench.paired_rounds import paired_lines
 from pdserve.bench.role_time import flips_within, format_role_seconds, role_at, role_seconds
 from pdserve.bench.serve.metrics import MAX_ERRORS, Slo, distribution_ms
 from pdserve.bench.serve.runner import (
@@ -498,8 +499,8 @@ def format_table(results: dict[str, dict[str, Any]], repeats: int = 1) -> str:
     if repeats > 1:
         lines.append(f"each value is the median of {repeats} runs (--out keeps every run under "
                      "'repeats')")
-    return "\n".join(_with_split_row(lines, results) + _role_lines(results, repeats)
-                     + _split_lines(results))
+    return "\n".join(_with_split_row(lines, results) + paired_lines(results)
+                     + _role_lines(results, repeats) + _split_lines(results))
 
 
 def _with_split_row(lines: list[str], results: Mapping[str, Mapping[str, Any]]) -> list[str]:
