@@ -72,6 +72,7 @@ constexpr int64_t kPos = 32;    // query positions per work item
 constexpr int64_t kBlock = 16;  // query rows per block: the lanes of a vector
 constexpr int64_t kTileBf16 = 16 * 32;   // bf16 in a 1 KiB operand tile (16 rows x 64 bytes)
 constexpr int64_t kTilePairs = 16 * 16;  // the same tile as bf16 pairs (Q^T's elements)
+constexpr int64_t kResidentD = 64;  // the head size whose Q^T and O^T stay in tiles
 // How far (log2 units) a lane's maximum may rise above the one its weights use before O is
 // rescaled: p <= 2^8, far inside fp32 and bf16.
 constexpr float kSlack = 8.f;
@@ -322,9 +323,9 @@ void step_scores_q_resident(const Tiles& tiles, int64_t g, int64_t first_key, fl
   const int64_t b = first_key % kTile / 16;
   for (int64_t h = 0; h < 2; ++h) {
     _tile_zero(6);
-    _tile_loadd(7, kt + k_rows(b + h, 0, 64), 64);
+    _tile_loadd(7, kt + k_rows(b + h, 0, kResidentD), 64);
     _tile_dpbf16ps(6, 7, 4);
-    _tile_loadd(7, kt + k_rows(b + h, 1, 64), 64);
+    _tile_loadd(7, kt + k_rows(b + h, 1, kResidentD), 64);
     _tile_dpbf16ps(6, 7, 5);
     _tile_stored(6, s + h * 16 * kBlock, kBlock * 4);
   }
@@ -395,7 +396,7 @@ void attend_item(const Tiles& tiles, int64_t g, int64_t first, const at::Tensor&
   const float c = scale * 1.44269504f;  // scale x log2(e)
   configure();
   for (int64_t r0 = 0; r0 < it.rows; r0 += kBlock) {
-    if (d == 64)
+    if (d == kResidentD)
       attend_block<true>(it, r0, tiles, g, d, c);
     else
       attend_block<false>(it, r0, tiles, g, d, c);
