@@ -229,11 +229,11 @@ __mmask16 softmax_step(const float* s, int64_t first_key, __m512i limit, float c
   const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   const __m512 m_old = _mm512_loadu_ps(m), cv = _mm512_set1_ps(c);
   const __mmask16 seen = _mm512_cmp_ps_mask(m_old, ninf, _CMP_NEQ_OQ);
-  __m512 m_new = m_old, sum;
+  __m512 m_new = m_old, cm = _mm512_mul_ps(m_old, cv), sum;  // cm: c m', the weights' reference
   __mmask16 moved = 0;
-  const bool first = seen != 0xFFFF;
-  if (!first) sum = weights<kWhole, kKeys>(s, first_key, limit, cv, _mm512_mul_ps(m_old, cv), p);
-  if (first || _mm512_cmp_ps_mask(sum, _mm512_set1_ps(kSettled), _CMP_NLE_UQ)) {
+  const bool unseen = seen != 0xFFFF;
+  if (!unseen) sum = weights<kWhole, kKeys>(s, first_key, limit, cv, cm, p);
+  if (unseen || _mm512_cmp_ps_mask(sum, _mm512_set1_ps(kSettled), _CMP_NLE_UQ)) {
     __m512 top = ninf;
     for (int64_t j = 0; j < kKeys; ++j) {
       const __m512 x = _mm512_loadu_ps(s + j * 16);
@@ -244,11 +244,12 @@ __mmask16 softmax_step(const float* s, int64_t first_key, __m512i limit, float c
                                               _mm512_set1_ps(kSlack), _CMP_GT_OQ);
     moved = rise | static_cast<__mmask16>(~seen);
     m_new = _mm512_mask_mov_ps(m_old, moved, top);
-    if (moved) sum = weights<kWhole, kKeys>(s, first_key, limit, cv, _mm512_mul_ps(m_new, cv), p);
+    cm = _mm512_mul_ps(m_new, cv);
+    if (moved) sum = weights<kWhole, kKeys>(s, first_key, limit, cv, cm, p);
   }
   const __mmask16 scaled = moved & seen;
   *alpha = _mm512_mask_mov_ps(_mm512_set1_ps(1.f), scaled,
-                              exp2_weights(_mm512_fmsub_ps(m_old, cv, _mm512_mul_ps(m_new, cv))));
+                              exp2_weights(_mm512_fmsub_ps(m_old, cv, cm)));
   _mm512_storeu_ps(l, _mm512_fmadd_ps(_mm512_maskz_mov_ps(seen, _mm512_loadu_ps(l)), *alpha,
                                       sum));
   _mm512_storeu_ps(m, m_new);
