@@ -20,7 +20,6 @@ Invariants:
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Literal, Protocol
@@ -30,6 +29,7 @@ import jinja2
 from pdserve.api.errors import ApiError, bad_request, not_found_model
 from pdserve.api.limits import DEFAULT_LIMITS, RequestLimits
 from pdserve.api.prompt_ids import encode_prompt
+from pdserve.common.numbers import is_finite_number
 from pdserve.common.sampling_params import MAX_LOGPROBS, SamplingParams, unpaired_surrogate
 
 Kind = Literal["completion", "chat"]
@@ -74,10 +74,6 @@ def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def _is_real(v: Any) -> bool:
-    return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
-
-
 def _is_bool(v: Any) -> bool:
     return isinstance(v, bool)
 
@@ -100,7 +96,7 @@ def _is_token_ids(v: Any) -> bool:
 
 
 def _is_zero(v: Any) -> bool:
-    return _is_real(v) and v == 0
+    return is_finite_number(v) and v == 0
 
 
 def _show(v: Any) -> str:
@@ -132,8 +128,8 @@ _LOGPROB_COUNT = f"an integer in [0, {MAX_LOGPROBS}]"
 
 # SamplingParams keyword -> (default, check, what is allowed); the JSON name is the keyword.
 _SAMPLING: dict[str, tuple[Any, Callable[[Any], bool], str]] = {
-    "temperature": (1.0, lambda v: _is_real(v) and v >= 0, "a number >= 0 (0 = greedy)"),
-    "top_p": (1.0, lambda v: _is_real(v) and 0 < v <= 1, "a number in (0, 1]"),
+    "temperature": (1.0, lambda v: is_finite_number(v) and v >= 0, "a number >= 0 (0 = greedy)"),
+    "top_p": (1.0, lambda v: is_finite_number(v) and 0 < v <= 1, "a number in (0, 1]"),
     "top_k": (0, lambda v: _is_int(v) and v >= -1,
               "an integer: -1 or 0 for no limit, k >= 1 to keep the k most likely tokens"),
     "seed": (None, lambda v: _is_int(v) and -(2**63) <= v < 2**64, "a 64-bit integer"),

@@ -66,7 +66,6 @@ import argparse
 import contextlib
 import dataclasses
 import json
-import math
 import os
 import re
 import shlex
@@ -96,6 +95,7 @@ from pdserve.bench.serve.workloads import WORKLOAD_KINDS, RequestSpec, Workload
 from pdserve.cluster import parent_death
 from pdserve.cluster.bed_up_process import BedUpProcess
 from pdserve.cluster.up_process import UpProcess, get_json
+from pdserve.common.numbers import is_finite_number
 from pdserve.planner.simulate.file_spec import steps_path
 from pdserve.testbed import lifecycle
 from pdserve.testbed.state import BedState
@@ -432,8 +432,7 @@ def median_of_runs(runs: Sequence[Mapping[str, Any]],
 
 
 def _median(values: Iterable[object]) -> int | float | None:
-    numbers = [v for v in values
-               if isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)]
+    numbers = [v for v in values if is_finite_number(v)]
     return statistics.median(numbers) if numbers else None
 
 

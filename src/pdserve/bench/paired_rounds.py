@@ -16,10 +16,11 @@ ratio for that key.
 
 from __future__ import annotations
 
-import math
 import statistics
 from collections.abc import Mapping, Sequence
 from typing import Any
+
+from pdserve.common.numbers import is_finite_number
 
 # What the round-by-round lines show: latency at the median and the tail, the SLO's figure
 # and throughput.
@@ -36,13 +37,9 @@ def round_ratios(runs: Sequence[Mapping[str, Any]], first: Sequence[Mapping[str,
     out = []
     for run, base in zip(runs, first, strict=True):
         v, b = run.get(key), base.get(key)
-        if _number(v) and _number(b) and b != 0:
+        if is_finite_number(v) and is_finite_number(b) and b != 0:
             out.append(v / b)
     return out
-
-
-def _number(v: object) -> bool:
-    return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
 
 
 def paired_lines(results: Mapping[str, Mapping[str, Any]]) -> list[str]:

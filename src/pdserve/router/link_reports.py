@@ -38,11 +38,11 @@ the split decision, all on the router's event loop.
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from pdserve.common.numbers import is_finite_number
 from pdserve.router.link_estimates import MEMORY_S, LinkFit
 from pdserve.transfer.link_report import LinkReport
 
@@ -118,14 +118,9 @@ def _report(entry: object) -> LinkReport | None:
             and not isinstance(nbytes, bool) and isinstance(app_limited, bool)):
         return None
     gbps, rtt_ms = entry.get("gbps"), entry.get("rtt_ms")
-    return LinkReport(peer, source, float(gbps) if _number(gbps) else None, nbytes,
-                      float(rtt_ms) if _number(rtt_ms) else None, app_limited=app_limited)
-
-
-def _number(value: object) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool) and \
-        math.isfinite(value)
+    return LinkReport(peer, source, float(gbps) if is_finite_number(gbps) else None, nbytes,
+                      float(rtt_ms) if is_finite_number(rtt_ms) else None, app_limited=app_limited)
 
 
 def _positive(value: float | None) -> bool:
-    return value is not None and _number(value) and value > 0
+    return value is not None and is_finite_number(value) and value > 0
