@@ -108,6 +108,7 @@ def test_a_run_of_one_round_has_no_noise_mark(results):
     ({"load": 0.0}, r"load must be in \(0, 100\], got 0.0"),
     ({"repeats": 0}, "repeats must be a whole number >= 1, got 0"),
     ({"repeats": 2.0}, "repeats must be a whole number >= 1, got 2.0"),
+    ({"speed_window_s": float("nan")}, "speed window must be > 0 seconds, got nan"),
 ])
 def test_bad_settings_say_what_to_fix(tmp_path, kw, message):
     with pytest.raises(ValueError, match=message):
@@ -410,3 +411,21 @@ def test_an_agreement_also_shows_how_far_apart_the_run_put_each_configuration():
         "mixed: best by goodput measured disagg, simulated disagg: agree; requests that met "
         "the SLO under the measured best only / the other only, exact McNemar p: "
         "collocated-chunked 8/2 (p = 0.11), collocated 7/1 (p = 0.07)")
+
+
+def test_under_steps_a_row_shows_the_held_out_runs_own_speed_and_the_header_says_diagnostic(
+        results):
+    """The held-out run's steps ran 1.5x their price: under --speed-reference steps its row
+    shows its own speed over the run and its windows' range, and the header calls it a
+    diagnostic."""
+    slower = {w: [[a * 1.5, b * 1.5, *rest] for a, b, *rest in rows]
+              for w, rows in disagg_workers().items()}
+    write_json(results / "chat.steps.json", {"disagg": slower})
+    chat = json.loads((results / "chat.json").read_text())
+    chat["disagg"]["run_window"] = [1500.0, 1600.0]
+    write_json(results / "chat.json", chat)
+    summary = run_check(_settings(results, configs=("disagg",), speed_reference="steps"))
+    lines = format_check(summary).splitlines()
+    assert "a diagnostic and not a prediction: each step priced at the speed the held-out " \
+        "run's own steps ran at in its 2 s window" in lines[0]
+    assert "  own x1.50/1.50 (x1.50-1.50)  " in lines[2]

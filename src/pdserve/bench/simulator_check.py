@@ -27,7 +27,10 @@ calibration is scaled to the held-out run's speed by the fixed engine job bench 
 before and after every run (`pdserve simulate --speed-reference`, speed_scale.py; the row shows
 the factor, and the decode job's beside it where both runs timed it): the machine's speed
 drifts between runs by more than the model misses. `--speed-reference split` prices the decode
-costs by the decode job's factor instead, `ignore` every run at the calibration run's speed.
+costs by the decode job's factor instead, `ignore` every run at the calibration run's speed;
+`steps` is a diagnostic: each step priced at the speed the held-out run's own steps ran at in
+its window (speed_timeline.py), so that what is still out is the model's and not the
+machine's drift within the run.
 With `--repeats N` each figure is the median of its N rounds, and a figure whose rounds moved
 by more than its tolerance (measured_spread.py, `bench simulator-repeat`'s rule for two runs) is
 marked ~, noise: the measurement does not pin it down to the tolerance a simulation is held
@@ -62,6 +65,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -74,6 +78,7 @@ from pdserve.planner.plan_simulation import MARGIN
 from pdserve.planner.simulate.file_spec import steps_path
 from pdserve.planner.simulate.measured_compare import CLIFF_TEXT, on_the_cliff
 from pdserve.planner.simulate.speed_scale import SPEED_REFERENCE_MODES
+from pdserve.planner.simulate.speed_timeline import WINDOW_S
 
 CONFIGS = ("collocated", "collocated-chunked", "disagg")
 SIMULATED = (*CONFIGS, "disagg-local", "disagg-remote")  # what the simulator can lay out
@@ -107,6 +112,7 @@ class CheckSettings:
     speed_reference: str = "scale"  # `pdserve simulate --speed-reference`
     load: float = 1.0  # factor on every open-loop workload's request rate
     repeats: int = 1  # bench compare --repeats: rounds of every configuration, interleaved
+    speed_window_s: float = WINDOW_S  # `pdserve simulate --speed-window` (steps only)
 
     def __post_init__(self) -> None:
         for name in (self.calibrate_on, *self.held_out):
@@ -132,6 +138,8 @@ class CheckSettings:
         if self.speed_reference not in SPEED_REFERENCE_MODES:
             raise ValueError(f"speed_reference must be one of {', '.join(SPEED_REFERENCE_MODES)}, "
                              f"got {self.speed_reference!r}")
+        if not (math.isfinite(self.speed_window_s) and self.speed_window_s > 0):
+            raise ValueError(f"speed window must be > 0 seconds, got {self.speed_window_s!r}")
         if self.decode_context not in simulator_context.MODES:
             raise ValueError(f"decode_context must be one of "
                              f"{', '.join(simulator_context.MODES)}, got {self.decode_context!r}")
@@ -173,7 +181,16 @@ def add_simulator_check_args(p: argparse.ArgumentParser) -> None:
                         "jobs bench compare times around every run (`pdserve simulate "
                         "--speed-reference`; runs without one are priced unscaled): scale, "
                         "every cost by the prefill job; split, the decode costs by the decode "
-                        "job; or ignore the references (default: %(default)s)")
+                        "job; ignore the references; or steps, a diagnostic and not a "
+                        "prediction: price each step at the speed the held-out run's own "
+                        "steps ran at in its window, which shows what the model misses once "
+                        "the machine's drift within the run is taken out (default: "
+                        "%(default)s)")
+    p.add_argument("--speed-window", type=float, default=WINDOW_S, metavar="S",
+                   help="with --speed-reference steps: the windows the held-out run's own speed "
+                        "is read in, in seconds (`pdserve simulate --speed-window`; longer than "
+                        "the run: one factor per kind of step for the whole run; default: "
+                        "%(default)g)")
     held = p.add_mutually_exclusive_group()
     held.add_argument("--decode-context", choices=simulator_context.MODES, default="measured",
                       help="the decode cost per context token: measured (default) by `bench "
@@ -190,7 +207,7 @@ def settings(args: argparse.Namespace) -> CheckSettings:
     return CheckSettings(args.out, args.calibrate_on, _names(args.held_out),
                          _names(args.configs), args.duration, args.model, args.remeasure,
                          args.decode_context, args.decode_context_us, args.speed_reference,
-                         args.load, args.repeats)
+                         args.load, args.repeats, args.speed_window)
 
 
 def _names(text: str) -> tuple[str, ...]:
@@ -251,6 +268,8 @@ def _simulate(s: CheckSettings, calibration: Path, measured: Path, config: str,
             "--model", SIM_MODELS.get(s.model, s.model), "--gpu", "cpu",
             "--calibrate", f"{steps}:{config}", "--compare-measured", f"{measured}:{config}",
             "--json", "--speed-reference", s.speed_reference]
+    if s.speed_reference == "steps":
+        argv += ["--speed-window", f"{s.speed_window_s:g}"]
     if held_us is not None:
         argv += ["--decode-context-us", f"{held_us:g}"]
     done = subprocess.run(argv, capture_output=True, text=True, check=False)
@@ -279,7 +298,9 @@ def run_check(s: CheckSettings) -> dict[str, Any]:
         _pair(rank, results[workload])
     return {"calibrated_on": s.calibrate_on, "duration_s": s.duration_s, "model": s.model,
             "load": s.load, "repeats": s.repeats,
-            "decode_context": held, "speed_reference": s.speed_reference, "rows": rows,
+            "decode_context": held, "speed_reference": s.speed_reference,
+            "speed_window_s": s.speed_window_s if s.speed_reference == "steps" else None,
+            "rows": rows,
             "ranking": ranking}
 
 
@@ -376,8 +397,9 @@ def format_check(summary: dict[str, Any]) -> str:
     lines = [f"held-out validation, step costs fitted on {summary['calibrated_on']!r}"
              f"{'' if load == 1.0 else f', open-loop rates x{load:g}'}"
              f"{_held_text(summary.get('decode_context'))}"
-             f"{_split_text(summary.get('speed_reference'))} (measured -> simulated, error; * "
-             f"outside its tolerance{ROUNDS_MARK if rounds else ''})", "  ".join(head)]
+             f"{_split_text(summary.get('speed_reference'), summary.get('speed_window_s'))}"
+             f" (measured -> simulated, error; * outside its tolerance"
+             f"{ROUNDS_MARK if rounds else ''})", "  ".join(head)]
     for r in summary["rows"]:
         cells = [r["workload"], r["config"]]
         for f in FIGURES:
@@ -388,7 +410,8 @@ def format_check(summary: dict[str, Any]) -> str:
         above = r.get("itl_above_p99")
         cells += ["-" if above is None else f"{above:.1%}",
                   _local_prefills(r.get("local_prefills"), r.get("paths")),
-                  _speed(r.get("speed_scale"), r.get("decode_speed_scale")),
+                  _speed(r.get("speed_scale"), r.get("decode_speed_scale"))
+                  if "speed_timeline" not in r else _own_speed(r["speed_timeline"]),
                   _steps(r.get("step_ratios"))]
         lines.append("  ".join(cells))
     lines.append(_count_line(summary["rows"], rounds))
@@ -410,8 +433,13 @@ def _count_line(rows: list[dict[str, Any]], rounds: bool) -> str:
                f"{CLIFF_TEXT})" if p99 else ""))
 
 
-def _split_text(mode: str | None) -> str:
-    """", decode costs scaled by the decode job" under --speed-reference split."""
+def _split_text(mode: str | None, window_s: float | None = None) -> str:
+    """", decode costs scaled by the decode job" under --speed-reference split; the diagnostic
+    under steps."""
+    if mode == "steps":
+        return (", a diagnostic and not a prediction: each step priced at the speed the "
+                f"held-out run's own steps ran at in its {window_s or WINDOW_S:g} s window "
+                "(speed: prompt/decode over the run, the windows' range)")
     return ", prompt costs scaled by the prefill job and decode costs by the decode job" \
         if mode == "split" else ""
 
@@ -449,6 +477,14 @@ def _speed(factor: float | None, decode: float | None = None) -> str:
     if factor is None:
         return "-"
     return f"x{factor:.2f}" + ("" if decode is None else f", decode x{decode:.2f}")
+
+
+def _own_speed(timeline: dict[str, Any]) -> str:
+    """"own x1.05/0.98 (x0.60-1.80)": under --speed-reference steps, the held-out run's prompt
+    and decode steps' speed over the run and the range of its windows' (speed_timeline.py)."""
+    every = [*timeline["prompt"], *timeline["decode"]]
+    return (f"own x{timeline['prompt_run']:.2f}/{timeline['decode_run']:.2f} "
+            f"(x{min(every):.2f}-{max(every):.2f})")
 
 
 def _local_prefills(counts: dict[str, Any] | None, paths: dict[str, Any] | None) -> str:

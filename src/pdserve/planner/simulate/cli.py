@@ -9,7 +9,9 @@ that run's requests on its own layout and prints the simulated median and P99 TT
 goodput and output throughput beside the measured ones, each against its tolerance
 (measured_compare.py, which also says how the layout is found). When the calibration run and
 the measured one both carry bench compare's speed reference, the fitted costs are first scaled
-to the measured run's speed (speed_scale.py; --speed-reference ignore: not scaled).
+to the measured run's speed (speed_scale.py; --speed-reference ignore: not scaled;
+--speed-reference steps, a diagnostic: priced at the measured run's own steps' speed, window
+by window, speed_timeline.py).
 
 Admission (admission.py): --max-inflight-per-worker, --max-queue and --max-queue-wait-s model
 the router's back-pressure, as its flags of the same names (one declaration serves both,
@@ -89,6 +91,7 @@ from pdserve.planner.simulate.speed_scale import (
     scale_profile,
     speed_factor,
 )
+from pdserve.planner.simulate.speed_timeline import WINDOW_S, SpeedTimeline, build_timeline
 from pdserve.planner.simulate.split_model import SplitRule
 from pdserve.planner.simulate.step_check import step_ratios, steps_beside
 from pdserve.planner.simulate.step_fit import DECODE_TIMES
@@ -174,8 +177,15 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                         "calibration run's (the fixed engine jobs bench compare times around "
                         "each run), when both have one: scale, every cost by the prefill job; "
                         "split, the prompt costs by the prefill job and the decode costs by "
-                        "the decode job; ignore: price at the calibration run's speed "
-                        "(default: %(default)s)")
+                        "the decode job; ignore: price at the calibration run's speed; "
+                        "steps, a diagnostic and not a prediction: price each step at the "
+                        "speed the measured run's own steps ran at in its 2-second window "
+                        "(from the .steps.json beside it): what is still missed then is the "
+                        "model's, not the machine's drift (default: %(default)s)")
+    p.add_argument("--speed-window", type=float, default=WINDOW_S, metavar="S",
+                   help="with --speed-reference steps: the windows the measured run's own "
+                        "speed is read in, in seconds (longer than the run: one factor per "
+                        "kind of step for the whole run; default: %(default)g)")
     p.add_argument("--scale-costs", default=None, metavar="KIND=F[,KIND=F]",
                    help="with --calibrate: multiply the fitted prompt costs (prefill=F: "
                         "overhead, per token, per attention pair) or decode costs (decode=F: "
@@ -278,6 +288,8 @@ class Setup:
     frontend_source: str = "none"  # where cluster.frontend_latency_s comes from
     measured_spec: str | None = None  # --compare-measured as given
     speed_scale: SpeedScale | None = None  # the profile's factors to the measured run's speed
+    # --speed-reference steps: the measured run's own speed by window; None: not priced so
+    speed_timeline: SpeedTimeline | None = None
 
     @property
     def clients(self) -> int | None:
@@ -308,7 +320,8 @@ def run_simulate(args: argparse.Namespace) -> int:
     costs = setup.costs
     results = [(r, summarize(r.records, r.itl, setup.slo))
                for r in (simulate(layout, setup.cluster, costs, setup.trace,
-                                  clients=setup.clients, warm_up=setup.warm_up)
+                                  clients=setup.clients, warm_up=setup.warm_up,
+                                  speed=setup.speed_timeline)
                          for layout in setup.layouts)]
     against = _against_measured(setup, results)
     if args.json:
@@ -331,7 +344,7 @@ def _against_measured(setup: Setup, results: list[tuple[SimResult, Summary]]
     return compare(setup.measured, layout_label(result.layout, setup.cluster),
                    summary_to_dict(summary), split_local_prefills(result),
                    _held_out_ratios(setup), setup.speed_scale,
-                   split_paths(setup.measured, result), result.itl)
+                   split_paths(setup.measured, result), result.itl, setup.speed_timeline)
 
 
 def _held_out_ratios(setup: Setup) -> dict[str, dict[str, Any]] | None:
@@ -389,7 +402,32 @@ def resolve(args: argparse.Namespace) -> Setup:
     check_fits(trace, cluster)
     return Setup(shape, hw, tp, eff, profile, cluster, trace, label,
                  (how.layout,) if how else layouts or tuple(Layout), slo, measured,
-                 latency_label, args.compare_measured, scale)
+                 latency_label, args.compare_measured, scale,
+                 _timeline(args, profile, measured, trace))
+
+
+def _timeline(args: argparse.Namespace, profile: CalibrationProfile | None,
+              measured: MeasuredRun | None, trace: tuple[TraceRequest, ...]
+              ) -> SpeedTimeline | None:
+    """--speed-reference steps: the measured run's own speed by window (speed_timeline.py);
+    ValueError where it cannot be read: no fitted profile, no measured run replayed, no steps
+    beside it, or figures that are medians over rounds the steps do not all come from."""
+    if args.speed_reference != "steps":
+        return None
+    flag = "compare_measured (--compare-measured)"
+    if profile is None or measured is None or trace is not measured.trace:
+        raise ValueError("--speed-reference steps prices a --compare-measured run's own "
+                         "requests at its own steps' speed: give --calibrate and "
+                         "--compare-measured, without --trace")
+    if measured.rounds > 1 or measured.run_start_s is None:
+        why = f"has {measured.rounds} rounds" if measured.rounds > 1 else "has no run_window"
+        raise ValueError(f"--speed-reference steps needs one round's run with its run_window "
+                         f"(bench compare --out, without --repeats): {measured.label} {why}")
+    steps = steps_beside(args.compare_measured, flag)
+    if not steps:
+        raise ValueError(f"--speed-reference steps reads the steps beside {measured.label} "
+                         "(bench compare writes X.steps.json beside X.json): none found")
+    return build_timeline(profile, steps, measured.run_start_s, args.speed_window)
 
 
 def _scaled_costs(args: argparse.Namespace, profile: CalibrationProfile | None
@@ -408,7 +446,7 @@ def _speed_scale(args: argparse.Namespace, calibration: MeasuredRun | None,
     """The measured run's times for the speed reference's jobs (every round's, as its figures)
     over the calibration run's (its steps' round; speed_scale.py); None with --speed-reference
     ignore or where a run has no reference. ValueError for split without the decode job."""
-    if args.speed_reference == "ignore" or calibration is None or measured is None:
+    if args.speed_reference in ("ignore", "steps") or calibration is None or measured is None:
         return None
     ref, other = calibration.speed_reference, measured.rounds_reference
     if ref is None or other is None:

@@ -34,6 +34,7 @@ from pdserve.planner.simulate.pools import (
 )
 from pdserve.planner.simulate.prefix_cache import PrefixCache, PrefixTable
 from pdserve.planner.simulate.routing import HEALTH_INTERVAL_S, Routing
+from pdserve.planner.simulate.speed_timeline import SpeedTimeline, TimedCosts
 from pdserve.planner.simulate.split_model import SplitRule
 from pdserve.planner.simulate.trace import TraceRequest
 
@@ -66,7 +67,12 @@ class _Loop:
     yet, in trace order."""
 
     def __init__(self, layout: Layout, cluster: Cluster, costs: StepCosts,
-                 trace_tokens: bool, table: PrefixTable | None = None) -> None:
+                 trace_tokens: bool, table: PrefixTable | None = None,
+                 speed: SpeedTimeline | None = None) -> None:
+        # the trace's time 0 on the loop's clock: set once the warm-up has ended
+        self.trace_start = math.inf
+        if speed is not None:
+            costs = TimedCosts(costs, speed, lambda: self.now - self.trace_start)
         self.layout, self.cluster, self.costs = layout, cluster, costs
         self.trace_tokens = trace_tokens
         self.table = table or PrefixTable.empty()
@@ -286,18 +292,21 @@ def _shift(records: Sequence[RequestRecord], seconds: float, arrivals: bool) -> 
 
 def simulate(layout: Layout | str, cluster: Cluster, costs: StepCosts,
              trace: Sequence[TraceRequest], trace_tokens: bool = False,
-             clients: int | None = None, warm_up: Sequence[TraceRequest] = ()) -> SimResult:
+             clients: int | None = None, warm_up: Sequence[TraceRequest] = (),
+             speed: SpeedTimeline | None = None) -> SimResult:
     """Run `trace` on `cluster` in `layout`; `trace_tokens` keeps every token's time;
     `clients`: replay it in closed loop with that many clients (`_Loop.run`); `warm_up`:
     requests served one after the other first (`_Loop.warm_up`; the records' times count from
-    the trace's start all the same)."""
+    the trace's start all the same); `speed`: every step priced at a measured run's speed at
+    its start (speed_timeline.py), else at `costs` alone."""
     layout = Layout(layout)
     check_fits([*trace, *warm_up], cluster)
     records = [RequestRecord(i, r.arrival_s, r.prompt_tokens, r.output_tokens,
                              token_times=[] if trace_tokens else None)
                for i, r in enumerate(trace)]
-    loop = _Loop(layout, cluster, costs, trace_tokens, PrefixTable(trace, cluster.block_tokens))
-    start = loop.warm_up(warm_up, len(records))
+    loop = _Loop(layout, cluster, costs, trace_tokens, PrefixTable(trace, cluster.block_tokens),
+                 speed)
+    start = loop.trace_start = loop.warm_up(warm_up, len(records))
     _shift(records, start, arrivals=True)
     end = loop.run(records, clients)
     if left := loop.leftovers():

@@ -57,6 +57,7 @@ from pdserve.planner.simulate.measured_run import METRICS, MeasuredRun
 from pdserve.planner.simulate.metrics import ItlSamples
 from pdserve.planner.simulate.path_agreement import PathAgreement, agreement
 from pdserve.planner.simulate.speed_scale import SpeedScale
+from pdserve.planner.simulate.speed_timeline import SpeedTimeline
 from pdserve.planner.simulate.split_model import SplitRule
 from pdserve.planner.simulate.step_check import describe_ratios
 
@@ -142,6 +143,8 @@ class Comparison:
     paths: PathAgreement | None = None
     # the share of the simulated ITLs longer than the measured P99 ITL; None: not known
     itl_above_p99: float | None = None
+    # --speed-reference steps: the run's own speed by window it was priced at; None: not so
+    speed_timeline: SpeedTimeline | None = None
 
     def error(self, key: str) -> float | None:
         m, s = self.measured[key], self.simulated[key]
@@ -158,17 +161,20 @@ def compare(run: MeasuredRun, label: str, simulated: dict[str, Any],
             local_prefills: int | None = None,
             step_ratios: dict[str, dict[str, Any]] | None = None,
             speed_scale: SpeedScale | None = None, paths: PathAgreement | None = None,
-            itl: ItlSamples | None = None) -> Comparison:
+            itl: ItlSamples | None = None, speed_timeline: SpeedTimeline | None = None
+            ) -> Comparison:
     """`simulated`: metrics.summary_to_dict of the simulated layout (its "failed" count of
     refused requests, 0 when absent); `local_prefills`: its local prefills when it splits
     prompts (`split_local_prefills`); `step_ratios`: step_check.step_ratios of the run;
     `speed_scale`: the factors the calibration was scaled by to the run's speed; `paths`: the
-    split paths request by request (`split_paths`); `itl`: the simulation's ITLs."""
+    split paths request by request (`split_paths`); `itl`: the simulation's ITLs;
+    `speed_timeline`: the run's own speed the simulation was priced at (speed_timeline.py)."""
     p99 = run.measured["p99_itl_ms"]
     above = None if itl is None or p99 is None else itl.share_above(p99)
     return Comparison(run, label, {k: run.measured[k] for k in METRICS},
                       {k: simulated[k] for k in METRICS}, local_prefills,
-                      simulated.get("failed", 0), step_ratios, speed_scale, paths, above)
+                      simulated.get("failed", 0), step_ratios, speed_scale, paths, above,
+                      speed_timeline)
 
 
 def split_local_prefills(result: SimResult) -> int | None:
@@ -193,6 +199,14 @@ def _speed_line(scale: SpeedScale) -> str:
     decode = "" if scale.decode is None else \
         f" (its decode job: x{scale.decode:.3f}, not applied)"
     return f"calibration scaled x{scale.prefill:.3f} to the run's speed reference{decode}"
+
+
+def _timeline_line(t: SpeedTimeline) -> str:
+    """How the run's own speed priced it, as a diagnostic (speed_timeline.py)."""
+    low, high = t.spread()
+    return (f"priced at the run's own steps' speed by {t.window_s:g} s window (a diagnostic, "
+            f"not a prediction: read from the run predicted): x{low:.2f}-{high:.2f}; over the "
+            f"run, prompt steps x{t.prompt_run:.2f}, decode x{t.decode_run:.2f}")
 
 
 def _cell(value: float | None, fmt: str) -> str:
@@ -223,6 +237,8 @@ def render_comparison(c: Comparison) -> str:
                      "(simulated: refused by admission; no tolerance)")
     if c.speed_scale is not None:
         lines.append(_speed_line(c.speed_scale))
+    if c.speed_timeline is not None:
+        lines.append(_timeline_line(c.speed_timeline))
     if c.step_ratios:
         lines.append(f"its steps, measured / priced by the calibration: "
                      f"{describe_ratios(c.step_ratios)}")
@@ -242,7 +258,8 @@ def comparison_json(c: Comparison) -> dict[str, Any]:
     """The comparison; `completed` and `failed` are the measured run's, `failed_requests` sets
     them beside the simulation's refusals; `local_prefills` ({"measured": n or None,
     "simulated": m}) only for a split layout, and `paths` (PathAgreement.to_json) only for
-    one whose run has its requests' routes."""
+    one whose run has its requests' routes; `speed_timeline` (its factors by window and over
+    the run) only under --speed-reference steps."""
     out = {"run": c.run.label, "config": c.run.config, "layout": c.label,
            "completed": c.run.completed, "failed": c.run.failed,
            "failed_requests": {"measured": c.run.failed, "simulated": c.failed},
@@ -260,4 +277,8 @@ def comparison_json(c: Comparison) -> dict[str, Any]:
     out["speed_scale"] = None if scale is None else scale.prefill
     out["decode_speed_scale"] = None if scale is None else scale.decode
     out["speed_split"] = scale is not None and scale.split
+    if (t := c.speed_timeline) is not None:
+        out["speed_timeline"] = {"window_s": t.window_s, "prompt": list(t.prompt),
+                                 "decode": list(t.decode), "prompt_run": t.prompt_run,
+                                 "decode_run": t.decode_run}
     return out

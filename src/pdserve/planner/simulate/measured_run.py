@@ -27,6 +27,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from pdserve.common.numbers import is_finite_number
 from pdserve.planner.simulate.file_spec import (
     FileSpec,
     parse_file_spec,
@@ -97,6 +98,11 @@ class MeasuredRun:
     # bench compare's warm-up requests, served one after the other just before the run (their
     # arrival 0, no shared prefix); () for a file without them
     warm_up: tuple[TraceRequest, ...] = ()
+    # the wall-clock time of the run's first send (bench compare's `run_window`), which the
+    # workers' step traces count on; None: not recorded
+    run_start_s: float | None = None
+    # bench compare's rounds (`repeats`) the figures are medians of; 1: a single run
+    rounds: int = 1
 
     @property
     def probed(self) -> bool:
@@ -150,7 +156,22 @@ def _run(spec: FileSpec, config: str | None, result: dict[str, Any]) -> Measured
                        _ttfts(rows), *_probe(result, label),
                        read_speed_reference(result, label), read_rounds_reference(result, label),
                        tuple(paths) if any(p is not None for p in paths) else (),
-                       _warm_up(result, label))
+                       _warm_up(result, label), _run_start(result, label),
+                       len(result["repeats"]) if isinstance(result.get("repeats"), list)
+                       and result["repeats"] else 1)
+
+
+def _run_start(result: dict[str, Any], label: str) -> float | None:
+    """The start of the run's `run_window` [start, end] (wall-clock seconds); None without
+    one."""
+    window = result.get("run_window")
+    if window is None:
+        return None
+    if not (isinstance(window, list) and len(window) == 2
+            and all(is_finite_number(t) for t in window) and window[0] <= window[1]):
+        raise ValueError(f"{label}: run_window must be [start, end] in seconds, got "
+                         f"{str(window)[:80]}")
+    return float(window[0])
 
 
 def _warm_up(result: dict[str, Any], label: str) -> tuple[TraceRequest, ...]:

@@ -49,8 +49,9 @@ from pdserve.planner.simulate.calibration import CalibrationProfile
 
 KEY = "speed_reference"
 # `--speed-reference`: scale by the prefill job; scale the prompt terms by the prefill job and
-# the decode terms by the decode job; or price at the calibration run's speed
-SPEED_REFERENCE_MODES = ("scale", "split", "ignore")
+# the decode terms by the decode job; price at the calibration run's speed; or, a diagnostic,
+# at the measured run's own steps' speed window by window (speed_timeline.py)
+SPEED_REFERENCE_MODES = ("scale", "split", "ignore", "steps")
 DECODE_KEYS = ("decode_streams", "decode_prompt_tokens", "decode_step_s")
 
 

@@ -64,6 +64,20 @@ def kind(step: Step) -> str | None:
     return "prompt" if step.prefill_tokens else "decode" if step.decode_tokens else None
 
 
+def timed_seconds(rows: Sequence[Step], i: int) -> float | None:
+    """Step i of one worker's `rows` (in start order) timed as its price is held to (module
+    docstring): a decode-only step by its period, unless that holds an idle gap; None for a
+    step that computed nothing or has no length."""
+    s = rows[i]
+    measured = s.end_s - s.start_s
+    if kind(s) is None or measured <= 0:
+        return None
+    if kind(s) == "decode" and i + 1 < len(rows):
+        period = rows[i + 1].start_s - s.start_s
+        return period if measured <= period <= IDLE_FACTOR * measured else measured
+    return measured
+
+
 def step_ratios(profile: CalibrationProfile, steps: Mapping[str, Sequence[Step]]
                 ) -> dict[str, dict[str, Any]]:
     """Per kind present: {"steps": n, "median_ratio": r, "time_ratio": t, "share": s} by the
@@ -79,13 +93,10 @@ def step_ratios(profile: CalibrationProfile, steps: Mapping[str, Sequence[Step]]
     placed = neighbour.place(ordered)
     for name, rows in ordered.items():
         for i, s in enumerate(rows):
-            k, measured = kind(s), s.end_s - s.start_s
-            if k is None or measured <= 0:
+            k, measured = kind(s), timed_seconds(rows, i)
+            if k is None or measured is None:
                 continue
-            seconds[k] += measured
-            if k == "decode" and i + 1 < len(rows):
-                period = rows[i + 1].start_s - s.start_s
-                measured = period if measured <= period <= IDLE_FACTOR * measured else measured
+            seconds[k] += s.end_s - s.start_s
             price = profile.counted_step_seconds(s.prefill_tokens, s.prefill_attention or 0,
                                                  s.decode_tokens, s.decode_context or 0)
             ratios[k].append(measured / price)
