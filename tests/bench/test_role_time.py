@@ -9,6 +9,7 @@ import pytest
 from pdserve.bench import compare
 from pdserve.bench.compare import format_table, worker_roles
 from pdserve.bench.role_time import flips_within, format_role_seconds, role_at, role_seconds
+from pdserve.bench.step_summary import summarize
 
 
 def _span(role: str, since: float, old: str | None = None, seconds: float | None = None
@@ -87,7 +88,8 @@ def test_workers_keep_the_name_of_the_role_they_began_the_run_in() -> None:
     steps, workers = compare._workers(FakeUp(became_prefill, became_decode), 10.0, 100.0)
     assert steps == {"decode-0": [[0]], "prefill-0": [[1]]}
     assert workers["decode-0"] == {"index": 0, "url": "http://w0", "roles": became_prefill,
-                                   "role_seconds": {"decode": 20.0, "prefill": 70.0}, "flips": 1}
+                                   "role_seconds": {"decode": 20.0, "prefill": 70.0}, "flips": 1,
+                                   "steps": summarize([], 10.0, 100.0)}
     assert workers["prefill-0"]["role_seconds"] == {"prefill": 20.0, "decode": 70.0}
 
 

@@ -19,7 +19,8 @@ left out, so a collocated configuration has zeros). Workers
 keep a ring of their engine steps and a history of their roles; both, over the measured run,
 are fetched before the stop: the steps for the timeline picture, the roles for `workers` (per
 worker: `index` and `url` in `pdserve up`'s order, `roles` as the worker gave them,
-`role_seconds` spent in each role during the run, `flips` completed in it; `bench/role_time.py`)
+`role_seconds` spent in each role during the run, `flips` completed in it; `bench/role_time.py`;
+`steps`, what its engine did in the run, `bench/step_summary.py`, a line each under the table)
 and `run_window` (the run's wall-clock start and end). Workers are named by their role when the
 measured run began, numbered per role in `pdserve up`'s order ("prefill-0"): one name for the
 whole run, whatever flips came later. The table gets a line of each flipping configuration's
@@ -92,6 +93,7 @@ from pdserve.bench.serve.runner import (
     settings_from_args,
 )
 from pdserve.bench.serve.workloads import WORKLOAD_KINDS, RequestSpec, Workload
+from pdserve.bench.step_summary import format_summary, summarize
 from pdserve.cluster import parent_death
 from pdserve.cluster.bed_up_process import BedUpProcess
 from pdserve.cluster.up_process import UpProcess, get_json
@@ -217,7 +219,8 @@ def _workers(up: UpProcess, start: float, end: float
         name = f"{role}-{counts.get(role, 0)}"
         counts[role] = counts.get(role, 0) + 1
         steps[name] = [row for row in trace["steps"] if row[0] <= end]  # not the probes
-        workers[name] = worker_roles(index, url, trace["roles"], start, end)
+        workers[name] = {**worker_roles(index, url, trace["roles"], start, end),
+                         "steps": summarize(steps[name], start, end)}
         index += 1
 
 
@@ -499,7 +502,8 @@ def format_table(results: dict[str, dict[str, Any]], repeats: int = 1) -> str:
         lines.append(f"each value is the median of {repeats} runs (--out keeps every run under "
                      "'repeats')")
     return "\n".join(_with_split_row(lines, results) + paired_lines(results)
-                     + _role_lines(results, repeats) + _split_lines(results))
+                     + _role_lines(results, repeats) + _step_lines(results, repeats)
+                     + _split_lines(results))
 
 
 def _with_split_row(lines: list[str], results: Mapping[str, Mapping[str, Any]]) -> list[str]:
@@ -547,6 +551,17 @@ def _role_lines(results: Mapping[str, Mapping[str, Any]], repeats: int) -> list[
     return [f"time in each role during {run}:"] + [
         f"  {n}: " + format_role_seconds({w: info["role_seconds"] for w, info in ws.items()})
         for n, ws in flipped.items()]
+
+
+def _step_lines(results: Mapping[str, Mapping[str, Any]], repeats: int) -> list[str]:
+    """What each pdserve worker's engine did during the (last) run (step_summary.py)."""
+    lines = []
+    for n, r in results.items():
+        run_s = r["run_window"][1] - r["run_window"][0] if "run_window" in r else 0.0
+        lines += [f"  {n} {w}: {format_summary(info['steps'], run_s)}"
+                  for w, info in r.get("workers", {}).items() if "steps" in info]
+    run = "the last run" if repeats > 1 else "the run"
+    return [f"engine steps of each worker during {run}:", *lines] if lines else []
 
 
 def add_compare_args(p: argparse.ArgumentParser) -> None:
