@@ -23,7 +23,6 @@ has None there, as has a result written before a figure was recorded.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -113,9 +112,7 @@ class MeasuredRun:
         if not self.trace:
             raise ValueError(f"{self.label}: the run holds no requests")
         for key, value in self.measured.items():
-            if value is not None and (isinstance(value, bool)
-                                      or not isinstance(value, int | float)
-                                      or not (value >= 0 and math.isfinite(value))):
+            if value is not None and not (is_finite_number(value) and value >= 0):
                 raise ValueError(f"{self.label}: {key} must be a finite number >= 0 or null, "
                                  f"got {value!r}")
 
@@ -197,9 +194,7 @@ def _probe(result: dict[str, Any], label: str) -> tuple[int | None, tuple[float,
     tokens, ttfts = (probe.get("prompt_tokens"), probe.get("ttft_s")) \
         if isinstance(probe, dict) else (None, None)
     if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1 or \
-            not isinstance(ttfts, list) or not all(
-                isinstance(t, int | float) and not isinstance(t, bool) and math.isfinite(t)
-                and t >= 0 for t in ttfts):
+            not isinstance(ttfts, list) or not all(is_finite_number(t) and t >= 0 for t in ttfts):
         raise ValueError(f"{label}: frontend_probe must be {{\"prompt_tokens\": n >= 1, "
                          f"\"ttft_s\": [seconds >= 0, ...]}}, got {str(probe)[:80]}")
     return tokens, tuple(float(t) for t in ttfts)
@@ -208,14 +203,12 @@ def _probe(result: dict[str, Any], label: str) -> tuple[int | None, tuple[float,
 def _ttfts(rows: list[Any]) -> tuple[float, ...]:
     """The TTFTs (seconds) of the rows that succeeded and recorded one."""
     return tuple(float(t) for r in rows if isinstance(r, dict) and r.get("ok", True)
-                 and isinstance(t := r.get("ttft_s"), int | float) and not isinstance(t, bool)
-                 and math.isfinite(t) and t >= 0)
+                 and is_finite_number(t := r.get("ttft_s")) and t >= 0)
 
 
 def _bound(result: dict[str, Any], key: str, label: str) -> float | None:
     value = result.get(key)
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)
-                              or not (value > 0 and math.isfinite(value))):
+    if value is not None and not (is_finite_number(value) and value > 0):
         raise ValueError(f"{label}: {key} must be a positive number of ms or null, "
                          f"got {value!r}")
     return value
@@ -224,8 +217,7 @@ def _bound(result: dict[str, Any], key: str, label: str) -> float | None:
 def _local_prefills(result: dict[str, Any], label: str) -> float | None:
     counts = result.get("split_decisions")
     value = counts.get("local") if isinstance(counts, dict) else None
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)
-                              or not (value >= 0 and math.isfinite(value))):
+    if value is not None and not (is_finite_number(value) and value >= 0):
         raise ValueError(f"{label}: split_decisions local must be a count >= 0, got {value!r}")
     return value
 

@@ -45,6 +45,7 @@ import statistics
 from dataclasses import dataclass, replace
 from typing import Any
 
+from pdserve.common.numbers import is_finite_number
 from pdserve.planner.simulate.calibration import CalibrationProfile
 
 KEY = "speed_reference"
@@ -135,7 +136,7 @@ def _count(value: object) -> bool:
 
 def _timings(value: object) -> bool:
     return isinstance(value, list) and bool(value) and all(
-        isinstance(t, int | float) and not isinstance(t, bool) and math.isfinite(t) and t > 0
+        is_finite_number(t) and t > 0
         for t in value)
 
 
