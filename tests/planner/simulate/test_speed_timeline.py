@@ -131,6 +131,9 @@ def test_simulate_prices_a_run_at_its_own_steps_speed(tmp_path, capsys):
     assert json.loads(out)["measured"]["speed_timeline"]["window_s"] == 5.0
     rc, _, err = simulate_cli(capsys, *argv, "--speed-reference", "steps", "--speed-window", "0")
     assert rc == 2 and "window must be > 0 seconds" in err
+    rc, _, err = simulate_cli(capsys, *argv, "--speed-window", "5")
+    assert rc == 2 and "--speed-window sets the windows of --speed-reference steps; here the " \
+        "speed reference is 'scale'" in err
 
 
 @pytest.mark.parametrize("window, extra, message", [

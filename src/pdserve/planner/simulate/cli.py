@@ -179,13 +179,14 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                         "split, the prompt costs by the prefill job and the decode costs by "
                         "the decode job; ignore: price at the calibration run's speed; "
                         "steps, a diagnostic and not a prediction: price each step at the "
-                        "speed the measured run's own steps ran at in its 2-second window "
-                        "(from the .steps.json beside it): what is still missed then is the "
-                        "model's, not the machine's drift (default: %(default)s)")
-    p.add_argument("--speed-window", type=float, default=WINDOW_S, metavar="S",
-                   help="with --speed-reference steps: the windows the measured run's own "
-                        "speed is read in, in seconds (longer than the run: one factor per "
-                        "kind of step for the whole run; default: %(default)g)")
+                        "speed the measured run's own steps ran at in its window "
+                        "(--speed-window; from the .steps.json beside it): what is still "
+                        "missed then is the model's, not the machine's drift (default: "
+                        "%(default)s)")
+    p.add_argument("--speed-window", type=float, default=None, metavar="S",
+                   help=f"with --speed-reference steps: the windows the measured run's own "
+                        f"speed is read in, in seconds (longer than the run: one factor per "
+                        f"kind of step for the whole run; default: {WINDOW_S:g})")
     p.add_argument("--scale-costs", default=None, metavar="KIND=F[,KIND=F]",
                    help="with --calibrate: multiply the fitted prompt costs (prefill=F: "
                         "overhead, per token, per attention pair) or decode costs (decode=F: "
@@ -413,6 +414,9 @@ def _timeline(args: argparse.Namespace, profile: CalibrationProfile | None,
     ValueError where it cannot be read: no fitted profile, no measured run replayed, no steps
     beside it, or figures that are medians over rounds the steps do not all come from."""
     if args.speed_reference != "steps":
+        if args.speed_window is not None:
+            raise ValueError("--speed-window sets the windows of --speed-reference steps; "
+                             f"here the speed reference is {args.speed_reference!r}")
         return None
     flag = "compare_measured (--compare-measured)"
     if profile is None or measured is None or trace is not measured.trace:
@@ -427,7 +431,8 @@ def _timeline(args: argparse.Namespace, profile: CalibrationProfile | None,
     if not steps:
         raise ValueError(f"--speed-reference steps reads the steps beside {measured.label} "
                          "(bench compare writes X.steps.json beside X.json): none found")
-    return build_timeline(profile, steps, measured.run_start_s, args.speed_window)
+    window = WINDOW_S if args.speed_window is None else args.speed_window
+    return build_timeline(profile, steps, measured.run_start_s, window)
 
 
 def _scaled_costs(args: argparse.Namespace, profile: CalibrationProfile | None
