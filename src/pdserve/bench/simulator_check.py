@@ -65,7 +65,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -78,7 +77,7 @@ from pdserve.planner.plan_simulation import MARGIN
 from pdserve.planner.simulate.file_spec import steps_path
 from pdserve.planner.simulate.measured_compare import CLIFF_TEXT, on_the_cliff
 from pdserve.planner.simulate.speed_scale import SPEED_REFERENCE_MODES
-from pdserve.planner.simulate.speed_timeline import WINDOW_S
+from pdserve.planner.simulate.speed_timeline import WINDOW_S, check_window
 
 CONFIGS = ("collocated", "collocated-chunked", "disagg")
 SIMULATED = (*CONFIGS, "disagg-local", "disagg-remote")  # what the simulator can lay out
@@ -138,8 +137,7 @@ class CheckSettings:
         if self.speed_reference not in SPEED_REFERENCE_MODES:
             raise ValueError(f"speed_reference must be one of {', '.join(SPEED_REFERENCE_MODES)}, "
                              f"got {self.speed_reference!r}")
-        if not (math.isfinite(self.speed_window_s) and self.speed_window_s > 0):
-            raise ValueError(f"speed window must be > 0 seconds, got {self.speed_window_s!r}")
+        check_window(self.speed_window_s)
         if self.decode_context not in simulator_context.MODES:
             raise ValueError(f"decode_context must be one of "
                              f"{', '.join(simulator_context.MODES)}, got {self.decode_context!r}")

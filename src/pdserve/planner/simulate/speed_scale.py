@@ -136,8 +136,7 @@ def _count(value: object) -> bool:
 
 def _timings(value: object) -> bool:
     return isinstance(value, list) and bool(value) and all(
-        is_finite_number(t) and t > 0
-        for t in value)
+        is_finite_number(t) and t > 0 for t in value)
 
 
 def speed_factor(calibration: SpeedReference, measured: SpeedReference) -> float:

@@ -32,7 +32,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from pdserve.planner.simulate.calibration import CalibrationProfile, Chunk, StepCosts
-from pdserve.planner.simulate.step_check import timed_seconds
+from pdserve.planner.simulate.step_check import priced_seconds, timed_seconds
 from pdserve.planner.simulate.step_fit import Step
 
 WINDOW_S = 2.0
@@ -65,12 +65,17 @@ class SpeedTimeline:
         return min(every), max(every)
 
 
+def check_window(window_s: float) -> None:
+    """ValueError unless `window_s` is a finite number of seconds > 0."""
+    if not (math.isfinite(window_s) and window_s > 0):
+        raise ValueError(f"the speed window must be > 0 seconds, got {window_s!r}")
+
+
 def build_timeline(profile: CalibrationProfile, steps: Mapping[str, Sequence[Step]],
                    origin_s: float, window_s: float = WINDOW_S) -> SpeedTimeline:
     """The timeline of the run whose workers stepped `steps` (wall clock), started at
     `origin_s`. ValueError where no step computed anything."""
-    if not (math.isfinite(window_s) and window_s > 0):
-        raise ValueError(f"the speed timeline's window must be > 0 seconds, got {window_s!r}")
+    check_window(window_s)
     sums: dict[tuple[str, int], list[float]] = {}  # (kind, window) -> [measured, priced]
     for rows in steps.values():
         ordered = sorted(rows, key=lambda s: (s.start_s, s.end_s))
@@ -78,8 +83,7 @@ def build_timeline(profile: CalibrationProfile, steps: Mapping[str, Sequence[Ste
             measured = timed_seconds(ordered, i)
             if measured is None or s.start_s < origin_s:
                 continue
-            price = profile.counted_step_seconds(s.prefill_tokens, s.prefill_attention or 0,
-                                                 s.decode_tokens, s.decode_context or 0)
+            price = priced_seconds(profile, s)
             if price <= 0:
                 continue
             kind = "prompt" if s.prefill_tokens else "decode"

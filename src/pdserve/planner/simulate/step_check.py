@@ -78,6 +78,13 @@ def timed_seconds(rows: Sequence[Step], i: int) -> float | None:
     return measured
 
 
+def priced_seconds(profile: CalibrationProfile, s: Step) -> float:
+    """What `profile` prices the recorded step `s` at, from its counts (contexts and attention
+    pairs a trace lacks priced at 0)."""
+    return profile.counted_step_seconds(s.prefill_tokens, s.prefill_attention or 0,
+                                        s.decode_tokens, s.decode_context or 0)
+
+
 def step_ratios(profile: CalibrationProfile, steps: Mapping[str, Sequence[Step]]
                 ) -> dict[str, dict[str, Any]]:
     """Per kind present: {"steps": n, "median_ratio": r, "time_ratio": t, "share": s} by the
@@ -97,8 +104,7 @@ def step_ratios(profile: CalibrationProfile, steps: Mapping[str, Sequence[Step]]
             if k is None or measured is None:
                 continue
             seconds[k] += s.end_s - s.start_s
-            price = profile.counted_step_seconds(s.prefill_tokens, s.prefill_attention or 0,
-                                                 s.decode_tokens, s.decode_context or 0)
+            price = priced_seconds(profile, s)
             ratios[k].append(measured / price)
             timed[k] += measured
             priced[k] += price
