@@ -45,6 +45,26 @@ def test_the_bound_is_the_lower_roof():
     assert compute_bound.of_roofline == pytest.approx(500 / 3200)
 
 
+def _prefill(tokens: int, tok_s: float, roof: float, cached: int = 0, chunk: int = 0
+             ) -> BenchRow:
+    return BenchRow("prefill", 1, tokens, tok_s, None, roof, roof, cached, chunk)
+
+
+def test_longer_prompts_are_set_against_the_thousand_token_rate_and_their_roofs():
+    rows = [BenchRow("decode", 8, 32, 400.0, 100.0, 900.0, 700.0), _prefill(512, 1600.0, 1800.0),
+            _prefill(1000, 1400.0, 1700.0), _prefill(2048, 1300.0, 1500.0),
+            _prefill(8191, 630.0, 850.0), _prefill(2048, 1100.0, 1300.0, cached=1024),
+            _prefill(2048, 1200.0, 1500.0, chunk=256)]
+    assert engine_bench.length_scaling(rows) == [
+        "prefill at 2,048 tokens: 0.93x the rate at 1,000 (the compute roofs: 0.88x)",
+        "prefill at 8,191 tokens: 0.45x the rate at 1,000 (the compute roofs: 0.50x)"]
+    assert engine_bench.format_table(rows).splitlines()[-1] == engine_bench.length_scaling(rows)[1]
+    # no prompt up to 1,000 tokens: the shortest is the reference; one whole prompt: no line
+    assert engine_bench.length_scaling(rows[3:5]) == [
+        "prefill at 8,191 tokens: 0.48x the rate at 2,048 (the compute roofs: 0.57x)"]
+    assert engine_bench.length_scaling(rows[:2] + rows[5:]) == []
+
+
 @pytest.mark.parametrize(("kwargs", "message"), [
     ({"prompt_lens": ()}, "prompt lengths must be positive"),
     ({"cached_len": 1}, "cached_len must be 0 .* or at least 2"),
