@@ -5,6 +5,7 @@ prefill, and keeps its role when that drain outlasts the timeout."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -14,6 +15,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -104,17 +106,18 @@ class Stream:
         assert not self._thread.is_alive()
 
 
-@pytest.fixture(scope="module")
-def worker(tiny_model, tmp_path_factory) -> Iterator[str]:
-    """A collocated worker that serves /v1 itself and holds the cluster secret."""
-    secret = tmp_path_factory.mktemp("secret") / "cluster-secret"
+@contextlib.contextmanager
+def serve_worker(model: Path, folder: Path, *args: str) -> Iterator[str]:
+    """A collocated `pdserve worker` process that serves /v1 itself and holds the cluster
+    secret (written into `folder`), with `args` added; its URL once ready."""
+    secret = folder / "cluster-secret"
     secret.write_bytes(SECRET)
     port = free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "pdserve.cli", "worker", "--model", str(tiny_model()),
+        [sys.executable, "-m", "pdserve.cli", "worker", "--model", str(model),
          "--served-model-name", "tiny", "--dtype", "float32", "--port", str(port),
          "--secret-file", str(secret), "--serve-public", "--max-model-len", "1024",
-         "--kv-cache-memory", "16MiB"],
+         "--kv-cache-memory", "16MiB", *args],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + START_TIMEOUT_S
@@ -126,6 +129,12 @@ def worker(tiny_model, tmp_path_factory) -> Iterator[str]:
     finally:
         proc.terminate()
         proc.wait(30)
+
+
+@pytest.fixture(scope="module")
+def worker(tiny_model, tmp_path_factory) -> Iterator[str]:
+    with serve_worker(tiny_model(), tmp_path_factory.mktemp("secret")) as url:
+        yield url
 
 
 def test_only_the_cluster_may_change_the_role(worker: str) -> None:

@@ -1,7 +1,7 @@
 """Who may use which of a worker's endpoints; checked before any handler runs.
 
-- `/internal/*` (the router's leg channel, the engine steps, the role change): a holder of the
-  cluster secret only, each request signed for its method and path and used once
+- `/internal/*` (the router's leg channel, the engine steps, the role change, the cores): a
+  holder of the cluster secret only, each request signed for its method and path and used once
   (`internal_auth.py`). A leg channel's WebSocket upgrade is refused before it happens. A
   worker without a secret (a collocated one started with `--serve-public`) answers 403.
 - `/health`: anyone gets liveness (`{"status": "ok"}` or 503 `loading`). A signed request gets

@@ -25,7 +25,7 @@ Life cycle of a leg (see `legs/protocol.py` for the kinds):
 Invariant: a leg's blocks return to the pool on every path: finish, cancel, transfer failure,
 peer death (the sessions' leases bound every wait).
 
-Threading: `submit`, `submit_to`, `cancel` and `change_role` are called from the HTTP thread
+Threading: `submit`, `submit_to`, `cancel`, `change_role` and `pin` are called from the HTTP thread
 and only enqueue commands (`workers/loop_commands.py`); results go back through
 `loop.call_soon_threadsafe`, batched once per iteration, and are put into the legs' sinks
 there, in the order they were emitted.
@@ -47,6 +47,7 @@ from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.parallel.rank_group import RankFailed
 from pdserve.legs.protocol import MOVED, LegKind, LegRequest, TokenEvent
 from pdserve.throttled_log import ThrottledLog
+from pdserve.workers.cpu_pin import pin_process
 from pdserve.workers.handover import (
     HandOver,
     LegDropped,
@@ -56,7 +57,7 @@ from pdserve.workers.handover import (
     Outcome,
 )
 from pdserve.workers.hub_pump import HubPump
-from pdserve.workers.loop_commands import Cancel, Command, Flip, Sink, Stop, Submit
+from pdserve.workers.loop_commands import Cancel, Command, Flip, Pin, Sink, Stop, Submit
 from pdserve.workers.parked import ParkedLegs
 from pdserve.workers.prefill_budget import REFRESH_S, past_target, prefill_chunk
 from pdserve.workers.role_flip import FlipReply, RoleFlip
@@ -165,6 +166,13 @@ class EngineLoop:
         `FlipDone` or an `ApiError`."""
         reply = FlipReply(asyncio.get_running_loop().create_future())
         self._commands.put(Flip(Role(role), timeout_s, reply, time.perf_counter()))
+        return reply.future
+
+    def pin(self, cpus: tuple[int, ...]) -> asyncio.Future[object]:
+        """Compute on `cpus` from the next step on (`workers/cpu_pin.py`). Call on the HTTP
+        thread's running loop; the future gets a `PinDone` or an `ApiError`."""
+        reply = FlipReply(asyncio.get_running_loop().create_future())
+        self._commands.put(Pin(cpus, reply))
         return reply.future
 
     async def events(self, request_id: str, sink: QueueSink
@@ -313,6 +321,9 @@ class EngineLoop:
                     self._cancel(cmd.request_id)
                 case Flip():
                     self.flip.begin(cmd)
+                case Pin():
+                    self._emit(cmd.reply, pin_process(
+                        cmd.cpus, self.engine.config.tensor_parallel_size))
                 case Stop():
                     return
 

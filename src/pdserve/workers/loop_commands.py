@@ -57,8 +57,17 @@ class Flip:
 
 
 @dataclass(frozen=True)
+class Pin:
+    """Compute on `cpus` from the next step on (`workers/cpu_pin.py`); `reply` gets exactly
+    one item, a `PinDone` or an `ApiError`."""
+
+    cpus: tuple[int, ...]
+    reply: Sink
+
+
+@dataclass(frozen=True)
 class Stop:
     """Wake the engine thread so that it sees its stop flag."""
 
 
-Command = Submit | Cancel | Flip | Stop
+Command = Submit | Cancel | Flip | Pin | Stop

@@ -73,7 +73,7 @@ async def change_role(request: web.Request, loop: EngineLoop,
                       access: WorkerAccess) -> web.Response:
     """The handler; the access middleware let only signed requests in."""
     try:
-        change = RoleChange.from_json(await _json(request))
+        change = RoleChange.from_json(await read_json(request))
     except ApiError as e:
         return access.signed_json(request, e.body(), e.status)
     log.info("role change to %s asked by %s (drain up to %g s)%s", change.role.value,
@@ -85,7 +85,8 @@ async def change_role(request: web.Request, loop: EngineLoop,
     return access.signed_json(request, result.body())
 
 
-async def _json(request: web.Request) -> Any:
+async def read_json(request: web.Request) -> Any:
+    """The request's JSON body; ApiError (400) when it is not JSON."""
     try:
         return json.loads(await request.read())
     except ValueError as e:  # not JSON, or not UTF-8

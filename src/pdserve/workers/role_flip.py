@@ -158,9 +158,9 @@ class RoleFlip:
 
 
 class FlipReply:
-    """The sink of a flip's one reply: resolves the future the HTTP handler awaits (on the HTTP
-    thread, from the engine loop's delivery). A handler gone already (its client left) leaves
-    the future cancelled; the flip ran all the same."""
+    """The sink of a flip's (or a re-pin's) one reply: resolves the future the HTTP handler
+    awaits (on the HTTP thread, from the engine loop's delivery). A handler gone already (its
+    client left) leaves the future cancelled; the command ran all the same."""
 
     def __init__(self, future: asyncio.Future[object]) -> None:
         self.future = future

@@ -16,6 +16,8 @@ Life cycle.
    and the full `/health` need the cluster secret). `POST /internal/role` changes the role
    live, without reloading (`workers/role_endpoint.py`, `workers/role_flip.py`); the signed
    /health reports the current `role` and `state` ("serving" or "flipping").
+   `POST /internal/cpus` changes the cores it computes on, between two steps
+   (`workers/cpus_endpoint.py`, `workers/cpu_pin.py`); the signed /health reports `cpus`.
 4. SIGTERM / SIGINT: stop accepting, stop the engine thread, close the transport, exit.
    Blocks held by unfinished legs die with the process; the peers see the transport close
    and free their side.
@@ -46,6 +48,8 @@ from pdserve.legs.protocol import LegRequest
 from pdserve.metrics import CONTENT_TYPE
 from pdserve.transfer.layout import KVLayout
 from pdserve.workers.access import WorkerAccess
+from pdserve.workers.cpu_pin import current_cpus, pin_threads
+from pdserve.workers.cpus_endpoint import change_cpus
 from pdserve.workers.engine_loop import EngineLoop, LegRefused
 from pdserve.workers.hub_pump import HubPump
 from pdserve.workers.leg_channel import WorkerLegChannels
@@ -138,6 +142,7 @@ class Worker:
         app.router.add_get("/internal/legs", self.legs)
         app.router.add_get("/internal/steps", self.steps)
         app.router.add_post("/internal/role", self.change_role)
+        app.router.add_post("/internal/cpus", self.change_cpus)
         self.api.add_routes(app)
         app.middlewares.append(self.access.middleware())  # first: refusals before anything
         app.middlewares.append(_not_ready_guard(self))
@@ -166,6 +171,8 @@ class Worker:
             "running": load.running, "waiting": load.waiting,
             "waiting_for_kv": load.waiting_for_kv, "legs": self.loop.num_legs,
             "load_seconds": self.load_seconds, "pid": os.getpid(),
+            # the cores it computes on now (`--cpus`, or a later POST /internal/cpus)
+            "cpus": current_cpus(),
             "rates": reported_rates(self.loop.trace.newest_first(SCAN)).to_json(),
             "chunk_tokens": e.prefill_chunk or (e.config.max_num_batched_tokens
                                                 if e.config.enable_chunked_prefill else None),
@@ -199,6 +206,9 @@ class Worker:
 
     async def change_role(self, request: web.Request) -> web.Response:
         return await change_role(request, self.loop, self.access)
+
+    async def change_cpus(self, request: web.Request) -> web.Response:
+        return await change_cpus(request, self.loop, self.access)
 
     async def legs(self, request: web.Request) -> web.WebSocketResponse:
         return await self.channels.serve(request)
@@ -251,7 +261,7 @@ def _open_transport(s: WorkerSettings):
 
 def pin_cpus(cpus: tuple[int, ...] | None) -> None:
     if cpus is not None:
-        os.sched_setaffinity(0, set(cpus))
+        pin_threads(cpus)
         torch.set_num_threads(len(cpus))
 
 

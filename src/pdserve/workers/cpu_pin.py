@@ -1,0 +1,99 @@
+"""A worker's cores, changed while it serves (`POST /internal/cpus`, signed).
+
+Why: where workers split one machine's cores, a worker may lend an idle peer's cores to a busy
+one and hand them back later, without a restart (a worker on one core of two prefills a long
+prompt at half the speed of both; on some machines its decode steps cost over twice as much
+per stream). This is the worker's half: it computes on the cores it is told to, from its next
+step on. Which worker gets which cores is the caller's to decide.
+
+Applied on the engine thread, between two steps (`EngineLoop` takes commands only there):
+every thread of the process is pinned to the new set (the engine thread first: a set the
+kernel refuses fails there, with nothing changed; then its compute pool's threads, the HTTP
+and transfer threads), then the engine thread's compute threads are set to the set's size.
+`torch.set_num_threads` must run on the engine thread: PyTorch's OpenMP regions take the
+calling thread's count, and every pdserve kernel splits its work by `at::parallel_for`, which
+reads it per call. So a step never runs with threads on the old set and the count of the new.
+
+Refused: a tensor-parallel engine (its ranks are processes of their own, each pinned to its
+share by `cpu_split.py`; 409); an empty or bad list, or a core the machine lacks (400).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from pdserve.api.errors import ApiError, bad_request
+
+
+@dataclass(frozen=True)
+class PinDone:
+    """The worker computes on `cpus` with `threads` compute threads; `seconds` to apply it."""
+
+    cpus: tuple[int, ...]
+    threads: int
+    seconds: float
+
+    def body(self) -> dict[str, Any]:
+        return {"cpus": list(self.cpus), "threads": self.threads, "seconds": self.seconds}
+
+
+def parse_cpus(body: Any) -> tuple[int, ...]:
+    """The sorted cores of a `{"cpus": [...]}` body; ApiError (400) naming what is wrong."""
+    if not isinstance(body, dict) or set(body) != {"cpus"}:
+        raise bad_request('the body must be a JSON object like {"cpus": [0, 1]}, with no '
+                          "other key")
+    cpus = body["cpus"]
+    count = os.cpu_count() or 1
+    if not isinstance(cpus, list) or not cpus or any(
+            type(c) is not int or not 0 <= c < count for c in cpus):
+        raise bad_request(f"cpus must be a non-empty list of core numbers from 0 to "
+                          f"{count - 1}; got {cpus!r}", "cpus")
+    if len(set(cpus)) != len(cpus):
+        raise bad_request(f"cpus lists a core twice: {cpus!r}", "cpus")
+    return tuple(sorted(cpus))
+
+
+def pin_process(cpus: Iterable[int], tensor_parallel_size: int) -> PinDone | ApiError:
+    """Pin every thread of this process to `cpus` and set the compute threads to their count.
+    Call on the engine thread."""
+    t0, cpus = time.perf_counter(), tuple(cpus)
+    if tensor_parallel_size > 1:
+        return ApiError(409, f"a tensor-parallel engine ({tensor_parallel_size} ranks) keeps "
+                             "the cores each rank was started on", param="cpus",
+                        code="tensor_parallel")
+    try:
+        pin_threads(cpus)
+    except OSError as e:
+        return ApiError(400, f"the kernel refused cores {list(cpus)}: {e}", param="cpus")
+    torch.set_num_threads(len(cpus))
+    return PinDone(cpus, torch.get_num_threads(), time.perf_counter() - t0)
+
+
+def pin_threads(cpus: tuple[int, ...]) -> None:
+    """Every thread of this process on `cpus`, the calling one first: OSError when the kernel
+    refuses the set, and then nothing changed. Threads started at import, before a worker
+    pins itself at start, are moved too (a pin of the calling thread alone leaves them on
+    every core)."""
+    os.sched_setaffinity(0, cpus)
+    own = threading.get_native_id()
+    for tid in _threads():
+        if tid != own:  # OSError: it ended meanwhile (the set itself was accepted above)
+            with contextlib.suppress(OSError):
+                os.sched_setaffinity(tid, cpus)
+
+
+def current_cpus() -> list[int]:
+    """The cores the calling thread may run on (every thread's, after `pin_process`)."""
+    return sorted(os.sched_getaffinity(0))
+
+
+def _threads() -> list[int]:
+    return [int(tid) for tid in os.listdir("/proc/self/task")]
