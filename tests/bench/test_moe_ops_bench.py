@@ -38,7 +38,9 @@ def test_a_run_times_each_operator_beside_its_pytorch_path(capsys):
         ("qwen3_router", "B1 E16"), ("qwen3_router", "B3 E16")]
     for r in rows:
         assert r["pytorch_us"] > 0 and r["operators_us"] > 0
-        assert r["speedup"] == pytest.approx(r["pytorch_us"] / r["operators_us"], rel=1e-3)
+        # printed to 3 decimals: within 0.0005 of the ratio, whatever its size (a relative
+        # bound failed for a ratio under 0.5, a tiny shape run slower than PyTorch under load)
+        assert r["speedup"] == pytest.approx(r["pytorch_us"] / r["operators_us"], abs=5e-4)
 
 
 def test_sides_that_disagree_stop_the_run():
