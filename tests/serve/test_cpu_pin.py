@@ -5,7 +5,6 @@ it gave before."""
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,17 +13,14 @@ import pytest
 
 from pdserve.api.errors import ApiError
 from pdserve.workers.cpu_pin import parse_cpus, pin_process
-from tests.serve.test_flip import AUTH, _call, _complete, _health, serve_worker
-from tests.serve.test_flip import _send as send
+from tests.serve.test_flip import _call, _complete, _health, serve_worker, signed_post
 
 two_cores = pytest.mark.skipif((os.cpu_count() or 1) < 2 or len(os.sched_getaffinity(0)) < 2,
                                reason="needs two cores this process may use")
 
 
 def _pin(url: str, body: object) -> tuple[int, dict]:
-    headers = AUTH.headers("POST", "/internal/cpus")
-    status, raw, _ = send(url + "/internal/cpus", "POST", body, headers)
-    return status, json.loads(raw)
+    return signed_post(url, "/internal/cpus", body)
 
 
 def _allowed(pid: int) -> set[str]:

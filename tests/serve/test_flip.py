@@ -52,12 +52,17 @@ def _call(url: str, method: str = "GET", body: object = None,
     return status, json.loads(raw), got
 
 
-def _role(url: str, body: object) -> tuple[int, dict]:
-    """A signed role change; the answer's proof of the secret is checked."""
-    headers = AUTH.headers("POST", "/internal/role")
-    status, raw, got = _send(url + "/internal/role", "POST", body, headers)
+def signed_post(url: str, path: str, body: object) -> tuple[int, dict]:
+    """A signed POST to one of the worker's /internal/ paths; the answer's proof of the secret
+    is checked."""
+    headers = AUTH.headers("POST", path)
+    status, raw, got = _send(url + path, "POST", body, headers)
     assert AUTH.check_proof(headers[AUTH_HEADER], raw, got.get(PROOF_HEADER)), raw
     return status, json.loads(raw)
+
+
+def _role(url: str, body: object) -> tuple[int, dict]:
+    return signed_post(url, "/internal/role", body)
 
 
 def _health(url: str) -> dict:

@@ -25,8 +25,8 @@ Life cycle of a leg (see `legs/protocol.py` for the kinds):
 Invariant: a leg's blocks return to the pool on every path: finish, cancel, transfer failure,
 peer death (the sessions' leases bound every wait).
 
-Threading: `submit`, `submit_to`, `cancel`, `change_role` and `pin` are called from the HTTP thread
-and only enqueue commands (`workers/loop_commands.py`); results go back through
+Threading: `submit`, `submit_to`, `cancel`, `change_role` and `pin` are called from the HTTP
+thread and only enqueue commands (`workers/loop_commands.py`); results go back through
 `loop.call_soon_threadsafe`, batched once per iteration, and are put into the legs' sinks
 there, in the order they were emitted.
 """
@@ -57,10 +57,19 @@ from pdserve.workers.handover import (
     Outcome,
 )
 from pdserve.workers.hub_pump import HubPump
-from pdserve.workers.loop_commands import Cancel, Command, Flip, Pin, Sink, Stop, Submit
+from pdserve.workers.loop_commands import (
+    Cancel,
+    Command,
+    Flip,
+    Pin,
+    Reply,
+    Sink,
+    Stop,
+    Submit,
+)
 from pdserve.workers.parked import ParkedLegs
 from pdserve.workers.prefill_budget import REFRESH_S, past_target, prefill_chunk
-from pdserve.workers.role_flip import FlipReply, RoleFlip
+from pdserve.workers.role_flip import RoleFlip
 from pdserve.workers.step_rates import SCAN
 from pdserve.workers.step_trace import Step, StepTrace
 from pdserve.workers.worker_metrics import WorkerMetrics
@@ -164,14 +173,14 @@ class EngineLoop:
         """Change the role once what the worker holds has drained, within `timeout_s`
         (`workers/role_flip.py`). Call on the HTTP thread's running loop; the future gets a
         `FlipDone` or an `ApiError`."""
-        reply = FlipReply(asyncio.get_running_loop().create_future())
+        reply = Reply(asyncio.get_running_loop().create_future())
         self._commands.put(Flip(Role(role), timeout_s, reply, time.perf_counter()))
         return reply.future
 
     def pin(self, cpus: tuple[int, ...]) -> asyncio.Future[object]:
         """Compute on `cpus` from the next step on (`workers/cpu_pin.py`). Call on the HTTP
         thread's running loop; the future gets a `PinDone` or an `ApiError`."""
-        reply = FlipReply(asyncio.get_running_loop().create_future())
+        reply = Reply(asyncio.get_running_loop().create_future())
         self._commands.put(Pin(cpus, reply))
         return reply.future
 

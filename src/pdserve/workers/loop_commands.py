@@ -7,6 +7,7 @@ stop flag).
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -24,6 +25,22 @@ class Sink(Protocol):
     def put_nowait(self, item: object) -> None: ...
 
     def delivered(self) -> None: ...
+
+
+class Reply:
+    """The sink of a command's one reply (a `Flip`'s, a `Pin`'s): resolves the future the HTTP
+    handler awaits (on the HTTP thread, from the engine loop's delivery). A handler gone
+    already (its client left) leaves the future cancelled; the command ran all the same."""
+
+    def __init__(self, future: asyncio.Future[object]) -> None:
+        self.future = future
+
+    def put_nowait(self, item: object) -> None:
+        if not self.future.done():
+            self.future.set_result(item)
+
+    def delivered(self) -> None:
+        """Nothing to send: the awaiting handler answers."""
 
 
 @dataclass(frozen=True)

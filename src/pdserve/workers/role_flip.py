@@ -38,7 +38,6 @@ thread only reads `state`.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import Callable
@@ -156,18 +155,3 @@ class RoleFlip:
                                  f"GPU, --transport nixl)", param="role", code="role_unavailable")
         return None
 
-
-class FlipReply:
-    """The sink of a flip's (or a re-pin's) one reply: resolves the future the HTTP handler
-    awaits (on the HTTP thread, from the engine loop's delivery). A handler gone already (its
-    client left) leaves the future cancelled; the command ran all the same."""
-
-    def __init__(self, future: asyncio.Future[object]) -> None:
-        self.future = future
-
-    def put_nowait(self, item: object) -> None:
-        if not self.future.done():
-            self.future.set_result(item)
-
-    def delivered(self) -> None:
-        """Nothing to send: the awaiting handler answers."""
