@@ -35,7 +35,7 @@ def _secret(tmp_path: Path, value: bytes = SECRET) -> Path:
 def test_workers_as_a_table_and_as_json_then_a_flip(tiny_model: Callable[..., Path],
                                                     tmp_path: Path) -> None:
     secret = _secret(tmp_path)
-    fakes = [FlippingWorker(worker_info()), FlippingWorker(worker_info("collocated"))]
+    fakes = [FlippingWorker(worker_info(cpus=[0, 2, 3])), FlippingWorker(worker_info("collocated"))]
 
     async def go() -> None:
         async with workers(*fakes) as urls, router(tiny_model(), decode=(urls[0],)) as (r, base), \
@@ -47,11 +47,11 @@ def test_workers_as_a_table_and_as_json_then_a_flip(tiny_model: Callable[..., Pa
             assert code == 0, err
             lines = out.splitlines()
             assert lines[0].split() == ["NAME", "ROLE", "STATE", "QUEUE", "LEGS", "KV",
-                                        "BLOCKS", "URL", "NOTE"]
-            assert lines[1].split() == [static, "decode", "healthy", "0", "0", "0/64", urls[0],
-                                        "static"]
+                                        "BLOCKS", "CPUS", "URL", "NOTE"]
+            assert lines[1].split() == [static, "decode", "healthy", "0", "0", "0/64", "0,2-3",
+                                        urls[0], "static"]
             assert lines[2].split() == ["joined-1", "collocated", "healthy", "0", "0", "0/64",
-                                        urls[1]]
+                                        "-", urls[1]]
             code, out, err = await ctl(secret, base + "/", "workers", "--json")
             assert code == 0, err
             listed = json.loads(out)

@@ -143,7 +143,8 @@ def test_join_list_heartbeat_and_leave(tiny_model: Callable[..., Path]) -> None:
         assert await call(s, base, "GET", "/internal/workers") == (200, [{
             "name": "w1", "url": urls[0], "role": "decode", "state": "healthy",
             "registered": True, "queue": 1, "legs": 0, "kv_blocks_used": 0,
-            "kv_blocks_total": 64, "kv_endpoint": None, "refused": None}])
+            "kv_blocks_total": 64, "kv_endpoint": None, "refused": None, "cpus": None,
+            "lent_to": None}])
         async with s.get(base + "/health") as health:
             assert health.status == 200
         assert await call(s, base, "PUT", "/internal/workers/w1", {"state": "draining"}) == (

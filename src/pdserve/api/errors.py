@@ -9,6 +9,7 @@ with the response (`Retry-After` of a 429 or 503).
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 INVALID_REQUEST = "invalid_request_error"
@@ -60,3 +61,12 @@ def not_found_model(model: str, served: str) -> ApiError:
         param="model",
         code="model_not_found",
     )
+
+
+def message_of(body: bytes) -> str:
+    """The message of an OpenAI-shaped error body, else the body's text (clipped): what a
+    peer that refused a call said."""
+    try:
+        return str(json.loads(body)["error"]["message"])
+    except (ValueError, KeyError, TypeError):
+        return body.decode(errors="replace")[:500]

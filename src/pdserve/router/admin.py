@@ -1,13 +1,17 @@
 """The router's signed endpoints for workers and operators, all under `/internal/workers`.
 
 - `GET /internal/workers`: 200, a list of every member: name, url, role, state, registered,
-  queue, legs, kv_blocks_used, kv_blocks_total, kv_endpoint, refused.
+  queue, legs, kv_blocks_used, kv_blocks_total, kv_endpoint, refused, cpus (the cores it
+  reports), lent_to (the borrower of its cores, or null).
 - `POST /internal/workers` (a worker joins, `registry.py`): 201 when new, 200 when it
   rejoined, `{"name", "role", "state"}`.
 - `PUT /internal/workers/NAME` (its heartbeat): 200 `{"name", "state"}`.
 - `DELETE /internal/workers/NAME` (it leaves): 200 `{"name", "removed": true}`.
 - `POST /internal/workers/NAME/flip` `{"role"}` (`flips.py`): 200 `{"worker", "from", "to",
   "seconds"}`.
+- `POST /internal/workers/NAME/lend` `{"to": B}` (`core_lending.py`): 200 `{"worker", "to",
+  "cpus", "seconds"}`; `POST /internal/workers/NAME/reclaim`: 200 `{"worker", "from", "cpus",
+  "pinned_back", "seconds"}`.
 
 Every request must be signed with the cluster secret for its method and path
 (`internal_auth.py`; 401 `invalid_internal_auth` without or with a bad, stale or replayed
@@ -29,13 +33,14 @@ from aiohttp import web
 
 from pdserve.api.errors import ApiError
 from pdserve.internal_auth import AUTH_HEADER, PROOF_HEADER, InternalAuth, PeerRefused
+from pdserve.router.core_lending import CoreLending
 from pdserve.router.flips import RoleFlips
 from pdserve.router.registry import JoinRequest, WorkerRegistry
 from pdserve.router.worker_pool import WorkerHandle, WorkerPool
 
 INTERNAL_PREFIX = "/internal/"
 WORKERS_PATH = "/internal/workers"
-MAX_BODY_BYTES = 64 * 1024  # a join or a flip is a few hundred bytes
+MAX_BODY_BYTES = 64 * 1024  # a join, a flip or a loan is a few hundred bytes
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
@@ -43,10 +48,11 @@ class AdminApi:
     """`queued(worker)`: requests holding an admission slot on `worker`."""
 
     def __init__(self, auth: InternalAuth, pool: WorkerPool, registry: WorkerRegistry,
-                 flips: RoleFlips, queued: Callable[[WorkerHandle], int]) -> None:
+                 flips: RoleFlips, lending: CoreLending,
+                 queued: Callable[[WorkerHandle], int]) -> None:
         self.auth, self.pool, self.registry, self.flips = auth, pool, registry, flips
-        self.queued = queued
-        self._flips: set[asyncio.Future] = set()  # flips under way, whoever still waits
+        self.lending, self.queued = lending, queued
+        self._changes: set[asyncio.Future] = set()  # flips and loans under way
 
     def add_routes(self, app: web.Application) -> None:
         app.router.add_get(WORKERS_PATH, self.list_workers)
@@ -54,6 +60,8 @@ class AdminApi:
         app.router.add_put(WORKERS_PATH + "/{name}", self.beat)
         app.router.add_delete(WORKERS_PATH + "/{name}", self.leave)
         app.router.add_post(WORKERS_PATH + "/{name}/flip", self.flip)
+        app.router.add_post(WORKERS_PATH + "/{name}/lend", self.lend)
+        app.router.add_post(WORKERS_PATH + "/{name}/reclaim", self.reclaim)
         app.middlewares.append(self.middleware())
 
     def middleware(self) -> Callable[[web.Request, Handler], Awaitable[web.StreamResponse]]:
@@ -87,7 +95,8 @@ class AdminApi:
                 "registered": w.registered, "queue": self.queued(w), "legs": w.inflight,
                 "kv_blocks_used": w.info.get("kv_blocks_used"),
                 "kv_blocks_total": w.info.get("kv_blocks_total"),
-                "kv_endpoint": _endpoint(w), "refused": w.refused}
+                "kv_endpoint": _endpoint(w), "refused": w.refused,
+                "cpus": w.info.get("cpus"), "lent_to": self.lending.lent_to(w)}
 
     async def join(self, request: web.Request) -> web.Response:
         worker, new = await self.registry.join(JoinRequest.from_json(await _body(request)))
@@ -106,22 +115,41 @@ class AdminApi:
 
     async def flip(self, request: web.Request) -> web.Response:
         body = await _body(request)
-        name = request.match_info["name"]
+        worker = self._worker(request.match_info["name"])
+        role = body.get("role") if isinstance(body, dict) else None
+        return await self._finish(self.flips.flip(worker, role))
+
+    async def lend(self, request: web.Request) -> web.Response:
+        body = await _body(request)
+        lender = self._worker(request.match_info["name"])
+        to = body.get("to") if isinstance(body, dict) else None
+        if not isinstance(to, str):
+            raise ApiError(400, 'the body must be a JSON object like {"to": "WORKER"}',
+                           param="to")
+        return await self._finish(self.lending.lend(lender, self._worker(to)))
+
+    async def reclaim(self, request: web.Request) -> web.Response:
+        await _body(request, required=False)
+        return await self._finish(self.lending.reclaim(self._worker(request.match_info["name"])))
+
+    def _worker(self, name: str) -> WorkerHandle:
         worker = self.pool.find(name)
         if worker is None:
             raise ApiError(404, f"no worker named {name!r} in the pool", code="unknown_worker")
-        role = body.get("role") if isinstance(body, dict) else None
-        # a caller that leaves does not stop the flip: the worker switches anyway, and the
-        # router must settle the role it serves in
-        flip = asyncio.ensure_future(self.flips.flip(worker, role))
-        self._flips.add(flip)
-        flip.add_done_callback(self._flip_done)
-        return web.json_response(await asyncio.shield(flip))
+        return worker
 
-    def _flip_done(self, flip: asyncio.Future) -> None:
-        self._flips.discard(flip)
-        if not flip.cancelled():
-            flip.exception()  # retrieved: a refusal nobody waited for is not an error
+    async def _finish(self, change: Awaitable[dict[str, Any]]) -> web.Response:
+        """`change` (a flip or a loan) run to its end even if the caller leaves (the worker
+        changes anyway, and the router must settle what it does), its result answered."""
+        future = asyncio.ensure_future(change)
+        self._changes.add(future)
+        future.add_done_callback(self._done)
+        return web.json_response(await asyncio.shield(future))
+
+    def _done(self, future: asyncio.Future) -> None:
+        self._changes.discard(future)
+        if not future.cancelled():
+            future.exception()  # retrieved: a refusal nobody waited for is not an error
 
 
 async def _body(request: web.Request, required: bool = True) -> Any:

@@ -6,8 +6,9 @@ Life cycle.
    ever see token ids), start the HTTP server and the health watcher (every worker's signed
    `/health` once a second: readiness, transfer endpoint, load, compatibility). The pool may
    start empty: workers started with `--register` join it, and leave it, while the router runs
-   (`registry.py`); operators list the pool and flip roles (`admin.py`, `flips.py`;
-   `pdserve ctl`), and with `--elastic` the router flips them itself (`elastic.py`).
+   (`registry.py`); operators list the pool, flip roles and lend a prefill worker's cores to a
+   decode worker of the same machine (`admin.py`, `flips.py`, `core_lending.py`; `pdserve
+   ctl`), and with `--elastic` the router does both itself (`elastic.py`).
 2. Serve. `/health` is 200 while some worker can finish a request (a decode or collocated
    worker is healthy); it says only that to anyone, and lists the workers (healthy, refused
    and why) to a request signed with the cluster secret. `/v1/*` and `/metrics` are guarded
@@ -64,6 +65,7 @@ from pdserve.router.admission_settings import (
     add_admission_args,
     admission_from_args,
 )
+from pdserve.router.core_lending import CoreLending
 from pdserve.router.dispatch import Dispatcher, DispatchSettings, NoWorkers
 from pdserve.router.elastic_controller import ElasticController
 from pdserve.router.elastic_settings import ElasticSettings, add_elastic_args, elastic_from_args
@@ -163,7 +165,11 @@ class Router:
         registry = WorkerRegistry(self.pool, session, self.pool_metrics)
         flips = RoleFlips(self.pool, self.auth, session, self._demand,
                           self.settings.flip_timeout_s, self.pool_metrics)
-        return AdminApi(self.auth, self.pool, registry, flips, self._queued)
+        prefill = self.dispatcher.queues["prefill"]
+        lending = CoreLending(self.pool, self.auth, session, self._queued,
+                              lambda: prefill.depth, self.settings.flip_timeout_s)
+        flips.borrows = lending.borrows
+        return AdminApi(self.auth, self.pool, registry, flips, lending, self._queued)
 
     def _drop_channel(self, worker: WorkerHandle, reason: str) -> None:
         task = asyncio.ensure_future(self.channels.drop(worker))
@@ -293,7 +299,8 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
                         "removed from the pool (default: %(default)s)")
     p.add_argument("--flip-timeout", type=float, default=300.0, metavar="S",
                    help="seconds the router waits for a worker to drain and switch roles when "
-                        "asked to flip it (pdserve ctl flip) (default: %(default)s)")
+                        "asked to flip it (pdserve ctl flip), and for a worker to drain before "
+                        "its cores are lent (pdserve ctl lend) (default: %(default)s)")
     p.add_argument("--leg-timeout", type=float, default=60.0,
                    help="seconds a leg may stay silent before it counts as failed; keep it "
                         "above the workers' --kv-lease, the longest a decode worker waits for "

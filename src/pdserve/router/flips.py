@@ -8,7 +8,8 @@ unchanged), then reads the worker's signed `/health` (its new transfer endpoint,
 it reports, which the router adopts whatever the answer was), and the phase ends.
 
 Refused before anything changes (`ApiError`): 404 unknown worker; 409 `same_role`; 409
-`flip_in_progress` (the worker is flipping or draining); 409 `last_of_role`: the flip would
+`flip_in_progress` (the worker is flipping or draining); 409 `lent` and `borrowing` (its
+cores are lent, or it computes on lent cores: `core_lending.py`); 409 `last_of_role`: the flip would
 leave no routable worker to serve requests that are queued or in flight: the last
 decode-capable (decode or collocated) worker while any request is (every request holds a decode
 slot), or the last prefill worker while split requests hold or wait for a prefill slot.
@@ -21,7 +22,6 @@ so two concurrent flips cannot both take the last worker of a role.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections.abc import Callable
@@ -29,10 +29,10 @@ from typing import Any
 
 import aiohttp
 
-from pdserve.api.errors import ApiError
+from pdserve.api.errors import ApiError, message_of
 from pdserve.internal_auth import InternalAuth
 from pdserve.router.pool_metrics import PoolMetrics
-from pdserve.router.worker_pool import FLIPPING, ROLES, WorkerHandle, WorkerPool
+from pdserve.router.worker_pool import FLIPPING, LENT, ROLES, WorkerHandle, WorkerPool
 
 log = logging.getLogger("pdserve.router")
 
@@ -68,6 +68,8 @@ class RoleFlips:
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.pool, self.auth, self.session, self.demand = pool, auth, session, demand
         self.timeout_s, self.metrics, self.clock = timeout_s, metrics, clock
+        # whether a worker computes on cores lent to it (`core_lending.py`): it keeps its role
+        self.borrows: Callable[[WorkerHandle], bool] = lambda worker: False
 
     async def flip(self, worker: WorkerHandle, new: object) -> dict[str, Any]:
         """`{"worker", "from", "to", "seconds"}` once `worker` serves as `new`; ApiError if it
@@ -97,9 +99,15 @@ class RoleFlips:
         if new not in ROLES:
             raise ApiError(400, f"role must be one of {', '.join(ROLES)}, got {new!r}",
                            param="role", code="invalid_role")
+        if worker.phase == LENT:
+            raise ApiError(409, f"worker {worker.key} has lent its cores: reclaim them first",
+                           code="lent")
         if worker.phase is not None:
             raise ApiError(409, f"worker {worker.key} is {worker.phase}: wait until it is done",
                            code="flip_in_progress")
+        if self.borrows(worker):
+            raise ApiError(409, f"worker {worker.key} computes on cores lent to it: reclaim "
+                                "them first", code="borrowing")
         if new == worker.role:
             raise ApiError(409, f"worker {worker.key} already has role {new}", code="same_role")
         reason = flip_refusal(worker, self.pool, self.demand)
@@ -114,7 +122,7 @@ class RoleFlips:
             body = {"role": new, "reason": "asked through the router"}
             async with self.session().post(worker.url + ROLE_PATH, json=body, headers=headers,
                                            timeout=timeout) as resp:
-                return resp.status, _message(await resp.read())
+                return resp.status, message_of(await resp.read())
         except TimeoutError:
             return None, f"did not answer within {self.timeout_s:g} s"
         except aiohttp.ClientError as e:
@@ -130,14 +138,6 @@ class RoleFlips:
             log.warning("worker %s reports role %s (the router had %s)", worker.key, reported,
                         worker.role)
             worker.role = reported
-
-
-def _message(body: bytes) -> str:
-    """The message of an OpenAI-shaped error body, else the body's text."""
-    try:
-        return str(json.loads(body)["error"]["message"])
-    except (ValueError, KeyError, TypeError):
-        return body.decode(errors="replace")[:500]
 
 
 def _failed(worker: WorkerHandle, status: int | None, message: str, old: str) -> ApiError:

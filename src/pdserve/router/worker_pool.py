@@ -5,7 +5,8 @@ are never removed (only marked unhealthy), and workers that registered themselve
 (`registry.py`), which leave when they deregister or when neither a proved health check nor a
 heartbeat was heard from them for `grace_s`. Each member has a `key`: its `--name` when it
 registered, else its URL's host:port. A member in a `phase` (flipping its role, draining before
-it leaves) is given no new work of any role; `healthy(role)` lists only routable members.
+it leaves, its cores lent to another worker: `core_lending.py`) is given no new work of any
+role; `healthy(role)` lists only routable members.
 
 Every check is a signed request (`internal_auth.py`), and the worker's answer must carry its
 proof of the cluster secret: a worker that refuses the signature (401) or cannot prove the
@@ -52,7 +53,7 @@ ROLES = ("prefill", "decode", "collocated")
 # this many in a row (a worker in a long step on a loaded core answers late, but it answers).
 SLOW_CHECKS_TO_FAIL = 3
 NOT_SHARED = "does not share the cluster secret"
-FLIPPING, DRAINING = "flipping", "draining"  # phases: no new work while in one
+FLIPPING, DRAINING, LENT = "flipping", "draining", "lent"  # phases: no new work while in one
 
 
 @dataclass(eq=False)
@@ -69,7 +70,7 @@ class WorkerHandle:
     instance: tuple[int | None, int | None] | None = None  # (peer instance id, pid) last seen
     key: str = ""  # its name in the pool: --name when it registered, else host:port of `url`
     registered: bool = False  # joined by itself: removed when it leaves or goes unheard
-    phase: str | None = None  # FLIPPING or DRAINING: given no new work of any role
+    phase: str | None = None  # FLIPPING, DRAINING or LENT: given no new work of any role
     last_heard: float = 0.0  # monotonic time of its last proved /health or heartbeat
 
     def __post_init__(self) -> None:
@@ -82,7 +83,7 @@ class WorkerHandle:
 
     @property
     def state(self) -> str:
-        """healthy, unhealthy, or its phase (flipping, draining)."""
+        """healthy, unhealthy, or its phase (flipping, draining, lent)."""
         return self.phase or ("healthy" if self.healthy else "unhealthy")
 
     @property

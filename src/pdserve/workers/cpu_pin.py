@@ -22,15 +22,19 @@ from __future__ import annotations
 
 import contextlib
 import os
+import socket
 import threading
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from pdserve.api.errors import ApiError, bad_request
+
+BOOT_ID = "/proc/sys/kernel/random/boot_id"  # changes at every boot of the kernel
 
 
 @dataclass(frozen=True)
@@ -93,6 +97,17 @@ def pin_threads(cpus: tuple[int, ...]) -> None:
 def current_cpus() -> list[int]:
     """The cores the calling thread may run on (every thread's, after `pin_process`)."""
     return sorted(os.sched_getaffinity(0))
+
+
+def host_id() -> str:
+    """Which machine (and boot of it) the worker runs on: its host name and the kernel's boot
+    id. Core numbers mean the same cores only between workers with the same host id, so cores
+    are lent only between them."""
+    try:
+        boot = Path(BOOT_ID).read_text().strip()
+    except OSError:
+        boot = "unknown-boot"
+    return f"{socket.gethostname()}/{boot}"
 
 
 def _threads() -> list[int]:

@@ -20,8 +20,6 @@ Every answer the worker acts on must carry the router's proof of the cluster sec
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import json
 import logging
 import time
 from collections.abc import Callable
@@ -30,6 +28,7 @@ from typing import Any
 
 import aiohttp
 
+from pdserve.api.errors import message_of
 from pdserve.common.worker_name import check_base_url, check_worker_name
 from pdserve.internal_auth import AUTH_HEADER, PROOF_HEADER, InternalAuth
 
@@ -148,7 +147,7 @@ class Registration:
             return None, f"the router could not be reached: {e!r}"
         if status < 400 and not self.auth.check_proof(headers[AUTH_HEADER], raw, proof):
             return None, "the answer carries no proof of the cluster secret (not the router?)"
-        return status, _message(raw)
+        return status, message_of(raw)
 
 
 def start_registration(settings: JoinSettings | None, secret: bytes | None, info: Info
@@ -161,7 +160,3 @@ def start_registration(settings: JoinSettings | None, secret: bytes | None, info
     return registration
 
 
-def _message(raw: bytes) -> str:
-    with contextlib.suppress(ValueError, KeyError, TypeError):
-        return str(json.loads(raw)["error"]["message"])
-    return raw.decode(errors="replace")[:500]

@@ -48,7 +48,7 @@ from pdserve.legs.protocol import LegRequest
 from pdserve.metrics import CONTENT_TYPE
 from pdserve.transfer.layout import KVLayout
 from pdserve.workers.access import WorkerAccess
-from pdserve.workers.cpu_pin import current_cpus, pin_threads
+from pdserve.workers.cpu_pin import current_cpus, host_id, pin_threads
 from pdserve.workers.cpus_endpoint import change_cpus
 from pdserve.workers.engine_loop import EngineLoop, LegRefused
 from pdserve.workers.hub_pump import HubPump
@@ -80,6 +80,7 @@ class Worker:
         self.load_seconds: float | None = None
         self.pump: HubPump | None = None
         self.failed = asyncio.Event()  # the engine can no longer compute: the worker exits
+        self.host = host_id()
 
     # -- start and stop ------------------------------------------------------------------------
 
@@ -173,6 +174,8 @@ class Worker:
             "load_seconds": self.load_seconds, "pid": os.getpid(),
             # the cores it computes on now (`--cpus`, or a later POST /internal/cpus)
             "cpus": current_cpus(),
+            # the machine those core numbers are on (cores are lent only within one)
+            "host": self.host,
             "rates": reported_rates(self.loop.trace.newest_first(SCAN)).to_json(),
             "chunk_tokens": e.prefill_chunk or (e.config.max_num_batched_tokens
                                                 if e.config.enable_chunked_prefill else None),
