@@ -157,7 +157,7 @@ class Router:
         if self.settings.elastic is not None:
             self.elastic = ElasticController(self.pool, self.dispatcher.queues,
                                              self.dispatcher.paths.backlog, self.admin.flips,
-                                             self.settings.elastic)
+                                             self.admin.lending, self.settings.elastic)
             self.elastic.start()
 
     def _admin(self) -> AdminApi:

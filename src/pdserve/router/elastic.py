@@ -96,6 +96,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from pdserve.router.elastic_settings import ElasticSettings
+from pdserve.router.worker_pool import LENT
 
 DECODE_CAPABLE = ("decode", "collocated")
 # The queueing wait alone is only part of TTFT (then the prefill itself, the KV transfer, the
@@ -142,6 +143,9 @@ class WorkerView:
     kv_total: int = 0
     sent_prompts: int = 0  # n_w: prompts sent to it to prefill within the window
     sent_tokens: int = 0  # A_w: their uncached tokens
+    host: str | None = None  # the machine its cores are on (/health `host`)
+    cpus: tuple[int, ...] = ()  # the cores it reports
+    borrowing: bool = False  # it computes on cores lent to it (`core_lending.py`)
 
 
 @dataclass(frozen=True)
@@ -292,9 +296,7 @@ def consider(obs: Observation, memory: Memory, s: ElasticSettings) -> FlipPlan |
     """`decide`, and where a pressure was sustained long enough and the rules keep every
     worker (the other side's headroom, the last worker of a role), a `Hold` saying why; None
     with no pressure sustained, within the cool-down or while a worker flips or drains."""
-    if memory.last_flip_at is not None and obs.now - memory.last_flip_at < s.cooldown_s:
-        return None
-    if any(w.phase is not None for w in obs.workers):
+    if not settled(obs, memory, s):
         return None
     if memory.prefill_ticks >= s.sustain_ticks:
         return _to_prefill(obs, memory, s)
@@ -305,8 +307,16 @@ def consider(obs: Observation, memory: Memory, s: ElasticSettings) -> FlipPlan |
     return None
 
 
+def settled(obs: Observation, memory: Memory, s: ElasticSettings) -> bool:
+    """Past the cool-down of the last change, with no worker flipping or draining (a worker
+    whose cores are lent is settled: it stays so until reclaimed)."""
+    if memory.last_flip_at is not None and obs.now - memory.last_flip_at < s.cooldown_s:
+        return False
+    return all(w.phase in (None, LENT) for w in obs.workers)
+
+
 def _to_prefill(obs: Observation, memory: Memory, s: ElasticSettings) -> FlipPlan | Hold:
-    decode = obs.routable("decode")
+    decode = [w for w in obs.routable("decode") if not w.borrowing]
     if not decode:
         return Hold("prefill", "no routable decode worker to take")
     if obs.decode_waiting:

@@ -30,6 +30,7 @@ from collections.abc import Callable, Mapping
 
 from pdserve.api.errors import ApiError
 from pdserve.router.admission import AdmissionQueue
+from pdserve.router.core_lending import CoreLending, cpus_of
 from pdserve.router.elastic import (
     DECODE_CAPABLE,
     FlipPlan,
@@ -37,8 +38,15 @@ from pdserve.router.elastic import (
     Memory,
     Observation,
     WorkerView,
-    consider,
     tally,
+)
+from pdserve.router.elastic_lending import (
+    LendPlan,
+    LoanMemory,
+    Plan,
+    ReclaimPlan,
+    choose,
+    tally_loans,
 )
 from pdserve.router.elastic_settings import ElasticSettings
 from pdserve.router.elastic_window import ArrivalWindow, Window
@@ -56,16 +64,17 @@ PRESSURES = {"prefill": "prefill pressure", "decode": "decode pressure",
 
 
 def observe(pool: WorkerPool, queues: Mapping[str, AdmissionQueue], backlog: PrefillBacklog,
-            now: float, window: Window | None = None) -> Observation:
+            now: float, window: Window | None = None,
+            borrows: Callable[[WorkerHandle], bool] = lambda w: False) -> Observation:
     """One observation of the pools (see the module docstring), with the arrivals of
-    `window` (none: no rate is known)."""
+    `window` (none: no rate is known) and the workers that compute on lent cores."""
     prefill = queues["prefill"]
     mean_prompt = prefill.capacity.mean_tokens or 0.0
     window = window or Window()
     prompt = typical_prompt(window, mean_prompt)
     return Observation(
         now=now, workers=tuple(_view(w, backlog.tokens(w.key), window.sent.get(w.key, Sent()),
-                                     prompt) for w in pool.workers),
+                                     prompt, borrows) for w in pool.workers),
         prefill_waiting_tokens=round(prefill.depth * mean_prompt),
         prefill_demand=prefill.depth + sum(prefill.held(w) for w in pool.workers),
         decode_waiting=queues["decode"].depth, window_s=window.seconds)
@@ -97,15 +106,19 @@ def stage_rate(role: str, speed: Speed, prompt: int) -> float | None:
     return local_rate(speed, uncached, r_m)[0] if uncached else r_m
 
 
-def _view(w: WorkerHandle, backlog_tokens: int, sent: Sent, prompt: int) -> WorkerView:
+def _view(w: WorkerHandle, backlog_tokens: int, sent: Sent, prompt: int,
+          borrows: Callable[[WorkerHandle], bool]) -> WorkerView:
     speed = Speed.of(w.info, backlog_tokens, w.inflight)
+    host = w.info.get("host")
     return WorkerView(key=w.key, role=w.role, routable=w.routable, phase=w.phase,
                       inflight=w.inflight, backlog_tokens=backlog_tokens,
                       prefill_tokens_per_s=stage_rate(w.role, speed, prompt),
                       decode_step_s=speed.decode_step_s,
                       kv_used=_count(w.info.get("kv_blocks_used")),
                       kv_total=_count(w.info.get("kv_blocks_total")),
-                      sent_prompts=sent.prompts, sent_tokens=sent.tokens)
+                      sent_prompts=sent.prompts, sent_tokens=sent.tokens,
+                      host=host if isinstance(host, str) else None,
+                      cpus=cpus_of(w) or (), borrowing=borrows(w))
 
 
 def _count(value: object) -> int:
@@ -114,11 +127,13 @@ def _count(value: object) -> int:
 
 class ElasticController:
     def __init__(self, pool: WorkerPool, queues: Mapping[str, AdmissionQueue],
-                 backlog: PrefillBacklog, flips: RoleFlips, settings: ElasticSettings,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 backlog: PrefillBacklog, flips: RoleFlips, lending: CoreLending,
+                 settings: ElasticSettings, clock: Callable[[], float] = time.monotonic
+                 ) -> None:
         self.pool, self.queues, self.backlog, self.flips = pool, queues, backlog, flips
-        self.settings, self.clock = settings, clock
+        self.lending, self.settings, self.clock = lending, settings, clock
         self.memory = Memory()
+        self.loans = LoanMemory()
         self.arrivals = ArrivalWindow()
         # pressure no flip relieves is a warning; an idle prefill side kept is information
         self._holds = {"prefill": ThrottledLog(log, HOLD_LOG_S, clock),
@@ -140,31 +155,42 @@ class ElasticController:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
 
-    async def tick(self) -> FlipPlan | None:
-        """One observation and, if the rules say so, one flip (awaited); the plan made."""
+    async def tick(self) -> Plan | None:
+        """One observation and, if the rules say so, one change (a flip, a loan of cores or
+        their reclaim; awaited); the plan made."""
         now = self.clock()
         self.arrivals.sample(now, self.backlog.sent())
         s = self.settings
         obs = observe(self.pool, self.queues, self.backlog, now,
-                      self.arrivals.window(s.sustain_ticks * s.interval_s))
-        self.memory = tally(self.memory, obs, self.settings)
-        plan = consider(obs, self.memory, self.settings)
+                      self.arrivals.window(s.sustain_ticks * s.interval_s), self.lending.borrows)
+        self.memory = tally(self.memory, obs, s)
+        self.loans = tally_loans(self.loans, obs, s)
+        plan = choose(obs, self.memory, self.loans, s)
         if isinstance(plan, Hold):
             self._say(plan)
             return None
         worker = self.pool.find(plan.worker) if plan is not None else None
         if plan is None or worker is None:
             return None
-        log.info("elastic: flipping worker %s %s -> %s: %s", worker.key, worker.role, plan.to,
-                 plan.reason)
         try:
-            await self.flips.flip(worker, plan.to)
+            await self._make(plan, worker)
         except ApiError as e:
-            log.warning("elastic: flip of worker %s to %s not done (%d): %s", worker.key,
-                        plan.to, e.status, e.message)
+            log.warning("elastic: %s not done (%d): %s", _what(plan, worker), e.status, e.message)
         finally:
-            self.memory = self.memory.flipped(self.clock())
+            self.memory, self.loans = self.memory.flipped(self.clock()), LoanMemory()
         return plan
+
+    async def _make(self, plan: Plan, worker: WorkerHandle) -> None:
+        log.info("elastic: %s: %s", _what(plan, worker), plan.reason)
+        if isinstance(plan, FlipPlan):
+            await self.flips.flip(worker, plan.to)
+        elif isinstance(plan, LendPlan):
+            borrower = self.pool.find(plan.to)
+            if borrower is None:
+                raise ApiError(404, f"worker {plan.to} left the pool")
+            await self.lending.lend(worker, borrower)
+        else:
+            await self.lending.reclaim(worker)
 
     def _say(self, hold: Hold) -> None:
         self._holds[hold.pressure].warn(hold.pressure, "elastic: %s for %d ticks, no flip: %s",
@@ -178,3 +204,13 @@ class ElasticController:
                 await self.tick()
             except Exception:  # a bug in one tick must not end the controller
                 log.exception("elastic: tick failed")
+
+
+def _what(plan: Plan, worker: WorkerHandle) -> str:
+    """The change in words, for the log."""
+    if isinstance(plan, FlipPlan):
+        return f"flipping worker {worker.key} {worker.role} -> {plan.to}"
+    if isinstance(plan, LendPlan):
+        return f"lending worker {worker.key}'s cores to worker {plan.to}"
+    assert isinstance(plan, ReclaimPlan)
+    return f"taking worker {worker.key}'s cores back"

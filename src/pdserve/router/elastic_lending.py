@@ -1,0 +1,146 @@
+"""Elastic pools, second move: lending a prefill worker's cores to a decode worker of the same
+machine (`core_lending.py`), and taking them back. Pure, like `elastic.py`, whose quantities
+(W, rho, Wq, the calm band) it uses; `elastic_controller.py` acts on the plan.
+
+Why a loan where no flip helps. With one prefill worker P and one decode worker D, prefill
+pressure (`elastic.prefill_pressure`) cannot take D (the last decode-capable worker: `Hold`).
+Often it is not the queue but the prompt itself: a prompt of m tokens on P's cores takes
+m / R_P, and on a machine split in halves that alone may exceed the TTFT target (1,500 tokens
+on one core of two: ~2.1 s against 2 s). Lent, P's cores join D's, and with no routable
+prefill worker left the split decision prefills every prompt on D in chunks paced to the TPOT
+target: each prompt at the speed of both halves, the streams' steps within the target. The
+capacity is about the same (the same cores); the prompt's own time halves, and the streams pay
+at most the TPOT target while a prompt prefills, which the target allows.
+
+Rules, evaluated when the pools are settled (`elastic.settled`: past the cool-down, nobody
+flipping or draining), at most one change per tick, before the flip rules:
+- Reclaim a lent worker L after `sustain_ticks` in a row in which L, back as the only new
+  member of the prefill stage S' = (routable prefill workers) + L, would leave it deep in the
+  calm band for every prompt arriving anywhere: rho(S' | all) <= RHO_IDLE and
+  Wq(S' | all) <= RECLAIM_WAIT x TTFT (L's rate is its whole-prompt rate measured before it
+  lent its cores: a lent worker computes nothing and its report keeps it).
+- Lend when the flip rules hold a sustained prefill pressure (`Hold("prefill", ...)`) and:
+  the routable prefill worker P is the last one (a loan of one of several would slow the
+  others' share of the prompts, which they keep prefilling whole on fewer cores); a routable
+  decode-capable worker D reports the same host and cores of its own; D's measured decode step
+  s_D <= STEP_CALM x TPOT (room beside its streams for paced chunks). Of several such D, the
+  one with the fewest cores, then legs. P is drained first (`core_lending.py`).
+
+Hysteresis: a lend needs prefill pressure, that is W > PREFILL_HIGH x TTFT with the stage
+outside the calm band (rho > RHO_CALM or Wq > PREFILL_CALM x TTFT); a reclaim needs rho <=
+RHO_IDLE < RHO_CALM and Wq <= RECLAIM_WAIT x TTFT < PREFILL_CALM x TTFT, judged for L alone,
+the stage the lend left: between the two bands the loan stands. Noise within the arrival
+window (~35% at 8 prompts) is absorbed by the sustain ticks and the cool-down, as for flips.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from pdserve.router.elastic import (
+    DECODE_CAPABLE,
+    PREFILL_CALM,
+    RHO_IDLE,
+    STEP_CALM,
+    FlipPlan,
+    Hold,
+    Memory,
+    Observation,
+    WorkerView,
+    consider,
+    settled,
+    stage_load,
+)
+from pdserve.router.elastic_settings import ElasticSettings
+from pdserve.router.worker_pool import LENT
+
+# Half the calm band's wait: a reclaim must leave the stage well inside the band whose edge
+# lets prefill pressure (and so a new loan) count again.
+RECLAIM_WAIT = PREFILL_CALM / 2
+
+
+@dataclass(frozen=True)
+class LendPlan:
+    worker: str  # the prefill worker whose cores are lent
+    to: str  # the decode-capable worker that gets them
+    reason: str
+
+
+@dataclass(frozen=True)
+class ReclaimPlan:
+    worker: str  # the lent worker, which serves as a prefill worker again
+    reason: str
+
+
+Plan = FlipPlan | LendPlan | ReclaimPlan
+
+
+@dataclass(frozen=True)
+class LoanMemory:
+    """What the controller remembers between ticks about its loans."""
+
+    reclaim_ticks: dict[str, int] = dataclasses.field(default_factory=dict)  # lender -> ticks
+
+
+def tally_loans(memory: LoanMemory, obs: Observation, s: ElasticSettings) -> LoanMemory:
+    """Each lent worker's consecutive ticks in which a reclaim would leave the stage calm."""
+    return LoanMemory({w.key: memory.reclaim_ticks.get(w.key, 0) + 1
+                       for w in _lent(obs) if _reclaim_load(obs, w, s) is not None})
+
+
+def choose(obs: Observation, memory: Memory, loans: LoanMemory, s: ElasticSettings
+           ) -> Plan | Hold | None:
+    """The change to make now (a reclaim first, then the flip rules, then a loan where they
+    hold a prefill pressure), a Hold saying why none, or None."""
+    if not settled(obs, memory, s):
+        return None
+    for lender in _lent(obs):
+        ticks = loans.reclaim_ticks.get(lender.key, 0)
+        load = _reclaim_load(obs, lender, s)
+        if ticks >= s.sustain_ticks and load is not None:
+            return ReclaimPlan(lender.key, load)
+    plan = consider(obs, memory, s)
+    if isinstance(plan, Hold) and plan.pressure == "prefill":
+        return lend_plan(obs, memory, s, plan)
+    return plan
+
+
+def lend_plan(obs: Observation, memory: Memory, s: ElasticSettings, hold: Hold
+              ) -> LendPlan | Hold:
+    """A loan for the prefill pressure `hold` describes, or the hold with why none."""
+    prefill = obs.routable("prefill")
+    if len(prefill) != 1:
+        return hold if not prefill else Hold("prefill", f"{hold.reason}; no loan: "
+                                             f"{len(prefill)} prefill workers share the prompts")
+    lender = prefill[0]
+    if not lender.host or not lender.cpus:
+        return Hold("prefill", f"{hold.reason}; no loan: {lender.key} reports no host and "
+                               "cores")
+    borrowers = [w for w in obs.routable(*DECODE_CAPABLE)
+                 if w.host == lender.host and w.cpus and
+                 (w.decode_step_s or 0.0) <= STEP_CALM * s.tpot_target_s]
+    if not borrowers:
+        return Hold("prefill", f"{hold.reason}; no loan: no decode worker on {lender.key}'s "
+                               "machine with room for paced prefills beside its streams")
+    to = min(borrowers, key=lambda w: (len(w.cpus), w.inflight, w.key))
+    return LendPlan(lender.key, to.key,
+                    f"prefill pressure for {memory.prefill_ticks} ticks that no flip relieves "
+                    f"({hold.reason}): {to.key} prefills every prompt on its cores and "
+                    f"{lender.key}'s, in chunks paced to the TPOT target")
+
+
+def _lent(obs: Observation) -> list[WorkerView]:
+    return [w for w in obs.workers if w.phase == LENT]
+
+
+def _reclaim_load(obs: Observation, lender: WorkerView, s: ElasticSettings) -> str | None:
+    """Why `lender` may serve as a prefill worker again (the reclaim band above), or None."""
+    stage = [*obs.routable("prefill"), lender]
+    load = stage_load(obs, stage, obs.workers)
+    if load is None or load.rho > RHO_IDLE or load.wait_s > RECLAIM_WAIT * s.ttft_target_s:
+        return None
+    return (f"with {lender.key} back as a prefill worker, at the {load.tokens_per_s:.0f} prompt "
+            f"tokens/s of the last {obs.window_s:.0f} s the prefill side would be busy "
+            f"{load.rho:.0%} of the time (<= {RHO_IDLE:.0%}), a prompt waiting "
+            f"~{load.wait_s * 1e3:.0f} ms (<= {RECLAIM_WAIT * s.ttft_target_s * 1e3:.0f} ms)")

@@ -1,0 +1,131 @@
+"""The elastic loan rules (`router/elastic_lending.py`) on hand-built observations: a prefill
+pressure that no flip relieves lends the last prefill worker's cores to a decode worker of its
+machine (never across machines, never to a decode worker without room for paced chunks, never
+one of several prefill workers), and a lent worker is reclaimed only once the prompts arriving
+would leave it, alone, deep in the calm band, for `sustain_ticks` in a row."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from pdserve.router.elastic import Hold, Memory, Observation
+from pdserve.router.elastic_lending import (
+    LendPlan,
+    LoanMemory,
+    ReclaimPlan,
+    choose,
+    tally_loans,
+)
+from pdserve.router.worker_pool import LENT
+from tests.router.test_elastic import S, dec, obs, pre
+
+HOST = "box/boot-1"
+
+
+def pressed(prefill_host: str = HOST, decode_host: str = HOST, step: float = 0.01,
+            **decode: object) -> Observation:
+    """2,000 tokens waiting at the one prefill worker (a 2 s wait at 1,000 tokens/s, 80% busy
+    over the window), one decode worker with three streams."""
+    return obs(100.0, pre("p1", backlog=2000, host=prefill_host, cpus=(0,)),
+               dec("d1", inflight=3, step=step, host=decode_host, cpus=(1,), **decode))
+
+
+def held(observation: Observation) -> Memory:
+    """Prefill pressure seen for the sustain window."""
+    return Memory(prefill_ticks=S.sustain_ticks)
+
+
+def test_prefill_pressure_no_flip_relieves_lends_the_prefill_cores_to_the_decode_worker() -> None:
+    o = pressed()
+    plan = choose(o, held(o), LoanMemory(), S)
+    assert isinstance(plan, LendPlan)
+    assert (plan.worker, plan.to) == ("p1", "d1")
+    assert "d1 is the last decode-capable worker" in plan.reason
+
+
+def test_no_loan_across_machines_or_without_room_or_host() -> None:
+    cases = {
+        "no decode worker on p1's machine": pressed(decode_host="other/boot-2"),
+        "p1 reports no host and cores": pressed(prefill_host=""),
+        # a 70 ms step is over STEP_CALM (0.6) x the 100 ms TPOT target: no room for chunks
+        "with room for paced prefills": pressed(step=0.07),
+    }
+    for why, o in cases.items():
+        plan = choose(o, held(o), LoanMemory(), S)
+        assert isinstance(plan, Hold) and plan.pressure == "prefill", (why, plan)
+        assert why in plan.reason, (why, plan.reason)
+
+
+def test_no_loan_of_one_of_several_prefill_workers() -> None:
+    o = obs(100.0, pre("p1", backlog=2000, host=HOST, cpus=(0,)),
+            pre("p2", backlog=2000, host=HOST, cpus=(1,)),
+            dec("d1", inflight=3, host=HOST, cpus=(2,)))
+    plan = choose(o, held(o), LoanMemory(), S)
+    assert isinstance(plan, Hold) and "2 prefill workers share the prompts" in plan.reason
+
+
+def test_the_borrower_with_the_fewest_cores_then_legs() -> None:
+    o = obs(100.0, pre("p1", backlog=2000, host=HOST, cpus=(0,)),
+            dec("d1", inflight=1, host=HOST, cpus=(1, 2)),
+            dec("d2", inflight=5, host=HOST, cpus=(3,)),
+            dec("d3", inflight=2, host=HOST, cpus=(4,)))
+    # three decode workers: the flip rules would take one for prefill unless they hold; make
+    # them hold by a decode queue
+    o = dataclasses.replace(o, decode_waiting=1)
+    plan = choose(o, held(o), LoanMemory(), S)
+    assert isinstance(plan, LendPlan) and plan.to == "d3"
+
+
+def test_nothing_within_the_cool_down_or_while_a_worker_flips() -> None:
+    o = pressed()
+    cooling = Memory(prefill_ticks=S.sustain_ticks, last_flip_at=100.0 - S.cooldown_s / 2)
+    assert choose(o, cooling, LoanMemory(), S) is None
+    flipping = dataclasses.replace(o, workers=(*o.workers, dec("d9", phase="flipping",
+                                                             routable=False)))
+    assert choose(flipping, held(o), LoanMemory(), S) is None
+
+
+def lent(sent_tokens: int, sent_prompts: int, rate: float = 1000.0) -> Observation:
+    """p1 lent (its whole-prompt rate 1,000 tokens/s kept), d1 borrowing and prefilling what
+    the window's 10 s sent it."""
+    return obs(200.0, pre("p1", rate=rate, phase=LENT, routable=False, host=HOST, cpus=(0,)),
+               dec("d1", inflight=3, host=HOST, cpus=(0, 1), borrowing=True,
+                   sent_tokens=sent_tokens, sent_prompts=sent_prompts))
+
+
+def test_a_lent_worker_is_reclaimed_after_sustained_calm_only() -> None:
+    # 20 prompts of 100 tokens in 10 s: 200 tokens/s, p1 alone 20% busy, a wait of ~25 ms
+    calm = lent(2000, 20)
+    loans = LoanMemory()
+    for _ in range(S.sustain_ticks - 1):
+        loans = tally_loans(loans, calm, S)
+        assert choose(calm, Memory(), loans, S) is None
+    loans = tally_loans(loans, calm, S)
+    plan = choose(calm, Memory(), loans, S)
+    assert isinstance(plan, ReclaimPlan) and plan.worker == "p1"
+    assert "busy 20% of the time" in plan.reason
+    # one tick outside the band starts the count anew
+    assert tally_loans(loans, lent(6000, 4), S).reclaim_ticks == {}
+
+
+def test_no_reclaim_while_the_prompts_would_wait_for_the_lender_alone() -> None:
+    # 4 prompts of 1,500 tokens in 10 s: 600 tokens/s, p1 alone 60% busy (> RHO_IDLE)
+    busy = lent(6000, 4)
+    # 2 prompts of 1,500 tokens: 30% busy, but each takes 1.5 s: a wait of ~640 ms, over
+    # RECLAIM_WAIT (0.125) x the 1 s TTFT target
+    long = lent(3000, 2)
+    for o in (busy, long):
+        loans = LoanMemory()
+        for _ in range(S.sustain_ticks + 2):
+            loans = tally_loans(loans, o, S)
+        assert loans.reclaim_ticks == {}
+        assert choose(o, Memory(), loans, S) is None
+
+
+def test_a_lent_worker_does_not_stop_the_flip_rules() -> None:
+    """A lent worker is settled (`elastic.settled`): with it lent and decode pressure on two
+    decode workers, the controller still considers flips (here: a Hold, since no prefill
+    worker is routable)."""
+    o = dataclasses.replace(lent(6000, 4), decode_waiting=2)
+    plan = choose(o, Memory(decode_ticks=S.sustain_ticks), LoanMemory(), S)
+    assert isinstance(plan, Hold) and plan.reason == "no routable prefill worker to take"
