@@ -21,6 +21,7 @@ A loan, from lender A (a prefill worker) to borrower B (decode or collocated):
 3. Once A holds no leg (within `timeout_s`, else 503 `lend_failed` and A serves again), B is
    pinned to its own cores plus A's. B's refusal (409 for a tensor-parallel engine, 400) or
    silence ends the attempt with A serving again (502, 504; B's status where it answered).
+   A or B left the pool meanwhile: 409 `lend_failed` (B pinned back if it was pinned).
 4. 200 `{"worker": A, "to": B, "cpus": [B's cores now], "seconds"}`.
 
 A reclaim pins B back to its own cores plus those of any other lender it still borrows from,
@@ -131,6 +132,7 @@ class CoreLending:
         self._repin: dict[str, tuple[int, ...]] = {}  # borrower key -> cores it must go back to
         self._pinning: set[str] = set()  # borrowers being pinned back in the background
         self._tasks: set[asyncio.Task] = set()
+        self._pins = asyncio.Lock()  # a loan's pin and its record, or a reclaim's, at a time
         pool.on_health.append(self.watch)
         pool.on_removed.append(self.removed)
 
@@ -152,15 +154,24 @@ class CoreLending:
         log.info("worker %s: lending cores %s to worker %s once its legs end", lender.key,
                  list(theirs), borrower.key)
         try:
-            await self._drained(lender)
-            cpus = tuple(sorted({*own, *theirs, *self._borrowed(borrower)}))
-            await self._pin(borrower, cpus)
+            await self._drained(lender, borrower)
+            async with self._pins:  # one borrower's pins reach it in the order of its loans
+                self._still_members(lender, borrower)
+                cpus = tuple(sorted({*own, *theirs, *self._borrowed(borrower)}))
+                await self._pin(borrower, cpus)
+                self.loans[lender.key] = Loan(lender, borrower, theirs,
+                                              self._own(borrower, own), borrower.instance,
+                                              self.clock())
         except ApiError:
-            lender.phase = None
+            if lender.phase == LENT:  # not a phase given meanwhile (draining: it leaves)
+                lender.phase = None
             self.pool.on_refresh()
             raise
-        self.loans[lender.key] = Loan(lender, borrower, theirs, self._own(borrower, own),
-                                      borrower.instance, self.clock())
+        gone = next((w for w in (lender, borrower) if w not in self.pool.workers), None)
+        if gone is not None:  # it left while the borrower was pinned: `removed` saw no loan
+            self.removed(gone, "left while the loan began")
+            raise ApiError(409, f"worker {gone.key} left the pool while worker {borrower.key} "
+                                "was pinned: the loan ended at once", code="lend_failed")
         seconds = round(self.clock() - t0, 3)
         log.info("worker %s lent cores %s to worker %s (now on %s) in %.1f s", lender.key,
                  list(theirs), borrower.key, list(cpus), seconds)
@@ -189,8 +200,8 @@ class CoreLending:
         wanted = self._repin.get(worker.key)
         if wanted is not None and cpus_of(worker) == wanted:
             del self._repin[worker.key]
-        elif wanted is not None and worker.key not in self._pinning:
-            self._spawn(self._repin_now(worker, wanted))
+        elif wanted is not None:
+            self._pin_back(worker, wanted)
 
     def removed(self, worker: WorkerHandle, reason: str) -> None:
         self._repin.pop(worker.key, None)
@@ -210,25 +221,30 @@ class CoreLending:
             loan.lender.phase = None
         if give_back:
             self._repin[loan.borrower.key] = self._back(loan)
-            self._spawn(self._repin_now(loan.borrower, self._repin[loan.borrower.key]))
+            self._pin_back(loan.borrower, self._repin[loan.borrower.key])
         self.pool.on_refresh()
 
     async def _give_back(self, loan: Loan) -> bool:
         """Pins the borrower back, then the lender serves again; whether the pin was done."""
-        self.loans.pop(loan.lender.key, None)
-        cpus = self._back(loan)
-        try:
-            await self._pin(loan.borrower, cpus)
-            pinned = True
-        except ApiError as e:
-            log.warning("worker %s not pinned back to cores %s yet: %s", loan.borrower.key,
-                        list(cpus), e.message)
+        async with self._pins:
+            self.loans.pop(loan.lender.key, None)
+            cpus = self._back(loan)
+            pinned = await self._pinned(loan.borrower, cpus)
+        if not pinned:
             self._repin[loan.borrower.key] = cpus
-            pinned = False
         if loan.lender.phase == LENT:
             loan.lender.phase = None
         self.pool.on_refresh()
         return pinned
+
+    async def _pinned(self, borrower: WorkerHandle, cpus: tuple[int, ...]) -> bool:
+        try:
+            await self._pin(borrower, cpus)
+            return True
+        except ApiError as e:
+            log.warning("worker %s not pinned back to cores %s yet: %s", borrower.key,
+                        list(cpus), e.message)
+            return False
 
     def _back(self, loan: Loan) -> tuple[int, ...]:
         """The borrower's cores once `loan` (already removed from `loans`) ended."""
@@ -244,9 +260,23 @@ class CoreLending:
         first = next((loan for loan in self.loans.values() if loan.borrower is borrower), None)
         return first.borrower_cpus if first is not None else reported
 
-    async def _drained(self, lender: WorkerHandle) -> None:
+    def _still_members(self, lender: WorkerHandle, borrower: WorkerHandle) -> None:
+        """After the drain: a worker that left the pool meanwhile takes no part in a loan
+        (`removed` could not end a loan not made yet, so nobody would end this one)."""
+        for w in (lender, borrower):
+            if w not in self.pool.workers:
+                raise ApiError(409, f"worker {w.key} left the pool while worker {lender.key} "
+                                    "drained: no cores were lent", code="lend_failed")
+
+    async def _drained(self, lender: WorkerHandle, borrower: WorkerHandle) -> None:
+        """Once the lender holds no leg; ApiError past the timeout, or at once when either
+        worker left the pool or the lender was given another phase (it drains to leave)."""
         deadline = self.clock() + self.timeout_s
         while (legs := max(self.held(lender), lender.inflight)) > 0:
+            self._still_members(lender, borrower)
+            if lender.phase != LENT:
+                raise ApiError(409, f"worker {lender.key} is {lender.state} now: no cores "
+                                    "were lent", code="lend_failed")
             if self.clock() >= deadline:
                 raise ApiError(503, f"worker {lender.key} still held {legs} legs after "
                                     f"{self.timeout_s:g} s: its cores were not lent (it serves "
@@ -274,8 +304,15 @@ class CoreLending:
                                    f"{message_of(body)}", code="lend_failed")
         worker.info["cpus"] = list(cpus)
 
+    def _pin_back(self, worker: WorkerHandle, cpus: tuple[int, ...]) -> None:
+        """Pins `worker` to `cpus` in the background, unless a pin back of it is under way
+        (marked at once, not when the task starts: a loan ended and the borrower's /health in
+        one round would pin it twice); what that one leaves undone, the next /health retries."""
+        if worker.key not in self._pinning:
+            self._pinning.add(worker.key)
+            self._spawn(self._repin_now(worker, cpus))
+
     async def _repin_now(self, worker: WorkerHandle, cpus: tuple[int, ...]) -> None:
-        self._pinning.add(worker.key)
         try:
             await self._pin(worker, cpus)
         except ApiError as e:
