@@ -23,6 +23,7 @@ from pdserve.cluster.up_process import free_port
 from pdserve.common.model_config import ModelConfig
 from pdserve.config import EngineConfig, Role
 from pdserve.engine.parallel import rank_group
+from pdserve.engine.parallel.cpu_split import split_cpus
 from pdserve.engine.parallel.rank_group import RankFailed
 from pdserve.engine.parallel.shard_plan import shard_plan
 
@@ -73,7 +74,8 @@ def test_two_ranks_match_one_and_leave_no_process(tiny_model, shape):
 
 def assert_two_ranks_match_one(path: Path) -> None:
     """The model at `path` on 2 ranks: `_serve`'s tokens and cached counts of 1 rank, its
-    logits within 1e-4 (fp32); its child gone, rank 0's cores given back, after close."""
+    logits within 1e-4 (fp32); every thread of its child on the child's cores; its child gone,
+    rank 0's cores given back, after close."""
     one = LLM(model=str(path), **CHUNKED)
     one_logits = _spy_logits(one)
     want, want_cached = _serve(one)
@@ -81,6 +83,10 @@ def assert_two_ranks_match_one(path: Path) -> None:
     with LLM(model=str(path), tensor_parallel_size=2, **CHUNKED) as two:
         children = [psutil.Process(pid) for pid in two.engine.ranks.pids]
         assert len(children) == 1 and children[0].is_running()
+        # every thread of rank 1's process on its share of the cores, those its imports
+        # started before it pinned itself included
+        share = frozenset(split_cpus(sorted(affinity), 2)[1])
+        assert {frozenset(os.sched_getaffinity(t.id)) for t in children[0].threads()} == {share}
         two_logits = _spy_logits(two)
         got, cached = _serve(two)
     assert got == want

@@ -20,10 +20,8 @@ share by `cpu_split.py`; 409); an empty or bad list, or a core the machine lacks
 
 from __future__ import annotations
 
-import contextlib
 import os
 import socket
-import threading
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -33,6 +31,7 @@ from typing import Any
 import torch
 
 from pdserve.api.errors import ApiError, bad_request
+from pdserve.engine.parallel.cpu_split import pin_threads
 
 BOOT_ID = "/proc/sys/kernel/random/boot_id"  # changes at every boot of the kernel
 
@@ -81,19 +80,6 @@ def pin_process(cpus: Iterable[int], tensor_parallel_size: int) -> PinDone | Api
     return PinDone(cpus, torch.get_num_threads(), time.perf_counter() - t0)
 
 
-def pin_threads(cpus: tuple[int, ...]) -> None:
-    """Every thread of this process on `cpus`, the calling one first: OSError when the kernel
-    refuses the set, and then nothing changed. Threads started at import, before a worker
-    pins itself at start, are moved too (a pin of the calling thread alone leaves them on
-    every core)."""
-    os.sched_setaffinity(0, cpus)
-    own = threading.get_native_id()
-    for tid in _threads():
-        if tid != own:  # OSError: it ended meanwhile (the set itself was accepted above)
-            with contextlib.suppress(OSError):
-                os.sched_setaffinity(tid, cpus)
-
-
 def current_cpus() -> list[int]:
     """The cores the calling thread may run on (every thread's, after `pin_process`)."""
     return sorted(os.sched_getaffinity(0))
@@ -108,7 +94,3 @@ def host_id() -> str:
     except OSError:
         boot = "unknown-boot"
     return f"{socket.gethostname()}/{boot}"
-
-
-def _threads() -> list[int]:
-    return [int(tid) for tid in os.listdir("/proc/self/task")]

@@ -23,7 +23,7 @@ from pdserve.config import EngineConfig
 from pdserve.engine.kv_cache import KVCache
 from pdserve.engine.model.loader import load_model
 from pdserve.engine.parallel.collective import Collective, join_store
-from pdserve.engine.parallel.cpu_split import pin
+from pdserve.engine.parallel.cpu_split import pin_rank
 from pdserve.engine.parallel.rank_pool import rank_kv_cache
 from pdserve.engine.parallel.row_parallel import make_row_parallel
 from pdserve.engine.parallel.shard_plan import shard_plan
@@ -49,7 +49,7 @@ class RankSpec:
 
 
 def rank_main(spec: RankSpec, conn: Connection) -> None:
-    pin(spec.cpus)
+    pin_rank(spec.cpus)
     parent = os.getppid()
     try:
         model, kv_cache = load_rank(spec)
