@@ -19,6 +19,8 @@ METRICS = """# TYPE pdserve_role_flips_total counter
 pdserve_role_flips_total{from="decode",to="prefill"} 2
 pdserve_role_flips_total{from="prefill",to="decode"} 1
 pdserve_worker_role{worker="127.0.0.1:8002",role="prefill"} 1
+pdserve_core_loans_total{event="lent"} 2
+pdserve_core_loans_total{event="reclaimed"} 1
 """
 
 
@@ -28,8 +30,9 @@ def test_elastic_is_disagg_with_the_router_flipping_roles() -> None:
 
 def test_flips_are_read_from_the_routers_metrics() -> None:
     assert flips_from_metrics(METRICS) == {
-        "role_flips": 3, "role_flips_by": {"decode->prefill": 2, "prefill->decode": 1}}
-    assert flips_from_metrics("") == {"role_flips": 0, "role_flips_by": {}}
+        "role_flips": 3, "role_flips_by": {"decode->prefill": 2, "prefill->decode": 1},
+        "core_loans": 2}
+    assert flips_from_metrics("") == {"role_flips": 0, "role_flips_by": {}, "core_loans": 0}
 
 
 def test_flips_are_a_row_of_the_table_and_a_median_over_repeats() -> None:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -24,7 +23,8 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from pdserve.internal_auth import AUTH_HEADER, PROOF_HEADER, InternalAuth, PeerRefused
+from pdserve.bench.compare import counter_samples
+from pdserve.internal_auth import AUTH_HEADER, InternalAuth, PeerRefused
 from pdserve.router.admission_settings import AdmissionSettings
 from pdserve.router.app import Router
 from pdserve.router.worker_pool import WorkerHandle
@@ -68,13 +68,12 @@ class PinningWorker(FlippingWorker):
         if self.pin_answer is SILENT:
             await asyncio.sleep(30)
         if self.pin_answer != 200:
-            return web.json_response({"error": {"message": "a tensor-parallel engine keeps its "
-                                                           "cores"}}, status=self.pin_answer)
-        self.info = dict(self.info, cpus=sorted(cpus))
-        body = json.dumps({"cpus": sorted(cpus), "threads": len(cpus),
-                           "seconds": 0.001}).encode()
-        return web.Response(body=body, content_type="application/json",
-                            headers={PROOF_HEADER: AUTH.proof(header, body)})
+            return self.answered(header, {"error": {"message": "a tensor-parallel engine keeps "
+                                                               "its cores"}}, self.pin_answer)
+        if self.prove_changes:
+            self.info = dict(self.info, cpus=sorted(cpus))
+        return self.answered(header, {"cpus": sorted(cpus), "threads": len(cpus),
+                                      "seconds": 0.001})
 
 
 def app_of(fake: PinningWorker) -> web.Application:
@@ -168,6 +167,13 @@ async def until(what: str, check: Callable[[], bool], timeout_s: float = WAIT_S)
         await asyncio.sleep(0.02)
 
 
+def loan_counts(c: Cluster) -> dict[str, int]:
+    """`pdserve_core_loans_total` by event, from the router's metrics (zeros left out)."""
+    c.r.metrics.refresh()
+    samples = counter_samples(c.r.metrics.registry.render(), "pdserve_core_loans_total")
+    return {labels["event"]: n for labels, n in samples if n}
+
+
 def pair() -> dict[str, PinningWorker]:
     return {"pre": PinningWorker("prefill", [0]), "dec": PinningWorker("decode", [1])}
 
@@ -213,6 +219,7 @@ def test_a_lend_pins_the_borrower_to_both_and_a_reclaim_gives_them_back(
         before = c.snapshot()
         assert_error(await c.reclaim("pre"), 409, "not_lent", "worker pre has lent no cores")
         assert_error(await c.reclaim("dec"), 409, "not_lent")
+        assert loan_counts(c) == {"lent": 1, "reclaimed": 1}
         assert c.snapshot() == before
 
     run(tiny_model, fakes, body)
@@ -337,6 +344,27 @@ def test_a_pin_the_borrower_refuses_ends_the_lend_and_the_lender_serves_again(
         assert (await c.flip("dec", "collocated"))[0] == 200  # it borrows nothing
 
     run(tiny_model, fakes, body, flip_timeout_s=0.5)
+
+
+def test_an_answer_without_proof_of_the_secret_is_no_answer(
+        tiny_model: Callable[..., Path]) -> None:
+    """Whoever answers the pin or the flip without the worker's proof may not speak for it:
+    the lend fails as if the worker were unreachable, and so does a flip (its role stays)."""
+    fakes = pair()
+    fakes["dec"].prove_changes = False
+
+    async def body(c: Cluster) -> None:
+        assert_error(await c.lend("pre", "dec"), 502, "lend_failed",
+                     "worker dec answered 200 without proof of the cluster secret when pinned "
+                     "to cores [0, 1]")
+        assert c.r.pool.healthy("prefill") == [c.w("pre")] and c.r.admin.lending.loans == {}
+        assert c.w("dec").info["cpus"] == [1]
+        status, error = await c.flip("dec", "collocated")
+        assert (status, error["error"]["code"]) == (502, "flip_failed"), error
+        assert "answered 200 without proof of the cluster secret" in error["error"]["message"]
+        assert c.w("dec").role == "decode"
+
+    run(tiny_model, fakes, body)
 
 
 def test_a_lend_waits_for_the_lenders_legs_to_end(tiny_model: Callable[..., Path]) -> None:
@@ -480,6 +508,7 @@ def test_a_borrower_that_restarted_ends_the_loan(tiny_model: Callable[..., Path]
         assert listed["dec"]["cpus"] == [1]
         assert fakes["dec"].pins == [[0, 1]]  # it is on its own cores: nothing to pin back
         assert_error(await c.reclaim("pre"), 409, "not_lent")
+        assert loan_counts(c) == {"lent": 1, "ended": 1}
 
     run(tiny_model, fakes, body)
 

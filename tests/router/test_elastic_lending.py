@@ -129,3 +129,13 @@ def test_a_lent_worker_does_not_stop_the_flip_rules() -> None:
     o = dataclasses.replace(lent(6000, 4), decode_waiting=2)
     plan = choose(o, Memory(decode_ticks=S.sustain_ticks), LoanMemory(), S)
     assert isinstance(plan, Hold) and plan.reason == "no routable prefill worker to take"
+
+
+def test_pressure_on_a_borrower_says_it_prefills_on_lent_cores() -> None:
+    """With the prefill worker lent and prompts still waiting on the borrower, no flip or
+    loan is left to make, and the hold says why."""
+    o = obs(100.0, pre("p1", phase=LENT, routable=False, host=HOST, cpus=(0,)),
+            dec("d1", inflight=3, host=HOST, cpus=(0, 1), borrowing=True))
+    plan = choose(o, held(o), LoanMemory(), S)
+    assert plan == Hold("prefill", "every routable decode worker computes on lent cores: "
+                                   "each prefills its prompts there")

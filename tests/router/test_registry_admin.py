@@ -31,21 +31,33 @@ class FlippingWorker(FakeWorker):
     def __init__(self, info: dict[str, Any], answer: int = 200) -> None:
         super().__init__(info)
         self.answer, self.flips = answer, 0
+        # False: its answers to /internal/ POSTs carry no proof (an impostor's: nothing changes)
+        self.prove_changes = True
 
     async def role(self, request: web.Request) -> web.Response:
+        header = request.headers.get(AUTH_HEADER)
         try:
-            AUTH.verify(request.method, request.path, request.headers.get(AUTH_HEADER))
+            AUTH.verify(request.method, request.path, header)
         except PeerRefused as e:
             return web.json_response({"error": {"message": str(e)}}, status=401)
         new, old = (await request.json())["role"], self.info["role"]
         self.flips += 1
         if new == old:
-            return web.json_response({"error": {"message": f"already {new}"}}, status=409)
+            return self.answered(header, {"error": {"message": f"already {new}"}}, 409)
         if self.answer != 200:
-            return web.json_response({"error": {"message": "draining timed out after 1 s"}},
-                                     status=self.answer)
-        self.info = dict(self.info, role=new)
-        return web.json_response({"from": old, "to": new, "seconds": 0.5})
+            return self.answered(header, {"error": {"message": "draining timed out after 1 s"}},
+                                 self.answer)
+        if self.prove_changes:  # else: an impostor answered, the worker changed nothing
+            self.info = dict(self.info, role=new)
+        return self.answered(header, {"from": old, "to": new, "seconds": 0.5})
+
+    def answered(self, header: str, obj: object, status: int = 200) -> web.Response:
+        """A worker's answer to a signed request, with its proof of the secret (unless
+        `prove_changes` is off)."""
+        body = json.dumps(obj).encode()
+        proof = {PROOF_HEADER: AUTH.proof(header, body)} if self.prove_changes else {}
+        return web.Response(body=body, status=status, content_type="application/json",
+                            headers=proof)
 
 
 @contextlib.asynccontextmanager

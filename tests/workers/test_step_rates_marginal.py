@@ -70,7 +70,8 @@ def _worker(trace: StepTrace) -> SimpleNamespace:
     loop = SimpleNamespace(flip=SimpleNamespace(state="serving"), num_legs=0, trace=trace,
                            tpot_target_s=0.1)
     return SimpleNamespace(engine=engine, loop=loop, kv_layout=None, transport=None,
-                           settings=SimpleNamespace(served_model_name="m"), load_seconds=1.0)
+                           settings=SimpleNamespace(served_model_name="m"), load_seconds=1.0,
+                           host="box/boot")
 
 
 def test_the_health_report_carries_the_marginal_rate_beside_the_others() -> None:

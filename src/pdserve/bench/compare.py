@@ -10,7 +10,9 @@ drawn from its next seed: `warm_up_requests`; `warm_up` in the results, each req
 `prompt_tokens` and `output_tokens`, which `pdserve simulate` serves before it replays the
 run), measured with `bench serve`'s runner, and
 stopped before the next starts. Before the stop the router's `pdserve_role_flips_total` is
-read: `role_flips` (all directions) and `role_flips_by` ("decode->prefill": n, ...); and its
+read: `role_flips` (all directions) and `role_flips_by` ("decode->prefill": n, ...), its
+`pdserve_core_loans_total{event="lent"}`: `core_loans` (a prefill worker's cores lent to a
+decode worker, `router/core_lending.py`); and its
 `pdserve_router_split_decisions_total`, once after the warm-up and once after the run, whose
 difference is `split_decisions`: the measured requests' paths on decode workers, {"local": n,
 "remote": m, "by_reason": {"local/measured_cost": n, "remote/unmeasured": k, ...}} ("remote"
@@ -119,14 +121,14 @@ TABLE_KEYS = ("completed", "failed", "request_throughput", "output_throughput",
               "request_goodput", "mean_ttft_ms", "median_ttft_ms", "p90_ttft_ms", "p99_ttft_ms",
               "mean_tpot_ms", "median_tpot_ms", "p99_tpot_ms", "mean_itl_ms", "median_itl_ms",
               "p90_itl_ms", "p99_itl_ms", "mean_e2el_ms", "median_e2el_ms", "p99_e2el_ms",
-              "role_flips")
+              "role_flips", "core_loans")
 # The numeric keys of `compute_metrics` (all of them but `errors`): what repeats take medians of.
 METRIC_KEYS: tuple[str, ...] = (
     "duration", "completed", "failed", "total_input_tokens", "total_output_tokens",
     "request_throughput", "request_goodput", "output_throughput", "total_token_throughput",
     *(key for name in ("ttft", "tpot", "itl", "e2el") for key in distribution_ms(name, [])))
 # Read from a pdserve cluster's router (none for an external server): medians over repeats too.
-CLUSTER_KEYS = ("role_flips",)
+CLUSTER_KEYS = ("role_flips", "core_loans")
 # One sample of a Prometheus text exposition: name, {labels} (maybe none), value.
 SAMPLE_LINE = re.compile(r"^(?P<name>[A-Za-z_:][\w:]*)(?:\{(?P<labels>[^}]*)\})?\s+(?P<n>\S+)")
 LABEL = re.compile(r'(?P<key>\w+)="(?P<value>(?:[^"\\]|\\.)*)"')
@@ -248,12 +250,15 @@ def counter_samples(text: str, name: str) -> Iterator[tuple[dict[str, str], int]
 
 
 def flips_from_metrics(text: str) -> dict[str, Any]:
-    """`role_flips` and `role_flips_by` ("decode->prefill": n) from the router's /metrics."""
+    """`role_flips`, `role_flips_by` ("decode->prefill": n) and `core_loans` (cores lent)
+    from the router's /metrics."""
     by: dict[str, int] = {}
     for labels, n in counter_samples(text, "pdserve_role_flips_total"):
         key = f"{labels.get('from')}->{labels.get('to')}"
         by[key] = by.get(key, 0) + n
-    return {"role_flips": sum(by.values()), "role_flips_by": by}
+    loans = sum(n for labels, n in counter_samples(text, "pdserve_core_loans_total")
+                if labels.get("event") == "lent")
+    return {"role_flips": sum(by.values()), "role_flips_by": by, "core_loans": loans}
 
 
 def split_counts(text: str) -> dict[str, int]:

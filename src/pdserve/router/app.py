@@ -167,7 +167,8 @@ class Router:
                           self.settings.flip_timeout_s, self.pool_metrics)
         prefill = self.dispatcher.queues["prefill"]
         lending = CoreLending(self.pool, self.auth, session, self._queued,
-                              lambda: prefill.depth, self.settings.flip_timeout_s)
+                              lambda: prefill.depth, self.settings.flip_timeout_s,
+                              self.pool_metrics)
         flips.borrows = lending.borrows
         return AdminApi(self.auth, self.pool, registry, flips, lending, self._queued)
 

@@ -56,6 +56,8 @@ import aiohttp
 from pdserve.api.errors import ApiError, message_of
 from pdserve.internal_auth import InternalAuth
 from pdserve.router.flips import DECODE_CAPABLE
+from pdserve.router.pool_metrics import PoolMetrics
+from pdserve.router.worker_call import NoAnswer, post_to_worker
 from pdserve.router.worker_pool import LENT, WorkerHandle, WorkerPool
 
 log = logging.getLogger("pdserve.router")
@@ -125,8 +127,9 @@ class CoreLending:
 
     def __init__(self, pool: WorkerPool, auth: InternalAuth,
                  session: Callable[[], aiohttp.ClientSession], held: Held, waiting: Waiting,
-                 timeout_s: float, clock: Callable[[], float] = time.monotonic) -> None:
-        self.pool, self.auth, self.session = pool, auth, session
+                 timeout_s: float, metrics: PoolMetrics | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.pool, self.auth, self.session, self.metrics = pool, auth, session, metrics
         self.held, self.waiting, self.timeout_s, self.clock = held, waiting, timeout_s, clock
         self.loans: dict[str, Loan] = {}  # by lender key
         self._repin: dict[str, tuple[int, ...]] = {}  # borrower key -> cores it must go back to
@@ -155,13 +158,7 @@ class CoreLending:
                  list(theirs), borrower.key)
         try:
             await self._drained(lender, borrower)
-            async with self._pins:  # one borrower's pins reach it in the order of its loans
-                self._still_members(lender, borrower)
-                cpus = tuple(sorted({*own, *theirs, *self._borrowed(borrower)}))
-                await self._pin(borrower, cpus)
-                self.loans[lender.key] = Loan(lender, borrower, theirs,
-                                              self._own(borrower, own), borrower.instance,
-                                              self.clock())
+            cpus = await self._begin(lender, borrower, own, theirs)
         except ApiError:
             if lender.phase == LENT:  # not a phase given meanwhile (draining: it leaves)
                 lender.phase = None
@@ -173,10 +170,23 @@ class CoreLending:
             raise ApiError(409, f"worker {gone.key} left the pool while worker {borrower.key} "
                                 "was pinned: the loan ended at once", code="lend_failed")
         seconds = round(self.clock() - t0, 3)
+        self._count("lent")
         log.info("worker %s lent cores %s to worker %s (now on %s) in %.1f s", lender.key,
                  list(theirs), borrower.key, list(cpus), seconds)
         return {"worker": lender.key, "to": borrower.key, "cpus": list(cpus),
                 "seconds": seconds}
+
+    async def _begin(self, lender: WorkerHandle, borrower: WorkerHandle, own: tuple[int, ...],
+                     theirs: tuple[int, ...]) -> tuple[int, ...]:
+        """Pins the drained lender's borrower to both sets of cores and records the loan; the
+        borrower's cores now."""
+        async with self._pins:  # one borrower's pins reach it in the order of its loans
+            self._still_members(lender, borrower)
+            cpus = tuple(sorted({*own, *theirs, *self._borrowed(borrower)}))
+            await self._pin(borrower, cpus)
+            self.loans[lender.key] = Loan(lender, borrower, theirs, self._own(borrower, own),
+                                          borrower.instance, self.clock())
+        return cpus
 
     async def reclaim(self, lender: WorkerHandle) -> dict[str, Any]:
         loan = self.loans.get(lender.key)
@@ -185,6 +195,7 @@ class CoreLending:
         t0 = self.clock()
         pinned = await self._give_back(loan)
         seconds = round(self.clock() - t0, 3)
+        self._count("reclaimed")
         log.info("worker %s took its cores %s back from worker %s in %.1f s", lender.key,
                  list(loan.lender_cpus), loan.borrower.key, seconds)
         return {"worker": lender.key, "from": loan.borrower.key, "cpus": list(loan.lender_cpus),
@@ -217,6 +228,7 @@ class CoreLending:
         log.warning("loan of cores %s from worker %s to worker %s ended: %s",
                     list(loan.lender_cpus), loan.lender.key, loan.borrower.key, why)
         self.loans.pop(loan.lender.key, None)
+        self._count("ended")
         if loan.lender.phase == LENT:
             loan.lender.phase = None
         if give_back:
@@ -285,19 +297,12 @@ class CoreLending:
 
     async def _pin(self, worker: WorkerHandle, cpus: tuple[int, ...]) -> None:
         """`POST /internal/cpus` to `worker`; ApiError with its refusal or silence."""
-        headers = self.auth.headers("POST", CPUS_PATH)
-        timeout = aiohttp.ClientTimeout(total=self.timeout_s)
         try:
-            async with self.session().post(worker.url + CPUS_PATH, json={"cpus": list(cpus)},
-                                           headers=headers, timeout=timeout) as resp:
-                status, body = resp.status, await resp.read()
-        except TimeoutError:
-            raise ApiError(504, f"worker {worker.key} did not answer within "
-                                f"{self.timeout_s:g} s when pinned to cores {list(cpus)}",
-                           code="lend_failed") from None
-        except aiohttp.ClientError as e:
-            raise ApiError(502, f"worker {worker.key} could not be reached to pin it to cores "
-                                f"{list(cpus)}: {e}", code="lend_failed") from None
+            status, body = await post_to_worker(self.session(), self.auth, worker.url,
+                                                CPUS_PATH, {"cpus": list(cpus)}, self.timeout_s)
+        except NoAnswer as e:
+            raise ApiError(504 if e.timed_out else 502, f"worker {worker.key} {e} when pinned "
+                           f"to cores {list(cpus)}", code="lend_failed") from None
         if status != 200:
             passed = status if status in (400, 409) else 502
             raise ApiError(passed, f"worker {worker.key} refused cores {list(cpus)} ({status}): "
@@ -324,6 +329,10 @@ class CoreLending:
         if self._repin.get(worker.key) == cpus:
             del self._repin[worker.key]
         log.info("worker %s pinned back to cores %s", worker.key, list(cpus))
+
+    def _count(self, event: str) -> None:
+        if self.metrics is not None:
+            self.metrics.loan(event)
 
     def _spawn(self, job: Any) -> None:
         task = asyncio.ensure_future(job)

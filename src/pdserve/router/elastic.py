@@ -317,6 +317,9 @@ def settled(obs: Observation, memory: Memory, s: ElasticSettings) -> bool:
 
 def _to_prefill(obs: Observation, memory: Memory, s: ElasticSettings) -> FlipPlan | Hold:
     decode = [w for w in obs.routable("decode") if not w.borrowing]
+    if not decode and obs.routable("decode"):
+        return Hold("prefill", "every routable decode worker computes on lent cores: each "
+                               "prefills its prompts there")
     if not decode:
         return Hold("prefill", "no routable decode worker to take")
     if obs.decode_waiting:

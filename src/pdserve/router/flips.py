@@ -32,6 +32,7 @@ import aiohttp
 from pdserve.api.errors import ApiError, message_of
 from pdserve.internal_auth import InternalAuth
 from pdserve.router.pool_metrics import PoolMetrics
+from pdserve.router.worker_call import NoAnswer, post_to_worker
 from pdserve.router.worker_pool import FLIPPING, LENT, ROLES, WorkerHandle, WorkerPool
 
 log = logging.getLogger("pdserve.router")
@@ -115,18 +116,14 @@ class RoleFlips:
             raise ApiError(409, reason, code="last_of_role")
 
     async def _ask_worker(self, worker: WorkerHandle, new: str) -> tuple[int | None, str]:
-        """The worker's status and message (None: no answer, and why)."""
-        headers = self.auth.headers("POST", ROLE_PATH)
-        timeout = aiohttp.ClientTimeout(total=self.timeout_s)
+        """The worker's status and message (None: no proved answer, and why)."""
+        body = {"role": new, "reason": "asked through the router"}
         try:
-            body = {"role": new, "reason": "asked through the router"}
-            async with self.session().post(worker.url + ROLE_PATH, json=body, headers=headers,
-                                           timeout=timeout) as resp:
-                return resp.status, message_of(await resp.read())
-        except TimeoutError:
-            return None, f"did not answer within {self.timeout_s:g} s"
-        except aiohttp.ClientError as e:
-            return None, f"could not be reached: {e}"
+            status, raw = await post_to_worker(self.session(), self.auth, worker.url, ROLE_PATH,
+                                               body, self.timeout_s)
+        except NoAnswer as e:
+            return None, str(e)
+        return status, message_of(raw)
 
     async def _settle(self, worker: WorkerHandle) -> None:
         """One signed health check: the worker's transfer endpoint after the flip, and the role

@@ -3,6 +3,8 @@
 - `pdserve_worker_role{worker,role}`: 1 for the worker's current role, 0 for the others; all 0
   once the worker left (a removed worker's series stay, at 0).
 - `pdserve_role_flips_total{from,to}`: flips the router completed.
+- `pdserve_core_loans_total{event}`: cores lent between workers of one machine
+  (`core_lending.py`), by event: `lent`, `reclaimed`, `ended` (a fault ended the loan).
 - `pdserve_router_worker_registrations_total{result}`: joins, by result (`accepted`,
   `rejoined`, or the refusal's code).
 - `pdserve_router_worker_removals_total{reason}`: registered workers removed (`deregistered`,
@@ -25,6 +27,9 @@ class PoolMetrics:
                             ["worker", "role"])
         self.flips = r.counter("pdserve_role_flips_total", "Role flips completed by the "
                                "router, by old and new role.", ["from", "to"])
+        self.loans = r.counter("pdserve_core_loans_total", "Cores lent between workers of one "
+                               "machine, by event: lent, reclaimed, ended (a fault ended the "
+                               "loan).", ["event"])
         self.registrations = r.counter("pdserve_router_worker_registrations_total",
                                        "Workers' requests to join, by result: accepted, "
                                        "rejoined, or the refusal's code.", ["result"])
@@ -41,6 +46,9 @@ class PoolMetrics:
 
     def flipped(self, old: str, new: str) -> None:
         self.flips.inc(**{"from": old, "to": new})
+
+    def loan(self, event: str) -> None:
+        self.loans.inc(event=event)
 
     def _removed(self, worker: WorkerHandle, reason: str) -> None:
         self._set_role(worker, None)
