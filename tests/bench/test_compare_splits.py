@@ -74,7 +74,8 @@ def test_the_table_has_a_split_row_and_reasons_only_when_a_configuration_split()
     lines = format_table(_results()).splitlines()
     i = next(i for i, line in enumerate(lines) if line.startswith("split local/remote"))
     assert lines[i].split()[2:] == ["-", "1/18", "-"]
-    assert lines[i - 1].startswith("role_flips") and lines[i + 1].startswith("ratios are to")
+    assert lines[i - 2].startswith("role_flips") and lines[i - 1].startswith("core_loans")
+    assert lines[i + 1].startswith("ratios are to")
     assert "  disagg: local/measured_cost 1, remote/measured_cost 17, remote/tpot_target 1" \
         in lines
     unsplit = format_table({n: r for n, r in _results().items() if n != "disagg"})
