@@ -75,7 +75,6 @@ class Loan:
     lender_cpus: tuple[int, ...]
     borrower_cpus: tuple[int, ...]  # the borrower's own: given back at the end
     borrower_instance: tuple[int | None, int | None] | None  # it restarted when this changes
-    since: float
 
 
 def cpus_of(worker: WorkerHandle) -> tuple[int, ...] | None:
@@ -185,7 +184,7 @@ class CoreLending:
             cpus = tuple(sorted({*own, *theirs, *self._borrowed(borrower)}))
             await self._pin(borrower, cpus)
             self.loans[lender.key] = Loan(lender, borrower, theirs, self._own(borrower, own),
-                                          borrower.instance, self.clock())
+                                          borrower.instance)
         return cpus
 
     async def reclaim(self, lender: WorkerHandle) -> dict[str, Any]:
@@ -250,6 +249,7 @@ class CoreLending:
         return pinned
 
     async def _pinned(self, borrower: WorkerHandle, cpus: tuple[int, ...]) -> bool:
+        """Whether `borrower` was pinned back to `cpus` (a failure is logged)."""
         try:
             await self._pin(borrower, cpus)
             return True
@@ -319,13 +319,11 @@ class CoreLending:
 
     async def _repin_now(self, worker: WorkerHandle, cpus: tuple[int, ...]) -> None:
         try:
-            await self._pin(worker, cpus)
-        except ApiError as e:
-            log.warning("worker %s not pinned back to cores %s yet: %s", worker.key,
-                        list(cpus), e.message)
-            return
+            pinned = await self._pinned(worker, cpus)
         finally:
             self._pinning.discard(worker.key)
+        if not pinned:
+            return
         if self._repin.get(worker.key) == cpus:
             del self._repin[worker.key]
         log.info("worker %s pinned back to cores %s", worker.key, list(cpus))

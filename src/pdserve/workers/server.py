@@ -43,12 +43,13 @@ from pdserve.api.http_site import start_site, stop_event
 from pdserve.api.openai_server import GenerateError, OpenAIServer
 from pdserve.common.sampling_params import SamplingParams
 from pdserve.engine.engine import Engine
+from pdserve.engine.parallel.cpu_split import pin_threads
 from pdserve.heap import freeze_startup_heap
 from pdserve.legs.protocol import LegRequest
 from pdserve.metrics import CONTENT_TYPE
 from pdserve.transfer.layout import KVLayout
 from pdserve.workers.access import WorkerAccess
-from pdserve.workers.cpu_pin import current_cpus, host_id, pin_threads
+from pdserve.workers.cpu_pin import current_cpus, host_id
 from pdserve.workers.cpus_endpoint import change_cpus
 from pdserve.workers.engine_loop import EngineLoop, LegRefused
 from pdserve.workers.hub_pump import HubPump
