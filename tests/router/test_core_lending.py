@@ -24,13 +24,13 @@ import pytest
 from aiohttp import web
 
 from pdserve.bench.compare import counter_samples
-from pdserve.internal_auth import AUTH_HEADER, InternalAuth, PeerRefused
+from pdserve.internal_auth import AUTH_HEADER, InternalAuth
 from pdserve.router.admission_settings import AdmissionSettings
 from pdserve.router.app import Router
 from pdserve.router.worker_pool import WorkerHandle
 from tests.http_app import serving
 from tests.router.fake_worker import worker_info
-from tests.router.test_registry_admin import AUTH, FlippingWorker, call, card, router
+from tests.router.test_registry_admin import FlippingWorker, call, card, router
 
 HOST = "node-1/boot-a"
 SILENT = None  # a pin answer: the fake never answers within the router's timeout
@@ -56,11 +56,9 @@ class PinningWorker(FlippingWorker):
         self.on_pin: Callable[[], Awaitable[None]] | None = None  # run before it answers
 
     async def cpus(self, request: web.Request) -> web.Response:
-        header = request.headers.get(AUTH_HEADER)
-        try:
-            AUTH.verify(request.method, request.path, header)
-        except PeerRefused as e:
-            return web.json_response({"error": {"message": str(e)}}, status=401)
+        if (refused := self.unsigned(request)) is not None:
+            return refused
+        header = request.headers[AUTH_HEADER]
         cpus = (await request.json())["cpus"]
         self.pins.append(cpus)
         if self.on_pin is not None:
@@ -118,6 +116,12 @@ class Cluster:
 
     async def flip(self, name: str, role: str) -> tuple[int, Any]:
         return await self.post(f"/internal/workers/{name}/flip", {"role": role})
+
+    async def borrows_nothing(self, borrower: str = "dec") -> None:
+        """No loan stands and `borrower` may flip again (to collocated: it serves)."""
+        assert self.r.admin.lending.loans == {}
+        assert not self.r.admin.lending.borrows(self.w(borrower))
+        assert (await self.flip(borrower, "collocated"))[0] == 200
 
     async def listing(self) -> dict[str, dict[str, Any]]:
         status, workers = await call(self.session, self.base, "GET", "/internal/workers")
@@ -341,7 +345,7 @@ def test_a_pin_the_borrower_refuses_ends_the_lend_and_the_lender_serves_again(
         assert c.w("dec").info["cpus"] == [1] and c.r.admin.lending.loans == {}
         listed = await c.listing()
         assert (listed["pre"]["state"], listed["pre"]["lent_to"]) == ("healthy", None)
-        assert (await c.flip("dec", "collocated"))[0] == 200  # it borrows nothing
+        await c.borrows_nothing()
 
     run(tiny_model, fakes, body, flip_timeout_s=0.5)
 
@@ -444,9 +448,8 @@ def test_a_lender_that_leaves_while_it_drains_lends_nothing(
         queue.take_back(pre)  # its last leg ended
         assert_error(await asyncio.wait_for(lend, WAIT_S), 409, "lend_failed",
                      "worker pre left the pool")
-        assert fakes["dec"].pins == [] and c.r.admin.lending.loans == {}
-        assert not c.r.admin.lending.borrows(c.w("dec"))
-        assert (await c.flip("dec", "collocated"))[0] == 200
+        assert fakes["dec"].pins == []
+        await c.borrows_nothing()
 
     run(tiny_model, fakes, body)
 
@@ -465,8 +468,7 @@ def test_a_lender_that_leaves_while_the_borrower_is_pinned_gets_it_pinned_back(
                      "worker pre left the pool while worker dec was pinned")
         await until("the borrower is pinned back", lambda: len(fakes["dec"].pins) == 2)
         assert fakes["dec"].pins == [[0, 1], [1]]
-        assert c.r.admin.lending.loans == {} and not c.r.admin.lending.borrows(c.w("dec"))
-        assert (await c.flip("dec", "collocated"))[0] == 200
+        await c.borrows_nothing()
 
     run(tiny_model, fakes, body)
 

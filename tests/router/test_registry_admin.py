@@ -35,11 +35,9 @@ class FlippingWorker(FakeWorker):
         self.prove_changes = True
 
     async def role(self, request: web.Request) -> web.Response:
-        header = request.headers.get(AUTH_HEADER)
-        try:
-            AUTH.verify(request.method, request.path, header)
-        except PeerRefused as e:
-            return web.json_response({"error": {"message": str(e)}}, status=401)
+        if (refused := self.unsigned(request)) is not None:
+            return refused
+        header = request.headers[AUTH_HEADER]
         new, old = (await request.json())["role"], self.info["role"]
         self.flips += 1
         if new == old:
@@ -50,6 +48,15 @@ class FlippingWorker(FakeWorker):
         if self.prove_changes:  # else: an impostor answered, the worker changed nothing
             self.info = dict(self.info, role=new)
         return self.answered(header, {"from": old, "to": new, "seconds": 0.5})
+
+    @staticmethod
+    def unsigned(request: web.Request) -> web.Response | None:
+        """The worker's 401 for a request without a valid signature; None when signed."""
+        try:
+            AUTH.verify(request.method, request.path, request.headers.get(AUTH_HEADER))
+        except PeerRefused as e:
+            return web.json_response({"error": {"message": str(e)}}, status=401)
+        return None
 
     def answered(self, header: str, obj: object, status: int = 200) -> web.Response:
         """A worker's answer to a signed request, with its proof of the secret (unless
@@ -74,8 +81,9 @@ async def workers(*fakes: FlippingWorker) -> AsyncIterator[list[str]]:
 
 @contextlib.asynccontextmanager
 async def router(model: Path, **settings: Any) -> AsyncIterator[tuple[Router, str]]:
-    r = Router(RouterSettings(model=str(model), served_model_name=NAME, secret=SECRET,
-                              **settings))
+    """A started router serving `model` as NAME with SECRET, unless `settings` say otherwise."""
+    r = Router(RouterSettings(**{"model": str(model), "served_model_name": NAME,
+                                 "secret": SECRET, **settings}))
     await r.start()
     try:
         async with serving(r.app()) as url:
@@ -91,8 +99,8 @@ async def call(session: aiohttp.ClientSession, base: str, method: str, path: str
     data = body if isinstance(body, bytes) else None if body is None else json.dumps(body)
     async with session.request(method, base + path, data=data, headers=headers) as r:
         raw = await r.read()
-        if auth is AUTH and r.status != 401:
-            assert AUTH.check_proof(headers[AUTH_HEADER], raw, r.headers.get(PROOF_HEADER))
+        if auth is not None and r.status != 401:
+            assert auth.check_proof(headers[AUTH_HEADER], raw, r.headers.get(PROOF_HEADER))
         return r.status, json.loads(raw)
 
 

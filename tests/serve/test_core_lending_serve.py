@@ -11,48 +11,20 @@ the first are the same again. Skipped on a machine with fewer than two usable co
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import json
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import aiohttp
 
-from pdserve.internal_auth import AUTH_HEADER, PROOF_HEADER
-from pdserve.router.app import Router, RouterSettings
 from pdserve.router.dispatch import DispatchSettings
 from pdserve.router.path_choice import ROUTE_HEADER
-from tests.http_app import serving
+from tests.router.test_registry_admin import call, router
 from tests.serve.test_cpu_pin import _allowed, two_cores
 from tests.serve.test_flip import AUTH, PROMPT, SECRET, serve_worker
 
 THRESHOLD = 16  # PROMPT (37 tokens) is split while a prefill worker is routable
 FRESH = list(range(60, 100))  # a prompt no worker has seen: split once the cores are back
 SPLIT, LOCAL = "disaggregated; rule=threshold", "local; rule=no_prefill_worker"
-
-
-@contextlib.asynccontextmanager
-async def router(model: Path, prefill: str, decode: str) -> AsyncIterator[tuple[Router, str]]:
-    r = Router(RouterSettings(model=str(model), served_model_name="tiny", secret=SECRET,
-                              prefill=(prefill,), decode=(decode,),
-                              dispatch=DispatchSettings(local_prefill_threshold=THRESHOLD)))
-    await r.start()
-    try:
-        async with serving(r.app()) as url:
-            yield r, url
-    finally:
-        await r.stop()
-
-
-async def signed(s: aiohttp.ClientSession, base: str, method: str, path: str,
-                 body: object = None) -> tuple[int, Any]:
-    """A call to the router's /internal/ endpoints; its answer must prove the secret."""
-    headers = AUTH.headers(method, path)
-    async with s.request(method, base + path, json=body, headers=headers) as resp:
-        raw = await resp.read()
-        assert AUTH.check_proof(headers[AUTH_HEADER], raw, resp.headers.get(PROOF_HEADER))
-        return resp.status, json.loads(raw)
 
 
 async def complete(s: aiohttp.ClientSession, base: str, prompt: list[int] = PROMPT
@@ -67,7 +39,9 @@ async def complete(s: aiohttp.ClientSession, base: str, prompt: list[int] = PROM
 
 
 async def lend_and_reclaim(model: Path, pre_url: str, dec_url: str) -> None:
-    async with router(model, pre_url, dec_url) as (r, base), aiohttp.ClientSession() as s:
+    settings = {"secret": SECRET, "prefill": (pre_url,), "decode": (dec_url,),
+                "dispatch": DispatchSettings(local_prefill_threshold=THRESHOLD)}
+    async with router(model, **settings) as (r, base), aiohttp.ClientSession() as s:
         pre, dec = r.pool.workers
         assert (pre.role, dec.role) == ("prefill", "decode")
         assert r.pool.healthy("prefill") == [pre] and r.pool.healthy("decode") == [dec]
@@ -78,22 +52,23 @@ async def lend_and_reclaim(model: Path, pre_url: str, dec_url: str) -> None:
         route, before = await complete(s, base)
         assert route == SPLIT
 
-        status, lent = await signed(s, base, "POST", f"/internal/workers/{pre.key}/lend",
-                                    {"to": dec.key})
+        status, lent = await call(s, base, "POST", f"/internal/workers/{pre.key}/lend",
+                                  {"to": dec.key}, AUTH)
         assert status == 200, lent
         assert (lent["worker"], lent["to"], lent["cpus"]) == (pre.key, dec.key, [0, 1])
         assert _allowed(dec_pid) == {"0-1"} and _allowed(pre_pid) == {"0"}
         await r.pool.refresh(r._session())  # the worker's own /health says so too
         assert dec.info["cpus"] == [0, 1] and pre.state == "lent"
         assert r.pool.healthy("prefill") == []
-        status, workers = await signed(s, base, "GET", "/internal/workers")
+        status, workers = await call(s, base, "GET", "/internal/workers", auth=AUTH)
         assert status == 200
         assert [(w["name"], w["state"], w["cpus"], w["lent_to"]) for w in workers] == [
             (pre.key, "lent", [0], dec.key), (dec.key, "healthy", [0, 1], None)]
         route, during = await complete(s, base)
         assert (route, during) == (LOCAL, before)
 
-        status, back = await signed(s, base, "POST", f"/internal/workers/{pre.key}/reclaim")
+        status, back = await call(s, base, "POST", f"/internal/workers/{pre.key}/reclaim",
+                                  auth=AUTH)
         assert status == 200, back
         assert (back["from"], back["cpus"], back["pinned_back"]) == (dec.key, [0], True)
         assert _allowed(dec_pid) == {"1"} and _allowed(pre_pid) == {"0"}
