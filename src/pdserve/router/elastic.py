@@ -316,12 +316,12 @@ def settled(obs: Observation, memory: Memory, s: ElasticSettings) -> bool:
 
 
 def _to_prefill(obs: Observation, memory: Memory, s: ElasticSettings) -> FlipPlan | Hold:
-    decode = [w for w in obs.routable("decode") if not w.borrowing]
-    if not decode and obs.routable("decode"):
-        return Hold("prefill", "every routable decode worker computes on lent cores: each "
-                               "prefills its prompts there")
+    routable = obs.routable("decode")
+    decode = [w for w in routable if not w.borrowing]
     if not decode:
-        return Hold("prefill", "no routable decode worker to take")
+        return Hold("prefill", "every routable decode worker computes on lent cores: each "
+                               "prefills its prompts there" if routable else
+                               "no routable decode worker to take")
     if obs.decode_waiting:
         return Hold("prefill", f"{obs.decode_waiting} requests wait for a decode slot")
     worker = min(decode, key=lambda w: (w.inflight, w.kv_used, w.key))
