@@ -1,14 +1,17 @@
 """The elastic loan rules (`router/elastic_lending.py`) on hand-built observations: a prefill
 pressure that no flip relieves lends the last prefill worker's cores to a decode worker of its
 machine (never across machines, never to a decode worker without room for paced chunks, never
-one of several prefill workers), and a lent worker is reclaimed only once the prompts arriving
-would leave it, alone, deep in the calm band, for `sustain_ticks` in a row."""
+one of several prefill workers); where the flip rules would take the last prefill worker to
+decode for the decode step or an idle prefill side, its cores go to a decode worker of its
+machine instead (not when the pressure is for slots or KV, which a loan does not add); a lent
+worker is reclaimed only once the prompts arriving would leave it, alone, deep in the calm
+band, and the borrower needs its cores no more, for `sustain_ticks` in a row."""
 
 from __future__ import annotations
 
 import dataclasses
 
-from pdserve.router.elastic import Hold, Memory, Observation
+from pdserve.router.elastic import FlipPlan, Hold, Memory, Observation
 from pdserve.router.elastic_lending import (
     LendPlan,
     LoanMemory,
@@ -85,11 +88,12 @@ def test_nothing_within_the_cool_down_or_while_a_worker_flips() -> None:
     assert choose(flipping, held(o), LoanMemory(), S) is None
 
 
-def lent(sent_tokens: int, sent_prompts: int, rate: float = 1000.0) -> Observation:
-    """p1 lent (its whole-prompt rate 1,000 tokens/s kept), d1 borrowing and prefilling what
-    the window's 10 s sent it."""
+def lent(sent_tokens: int, sent_prompts: int, rate: float = 1000.0, inflight: int = 1,
+         step: float = 0.01) -> Observation:
+    """p1 lent (its whole-prompt rate 1,000 tokens/s kept), d1 borrowing (one stream unless
+    told) and prefilling what the window's 10 s sent it."""
     return obs(200.0, pre("p1", rate=rate, phase=LENT, routable=False, host=HOST, cpus=(0,)),
-               dec("d1", inflight=3, host=HOST, cpus=(0, 1), borrowing=True,
+               dec("d1", inflight=inflight, step=step, host=HOST, cpus=(0, 1), borrowing=True,
                    sent_tokens=sent_tokens, sent_prompts=sent_prompts))
 
 
@@ -120,6 +124,57 @@ def test_no_reclaim_while_the_prompts_would_wait_for_the_lender_alone() -> None:
             loans = tally_loans(loans, o, S)
         assert loans.reclaim_ticks == {}
         assert choose(o, Memory(), loans, S) is None
+
+
+def test_no_reclaim_while_the_borrower_needs_the_cores() -> None:
+    """Calm prompts (as in the reclaim test), but the borrower streams BUSY_STREAMS legs (the
+    idle rule would merge again), or its 35 ms step on both cores would be 70 ms on its own
+    one, over STEP_CALM x the 100 ms TPOT target."""
+    for o in (lent(2000, 20, inflight=2), lent(2000, 20, step=0.035)):
+        loans = LoanMemory()
+        for _ in range(S.sustain_ticks + 2):
+            loans = tally_loans(loans, o, S)
+        assert loans.reclaim_ticks == {} and choose(o, Memory(), loans, S) is None
+    loans = tally_loans(LoanMemory(), lent(2000, 20, step=0.025), S)  # 50 ms alone: room
+    assert loans.reclaim_ticks == {"p1": 1}
+
+
+def idle_prefill(decode_host: str = HOST, **decode: object) -> Observation:
+    """The prefill worker gets no prompt while the decode worker streams 16 requests."""
+    return obs(100.0, pre("p1", host=HOST, cpus=(0,)),
+               dec("d1", **{"inflight": 16, "host": decode_host, "cpus": (1,), **decode}))
+
+
+def test_the_last_prefill_worker_merges_its_cores_instead_of_becoming_decode() -> None:
+    idle = idle_prefill()
+    plan = choose(idle, Memory(idle_ticks=S.sustain_ticks), LoanMemory(), S)
+    assert isinstance(plan, LendPlan) and (plan.worker, plan.to) == ("p1", "d1")
+    assert plan.reason.startswith("the prefill side idle while every decode-capable worker "
+                                  "streams >= 2 requests for 3 ticks")
+    assert "instead of a second decode engine" in plan.reason
+    slow = idle_prefill(step=0.09)  # a 90 ms step: decode pressure (>= STEP_HIGH x TPOT)
+    plan = choose(slow, Memory(decode_ticks=S.sustain_ticks), LoanMemory(), S)
+    assert isinstance(plan, LendPlan) and plan.reason.startswith("decode step 90 ms")
+
+
+def test_a_flip_stands_where_a_loan_adds_no_room_or_cannot_be_made() -> None:
+    decode = Memory(decode_ticks=S.sustain_ticks)
+    cases = {
+        "KV": (idle_prefill(used=90), decode),  # a second engine's KV pool is the relief
+        "other machine": (idle_prefill(decode_host="other/boot-2"), Memory(idle_ticks=3)),
+        "no cores reported": (idle_prefill(cpus=()), Memory(idle_ticks=3)),
+    }
+    for why, (o, memory) in cases.items():
+        plan = choose(o, memory, LoanMemory(), S)
+        assert isinstance(plan, FlipPlan) and (plan.worker, plan.to) == ("p1", "decode"), why
+    waiting = dataclasses.replace(idle_prefill(), decode_waiting=3)
+    plan = choose(waiting, decode, LoanMemory(), S)
+    assert isinstance(plan, FlipPlan) and plan.reason.startswith("3 requests wait")
+    # one of two prefill workers becomes decode: the other still prefills whole prompts
+    two = obs(100.0, pre("p1", host=HOST, cpus=(0,)), pre("p2", host=HOST, cpus=(1,)),
+              dec("d1", inflight=16, host=HOST, cpus=(2,)))
+    plan = choose(two, Memory(idle_ticks=S.sustain_ticks), LoanMemory(), S)
+    assert isinstance(plan, FlipPlan) and plan.to == "decode"
 
 
 def test_a_lent_worker_does_not_stop_the_flip_rules() -> None:

@@ -94,3 +94,29 @@ def test_no_loan_across_machines(tiny_model: Callable[..., Path]) -> None:
         assert fakes["dec"].pins == [] and c.w("pre").routable
 
     run(tiny_model, fakes, body)
+
+
+def test_an_idle_prefill_worker_lends_its_cores_to_the_streaming_decode_worker(
+        tiny_model: Callable[..., Path]) -> None:
+    """No prompt arrives while the decode worker streams four requests: the prefill worker's
+    cores go to the decode worker (not a flip to decode); they stay lent while it streams, and
+    come back once it streams one."""
+    fakes = rated(pair())
+
+    async def body(c: Cluster) -> None:
+        ticks = Ticks(c)
+        c.w("dec").inflight = 4
+        plans = [await ticks.tick() for _ in range(SETTINGS.sustain_ticks)]
+        assert isinstance(plans[-1], LendPlan) and (plans[-1].worker, plans[-1].to) == (
+            "pre", "dec")
+        assert "instead of a second decode engine" in plans[-1].reason
+        assert fakes["pre"].flips == 0 and fakes["dec"].pins == [[0, 1]]
+        ticks.now += SETTINGS.cooldown_s
+        for _ in range(2 * SETTINGS.sustain_ticks):  # calm prompts, busy streams: kept
+            assert await ticks.tick() is None
+        c.w("dec").inflight = 1
+        plans = [await ticks.tick() for _ in range(SETTINGS.sustain_ticks)]
+        assert isinstance(plans[-1], ReclaimPlan) and plans[-1].worker == "pre"
+        assert fakes["dec"].pins == [[0, 1], [1]] and c.w("pre").routable
+
+    run(tiny_model, fakes, body)

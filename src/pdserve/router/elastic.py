@@ -249,15 +249,24 @@ def prefill_pressure(obs: Observation, s: ElasticSettings) -> bool:
     return load is None or not _calm(load, s)
 
 
-def decode_pressure(obs: Observation, s: ElasticSettings) -> str | None:
-    """Why the decode side is under pressure, or None."""
+def room_pressure(obs: Observation) -> str | None:
+    """Why the decode side is short of room (requests wait for a slot, or its KV is at
+    KV_HIGH), or None: what another decode engine's slots and pool relieve."""
     serving = obs.routable(*DECODE_CAPABLE)
     if obs.decode_waiting:
         return f"{obs.decode_waiting} requests wait for a decode slot"
     kv = _kv_use(serving, serving)
     if kv is not None and kv >= KV_HIGH:
         return f"decode KV {kv:.0%} used (>= {KV_HIGH:.0%})"
-    step = _slowest_step(serving)
+    return None
+
+
+def decode_pressure(obs: Observation, s: ElasticSettings) -> str | None:
+    """Why the decode side is under pressure, or None."""
+    room = room_pressure(obs)
+    if room is not None:
+        return room
+    step = _slowest_step(obs.routable(*DECODE_CAPABLE))
     if step >= STEP_HIGH * s.tpot_target_s:
         return (f"decode step {step * 1e3:.0f} ms (>= {STEP_HIGH:g} x the "
                 f"{s.tpot_target_s * 1e3:.0f} ms TPOT target)")

@@ -26,10 +26,29 @@ flipping or draining), at most one change per tick, before the flip rules:
   s_D <= STEP_CALM x TPOT (room beside its streams for paced chunks). Of several such D, the
   one with the fewest cores, then legs. P is drained first (`core_lending.py`).
 
+Merging instead of a second decode engine. Where the flip rules would take the last prefill
+worker P to decode (decode pressure from the step time, or an idle prefill side beside busy
+decoders), the prefill stage after the flip is the decode-capable workers prefilling in paced
+chunks either way; the flip adds a second decode engine on P's cores, the loan adds P's cores
+to a decode worker D of the same machine. Decoding is bound by reading the weights (SmolLM2's
+270 MB bf16 take ~8 ms a step at ~34 GB/s here): one engine on both halves reads them once a
+step for all its streams, two engines once each, and one engine prefills a prompt on both
+halves where a split one uses one. So the loan replaces the flip, with the flip's own
+projections (`elastic._to_decode`) as its condition, when P and a routable decode-capable D
+report the same host and cores, unless the pressure is for room: requests waiting for a
+decode slot, or KV use at KV_HIGH, which a second engine's pool relieves and a loan does not.
+Of several such D, the one with the most legs, then the fewest cores. Measured on 2 vCPUs
+(docs/benchmarks.md): chat at 16 clients gives the flipped pair ~0.89x a collocated worker's
+throughput and the merged pair the collocated one's.
+
 Hysteresis: a lend needs prefill pressure, that is W > PREFILL_HIGH x TTFT with the stage
 outside the calm band (rho > RHO_CALM or Wq > PREFILL_CALM x TTFT); a reclaim needs rho <=
 RHO_IDLE < RHO_CALM and Wq <= RECLAIM_WAIT x TTFT < PREFILL_CALM x TTFT, judged for L alone,
-the stage the lend left: between the two bands the loan stands. Noise within the arrival
+the stage the lend left: between the two bands the loan stands. A reclaim also needs the
+decode side to keep the cores' worth of headroom, or the merge rule would lend them again: every
+borrower on the lender's machine with fewer than BUSY_STREAMS legs (the idle rule's trigger)
+and a decode step that, priced on its own cores (s x its cores / its own), stays within
+STEP_CALM x TPOT. Noise within the arrival
 window (~35% at 8 prompts) is absorbed by the sustain ticks and the cool-down, as for flips.
 """
 
@@ -39,6 +58,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from pdserve.router.elastic import (
+    BUSY_STREAMS,
     DECODE_CAPABLE,
     PREFILL_CALM,
     RHO_IDLE,
@@ -49,6 +69,7 @@ from pdserve.router.elastic import (
     Observation,
     WorkerView,
     consider,
+    room_pressure,
     settled,
     stage_load,
 )
@@ -103,6 +124,8 @@ def choose(obs: Observation, memory: Memory, loans: LoanMemory, s: ElasticSettin
     plan = consider(obs, memory, s)
     if isinstance(plan, Hold) and plan.pressure == "prefill":
         return lend_plan(obs, memory, s, plan)
+    if isinstance(plan, FlipPlan) and plan.to == "decode":
+        return merge_plan(obs, plan) or plan
     return plan
 
 
@@ -130,6 +153,24 @@ def lend_plan(obs: Observation, memory: Memory, s: ElasticSettings, hold: Hold
                     f"{lender.key}'s, in chunks paced to the TPOT target")
 
 
+def merge_plan(obs: Observation, flip: FlipPlan) -> LendPlan | None:
+    """The loan that replaces `flip`, the last prefill worker to decode (the merge rule
+    above), or None: the flip stands."""
+    prefill = obs.routable("prefill")
+    if [w.key for w in prefill] != [flip.worker] or room_pressure(obs) is not None:
+        return None
+    lender = prefill[0]
+    borrowers = [w for w in obs.routable(*DECODE_CAPABLE)
+                 if lender.host and lender.cpus and w.host == lender.host and w.cpus]
+    if not borrowers:
+        return None
+    to = min(borrowers, key=lambda w: (-w.inflight, len(w.cpus), w.key))
+    return LendPlan(lender.key, to.key,
+                    f"{flip.reason}; {to.key} computes on its cores and {lender.key}'s instead "
+                    f"of a second decode engine there: one engine reads the weights once a "
+                    f"step for all its streams and prefills on both")
+
+
 def _lent(obs: Observation) -> list[WorkerView]:
     return [w for w in obs.workers if w.phase == LENT]
 
@@ -140,7 +181,22 @@ def _reclaim_load(obs: Observation, lender: WorkerView, s: ElasticSettings) -> s
     load = stage_load(obs, stage, obs.workers)
     if load is None or load.rho > RHO_IDLE or load.wait_s > RECLAIM_WAIT * s.ttft_target_s:
         return None
+    if _borrowers_need_cores(obs, lender, s):
+        return None
     return (f"with {lender.key} back as a prefill worker, at the {load.tokens_per_s:.0f} prompt "
             f"tokens/s of the last {obs.window_s:.0f} s the prefill side would be busy "
             f"{load.rho:.0%} of the time (<= {RHO_IDLE:.0%}), a prompt waiting "
             f"~{load.wait_s * 1e3:.0f} ms (<= {RECLAIM_WAIT * s.ttft_target_s * 1e3:.0f} ms)")
+
+
+def _borrowers_need_cores(obs: Observation, lender: WorkerView, s: ElasticSettings) -> bool:
+    """A borrower on `lender`'s machine streams BUSY_STREAMS legs or more, or would step slower
+    than STEP_CALM x TPOT on its own cores (its step scaled by its cores over its own)."""
+    for w in obs.workers:
+        if not w.borrowing or w.host != lender.host:
+            continue
+        own = len(set(w.cpus) - set(lender.cpus)) or len(w.cpus)
+        step = (w.decode_step_s or 0.0) * len(w.cpus) / max(own, 1)
+        if w.inflight >= BUSY_STREAMS or step > STEP_CALM * s.tpot_target_s:
+            return True
+    return False
