@@ -30,16 +30,19 @@ Merging instead of a second decode engine. Where the flip rules would take the l
 worker P to decode (decode pressure from the step time, or an idle prefill side beside busy
 decoders), the prefill stage after the flip is the decode-capable workers prefilling in paced
 chunks either way; the flip adds a second decode engine on P's cores, the loan adds P's cores
-to a decode worker D of the same machine. Decoding is bound by reading the weights (SmolLM2's
-270 MB bf16 take ~8 ms a step at ~34 GB/s here): one engine on both halves reads them once a
-step for all its streams, two engines once each, and one engine prefills a prompt on both
-halves where a split one uses one. So the loan replaces the flip, with the flip's own
+to a decode worker D of the same machine: collocated serving with paced chunks. Decoding is
+bound by reading the weights (SmolLM2's 270 MB in bf16 each step): one engine on both halves
+reads them once a step for all its streams, two engines once each, which costs the pair its
+share where one core alone reads memory about as fast as two (the pair at 0.79-0.89x
+collocated's tokens on such a machine), and little where each core has its own bandwidth (the
+pair at ~1.07x on another); either way one engine prefills each prompt on both halves where the
+pair uses one. So the loan replaces the flip, with the flip's own
 projections (`elastic._to_decode`) as its condition, when P and a routable decode-capable D
 report the same host and cores, unless the pressure is for room: requests waiting for a
 decode slot, or KV use at KV_HIGH, which a second engine's pool relieves and a loan does not.
 Of several such D, the one with the most legs, then the fewest cores. Measured on 2 vCPUs
-(docs/benchmarks.md): chat at 16 clients gives the flipped pair ~0.89x a collocated worker's
-throughput and the merged pair the collocated one's.
+(docs/benchmarks.md): chat at 16 clients, the flipped pair 0.89x a collocated worker's output
+tokens/s, the merged one 0.97x.
 
 Hysteresis: a lend needs prefill pressure, that is W > PREFILL_HIGH x TTFT with the stage
 outside the calm band (rho > RHO_CALM or Wq > PREFILL_CALM x TTFT); a reclaim needs rho <=
