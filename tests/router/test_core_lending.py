@@ -7,7 +7,8 @@ roles, other machine, no cores, not routable, the last prefill worker while a sp
 waits for it, a borrower that refuses or never answers the pin, a drain past its timeout)
 answers its status and code and changes nothing; flips of either side are refused while they
 lend or borrow; and faults end a loan: a restarted borrower, a lender that left or drains,
-a borrower that is pinned back only once it answers again."""
+a borrower that is pinned back only once it answers again; a worker found on cores not its
+own through no loan of the router (one that restarted) is pinned back to its own."""
 
 from __future__ import annotations
 
@@ -38,16 +39,17 @@ WAIT_S = 5.0  # the longest a test waits for the router's background work (healt
 
 
 class PinningWorker(FlippingWorker):
-    """A fake worker whose /health reports `cpus` and `host`, and whose signed
-    `POST /internal/cpus` records the cores asked (`pins`) and, answering `pin_answer` 200,
-    reports them from then on; any other status refuses them (nothing changes), SILENT sleeps
-    past the router's timeout."""
+    """A fake worker whose /health reports `cpus`, `own_cpus` (those it was started on: `cpus`
+    unless `own` says) and `host`, and whose signed `POST /internal/cpus` records the cores
+    asked (`pins`) and, answering `pin_answer` 200, reports them from then on; any other status
+    refuses them (nothing changes), SILENT sleeps past the router's timeout."""
 
     def __init__(self, role: str, cpus: list[int] | None, host: str | None = HOST,
-                 pin_answer: int | None = 200) -> None:
+                 pin_answer: int | None = 200, own: list[int] | None = None) -> None:
         info = worker_info(role)
         if cpus is not None:
             info["cpus"] = cpus
+            info["own_cpus"] = own or cpus
         if host is not None:
             info["host"] = host
         super().__init__(info)
@@ -577,5 +579,29 @@ def test_a_borrower_that_does_not_answer_the_reclaim_is_pinned_back_when_it_does
         tries = len(fakes["dec"].pins)
         await c.round()
         assert len(fakes["dec"].pins) == tries  # done: no more pins
+
+    run(tiny_model, fakes, body)
+
+
+def test_a_borrower_of_a_loan_the_router_does_not_know_is_pinned_back(
+        tiny_model: Callable[..., Path]) -> None:
+    """As after a router restart while a loan stood: the decode worker computes on cores 0-1,
+    its own is 1, and this router lent it nothing. Pinned back at its first /health (joined),
+    once; then nothing more."""
+    fakes = {"pre": PinningWorker("prefill", [0]),
+             "dec": PinningWorker("decode", [0, 1], own=[1])}
+
+    async def body(c: Cluster) -> None:
+        await until("pinned back", lambda: fakes["dec"].pins == [[1]])
+        await until("reported", lambda: c.w("dec").info["cpus"] == [1])
+        for _ in range(2):
+            await c.round()
+        assert fakes["dec"].pins == [[1]] and fakes["pre"].pins == []
+        assert c.r.admin.lending.loans == {} and c.w("pre").routable
+        status, lent = await c.lend("pre", "dec")  # and a loan of its own stands
+        assert (status, lent["cpus"]) == (200, [0, 1]), lent
+        for _ in range(2):
+            await c.round()
+        assert fakes["dec"].pins == [[1], [0, 1]]
 
     run(tiny_model, fakes, body)

@@ -6,7 +6,9 @@ to the lent worker (a split-size prompt is prefilled on the decode worker) and t
 tokens are those the split gave before; after the reclaim the decode worker's threads are
 back on core 1, the prefill worker takes split prompts again (a prompt no worker has seen is
 split; the first one, now in the decode worker's prefix cache, runs there) and the tokens of
-the first are the same again. Skipped on a machine with fewer than two usable cores."""
+the first are the same again. A router that stops while a loan stands leaves the decode
+worker on both cores; the next router over the same workers pins it back to its own at once.
+Skipped on a machine with fewer than two usable cores."""
 
 from __future__ import annotations
 
@@ -80,6 +82,27 @@ async def lend_and_reclaim(model: Path, pre_url: str, dec_url: str) -> None:
         assert (await complete(s, base, FRESH))[0] == SPLIT
 
 
+async def restart_while_lent(model: Path, pre_url: str, dec_url: str) -> None:
+    settings = {"secret": SECRET, "prefill": (pre_url,), "decode": (dec_url,)}
+    async with router(model, **settings) as (r, base), aiohttp.ClientSession() as s:
+        pre, dec = r.pool.workers
+        status, lent = await call(s, base, "POST", f"/internal/workers/{pre.key}/lend",
+                                  {"to": dec.key}, AUTH)
+        assert (status, lent["cpus"]) == (200, [0, 1]), lent
+        dec_pid = dec.info["pid"]
+    assert _allowed(dec_pid) == {"0-1"}  # the router is gone; the pin stays
+    async with router(model, **settings) as (r, base):
+        pre, dec = r.pool.workers
+        for _ in range(100):
+            if _allowed(dec_pid) == {"1"}:
+                break
+            await asyncio.sleep(0.05)
+        assert _allowed(dec_pid) == {"1"} and dec.info["pid"] == dec_pid
+        await r.pool.refresh(r._session())
+        assert (dec.info["cpus"], dec.info["own_cpus"]) == ([1], [1])
+        assert r.admin.lending.loans == {} and r.pool.healthy("prefill") == [pre]
+
+
 @two_cores
 def test_a_prefill_workers_core_is_lent_to_a_decode_worker_and_given_back(
         tiny_model: Callable[..., Path], tmp_path: Path) -> None:
@@ -87,3 +110,4 @@ def test_a_prefill_workers_core_is_lent_to_a_decode_worker_and_given_back(
     with serve_worker(model, tmp_path, "--role", "prefill", "--cpus", "0") as pre_url, \
             serve_worker(model, tmp_path, "--role", "decode", "--cpus", "1") as dec_url:
         asyncio.run(lend_and_reclaim(model, pre_url, dec_url))
+        asyncio.run(restart_while_lent(model, pre_url, dec_url))

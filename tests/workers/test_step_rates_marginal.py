@@ -71,7 +71,7 @@ def _worker(trace: StepTrace) -> SimpleNamespace:
                            tpot_target_s=0.1)
     return SimpleNamespace(engine=engine, loop=loop, kv_layout=None, transport=None,
                            settings=SimpleNamespace(served_model_name="m"), load_seconds=1.0,
-                           host="box/boot")
+                           host="box/boot", own_cpus=[0])
 
 
 def test_the_health_report_carries_the_marginal_rate_beside_the_others() -> None:

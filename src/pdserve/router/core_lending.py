@@ -37,9 +37,14 @@ Faults (`watch`, after each proved /health, and `removed`):
   ends and B is pinned back. A restarted: nothing changes; it keeps its own cores and idles.
 - B left the pool: its loans end; their lenders serve again.
 
+- A worker on cores other than those it was started on (its /health `cpus` and `own_cpus`
+  differ) that borrows through no loan of this router (the router restarted while a loan
+  stood, or someone pinned the worker by hand): pinned back to its own, as a borrower whose
+  lender left. Without it a restarted router would route prompts to the lender, which still
+  computes on cores the borrower's threads share.
+
 Lifetime: one per router; a lend and a check's refusals happen with no await between them.
-Loans are the router's: a restarted router knows none (its workers keep their pins; `ctl
-reclaim` cannot undo them, `POST /internal/cpus` to the worker can).
+Loans are the router's: a restarted router knows none, and pins their borrowers back.
 """
 
 from __future__ import annotations
@@ -79,7 +84,11 @@ class Loan:
 
 def cpus_of(worker: WorkerHandle) -> tuple[int, ...] | None:
     """The cores a worker reports in its /health; None when it reports none."""
-    cpus = worker.info.get("cpus")
+    return _cores(worker.info.get("cpus"))
+
+
+def _cores(cpus: object) -> tuple[int, ...] | None:
+    """A /health list of core numbers, sorted; None when it is not one."""
     if isinstance(cpus, list) and cpus and all(type(c) is int and c >= 0 for c in cpus):
         return tuple(sorted(cpus))
     return None
@@ -212,6 +221,22 @@ class CoreLending:
             del self._repin[worker.key]
         elif wanted is not None:
             self._pin_back(worker, wanted)
+        else:
+            self._unknown_loan(worker)
+
+    def _unknown_loan(self, worker: WorkerHandle) -> None:
+        """Pins `worker` back to its own cores where it computes on others through no loan of
+        this router (the last fault of the module docstring). Not while a lend or reclaim is
+        pinning: between a borrower's pin and the loan's record its cores are not its own."""
+        own, now = _cores(worker.info.get("own_cpus")), cpus_of(worker)
+        if own is None or now is None or own == now or self.borrows(worker) \
+                or self._pins.locked():
+            return
+        log.warning("worker %s computes on cores %s, not its own %s, through no loan of this "
+                    "router (it restarted while one stood, or the worker was pinned by hand): "
+                    "pinning it back", worker.key, list(now), list(own))
+        self._repin[worker.key] = own
+        self._pin_back(worker, own)
 
     def removed(self, worker: WorkerHandle, reason: str) -> None:
         self._repin.pop(worker.key, None)

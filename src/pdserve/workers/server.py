@@ -82,6 +82,7 @@ class Worker:
         self.pump: HubPump | None = None
         self.failed = asyncio.Event()  # the engine can no longer compute: the worker exits
         self.host = host_id()
+        self.own_cpus = current_cpus()  # the cores it was started on (after `pin_cpus`)
 
     # -- start and stop ------------------------------------------------------------------------
 
@@ -175,6 +176,9 @@ class Worker:
             "load_seconds": self.load_seconds, "pid": os.getpid(),
             # the cores it computes on now (`--cpus`, or a later POST /internal/cpus)
             "cpus": current_cpus(),
+            # the cores it was started on: a router that finds it on others, with no loan of
+            # its own making, pins it back to these (`router/core_lending.py`)
+            "own_cpus": self.own_cpus,
             # the machine those core numbers are on (cores are lent only within one)
             "host": self.host,
             "rates": reported_rates(self.loop.trace.newest_first(SCAN)).to_json(),
