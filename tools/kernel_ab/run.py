@@ -138,16 +138,27 @@ def attention(ab, lengths: list[int], cached: int, shape: tuple[int, int, int],
                 functools.partial(ab.head_prefill_attention, *args), rounds)
 
 
-def linear(ab, shapes: list[tuple[int, int, int]], rounds: int) -> None:
+def linear(ab, shapes: list[tuple[int, int, int]], rounds: int, cold_mb: int) -> None:
+    """With `cold_mb`, each call takes the next of as many copies of the weight as fill that
+    many MB, round robin: the weight comes from memory, as a model's layers do in the engine
+    (SmolLM2's 270 MB pass through the caches once a step)."""
     kernel = linear_kernel(cpu_ops()).run.__name__.removesuffix("_linear")  # the engine's
     for m, k, n in shapes:
         gen = torch.Generator().manual_seed(m + n)
         x = torch.randn(m, k, generator=gen).bfloat16()
         w = (torch.randn(n, k, generator=gen) * k ** -0.5).bfloat16()
-        packed = {tag: getattr(ab, f"{tag}_{kernel}_pack")(w) for tag in ("base", "head")}
-        base, head = (functools.partial(getattr(ab, f"{tag}_{kernel}_linear"), x, packed[tag],
-                                        None) for tag in ("base", "head"))
-        compare(f"{kernel}_linear {m}x{k}x{n}", base, head, rounds)
+        copies = max(1, -(-cold_mb * 2 ** 20 // (2 * n * k)))
+        base, head = (_rotating(getattr(ab, f"{tag}_{kernel}_linear"), x,
+                                [getattr(ab, f"{tag}_{kernel}_pack")(w) for _ in range(copies)])
+                      for tag in ("base", "head"))
+        cold = f", weights cold ({copies} copies)" if cold_mb else ""
+        compare(f"{kernel}_linear {m}x{k}x{n}{cold}", base, head, rounds)
+
+
+def _rotating(run: Callable, x: torch.Tensor, weights: list[torch.Tensor]) -> Callable[[], object]:
+    """run(x, w, None) for the next of `weights` at each call."""
+    turn = iter(range(1 << 62))
+    return lambda: run(x, weights[next(turn) % len(weights)], None)
 
 
 def elementwise(ab, rows: list[int], shape: tuple[int, int, int, int, int],
@@ -184,6 +195,10 @@ def main() -> None:
                      help="heads,kv_heads,head_dim (default: 9,3,64, SmolLM2-135M)")
     lin = sub.add_parser("linear", help="the CPU's linear kernel, M x K x N")
     lin.add_argument("--shapes", default="2048x576x3072,2048x576x960,2048x1536x576,32x576x3072")
+    lin.add_argument("--cold-mb", type=int, default=0,
+                     help="rotate over copies of the weight filling this many MB, more than "
+                          "the caches hold, so that each call reads its weight from memory "
+                          "(default: 0, one copy, warm in the caches)")
     ew = sub.add_parser("ops", help="rms_norm, add_rms_norm, silu_mul and rope_")
     ew.add_argument("--rows", default="1500,32")
     ew.add_argument("--shape", default="576,1536,9,3,64",
@@ -202,7 +217,7 @@ def main() -> None:
                         tuple(int(v) for v in args.shape.split(",")), args.rounds)
         else:
             linear(ab, [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")],
-                   args.rounds)
+                   args.rounds, args.cold_mb)
 
 
 if __name__ == "__main__":
