@@ -605,3 +605,47 @@ def test_a_borrower_of_a_loan_the_router_does_not_know_is_pinned_back(
         assert fakes["dec"].pins == [[1], [0, 1]]
 
     run(tiny_model, fakes, body)
+
+
+@pytest.mark.parametrize("then", ["lend", "reclaim"])
+def test_a_pin_back_under_way_never_undoes_a_later_loan_or_reclaim(
+        tiny_model: Callable[..., Path], then: str) -> None:
+    """dec borrows from pre1 and pre2; pre1 leaves, so dec is pinned back to its own core and
+    pre2's in the background, slowly. Meanwhile pre2's cores are reclaimed, or (pre2 lending
+    nothing yet) pre2 lends them: the last pin dec gets is that change's (its own core, or its
+    own and pre2's), never the stale pin back, and the loan records its own core as dec's."""
+    fakes = {"pre1": PinningWorker("prefill", [0]), "pre2": PinningWorker("prefill", [2]),
+             "dec": PinningWorker("decode", [1])}
+
+    async def body(c: Cluster) -> None:
+        assert (await c.lend("pre1", "dec"))[0] == 200
+        if then == "reclaim":
+            assert (await c.lend("pre2", "dec"))[0] == 200
+        slow = asyncio.Event()
+
+        async def stall() -> None:  # the pin back answers only once the change was asked
+            fakes["dec"].on_pin = None
+            await slow.wait()
+
+        fakes["dec"].on_pin = stall
+        assert (await c.leave("pre1"))[0] == 200
+        await until("the pin back reached dec", lambda: fakes["dec"].on_pin is None)
+        change = asyncio.ensure_future(c.reclaim("pre2") if then == "reclaim"
+                                       else c.lend("pre2", "dec"))
+        await asyncio.sleep(0.2)
+        slow.set()
+        assert (await change)[0] == 200
+        for _ in range(2):
+            await c.round()
+        await asyncio.sleep(0.2)
+        final = [1] if then == "reclaim" else [1, 2]
+        before = [[0, 1], [0, 1, 2], [1, 2]] if then == "reclaim" else [[0, 1], [1]]
+        assert fakes["dec"].pins == [*before, final]  # one pin each, in order
+        assert fakes["dec"].info["cpus"] == final
+        if then == "lend":
+            loan = c.r.admin.lending.loans["pre2"]
+            assert loan.borrower_cpus == (1,) and loan.lender_cpus == (2,)
+        else:
+            assert c.r.admin.lending.loans == {}
+
+    run(tiny_model, fakes, body)

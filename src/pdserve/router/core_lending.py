@@ -143,7 +143,7 @@ class CoreLending:
         self._repin: dict[str, tuple[int, ...]] = {}  # borrower key -> cores it must go back to
         self._pinning: set[str] = set()  # borrowers being pinned back in the background
         self._tasks: set[asyncio.Task] = set()
-        self._pins = asyncio.Lock()  # a loan's pin and its record, or a reclaim's, at a time
+        self._pins = asyncio.Lock()  # one at a time: a loan's pin and record, a reclaim, a pin back
         pool.on_health.append(self.watch)
         pool.on_removed.append(self.removed)
 
@@ -159,7 +159,8 @@ class CoreLending:
         if refusal is not None:
             raise refusal
         t0 = self.clock()
-        own, theirs = cpus_of(borrower), cpus_of(lender)
+        # a borrower still to be pinned back (a loan ended by a fault) owns what it goes back to
+        own, theirs = self._repin.get(borrower.key) or cpus_of(borrower), cpus_of(lender)
         assert own is not None and theirs is not None  # checked above
         lender.phase = LENT
         log.info("worker %s: lending cores %s to worker %s once its legs end", lender.key,
@@ -192,6 +193,7 @@ class CoreLending:
             self._still_members(lender, borrower)
             cpus = tuple(sorted({*own, *theirs, *self._borrowed(borrower)}))
             await self._pin(borrower, cpus)
+            self._repin.pop(borrower.key, None)  # this pin replaces a pending pin back
             self.loans[lender.key] = Loan(lender, borrower, theirs, self._own(borrower, own),
                                           borrower.instance)
         return cpus
@@ -266,8 +268,10 @@ class CoreLending:
             self.loans.pop(loan.lender.key, None)
             cpus = self._back(loan)
             pinned = await self._pinned(loan.borrower, cpus)
-        if not pinned:
-            self._repin[loan.borrower.key] = cpus
+            if pinned:  # it replaces any pending pin back
+                self._repin.pop(loan.borrower.key, None)
+            else:
+                self._repin[loan.borrower.key] = cpus
         if loan.lender.phase == LENT:
             loan.lender.phase = None
         self.pool.on_refresh()
@@ -343,8 +347,13 @@ class CoreLending:
             self._spawn(self._repin_now(worker, cpus))
 
     async def _repin_now(self, worker: WorkerHandle, cpus: tuple[int, ...]) -> None:
+        """Under the lock of loans' pins, so that a loan begun meanwhile is not undone: its pin
+        replaced this one (`_begin` drops the pending entry), which then does nothing."""
         try:
-            pinned = await self._pinned(worker, cpus)
+            async with self._pins:
+                if self._repin.get(worker.key) != cpus:
+                    return
+                pinned = await self._pinned(worker, cpus)
         finally:
             self._pinning.discard(worker.key)
         if not pinned:
