@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from pdserve.common.sampling_params import SamplingParams
-from pdserve.engine.sampler import Sampler, apply_top_p, mix_seed
+from pdserve.engine.sampler import Sampler, apply_top_p, inverse_cdf, mix_seed
 
 VOCAB = 3000  # above the top-p candidate pool, so both top-p paths run
 
@@ -258,3 +258,18 @@ def test_bad_inputs_raise_value_error(
 def test_bad_sampler_seed_raises_value_error() -> None:
     with pytest.raises(ValueError, match="seed"):
         Sampler(seed="0")  # type: ignore[arg-type]
+
+
+def test_inverse_cdf_draws_by_cumulative_weight_and_never_a_zero() -> None:
+    """Rows need not sum to 1; U = 0 takes the first token of positive weight, U just under 1
+    the last (never a zero-weight entry after it, even where U x total rounds to the total)."""
+    probs = torch.tensor([[0.0, 0.2, 0.0, 0.3, 0.5, 0.0],
+                          [0.0, 0.0, 3.0, 1.0, 0.0, 0.0]])  # the second sums to 4
+    below_one = 1.0 - 2.0 ** -24
+    cases = {0.0: [1, 2], 0.19: [1, 2], 0.21: [3, 2], 0.49: [3, 2], 0.51: [4, 2],
+             0.75: [4, 3], below_one: [4, 3]}
+    for u, want in cases.items():
+        got = inverse_cdf(probs, torch.tensor([u, u]))
+        assert got.tolist() == want, (u, got)
+    tiny = torch.tensor([[0.0, 1e-30, 0.0]])  # a total far below 1 still draws its one token
+    assert inverse_cdf(tiny, torch.tensor([below_one])).tolist() == [1]

@@ -29,7 +29,7 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
         "bench", help="benchmarks, each beside a baseline measured in the same run")
     kinds = bench.add_subparsers(dest="bench", required=True)
     for add in (_add_engine, _add_decode_context, _add_attention, _add_decode_attention,
-                _add_linear, _add_transfer,
+                _add_linear, _add_sampler, _add_transfer,
                 _add_layerwise, _add_serve, _add_compare, _add_simulator, _add_router,
                 _add_hostile, _add_chaos, _add_flip, _add_moe, _add_moe_ops):
         add(kinds)
@@ -209,6 +209,29 @@ def _add_linear(kinds: argparse._SubParsersAction) -> None:
     lin.set_defaults(func=_bench_linear)
 
 
+def _add_sampler(kinds: argparse._SubParsersAction) -> None:
+    smp = kinds.add_parser(
+        "sampler", help="what drawing a decode step's tokens costs: greedy, sampled, seeded",
+        description="The engine's sampler on a batch of bf16 logit rows (a decode step's), "
+                    "each way of drawing timed in the same rounds: greedy, temperature 1 "
+                    "unseeded (one uniform per row, the inverse CDF), temperature 1 seeded "
+                    "(the exponential race: a uniform per vocabulary entry; the baseline), and "
+                    "top-p 0.9. Milliseconds per call, medians over the rounds, and the race's "
+                    "time over the unseeded draw's.")
+    smp.add_argument("--batches", default="1,16,64",
+                     help="rows per call (default: %(default)s)")
+    smp.add_argument("--vocab", type=int, default=49152,
+                     help="entries per row (default: %(default)s, SmolLM2's)")
+    smp.add_argument("--scale", type=float, default=3.0,
+                     help="the logits are normal x this: larger is more peaked (default: "
+                          "%(default)s)")
+    smp.add_argument("--repeats", type=int, default=5, help="calls per round and way "
+                                                              "(default: %(default)s)")
+    smp.add_argument("--rounds", type=int, default=7, help="default: %(default)s")
+    smp.add_argument("--json", action="store_true", help="one JSON object per batch size")
+    smp.set_defaults(func=_bench_sampler)
+
+
 def _add_decode_attention(kinds: argparse._SubParsersAction) -> None:
     dec = kinds.add_parser(
         "decode-attention",
@@ -377,6 +400,17 @@ def _bench_attention(args: argparse.Namespace) -> int:
                          "--prompt-lens a comma-separated list of integers") from None
     return main(AttentionSettings(lengths, args.cached, heads, kv_heads, head_dim,
                                   args.repeats, args.kernel), args.json)
+
+
+def _bench_sampler(args: argparse.Namespace) -> int:
+    from pdserve.bench.sampler_bench import SamplerSettings, main
+
+    try:
+        batches = tuple(int(n) for n in args.batches.split(","))
+    except ValueError:
+        raise ValueError("--batches takes comma-separated integers") from None
+    return main(SamplerSettings(batches, args.vocab, args.scale, args.repeats, args.rounds),
+                args.json)
 
 
 def _bench_linear(args: argparse.Namespace) -> int:

@@ -3,14 +3,23 @@
 Invariants:
 - Greedy rows (`SamplingParams.greedy`) take `torch.argmax` of the raw logits: the first
   maximal index.
-- Sampled rows apply, in order: temperature scaling, top-k, top-p, then the exponential race
-  `argmax(probs / E)` with `E ~ Exp(1)` i.i.d. per vocabulary entry, which draws exactly from
-  the filtered distribution. Ties at a top-k or top-p cutoff are all kept.
-- Path independence: a row whose `SamplingParams.seed` is set draws its noise from a fresh
-  generator seeded with `mix_seed(seed, position)`, so the token at output position `p` depends
-  only on that row's logits, params and `p`: not on the batch, the row's index in it, other
-  rows, earlier positions or the engine that samples it (on the same device type).
-- Unseeded rows draw from the sampler's own generator (one per device, seeded at construction).
+- Sampled rows apply, in order: temperature scaling, top-k, top-p, then a draw that is exact
+  for the filtered distribution. Ties at a top-k or top-p cutoff are all kept.
+  - A seeded row (`SamplingParams.seed`) runs the exponential race `argmax(probs / E)`, with
+    `E ~ Exp(1)` i.i.d. per vocabulary entry from a fresh generator seeded with
+    `mix_seed(seed, position)`. Path independence: the token at output position `p` depends
+    only on that row's logits, params and `p`: not on the batch, the row's index in it, other
+    rows, earlier positions or the engine that samples it (on the same device type). The race
+    is also robust to the last-bit differences between two engines' logits (a stream moved to
+    another worker recomputes its KV there): a token changes only where two candidates nearly
+    tie in probs / E.
+  - An unseeded row, which promises no such thing, takes inverse-CDF sampling (`inverse_cdf`):
+    one uniform U per row from the sampler's own generator (one per device, seeded at
+    construction), and the first token whose cumulative probability exceeds U times the row's
+    total. One draw per row instead of one per vocabulary entry: SmolLM2's
+    49,152 race draws per row cost ~25% of a 15-stream decode step on 2 CPU cores (PyTorch's
+    CPU generator draws them one after another). Its boundaries move with every logit before
+    the token, so the same logits give the same token, slightly different ones may not.
 - Logprobs are `log_softmax` of the raw logits (before temperature and filtering), in fp32.
 """
 
@@ -118,6 +127,20 @@ def apply_top_p(probs: torch.Tensor, top_p: torch.Tensor) -> None:
     probs.masked_fill_(probs < thr, 0.0)
 
 
+def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """[S] int64: per row, the first index whose cumulative probability exceeds u x the row's
+    total: a draw from probs (rows of non-negative weights, not all 0, need not sum to 1),
+    exact up to the rounding of the running fp32 sum (near its end, weights resolved to ~6e-8;
+    a fp64 scan costs 15x more on a CPU). probs: [S, V] fp32; u: [S] in [0, 1).
+
+    The target is kept below the total (u x total may round up to it), so an index is always
+    found, and the running sum rises there: a zero-weight entry is never drawn."""
+    cum = probs.cumsum(dim=-1)  # [S, V]
+    total = cum[:, -1:]  # [S, 1]
+    target = torch.minimum(u[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cum, target, right=True).squeeze(1)  # [S]
+
+
 def first_argmax(x: torch.Tensor) -> torch.Tensor:
     """[B, V] -> [B]: index of the first maximum per row, as `torch.argmax` (faster on CPU)."""
     return x.max(dim=-1).indices
@@ -184,39 +207,30 @@ class Sampler:
         apply_top_k(scaled, torch.tensor([p.effective_top_k for p in params], device=dev))
         probs = scaled.softmax(dim=-1)  # [S, V]
         apply_top_p(probs, torch.tensor([p.top_p for p in params], device=dev))
-        log_u = self._log_uniform(probs.shape, params, positions, dev)  # [S, V]
-        # Exponential race: E = -log(U) ~ Exp(1) and the winner maximizes probs / E, i.e.
-        # minimizes probs / log(U). U = 0 gives -0.0, which never wins.
-        return probs.div_(log_u).min(dim=-1).indices
+        seeded = [i for i, p in enumerate(params) if p.seed is not None]
+        if len(seeded) == len(params):
+            return self._race(probs, params, positions)
+        u = torch.rand(len(params), device=dev, generator=self._generator(dev))  # [S]
+        tokens = inverse_cdf(probs, u)  # [S]
+        if not seeded:
+            return tokens
+        idx = torch.tensor(seeded, device=dev)
+        raced = self._race(probs.index_select(0, idx), [params[i] for i in seeded],
+                           [positions[i] for i in seeded])
+        return tokens.index_copy(0, idx, raced)
 
-    def _log_uniform(
-        self,
-        shape: torch.Size,
-        params: list[SamplingParams],
-        positions: list[int],
-        device: torch.device,
+    def _race(
+        self, probs: torch.Tensor, params: list[SamplingParams], positions: list[int]
     ) -> torch.Tensor:
-        """[S, V] of log(U), U ~ U[0, 1): all < 0 (-inf where U = 0)."""
-        uniform = torch.empty(shape, device=device)  # [S, V]
-        if any(p.seed is None for p in params):
-            self._fill_unseeded(uniform, params, device)
+        """The exponential race over seeded rows probs [R, V]; returns [R] int64.
+        E = -log(U) ~ Exp(1) and the winner maximizes probs / E, i.e. minimizes probs / log(U);
+        U = 0 gives -0.0, which never wins."""
+        log_u = torch.empty_like(probs)  # [R, V]
         for i, p in enumerate(params):
-            if p.seed is not None:
-                gen = torch.Generator(device=device)
-                gen.manual_seed(mix_seed(p.seed, positions[i]))
-                uniform[i].uniform_(generator=gen)
-        return uniform.log_()
-
-    def _fill_unseeded(
-        self, uniform: torch.Tensor, params: list[SamplingParams], device: torch.device
-    ) -> None:
-        gen = self._generator(device)
-        if all(p.seed is None for p in params):
-            uniform.uniform_(generator=gen)
-            return
-        idx = torch.tensor([i for i, p in enumerate(params) if p.seed is None], device=device)
-        draws = torch.empty((len(idx), uniform.shape[1]), device=device).uniform_(generator=gen)
-        uniform.index_copy_(0, idx, draws)
+            gen = torch.Generator(device=probs.device)
+            gen.manual_seed(mix_seed(p.seed, positions[i]))
+            log_u[i].uniform_(generator=gen)
+        return probs.div_(log_u.log_()).min(dim=-1).indices
 
     def _generator(self, device: torch.device) -> torch.Generator:
         gen = self._generators.get(device)

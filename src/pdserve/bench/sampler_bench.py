@@ -1,0 +1,102 @@
+"""`pdserve bench sampler`: what drawing the next tokens costs a decode step, per way of drawing.
+
+For a batch of B rows of V logits (a decode step's; SmolLM2's vocabulary unless told), the
+engine's `Sampler` on this process's threads, each way timed in the same rounds:
+- greedy: the first argmax (temperature 0);
+- unseeded: temperature 1, one uniform per row and the inverse CDF (`sampler.inverse_cdf`);
+- seeded: temperature 1 with a seed, the exponential race (one uniform per vocabulary entry,
+  from a generator seeded per row and position): also what every sampled row cost before
+  unseeded rows took the inverse CDF, so it is the baseline the speed-up is over;
+- top-p: temperature 0.7, top-p 0.9, unseeded (the nucleus search, then the inverse CDF).
+The rows' logits are random normal times `--scale` (a flatter or more peaked distribution;
+top-p's cost grows with the nucleus). Each round times every way (`repeats` calls each, in a
+random order) and a row reports the medians over the rounds, and the seeded race's time over
+the unseeded draw's, per round, then the median.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import statistics
+import sys
+from dataclasses import asdict, dataclass
+
+import torch
+
+from pdserve.bench.timing import median_seconds
+from pdserve.common.sampling_params import SamplingParams
+from pdserve.engine.kernels import cpu_ops
+from pdserve.engine.sampler import Sampler
+
+WAYS = {
+    "greedy": SamplingParams(temperature=0.0),
+    "unseeded": SamplingParams(temperature=1.0),
+    "seeded": SamplingParams(temperature=1.0, seed=7),
+    "top-p": SamplingParams(temperature=0.7, top_p=0.9),
+}
+
+
+@dataclass(frozen=True)
+class SamplerSettings:
+    batches: tuple[int, ...] = (1, 16, 64)
+    vocab: int = 49152  # SmolLM2's
+    scale: float = 3.0
+    repeats: int = 5
+    rounds: int = 7
+
+    def __post_init__(self) -> None:
+        if not self.batches or min(self.batches) <= 0:
+            raise ValueError("batch sizes must be positive integers")
+        for name in ("vocab", "repeats", "rounds"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if not self.scale > 0:
+            raise ValueError(f"scale must be > 0, got {self.scale}")
+
+
+@dataclass(frozen=True)
+class SamplerRow:
+    batch: int
+    ms: dict[str, float]  # way -> median milliseconds over the rounds
+    race_over_inverse: float  # median over the rounds of seeded ms / unseeded ms
+
+
+def measure(batch: int, s: SamplerSettings) -> SamplerRow:
+    gen = torch.Generator().manual_seed(batch)
+    logits = (torch.randn(batch, s.vocab, generator=gen) * s.scale).bfloat16()  # [B, V]
+    sampler = Sampler(seed=1, fused=cpu_ops())
+    positions = list(range(batch))
+    times: dict[str, list[float]] = {way: [] for way in WAYS}
+    for _ in range(s.rounds):
+        ways = list(WAYS.items())
+        random.shuffle(ways)
+        for way, params in ways:
+            times[way].append(median_seconds(
+                lambda p=params: sampler(logits, [p] * batch, positions), s.repeats))
+    ratios = [r / u for r, u in zip(times["seeded"], times["unseeded"], strict=True)]
+    return SamplerRow(batch, {w: statistics.median(t) * 1e3 for w, t in times.items()},
+                      statistics.median(ratios))
+
+
+def format_table(rows: list[SamplerRow]) -> str:
+    head = (f"{'batch':>6}" + "".join(f"{w + ' ms':>13}" for w in WAYS)
+            + f"{'race / inverse':>16}")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        lines.append(f"{r.batch:>6}" + "".join(f"{r.ms[w]:>13.3f}" for w in WAYS)
+                     + f"{r.race_over_inverse:>15.2f}x")
+    return "\n".join(lines)
+
+
+def main(s: SamplerSettings, as_json: bool) -> int:
+    print(f"sampling {s.vocab}-entry rows of bf16 logits (normal x {s.scale}), "
+          f"{torch.get_num_threads()} threads, medians of {s.rounds} rounds of {s.repeats}",
+          file=sys.stderr)
+    rows = [measure(b, s) for b in s.batches]
+    if as_json:
+        for r in rows:
+            print(json.dumps(asdict(r)))
+    else:
+        print(format_table(rows))
+    return 0
