@@ -37,8 +37,9 @@ _GOLDEN64 = 0x9E3779B97F4A7C15
 # Candidate pools for top-p, smallest first: a row whose nucleus fits in the top this-many
 # tokens avoids sorting its whole vocabulary. A language model's nucleus is small: SmolLM2
 # answering chat prompts at temperature 0.7, top-p 0.9 had a median of 2 tokens, a 99th
-# percentile of 30 and none over 64 (768 draws), and a top-64 costs ~1/4 of a top-1,024 on
-# 16 rows of its 49,152 logits (2 CPU cores); a flat row pays the small pool's extra pass.
+# percentile of 30 and none over 64 (768 draws, `tools/sampler/nucleus.py`), and a top-64
+# costs ~1/4 of a top-1,024 on 16 rows of its 49,152 logits (2 CPU cores); a flat row pays
+# the small pool's extra pass.
 _TOP_P_POOLS = (64, 1024, 8192)
 
 
