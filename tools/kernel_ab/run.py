@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import random
 import statistics
 import subprocess
@@ -157,8 +158,8 @@ def linear(ab, shapes: list[tuple[int, int, int]], rounds: int, cold_mb: int) ->
 
 def _rotating(run: Callable, x: torch.Tensor, weights: list[torch.Tensor]) -> Callable[[], object]:
     """run(x, w, None) for the next of `weights` at each call."""
-    turn = iter(range(1 << 62))
-    return lambda: run(x, weights[next(turn) % len(weights)], None)
+    turn = itertools.cycle(weights)
+    return lambda: run(x, next(turn), None)
 
 
 def elementwise(ab, rows: list[int], shape: tuple[int, int, int, int, int],

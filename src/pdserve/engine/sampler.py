@@ -3,8 +3,9 @@
 Invariants:
 - Greedy rows (`SamplingParams.greedy`) take `torch.argmax` of the raw logits: the first
   maximal index.
-- Sampled rows apply, in order: temperature scaling, top-k, top-p, then a draw that is exact
-  for the filtered distribution. Ties at a top-k or top-p cutoff are all kept.
+- Sampled rows apply, in order: temperature scaling, top-k, top-p, then a draw from the
+  filtered distribution, exact up to float rounding. Ties at a top-k or top-p cutoff are all
+  kept.
   - A seeded row (`SamplingParams.seed`) runs the exponential race `argmax(probs / E)`, with
     `E ~ Exp(1)` i.i.d. per vocabulary entry from a fresh generator seeded with
     `mix_seed(seed, position)`. Path independence: the token at output position `p` depends
@@ -16,10 +17,10 @@ Invariants:
   - An unseeded row, which promises no such thing, takes inverse-CDF sampling (`inverse_cdf`):
     one uniform U per row from the sampler's own generator (one per device, seeded at
     construction), and the first token whose cumulative probability exceeds U times the row's
-    total. One draw per row instead of one per vocabulary entry: SmolLM2's
-    49,152 race draws per row cost ~25% of a 15-stream decode step on 2 CPU cores (PyTorch's
-    CPU generator draws them one after another). Its boundaries move with every logit before
-    the token, so the same logits give the same token, slightly different ones may not.
+    total. One draw per row instead of one per vocabulary entry: SmolLM2's 49,152 race draws
+    per row cost ~25% of a 15-stream decode step on 2 CPU cores (PyTorch's CPU generator draws
+    them one after another). Its boundaries move with every logit before the token, so the
+    same logits give the same token, slightly different ones may not.
 - Logprobs are `log_softmax` of the raw logits (before temperature and filtering), in fp32.
 """
 

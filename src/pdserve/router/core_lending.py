@@ -36,7 +36,6 @@ Faults (`watch`, after each proved /health, and `removed`):
 - A left the pool, or its phase was changed from LENT (it drains before leaving): its loan
   ends and B is pinned back. A restarted: nothing changes; it keeps its own cores and idles.
 - B left the pool: its loans end; their lenders serve again.
-
 - A worker on cores other than those it was started on (its /health `cpus` and `own_cpus`
   differ) that borrows through no loan of this router (the router restarted while a loan
   stood, or someone pinned the worker by hand): pinned back to its own, as a borrower whose

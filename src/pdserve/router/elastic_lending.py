@@ -143,9 +143,8 @@ def lend_plan(obs: Observation, memory: Memory, s: ElasticSettings, hold: Hold
     if not lender.host or not lender.cpus:
         return Hold("prefill", f"{hold.reason}; no loan: {lender.key} reports no host and "
                                "cores")
-    borrowers = [w for w in obs.routable(*DECODE_CAPABLE)
-                 if w.host == lender.host and w.cpus and
-                 (w.decode_step_s or 0.0) <= STEP_CALM * s.tpot_target_s]
+    borrowers = [w for w in _neighbours(obs, lender)
+                 if (w.decode_step_s or 0.0) <= STEP_CALM * s.tpot_target_s]
     if not borrowers:
         return Hold("prefill", f"{hold.reason}; no loan: no decode worker on {lender.key}'s "
                                "machine with room for paced prefills beside its streams")
@@ -163,8 +162,7 @@ def merge_plan(obs: Observation, flip: FlipPlan) -> LendPlan | None:
     if [w.key for w in prefill] != [flip.worker] or room_pressure(obs) is not None:
         return None
     lender = prefill[0]
-    borrowers = [w for w in obs.routable(*DECODE_CAPABLE)
-                 if lender.host and lender.cpus and w.host == lender.host and w.cpus]
+    borrowers = _neighbours(obs, lender) if lender.host and lender.cpus else []
     if not borrowers:
         return None
     to = min(borrowers, key=lambda w: (-w.inflight, len(w.cpus), w.key))
@@ -172,6 +170,12 @@ def merge_plan(obs: Observation, flip: FlipPlan) -> LendPlan | None:
                     f"{flip.reason}; {to.key} computes on its cores and {lender.key}'s instead "
                     f"of a second decode engine there: one engine reads the weights once a "
                     f"step for all its streams and prefills on both")
+
+
+def _neighbours(obs: Observation, lender: WorkerView) -> list[WorkerView]:
+    """The routable decode-capable workers on `lender`'s machine that report their cores: those
+    a loan of its cores may go to."""
+    return [w for w in obs.routable(*DECODE_CAPABLE) if w.host == lender.host and w.cpus]
 
 
 def _lent(obs: Observation) -> list[WorkerView]:
