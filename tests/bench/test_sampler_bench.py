@@ -21,9 +21,11 @@ def test_bad_settings_raise_value_error(bad: dict) -> None:
 def test_a_small_run_times_every_way() -> None:
     row = measure(4, SamplerSettings(batches=(4,), vocab=512, repeats=2, rounds=2))
     assert row.batch == 4 and set(row.ms) == set(WAYS)
-    assert all(ms > 0 for ms in row.ms.values()) and row.race_over_inverse > 0
+    assert all(ms > 0 for ms in row.ms.values())
+    assert row.race_over_inverse > 0 and row.ops_over_compiled > 0
     table = format_table([row])
     assert "race / inverse" in table.splitlines()[0]
+    assert "ops / compiled" in table.splitlines()[0]
     assert table.splitlines()[2].split()[0] == "4"
 
 

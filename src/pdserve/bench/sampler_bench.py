@@ -3,15 +3,20 @@
 For a batch of B rows of V logits (a decode step's; SmolLM2's vocabulary unless told), the
 engine's `Sampler` on this process's threads, each way timed in the same rounds:
 - greedy: the first argmax (temperature 0);
-- unseeded: temperature 1, one uniform per row and the inverse CDF (`sampler.inverse_cdf`);
+- unseeded: temperature 1, one uniform per row and the inverse CDF, by the compiled
+  `sample_rows` where the fused CPU operators are built (one pass over each row);
+- unseeded-ops: the same draw by PyTorch's operators (softmax, cumsum, searchsorted:
+  `sampler.inverse_cdf`), the path without the compiled operators: the baseline of the
+  compiled draw;
 - seeded: temperature 1 with a seed, the exponential race (one uniform per vocabulary entry,
   from a generator seeded per row and position): also what every sampled row cost before
-  unseeded rows took the inverse CDF, so it is the baseline the speed-up is over;
+  unseeded rows took the inverse CDF;
 - top-p: temperature 0.7, top-p 0.9, unseeded (the nucleus search, then the inverse CDF).
 The rows' logits are random normal times `--scale` (a flatter or more peaked distribution;
 top-p's cost grows with the nucleus). Each round times every way (`repeats` calls each, in a
-random order) and a row reports the medians over the rounds, and the seeded race's time over
-the unseeded draw's, per round, then the median.
+random order) and a row reports the medians over the rounds, and two ratios per round, then
+their medians: the seeded race's time over the unseeded draw's, and the unseeded draw's by
+PyTorch's operators over the compiled one's.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from pdserve.engine.sampler import Sampler
 WAYS = {
     "greedy": SamplingParams(temperature=0.0),
     "unseeded": SamplingParams(temperature=1.0),
+    "unseeded-ops": SamplingParams(temperature=1.0),  # by a Sampler without compiled operators
     "seeded": SamplingParams(temperature=1.0, seed=7),
     "top-p": SamplingParams(temperature=0.7, top_p=0.9),
 }
@@ -60,12 +66,14 @@ class SamplerRow:
     batch: int
     ms: dict[str, float]  # way -> median milliseconds over the rounds
     race_over_inverse: float  # median over the rounds of seeded ms / unseeded ms
+    ops_over_compiled: float  # median over the rounds of unseeded-ops ms / unseeded ms
 
 
 def measure(batch: int, s: SamplerSettings) -> SamplerRow:
     gen = torch.Generator().manual_seed(batch)
     logits = (torch.randn(batch, s.vocab, generator=gen) * s.scale).bfloat16()  # [B, V]
-    sampler = Sampler(seed=1, fused=cpu_ops())
+    samplers = {way: Sampler(seed=1, fused=None if way == "unseeded-ops" else cpu_ops())
+                for way in WAYS}
     positions = list(range(batch))
     times: dict[str, list[float]] = {way: [] for way in WAYS}
     for _ in range(s.rounds):
@@ -73,20 +81,29 @@ def measure(batch: int, s: SamplerSettings) -> SamplerRow:
         random.shuffle(ways)
         for way, params in ways:
             times[way].append(median_seconds(
-                lambda p=params: sampler(logits, [p] * batch, positions), s.repeats))
-    ratios = [r / u for r, u in zip(times["seeded"], times["unseeded"], strict=True)]
+                lambda w=way, p=params: samplers[w](logits, [p] * batch, positions),
+                s.repeats))
     return SamplerRow(batch, {w: statistics.median(t) * 1e3 for w, t in times.items()},
-                      statistics.median(ratios))
+                      _median_ratio(times["seeded"], times["unseeded"]),
+                      _median_ratio(times["unseeded-ops"], times["unseeded"]))
+
+
+def _median_ratio(over: list[float], under: list[float]) -> float:
+    return statistics.median(a / b for a, b in zip(over, under, strict=True))
 
 
 def format_table(rows: list[SamplerRow]) -> str:
-    head = (f"{'batch':>6}" + "".join(f"{w + ' ms':>13}" for w in WAYS)
-            + f"{'race / inverse':>16}")
+    head = (f"{'batch':>6}" + "".join(f"{w + ' ms':>{_width(w)}}" for w in WAYS)
+            + f"{'race / inverse':>16}{'ops / compiled':>16}")
     lines = [head, "-" * len(head)]
     for r in rows:
-        lines.append(f"{r.batch:>6}" + "".join(f"{r.ms[w]:>13.3f}" for w in WAYS)
-                     + f"{r.race_over_inverse:>15.2f}x")
+        lines.append(f"{r.batch:>6}" + "".join(f"{r.ms[w]:>{_width(w)}.3f}" for w in WAYS)
+                     + f"{r.race_over_inverse:>15.2f}x{r.ops_over_compiled:>15.2f}x")
     return "\n".join(lines)
+
+
+def _width(way: str) -> int:
+    return max(13, len(way) + 5)
 
 
 def main(s: SamplerSettings, as_json: bool) -> int:

@@ -45,8 +45,9 @@ CSRC = Path(__file__).parent / "csrc"
 SOURCES = ("bindings.cpp", "norm.cpp", "activation.cpp", "rope.cpp", "kv_store.cpp",
            "decode_attention.cpp", "prefill_attention.cpp", "prefill_attention_fma.cpp",
            "prefill_attention_amx.cpp", "amx_linear.cpp", "dpbf16_linear.cpp",
-           "avx2_linear.cpp", "argmax.cpp", "kernel_linear.cpp", "fused_layer.cpp",
-           "moe_experts.cpp", "mla_decode.cpp", "moe_route.cpp", "router_logits.cpp")
+           "avx2_linear.cpp", "argmax.cpp", "sample.cpp", "kernel_linear.cpp",
+           "fused_layer.cpp", "moe_experts.cpp", "mla_decode.cpp", "moe_route.cpp",
+           "router_logits.cpp")
 HEADERS = ("ops.h", "vec.h", "linear_call.h", "thread_buffer.h", "paged_context.h",
            "prefill_tiles.h", "amx_tiles.h")
 BUILD_CORE_SECONDS = 100  # compiler time of a build over its sources (110 s on 1 Zen 4 core, busy)

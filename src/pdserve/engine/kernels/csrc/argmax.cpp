@@ -11,20 +11,10 @@ namespace pdserve {
 namespace {
 
 // Index of the first maximum of p[0, n), or of the first NaN if there is one (torch.max's
-// rule: NaN is larger than everything). Two vector passes: the maximum, then where it is.
+// rule): two vector passes, the maximum (`row_max`), then where it is.
 int64_t first_max(const bf16* p, int64_t n) {
   const int64_t body = n - n % kBVec;
-  Vec best(-std::numeric_limits<float>::infinity());
-  for (int64_t i = 0; i < body; i += kBVec) {
-    auto [a, b] = load_bf16(p + i);
-    best = at::vec::maximum(best, at::vec::maximum(a, b));  // NaN-propagating
-  }
-  float m = at::vec::vec_reduce_all<float>(
-      [](Vec& x, Vec& y) { return at::vec::maximum(x, y); }, best);
-  for (int64_t i = body; i < n; ++i) {
-    const float v = static_cast<float>(p[i]);
-    m = std::isnan(v) || v > m ? v : m;
-  }
+  const float m = row_max(p, n);
   if (std::isnan(m)) {
     for (int64_t i = 0; i < n; ++i)
       if (std::isnan(static_cast<float>(p[i]))) return i;

@@ -25,6 +25,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("prefill_attention_dpbf16", &pdserve::prefill_attention_dpbf16, kFree);
   m.def("prefill_attention_amx", &pdserve::prefill_attention_amx, kFree);
   m.def("argmax_rows", &pdserve::argmax_rows, kFree);
+  m.def("sample_rows", &pdserve::sample_rows, kFree);
   m.def("amx_available", &pdserve::amx_available);
   m.def("amx_pack", &pdserve::amx_pack, kFree);
   m.def("amx_linear", &pdserve::amx_linear, kFree);

@@ -7,6 +7,8 @@
 #include <c10/util/BFloat16.h>
 
 #include <algorithm>
+#include <cmath>
+#include <limits>
 #include <utility>
 
 namespace pdserve {
@@ -188,6 +190,24 @@ inline void to_bf16(const float* src, bf16* dst, int64_t n) {
                  Vec::loadu(src + i + kVec, std::max<int64_t>(c - kVec, 0)), c);
     }
   }
+}
+
+// The maximum of bf16 p[0, n) as a float, NaN if one is there (torch.max's rule: NaN is larger
+// than everything): vectors, then the tail.
+inline float row_max(const bf16* p, int64_t n) {
+  const int64_t body = n - n % kBVec;
+  Vec best(-std::numeric_limits<float>::infinity());
+  for (int64_t i = 0; i < body; i += kBVec) {
+    auto [a, b] = load_bf16(p + i);
+    best = at::vec::maximum(best, at::vec::maximum(a, b));  // NaN-propagating
+  }
+  float m = at::vec::vec_reduce_all<float>(
+      [](Vec& x, Vec& y) { return at::vec::maximum(x, y); }, best);
+  for (int64_t i = body; i < n; ++i) {
+    const float v = static_cast<float>(p[i]);
+    m = std::isnan(v) || v > m ? v : m;
+  }
+  return m;
 }
 
 }  // namespace pdserve

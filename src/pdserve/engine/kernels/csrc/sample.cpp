@@ -1,0 +1,143 @@
+// Temperature sampling by the inverse CDF, one pass over a row's logits and a short second one:
+// the token drawn is the first index j whose running sum of w_i = exp((x_i - max x) / T)
+// exceeds u x (the sum of all w_i), for one uniform u in [0, 1) per row. The same draw as
+// softmax, cumsum and searchsorted in PyTorch (engine/sampler.py `inverse_cdf`), without the
+// four [B, V] fp32 tensors between them.
+//
+// Pass 1 sums the weights per block of kBlock entries (vector lanes, then the block's lanes)
+// and adds the blocks in fp64. Pass 2 walks the block sums, in fp64, to the block whose sum
+// carries the running total past the target, recomputes that block's weights and walks them one
+// by one. The target is below the total (u < 1, fp64 product), so a block is always found; if
+// the walk inside it ends without passing the target (its lanes were added in another order
+// than the walk adds them, which rounds differently), the block's last nonzero weight is drawn.
+// Either way the draw has a nonzero weight: the running sum only rises at one.
+//
+// A row whose weights are not a finite positive total (a NaN logit, every logit -inf) draws its
+// first maximum, as greedy would.
+#include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "ops.h"
+#include "vec.h"
+
+namespace pdserve {
+namespace {
+
+constexpr int64_t kBlock = 4 * kBVec;  // entries per block sum: four bf16 vectors
+
+// w_i of entries [i, i + count) of row p (count <= kBVec), as two float vectors (zero past
+// count).
+inline std::pair<Vec, Vec> weights(const bf16* p, int64_t i, int64_t count, const Vec& top,
+                                   const Vec& inv_t) {
+  auto [a, b] = load_bf16(p + i, count);
+  Vec wa = ((a - top) * inv_t).exp_u20(), wb = ((b - top) * inv_t).exp_u20();
+  if (count < kBVec) {  // the padded lanes loaded as 0, whose weight would not be
+    const float lanes_a = static_cast<float>(std::min<int64_t>(count, kVec));
+    const Vec idx = Vec::arange(0.f, 1.f);
+    wa = Vec::blendv(Vec(0.f), wa, idx < Vec(lanes_a));
+    wb = Vec::blendv(Vec(0.f), wb, idx < Vec(static_cast<float>(count - kVec)));
+  }
+  return {wa, wb};
+}
+
+// The sum of w_i over [i, i + n), n <= kBlock.
+float block_sum(const bf16* p, int64_t i, int64_t n, const Vec& top, const Vec& inv_t) {
+  Vec acc(0.f);
+  for (int64_t j = i; j < i + n; j += kBVec) {
+    auto [wa, wb] = weights(p, j, std::min(kBVec, i + n - j), top, inv_t);
+    acc = acc + wa + wb;
+  }
+  return at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, acc);
+}
+
+// The entry of block [i, i + n) where the running sum `run` (the blocks before it) passes
+// `target`; its last nonzero one if rounding leaves the walk short.
+int64_t walk_block(const bf16* p, int64_t i, int64_t n, double run, double target,
+                   const Vec& top, const Vec& inv_t) {
+  alignas(64) float w[kBlock];
+  for (int64_t j = 0; j < n; j += kBVec) {
+    auto [wa, wb] = weights(p, i + j, std::min(kBVec, n - j), top, inv_t);
+    wa.store(w + j);
+    wb.store(w + j + kVec);
+  }
+  int64_t last = -1;
+  for (int64_t j = 0; j < n; ++j) {
+    if (w[j] <= 0.f) continue;
+    last = j;
+    run += w[j];
+    if (run > target) return i + j;
+  }
+  return last >= 0 ? i + last : -1;
+}
+
+int64_t first_max_index(const bf16* p, int64_t n, float m) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float v = static_cast<float>(p[i]);
+    if (v == m || (std::isnan(m) && std::isnan(v))) return i;
+  }
+  return 0;
+}
+
+int64_t draw(const bf16* p, int64_t n, float inv_temperature, double u, double* sums) {
+  const float m = row_max(p, n);
+  if (!std::isfinite(m)) return first_max_index(p, n, m);
+  const Vec top(m), inv_t(inv_temperature);
+  const int64_t blocks = (n + kBlock - 1) / kBlock;
+  double total = 0.0;
+  for (int64_t b = 0; b < blocks; ++b) {
+    sums[b] = block_sum(p, b * kBlock, std::min(kBlock, n - b * kBlock), top, inv_t);
+    total += sums[b];
+  }
+  if (!(total > 0.0) || !std::isfinite(total)) return first_max_index(p, n, m);
+  const double target = u * total;
+  double run = 0.0;
+  for (int64_t b = 0; b < blocks; ++b) {
+    if (sums[b] > 0.0 && run + sums[b] > target) {
+      const int64_t j = walk_block(p, b * kBlock, std::min(kBlock, n - b * kBlock), run,
+                                   target, top, inv_t);
+      if (j >= 0) return j;
+    }
+    run += sums[b];
+  }
+  return first_max_index(p, n, m);  // unreachable with target < total
+}
+
+}  // namespace
+
+at::Tensor sample_rows(const at::Tensor& logits, const at::Tensor& temperatures,
+                       const at::Tensor& uniforms) {
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kBFloat16 &&
+                  logits.stride(1) == 1 && logits.size(1) > 0,
+              "sample_rows needs bf16 logits [B, V] with V > 0 and contiguous rows");
+  const int64_t rows = logits.size(0), n = logits.size(1), ld = logits.stride(0);
+  TORCH_CHECK(temperatures.dim() == 1 && temperatures.size(0) == rows &&
+                  temperatures.scalar_type() == at::kFloat && temperatures.is_contiguous(),
+              "sample_rows needs fp32 temperatures [B]");
+  TORCH_CHECK(uniforms.dim() == 1 && uniforms.size(0) == rows &&
+                  uniforms.scalar_type() == at::kFloat && uniforms.is_contiguous(),
+              "sample_rows needs fp32 uniforms [B]");
+  const float* t = temperatures.data_ptr<float>();
+  const float* u = uniforms.data_ptr<float>();
+  for (int64_t r = 0; r < rows; ++r) {
+    TORCH_CHECK(t[r] > 0.f && std::isfinite(t[r]), "sample_rows: temperature ", t[r],
+                " of row ", r, " is not a finite number > 0");
+    TORCH_CHECK(u[r] >= 0.f && u[r] < 1.f, "sample_rows: uniform ", u[r], " of row ", r,
+                " is not in [0, 1)");
+  }
+  auto out = at::empty({rows}, logits.options().dtype(at::kLong));
+  const bf16* p = logits.data_ptr<bf16>();
+  int64_t* op = out.data_ptr<int64_t>();
+  const int64_t blocks = (n + kBlock - 1) / kBlock;
+  at::parallel_for(0, rows, 1, [&](int64_t r0, int64_t r1) {
+    std::vector<double> sums(blocks);
+    for (int64_t r = r0; r < r1; ++r)
+      op[r] = draw(p + r * ld, n, 1.f / t[r], static_cast<double>(u[r]), sums.data());
+  });
+  return out;
+}
+
+}  // namespace pdserve
