@@ -22,15 +22,29 @@ def test_a_workers_steps_within_the_run_are_summed_by_kind():
     assert s["stream_ms"] == pytest.approx(5.0)
     assert (s["prompt_steps"], s["prompt_tokens"]) == (1, 200)
     assert s["prompt_s"] == pytest.approx(0.15) and s["busy_s"] == pytest.approx(0.22)
+    assert (s["paced_steps"], s["paced_ms"]) == (1, pytest.approx(150.0))
     assert format_summary(s, 10.0) == ("busy 0.2 of 10.0 s; 2 decode-only steps (batch 7.0, "
                                        "median 35.0 ms, 5.00 ms a stream); 1 prompt step "
-                                       "(200 tokens, 0.1 s)")
+                                       "(200 tokens, 0.1 s, 1 beside streams (median 150 ms, "
+                                       "P99 150 ms))")
 
 
 def test_a_worker_that_only_prefilled_has_no_decode_figures():
     s = summarize(ROWS[:1], 0.0, 200.0)
     assert (s["decode_steps"], s["decode_batch"], s["stream_ms"]) == (0, 0.0, 0.0)
-    assert "no decode-only step; 1 prompt step (500 tokens" in format_summary(s, 200.0)
+    assert (s["paced_steps"], s["paced_p99_ms"]) == (0, 0.0)
+    assert format_summary(s, 200.0).endswith("no decode-only step; 1 prompt step (500 tokens, "
+                                             "0.5 s)")
+
+
+def test_the_paced_steps_median_and_p99_are_those_beside_streams():
+    """100 chunk steps beside streams of 80..179 ms and one whole prompt alone (2 s): the
+    whole prompt is no paced step; P99 is the 99th of the 100 by nearest rank."""
+    rows = [[float(i), i + (80 + i) / 1e3, 96, 3, 4] for i in range(100)]
+    rows.append([200.0, 202.0, 1500, 0, 1])
+    s = summarize(rows, 0.0, 300.0)
+    assert s["paced_steps"] == 100 and s["prompt_steps"] == 101
+    assert s["paced_ms"] == pytest.approx(129.5) and s["paced_p99_ms"] == pytest.approx(178.0)
 
 
 def test_the_table_has_a_line_per_worker_of_each_pdserve_configuration():
