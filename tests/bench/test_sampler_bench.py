@@ -23,9 +23,11 @@ def test_a_small_run_times_every_way() -> None:
     assert row.batch == 4 and set(row.ms) == set(WAYS)
     assert all(ms > 0 for ms in row.ms.values())
     assert row.race_over_inverse > 0 and row.ops_over_compiled > 0
+    assert row.top_p_ops_over_compiled > 0
     table = format_table([row])
     assert "race / inverse" in table.splitlines()[0]
     assert "ops / compiled" in table.splitlines()[0]
+    assert "top-p ops / compiled" in table.splitlines()[0]
     assert table.splitlines()[2].split()[0] == "4"
 
 

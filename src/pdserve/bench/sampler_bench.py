@@ -11,12 +11,14 @@ engine's `Sampler` on this process's threads, each way timed in the same rounds:
 - seeded: temperature 1 with a seed, the exponential race (one uniform per vocabulary entry,
   from a generator seeded per row and position): also what every sampled row cost before
   unseeded rows took the inverse CDF;
-- top-p: temperature 0.7, top-p 0.9, unseeded (the nucleus search, then the inverse CDF).
+- top-p: temperature 0.7, top-p 0.9, unseeded (the nucleus, then the inverse CDF), compiled
+  where the operators are built (the nucleus found in a pool of the largest logits);
+- top-p-ops: the same by PyTorch's operators (`sampler.apply_top_p`, then `inverse_cdf`).
 The rows' logits are random normal times `--scale` (a flatter or more peaked distribution;
 top-p's cost grows with the nucleus). Each round times every way (`repeats` calls each, in a
-random order) and a row reports the medians over the rounds, and two ratios per round, then
-their medians: the seeded race's time over the unseeded draw's, and the unseeded draw's by
-PyTorch's operators over the compiled one's.
+random order) and a row reports the medians over the rounds, and three ratios per round, then
+their medians: the seeded race's time over the unseeded draw's, and the unseeded and the top-p
+draws' by PyTorch's operators over the compiled ones'.
 
 The operators' [B, V] fp32 temporaries (3 MiB at 16 rows) are where the allocator state
 matters: in a fresh process glibc maps and unmaps each one, and its page faults made the
@@ -47,7 +49,9 @@ WAYS = {
     "unseeded-ops": SamplingParams(temperature=1.0),  # by a Sampler without compiled operators
     "seeded": SamplingParams(temperature=1.0, seed=7),
     "top-p": SamplingParams(temperature=0.7, top_p=0.9),
+    "top-p-ops": SamplingParams(temperature=0.7, top_p=0.9),  # likewise
 }
+OPS_WAYS = ("unseeded-ops", "top-p-ops")  # drawn by a Sampler without compiled operators
 
 
 @dataclass(frozen=True)
@@ -74,12 +78,13 @@ class SamplerRow:
     ms: dict[str, float]  # way -> median milliseconds over the rounds
     race_over_inverse: float  # median over the rounds of seeded ms / unseeded ms
     ops_over_compiled: float  # median over the rounds of unseeded-ops ms / unseeded ms
+    top_p_ops_over_compiled: float  # likewise, top-p-ops ms / top-p ms
 
 
 def measure(batch: int, s: SamplerSettings) -> SamplerRow:
     gen = torch.Generator().manual_seed(batch)
     logits = (torch.randn(batch, s.vocab, generator=gen) * s.scale).bfloat16()  # [B, V]
-    samplers = {way: Sampler(seed=1, fused=None if way == "unseeded-ops" else cpu_ops())
+    samplers = {way: Sampler(seed=1, fused=None if way in OPS_WAYS else cpu_ops())
                 for way in WAYS}
     positions = list(range(batch))
     times: dict[str, list[float]] = {way: [] for way in WAYS}
@@ -92,7 +97,8 @@ def measure(batch: int, s: SamplerSettings) -> SamplerRow:
                 s.repeats))
     return SamplerRow(batch, {w: statistics.median(t) * 1e3 for w, t in times.items()},
                       _median_ratio(times["seeded"], times["unseeded"]),
-                      _median_ratio(times["unseeded-ops"], times["unseeded"]))
+                      _median_ratio(times["unseeded-ops"], times["unseeded"]),
+                      _median_ratio(times["top-p-ops"], times["top-p"]))
 
 
 def _median_ratio(over: list[float], under: list[float]) -> float:
@@ -101,11 +107,12 @@ def _median_ratio(over: list[float], under: list[float]) -> float:
 
 def format_table(rows: list[SamplerRow]) -> str:
     head = (f"{'batch':>6}" + "".join(f"{w + ' ms':>{_width(w)}}" for w in WAYS)
-            + f"{'race / inverse':>16}{'ops / compiled':>16}")
+            + f"{'race / inverse':>16}{'ops / compiled':>16}{'top-p ops / compiled':>22}")
     lines = [head, "-" * len(head)]
     for r in rows:
         lines.append(f"{r.batch:>6}" + "".join(f"{r.ms[w]:>{_width(w)}.3f}" for w in WAYS)
-                     + f"{r.race_over_inverse:>15.2f}x{r.ops_over_compiled:>15.2f}x")
+                     + f"{r.race_over_inverse:>15.2f}x{r.ops_over_compiled:>15.2f}x"
+                     + f"{r.top_p_ops_over_compiled:>21.2f}x")
     return "\n".join(lines)
 
 

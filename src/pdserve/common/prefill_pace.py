@@ -10,8 +10,10 @@ N: the chunk's tokens, c: the prompt's tokens computed before it (cached, or ear
 P: the (query, key) pairs of its causal attention. a prices what every token costs wherever it
 falls (the linear layers), b one attended position. A chunk late in a long prompt attends to
 every position before it: at one average rate the first chunks of a 1,500-token prompt ended
-well under the budget and the last ones over it (SmolLM2 on 2 cores: 88 ms rising to 124 ms
-for 109-token chunks beside a 100 ms target). The chunk is the largest N within the budget B:
+well under the budget and the last ones over it (SmolLM2 on 2 cores beside 4-5 streams, a
+100 ms target: median chunk steps of 84 ms from a prompt's start, 110 ms from 1,024 tokens in;
+priced by position, 103 and 103 ms: docs/benchmarks.md). The chunk is the largest N within the
+budget B:
 
     N = floor(2 B / (h + sqrt(h^2 + 2 b B))),   h = a + b (c + 1/2)
 

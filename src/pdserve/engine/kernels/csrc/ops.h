@@ -118,12 +118,14 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k_cache,
 // NaN counts as the maximum).
 at::Tensor argmax_rows(const at::Tensor& x);
 
-// logits [B, V] bf16, temperatures [B] fp32 (> 0), uniforms [B] fp32 in [0, 1) -> [B] int64:
-// per row the first index whose running sum of exp((x - max x) / T) exceeds u x their total
-// (inverse-CDF sampling of softmax(x / T)); never an index of zero weight. A row without a
-// finite positive total (a NaN, all -inf) gives its first maximum.
+// logits [B, V] bf16, temperatures [B] fp32 (> 0), top_ps [B] fp32 in (0, 1] (1: none),
+// uniforms [B] fp32 in [0, 1) -> [B] int64: per row the first index, in vocabulary order, whose
+// running sum of exp((x - max x) / T) over the row's nucleus (the fewest largest weights reaching
+// top_p of the total, ties at its end kept; the whole row at 1) exceeds u x the nucleus's sum:
+// inverse-CDF sampling of softmax(x / T) after top-p; never an index of zero weight. A row
+// without a finite positive total (a NaN, all -inf) gives its first maximum.
 at::Tensor sample_rows(const at::Tensor& logits, const at::Tensor& temperatures,
-                       const at::Tensor& uniforms);
+                       const at::Tensor& top_ps, const at::Tensor& uniforms);
 
 // Whether this process may use AMX tiles (built for them, and granted by the kernel).
 bool amx_available();

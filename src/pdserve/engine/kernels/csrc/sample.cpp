@@ -12,11 +12,19 @@
 // than the walk adds them, which rounds differently), the block's last nonzero weight is drawn.
 // Either way the draw has a nonzero weight: the running sum only rises at one.
 //
+// Top-p (p < 1): the nucleus is the fewest largest weights whose sum reaches p x total (ties at
+// its smallest weight all kept, as engine/sampler.py `apply_top_p`), found in a pool of the
+// largest logits (64, then 1,024, 8,192, the row: a language model's nucleus is small); the draw
+// walks the nucleus in vocabulary order to the first entry whose running sum passes u x the
+// nucleus's total. A pool whose smallest logit is the nucleus's last may leave out ties with it
+// outside, so it is taken as too small.
+//
 // A row whose weights are not a finite positive total (a NaN logit, every logit -inf) draws its
 // first maximum, as greedy would.
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -82,7 +90,91 @@ int64_t first_max_index(const bf16* p, int64_t n, float m) {
   return 0;
 }
 
-int64_t draw(const bf16* p, int64_t n, float inv_temperature, double u, double* sums) {
+struct Entry {
+  float x;  // the logit
+  int64_t i;  // its index
+};
+
+// The `k` largest logits of p[0, n) (k < n), in no order: entries above a floor, the k-th
+// largest kept so far, collect in `pool` and are cut back to the k largest whenever they reach
+// 2k; a vector of logits all at or under the floor costs one compare.
+void largest(const bf16* p, int64_t n, int64_t k, std::vector<Entry>& pool) {
+  const auto bigger = [](const Entry& a, const Entry& b) { return a.x > b.x; };
+  pool.clear();
+  float floor = -std::numeric_limits<float>::infinity();
+  for (int64_t i = 0; i < n; i += kBVec) {
+    const int64_t count = std::min(kBVec, n - i);
+    auto [a, b] = load_bf16(p + i, count);
+    const int64_t lanes = (int64_t{1} << kVec) - 1;
+    int64_t above = ~static_cast<int64_t>((a > Vec(floor)).zero_mask()) & lanes;
+    above |= (~static_cast<int64_t>((b > Vec(floor)).zero_mask()) & lanes) << kVec;
+    for (; above; above &= above - 1) {
+      const int64_t j = __builtin_ctzll(above);
+      if (j < count) pool.push_back({static_cast<float>(p[i + j]), i + j});
+    }
+    if (static_cast<int64_t>(pool.size()) >= 2 * k) {
+      std::nth_element(pool.begin(), pool.begin() + (k - 1), pool.end(), bigger);
+      pool.resize(k);
+      floor = pool[k - 1].x;
+    }
+  }
+  if (static_cast<int64_t>(pool.size()) > k) {
+    std::nth_element(pool.begin(), pool.begin() + (k - 1), pool.end(), bigger);
+    pool.resize(k);
+  }
+}
+
+// The smallest logit of the nucleus (`p_total`: top_p x the row's total weight), from `pool`,
+// the row's k largest logits; NaN where a full pool of k < n cannot tell it (its weights do not
+// reach p_total, or the nucleus ends at its smallest logit, which entries outside may tie).
+float nucleus_floor(std::vector<Entry>& pool, int64_t k, int64_t n, float m, float inv_t,
+                    double p_total) {
+  std::sort(pool.begin(), pool.end(), [](const Entry& a, const Entry& b) { return a.x > b.x; });
+  // a pool short of k holds every logit above -inf: none left outside to reach p or to tie
+  const bool partial = k < n && static_cast<int64_t>(pool.size()) == k;
+  double run = 0.0;
+  for (size_t j = 0; j < pool.size(); ++j) {
+    run += std::exp((pool[j].x - m) * inv_t);
+    if (run >= p_total) {
+      const bool tied_out = partial && pool[j].x == pool.back().x;
+      return tied_out ? std::numeric_limits<float>::quiet_NaN() : pool[j].x;
+    }
+  }
+  return partial ? std::numeric_limits<float>::quiet_NaN() : pool.back().x;  // all of it
+}
+
+// The draw from the nucleus: entries of p at or above `floor`, in vocabulary order.
+int64_t draw_nucleus(const bf16* p, int64_t n, float m, float inv_t, float top_p, double u,
+                     double total, std::vector<Entry>& pool) {
+  float floor = std::numeric_limits<float>::quiet_NaN();
+  for (int64_t k : {int64_t{64}, int64_t{1024}, int64_t{8192}, n}) {
+    k = std::min(k, n);
+    if (k < n) {
+      largest(p, n, k, pool);
+    } else {
+      pool.clear();
+      for (int64_t i = 0; i < n; ++i) pool.push_back({static_cast<float>(p[i]), i});
+    }
+    floor = nucleus_floor(pool, k, n, m, inv_t, top_p * total);
+    if (!std::isnan(floor) || k == n) break;
+  }
+  std::vector<Entry> kept;
+  for (const Entry& e : pool)
+    if (e.x >= floor) kept.push_back(e);
+  std::sort(kept.begin(), kept.end(), [](const Entry& a, const Entry& b) { return a.i < b.i; });
+  double sum = 0.0;
+  for (const Entry& e : kept) sum += std::exp((e.x - m) * inv_t);
+  const double target = u * sum;
+  double run = 0.0;
+  for (const Entry& e : kept) {
+    run += std::exp((e.x - m) * inv_t);
+    if (run > target) return e.i;
+  }
+  return kept.back().i;  // rounding left the walk short: the last kept entry
+}
+
+int64_t draw(const bf16* p, int64_t n, float inv_temperature, float top_p, double u,
+             double* sums, std::vector<Entry>& pool) {
   const float m = row_max(p, n);
   if (!std::isfinite(m)) return first_max_index(p, n, m);
   const Vec top(m), inv_t(inv_temperature);
@@ -93,6 +185,7 @@ int64_t draw(const bf16* p, int64_t n, float inv_temperature, double u, double* 
     total += sums[b];
   }
   if (!(total > 0.0) || !std::isfinite(total)) return first_max_index(p, n, m);
+  if (top_p < 1.f) return draw_nucleus(p, n, m, inv_temperature, top_p, u, total, pool);
   const double target = u * total;
   double run = 0.0;
   for (int64_t b = 0; b < blocks; ++b) {
@@ -109,7 +202,7 @@ int64_t draw(const bf16* p, int64_t n, float inv_temperature, double u, double* 
 }  // namespace
 
 at::Tensor sample_rows(const at::Tensor& logits, const at::Tensor& temperatures,
-                       const at::Tensor& uniforms) {
+                       const at::Tensor& top_ps, const at::Tensor& uniforms) {
   TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kBFloat16 &&
                   logits.stride(1) == 1 && logits.size(1) > 0,
               "sample_rows needs bf16 logits [B, V] with V > 0 and contiguous rows");
@@ -120,11 +213,17 @@ at::Tensor sample_rows(const at::Tensor& logits, const at::Tensor& temperatures,
   TORCH_CHECK(uniforms.dim() == 1 && uniforms.size(0) == rows &&
                   uniforms.scalar_type() == at::kFloat && uniforms.is_contiguous(),
               "sample_rows needs fp32 uniforms [B]");
+  TORCH_CHECK(top_ps.dim() == 1 && top_ps.size(0) == rows &&
+                  top_ps.scalar_type() == at::kFloat && top_ps.is_contiguous(),
+              "sample_rows needs fp32 top_ps [B]");
   const float* t = temperatures.data_ptr<float>();
+  const float* tp = top_ps.data_ptr<float>();
   const float* u = uniforms.data_ptr<float>();
   for (int64_t r = 0; r < rows; ++r) {
     TORCH_CHECK(t[r] > 0.f && std::isfinite(t[r]), "sample_rows: temperature ", t[r],
                 " of row ", r, " is not a finite number > 0");
+    TORCH_CHECK(tp[r] > 0.f && tp[r] <= 1.f, "sample_rows: top_p ", tp[r], " of row ", r,
+                " is not in (0, 1]");
     TORCH_CHECK(u[r] >= 0.f && u[r] < 1.f, "sample_rows: uniform ", u[r], " of row ", r,
                 " is not in [0, 1)");
   }
@@ -134,8 +233,10 @@ at::Tensor sample_rows(const at::Tensor& logits, const at::Tensor& temperatures,
   const int64_t blocks = (n + kBlock - 1) / kBlock;
   at::parallel_for(0, rows, 1, [&](int64_t r0, int64_t r1) {
     std::vector<double> sums(blocks);
+    std::vector<Entry> pool;
     for (int64_t r = r0; r < r1; ++r)
-      op[r] = draw(p + r * ld, n, 1.f / t[r], static_cast<double>(u[r]), sums.data());
+      op[r] = draw(p + r * ld, n, 1.f / t[r], tp[r], static_cast<double>(u[r]), sums.data(),
+                   pool);
   });
   return out;
 }
