@@ -10,16 +10,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from pdserve.common.prefill_pace import MIN_FIT
 from pdserve.throttled_log import ThrottledLog
 from pdserve.workers.engine_loop import PAST_TARGET_LOG_S, EngineLoop
-from pdserve.workers.prefill_budget import (
-    marginal_prefill_rate,
-    past_target,
-    prefill_chunk,
-    prefill_pace,
-    prompt_costs,
-)
+from pdserve.workers.prefill_budget import marginal_prefill_rate, past_target, prefill_chunk
 from pdserve.workers.step_trace import Step, StepTrace
 
 
@@ -65,9 +58,8 @@ def test_a_worker_past_its_target_says_so_once_a_minute(caplog) -> None:
     for step in reversed(_trace()):
         trace.record(step)
     chunks: list[int | None] = []
-    paces: list = []
     engine = SimpleNamespace(config=SimpleNamespace(block_size=16),
-                             set_prefill_chunk=chunks.append, set_prefill_pace=paces.append)
+                             set_prefill_chunk=chunks.append)
     loop = SimpleNamespace(tpot_target_s=0.030, _chunk_at=0.0, trace=trace, engine=engine,
                            _warnings=ThrottledLog(logging.getLogger("pdserve.worker"),
                                                   PAST_TARGET_LOG_S))
@@ -75,60 +67,9 @@ def test_a_worker_past_its_target_says_so_once_a_minute(caplog) -> None:
         for _ in range(3):
             loop._chunk_at = 0.0  # a refresh is due
             EngineLoop._refresh_prefill_chunk(loop)
-    assert chunks == [16, 16, 16] and paces == [None, None, None]  # no time left to price
+    assert chunks == [16, 16, 16]
     warned = [r.getMessage() for r in caplog.records]
     assert len(warned) == 1
     assert warned[0].startswith("decode steps take 40 ms (median), at or over the 30 ms TPOT "
                                 "target (--slo-tpot-ms)")
     assert "one block (16 tokens) a step" in warned[0]
-
-
-def _chunk_step(at: float, n: int, cached: int, decode: int, d: float, a: float,
-                b: float) -> Step:
-    """A step of n prompt tokens after `cached`, beside `decode` streams whose part is d,
-    priced a per token and b per attended pair."""
-    pairs = n * cached + n * (n + 1) // 2
-    return Step(at, at + (d if decode else 0.0) + a * n + b * pairs, n, decode, decode + 1, 0,
-                pairs)
-
-
-def _prompt_in_chunks(start: float, chunk: int, length: int) -> list[Step]:
-    steps, cached = [], 0
-    while cached < length:
-        n = min(chunk, length - cached)
-        steps.append(_chunk_step(start + cached, n, cached, 2, 0.015, 6.5e-4, 1.3e-7))
-        cached += n
-    return steps
-
-
-def test_the_fit_prices_tokens_and_attended_pairs_apart() -> None:
-    """Chunks of 1,500-token prompts beside streams (decode part 15 ms), priced 0.65 ms a
-    token and 0.13 us a pair, newest first, decode-only steps of 15 ms among them: the fit
-    finds both costs, and the pace's budget is what the decode step leaves of the target."""
-    steps = [_step(100.0 + i, 0.015, 0, 2) for i in range(8)]
-    steps += _prompt_in_chunks(0.0, 110, 1500) + _prompt_in_chunks(50.0, 96, 1500)
-    steps.sort(key=lambda s: -s.start)
-    a, b = prompt_costs(steps, decode_step_s=0.015)
-    assert a == pytest.approx(6.5e-4, rel=1e-6) and b == pytest.approx(1.3e-7, rel=1e-6)
-    pace = prefill_pace(0.1, steps, block_size=16)
-    assert pace.budget_s == pytest.approx(0.085)
-    assert pace.tokens(0) > prefill_chunk(0.1, steps, 16) > pace.tokens(1400)
-
-
-def test_steps_that_cannot_tell_the_costs_apart_give_the_one_rate() -> None:
-    """Too few prompt steps, or chunks all at one place (pairs proportional to tokens): b = 0
-    and a = 1 / R_m, the rate the fixed chunk is sized by."""
-    decode = [_step(100.0 + i, 0.040, 0, 8) for i in range(4)]
-    few = [*decode, *_trace()[10:]]  # 4 prompt steps
-    assert prompt_costs(few, 0.040) == (pytest.approx(1e-3), 0.0)
-    same = [*decode, *[_chunk_step(float(i), 64, 0, 2, 0.040, 1e-3, 2e-6)
-                       for i in range(MIN_FIT + 2)]]
-    a, b = prompt_costs(same, 0.040)
-    assert b == 0.0 and a == pytest.approx(1 / marginal_prefill_rate(same, 0.040))
-
-
-def test_no_pace_without_both_kinds_of_step_or_with_no_time_left() -> None:
-    assert prefill_pace(0.1, [_step(0.0, 0.2, 200, 0)], block_size=16) is None
-    assert prefill_pace(0.1, [_step(0.0, 0.04, 0, 4)], block_size=16) is None
-    assert prefill_pace(0.040, _trace(), block_size=16) is None  # 40 ms decode steps
-    assert prefill_pace(0.1, _trace(), block_size=16).budget_s == pytest.approx(0.060)

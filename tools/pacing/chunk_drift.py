@@ -1,9 +1,9 @@
 """Where in their prompts the paced chunks of a measured run ran long: the steps that computed
 prompt tokens beside streams, from a `pdserve bench compare --out X.json` run's step rows
 (X.steps.json), grouped by how far into its prompt each chunk started, with their median and
-99th percentile durations and the share over the TPOT target. A pace priced by one average rate
-leaves late chunks (whose tokens attend to every position before them) longer than early ones;
-priced per attended pair (`common/prefill_pace.py`) they stay level.
+99th percentile durations and the share over the TPOT target. Chunks sized by one average rate
+(`workers/prefill_budget.py`) run longer late in a prompt, whose tokens attend to every
+position before them, than early in it.
 
 A step's position comes from its row: P = N x c + N (N + 1) / 2 attended pairs for N prompt
 tokens after c computed ones, so c = (P - N (N + 1) / 2) / N (exact for a step of one prompt;

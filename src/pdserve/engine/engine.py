@@ -28,7 +28,6 @@ import torch
 from pdserve.common.engine_options import Role
 from pdserve.common.model_config import ModelConfig
 from pdserve.common.model_folder import resolve_model
-from pdserve.common.prefill_pace import PrefillPace
 from pdserve.common.sampling_params import SamplingParams
 from pdserve.common.tokenizer import load_tokenizer
 from pdserve.config import EngineConfig
@@ -260,13 +259,6 @@ class Engine:
     @property
     def prefill_chunk(self) -> int | None:
         return self.scheduler.prefill_chunk
-
-    def set_prefill_pace(self, pace: PrefillPace | None) -> None:
-        """While a request decodes, size each step's prompt chunk by `pace` where the prompt
-        stands (None: the fixed chunk, if any); see `scheduler.py`."""
-        if pace is not None and not isinstance(pace, PrefillPace):
-            raise ValueError(f"a prefill pace is a PrefillPace or None, got {pace!r}")
-        self.scheduler.prefill_pace = pace
 
     def reserve_remote(self) -> None:
         """Decode role: reserve blocks for the queued remote requests the pool has room for now

@@ -8,13 +8,10 @@ are never starved by new prompts; waiting requests are admitted in arrival order
 budget, the sequence cap and the free blocks allow. Without chunking, whole prompts share a step
 only while their prompt tokens stay within PROMPT_PACK_TOKENS (a longer one runs alone).
 
-A prefill pace (`prefill_pace`, set by the worker from its measured step costs and TPOT target:
+A prefill chunk (`prefill_chunk`, set by the worker from its measured rates and TPOT target:
 `workers/prefill_budget.py`) caps the prompt tokens of a step while any request decodes: prompts
-then go in chunks (chunking on, whatever the config says), each as long as the pace allows where
-it falls in the prompt that runs first (`common/prefill_pace.py`: later chunks attend to more
-positions and are shorter), so that the streams' steps stay within the target; a fixed
-`prefill_chunk` caps them where no pace is set; with no request decoding the step budget alone
-applies.
+then go in chunks of at most that many tokens (chunking on, whatever the config says), so that
+the streams' steps stay short; with no request decoding the step budget alone applies.
 
 Memory: a request is admitted only with blocks for all its current tokens, and a decode step
 needs at most one new block. When none is free the newest running request is preempted: its
@@ -29,7 +26,6 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from pdserve.common.engine_options import PROMPT_PACK_TOKENS
-from pdserve.common.prefill_pace import PrefillPace
 from pdserve.config import EngineConfig
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.request import Request, RequestState
@@ -67,7 +63,6 @@ class Scheduler:
         self.waiting_for_kv: list[Request] = []  # decode role: reserved or queued for blocks
         self.num_preemptions = 0  # since start, for metrics and tests
         self.prefill_chunk: int | None = None  # most prompt tokens per step beside decodes
-        self.prefill_pace: PrefillPace | None = None  # ... priced by position (over the chunk)
 
     def add(self, req: Request) -> None:
         if req.remote_prefill:
@@ -105,26 +100,12 @@ class Scheduler:
     # -- internals ----------------------------------------------------------------------------
 
     def _prefill_budget(self, budget: int) -> int:
-        """The step's prompt tokens: while a request decodes, the pace's chunk for the prompt
-        that runs first (else the fixed chunk); else the budget."""
-        if not any(r.num_tokens - r.num_computed_tokens == 1 for r in self.running):
-            return budget
-        if self.prefill_pace is not None:
-            computed = self._first_prompt_computed()
-            if computed is not None:
-                return min(budget, self.prefill_pace.tokens(computed))
-        return budget if self.prefill_chunk is None else min(budget, self.prefill_chunk)
-
-    def _first_prompt_computed(self) -> int | None:
-        """The tokens computed before this step of the prompt that runs first in it: the
-        oldest running request still computing its prompt, else the first waiting one (what
-        the prefix cache holds of it); None without either."""
-        for req in self.running:
-            if req.computing_prompt:
-                return req.num_computed_tokens
-        if not self.waiting:
-            return None
-        return len(self.bm.match_prefix(self.waiting[0].token_ids)) * self.bm.block_size
+        """The step's prompt tokens: the prefill chunk while a request decodes, else the
+        budget."""
+        if self.prefill_chunk is not None and any(
+                r.num_tokens - r.num_computed_tokens == 1 for r in self.running):
+            return min(budget, self.prefill_chunk)
+        return budget
 
     def _schedule_running(self, out: SchedulerOutput, budget: int, prefill: int
                           ) -> tuple[int, int]:

@@ -68,7 +68,7 @@ from pdserve.workers.loop_commands import (
     Submit,
 )
 from pdserve.workers.parked import ParkedLegs
-from pdserve.workers.prefill_budget import REFRESH_S, past_target, prefill_chunk, prefill_pace
+from pdserve.workers.prefill_budget import REFRESH_S, past_target, prefill_chunk
 from pdserve.workers.role_flip import RoleFlip
 from pdserve.workers.step_rates import SCAN
 from pdserve.workers.step_trace import Step, StepTrace
@@ -264,8 +264,6 @@ class EngineLoop:
         steps, block = self.trace.newest_first(SCAN), self.engine.config.block_size
         chunk = prefill_chunk(self.tpot_target_s, steps, block)
         self.engine.set_prefill_chunk(chunk)
-        self.engine.set_prefill_pace(prefill_pace(self.tpot_target_s, steps, block)
-                                     if chunk is not None else None)
         # past the target only with the chunk down to one block: the steps are read again then
         step = past_target(self.tpot_target_s, steps) if chunk == block else None
         if step is not None:

@@ -18,14 +18,7 @@ advances a block a step; the worker says so in its log (`past_target`), since on
 operator can change it (a larger target, fewer streams per worker, more decode workers).
 
 `C` is reported in the signed /health as `chunk_tokens`, the stall the router's decision
-counts for one step of this worker: a prompt's chunks average it (R is their average rate).
-
-The engine sizes each chunk by where it falls in its prompt (`common/prefill_pace.py`): the
-prompt part of a step, t - d above, is fitted as a x N + b x P over the same steps, P the
-step's attended (query, key) pairs (its trace's `prefill_attention`; `fit_costs`), and each
-chunk is the largest whose a x N + b x P fits tpot - s. At one rate a late chunk of a long
-prompt, whose tokens attend to every position before them, ran past the target and an early one
-under it. Where the steps cannot tell a from b, the fit falls back on the one rate above.
+counts for one step of this worker.
 
 Lifetime: recomputed from the step trace every `REFRESH_S` on the engine thread
 (`EngineLoop`), applied to the following steps (`Engine.set_prefill_chunk`).
@@ -36,7 +29,6 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 
-from pdserve.common.prefill_pace import PrefillPace, fit_costs
 from pdserve.workers.step_rates import WINDOW, step_rates
 from pdserve.workers.step_trace import Step
 
@@ -78,33 +70,3 @@ def prefill_chunk(tpot_target_s: float, newest_first: Iterable[Step], block_size
     if rate is None:
         return block_size
     return max(block_size, math.floor(round((tpot_target_s - decode_step) * rate, 6)))
-
-
-def prompt_costs(newest_first: list[Step], decode_step_s: float | None,
-                 window: int = WINDOW) -> tuple[float, float] | None:
-    """(a, b) above from the last `window` prompt steps; None before any step computed
-    prompt tokens in measurable time."""
-    rows = []
-    for step in newest_first:
-        if not step.prefill_tokens:
-            continue
-        part = step.end - step.start - ((decode_step_s or 0.0) if step.decode_tokens else 0.0)
-        if part > 0:
-            rows.append((step.prefill_tokens, step.prefill_attention, part))
-        if len(rows) >= window:
-            break
-    return fit_costs(rows)
-
-
-def prefill_pace(tpot_target_s: float, newest_first: Iterable[Step], block_size: int
-                 ) -> PrefillPace | None:
-    """The pace above, or None (no cap, or the fixed chunk) while no decode step or no prompt
-    step was measured, or where the decode step leaves no time of the target."""
-    steps = list(newest_first)
-    decode_step = step_rates(steps).decode_step_s
-    if decode_step is None or decode_step >= tpot_target_s:
-        return None
-    costs = prompt_costs(steps, decode_step)
-    if costs is None:
-        return None
-    return PrefillPace(tpot_target_s - decode_step, costs[0], costs[1], block_size)

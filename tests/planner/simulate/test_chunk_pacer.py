@@ -41,28 +41,3 @@ def test_a_decode_step_at_the_target_still_computes_a_block():
     pacer.record(0, 8, 0.030)
     pacer.record(1000, 0, 0.5)
     assert pacer.chunk(0.0) == 16
-
-
-def test_a_chunk_is_priced_where_it_falls_in_its_prompt():
-    """Prompt steps priced 0.65 ms a token and 0.13 us an attended pair beside streams whose
-    decode step is 15 ms: a step's chunk is the longest that fits the 85 ms left, longer at a
-    prompt's start than 1,400 tokens in, while the reported C stays the one-rate chunk."""
-    pacer = ChunkPacer(0.1, 16)
-    for _ in range(4):
-        pacer.record(0, 2, 0.015)
-    for chunk in (96, 110):
-        for computed in range(0, 1500, chunk):
-            n = min(chunk, 1500 - computed)
-            pairs = n * computed + n * (n + 1) // 2
-            pacer.record(n, 2, 0.015 + 6.5e-4 * n + 1.3e-7 * pairs, pairs)
-    first, late = pacer.tokens(0.0, 0), pacer.tokens(0.0, 1400)
-    assert 6.5e-4 * first + 1.3e-7 * first * (first + 1) / 2 <= 0.085
-    assert 6.5e-4 * (first + 1) + 1.3e-7 * (first + 1) * (first + 2) / 2 > 0.085
-    assert first > pacer.chunk(0.0) > late
-
-
-def test_without_time_left_beside_the_streams_every_chunk_is_the_block():
-    pacer = ChunkPacer(0.02, 16)
-    pacer.record(0, 8, 0.030)
-    pacer.record(1000, 0, 0.5, 500_500)
-    assert pacer.tokens(0.0, 0) == pacer.tokens(0.0, 900) == 16

@@ -9,7 +9,6 @@ from dataclasses import dataclass
 
 import pytest
 
-from pdserve.common.prefill_pace import MIN_FIT
 from pdserve.planner.simulate.calibration import Chunk
 from pdserve.planner.simulate.cluster import Cluster
 from pdserve.planner.simulate.events import SimResult, simulate
@@ -277,17 +276,15 @@ class Attending(Linear):
 PAIR_S = 2**-26  # 8192 tokens after 8192 cached: +1 s
 
 
-def test_paced_steps_land_at_the_target_once_the_worker_prices_attention():
-    """A's stream, then B (8192 tokens) kept local at 1 s: the worker's first chunks come from
-    one rate (A's short prompt and too few steps to price attention apart: MIN_FIT), so they
-    end later and later past the target as B's chunks attend to more of it; from MIN_FIT
-    prompt steps on it prices tokens and attended pairs apart, and every chunk then ends at the
-    target, shorter the further into B it falls."""
+def test_paced_steps_overshoot_late_in_a_prompt_as_the_measured_rate_lags_its_attention():
+    """A's stream, then B (8192 tokens) kept local at 1 s: the worker's chunk comes from the
+    rate its earlier prompt steps measured, so B's early chunks end under the target and its
+    late ones, attending to more of B, over it, as served (a chunk that filled the target
+    exactly would never pass it)."""
     trace = [TraceRequest(0.0, 100, 800), TraceRequest(1.0, 8192, 2)]
     a, b = simulate("disagg", cluster("local"), Attending(), trace, trace_tokens=True).records
     paced = [g for g in gaps(a) if g > DECODE_S * 1.01][:-1]  # less B's short last chunk
-    assert b.first_token_s is not None and len(paced) > 20
-    one_rate, priced = paced[:MIN_FIT], paced[MIN_FIT:]
-    assert one_rate[0] == pytest.approx(TPOT, rel=0.02)  # R measured on A's own short prompt
-    assert one_rate == sorted(one_rate) and one_rate[-1] > 1.2 * TPOT  # R lags B's attention
-    assert all(g == pytest.approx(TPOT, rel=0.01) for g in priced)
+    assert b.first_token_s is not None and len(paced) > 10
+    assert paced[0] == pytest.approx(TPOT, rel=0.02)  # R measured on A's own short prompt
+    assert max(paced) > 1.25 * TPOT  # late chunks: the measured R lags B's attention
+    assert paced.index(max(paced)) > len(paced) // 2
