@@ -72,6 +72,12 @@ def stop_listening(tx: TcpTransport) -> None:
     tx._receive._listener.close()
 
 
+def accepted(tx: TcpTransport) -> int:
+    """Connections `tx`'s listener has accepted and still holds (reaches in, as above): once
+    a peer's dial is counted here, closing the listener no longer refuses or resets it."""
+    return len(tx._receive._conns)
+
+
 def finish(tx: Transport, handle: int, *others: Transport, timeout: float = 10.0) -> str:
     """Poll until the move ends; `others` are pumped too (a NIXL peer answers metadata)."""
     def ended() -> bool:

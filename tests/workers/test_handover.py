@@ -26,7 +26,7 @@ from pdserve.workers.transfer_hub import (
     TransferHub,
 )
 from pdserve.workers.worker_metrics import WorkerMetrics
-from tests.transfer.test_tcp import endpoint, stop_listening, wait_for
+from tests.transfer.test_tcp import accepted, endpoint, stop_listening, wait_for
 
 PRE = PeerId(0x1111, "10.0.0.1", 7100)
 DEC = PeerId(0x2222, "10.0.0.2", 7200)
@@ -303,6 +303,7 @@ def test_a_restarted_decode_named_by_the_next_leg_frees_the_old_instance_blocks_
         tx.send(old.local, b"hello")
         wait_for(lambda: old.receive())
         side.prefill("p", TID, old.local)
+        wait_for(lambda: accepted(old) == 2)  # both lanes: a later dial would be refused
         stop_listening(old)
         with endpoint(port=old.local.port, instance_id=old.local.instance_id + 1) as new:
             pre.engine.add_request(list(PROMPT), PARAMS, request_id="q", hand_over=True)
