@@ -82,14 +82,6 @@ int64_t walk_block(const bf16* p, int64_t i, int64_t n, double run, double targe
   return last >= 0 ? i + last : -1;
 }
 
-int64_t first_max_index(const bf16* p, int64_t n, float m) {
-  for (int64_t i = 0; i < n; ++i) {
-    const float v = static_cast<float>(p[i]);
-    if (v == m || (std::isnan(m) && std::isnan(v))) return i;
-  }
-  return 0;
-}
-
 struct Entry {
   float x;  // the logit
   int64_t i;  // its index
@@ -176,7 +168,7 @@ int64_t draw_nucleus(const bf16* p, int64_t n, float m, float inv_t, float top_p
 int64_t draw(const bf16* p, int64_t n, float inv_temperature, float top_p, double u,
              double* sums, std::vector<Entry>& pool) {
   const float m = row_max(p, n);
-  if (!std::isfinite(m)) return first_max_index(p, n, m);
+  if (!std::isfinite(m)) return max_index(p, n, m);
   const Vec top(m), inv_t(inv_temperature);
   const int64_t blocks = (n + kBlock - 1) / kBlock;
   double total = 0.0;
@@ -184,7 +176,7 @@ int64_t draw(const bf16* p, int64_t n, float inv_temperature, float top_p, doubl
     sums[b] = block_sum(p, b * kBlock, std::min(kBlock, n - b * kBlock), top, inv_t);
     total += sums[b];
   }
-  if (!(total > 0.0) || !std::isfinite(total)) return first_max_index(p, n, m);
+  if (!(total > 0.0) || !std::isfinite(total)) return max_index(p, n, m);
   if (top_p < 1.f) return draw_nucleus(p, n, m, inv_temperature, top_p, u, total, pool);
   const double target = u * total;
   double run = 0.0;
@@ -196,7 +188,7 @@ int64_t draw(const bf16* p, int64_t n, float inv_temperature, float top_p, doubl
     }
     run += sums[b];
   }
-  return first_max_index(p, n, m);  // unreachable with target < total
+  return max_index(p, n, m);  // unreachable with target < total
 }
 
 }  // namespace

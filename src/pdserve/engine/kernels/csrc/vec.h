@@ -210,4 +210,26 @@ inline float row_max(const bf16* p, int64_t n) {
   return m;
 }
 
+// Index of the first entry of bf16 p[0, n) equal to `m`, the row's `row_max` (so of its first
+// NaN when m is NaN: torch.max's rule), or 0 if none is; vectors, then the tail.
+inline int64_t max_index(const bf16* p, int64_t n, float m) {
+  if (std::isnan(m)) {
+    for (int64_t i = 0; i < n; ++i)
+      if (std::isnan(static_cast<float>(p[i]))) return i;
+    return 0;
+  }
+  const int64_t body = n - n % kBVec;
+  const Vec target(m);
+  for (int64_t i = 0; i < body; i += kBVec) {
+    auto [a, b] = load_bf16(p + i);
+    // zero_mask: bit j set where lane j is 0, i.e. where the lane equals the maximum
+    const int lo = (a != target).zero_mask(), hi = (b != target).zero_mask();
+    if (lo) return i + __builtin_ctz(lo);
+    if (hi) return i + kVec + __builtin_ctz(hi);
+  }
+  for (int64_t i = body; i < n; ++i)
+    if (static_cast<float>(p[i]) == m) return i;
+  return 0;
+}
+
 }  // namespace pdserve
