@@ -43,15 +43,15 @@ from pdserve.common.sampling_params import SamplingParams
 from pdserve.engine.kernels import cpu_ops
 from pdserve.engine.sampler import Sampler
 
+# A way named "-ops" is drawn by a Sampler without the compiled operators.
 WAYS = {
     "greedy": SamplingParams(temperature=0.0),
     "unseeded": SamplingParams(temperature=1.0),
-    "unseeded-ops": SamplingParams(temperature=1.0),  # by a Sampler without compiled operators
+    "unseeded-ops": SamplingParams(temperature=1.0),
     "seeded": SamplingParams(temperature=1.0, seed=7),
     "top-p": SamplingParams(temperature=0.7, top_p=0.9),
-    "top-p-ops": SamplingParams(temperature=0.7, top_p=0.9),  # likewise
+    "top-p-ops": SamplingParams(temperature=0.7, top_p=0.9),
 }
-OPS_WAYS = ("unseeded-ops", "top-p-ops")  # drawn by a Sampler without compiled operators
 
 
 @dataclass(frozen=True)
@@ -84,7 +84,7 @@ class SamplerRow:
 def measure(batch: int, s: SamplerSettings) -> SamplerRow:
     gen = torch.Generator().manual_seed(batch)
     logits = (torch.randn(batch, s.vocab, generator=gen) * s.scale).bfloat16()  # [B, V]
-    samplers = {way: Sampler(seed=1, fused=None if way in OPS_WAYS else cpu_ops())
+    samplers = {way: Sampler(seed=1, fused=None if way.endswith("-ops") else cpu_ops())
                 for way in WAYS}
     positions = list(range(batch))
     times: dict[str, list[float]] = {way: [] for way in WAYS}
