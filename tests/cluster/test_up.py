@@ -574,3 +574,18 @@ def test_log_level_reaches_every_process_and_info_is_left_unsaid() -> None:
     assert log_level("debug") == logging.DEBUG and log_level("warning") == logging.WARNING
     with pytest.raises(SystemExit):
         _args("--log-level", "verbose")
+
+
+def test_an_itl_ceiling_reaches_the_pacing_workers_only_and_must_cover_the_tpot_target() -> None:
+    config = UpConfig.from_args(_args("--slo-tpot-ms", "50", "--slo-itl-ms", "200"))
+    *workers, router = plan_processes(config, SECRET)
+    assert [_option(w, "--slo-itl-ms") for w in workers] == [["200.0"], ["200.0"]]
+    assert "--slo-itl-ms" not in router.argv  # the router's decision counts the mean target
+    default = plan_processes(UpConfig.from_args(_args()), SECRET)
+    assert not any("--slo-itl-ms" in p.argv for p in default)
+    collocated = plan_processes(UpConfig.from_args(_args("--collocated", "1", "--slo-itl-ms",
+                                                         "300")), SECRET)
+    assert not any("--slo-itl-ms" in p.argv for p in collocated)  # whole prompts: no pacing
+    with pytest.raises(ValueError, match=r"--slo-itl-ms \(40\) must be at least --slo-tpot-ms "
+                                         r"\(50\)"):
+        UpConfig.from_args(_args("--slo-tpot-ms", "50", "--slo-itl-ms", "40"))

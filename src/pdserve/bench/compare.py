@@ -342,7 +342,8 @@ def _serve(s: CompareSettings, name: str, repeat: int, bed: BedState | None
             probe = probe_frontend(up.url, s.model)
         steps, workers = _workers(up, start, end)
         return {**result, **cluster, "warm_up": warm, "frontend_probe": probe,
-                "workers": workers, "run_window": [start, end]}, steps
+                "workers": workers, "run_window": [start, end],
+                "slo_itl_ms": _flag_value(s.up_args, "--slo-itl-ms")}, steps
     finally:
         up.stop()
 
@@ -603,6 +604,10 @@ def add_compare_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--slo-ttft-ms", type=float, default=None, help="goodput: TTFT bound")
     p.add_argument("--slo-tpot-ms", type=float, default=None, help="goodput: TPOT bound")
     p.add_argument("--slo-e2e-ms", type=float, default=None, help="goodput: E2E bound")
+    p.add_argument("--slo-itl-ms", type=float, default=None,
+                   help="pdserve's configurations only (pdserve up --slo-itl-ms): the longest "
+                        "step beside streams that a decode worker's paced prompts may take; "
+                        "goodput does not count it (P99 ITL shows it)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per request")
     p.add_argument("--testbed", action="store_true",
                    help="run pdserve's configurations across the hosts of a testbed made for "
@@ -650,6 +655,11 @@ def _pairs(items: list[str], option: str, shape: str) -> tuple[tuple[str, str], 
     return tuple(pairs)
 
 
+def _flag_value(argv: tuple[str, ...], flag: str) -> float | None:
+    """The number given to `flag` in `argv`, None where it is absent."""
+    return float(argv[argv.index(flag) + 1]) if flag in argv else None
+
+
 def _up_args(args: argparse.Namespace) -> tuple[str, ...]:
     """What every pdserve configuration is started with besides its own flags. The SLO that
     goodput is measured at is also the cluster's target: the decode workers pace their local
@@ -659,7 +669,8 @@ def _up_args(args: argparse.Namespace) -> tuple[str, ...]:
     extra = ("--transport", args.transport)
     if args.local_prefill_threshold is not None:
         extra += ("--local-prefill-threshold", str(args.local_prefill_threshold))
-    for flag, ms in (("--slo-ttft-ms", args.slo_ttft_ms), ("--slo-tpot-ms", args.slo_tpot_ms)):
+    for flag, ms in (("--slo-ttft-ms", args.slo_ttft_ms), ("--slo-tpot-ms", args.slo_tpot_ms),
+                     ("--slo-itl-ms", args.slo_itl_ms)):
         if ms:
             extra += (flag, f"{ms:g}")
     return extra

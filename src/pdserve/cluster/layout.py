@@ -50,6 +50,7 @@ from pdserve.workers.settings import (
     MAX_NUM_SEQS,
     TransportName,
     WorkerLaunch,
+    check_itl_target,
     check_kv_congestion,
     worker_argv,
 )
@@ -88,6 +89,7 @@ class UpConfig:
     log_level: str = "info"  # every process's --log-level
     local_prefill_threshold: int | None = None  # None: the router decides from measured costs
     slo_tpot_s: float = 0.1
+    slo_itl_s: float | None = None  # the paced steps' ceiling; None: the TPOT target
     elastic: bool = False  # the router flips workers between prefill and decode itself
     slo_ttft_s: float = DEFAULT_SLO_TTFT_MS / 1000.0  # the elastic controller's TTFT target
     elastic_interval_s: float = DEFAULT_INTERVAL_S  # the elastic controller's timing
@@ -131,6 +133,7 @@ class UpConfig:
                              f"{self.local_prefill_threshold}")
         if not self.slo_tpot_s > 0:
             raise ValueError(f"--slo-tpot-ms must be > 0, got {self.slo_tpot_s * 1000:g}")
+        check_itl_target(self.slo_tpot_s, self.slo_itl_s)
         if not self.slo_ttft_s > 0:
             raise ValueError(f"--slo-ttft-ms must be > 0, got {self.slo_ttft_s * 1000:g}")
         self._elastic_settings()  # ValueError naming a bad --elastic-* flag
@@ -244,7 +247,9 @@ class UpConfig:
                    device=args.device, kv_cache_memory=args.kv_cache_memory,
                    max_model_len=args.max_model_len,
                    policy=args.policy, local_prefill_threshold=args.local_prefill_threshold,
-                   slo_tpot_s=args.slo_tpot_ms / 1000.0, leg_timeout_s=args.leg_timeout,
+                   slo_tpot_s=args.slo_tpot_ms / 1000.0,
+                   slo_itl_s=None if args.slo_itl_ms is None else args.slo_itl_ms / 1000.0,
+                   leg_timeout_s=args.leg_timeout,
                    elastic=args.elastic, slo_ttft_s=args.slo_ttft_ms / 1000.0,
                    elastic_interval_s=args.elastic_interval_s,
                    elastic_sustain_ticks=args.elastic_sustain_ticks,
@@ -349,6 +354,7 @@ def _worker_spec(config: UpConfig, index: int, role: str, secret_file: Path) -> 
         # within the target (the capacity the split decision and the elastic controller count
         # on); a collocated-only layout prefills whole prompts unless chunked prefill is asked
         slo_tpot_ms=config.slo_tpot_s * 1000.0 if _splits(config) else None,
+        slo_itl_ms=config.slo_itl_s * 1000.0 if _splits(config) and config.slo_itl_s else None,
         cpu_kernels=config.cpu_kernels, enforce_eager=config.enforce_eager,
         limits=config.limits)
     argv = (sys.executable, "-m", "pdserve.cli", "worker", *worker_argv(launch))

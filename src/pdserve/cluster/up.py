@@ -160,6 +160,11 @@ def _add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--slo-tpot-ms", type=float, default=100.0, metavar="MS",
                    help="time per output token a decode worker's streams should keep when it "
                         "prefills a prompt itself (default: %(default)s)")
+    p.add_argument("--slo-itl-ms", type=float, default=None, metavar="MS",
+                   help="the longest gap between two tokens those streams should see: their "
+                        "steps may run past --slo-tpot-ms, up to this, while the mean stays "
+                        "within it, so that a prompt prefills in fewer, longer chunks (default: "
+                        "the TPOT target: every step within it)")
     p.add_argument("--leg-timeout", type=float, default=60.0, metavar="SECONDS",
                    help="longest silence of a worker on a request before the router gives up "
                         "on it (retried elsewhere if no token reached the client yet, else the "

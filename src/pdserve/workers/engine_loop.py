@@ -68,9 +68,8 @@ from pdserve.workers.loop_commands import (
     Submit,
 )
 from pdserve.workers.parked import ParkedLegs
-from pdserve.workers.prefill_budget import REFRESH_S, past_target, prefill_chunk
+from pdserve.workers.prefill_budget import Pacer
 from pdserve.workers.role_flip import RoleFlip
-from pdserve.workers.step_rates import SCAN
 from pdserve.workers.step_trace import Step, StepTrace
 from pdserve.workers.worker_metrics import WorkerMetrics
 
@@ -122,15 +121,18 @@ class _Leg:
 class EngineLoop:
     def __init__(self, engine: Engine, pump: HubPump | None, metrics: WorkerMetrics,
                  stream_layers: bool = False, tpot_target_s: float | None = None,
+                 itl_target_s: float | None = None,
                  on_fatal: Callable[[str], None] | None = None) -> None:
-        """`tpot_target_s`: local prompts beside decoding streams go in chunks that keep a
-        step within it (`workers/prefill_budget.py`); None: whole prompts. `on_fatal(reason)`:
+        """`tpot_target_s`: local prompts beside decoding streams go in chunks that keep the
+        streams' mean time per token within it, and each gap within `itl_target_s` (None: the
+        TPOT target) (`workers/prefill_budget.py`); None: whole prompts. `on_fatal(reason)`:
         called on the engine thread, once, after a failure that leaves the engine unable to
         compute (a tensor-parallel rank died) has failed every leg; the thread then ends."""
         self.engine, self.pump, self.metrics = engine, pump, metrics
         self._on_fatal = on_fatal
         self.tpot_target_s = tpot_target_s
-        self._chunk_at = 0.0  # when the prefill chunk was last recomputed
+        self.pacer = None if tpot_target_s is None else \
+            Pacer(tpot_target_s, itl_target_s, engine.config.block_size)
         self._warnings = ThrottledLog(log, PAST_TARGET_LOG_S)
         self._ranks_checked_at = 0.0  # when the tensor-parallel ranks were last seen alive
         self.handover = None if pump is None else HandOver(engine, pump.hub, metrics)
@@ -250,7 +252,10 @@ class EngineLoop:
             stats = self.engine.take_step_stats()
             if stats is not None:
                 self.metrics.observe_step(seconds)
-                self.trace.record(Step.of(wall0, wall0 + seconds, stats))
+                step = Step.of(wall0, wall0 + seconds, stats)
+                self.trace.record(step)
+                if self.pacer is not None:
+                    self.pacer.observe(step)
             for out in outputs:
                 self._on_output(out)
             self._refresh_prefill_chunk()
@@ -258,21 +263,19 @@ class EngineLoop:
             self._advance_flip()
 
     def _refresh_prefill_chunk(self) -> None:
-        if self.tpot_target_s is None or time.monotonic() < self._chunk_at + REFRESH_S:
+        if self.pacer is None:
             return
-        self._chunk_at = time.monotonic()
-        steps, block = self.trace.newest_first(SCAN), self.engine.config.block_size
-        chunk = prefill_chunk(self.tpot_target_s, steps, block)
-        self.engine.set_prefill_chunk(chunk)
-        # past the target only with the chunk down to one block: the steps are read again then
-        step = past_target(self.tpot_target_s, steps) if chunk == block else None
-        if step is not None:
+        chunk = self.pacer.chunk(self.trace, time.monotonic())
+        if chunk != self.engine.prefill_chunk:
+            self.engine.set_prefill_chunk(chunk)
+        if self.pacer.past is not None:
             self._warnings.warn(
                 "past-target", "decode steps take %.0f ms (median), at or over the %.0f ms TPOT "
                 "target (--slo-tpot-ms): no prefill chunk keeps the streams within it, and "
                 "prompts prefilled here advance one block (%d tokens) a step; a larger target, "
                 "fewer streams per worker (--max-num-seqs) or more decode workers meet it",
-                step * 1e3, self.tpot_target_s * 1e3, block)
+                self.pacer.past * 1e3, self.pacer.tpot_target_s * 1e3,
+                self.engine.config.block_size)
 
     def _advance_flip(self) -> None:
         """Switch once no request moves KV in or out and every leg left runs in the new role;

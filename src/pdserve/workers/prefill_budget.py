@@ -1,15 +1,36 @@
-"""The prompt tokens a worker computes per step while streams decode on it, so that their steps
-stay within the TPOT target (`pdserve worker --slo-tpot-ms`): a decode worker's local prefills
-(conditional disaggregation chose them, `router/split_decision.py`) run in chunks beside its
-streams instead of freezing them for a whole prompt.
+"""The prompt tokens a worker computes per step while streams decode on it, so that their
+inter-token times stay within the targets (`pdserve worker --slo-tpot-ms`, `--slo-itl-ms`): a
+decode worker's local prefills (conditional disaggregation chose them, `router/split_decision.py`)
+run in chunks beside its streams instead of freezing them for a whole prompt.
 
-    C = max(block_size, floor((tpot - s) x R))
+    C = max(block_size, floor((a - s) x R))
 
 s: the median decode-only step, the streams' own step (`step_rates.py`); R: the marginal prefill
 rate, sum N / sum (t - d) over the last `WINDOW` steps that computed N > 0 prompt tokens, t
 their duration and d = s for a step that also decoded (its decode part), else 0. A step with C
-prompt tokens beside the streams then takes about s + C / R <= tpot. At least one block per
-step, so a prompt always progresses (its streams then see up to s + block / R).
+prompt tokens beside the streams then takes about s + C / R <= a, the step's allowance. At
+least one block per step, so a prompt always progresses (its streams then see up to s + block
+/ R).
+
+    a = min(L, TPOT + max(0, B))     B_k = clamp(B_(k-1) + TPOT - d_k, -B_max, B_max)
+    B_max = BURST_STEPS x (L - TPOT)
+
+L: the ITL ceiling (`--slo-itl-ms`, default the TPOT target: then a = TPOT, B_max = 0, and
+every step keeps within the target). B: credit, a token bucket (as in traffic shaping) over
+the gaps between the streams' tokens: each step that decoded, lasting
+d_k, adds what it left of the TPOT target (negative past it); B starts at 0. The TPOT target
+bounds a stream's *mean* time per output token (what the goodput SLO measures), L each gap.
+While every step keeps within its allowance B stays >= 0, and summing the bucket's steps, any
+k consecutive gaps last at most k x TPOT + B_max (credit capped away only lowers the sum): a
+stream of k tokens averages at most TPOT + B_max / k (with L 300 ms and TPOT 100 ms: 117 ms
+over 96 tokens at worst, after a full bucket of bursts inside its life) and waits at most L
+for any token. A step that overruns its allowance (the chunk is an estimate) leaves a debt
+that holds the steps at TPOT until cheap steps repay it (forgotten beyond B_max). Cheap decode-only
+steps earn the credit that larger chunks spend: a prompt that arrives while the streams run
+ahead of their target prefills in a few long steps instead of many short ones, each of which
+carries the streams' decode work too (on a CPU that work is not hidden under the prompt's:
+every extra step adds s to the prompt's time to first token). Under a sustained prompt load
+the bucket empties and the steps come back to TPOT: the mean holds.
 
 Until s is measured (no stream decoded here yet) there is nothing to protect: no cap. Until R
 is measured, one block. With s at or over the target no chunk keeps a step within it: the
@@ -20,8 +41,9 @@ operator can change it (a larger target, fewer streams per worker, more decode w
 `C` is reported in the signed /health as `chunk_tokens`, the stall the router's decision
 counts for one step of this worker.
 
-Lifetime: recomputed from the step trace every `REFRESH_S` on the engine thread
-(`EngineLoop`), applied to the following steps (`Engine.set_prefill_chunk`).
+Lifetime: s and R are read from the step trace every `REFRESH_S` on the engine thread
+(`EngineLoop`); B follows every step, and a and C are recomputed after it for the next
+(`Engine.set_prefill_chunk`).
 """
 
 from __future__ import annotations
@@ -29,10 +51,11 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 
-from pdserve.workers.step_rates import WINDOW, step_rates
-from pdserve.workers.step_trace import Step
+from pdserve.workers.step_rates import SCAN, WINDOW, step_rates
+from pdserve.workers.step_trace import Step, StepTrace
 
 REFRESH_S = 0.5  # a few decode steps: follows a changing batch, costs nothing measurable
+BURST_STEPS = 8  # steps at the ceiling one full bucket pays for: a long prompt's chunks and more
 
 
 def marginal_prefill_rate(newest_first: list[Step], decode_step_s: float | None,
@@ -59,14 +82,59 @@ def past_target(tpot_target_s: float, newest_first: Iterable[Step]) -> float | N
     return decode_step if decode_step is not None and decode_step >= tpot_target_s else None
 
 
-def prefill_chunk(tpot_target_s: float, newest_first: Iterable[Step], block_size: int
-                  ) -> int | None:
-    """C above, or None (no cap) while no decode step was measured."""
-    steps = list(newest_first)
-    decode_step = step_rates(steps).decode_step_s
-    if decode_step is None:
+def step_allowance(tpot_target_s: float, itl_target_s: float, credit_s: float) -> float:
+    """a above, from the bucket's credit B."""
+    return min(itl_target_s, tpot_target_s + max(0.0, credit_s))
+
+
+def chunk_tokens(allowance_s: float, decode_step_s: float | None, rate: float | None,
+                 block_size: int) -> int | None:
+    """C above from a, s and R: None (no cap) while s is unmeasured, a block while R is."""
+    if decode_step_s is None:
         return None
-    rate = marginal_prefill_rate(steps, decode_step)
     if rate is None:
         return block_size
-    return max(block_size, math.floor(round((tpot_target_s - decode_step) * rate, 6)))
+    return max(block_size, math.floor(round((allowance_s - decode_step_s) * rate, 6)))
+
+
+class Pacer:
+    """A worker's chunk C after each step (module docstring): s and R read from its step trace
+    every `REFRESH_S`, the credit B from each step it is shown.
+
+    Lifetime: one per engine loop, used on its engine thread only; `past` is the median decode
+    step when the last refresh found it at or over the TPOT target with C down to one block
+    (the loop's warning), else None."""
+
+    def __init__(self, tpot_target_s: float, itl_target_s: float | None,
+                 block_size: int) -> None:
+        self.tpot_target_s = tpot_target_s
+        self.itl_target_s = tpot_target_s if itl_target_s is None else itl_target_s
+        self.burst_s = BURST_STEPS * (self.itl_target_s - tpot_target_s)  # B_max
+        self.credit_s = 0.0  # B
+        self._block = block_size
+        self._read_at = -math.inf
+        self._decode_step_s: float | None = None
+        self._rate: float | None = None
+        self.past: float | None = None
+
+    def observe(self, step: Step) -> None:
+        """A step the engine ran: a gap for the streams if it decoded."""
+        if step.decode_tokens:
+            gap = step.end - step.start
+            credit = self.credit_s + self.tpot_target_s - gap
+            self.credit_s = min(self.burst_s, max(-self.burst_s, credit))
+
+    def chunk(self, trace: StepTrace, now: float) -> int | None:
+        """C for the next step."""
+        if now >= self._read_at + REFRESH_S:
+            self._read_at = now
+            steps = trace.newest_first(SCAN)
+            self._decode_step_s = step_rates(steps).decode_step_s
+            self._rate = None if self._decode_step_s is None else \
+                marginal_prefill_rate(steps, self._decode_step_s)
+            slowest = chunk_tokens(self.tpot_target_s, self._decode_step_s, self._rate,
+                                   self._block)
+            self.past = past_target(self.tpot_target_s, steps) if slowest == self._block \
+                else None
+        allowance = step_allowance(self.tpot_target_s, self.itl_target_s, self.credit_s)
+        return chunk_tokens(allowance, self._decode_step_s, self._rate, self._block)

@@ -98,8 +98,10 @@ class WorkerSettings:
     kv_layerwise: str = "auto"  # "on" | "off" | "auto" (on for CUDA engines)
     limits: RequestLimits = field(default_factory=RequestLimits)  # what its /v1 accepts
     join: JoinSettings | None = None  # --register: join that router once loaded
-    # --slo-tpot-ms: prompts beside decoding streams go in chunks that keep a step within it
+    # --slo-tpot-ms: prompts beside decoding streams go in chunks that keep the streams' mean
+    # time per token within it; --slo-itl-ms: and each gap within this (None: TPOT)
     tpot_target_s: float | None = None
+    itl_target_s: float | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "role", Role(self.role))
@@ -127,6 +129,7 @@ class WorkerSettings:
             raise ValueError("--kv-lease must be > 0 seconds")
         if self.tpot_target_s is not None and not self.tpot_target_s > 0:
             raise ValueError(f"--slo-tpot-ms must be > 0, got {self.tpot_target_s * 1e3:g}")
+        check_itl_target(self.tpot_target_s, self.itl_target_s)
         if self.kv_layerwise not in LAYERWISE:
             raise ValueError(f"--kv-layerwise must be one of {', '.join(LAYERWISE)}, got "
                              f"{self.kv_layerwise!r}")
@@ -230,6 +233,12 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
                         "computed beside them (a local prefill on a decode worker) goes in "
                         "chunks sized from this worker's measured rates so that a step stays "
                         "within it (default: whole prompts)")
+    p.add_argument("--slo-itl-ms", type=float, default=None, metavar="MS",
+                   help="with --slo-tpot-ms, the longest gap between two tokens of a stream: "
+                        "a step beside the streams may run past the TPOT target, up to this, "
+                        "spending what cheaper steps left of it, so that a prompt prefills in "
+                        "fewer, longer chunks while the streams' mean stays within the target "
+                        "(default: the TPOT target: every step within it)")
     p.add_argument("--seed", type=int, default=0, help="engine seed (default: %(default)s)")
     add_cpu_kernels_arg(p)
     add_enforce_eager_arg(p)
@@ -306,6 +315,7 @@ class WorkerLaunch:
     max_num_batched_tokens: int | None = None
     kv_lease_s: float = 30.0
     slo_tpot_ms: float | None = None
+    slo_itl_ms: float | None = None
     seed: int = 0
     cpu_kernels: bool = True
     enforce_eager: bool = False
@@ -338,7 +348,8 @@ _UNLESS_DEFAULT = (("--served-model-name", "served_model_name"), ("--kv-host", "
                    ("--num-kv-blocks", "num_kv_blocks"), ("--block-size", "block_size"),
                    ("--max-model-len", "max_model_len"), ("--max-num-seqs", "max_num_seqs"),
                    ("--max-num-batched-tokens", "max_num_batched_tokens"), ("--seed", "seed"),
-                   ("--slo-tpot-ms", "slo_tpot_ms"), ("--kv-congestion", "kv_congestion"),
+                   ("--slo-tpot-ms", "slo_tpot_ms"), ("--slo-itl-ms", "slo_itl_ms"),
+                   ("--kv-congestion", "kv_congestion"),
                    ("--tensor-parallel-size", "tensor_parallel_size"),
                    ("--register", "register"), ("--name", "name"),
                    ("--drain-timeout", "drain_timeout_s"), ("--log-level", "log_level"))
@@ -376,7 +387,8 @@ def launch_from_args(args: argparse.Namespace) -> WorkerLaunch:
         block_size=args.block_size, max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs, enable_chunked_prefill=args.enable_chunked_prefill,
         max_num_batched_tokens=args.max_num_batched_tokens, kv_lease_s=args.kv_lease,
-        slo_tpot_ms=args.slo_tpot_ms, seed=args.seed, cpu_kernels=args.cpu_kernels,
+        slo_tpot_ms=args.slo_tpot_ms, slo_itl_ms=args.slo_itl_ms, seed=args.seed,
+        cpu_kernels=args.cpu_kernels,
         enforce_eager=args.enforce_eager, tensor_parallel_size=args.tensor_parallel_size,
         limits=limits_from_args(args),
         register=args.register, name=args.name, drain_timeout_s=args.drain_timeout,
@@ -409,7 +421,21 @@ def worker_settings(launch: WorkerLaunch) -> WorkerSettings:
         kv_encrypt=w.kv_encrypt, kv_congestion=w.kv_congestion, kv_layerwise=w.kv_layerwise,
         limits=w.limits,
         join=join_settings(w),
-        tpot_target_s=None if w.slo_tpot_ms is None else w.slo_tpot_ms / 1000.0)
+        tpot_target_s=None if w.slo_tpot_ms is None else w.slo_tpot_ms / 1000.0,
+        itl_target_s=None if w.slo_itl_ms is None else w.slo_itl_ms / 1000.0)
+
+
+def check_itl_target(tpot_target_s: float | None, itl_target_s: float | None) -> None:
+    """ValueError unless an ITL ceiling, if any, comes with a TPOT target and is at least it."""
+    if itl_target_s is None:
+        return
+    if tpot_target_s is None:
+        raise ValueError("--slo-itl-ms bounds the steps of paced prompts: give --slo-tpot-ms "
+                         "too (without it prompts are prefilled whole)")
+    if not itl_target_s >= tpot_target_s:
+        raise ValueError(f"--slo-itl-ms ({itl_target_s * 1e3:g}) must be at least --slo-tpot-ms "
+                         f"({tpot_target_s * 1e3:g}): a gap at most the ITL bound, their mean "
+                         "at most the TPOT bound")
 
 
 def join_settings(w: WorkerLaunch) -> JoinSettings | None:

@@ -3,8 +3,15 @@ floor((tpot - s) x R)) from its own recent steps, refreshed every REFRESH_S."""
 
 from __future__ import annotations
 
-from pdserve.planner.simulate.chunk_pacer import REFRESH_S, ChunkPacer
+import pytest
+
+from pdserve.planner.simulate.chunk_pacer import BURST_STEPS, REFRESH_S, ChunkPacer
+from pdserve.planner.simulate.events import simulate
+from pdserve.planner.simulate.split_model import SplitRule
 from pdserve.planner.simulate.step_window import WINDOW
+from pdserve.planner.simulate.trace import TraceRequest
+from tests.planner.simulate.test_events import gaps
+from tests.planner.simulate.test_prefix_cache import LINEAR, linear_cluster
 
 
 def test_no_cap_before_a_decode_step_and_one_block_before_a_prompt_step():
@@ -41,3 +48,40 @@ def test_a_decode_step_at_the_target_still_computes_a_block():
     pacer.record(0, 8, 0.030)
     pacer.record(1000, 0, 0.5)
     assert pacer.chunk(0.0) == 16
+
+
+def test_a_ceiling_lets_the_chunk_spend_what_decode_steps_left_of_the_target():
+    """As the worker's pacer (workers/prefill_budget.py): the steps that decoded leave credit
+    (0.1 - d each; the whole prompt alone leaves none), a step may take min(L, 0.1 + credit),
+    and the credit spent comes back to the target's chunk."""
+    pacer = ChunkPacer(0.1, 16, itl_target_s=0.3)
+    for _ in range(3):
+        pacer.record(0, 4, 0.020)  # 3 x 0.08
+    pacer.record(1000, 0, 0.5)
+    pacer.record(100, 4, 0.070)  # + 0.03: 0.27 s of credit
+    assert pacer.chunk(0.0) == 560  # s = 20 ms, R = 2000 tok/s: (0.3 - 0.02) x 2000
+    for _ in range(2 * BURST_STEPS):
+        pacer.record(560, 4, 0.300)  # 0.2 s past the target each: a debt, held at -B_max
+    assert pacer.credit_s == pytest.approx(-BURST_STEPS * 0.2)
+    assert pacer.chunk(0.1) == 160  # the target's chunk again: (0.1 - 0.02) x 2000
+
+
+def test_a_simulated_decode_worker_with_a_ceiling_prefills_its_local_prompts_sooner():
+    """Two streams decode (10 ms steps on the linear machine, 1 ms a prompt token) while three
+    1,500-token prompts arrive, all prefilled on the decode worker: within the 100 ms target
+    each takes 17 steps of 90 tokens, each step paying the streams' 10 ms; with a 300 ms
+    ceiling, 6 of up to 290, and the streams' gaps reach past the target but not the ceiling,
+    their mean still far within it."""
+    trace = [TraceRequest(0.0, 100, 1500)] * 2 + [TraceRequest(t, 1500, 2) for t in (3, 8, 13)]
+    ttfts, worst = {}, {}
+    for itl in (None, 0.3):
+        c = linear_cluster(decode_workers=1, split=SplitRule.LOCAL, tpot_target_s=0.1,
+                           itl_target_s=itl)
+        records = sorted(simulate("disagg", c, LINEAR, trace, trace_tokens=True).records,
+                         key=lambda r: r.index)
+        ttfts[itl] = [r.first_token_s - r.arrival_s for r in records[2:]]
+        stream = gaps(records[0])
+        worst[itl] = max(stream)
+        assert sum(stream) / len(stream) < 0.02
+    assert all(a < b - 0.05 for a, b in zip(ttfts[0.3], ttfts[None], strict=True)), ttfts
+    assert worst[None] <= 0.1 + 1e-9 < 0.2 < worst[0.3] <= 0.3 + 1e-9

@@ -257,6 +257,9 @@ def test_goodput_counts_requests_meeting_both_slos():
     ({"split": "both"}, r"split must be one of remote, local, measured, got 'both'"),
     ({"tpot_target_s": 0}, r"tpot_target_s \(--slo-tpot-ms\) must be a positive number"),
     ({"tpot_target_s": float("nan")}, r"tpot_target_s \(--slo-tpot-ms\)"),
+    ({"tpot_target_s": 0.1, "itl_target_s": 0.05},
+     r"itl_target_s \(--slo-itl-ms\) must be at least tpot_target_s \(0.1 s\), got 0.05"),
+    ({"itl_target_s": True}, r"itl_target_s \(--slo-itl-ms\)"),
 ])
 def test_bad_cluster_fields_are_named(kw, message):
     with pytest.raises(ValueError, match=message):

@@ -258,6 +258,24 @@ def test_goodput_counts_with_the_bounds_the_measured_run_counted(tmp_path, files
     assert rc == 0 and json.loads(out)["slo"] == {"ttft_ms": 2000.0, "tpot_ms": 100.0}
 
 
+def test_the_paced_steps_ceiling_is_the_measured_clusters_unless_a_flag_sets_it(
+        tmp_path, files, capsys):
+    steps, _ = files
+    one = serve_result([request(0.0, 1000, 11)], ttft_ms=231.0, itl_ms=20.0)
+    run = write_json(tmp_path / "itl.json", {"disagg": one | {"slo_itl_ms": 300.0}})
+    for extra, ceiling in (((), 300.0), (("--slo-itl-ms", "250"), 250.0)):
+        rc, out, err = simulate_cli(capsys, "--calibrate", f"{steps}:disagg",
+                                    "--compare-measured", f"{run}:disagg", "--json", *extra)
+        assert rc == 0, err
+        assert json.loads(out)["itl_target_ms"] == ceiling
+    rc, out, _ = simulate_cli(capsys, "--calibrate", f"{steps}:disagg", "--num-requests", "2",
+                              "--json")
+    assert rc == 0 and json.loads(out)["itl_target_ms"] is None
+    rc, _, err = simulate_cli(capsys, "--calibrate", f"{steps}:disagg", "--num-requests", "2",
+                              "--slo-itl-ms", "50")
+    assert rc == 2 and "itl_target_s (--slo-itl-ms) must be at least tpot_target_s" in err
+
+
 def test_cli_steps_need_the_device_they_ran_on(files, capsys):
     steps, _ = files
     rc, _, err = run_pdserve(["simulate", "--model", "smollm2-135m", "--calibrate", str(steps),

@@ -133,6 +133,11 @@ def add_simulate_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--slo-tpot-ms", type=float, default=None,
                    help="goodput counts requests with TPOT at most this (default: the bound "
                         f"the --compare-measured run counted with, else {DEFAULT_SLO.tpot_ms:g})")
+    p.add_argument("--slo-itl-ms", type=float, default=None,
+                   help="the longest step a decode worker's paced local prompts take beside "
+                        "its streams, spending what cheaper steps left of the TPOT target "
+                        "(pdserve up --slo-itl-ms; default: the --compare-measured run's "
+                        "cluster's, else the TPOT target)")
     p.add_argument("--compare-measured", default=None, metavar="RESULTS[:CONFIG]",
                    help="a `bench serve` or `bench compare` --out file: simulate its requests "
                         "(unless --trace/--workload) on its layout (from a bench compare "
@@ -389,7 +394,8 @@ def resolve(args: argparse.Namespace) -> Setup:
     how = measured_layout(measured, layouts) if measured else None
     slo = _slo(args, measured)
     cluster = replace(_cluster(args, shape, hw, tp, kv_rank, how or _FLAGS_ONLY,
-                               slo.tpot_ms / 1e3), admission=_admission(args, measured))
+                               slo.tpot_ms / 1e3), admission=_admission(args, measured),
+                      itl_target_s=_itl_target(args, measured))
     calibration = calibration_run(args.calibrate, FLAG) if args.calibrate and profile else None
     latency, latency_label = _frontend_latency(args, calibration, profile, shape, hw, tp,
                                                kv_rank)  # at the calibration run's own speed
@@ -515,6 +521,14 @@ def _slo(args: argparse.Namespace, measured: MeasuredRun | None) -> Slo:
     return Slo(*bounds)
 
 
+def _itl_target(args: argparse.Namespace, measured: MeasuredRun | None) -> float | None:
+    """The paced steps' ceiling in seconds: --slo-itl-ms, else the one the measured run's
+    cluster paced to, else none (steps within the TPOT target)."""
+    ms = args.slo_itl_ms if args.slo_itl_ms is not None else \
+        measured.slo_itl_ms if measured else None
+    return None if ms is None else ms / 1e3
+
+
 def _admission(args: argparse.Namespace, measured: MeasuredRun | None) -> Admission | None:
     """The router's admission from the flags (module docstring); None: not modelled.
     ValueError for a bad value, naming the flag."""
@@ -633,6 +647,7 @@ def to_json(setup: Setup, results: list[tuple[SimResult, Summary]]) -> dict[str,
         "frontend_latency_source": setup.frontend_source,
         "admission": None if c.admission is None else asdict(c.admission),
         "slo": {"ttft_ms": setup.slo.ttft_ms, "tpot_ms": setup.slo.tpot_ms},
+        "itl_target_ms": None if c.itl_target_s is None else c.itl_target_s * 1e3,
         "results": [{"layout": str(r.layout), "label": layout_label(r.layout, c),
                      "busy": r.busy, "local_prefills": r.local_prefills,
                      **summary_to_dict(s)} for r, s in results],

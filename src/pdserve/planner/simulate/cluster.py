@@ -101,6 +101,7 @@ class Cluster:
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS
     split: SplitRule = SplitRule.REMOTE
     tpot_target_s: float = DEFAULT_TPOT_TARGET_S
+    itl_target_s: float | None = None  # the paced steps' ceiling (--slo-itl-ms); None: TPOT
     block_tokens: int = BLOCK_TOKENS
     policy: RoutePolicy = RoutePolicy.LEAST_LOADED
     admission: Admission | None = None
@@ -118,6 +119,11 @@ class Cluster:
         object.__setattr__(self, "split", _split_rule(self.split))
         object.__setattr__(self, "policy", _route_policy(self.policy))
         _check_target(self.tpot_target_s)
+        itl = self.itl_target_s
+        if itl is not None and (isinstance(itl, bool) or not isinstance(itl, int | float)
+                                or not self.tpot_target_s <= itl < math.inf):
+            raise ValueError(f"itl_target_s (--slo-itl-ms) must be at least tpot_target_s "
+                             f"({self.tpot_target_s!r} s), got {self.itl_target_s!r}")
         check_frontend_latency(self.frontend_latency_s)
         if self.admission is not None and not isinstance(self.admission, Admission):
             raise ValueError(f"admission must be an Admission or None, got {self.admission!r}")

@@ -102,6 +102,9 @@ class MeasuredRun:
     run_start_s: float | None = None
     # bench compare's rounds (`repeats`) the figures are medians of; 1: a single run
     rounds: int = 1
+    # the ceiling the cluster paced its decode workers' steps to (bench compare's
+    # `slo_itl_ms`, pdserve up --slo-itl-ms); None: none (steps within the TPOT target)
+    slo_itl_ms: float | None = None
 
     @property
     def probed(self) -> bool:
@@ -155,7 +158,8 @@ def _run(spec: FileSpec, config: str | None, result: dict[str, Any]) -> Measured
                        tuple(paths) if any(p is not None for p in paths) else (),
                        _warm_up(result, label), _run_start(result, label),
                        len(result["repeats"]) if isinstance(result.get("repeats"), list)
-                       and result["repeats"] else 1)
+                       and result["repeats"] else 1,
+                       slo_itl_ms=_bound(result, "slo_itl_ms", label))
 
 
 def _run_start(result: dict[str, Any], label: str) -> float | None:

@@ -37,11 +37,13 @@ Planned = list[tuple[RequestRecord, int]]  # (prompt, its tokens computed this s
 
 
 class PacedDecodeWorker(DecodeWorker):
-    """Decode with continuous batching plus local prefills paced to `tpot_target_s`."""
+    """Decode with continuous batching plus local prefills paced to `tpot_target_s` (each step
+    within `itl_target_s` where given, chunk_pacer.py)."""
 
     def __init__(self, index: int, costs: StepCosts, kv_capacity: int, max_batch: int,
                  batch: DecodeBatch, budget_tokens: int, tpot_target_s: float,
-                 prefixes: PrefixCache | None = None) -> None:
+                 prefixes: PrefixCache | None = None, itl_target_s: float | None = None
+                 ) -> None:
         super().__init__(index, costs, kv_capacity, max_batch, batch)
         self.budget, self.tpot_target_s = budget_tokens, tpot_target_s
         self.prefixes = prefixes or PrefixCache.disabled()
@@ -52,7 +54,7 @@ class PacedDecodeWorker(DecodeWorker):
         self.step_chunks: Planned = []
         self.step_decodes = 0
         self.step_s = 0.0
-        self.pacer = ChunkPacer(tpot_target_s, BLOCK_TOKENS)
+        self.pacer = ChunkPacer(tpot_target_s, BLOCK_TOKENS, itl_target_s)
 
     def add_local(self, record: RequestRecord, uncached: int | None = None) -> None:
         """A local prompt, counted in the backlog as `uncached` tokens (None: the whole
