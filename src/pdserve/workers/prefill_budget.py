@@ -15,22 +15,22 @@ least one block per step, so a prompt always progresses (its streams then see up
     a = min(L, TPOT + max(0, B))     B_k = clamp(B_(k-1) + TPOT - d_k, -B_max, B_max)
     B_max = BURST_STEPS x (L - TPOT)
 
-L: the ITL ceiling (`--slo-itl-ms`, default the TPOT target: then a = TPOT, B_max = 0, and
-every step keeps within the target). B: credit, a token bucket (as in traffic shaping) over
-the gaps between the streams' tokens: each step that decoded, lasting
-d_k, adds what it left of the TPOT target (negative past it); B starts at 0. The TPOT target
-bounds a stream's *mean* time per output token (what the goodput SLO measures), L each gap.
-While every step keeps within its allowance B stays >= 0, and summing the bucket's steps, any
-k consecutive gaps last at most k x TPOT + B_max (credit capped away only lowers the sum): a
-stream of k tokens averages at most TPOT + B_max / k (with L 300 ms and TPOT 100 ms: 117 ms
-over 96 tokens at worst, after a full bucket of bursts inside its life) and waits at most L
-for any token. A step that overruns its allowance (the chunk is an estimate) leaves a debt
-that holds the steps at TPOT until cheap steps repay it (forgotten beyond B_max). Cheap decode-only
-steps earn the credit that larger chunks spend: a prompt that arrives while the streams run
-ahead of their target prefills in a few long steps instead of many short ones, each of which
-carries the streams' decode work too (on a CPU that work is not hidden under the prompt's:
-every extra step adds s to the prompt's time to first token). Under a sustained prompt load
-the bucket empties and the steps come back to TPOT: the mean holds.
+L: the ITL ceiling (`--slo-itl-ms`, default the TPOT target: then a = TPOT, B_max = 0, and every
+step keeps within the target). B: credit, a token bucket (as in traffic shaping) over the gaps
+between the streams' tokens: each step that decoded, lasting d_k, adds what it left of the TPOT
+target (negative past it); B starts at 0. The TPOT target bounds a stream's *mean* time per
+output token (what the goodput SLO measures), L each gap. While every step keeps within its
+allowance B stays >= 0, and summing the bucket's steps, any k consecutive gaps last at most k x
+TPOT + B_max (credit capped away only lowers the sum): a stream of k tokens averages at most
+TPOT + B_max / k (with L 300 ms and TPOT 100 ms: 117 ms over 96 tokens at worst, after a full
+bucket of bursts inside its life) and waits at most L for any token. A step that overruns its
+allowance (the chunk is an estimate) leaves a debt that holds the steps at TPOT until cheap
+steps repay it (forgotten beyond B_max). Cheap decode-only steps earn the credit that larger
+chunks spend: a prompt that arrives while the streams run ahead of their target prefills in a
+few long steps instead of many short ones, each of which carries the streams' decode work too
+(on a CPU that work is not hidden under the prompt's: every extra step adds s to the prompt's
+time to first token). Under a sustained prompt load the bucket empties and the steps come back
+to TPOT: the mean holds.
 
 Until s is measured (no stream decoded here yet) there is nothing to protect: no cap. Until R
 is measured, one block. With s at or over the target no chunk keeps a step within it: the
