@@ -12,6 +12,7 @@ from pdserve.bench.compare import (
     combine_repeats,
     flips_from_metrics,
     format_table,
+    paced_ceiling,
     settings,
 )
 
@@ -59,3 +60,16 @@ def test_the_slo_measured_is_the_clusters_target() -> None:
                              "--slo-tpot-ms", "400")
     assert settings(p.parse_args([])).up_args == ("--transport", "tcp")
     assert settings(p.parse_args(["--slo-tpot-ms", "0"])).up_args == ("--transport", "tcp")
+
+
+def test_an_itl_ceiling_reaches_the_cluster_and_each_split_layouts_result() -> None:
+    """`--slo-itl-ms` goes to every `pdserve up`; a result records it where the layout's
+    workers paced to it (split layouts), for `pdserve simulate --compare-measured`."""
+    p = argparse.ArgumentParser()
+    add_compare_args(p)
+    given = settings(p.parse_args(["--slo-tpot-ms", "100", "--slo-itl-ms", "300"]))
+    assert given.up_args == ("--transport", "tcp", "--slo-tpot-ms", "100", "--slo-itl-ms", "300")
+    assert paced_ceiling("elastic", given.up_args) == 300.0
+    assert paced_ceiling("disagg", given.up_args) == 300.0
+    assert paced_ceiling("collocated", given.up_args) is None
+    assert paced_ceiling("elastic", settings(p.parse_args([])).up_args) is None

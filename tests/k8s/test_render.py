@@ -205,6 +205,22 @@ def test_cpu_pools_of_different_tensor_parallelism_render_their_sizes() -> None:
     assert (decode.role, decode.tensor_parallel_size) == ("decode", 1)
 
 
+def test_every_worker_paces_its_local_prompts_to_the_clusters_slos() -> None:
+    """As `pdserve up` gives a split layout's workers: --slo-tpot-ms always, --slo-itl-ms
+    when the resource sets sloItlMs, which must not be under sloTpotMs."""
+    plain = render(cpu())
+    for pool in ("prefill", "decode"):
+        launch = _worker_launch(_container(plain, f"smollm2-{pool}")["args"])
+        assert (launch.slo_tpot_ms, launch.slo_itl_ms) == (100.0, None)
+    ceiling = render(changed(cpu(), "spec.elastic", {"sloTpotMs": 80, "sloItlMs": 300}))
+    _validate_all(ceiling)
+    launch = _worker_launch(_container(ceiling, "smollm2-decode")["args"])
+    assert (launch.slo_tpot_ms, launch.slo_itl_ms) == (80.0, 300.0)
+    with pytest.raises(ValueError, match=re.escape(
+            "spec.elastic.sloItlMs (50) must be at least sloTpotMs (100)")):
+        render(changed(cpu(), "spec.elastic", {"sloItlMs": 50}))
+
+
 def test_the_interconnects_congestion_control_reaches_every_worker() -> None:
     manifests = render(changed(cpu(), "spec.interconnect.congestion", "cubic"))
     _validate_all(manifests)

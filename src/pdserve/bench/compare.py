@@ -343,7 +343,7 @@ def _serve(s: CompareSettings, name: str, repeat: int, bed: BedState | None
         steps, workers = _workers(up, start, end)
         return {**result, **cluster, "warm_up": warm, "frontend_probe": probe,
                 "workers": workers, "run_window": [start, end],
-                "slo_itl_ms": _flag_value(s.up_args, "--slo-itl-ms")}, steps
+                "slo_itl_ms": paced_ceiling(name, s.up_args)}, steps
     finally:
         up.stop()
 
@@ -655,9 +655,12 @@ def _pairs(items: list[str], option: str, shape: str) -> tuple[tuple[str, str], 
     return tuple(pairs)
 
 
-def _flag_value(argv: tuple[str, ...], flag: str) -> float | None:
-    """The number given to `flag` in `argv`, None where it is absent."""
-    return float(argv[argv.index(flag) + 1]) if flag in argv else None
+def paced_ceiling(config: str, up_args: tuple[str, ...]) -> float | None:
+    """The --slo-itl-ms that configuration `config`'s workers paced their local prompts to:
+    the one given, in a split layout (`pdserve up` passes it to no collocated worker)."""
+    if "--slo-itl-ms" not in up_args or "--collocated" in CONFIGS[config]:
+        return None
+    return float(up_args[up_args.index("--slo-itl-ms") + 1])
 
 
 def _up_args(args: argparse.Namespace) -> tuple[str, ...]:

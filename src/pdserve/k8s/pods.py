@@ -59,7 +59,10 @@ def worker_args(spec: ClusterSpec, pool: PoolSpec) -> list[str]:
         block_size=spec.interconnect.block_size,
         register=f"http://{internal_service(spec.name)}:{spec.router.port}",
         name="$(POD_NAME)", drain_timeout_s=float(DRAIN_S),
-        tensor_parallel_size=pool.tensor_parallel_size)
+        tensor_parallel_size=pool.tensor_parallel_size,
+        # as `pdserve up` gives a split layout's workers: local prompts beside streams in paced
+        # chunks (workers/prefill_budget.py), which the router's split decision counts on
+        slo_tpot_ms=spec.elastic.slo_tpot_ms, slo_itl_ms=spec.elastic.slo_itl_ms)
     return ["worker", *worker_argv(launch)]
 
 

@@ -137,6 +137,9 @@ def _elastic() -> Schema:
                     "description": "the router flips workers between prefill and decode"},
         "sloTtftMs": {**positive, "default": 2000, "description": "time to first token to keep"},
         "sloTpotMs": {**positive, "default": 100, "description": "time per output token to keep"},
+        "sloItlMs": {**positive, "description": "longest gap between two tokens of a stream: "
+                     "a decode worker's paced prompt steps may run to it while its streams' "
+                     "mean stays within sloTpotMs (default: sloTpotMs)"},
         "prefill": _bounds("prefill"),
         "decode": _bounds("decode"),
     }, default={})

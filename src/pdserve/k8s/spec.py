@@ -122,8 +122,15 @@ class ElasticSpec:
     enabled: bool = False
     slo_ttft_ms: float = 2000.0
     slo_tpot_ms: float = 100.0
+    slo_itl_ms: float | None = None  # the paced prompt steps' ceiling; None: the TPOT target
     prefill: Bounds = field(default_factory=lambda: Bounds("prefill"))
     decode: Bounds = field(default_factory=lambda: Bounds("decode"))
+
+    def __post_init__(self) -> None:
+        if self.slo_itl_ms is not None and self.slo_itl_ms < self.slo_tpot_ms:
+            raise ValueError(f"spec.elastic.sloItlMs ({self.slo_itl_ms:g}) must be at least "
+                             f"sloTpotMs ({self.slo_tpot_ms:g}): a gap at most the ITL bound, "
+                             "their mean at most the TPOT bound")
 
     def bounds(self, role: str) -> Bounds:
         return self.prefill if role == "prefill" else self.decode
@@ -228,5 +235,7 @@ def _elastic(e: dict[str, Any]) -> ElasticSpec:
         return Bounds(role, min=b.get("min", 0), max=b.get("max"))
 
     return ElasticSpec(enabled=e["enabled"], slo_ttft_ms=float(e["sloTtftMs"]),
-                       slo_tpot_ms=float(e["sloTpotMs"]), prefill=bounds("prefill"),
+                       slo_tpot_ms=float(e["sloTpotMs"]),
+                       slo_itl_ms=None if e.get("sloItlMs") is None else float(e["sloItlMs"]),
+                       prefill=bounds("prefill"),
                        decode=bounds("decode"))
