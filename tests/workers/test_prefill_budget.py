@@ -19,6 +19,7 @@ from pdserve.workers.prefill_budget import (
     past_target,
     step_allowance,
 )
+from pdserve.workers.step_rates import step_rates
 from pdserve.workers.step_trace import Step, StepTrace
 
 
@@ -60,10 +61,12 @@ def test_no_cap_before_a_stream_decoded_and_one_block_before_a_prompt_was_timed(
 
 
 def test_a_decode_step_at_or_over_the_target_is_past_it() -> None:
-    assert past_target(0.100, _trace()) is None  # 40 ms steps
-    assert past_target(0.040, _trace()) == pytest.approx(0.040)
-    assert past_target(0.030, _trace()) == pytest.approx(0.040)
-    assert past_target(0.010, [_step(0.0, 0.2, 200, 0)]) is None  # no stream decoded yet
+    s = step_rates(_trace()).decode_step_s
+    assert past_target(0.100, s) is None  # 40 ms steps
+    assert past_target(0.040, s) == pytest.approx(0.040)
+    assert past_target(0.030, s) == pytest.approx(0.040)
+    none = step_rates([_step(0.0, 0.2, 200, 0)]).decode_step_s
+    assert past_target(0.010, none) is None  # no stream decoded yet
 
 
 def test_a_worker_past_its_target_says_so_once_a_minute(caplog) -> None:

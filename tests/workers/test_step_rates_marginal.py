@@ -68,7 +68,7 @@ def _worker(trace: StepTrace) -> SimpleNamespace:
     engine = SimpleNamespace(role=SimpleNamespace(value="decode"), load=lambda: load,
                              config=config, prefill_chunk=32)
     loop = SimpleNamespace(flip=SimpleNamespace(state="serving"), num_legs=0, trace=trace,
-                           tpot_target_s=0.1)
+                           pacer=SimpleNamespace(tpot_target_s=0.1))
     return SimpleNamespace(engine=engine, loop=loop, kv_layout=None, transport=None,
                            settings=SimpleNamespace(served_model_name="m"), load_seconds=1.0,
                            host="box/boot", own_cpus=[0])

@@ -61,9 +61,10 @@ seconds, and how R_d was found), which the router's debug log of the request's p
 
 A worker started with `--slo-tpot-ms` (at most the router's) paces its chunks: it sizes them
 from its own measured rates so that a step with streams stays within that target
-(`workers/prefill_budget.py`, C_d = max(block, floor((TPOT - s) x R_m)), reported as
-`chunk_tokens` and `chunk_tpot_s`), so its stall needs no check here; its chunk sets the R_d
-above that t_local counts.
+(`workers/prefill_budget.py`, C_d = max(block, floor((TPOT - s) x R_m)); with `--slo-itl-ms`
+up to that ceiling while its streams' credit lasts; reported as `chunk_tokens` and
+`chunk_tpot_s`), so its stall needs no check here; its chunk sets the R_d above that t_local
+counts.
 
 (d's open legs are its streams and those about to start there, whose KV is on its way: a
 local prefill stalls both). So a loaded prefill pool sends prompts to decode workers with

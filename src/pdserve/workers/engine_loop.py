@@ -130,7 +130,6 @@ class EngineLoop:
         compute (a tensor-parallel rank died) has failed every leg; the thread then ends."""
         self.engine, self.pump, self.metrics = engine, pump, metrics
         self._on_fatal = on_fatal
-        self.tpot_target_s = tpot_target_s
         self.pacer = None if tpot_target_s is None else \
             Pacer(tpot_target_s, itl_target_s, engine.config.block_size)
         self._warnings = ThrottledLog(log, PAST_TARGET_LOG_S)

@@ -49,7 +49,6 @@ Lifetime: s and R are read from the step trace every `REFRESH_S` on the engine t
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
 
 from pdserve.workers.step_rates import SCAN, WINDOW, step_rates
 from pdserve.workers.step_trace import Step, StepTrace
@@ -75,11 +74,11 @@ def marginal_prefill_rate(newest_first: list[Step], decode_step_s: float | None,
     return tokens / seconds if seconds > 0 else None
 
 
-def past_target(tpot_target_s: float, newest_first: Iterable[Step]) -> float | None:
+def past_target(tpot_target_s: float, decode_step_s: float | None) -> float | None:
     """The median decode-only step s when it is at or over the target (no chunk can keep a
-    step within it), else None (also while none was measured)."""
-    decode_step = step_rates(newest_first).decode_step_s
-    return decode_step if decode_step is not None and decode_step >= tpot_target_s else None
+    step within it: C is one block), else None (also while none was measured)."""
+    return decode_step_s if decode_step_s is not None and decode_step_s >= tpot_target_s \
+        else None
 
 
 def step_allowance(tpot_target_s: float, itl_target_s: float, credit_s: float) -> float:
@@ -132,9 +131,6 @@ class Pacer:
             self._decode_step_s = step_rates(steps).decode_step_s
             self._rate = None if self._decode_step_s is None else \
                 marginal_prefill_rate(steps, self._decode_step_s)
-            slowest = chunk_tokens(self.tpot_target_s, self._decode_step_s, self._rate,
-                                   self._block)
-            self.past = past_target(self.tpot_target_s, steps) if slowest == self._block \
-                else None
+            self.past = past_target(self.tpot_target_s, self._decode_step_s)
         allowance = step_allowance(self.tpot_target_s, self.itl_target_s, self.credit_s)
         return chunk_tokens(allowance, self._decode_step_s, self._rate, self._block)

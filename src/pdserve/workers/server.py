@@ -184,8 +184,10 @@ class Worker:
             "rates": reported_rates(self.loop.trace.newest_first(SCAN)).to_json(),
             "chunk_tokens": e.prefill_chunk or (e.config.max_num_batched_tokens
                                                 if e.config.enable_chunked_prefill else None),
-            # the chunk above is paced to keep a step within this (--slo-tpot-ms)
-            "chunk_tpot_s": self.loop.tpot_target_s if e.prefill_chunk is not None else None,
+            # the chunk above is paced to this TPOT target (--slo-tpot-ms; a step within it, or
+            # within --slo-itl-ms while the streams' credit lasts: workers/prefill_budget.py)
+            "chunk_tpot_s": self.loop.pacer.tpot_target_s
+            if self.loop.pacer is not None and e.prefill_chunk is not None else None,
         }
 
     async def metrics_text(self, request: web.Request) -> web.Response:
