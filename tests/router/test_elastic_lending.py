@@ -5,7 +5,10 @@ one of several prefill workers); where the flip rules would take the last prefil
 decode for the decode step or an idle prefill side, its cores go to a decode worker of its
 machine instead (not when the pressure is for slots or KV, which a loan does not add); a lent
 worker is reclaimed only once the prompts arriving would leave it, alone, deep in the calm
-band, and the borrower needs its cores no more, for `sustain_ticks` in a row."""
+band, and the borrower needs its cores no more, for `sustain_ticks` in a row, judged from a
+measured rate (MIN_PROMPTS in the window; a lender that never prefilled priced at its cores'
+share of its borrower's rate). A pair of one machine at rest (no prompt in the window, the
+prefill worker's cores its own) merges at once."""
 
 from __future__ import annotations
 
@@ -88,7 +91,7 @@ def test_nothing_within_the_cool_down_or_while_a_worker_flips() -> None:
     assert choose(flipping, held(o), LoanMemory(), S) is None
 
 
-def lent(sent_tokens: int, sent_prompts: int, rate: float = 1000.0, inflight: int = 1,
+def lent(sent_tokens: int, sent_prompts: int, rate: float | None = 1000.0, inflight: int = 1,
          step: float = 0.01) -> Observation:
     """p1 lent (its whole-prompt rate 1,000 tokens/s kept), d1 borrowing (one stream unless
     told) and prefilling what the window's 10 s sent it."""
@@ -140,8 +143,9 @@ def test_no_reclaim_while_the_borrower_needs_the_cores() -> None:
 
 
 def idle_prefill(decode_host: str = HOST, **decode: object) -> Observation:
-    """The prefill worker gets no prompt while the decode worker streams 16 requests."""
-    return obs(100.0, pre("p1", host=HOST, cpus=(0,)),
+    """The prefill worker gets 4 short prompts in the window's 10 s (40 tokens/s: 4% busy)
+    while the decode worker streams 16 requests."""
+    return obs(100.0, pre("p1", host=HOST, cpus=(0,), sent_prompts=4, sent_tokens=400),
                dec("d1", **{"inflight": 16, "host": decode_host, "cpus": (1,), **decode}))
 
 
@@ -194,3 +198,61 @@ def test_pressure_on_a_borrower_says_it_prefills_on_lent_cores() -> None:
     plan = choose(o, held(o), LoanMemory(), S)
     assert plan == Hold("prefill", "every routable decode worker computes on lent cores: "
                                    "each prefills its prompts there")
+
+
+def rest(**kw: object) -> Observation:
+    """One prefill worker on core 0 and one decode worker on core 1 of one machine; no prompt
+    in the window's 10 s."""
+    return obs(100.0, pre("p1", host=HOST, cpus=(0,)), dec("d1", host=HOST, cpus=(1,)), **kw)
+
+
+def test_a_pair_at_rest_merges_at_once() -> None:
+    plan = choose(rest(), Memory(), LoanMemory(), S)
+    assert plan == LendPlan("p1", "d1", "no prompt arrived in the last 10 s: d1 computes on "
+                                        "its cores and p1's, so that the next prompts prefill "
+                                        "on both")
+
+
+def test_no_rest_loan_with_prompts_work_or_cores_not_the_lenders_own() -> None:
+    o = rest()
+    p1, d1 = o.workers
+    cases = {
+        "a prompt in the window": (dataclasses.replace(p1, sent_prompts=1, sent_tokens=50),
+                                   d1),
+        "a leg on the lender": (dataclasses.replace(p1, inflight=1), d1),
+        "a backlog on the lender": (dataclasses.replace(p1, backlog_tokens=10), d1),
+        "another machine": (p1, dataclasses.replace(d1, host="other/boot-2")),
+        "shared cores": (p1, dataclasses.replace(d1, cpus=(0, 1))),
+        "no cores reported": (dataclasses.replace(p1, cpus=()), d1),
+    }
+    for why, workers in cases.items():
+        assert choose(dataclasses.replace(o, workers=workers), Memory(), LoanMemory(), S) \
+            is None, why
+    waiting = dataclasses.replace(o, prefill_demand=1)
+    assert choose(waiting, Memory(), LoanMemory(), S) is None
+    shared = dataclasses.replace(o, workers=(*o.workers, dec("d2", host=HOST, cpus=(0,))))
+    assert choose(shared, Memory(), LoanMemory(), S) is None  # core 0 is d2's too
+    two = dataclasses.replace(o, workers=(*o.workers, pre("p2", host=HOST, cpus=(2,))))
+    assert choose(two, Memory(), LoanMemory(), S) is None
+    cooling = Memory(last_flip_at=100.0 - S.cooldown_s / 2)
+    assert choose(o, cooling, LoanMemory(), S) is None
+
+
+def test_no_reclaim_at_rest_or_without_a_measured_rate() -> None:
+    """Fewer than MIN_PROMPTS prompts in the window (none, or 7 short ones): the loan
+    stands, where 20 such prompts would take the cores back."""
+    for o in (lent(0, 0), lent(700, 7)):
+        loans = LoanMemory()
+        for _ in range(S.sustain_ticks + 2):
+            loans = tally_loans(loans, o, S)
+        assert loans.reclaim_ticks == {} and choose(o, Memory(), loans, S) is None
+
+
+def test_a_lender_that_never_prefilled_is_priced_at_its_share_of_the_borrowers_rate() -> None:
+    """p1 lent before it measured a rate; d1 prefills 500 tokens/s on both cores, so p1 alone
+    would prefill ~250 (one core of two), and 200 tokens/s arriving keep it 80% busy: no
+    reclaim (at the mean of the measured rates, d1's 500, it would look 40% busy)."""
+    busy = lent(2000, 20, rate=None)
+    assert tally_loans(LoanMemory(), busy, S).reclaim_ticks == {}
+    calm = lent(800, 20, rate=None)  # 80 tokens/s: 32% of p1's ~250
+    assert tally_loans(LoanMemory(), calm, S).reclaim_ticks == {"p1": 1}

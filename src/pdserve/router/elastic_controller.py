@@ -13,11 +13,13 @@ worker to prefill over the arrival window (`elastic_window.py`, sampled once at 
 every tick), from which `elastic.py` takes arrival rates.
 
 Lifetime: one per router started with `--elastic`, from `start()` (after the dispatcher
-exists) to `stop()`; the loop awaits each flip, so flips never overlap, and ticks pause while
-one drains. A failed or refused flip is logged and starts the cool-down like a done one. A
-pressure sustained long enough that the rules keep every worker under (`Hold`: the other
-side's headroom, the last worker of a role) is logged with the reason, at most every
-HOLD_LOG_S per kind of pressure: a warning, or information for an idle prefill side kept.
+exists and the pool's first health round; the first tick comes at once, so that a pair at rest
+is merged before the first prompts) to `stop()`; the loop awaits each flip, so flips never
+overlap, and ticks pause while one drains. A failed or refused flip is logged and starts the
+cool-down like a done one. A pressure sustained long enough that the rules keep every worker
+under (`Hold`: the other side's headroom, the last worker of a role) is logged with the
+reason, at most every HOLD_LOG_S per kind of pressure: a warning, or information for an idle
+prefill side kept.
 """
 
 from __future__ import annotations
@@ -199,11 +201,11 @@ class ElasticController:
 
     async def _run(self) -> None:
         while True:
-            await asyncio.sleep(self.settings.interval_s)
             try:
                 await self.tick()
             except Exception:  # a bug in one tick must not end the controller
                 log.exception("elastic: tick failed")
+            await asyncio.sleep(self.settings.interval_s)
 
 
 def _what(plan: Plan, worker: WorkerHandle) -> str:

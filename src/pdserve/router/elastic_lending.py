@@ -44,10 +44,25 @@ Of several such D, the one with the most legs, then the fewest cores. Measured o
 (docs/benchmarks.md): chat at 16 clients, the flipped pair 0.89x a collocated worker's output
 tokens/s, the merged one 0.97x.
 
+At rest the pair is merged. A same-host pair that no prompt reached within the arrival window
+(a minute, or since the controller started) has its lender's cores lent to a neighbour on
+other cores at once (no sustain ticks: the window is the evidence), so the first prompts of
+the next burst prefill on both halves with nothing to wait for; split at rest, the first
+prompts of a long-prompt burst each took the lender's one half (~2 s for 1,500 tokens on one
+core of two) and then waited for the loan's drain, which cost the first seconds of every
+ingestion. Only a prefill worker whose cores are its own (no other worker on its machine
+computes on any of them) lends at rest: where it shares them, its cores are no spare half.
+
 Hysteresis: a lend needs prefill pressure, that is W > PREFILL_HIGH x TTFT with the stage
 outside the calm band (rho > RHO_CALM or Wq > PREFILL_CALM x TTFT); a reclaim needs rho <=
 RHO_IDLE < RHO_CALM and Wq <= RECLAIM_WAIT x TTFT < PREFILL_CALM x TTFT, judged for L alone,
-the stage the lend left: between the two bands the loan stands. A reclaim also needs the
+the stage the lend left: between the two bands the loan stands. A reclaim also needs a rate:
+the window holding MIN_PROMPTS prompts (their rate within ~35%), where a rest loan needs none,
+so between a prompt and MIN_PROMPTS a window the loan stands too (a few prompts a minute gain
+more from both halves' speed than from a split). L's rate is the one it measured; one that lent
+before it prefilled anything is priced at its borrower's rate scaled by their cores (prefill is
+compute-bound: the rate goes with the cores), not at the mean of the measured rates, which is
+the borrower's on both sets. A reclaim also needs the
 decode side to keep the cores' worth of headroom, or the merge rule would lend them again: every
 borrower on the lender's machine with fewer than BUSY_STREAMS legs (the idle rule's trigger)
 and a decode step that, priced on its own cores (s x its cores / its own), stays within
@@ -77,6 +92,7 @@ from pdserve.router.elastic import (
     stage_load,
 )
 from pdserve.router.elastic_settings import ElasticSettings
+from pdserve.router.elastic_window import MIN_PROMPTS
 from pdserve.router.worker_pool import LENT
 
 # Half the calm band's wait: a reclaim must leave the stage well inside the band whose edge
@@ -115,8 +131,8 @@ def tally_loans(memory: LoanMemory, obs: Observation, s: ElasticSettings) -> Loa
 
 def choose(obs: Observation, memory: Memory, loans: LoanMemory, s: ElasticSettings
            ) -> Plan | Hold | None:
-    """The change to make now (a reclaim first, then the flip rules, then a loan where they
-    hold a prefill pressure), a Hold saying why none, or None."""
+    """The change to make now (a reclaim first, then a pair at rest merged, then the flip
+    rules, with a loan where they hold a prefill pressure), a Hold saying why none, or None."""
     if not settled(obs, memory, s):
         return None
     for lender in _lent(obs):
@@ -124,6 +140,9 @@ def choose(obs: Observation, memory: Memory, loans: LoanMemory, s: ElasticSettin
         load = _reclaim_load(obs, lender, s)
         if ticks >= s.sustain_ticks and load is not None:
             return ReclaimPlan(lender.key, load)
+    rest = rest_plan(obs)
+    if rest is not None:
+        return rest
     plan = consider(obs, memory, s)
     if isinstance(plan, Hold) and plan.pressure == "prefill":
         return lend_plan(obs, memory, s, plan)
@@ -172,6 +191,37 @@ def merge_plan(obs: Observation, flip: FlipPlan) -> LendPlan | None:
                     f"step for all its streams and prefills on both")
 
 
+def rest_plan(obs: Observation) -> LendPlan | None:
+    """The loan that merges a same-host pair at rest (the rest rule above), or None."""
+    prefill = obs.routable("prefill")
+    if len(prefill) != 1 or obs.prefill_demand or _prompts(obs):
+        return None
+    lender = prefill[0]
+    if lender.inflight or lender.backlog_tokens or not _own_cores(obs, lender):
+        return None
+    borrowers = _neighbours(obs, lender)
+    if not borrowers:
+        return None
+    to = min(borrowers, key=lambda w: (-w.inflight, len(w.cpus), w.key))
+    quiet = f"in the last {obs.window_s:.0f} s" if obs.window_s >= 1 else "yet"
+    return LendPlan(lender.key, to.key,
+                    f"no prompt arrived {quiet}: {to.key} computes on its cores and "
+                    f"{lender.key}'s, so that the next prompts prefill on both")
+
+
+def _own_cores(obs: Observation, lender: WorkerView) -> bool:
+    """`lender` reports its host and cores, and no other worker there computes on any."""
+    if not lender.host or not lender.cpus:
+        return False
+    return not any(set(w.cpus) & set(lender.cpus) for w in obs.workers
+                   if w.key != lender.key and w.host == lender.host)
+
+
+def _prompts(obs: Observation) -> int:
+    """The prompts the router sent to prefill within the arrival window."""
+    return sum(w.sent_prompts for w in obs.workers)
+
+
 def _neighbours(obs: Observation, lender: WorkerView) -> list[WorkerView]:
     """The routable decode-capable workers on `lender`'s machine that report their cores: those
     a loan of its cores may go to."""
@@ -184,7 +234,9 @@ def _lent(obs: Observation) -> list[WorkerView]:
 
 def _reclaim_load(obs: Observation, lender: WorkerView, s: ElasticSettings) -> str | None:
     """Why `lender` may serve as a prefill worker again (the reclaim band above), or None."""
-    stage = [*obs.routable("prefill"), lender]
+    if _prompts(obs) < MIN_PROMPTS:
+        return None
+    stage = [*obs.routable("prefill"), _priced(obs, lender)]
     load = stage_load(obs, stage, obs.workers)
     if load is None or load.rho > RHO_IDLE or load.wait_s > RECLAIM_WAIT * s.ttft_target_s:
         return None
@@ -194,6 +246,18 @@ def _reclaim_load(obs: Observation, lender: WorkerView, s: ElasticSettings) -> s
             f"tokens/s of the last {obs.window_s:.0f} s the prefill side would be busy "
             f"{load.rho:.0%} of the time (<= {RHO_IDLE:.0%}), a prompt waiting "
             f"~{load.wait_s * 1e3:.0f} ms (<= {RECLAIM_WAIT * s.ttft_target_s * 1e3:.0f} ms)")
+
+
+def _priced(obs: Observation, lender: WorkerView) -> WorkerView:
+    """`lender` with its measured rate, else its borrower's scaled by their cores (the rate
+    goes with the cores: prefill is compute-bound); as it is when neither is known."""
+    if lender.prefill_tokens_per_s:
+        return lender
+    for w in obs.workers:
+        if w.borrowing and w.host == lender.host and w.prefill_tokens_per_s and w.cpus:
+            rate = w.prefill_tokens_per_s * len(lender.cpus) / len(w.cpus)
+            return dataclasses.replace(lender, prefill_tokens_per_s=rate)
+    return lender
 
 
 def _borrowers_need_cores(obs: Observation, lender: WorkerView, s: ElasticSettings) -> bool:
