@@ -55,8 +55,10 @@ def add_elastic_args(p: argparse.ArgumentParser) -> None:
                    help="the router watches the prefill and decode pools and flips workers "
                         "between the two roles when one side stays under pressure and the "
                         "other has room, or lends the last prefill worker's cores to a "
-                        "decode worker of the same machine where a flip cannot help or one "
-                        "engine on both sets is cheaper (at most one change per cool-down; at "
+                        "decode worker of the same machine where a flip cannot help, one "
+                        "engine on both sets is cheaper, or no prompt has arrived for a minute "
+                        "(so a pair on one machine starts as one engine on both; at most one "
+                        "change per cool-down; at "
                         "least one worker of each role is kept while there is work for it)")
     g.add_argument("--slo-ttft-ms", type=float, default=DEFAULT_SLO_TTFT_MS, metavar="MS",
                    help="time to first token to keep, with --elastic: a decode worker becomes a "
