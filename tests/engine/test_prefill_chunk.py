@@ -62,3 +62,25 @@ def test_with_nothing_decoding_the_prompt_goes_whole(tiny_model) -> None:
 def test_a_chunk_is_a_positive_int_or_none(tiny_model, bad) -> None:
     with pytest.raises(ValueError, match="a prefill chunk is an int >= 1 tokens or None"):
         _engine(tiny_model()).set_prefill_chunk(bad)
+
+
+def test_the_next_prompt_context_is_what_the_next_chunk_attends_to_beyond_itself(
+        tiny_model) -> None:
+    """The running prompt's computed tokens; with none, the waiting head's cached prefix."""
+    engine = _engine(tiny_model())
+    assert engine.next_prompt_context() == 0
+    engine.set_prefill_chunk(32)
+    engine.add_request(SHORT_PROMPT, GREEDY, request_id="stream")
+    engine.step()
+    engine.add_request(LONG_PROMPT, GREEDY, request_id="long")
+    assert engine.next_prompt_context() == 0  # nothing of it computed or cached
+    engine.step()
+    assert engine.next_prompt_context() == 32
+    engine.step()
+    assert engine.next_prompt_context() == 64
+    while engine.scheduler.running[-1].computing_prompt:
+        engine.step()
+    assert engine.next_prompt_context() == 0  # no prompt left
+    engine.add_request(LONG_PROMPT + [7, 8], GREEDY, request_id="again")
+    block = engine.config.block_size
+    assert engine.next_prompt_context() == len(LONG_PROMPT) // block * block  # its cached prefix

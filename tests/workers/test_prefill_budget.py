@@ -6,10 +6,12 @@ so."""
 from __future__ import annotations
 
 import logging
+import math
 from types import SimpleNamespace
 
 import pytest
 
+from pdserve.common.prompt_cost import PromptCost
 from pdserve.throttled_log import ThrottledLog
 from pdserve.workers.engine_loop import PAST_TARGET_LOG_S, EngineLoop
 from pdserve.workers.prefill_budget import (
@@ -17,6 +19,7 @@ from pdserve.workers.prefill_budget import (
     Pacer,
     marginal_prefill_rate,
     past_target,
+    prompt_cost,
     step_allowance,
 )
 from pdserve.workers.step_rates import step_rates
@@ -76,7 +79,8 @@ def test_a_worker_past_its_target_says_so_once_a_minute(caplog) -> None:
     for step in reversed(_trace()):
         trace.record(step)
     chunks: list[int | None] = []
-    engine = SimpleNamespace(config=SimpleNamespace(block_size=16), prefill_chunk=None)
+    engine = SimpleNamespace(config=SimpleNamespace(block_size=16), prefill_chunk=None,
+                             next_prompt_context=lambda: 0)
 
     def set_prefill_chunk(tokens: int | None) -> None:
         chunks.append(tokens)
@@ -131,10 +135,26 @@ def test_the_credit_is_what_the_gaps_left_of_the_target_within_bursts_of_the_cei
     assert step_allowance(0.1, 0.3, pacer.credit_s) == 0.1  # never below the target
 
 
-def _serve(pacer: Pacer, phases: int, decode_steps: int, prompt: int) -> tuple[list[Step], int]:
-    """A worker whose 4 streams take 30 ms a decode step and whose prompts run at 1,000 tokens/s
-    beside them: `phases` times, `decode_steps` decode-only steps, then a `prompt`-token prompt
-    in the chunks the pacer gives. The steps oldest first, and the prompt steps taken."""
+PER_TOKEN_S, PER_PAIR_S = 0.5e-3, 0.2e-6  # a CPU core's SmolLM2 prompt: 0.5 ms a token, 0.2 a kpair
+
+
+def _pairs(n: int, context: int) -> int:
+    return n * context + n * (n + 1) // 2
+
+
+def _chunk_step(at: float, n: int, context: int, per_token_s: float = PER_TOKEN_S,
+                per_pair_s: float = PER_PAIR_S) -> Step:
+    """A step beside 4 streams (30 ms of decode) computing n prompt tokens after `context`."""
+    seconds = 0.03 + per_token_s * n + per_pair_s * _pairs(n, context)
+    return Step(at, at + seconds, n, 4, 5, 0, _pairs(n, context))
+
+
+def _serve(pacer: Pacer, phases: int, decode_steps: int, prompt: int, per_pair_s: float = 0.0,
+           context_known: bool = True) -> tuple[list[Step], int]:
+    """A worker whose 4 streams take 30 ms a decode step and whose prompts cost 1 ms a token
+    (and `per_pair_s` an attended pair) beside them: `phases` times, `decode_steps` decode-only
+    steps, then a `prompt`-token prompt in the chunks the pacer gives, told each chunk's context
+    or not. The steps oldest first, and the prompt steps taken."""
     trace, now, steps, prompt_steps = StepTrace(capacity=4096), 0.0, [], 0
 
     def run(step: Step) -> None:
@@ -147,11 +167,12 @@ def _serve(pacer: Pacer, phases: int, decode_steps: int, prompt: int) -> tuple[l
     for _ in range(phases):
         for _ in range(decode_steps):
             run(_step(now, 0.03, 0, 4))
-        left = prompt
-        while left:
-            n = min(left, pacer.chunk(trace, now) or left)
-            run(_step(now, 0.03 + n / 1000.0, n, 4))
-            left, prompt_steps = left - n, prompt_steps + 1
+        done = 0
+        while done < prompt:
+            chunk = pacer.chunk(trace, now, done if context_known else 0)
+            n = min(prompt - done, chunk or prompt)
+            run(_chunk_step(now, n, done, 1e-3, per_pair_s))
+            done, prompt_steps = done + n, prompt_steps + 1
     return steps, prompt_steps
 
 
@@ -176,3 +197,66 @@ def test_cheap_steps_before_a_prompt_let_it_prefill_in_fewer_longer_chunks() -> 
     _, target = _serve(Pacer(0.1, None, 16), phases=8, decode_steps=40, prompt=1500)
     assert target >= 8 * 22  # 1,500 / 70 each (the first from one block: no R measured yet)
     assert ceiling <= target / 2
+
+
+def test_the_prompt_cost_separates_tokens_from_attended_pairs() -> None:
+    steps = [_chunk_step(float(i), n, c) for i, (n, c) in
+             enumerate([(300, 0), (300, 300), (300, 600), (200, 900), (512, 0), (400, 512)])]
+    cost = prompt_cost(steps[::-1], decode_step_s=0.03)
+    assert cost.per_token_s == pytest.approx(PER_TOKEN_S)
+    assert cost.per_pair_s == pytest.approx(PER_PAIR_S)
+
+
+def test_a_fit_on_short_prompts_is_not_stretched_over_a_long_one() -> None:
+    """Beyond the widest span its steps attended to (S = max P / N), a chunk is priced at S: a
+    pair cost learnt on short prompts does not shrink a long prompt's late chunks without
+    bound."""
+    steps = [_chunk_step(float(i), n, c) for i, (n, c) in
+             enumerate([(100, 0), (60, 100), (120, 0), (40, 160)])]
+    cost = prompt_cost(steps, decode_step_s=0.03)
+    assert cost.per_pair_s == pytest.approx(PER_PAIR_S)
+    assert cost.widest_span == pytest.approx(max(s.prefill_attention / s.prefill_tokens
+                                                 for s in steps))
+    flat = math.floor(0.25 / (PER_TOKEN_S + PER_PAIR_S * cost.widest_span))
+    assert cost.chunk(0.25, 5000) == flat == cost.chunk(0.25, 50_000)
+    assert cost.chunk(0.05, 0) > math.floor(0.05 / (PER_TOKEN_S + PER_PAIR_S * cost.widest_span))
+
+
+def test_steps_that_cannot_tell_pairs_apart_fall_back_on_the_flat_rate() -> None:
+    """Chunks all alike (or traces without pairs): one over the marginal rate R."""
+    alike = [_chunk_step(float(i), 256, 0) for i in range(5)]
+    cost = prompt_cost(alike, decode_step_s=0.03)
+    assert cost.per_pair_s == 0.0
+    assert 1 / cost.per_token_s == pytest.approx(marginal_prefill_rate(alike, 0.03))
+    assert prompt_cost([_step(0.0, 0.04, 0, 4)], decode_step_s=0.04) is None
+
+
+def test_a_chunk_is_the_most_tokens_whose_tokens_and_pairs_fit_the_time() -> None:
+    cost = PromptCost(PER_TOKEN_S, PER_PAIR_S)
+    for context in (0, 500, 1125):
+        n = cost.chunk(0.25, context)
+        spent = PER_TOKEN_S * n + PER_PAIR_S * _pairs(n, context)
+        more = PER_TOKEN_S * (n + 1) + PER_PAIR_S * _pairs(n + 1, context)
+        assert spent <= 0.25 < more, context
+    assert cost.chunk(0.25, 1125) < cost.chunk(0.25, 0)
+    assert PromptCost(1e-3).chunk(0.06, 4000) == 60  # no pair term: (a - s) x R
+    assert cost.chunk(0.0, 0) == 0 and cost.chunk(-0.1, 0) == 0
+
+
+def test_late_chunks_of_a_long_prompt_are_smaller_so_no_gap_passes_the_ceiling() -> None:
+    """Priced at their context, the chunks of the last two prompts (the first two taught the
+    pacer the cost at every context) keep every step within L = 300 ms; priced as if each
+    started a prompt, the late ones overrun it."""
+    known, _ = _serve(Pacer(0.1, 0.3, 16), 4, 40, 1500, PER_PAIR_S, context_known=True)
+    blind, _ = _serve(Pacer(0.1, 0.3, 16), 4, 40, 1500, PER_PAIR_S, context_known=False)
+    later = len(known) // 2
+    assert max(s.end - s.start for s in known[later:]) <= 0.3 + 1e-9
+    assert max(s.end - s.start for s in blind[later:]) > 0.32
+    chunks = [(s.prefill_tokens, _context(s)) for s in known[later:] if s.prefill_tokens]
+    assert max(n for n, c in chunks if c >= 800) < min(n for n, c in chunks if c == 0)
+
+
+def _context(step: Step) -> int:
+    """The tokens a chunk step's prompt tokens came after, from its pairs."""
+    n = step.prefill_tokens
+    return (step.prefill_attention - n * (n + 1) // 2) // n

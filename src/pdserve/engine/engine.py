@@ -260,6 +260,10 @@ class Engine:
     def prefill_chunk(self) -> int | None:
         return self.scheduler.prefill_chunk
 
+    def next_prompt_context(self) -> int:
+        """The context the next step's first prompt tokens attend to beyond themselves."""
+        return self.scheduler.next_prompt_context()
+
     def reserve_remote(self) -> None:
         """Decode role: reserve blocks for the queued remote requests the pool has room for now
         (first come, first served), e.g. after blocks were freed outside a step."""

@@ -97,6 +97,17 @@ class Scheduler:
         req.state = RequestState.RUNNING
         self.running.append(req)
 
+    def next_prompt_context(self) -> int:
+        """The tokens computed before the first prompt token the next step would compute: a
+        running prompt's (the oldest), else the waiting head's cached prefix; 0 with neither.
+        What the worker prices that step's chunk at (`workers/prefill_budget.py`)."""
+        for req in self.running:
+            if req.computing_prompt:
+                return req.num_computed_tokens
+        if self.waiting:
+            return len(self.bm.match_prefix(self.waiting[0].token_ids)) * self.bm.block_size
+        return 0
+
     # -- internals ----------------------------------------------------------------------------
 
     def _prefill_budget(self, budget: int) -> int:

@@ -264,7 +264,7 @@ class EngineLoop:
     def _refresh_prefill_chunk(self) -> None:
         if self.pacer is None:
             return
-        chunk = self.pacer.chunk(self.trace, time.monotonic())
+        chunk = self.pacer.chunk(self.trace, time.monotonic(), self.engine.next_prompt_context())
         if chunk != self.engine.prefill_chunk:
             self.engine.set_prefill_chunk(chunk)
         if self.pacer.past is not None:

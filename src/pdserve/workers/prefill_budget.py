@@ -3,14 +3,22 @@ inter-token times stay within the targets (`pdserve worker --slo-tpot-ms`, `--sl
 decode worker's local prefills (conditional disaggregation chose them, `router/split_decision.py`)
 run in chunks beside its streams instead of freezing them for a whole prompt.
 
-    C = max(block_size, floor((a - s) x R))
+    C = max(block_size, largest N with  s + beta N + gamma (N p + N (N + 1) / 2) <= a)
 
-s: the median decode-only step, the streams' own step (`step_rates.py`); R: the marginal prefill
-rate, sum N / sum (t - d) over the last `WINDOW` steps that computed N > 0 prompt tokens, t
-their duration and d = s for a step that also decoded (its decode part), else 0. A step with C
-prompt tokens beside the streams then takes about s + C / R <= a, the step's allowance. At
-least one block per step, so a prompt always progresses (its streams then see up to s + block
-/ R).
+s: the median decode-only step, the streams' own step (`step_rates.py`); p: the prompt tokens
+already computed (or cached) before the chunk, so N p + N (N + 1) / 2 are the (query, key) pairs
+its N tokens attend to. beta, gamma: a prompt step's own cost, per token and per attended pair,
+fitted (`common/prompt_cost.py`) to the last `WINDOW` steps that computed N > 0 prompt tokens
+in t seconds, less d = s for a step that also decoded (its decode part), else 0; gamma = 0 and
+beta = 1 / R where the steps cannot tell the two apart, R the flat marginal rate the worker
+reports (`marginal_prefill_rate`), and a chunk attending to more than its steps did is priced
+at their widest span (a fit on short prompts is not stretched over a long one).
+
+A flat rate would size every chunk of a long prompt alike, its early chunks (little to attend
+to) ending under the allowance and its late ones over it: on a CPU core a 375-token chunk of
+SmolLM2 after 1,125 tokens of context costs about 1.4x one at the start (fitted by
+`tools/pacing/chunk_cost.py` from a served run's steps). At least one block per step, so a prompt
+always progresses (its streams then see up to s + one block's cost).
 
     a = min(L, TPOT + max(0, B))     B_k = clamp(B_(k-1) + TPOT - d_k, -B_max, B_max)
     B_max = BURST_STEPS x (L - TPOT)
@@ -32,24 +40,25 @@ few long steps instead of many short ones, each of which carries the streams' de
 time to first token). Under a sustained prompt load the bucket empties and the steps come back
 to TPOT: the mean holds.
 
-Until s is measured (no stream decoded here yet) there is nothing to protect: no cap. Until R
-is measured, one block. With s at or over the target no chunk keeps a step within it: the
-streams already miss it, a step beside them still carries one block, and a local prompt
+Until s is measured (no stream decoded here yet) there is nothing to protect: no cap. Until a
+prompt step is timed, one block. With s at or over the target no chunk keeps a step within it:
+the streams already miss it, a step beside them still carries one block, and a local prompt
 advances a block a step; the worker says so in its log (`past_target`), since only its
 operator can change it (a larger target, fewer streams per worker, more decode workers).
 
 `C` is reported in the signed /health as `chunk_tokens`, the stall the router's decision
 counts for one step of this worker.
 
-Lifetime: s and R are read from the step trace every `REFRESH_S` on the engine thread
-(`EngineLoop`); B follows every step, and a and C are recomputed after it for the next
-(`Engine.set_prefill_chunk`).
+Lifetime: s, beta and gamma are read from the step trace every `REFRESH_S` on the engine thread
+(`EngineLoop`); B follows every step, and a and C are recomputed after it for the next, at the
+context p of the prompt that step computes first (`Engine.set_prefill_chunk`).
 """
 
 from __future__ import annotations
 
 import math
 
+from pdserve.common.prompt_cost import PromptCost, fit_prompt_cost
 from pdserve.workers.step_rates import SCAN, WINDOW, step_rates
 from pdserve.workers.step_trace import Step, StepTrace
 
@@ -74,6 +83,20 @@ def marginal_prefill_rate(newest_first: list[Step], decode_step_s: float | None,
     return tokens / seconds if seconds > 0 else None
 
 
+def prompt_cost(newest_first: list[Step], decode_step_s: float | None,
+                window: int = WINDOW) -> PromptCost | None:
+    """beta and gamma above from the last `window` prompt steps; None before any was timed."""
+    d = decode_step_s or 0.0
+    rows = []  # (N, P, t - d) of each prompt step with a positive own part
+    for step in newest_first:
+        part = step.end - step.start - (d if step.decode_tokens else 0.0)
+        if step.prefill_tokens and part > 0:
+            rows.append((step.prefill_tokens, step.prefill_attention, part))
+            if len(rows) >= window:
+                break
+    return fit_prompt_cost(rows)
+
+
 def past_target(tpot_target_s: float, decode_step_s: float | None) -> float | None:
     """The median decode-only step s when it is at or over the target (no chunk can keep a
     step within it: C is one block), else None (also while none was measured)."""
@@ -86,19 +109,20 @@ def step_allowance(tpot_target_s: float, itl_target_s: float, credit_s: float) -
     return min(itl_target_s, tpot_target_s + max(0.0, credit_s))
 
 
-def chunk_tokens(allowance_s: float, decode_step_s: float | None, rate: float | None,
-                 block_size: int) -> int | None:
-    """C above from a, s and R: None (no cap) while s is unmeasured, a block while R is."""
+def chunk_tokens(allowance_s: float, decode_step_s: float | None, cost: PromptCost | None,
+                 block_size: int, context: int = 0) -> int | None:
+    """C above from a, s, the prompt cost and the context p: None (no cap) while s is
+    unmeasured, a block while the cost is."""
     if decode_step_s is None:
         return None
-    if rate is None:
+    if cost is None:
         return block_size
-    return max(block_size, math.floor(round((allowance_s - decode_step_s) * rate, 6)))
+    return max(block_size, cost.chunk(allowance_s - decode_step_s, context))
 
 
 class Pacer:
-    """A worker's chunk C after each step (module docstring): s and R read from its step trace
-    every `REFRESH_S`, the credit B from each step it is shown.
+    """A worker's chunk C after each step (module docstring): s and the prompt cost read from
+    its step trace every `REFRESH_S`, the credit B from each step it is shown.
 
     Lifetime: one per engine loop, used on its engine thread only; `past` is the median decode
     step when the last refresh found it at or over the TPOT target with C down to one block
@@ -113,7 +137,7 @@ class Pacer:
         self._block = block_size
         self._read_at = -math.inf
         self._decode_step_s: float | None = None
-        self._rate: float | None = None
+        self._cost: PromptCost | None = None
         self.past: float | None = None
 
     def observe(self, step: Step) -> None:
@@ -123,14 +147,15 @@ class Pacer:
             credit = self.credit_s + self.tpot_target_s - gap
             self.credit_s = min(self.burst_s, max(-self.burst_s, credit))
 
-    def chunk(self, trace: StepTrace, now: float) -> int | None:
-        """C for the next step."""
+    def chunk(self, trace: StepTrace, now: float, context: int = 0) -> int | None:
+        """C for the next step, whose first prompt tokens come after `context` computed ones."""
         if now >= self._read_at + REFRESH_S:
             self._read_at = now
             steps = trace.newest_first(SCAN)
             self._decode_step_s = step_rates(steps).decode_step_s
-            self._rate = None if self._decode_step_s is None else \
-                marginal_prefill_rate(steps, self._decode_step_s)
+            self._cost = None if self._decode_step_s is None else \
+                prompt_cost(steps, self._decode_step_s)
             self.past = past_target(self.tpot_target_s, self._decode_step_s)
         allowance = step_allowance(self.tpot_target_s, self.itl_target_s, self.credit_s)
-        return chunk_tokens(allowance, self._decode_step_s, self._rate, self._block)
+        return chunk_tokens(allowance, self._decode_step_s, self._cost, self._block,
+                            context)

@@ -6,8 +6,9 @@ Each step: KV-arrived split requests join the batch first (as `DecodeWorker`), t
 prompts are admitted FIFO (prompt + output tokens of KV reserved, the batch and prompts being
 prefilled together at most `max_batch`) as the step's prompt tokens reach them. With streams
 decoding, the step computes at most the paced chunk C of prompt tokens (FIFO over the prompts,
-a started one first), C as the worker sets it from its own recent steps (chunk_pacer.py); with
-none, whole prompts under the token budget (the first always).
+a started one first), C as the worker sets it from its own recent steps at the first prompt's
+computed tokens (chunk_pacer.py); with none, whole prompts under the token budget (the first
+always).
 Token 0 of a prompt comes at the end of the step that computed its last token; the request
 then joins this worker's batch (its KV is here: no transfer).
 
@@ -87,7 +88,9 @@ class PacedDecodeWorker(DecodeWorker):
         return self.step_s
 
     def finish_step(self, now: float) -> tuple[list[RequestRecord], list[RequestRecord]]:
-        self.pacer.record(sum(n for _, n in self.step_chunks), self.step_decodes, self.step_s)
+        pairs = sum(n * r.prefilled + n * (n + 1) // 2 for r, n in self.step_chunks)
+        self.pacer.record(sum(n for _, n in self.step_chunks), self.step_decodes, self.step_s,
+                          pairs)
         finished = self.batch.complete_step(now) if self.step_decodes else []
         for record in finished:
             self.kv.release(record)
@@ -130,7 +133,7 @@ class PacedDecodeWorker(DecodeWorker):
         """The step's prompt tokens beside `decodes` streams: the budget, capped by the
         worker's chunk (none before it timed a decode-only step)."""
         most = min(self.budget, sum(r.prompt_tokens - r.prefilled for r in ready))
-        cap = self.pacer.chunk(now)
+        cap = self.pacer.chunk(now, ready[0].prefilled)
         return _take(ready, most if cap is None else min(most, cap))
 
     def _whole(self, ready: list[RequestRecord]) -> Planned:

@@ -7,7 +7,9 @@ worker's paced chunk read these, not the step costs, as the served ones do.
   tokens in t seconds (steps that also decoded count whole);
 - `decode_step_s`: the median of the last WINDOW decode-only steps;
 - `marginal_tokens_per_s` (R_m): sum N / sum (t - d) over those prompt steps, d = the decode
-  step for a step that also decoded, else 0 (parts of 0 or less left out).
+  step for a step that also decoded, else 0 (parts of 0 or less left out);
+- and, for a decode worker's own chunks only (not reported), the prompt cost per token and per
+  attended pair fitted to the same parts (`common/prompt_cost.py`).
 
 Each is None until a step of its kind ran. The router reads them at its health checks, a
 second apart (routing.py `poll`), so its view is up to one interval older than these.
@@ -20,6 +22,8 @@ from __future__ import annotations
 import statistics
 from collections import deque
 from dataclasses import dataclass
+
+from pdserve.common.prompt_cost import PromptCost, fit_prompt_cost
 
 WINDOW = 64  # workers/step_rates.py WINDOW
 
@@ -38,14 +42,15 @@ class StepWindow:
 
     def __init__(self) -> None:
         self.decode_s: deque[float] = deque(maxlen=WINDOW)
-        self.prompt: deque[tuple[int, float, bool]] = deque(maxlen=WINDOW)  # (N, t, decoded)
+        # (N, t, decoded, P): prompt tokens, seconds, whether it decoded, attended pairs
+        self.prompt: deque[tuple[int, float, bool, int]] = deque(maxlen=WINDOW)
 
-    def record(self, prompt_tokens: int, decodes: int, seconds: float) -> None:
+    def record(self, prompt_tokens: int, decodes: int, seconds: float, pairs: int = 0) -> None:
         """One finished step of this worker (a step of no positive length is not timed)."""
         if seconds <= 0:
             return
         if prompt_tokens:
-            self.prompt.append((prompt_tokens, seconds, decodes > 0))
+            self.prompt.append((prompt_tokens, seconds, decodes > 0, pairs))
         elif decodes:
             self.decode_s.append(seconds)
 
@@ -54,13 +59,22 @@ class StepWindow:
 
     def marginal_rate(self, decode_step_s: float | None) -> float | None:
         """R_m with the decode part `decode_step_s` (None: 0) taken off the mixed steps."""
+        parts = [(n, part) for n, _, part in self._parts(decode_step_s)]
+        seconds = sum(part for _, part in parts)
+        return sum(n for n, _ in parts) / seconds if seconds > 0 else None
+
+    def prompt_cost(self, decode_step_s: float | None) -> PromptCost | None:
+        """The prompt cost fitted to the same parts as `marginal_rate`."""
+        return fit_prompt_cost(self._parts(decode_step_s))
+
+    def _parts(self, decode_step_s: float | None) -> list[tuple[int, int, float]]:
+        """(N, P, t - d) of the prompt steps whose part is positive."""
         d = decode_step_s or 0.0
-        parts = [(n, t - d if decoded else t) for n, t, decoded in self.prompt]
-        seconds = sum(part for _, part in parts if part > 0)
-        return sum(n for n, part in parts if part > 0) / seconds if seconds > 0 else None
+        parts = [(n, p, t - d if decoded else t) for n, t, decoded, p in self.prompt]
+        return [part for part in parts if part[2] > 0]
 
     def rates(self) -> Rates:
-        seconds = sum(t for _, t, _ in self.prompt)
-        whole = sum(n for n, _, _ in self.prompt) / seconds if seconds > 0 else None
+        seconds = sum(t for _, t, _, _ in self.prompt)
+        whole = sum(n for n, _, _, _ in self.prompt) / seconds if seconds > 0 else None
         s = self.decode_step_s()
         return Rates(whole, s, self.marginal_rate(s))
