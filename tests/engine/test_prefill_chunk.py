@@ -64,23 +64,24 @@ def test_a_chunk_is_a_positive_int_or_none(tiny_model, bad) -> None:
         _engine(tiny_model()).set_prefill_chunk(bad)
 
 
-def test_the_next_prompt_context_is_what_the_next_chunk_attends_to_beyond_itself(
+def test_the_chunk_site_is_the_streams_and_what_the_next_chunk_attends_to_beyond_itself(
         tiny_model) -> None:
-    """The running prompt's computed tokens; with none, the waiting head's cached prefix."""
+    """The requests decoding, and the running prompt's computed tokens, or with none the
+    waiting head's cached prefix."""
     engine = _engine(tiny_model())
-    assert engine.next_prompt_context() == 0
+    assert engine.chunk_site() == (0, 0)
     engine.set_prefill_chunk(32)
     engine.add_request(SHORT_PROMPT, GREEDY, request_id="stream")
     engine.step()
     engine.add_request(LONG_PROMPT, GREEDY, request_id="long")
-    assert engine.next_prompt_context() == 0  # nothing of it computed or cached
+    assert engine.chunk_site() == (1, 0)  # nothing of it computed or cached
     engine.step()
-    assert engine.next_prompt_context() == 32
+    assert engine.chunk_site() == (1, 32)
     engine.step()
-    assert engine.next_prompt_context() == 64
+    assert engine.chunk_site() == (1, 64)
     while engine.scheduler.running[-1].computing_prompt:
         engine.step()
-    assert engine.next_prompt_context() == 0  # no prompt left
+    assert engine.chunk_site() == (2, 0)  # no prompt left: both decode
     engine.add_request(LONG_PROMPT + [7, 8], GREEDY, request_id="again")
     block = engine.config.block_size
-    assert engine.next_prompt_context() == len(LONG_PROMPT) // block * block  # its cached prefix
+    assert engine.chunk_site() == (2, len(LONG_PROMPT) // block * block)  # its cached prefix

@@ -11,12 +11,14 @@ from types import SimpleNamespace
 
 import pytest
 
-from pdserve.common.prompt_cost import PromptCost
+from pdserve.common.step_cost import DecodeCost, PromptCost
+from pdserve.engine.scheduler import ChunkSite
 from pdserve.throttled_log import ThrottledLog
 from pdserve.workers.engine_loop import PAST_TARGET_LOG_S, EngineLoop
 from pdserve.workers.prefill_budget import (
     BURST_STEPS,
     Pacer,
+    decode_cost,
     marginal_prefill_rate,
     past_target,
     prompt_cost,
@@ -80,7 +82,7 @@ def test_a_worker_past_its_target_says_so_once_a_minute(caplog) -> None:
         trace.record(step)
     chunks: list[int | None] = []
     engine = SimpleNamespace(config=SimpleNamespace(block_size=16), prefill_chunk=None,
-                             next_prompt_context=lambda: 0)
+                             chunk_site=lambda: ChunkSite(4, 0))
 
     def set_prefill_chunk(tokens: int | None) -> None:
         chunks.append(tokens)
@@ -169,7 +171,7 @@ def _serve(pacer: Pacer, phases: int, decode_steps: int, prompt: int, per_pair_s
             run(_step(now, 0.03, 0, 4))
         done = 0
         while done < prompt:
-            chunk = pacer.chunk(trace, now, done if context_known else 0)
+            chunk = pacer.chunk(trace, now, 4, done if context_known else 0)
             n = min(prompt - done, chunk or prompt)
             run(_chunk_step(now, n, done, 1e-3, per_pair_s))
             done, prompt_steps = done + n, prompt_steps + 1
@@ -199,10 +201,28 @@ def test_cheap_steps_before_a_prompt_let_it_prefill_in_fewer_longer_chunks() -> 
     assert ceiling <= target / 2
 
 
+def test_the_decode_part_grows_with_the_streams_beside_the_chunk() -> None:
+    """Decode-only steps of 7 ms + 4 ms a stream, mostly one stream: s(D) is fitted, not their
+    median (11 ms), so a chunk beside 6 streams leaves room for their 31 ms."""
+    steps = [_step(float(i), 0.007 + 0.004 * d, 0, d) for i, d in enumerate([1] * 40 + [2, 4, 6])]
+    decode = decode_cost(steps[::-1])
+    assert (decode.fixed_s, decode.per_stream_s) == (pytest.approx(0.007), pytest.approx(0.004))
+    assert step_rates(steps[::-1]).decode_step_s == pytest.approx(0.011)
+    trace = StepTrace(capacity=64)
+    for step in [*steps, _step(50.0, 0.011 + 0.1, 100, 1)]:  # 100 prompt tokens: 1 ms each
+        trace.record(step)
+    pacer = Pacer(0.1, None, 16)
+    assert pacer.chunk(trace, 0.0, streams=1) == 89  # (0.1 - 0.011) / 1 ms
+    assert pacer.chunk(trace, 0.0, streams=6) == 69  # (0.1 - 0.031) / 1 ms
+    alike = [_step(float(i), 0.02 + 0.001 * (i % 3), 0, 4) for i in range(9)]
+    assert decode_cost(alike).fixed_s == pytest.approx(0.021)  # one batch size: the median
+    assert decode_cost(alike).per_stream_s == 0.0
+
+
 def test_the_prompt_cost_separates_tokens_from_attended_pairs() -> None:
     steps = [_chunk_step(float(i), n, c) for i, (n, c) in
              enumerate([(300, 0), (300, 300), (300, 600), (200, 900), (512, 0), (400, 512)])]
-    cost = prompt_cost(steps[::-1], decode_step_s=0.03)
+    cost = prompt_cost(steps[::-1], DecodeCost(0.03))
     assert cost.per_token_s == pytest.approx(PER_TOKEN_S)
     assert cost.per_pair_s == pytest.approx(PER_PAIR_S)
 
@@ -213,7 +233,7 @@ def test_a_fit_on_short_prompts_is_not_stretched_over_a_long_one() -> None:
     bound."""
     steps = [_chunk_step(float(i), n, c) for i, (n, c) in
              enumerate([(100, 0), (60, 100), (120, 0), (40, 160)])]
-    cost = prompt_cost(steps, decode_step_s=0.03)
+    cost = prompt_cost(steps, DecodeCost(0.03))
     assert cost.per_pair_s == pytest.approx(PER_PAIR_S)
     assert cost.widest_span == pytest.approx(max(s.prefill_attention / s.prefill_tokens
                                                  for s in steps))
@@ -225,10 +245,10 @@ def test_a_fit_on_short_prompts_is_not_stretched_over_a_long_one() -> None:
 def test_steps_that_cannot_tell_pairs_apart_fall_back_on_the_flat_rate() -> None:
     """Chunks all alike (or traces without pairs): one over the marginal rate R."""
     alike = [_chunk_step(float(i), 256, 0) for i in range(5)]
-    cost = prompt_cost(alike, decode_step_s=0.03)
+    cost = prompt_cost(alike, DecodeCost(0.03))
     assert cost.per_pair_s == 0.0
     assert 1 / cost.per_token_s == pytest.approx(marginal_prefill_rate(alike, 0.03))
-    assert prompt_cost([_step(0.0, 0.04, 0, 4)], decode_step_s=0.04) is None
+    assert prompt_cost([_step(0.0, 0.04, 0, 4)], DecodeCost(0.04)) is None
 
 
 def test_a_chunk_is_the_most_tokens_whose_tokens_and_pairs_fit_the_time() -> None:

@@ -43,7 +43,7 @@ from pdserve.engine.parallel.shard_plan import check_tensor_parallel, shard_plan
 from pdserve.engine.request import Request, RequestState
 from pdserve.engine.runner import LayerHook, ModelRunner
 from pdserve.engine.sampler import Sampler
-from pdserve.engine.scheduler import Scheduler
+from pdserve.engine.scheduler import ChunkSite, Scheduler
 
 DEFAULT_CHUNK_TOKENS = 512
 
@@ -260,9 +260,10 @@ class Engine:
     def prefill_chunk(self) -> int | None:
         return self.scheduler.prefill_chunk
 
-    def next_prompt_context(self) -> int:
-        """The context the next step's first prompt tokens attend to beyond themselves."""
-        return self.scheduler.next_prompt_context()
+    def chunk_site(self) -> ChunkSite:
+        """The streams the next step decodes and the context its first prompt tokens come
+        after (`Scheduler.chunk_site`)."""
+        return self.scheduler.chunk_site()
 
     def reserve_remote(self) -> None:
         """Decode role: reserve blocks for the queued remote requests the pool has room for now

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from pdserve.common.engine_options import PROMPT_PACK_TOKENS
 from pdserve.config import EngineConfig
@@ -52,6 +53,13 @@ class SchedulerOutput:
     def add(self, req: Request, n: int) -> None:
         self.requests.append(req)
         self.num_new_tokens.append(n)
+
+
+class ChunkSite(NamedTuple):
+    """The streams a step decodes beside its prompt tokens, and the tokens computed before them."""
+
+    streams: int
+    context: int
 
 
 class Scheduler:
@@ -97,16 +105,19 @@ class Scheduler:
         req.state = RequestState.RUNNING
         self.running.append(req)
 
-    def next_prompt_context(self) -> int:
-        """The tokens computed before the first prompt token the next step would compute: a
-        running prompt's (the oldest), else the waiting head's cached prefix; 0 with neither.
-        What the worker prices that step's chunk at (`workers/prefill_budget.py`)."""
+    def chunk_site(self) -> ChunkSite:
+        """Where the next step's first prompt tokens would go: beside the requests decoding now,
+        after a running prompt's (the oldest) computed tokens, else after the waiting head's
+        cached prefix (0 with neither). What the worker prices that step's chunk at
+        (`workers/prefill_budget.py`)."""
+        streams = sum(1 for r in self.running if not r.computing_prompt)
         for req in self.running:
             if req.computing_prompt:
-                return req.num_computed_tokens
+                return ChunkSite(streams, req.num_computed_tokens)
         if self.waiting:
-            return len(self.bm.match_prefix(self.waiting[0].token_ids)) * self.bm.block_size
-        return 0
+            cached = len(self.bm.match_prefix(self.waiting[0].token_ids)) * self.bm.block_size
+            return ChunkSite(streams, cached)
+        return ChunkSite(streams, 0)
 
     # -- internals ----------------------------------------------------------------------------
 

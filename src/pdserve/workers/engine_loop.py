@@ -264,7 +264,8 @@ class EngineLoop:
     def _refresh_prefill_chunk(self) -> None:
         if self.pacer is None:
             return
-        chunk = self.pacer.chunk(self.trace, time.monotonic(), self.engine.next_prompt_context())
+        site = self.engine.chunk_site()
+        chunk = self.pacer.chunk(self.trace, time.monotonic(), site.streams, site.context)
         if chunk != self.engine.prefill_chunk:
             self.engine.set_prefill_chunk(chunk)
         if self.pacer.past is not None:

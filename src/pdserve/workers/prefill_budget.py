@@ -3,21 +3,24 @@ inter-token times stay within the targets (`pdserve worker --slo-tpot-ms`, `--sl
 decode worker's local prefills (conditional disaggregation chose them, `router/split_decision.py`)
 run in chunks beside its streams instead of freezing them for a whole prompt.
 
-    C = max(block_size, largest N with  s + beta N + gamma (N p + N (N + 1) / 2) <= a)
+    C = max(block_size, largest N with  s(D) + beta N + gamma (N p + N (N + 1) / 2) <= a)
 
-s: the median decode-only step, the streams' own step (`step_rates.py`); p: the prompt tokens
-already computed (or cached) before the chunk, so N p + N (N + 1) / 2 are the (query, key) pairs
-its N tokens attend to. beta, gamma: a prompt step's own cost, per token and per attended pair,
-fitted (`common/prompt_cost.py`) to the last `WINDOW` steps that computed N > 0 prompt tokens
-in t seconds, less d = s for a step that also decoded (its decode part), else 0; gamma = 0 and
-beta = 1 / R where the steps cannot tell the two apart, R the flat marginal rate the worker
-reports (`marginal_prefill_rate`), and a chunk attending to more than its steps did is priced
-at their widest span (a fit on short prompts is not stretched over a long one).
+s(D) = s0 + e D: the decode part of a step beside D streams, fitted to the last `WINDOW`
+decode-only steps (`common/step_cost.py`; their median where the batch never changed), D the
+streams the next step decodes; p: the prompt tokens already computed (or cached) before the
+chunk, so N p + N (N + 1) / 2 are the (query, key) pairs its N tokens attend to. beta, gamma: a
+prompt step's own cost, per token and per attended pair, fitted to the last `WINDOW` steps that
+computed N > 0 prompt tokens in t seconds, less s(D) for a step that also decoded D streams;
+gamma = 0 and beta = 1 / R where the steps cannot tell the two apart, R a flat marginal rate,
+and a chunk attending to more than its steps did is priced at their widest span (a fit on short
+prompts is not stretched over a long one).
 
 A flat rate would size every chunk of a long prompt alike, its early chunks (little to attend
 to) ending under the allowance and its late ones over it: on a CPU core a 375-token chunk of
 SmolLM2 after 1,125 tokens of context costs about 1.4x one at the start (fitted by
-`tools/pacing/chunk_cost.py` from a served run's steps). At least one block per step, so a prompt
+`tools/pacing/chunk_cost.py` from a served run's steps). And a median decode step would price
+a step beside 6 streams at what one stream costs, the most common batch between prompts (on
+the same machine 11 ms against 30). At least one block per step, so a prompt
 always progresses (its streams then see up to s + one block's cost).
 
     a = min(L, TPOT + max(0, B))     B_k = clamp(B_(k-1) + TPOT - d_k, -B_max, B_max)
@@ -49,16 +52,22 @@ operator can change it (a larger target, fewer streams per worker, more decode w
 `C` is reported in the signed /health as `chunk_tokens`, the stall the router's decision
 counts for one step of this worker.
 
-Lifetime: s, beta and gamma are read from the step trace every `REFRESH_S` on the engine thread
-(`EngineLoop`); B follows every step, and a and C are recomputed after it for the next, at the
-context p of the prompt that step computes first (`Engine.set_prefill_chunk`).
+Lifetime: s(D), beta and gamma are read from the step trace every `REFRESH_S` on the engine
+thread (`EngineLoop`); B follows every step, and a and C are recomputed after it for the next,
+at its streams D and the context p of the prompt it computes first (`Engine.chunk_site`,
+`Engine.set_prefill_chunk`).
 """
 
 from __future__ import annotations
 
 import math
 
-from pdserve.common.prompt_cost import PromptCost, fit_prompt_cost
+from pdserve.common.step_cost import (
+    DecodeCost,
+    PromptCost,
+    fit_decode_cost,
+    fit_prompt_cost,
+)
 from pdserve.workers.step_rates import SCAN, WINDOW, step_rates
 from pdserve.workers.step_trace import Step, StepTrace
 
@@ -83,13 +92,20 @@ def marginal_prefill_rate(newest_first: list[Step], decode_step_s: float | None,
     return tokens / seconds if seconds > 0 else None
 
 
-def prompt_cost(newest_first: list[Step], decode_step_s: float | None,
+def decode_cost(newest_first: list[Step], window: int = WINDOW) -> DecodeCost | None:
+    """s(D) above from the last `window` decode-only steps; None before any."""
+    rows = [(step.decode_tokens, step.end - step.start) for step in newest_first
+            if step.decode_tokens and not step.prefill_tokens and step.end > step.start]
+    return fit_decode_cost(rows[:window])
+
+
+def prompt_cost(newest_first: list[Step], decode: DecodeCost | None,
                 window: int = WINDOW) -> PromptCost | None:
     """beta and gamma above from the last `window` prompt steps; None before any was timed."""
-    d = decode_step_s or 0.0
-    rows = []  # (N, P, t - d) of each prompt step with a positive own part
+    rows = []  # (N, P, t - s(D)) of each prompt step with a positive own part
     for step in newest_first:
-        part = step.end - step.start - (d if step.decode_tokens else 0.0)
+        d = decode.at(step.decode_tokens) if decode is not None else 0.0
+        part = step.end - step.start - d
         if step.prefill_tokens and part > 0:
             rows.append((step.prefill_tokens, step.prefill_attention, part))
             if len(rows) >= window:
@@ -109,20 +125,20 @@ def step_allowance(tpot_target_s: float, itl_target_s: float, credit_s: float) -
     return min(itl_target_s, tpot_target_s + max(0.0, credit_s))
 
 
-def chunk_tokens(allowance_s: float, decode_step_s: float | None, cost: PromptCost | None,
+def chunk_tokens(allowance_s: float, decode_s: float | None, cost: PromptCost | None,
                  block_size: int, context: int = 0) -> int | None:
-    """C above from a, s, the prompt cost and the context p: None (no cap) while s is
-    unmeasured, a block while the cost is."""
-    if decode_step_s is None:
+    """C above from a, the decode part s(D), the prompt cost and the context p: None (no cap)
+    while no decode step was timed, a block while no prompt step was."""
+    if decode_s is None:
         return None
     if cost is None:
         return block_size
-    return max(block_size, cost.chunk(allowance_s - decode_step_s, context))
+    return max(block_size, cost.chunk(allowance_s - decode_s, context))
 
 
 class Pacer:
-    """A worker's chunk C after each step (module docstring): s and the prompt cost read from
-    its step trace every `REFRESH_S`, the credit B from each step it is shown.
+    """A worker's chunk C after each step (module docstring): s(D) and the prompt cost read
+    from its step trace every `REFRESH_S`, the credit B from each step it is shown.
 
     Lifetime: one per engine loop, used on its engine thread only; `past` is the median decode
     step when the last refresh found it at or over the TPOT target with C down to one block
@@ -136,7 +152,7 @@ class Pacer:
         self.credit_s = 0.0  # B
         self._block = block_size
         self._read_at = -math.inf
-        self._decode_step_s: float | None = None
+        self._decode: DecodeCost | None = None
         self._cost: PromptCost | None = None
         self.past: float | None = None
 
@@ -147,15 +163,17 @@ class Pacer:
             credit = self.credit_s + self.tpot_target_s - gap
             self.credit_s = min(self.burst_s, max(-self.burst_s, credit))
 
-    def chunk(self, trace: StepTrace, now: float, context: int = 0) -> int | None:
-        """C for the next step, whose first prompt tokens come after `context` computed ones."""
+    def chunk(self, trace: StepTrace, now: float, streams: int = 1, context: int = 0
+              ) -> int | None:
+        """C for the next step, which decodes `streams` streams (at least one: a chunk only
+        caps a step beside streams) and whose first prompt tokens come after `context` computed
+        ones."""
         if now >= self._read_at + REFRESH_S:
             self._read_at = now
             steps = trace.newest_first(SCAN)
-            self._decode_step_s = step_rates(steps).decode_step_s
-            self._cost = None if self._decode_step_s is None else \
-                prompt_cost(steps, self._decode_step_s)
-            self.past = past_target(self.tpot_target_s, self._decode_step_s)
+            self._decode = decode_cost(steps)
+            self._cost = None if self._decode is None else prompt_cost(steps, self._decode)
+            self.past = past_target(self.tpot_target_s, step_rates(steps).decode_step_s)
         allowance = step_allowance(self.tpot_target_s, self.itl_target_s, self.credit_s)
-        return chunk_tokens(allowance, self._decode_step_s, self._cost, self._block,
-                            context)
+        decode_s = None if self._decode is None else self._decode.at(max(1, streams))
+        return chunk_tokens(allowance, decode_s, self._cost, self._block, context)

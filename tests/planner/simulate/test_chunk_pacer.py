@@ -85,3 +85,15 @@ def test_a_simulated_decode_worker_with_a_ceiling_prefills_its_local_prompts_soo
         assert sum(stream) / len(stream) < 0.02
     assert all(a < b - 0.05 for a, b in zip(ttfts[0.3], ttfts[None], strict=True)), ttfts
     assert worst[None] <= 0.1 + 1e-9 < 0.2 < worst[0.3] <= 0.3 + 1e-9
+
+
+def test_the_chunk_leaves_room_for_the_decode_step_of_the_streams_beside_it():
+    """Decode-only steps of 7 ms + 4 ms a stream, mostly one stream (median 11 ms): beside 6
+    streams the chunk leaves their 31 ms, not the median's 11 (1 ms a prompt token)."""
+    pacer = ChunkPacer(0.1, 16)
+    for d in [1] * 40 + [2, 4, 6]:
+        pacer.record(0, d, 0.007 + 0.004 * d)
+    pacer.record(100, 1, 0.011 + 0.1)
+    assert pacer.chunk(0.0, streams=1) == 89
+    assert pacer.chunk(0.0, streams=6) == 69
+    assert pacer.chunk_of(pacer.steps.rates()) == 89  # the router's count: the median step

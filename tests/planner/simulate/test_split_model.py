@@ -127,7 +127,7 @@ def test_a_workers_window_reports_its_newest_steps_of_each_kind():
     w.record(50, 0, 0.0)  # no time: not timed
     rates = w.rates()
     assert rates.prefill_tokens_per_s == pytest.approx(1100 / 0.57)
-    assert rates.decode_step_s == 0.02 and len(w.decode_s) == WINDOW
+    assert rates.decode_step_s == 0.02 and len(w.decode) == WINDOW
     assert rates.marginal_tokens_per_s == pytest.approx(1100 / 0.55)  # 50 ms of 70 the prompt's
 
 
@@ -281,7 +281,7 @@ def test_paced_steps_overshoot_less_as_the_worker_fits_the_prompts_attention():
     from the flat rate A's one short prompt measured, so they pass the target more as they
     attend to more of B; at each refresh (a run of rising gaps ends) its fit has seen B's
     chunks that far in and prices the next ones by their context up to there (never beyond:
-    `common/prompt_cost.py`), so each run overshoots less than the one before."""
+    `common/step_cost.py`), so each run overshoots less than the one before."""
     trace = [TraceRequest(0.0, 100, 800), TraceRequest(1.0, 8192, 2)]
     a, b = simulate("disagg", cluster("local"), Attending(), trace, trace_tokens=True).records
     paced = [g for g in gaps(a) if g > DECODE_S * 1.01][:-1]  # less B's short last chunk

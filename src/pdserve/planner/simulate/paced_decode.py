@@ -133,7 +133,7 @@ class PacedDecodeWorker(DecodeWorker):
         """The step's prompt tokens beside `decodes` streams: the budget, capped by the
         worker's chunk (none before it timed a decode-only step)."""
         most = min(self.budget, sum(r.prompt_tokens - r.prefilled for r in ready))
-        cap = self.pacer.chunk(now, ready[0].prefilled)
+        cap = self.pacer.chunk(now, decodes, ready[0].prefilled)
         return _take(ready, most if cap is None else min(most, cap))
 
     def _whole(self, ready: list[RequestRecord]) -> Planned:

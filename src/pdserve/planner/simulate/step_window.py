@@ -8,8 +8,9 @@ worker's paced chunk read these, not the step costs, as the served ones do.
 - `decode_step_s`: the median of the last WINDOW decode-only steps;
 - `marginal_tokens_per_s` (R_m): sum N / sum (t - d) over those prompt steps, d = the decode
   step for a step that also decoded, else 0 (parts of 0 or less left out);
-- and, for a decode worker's own chunks only (not reported), the prompt cost per token and per
-  attended pair fitted to the same parts (`common/prompt_cost.py`).
+- and, for a decode worker's own chunks only (not reported), the decode step fitted to its
+  streams and the prompt cost per token and per attended pair fitted to the prompt steps less
+  it (`common/step_cost.py`).
 
 Each is None until a step of its kind ran. The router reads them at its health checks, a
 second apart (routing.py `poll`), so its view is up to one interval older than these.
@@ -23,7 +24,7 @@ import statistics
 from collections import deque
 from dataclasses import dataclass
 
-from pdserve.common.prompt_cost import PromptCost, fit_prompt_cost
+from pdserve.common.step_cost import DecodeCost, PromptCost, fit_decode_cost, fit_prompt_cost
 
 WINDOW = 64  # workers/step_rates.py WINDOW
 
@@ -38,39 +39,42 @@ class Rates:
 
 
 class StepWindow:
-    """Invariant: `decode_s` and `prompt` hold the newest WINDOW steps of each kind."""
+    """Invariant: `decode` and `prompt` hold the newest WINDOW steps of each kind."""
 
     def __init__(self) -> None:
-        self.decode_s: deque[float] = deque(maxlen=WINDOW)
-        # (N, t, decoded, P): prompt tokens, seconds, whether it decoded, attended pairs
-        self.prompt: deque[tuple[int, float, bool, int]] = deque(maxlen=WINDOW)
+        self.decode: deque[tuple[int, float]] = deque(maxlen=WINDOW)  # (D, t)
+        # (N, t, D, P): prompt tokens, seconds, streams decoded beside them, attended pairs
+        self.prompt: deque[tuple[int, float, int, int]] = deque(maxlen=WINDOW)
 
     def record(self, prompt_tokens: int, decodes: int, seconds: float, pairs: int = 0) -> None:
         """One finished step of this worker (a step of no positive length is not timed)."""
         if seconds <= 0:
             return
         if prompt_tokens:
-            self.prompt.append((prompt_tokens, seconds, decodes > 0, pairs))
+            self.prompt.append((prompt_tokens, seconds, decodes, pairs))
         elif decodes:
-            self.decode_s.append(seconds)
+            self.decode.append((decodes, seconds))
 
     def decode_step_s(self) -> float | None:
-        return statistics.median(self.decode_s) if self.decode_s else None
+        return statistics.median(t for _, t in self.decode) if self.decode else None
 
     def marginal_rate(self, decode_step_s: float | None) -> float | None:
         """R_m with the decode part `decode_step_s` (None: 0) taken off the mixed steps."""
-        parts = [(n, part) for n, _, part in self._parts(decode_step_s)]
-        seconds = sum(part for _, part in parts)
-        return sum(n for n, _ in parts) / seconds if seconds > 0 else None
+        parts = self._parts(DecodeCost(decode_step_s or 0.0))
+        seconds = sum(part for _, _, part in parts)
+        return sum(n for n, _, _ in parts) / seconds if seconds > 0 else None
 
-    def prompt_cost(self, decode_step_s: float | None) -> PromptCost | None:
-        """The prompt cost fitted to the same parts as `marginal_rate`."""
-        return fit_prompt_cost(self._parts(decode_step_s))
+    def decode_cost(self) -> DecodeCost | None:
+        """s(D) fitted to the decode-only steps."""
+        return fit_decode_cost(list(self.decode))
 
-    def _parts(self, decode_step_s: float | None) -> list[tuple[int, int, float]]:
-        """(N, P, t - d) of the prompt steps whose part is positive."""
-        d = decode_step_s or 0.0
-        parts = [(n, p, t - d if decoded else t) for n, t, decoded, p in self.prompt]
+    def prompt_cost(self, decode: DecodeCost | None) -> PromptCost | None:
+        """The prompt cost fitted to the prompt steps less `decode` at their streams."""
+        return fit_prompt_cost(self._parts(decode or DecodeCost(0.0)))
+
+    def _parts(self, decode: DecodeCost) -> list[tuple[int, int, float]]:
+        """(N, P, t - s(D)) of the prompt steps whose part is positive."""
+        parts = [(n, p, t - decode.at(d)) for n, t, d, p in self.prompt]
         return [part for part in parts if part[2] > 0]
 
     def rates(self) -> Rates:
