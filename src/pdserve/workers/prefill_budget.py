@@ -20,8 +20,8 @@ to) ending under the allowance and its late ones over it: on a CPU core a 375-to
 SmolLM2 after 1,125 tokens of context costs about 1.4x one at the start (fitted by
 `tools/pacing/chunk_cost.py` from a served run's steps). And a median decode step would price
 a step beside 6 streams at what one stream costs, the most common batch between prompts (on
-the same machine 11 ms against 30). At least one block per step, so a prompt
-always progresses (its streams then see up to s + one block's cost).
+the same machine 11 ms against 30). At least one block per step, so a prompt always progresses
+(its streams then see up to s(D) + one block's cost).
 
     a = min(L, TPOT + max(0, B))     B_k = clamp(B_(k-1) + TPOT - d_k, -B_max, B_max)
     B_max = BURST_STEPS x (L - TPOT)
@@ -43,11 +43,12 @@ few long steps instead of many short ones, each of which carries the streams' de
 time to first token). Under a sustained prompt load the bucket empties and the steps come back
 to TPOT: the mean holds.
 
-Until s is measured (no stream decoded here yet) there is nothing to protect: no cap. Until a
-prompt step is timed, one block. With s at or over the target no chunk keeps a step within it:
-the streams already miss it, a step beside them still carries one block, and a local prompt
-advances a block a step; the worker says so in its log (`past_target`), since only its
-operator can change it (a larger target, fewer streams per worker, more decode workers).
+Until s(D) is measured (no stream decoded here yet) there is nothing to protect: no cap. Until
+a prompt step is timed, one block. With s (the median decode step) at or over the target no
+chunk keeps a step within it: the streams already miss it, a step beside them still carries one
+block, and a local prompt advances a block a step; the worker says so in its log
+(`past_target`), since only its operator can change it (a larger target, fewer streams per
+worker, more decode workers).
 
 `C` is reported in the signed /health as `chunk_tokens`, the stall the router's decision
 counts for one step of this worker.
