@@ -11,14 +11,14 @@ from types import SimpleNamespace
 
 import pytest
 
-from pdserve.common.step_cost import DecodeCost, PromptCost
+from pdserve.common.step_cost import DecodeCost, PromptCost, fit_decode_cost
 from pdserve.engine.scheduler import ChunkSite
 from pdserve.throttled_log import ThrottledLog
 from pdserve.workers.engine_loop import PAST_TARGET_LOG_S, EngineLoop
 from pdserve.workers.prefill_budget import (
     BURST_STEPS,
     Pacer,
-    decode_cost,
+    decode_steps,
     marginal_prefill_rate,
     past_target,
     prompt_cost,
@@ -205,7 +205,7 @@ def test_the_decode_part_grows_with_the_streams_beside_the_chunk() -> None:
     """Decode-only steps of 7 ms + 4 ms a stream, mostly one stream: s(D) is fitted, not their
     median (11 ms), so a chunk beside 6 streams leaves room for their 31 ms."""
     steps = [_step(float(i), 0.007 + 0.004 * d, 0, d) for i, d in enumerate([1] * 40 + [2, 4, 6])]
-    decode = decode_cost(steps[::-1])
+    decode = fit_decode_cost(decode_steps(steps[::-1]))
     assert (decode.fixed_s, decode.per_stream_s) == (pytest.approx(0.007), pytest.approx(0.004))
     assert step_rates(steps[::-1]).decode_step_s == pytest.approx(0.011)
     trace = StepTrace(capacity=64)
@@ -215,8 +215,9 @@ def test_the_decode_part_grows_with_the_streams_beside_the_chunk() -> None:
     assert pacer.chunk(trace, 0.0, streams=1) == 89  # (0.1 - 0.011) / 1 ms
     assert pacer.chunk(trace, 0.0, streams=6) == 69  # (0.1 - 0.031) / 1 ms
     alike = [_step(float(i), 0.02 + 0.001 * (i % 3), 0, 4) for i in range(9)]
-    assert decode_cost(alike).fixed_s == pytest.approx(0.021)  # one batch size: the median
-    assert decode_cost(alike).per_stream_s == 0.0
+    one_batch = fit_decode_cost(decode_steps(alike))  # one batch size: the median
+    assert one_batch.fixed_s == pytest.approx(0.021)
+    assert one_batch.per_stream_s == 0.0
 
 
 def test_the_prompt_cost_separates_tokens_from_attended_pairs() -> None:

@@ -61,7 +61,10 @@ at its streams D and the context p of the prompt it computes first (`Engine.chun
 
 from __future__ import annotations
 
+import itertools
 import math
+import statistics
+from collections.abc import Iterable
 
 from pdserve.common.step_cost import (
     DecodeCost,
@@ -69,7 +72,7 @@ from pdserve.common.step_cost import (
     fit_decode_cost,
     fit_prompt_cost,
 )
-from pdserve.workers.step_rates import SCAN, WINDOW, step_rates
+from pdserve.workers.step_rates import SCAN, WINDOW
 from pdserve.workers.step_trace import Step, StepTrace
 
 REFRESH_S = 0.5  # a few decode steps: follows a changing batch, costs nothing measurable
@@ -93,11 +96,12 @@ def marginal_prefill_rate(newest_first: list[Step], decode_step_s: float | None,
     return tokens / seconds if seconds > 0 else None
 
 
-def decode_cost(newest_first: list[Step], window: int = WINDOW) -> DecodeCost | None:
-    """s(D) above from the last `window` decode-only steps; None before any."""
-    rows = [(step.decode_tokens, step.end - step.start) for step in newest_first
-            if step.decode_tokens and not step.prefill_tokens and step.end > step.start]
-    return fit_decode_cost(rows[:window])
+def decode_steps(newest_first: Iterable[Step], window: int = WINDOW) -> list[tuple[int, float]]:
+    """(D, t) of the last `window` decode-only steps of measurable length: those `step_rates`
+    takes its median decode step from."""
+    return list(itertools.islice(
+        ((step.decode_tokens, step.end - step.start) for step in newest_first
+         if step.decode_tokens and not step.prefill_tokens and step.end > step.start), window))
 
 
 def prompt_cost(newest_first: list[Step], decode: DecodeCost | None,
@@ -105,9 +109,10 @@ def prompt_cost(newest_first: list[Step], decode: DecodeCost | None,
     """beta and gamma above from the last `window` prompt steps; None before any was timed."""
     rows = []  # (N, P, t - s(D)) of each prompt step with a positive own part
     for step in newest_first:
-        d = decode.at(step.decode_tokens) if decode is not None else 0.0
-        part = step.end - step.start - d
-        if step.prefill_tokens and part > 0:
+        if not step.prefill_tokens:
+            continue
+        part = step.end - step.start - (decode.at(step.decode_tokens) if decode else 0.0)
+        if part > 0:
             rows.append((step.prefill_tokens, step.prefill_attention, part))
             if len(rows) >= window:
                 break
@@ -172,9 +177,11 @@ class Pacer:
         if now >= self._read_at + REFRESH_S:
             self._read_at = now
             steps = trace.newest_first(SCAN)
-            self._decode = decode_cost(steps)
+            decodes = decode_steps(steps)
+            self._decode = fit_decode_cost(decodes)
             self._cost = None if self._decode is None else prompt_cost(steps, self._decode)
-            self.past = past_target(self.tpot_target_s, step_rates(steps).decode_step_s)
+            median = statistics.median(t for _, t in decodes) if decodes else None
+            self.past = past_target(self.tpot_target_s, median)
         allowance = step_allowance(self.tpot_target_s, self.itl_target_s, self.credit_s)
         decode_s = None if self._decode is None else self._decode.at(max(1, streams))
         return chunk_tokens(allowance, decode_s, self._cost, self._block, context)
