@@ -580,9 +580,11 @@ def test_an_itl_ceiling_reaches_the_pacing_workers_only_and_must_cover_the_tpot_
     config = UpConfig.from_args(_args("--slo-tpot-ms", "50", "--slo-itl-ms", "200"))
     *workers, router = plan_processes(config, SECRET)
     assert [_option(w, "--slo-itl-ms") for w in workers] == [["200.0"], ["200.0"]]
+    assert [_option(w, "--slo-ttft-ms") for w in workers] == [["2000.0"], ["2000.0"]]
     assert "--slo-itl-ms" not in router.argv  # the router's decision counts the mean target
     default = plan_processes(UpConfig.from_args(_args()), SECRET)
     assert not any("--slo-itl-ms" in p.argv for p in default)
+    assert not any("--slo-ttft-ms" in p.argv for p in default[:-1])  # no ceiling: no use
     collocated = plan_processes(UpConfig.from_args(_args("--collocated", "1", "--slo-itl-ms",
                                                          "300")), SECRET)
     assert not any("--slo-itl-ms" in p.argv for p in collocated)  # whole prompts: no pacing

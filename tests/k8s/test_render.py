@@ -211,11 +211,11 @@ def test_every_worker_paces_its_local_prompts_to_the_clusters_slos() -> None:
     plain = render(cpu())
     for pool in ("prefill", "decode"):
         launch = _worker_launch(_container(plain, f"smollm2-{pool}")["args"])
-        assert (launch.slo_tpot_ms, launch.slo_itl_ms) == (100.0, None)
+        assert (launch.slo_tpot_ms, launch.slo_itl_ms, launch.slo_ttft_ms) == (100.0, None, None)
     ceiling = render(changed(cpu(), "spec.elastic", {"sloTpotMs": 80, "sloItlMs": 300}))
     _validate_all(ceiling)
     launch = _worker_launch(_container(ceiling, "smollm2-decode")["args"])
-    assert (launch.slo_tpot_ms, launch.slo_itl_ms) == (80.0, 300.0)
+    assert (launch.slo_tpot_ms, launch.slo_itl_ms, launch.slo_ttft_ms) == (80.0, 300.0, 2000.0)
     with pytest.raises(ValueError, match=re.escape(
             "spec.elastic.sloItlMs (50) must be at least sloTpotMs (100)")):
         render(changed(cpu(), "spec.elastic", {"sloItlMs": 50}))

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from pdserve.common.step_cost import DecodeCost, PromptCost, fit_decode_cost
+from pdserve.common.step_cost import DecodeCost, PromptCost, fit_decode_cost, misses_ttft
 from pdserve.engine.scheduler import ChunkSite
 from pdserve.throttled_log import ThrottledLog
 from pdserve.workers.engine_loop import PAST_TARGET_LOG_S, EngineLoop
@@ -199,6 +199,33 @@ def test_cheap_steps_before_a_prompt_let_it_prefill_in_fewer_longer_chunks() -> 
     _, target = _serve(Pacer(0.1, None, 16), phases=8, decode_steps=40, prompt=1500)
     assert target >= 8 * 22  # 1,500 / 70 each (the first from one block: no R measured yet)
     assert ceiling <= target / 2
+
+
+def test_a_queue_misses_its_first_tokens_when_its_chunks_take_longer_than_the_target_leaves(
+        ) -> None:
+    """Prompt k has its first token after w_k + ceil(Q_k / C) steps, Q_k the tokens up to and
+    including its own."""
+    assert not misses_ttft([(8.5, 400)], 10.0, 100, 0.1, 2.0)  # 1.5 + 4 x 0.1
+    assert misses_ttft([(8.5, 600)], 10.0, 100, 0.1, 2.0)  # 1.5 + 6 x 0.1
+    assert misses_ttft([(9.9, 100), (9.5, 1700)], 10.0, 100, 0.1, 2.0)  # 0.5 + 17 x 0.1
+    assert not misses_ttft([], 10.0, 100, 0.1, 2.0)
+
+
+def test_a_prompt_that_would_miss_its_ttft_at_the_credits_pace_gets_steps_at_the_ceiling(
+        ) -> None:
+    """No credit (B = 0): a step beside the streams takes the TPOT target, 60 prompt tokens
+    here, until a waiting prompt would have its first token past the TTFT target at that pace;
+    then the ceiling's 260. Without a TTFT target, or without a ceiling above the target,
+    nothing changes."""
+    trace = StepTrace(capacity=64)
+    for step in reversed(_trace()):
+        trace.record(step)
+    on_time, late = [(9.9, 500)], [(9.9, 500), (8.5, 1500)]
+    paced = Pacer(0.1, 0.3, 16, ttft_target_s=2.0)
+    assert paced.chunk(trace, 10.0, 4, 0, on_time) == 60  # 0.1 + 9 x 0.1 after 0.1 s
+    assert paced.chunk(trace, 10.0, 4, 0, late) == 260  # (0.3 - 0.04) x 1,000
+    assert Pacer(0.1, 0.3, 16).chunk(trace, 10.0, 4, 0, late) == 60
+    assert Pacer(0.1, None, 16, ttft_target_s=2.0).chunk(trace, 10.0, 4, 0, late) == 60
 
 
 def test_the_decode_part_grows_with_the_streams_beside_the_chunk() -> None:

@@ -53,14 +53,25 @@ def test_an_itl_ceiling_comes_with_a_tpot_target_at_most_it(tmp_path: Path) -> N
     s = _settings(tmp_path, "--role", "decode", "--slo-tpot-ms", "100", "--slo-itl-ms", "300")
     assert (s.tpot_target_s, s.itl_target_s) == (0.1, 0.3)
     assert _settings(tmp_path, "--role", "decode", "--slo-tpot-ms", "100").itl_target_s is None
-    with pytest.raises(ValueError, match="--slo-itl-ms bounds the steps of paced prompts: give "
-                                         "--slo-tpot-ms too"):
+    with pytest.raises(ValueError, match="--slo-itl-ms paces the steps of prompts beside "
+                                         "streams: give --slo-tpot-ms too"):
         _settings(tmp_path, "--role", "decode", "--slo-itl-ms", "300")
     with pytest.raises(ValueError, match=r"--slo-itl-ms \(99\) must be at least --slo-tpot-ms "
                                          r"\(100\)"):
         _settings(tmp_path, "--role", "decode", "--slo-tpot-ms", "100", "--slo-itl-ms", "99")
     with pytest.raises(ValueError, match="must be at least"):
         _settings(tmp_path, "--role", "decode", "--slo-tpot-ms", "100", "--slo-itl-ms", "nan")
+
+
+def test_a_ttft_target_comes_with_a_tpot_target(tmp_path: Path) -> None:
+    s = _settings(tmp_path, "--role", "decode", "--slo-tpot-ms", "100", "--slo-ttft-ms", "2000")
+    assert s.ttft_target_s == 2.0
+    assert _settings(tmp_path, "--role", "decode", "--slo-tpot-ms", "100").ttft_target_s is None
+    with pytest.raises(ValueError, match="--slo-ttft-ms paces the steps of prompts beside "
+                                         "streams: give --slo-tpot-ms too"):
+        _settings(tmp_path, "--role", "decode", "--slo-ttft-ms", "2000")
+    with pytest.raises(ValueError, match=r"--slo-ttft-ms must be > 0, got -5"):
+        _settings(tmp_path, "--role", "decode", "--slo-tpot-ms", "100", "--slo-ttft-ms", "-5")
 
 
 def test_a_gpu_worker_that_moves_kv_needs_nixl(tmp_path: Path) -> None:

@@ -355,6 +355,8 @@ def _worker_spec(config: UpConfig, index: int, role: str, secret_file: Path) -> 
         # on); a collocated-only layout prefills whole prompts unless chunked prefill is asked
         slo_tpot_ms=config.slo_tpot_s * 1000.0 if _splits(config) else None,
         slo_itl_ms=config.slo_itl_s * 1000.0 if _splits(config) and config.slo_itl_s else None,
+        # and, above a TPOT target, to the ceiling while a prompt would miss its first token
+        slo_ttft_ms=config.slo_ttft_s * 1000.0 if _splits(config) and config.slo_itl_s else None,
         cpu_kernels=config.cpu_kernels, enforce_eager=config.enforce_eager,
         limits=config.limits)
     argv = (sys.executable, "-m", "pdserve.cli", "worker", *worker_argv(launch))

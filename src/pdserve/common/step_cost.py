@@ -20,14 +20,15 @@ priced at S, so that a gamma fitted on short prompts is never stretched over a l
 on a small P, multiplied by a large one, would shrink the chunks without bound).
 
 A worker paces its chunks with these (`workers/prefill_budget.py`), and the simulator its
-simulated ones (`planner/simulate`).
+simulated ones (`planner/simulate`); both ask `misses_ttft` whether a queue of prompts would
+have a first token past its target at a pace of one chunk a step.
 """
 
 from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 
@@ -99,3 +100,11 @@ def fit_prompt_cost(rows: Sequence[tuple[int, int, float]]) -> PromptCost | None
     if fit is not None and fit[0] > 0 and fit[1] >= 0:
         return PromptCost(*fit, max(p / n for n, p, _ in rows))
     return PromptCost(sum(y for _, _, y in rows) / sum(n for n, _, _ in rows))
+
+
+def misses_ttft(queue: Iterable[tuple[float, int]], now: float, chunk: int, step_s: float,
+                ttft_target_s: float) -> bool:
+    """Whether a prompt of `queue` (`ChunkSite.queue`) would have its first token past the
+    target in chunks of `chunk` tokens, one per step of `step_s`."""
+    return any(now - arrival + math.ceil(left / chunk) * step_s > ttft_target_s
+               for arrival, left in queue)

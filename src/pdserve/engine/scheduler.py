@@ -56,10 +56,13 @@ class SchedulerOutput:
 
 
 class ChunkSite(NamedTuple):
-    """The streams a step decodes beside its prompt tokens, and the tokens computed before them."""
+    """The streams a step decodes beside its prompt tokens, and the tokens computed before them;
+    `queue`: each prompt not yet computed, oldest first, as (its arrival time, monotonic
+    seconds; the prompt tokens left to compute up to and including its own)."""
 
     streams: int
     context: int
+    queue: tuple[tuple[float, int], ...] = ()
 
 
 class Scheduler:
@@ -111,13 +114,24 @@ class Scheduler:
         cached prefix (0 with neither). What the worker prices that step's chunk at
         (`workers/prefill_budget.py`)."""
         streams = sum(1 for r in self.running if not r.computing_prompt)
+        queue = self._prompt_queue()
         for req in self.running:
             if req.computing_prompt:
-                return ChunkSite(streams, req.num_computed_tokens)
+                return ChunkSite(streams, req.num_computed_tokens, queue)
         if self.waiting:
             cached = len(self.bm.match_prefix(self.waiting[0].token_ids)) * self.bm.block_size
-            return ChunkSite(streams, cached)
-        return ChunkSite(streams, 0)
+            return ChunkSite(streams, cached, queue)
+        return ChunkSite(streams, 0, queue)
+
+    def _prompt_queue(self) -> tuple[tuple[float, int], ...]:
+        """ChunkSite.queue: the running prompts, then the waiting ones (their cached prefixes
+        counted as work: an upper bound)."""
+        out, left = [], 0
+        prompts = [r for r in self.running if r.computing_prompt]
+        for req in [*prompts, *self.waiting]:
+            left += req.num_tokens - req.num_computed_tokens
+            out.append((req.arrival_time, left))
+        return tuple(out)
 
     # -- internals ----------------------------------------------------------------------------
 

@@ -62,7 +62,8 @@ def worker_args(spec: ClusterSpec, pool: PoolSpec) -> list[str]:
         tensor_parallel_size=pool.tensor_parallel_size,
         # as `pdserve up` gives a split layout's workers: local prompts beside streams in paced
         # chunks (workers/prefill_budget.py), which the router's split decision counts on
-        slo_tpot_ms=spec.elastic.slo_tpot_ms, slo_itl_ms=spec.elastic.slo_itl_ms)
+        slo_tpot_ms=spec.elastic.slo_tpot_ms, slo_itl_ms=spec.elastic.slo_itl_ms,
+        slo_ttft_ms=None if spec.elastic.slo_itl_ms is None else spec.elastic.slo_ttft_ms)
     return ["worker", *worker_argv(launch)]
 
 

@@ -63,7 +63,9 @@ def add_elastic_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--slo-ttft-ms", type=float, default=DEFAULT_SLO_TTFT_MS, metavar="MS",
                    help="time to first token to keep, with --elastic: a decode worker becomes a "
                         "prefill worker when the expected wait for a prefill stays above half "
-                        "of this (default: %(default)s)")
+                        "of this; with `pdserve up` and --slo-itl-ms, a decode worker's steps "
+                        "beside its streams also run to that ceiling while a prompt it "
+                        "prefills would miss it otherwise (default: %(default)s)")
     g.add_argument("--elastic-interval-s", type=float, default=DEFAULT_INTERVAL_S,
                    metavar="SECONDS",
                    help="with --elastic: how often the router observes the pools "

@@ -121,17 +121,18 @@ class _Leg:
 class EngineLoop:
     def __init__(self, engine: Engine, pump: HubPump | None, metrics: WorkerMetrics,
                  stream_layers: bool = False, tpot_target_s: float | None = None,
-                 itl_target_s: float | None = None,
+                 itl_target_s: float | None = None, ttft_target_s: float | None = None,
                  on_fatal: Callable[[str], None] | None = None) -> None:
         """`tpot_target_s`: local prompts beside decoding streams go in chunks that keep the
         streams' mean time per token within it, and each gap within `itl_target_s` (None: the
-        TPOT target) (`workers/prefill_budget.py`); None: whole prompts. `on_fatal(reason)`:
+        TPOT target), run to that ceiling while a local prompt would otherwise miss
+        `ttft_target_s` (`workers/prefill_budget.py`); None: whole prompts. `on_fatal(reason)`:
         called on the engine thread, once, after a failure that leaves the engine unable to
         compute (a tensor-parallel rank died) has failed every leg; the thread then ends."""
         self.engine, self.pump, self.metrics = engine, pump, metrics
         self._on_fatal = on_fatal
         self.pacer = None if tpot_target_s is None else \
-            Pacer(tpot_target_s, itl_target_s, engine.config.block_size)
+            Pacer(tpot_target_s, itl_target_s, engine.config.block_size, ttft_target_s)
         self._warnings = ThrottledLog(log, PAST_TARGET_LOG_S)
         self._ranks_checked_at = 0.0  # when the tensor-parallel ranks were last seen alive
         self.handover = None if pump is None else HandOver(engine, pump.hub, metrics)
@@ -265,7 +266,8 @@ class EngineLoop:
         if self.pacer is None:
             return
         site = self.engine.chunk_site()
-        chunk = self.pacer.chunk(self.trace, time.monotonic(), site.streams, site.context)
+        chunk = self.pacer.chunk(self.trace, time.monotonic(), site.streams, site.context,
+                                 site.queue)
         if chunk != self.engine.prefill_chunk:
             self.engine.set_prefill_chunk(chunk)
         if self.pacer.past is not None:

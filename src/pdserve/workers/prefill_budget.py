@@ -43,6 +43,19 @@ few long steps instead of many short ones, each of which carries the streams' de
 time to first token). Under a sustained prompt load the bucket empties and the steps come back
 to TPOT: the mean holds.
 
+With a TTFT target (`--slo-ttft-ms`) the steps also run to L, whatever the credit, while a
+prompt here would miss its first token at the pace a sets:
+
+    a = L   while  max_k (w_k + ceil(Q_k / C) a) > TTFT
+
+over the prompts k not yet computed here, oldest first: w_k how long prompt k has waited, Q_k
+the prompt tokens left up to and including its own, C the chunk at a. The bucket keeps
+counting, so the steps come back to the credit's pace once the prompts are on time. It trades
+the streams' mean time per token (each gap still within L) for the prompts' first tokens: at
+the credit's pace a burst of prompts drains at a - s(D) of prompt work a step, and a queue
+that keeps growing past its prompts' target fails every one of them, where a stream's mean can
+recover over its remaining tokens.
+
 Until s(D) is measured (no stream decoded here yet) there is nothing to protect: no cap. Until
 a prompt step is timed, one block. With s (the median decode step) at or over the target no
 chunk keeps a step within it: the streams already miss it, a step beside them still carries one
@@ -64,13 +77,14 @@ from __future__ import annotations
 import itertools
 import math
 import statistics
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from pdserve.common.step_cost import (
     DecodeCost,
     PromptCost,
     fit_decode_cost,
     fit_prompt_cost,
+    misses_ttft,
 )
 from pdserve.workers.step_rates import SCAN, WINDOW
 from pdserve.workers.step_trace import Step, StepTrace
@@ -151,8 +165,9 @@ class Pacer:
     (the loop's warning), else None."""
 
     def __init__(self, tpot_target_s: float, itl_target_s: float | None,
-                 block_size: int) -> None:
+                 block_size: int, ttft_target_s: float | None = None) -> None:
         self.tpot_target_s = tpot_target_s
+        self.ttft_target_s = ttft_target_s
         self.itl_target_s = tpot_target_s if itl_target_s is None else itl_target_s
         self.burst_s = BURST_STEPS * (self.itl_target_s - tpot_target_s)  # B_max
         self.credit_s = 0.0  # B
@@ -169,11 +184,11 @@ class Pacer:
             credit = self.credit_s + self.tpot_target_s - gap
             self.credit_s = min(self.burst_s, max(-self.burst_s, credit))
 
-    def chunk(self, trace: StepTrace, now: float, streams: int = 1, context: int = 0
-              ) -> int | None:
+    def chunk(self, trace: StepTrace, now: float, streams: int = 1, context: int = 0,
+              queue: Sequence[tuple[float, int]] = ()) -> int | None:
         """C for the next step, which decodes `streams` streams (at least one: a chunk only
-        caps a step beside streams) and whose first prompt tokens come after `context` computed
-        ones."""
+        caps a step beside streams), whose first prompt tokens come after `context` computed
+        ones, with the prompts of `queue` (`ChunkSite.queue`) waiting for their first token."""
         if now >= self._read_at + REFRESH_S:
             self._read_at = now
             steps = trace.newest_first(SCAN)
@@ -184,4 +199,8 @@ class Pacer:
             self.past = past_target(self.tpot_target_s, median)
         allowance = step_allowance(self.tpot_target_s, self.itl_target_s, self.credit_s)
         decode_s = None if self._decode is None else self._decode.at(max(1, streams))
-        return chunk_tokens(allowance, decode_s, self._cost, self._block, context)
+        chunk = chunk_tokens(allowance, decode_s, self._cost, self._block, context)
+        if chunk is None or self.ttft_target_s is None or allowance >= self.itl_target_s or \
+                not misses_ttft(queue, now, chunk, allowance, self.ttft_target_s):
+            return chunk
+        return chunk_tokens(self.itl_target_s, decode_s, self._cost, self._block, context)

@@ -106,6 +106,7 @@ class Worker:
         self.pump = hub
         loop = EngineLoop(self.engine, hub, self.metrics, stream_layers=s.stream_layers,
                           tpot_target_s=s.tpot_target_s, itl_target_s=s.itl_target_s,
+                          ttft_target_s=s.ttft_target_s,
                           on_fatal=lambda _: aio.call_soon_threadsafe(self.failed.set))
         self.metrics.bind_engine(self.engine, lambda: loop.num_legs)
         self.api.tokenizer = self.engine.tokenizer

@@ -99,9 +99,11 @@ class WorkerSettings:
     limits: RequestLimits = field(default_factory=RequestLimits)  # what its /v1 accepts
     join: JoinSettings | None = None  # --register: join that router once loaded
     # --slo-tpot-ms: prompts beside decoding streams go in chunks that keep the streams' mean
-    # time per token within it; --slo-itl-ms: and each gap within this (None: TPOT)
+    # time per token within it; --slo-itl-ms: and each gap within this (None: TPOT);
+    # --slo-ttft-ms: steps run to the ITL ceiling while a prompt here would miss it otherwise
     tpot_target_s: float | None = None
     itl_target_s: float | None = None
+    ttft_target_s: float | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "role", Role(self.role))
@@ -129,7 +131,7 @@ class WorkerSettings:
             raise ValueError("--kv-lease must be > 0 seconds")
         if self.tpot_target_s is not None and not self.tpot_target_s > 0:
             raise ValueError(f"--slo-tpot-ms must be > 0, got {self.tpot_target_s * 1e3:g}")
-        check_itl_target(self.tpot_target_s, self.itl_target_s)
+        check_itl_target(self.tpot_target_s, self.itl_target_s, self.ttft_target_s)
         if self.kv_layerwise not in LAYERWISE:
             raise ValueError(f"--kv-layerwise must be one of {', '.join(LAYERWISE)}, got "
                              f"{self.kv_layerwise!r}")
@@ -239,6 +241,12 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
                         "spending what cheaper steps left of it, so that a prompt prefills in "
                         "fewer, longer chunks while the streams' mean stays within the target "
                         "(default: the TPOT target: every step within it)")
+    p.add_argument("--slo-ttft-ms", type=float, default=None, metavar="MS",
+                   help="with --slo-tpot-ms, the time to first token to keep for the prompts "
+                        "prefilled here: while one of them would miss it at the pace that "
+                        "keeps the streams' mean within the TPOT target, the steps run to the "
+                        "ITL ceiling (--slo-itl-ms) instead, trading the streams' mean time per "
+                        "token for the prompts' first tokens (default: none)")
     p.add_argument("--seed", type=int, default=0, help="engine seed (default: %(default)s)")
     add_cpu_kernels_arg(p)
     add_enforce_eager_arg(p)
@@ -316,6 +324,7 @@ class WorkerLaunch:
     kv_lease_s: float = 30.0
     slo_tpot_ms: float | None = None
     slo_itl_ms: float | None = None
+    slo_ttft_ms: float | None = None
     seed: int = 0
     cpu_kernels: bool = True
     enforce_eager: bool = False
@@ -349,6 +358,7 @@ _UNLESS_DEFAULT = (("--served-model-name", "served_model_name"), ("--kv-host", "
                    ("--max-model-len", "max_model_len"), ("--max-num-seqs", "max_num_seqs"),
                    ("--max-num-batched-tokens", "max_num_batched_tokens"), ("--seed", "seed"),
                    ("--slo-tpot-ms", "slo_tpot_ms"), ("--slo-itl-ms", "slo_itl_ms"),
+                   ("--slo-ttft-ms", "slo_ttft_ms"),
                    ("--kv-congestion", "kv_congestion"),
                    ("--tensor-parallel-size", "tensor_parallel_size"),
                    ("--register", "register"), ("--name", "name"),
@@ -387,7 +397,8 @@ def launch_from_args(args: argparse.Namespace) -> WorkerLaunch:
         block_size=args.block_size, max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs, enable_chunked_prefill=args.enable_chunked_prefill,
         max_num_batched_tokens=args.max_num_batched_tokens, kv_lease_s=args.kv_lease,
-        slo_tpot_ms=args.slo_tpot_ms, slo_itl_ms=args.slo_itl_ms, seed=args.seed,
+        slo_tpot_ms=args.slo_tpot_ms, slo_itl_ms=args.slo_itl_ms,
+        slo_ttft_ms=args.slo_ttft_ms, seed=args.seed,
         cpu_kernels=args.cpu_kernels,
         enforce_eager=args.enforce_eager, tensor_parallel_size=args.tensor_parallel_size,
         limits=limits_from_args(args),
@@ -422,17 +433,21 @@ def worker_settings(launch: WorkerLaunch) -> WorkerSettings:
         limits=w.limits,
         join=join_settings(w),
         tpot_target_s=None if w.slo_tpot_ms is None else w.slo_tpot_ms / 1000.0,
-        itl_target_s=None if w.slo_itl_ms is None else w.slo_itl_ms / 1000.0)
+        itl_target_s=None if w.slo_itl_ms is None else w.slo_itl_ms / 1000.0,
+        ttft_target_s=None if w.slo_ttft_ms is None else w.slo_ttft_ms / 1000.0)
 
 
-def check_itl_target(tpot_target_s: float | None, itl_target_s: float | None) -> None:
-    """ValueError unless an ITL ceiling, if any, comes with a TPOT target and is at least it."""
-    if itl_target_s is None:
-        return
-    if tpot_target_s is None:
-        raise ValueError("--slo-itl-ms bounds the steps of paced prompts: give --slo-tpot-ms "
-                         "too (without it prompts are prefilled whole)")
-    if not itl_target_s >= tpot_target_s:
+def check_itl_target(tpot_target_s: float | None, itl_target_s: float | None,
+                     ttft_target_s: float | None = None) -> None:
+    """ValueError unless an ITL ceiling, if any, comes with a TPOT target and is at least it,
+    and a TTFT target, if any, is positive and comes with a TPOT target."""
+    for value, flag in ((itl_target_s, "--slo-itl-ms"), (ttft_target_s, "--slo-ttft-ms")):
+        if value is not None and tpot_target_s is None:
+            raise ValueError(f"{flag} paces the steps of prompts beside streams: give "
+                             "--slo-tpot-ms too (without it prompts are prefilled whole)")
+    if ttft_target_s is not None and not ttft_target_s > 0:
+        raise ValueError(f"--slo-ttft-ms must be > 0, got {ttft_target_s * 1e3:g}")
+    if itl_target_s is not None and not itl_target_s >= tpot_target_s:
         raise ValueError(f"--slo-itl-ms ({itl_target_s * 1e3:g}) must be at least --slo-tpot-ms "
                          f"({tpot_target_s * 1e3:g}): a gap at most the ITL bound, their mean "
                          "at most the TPOT bound")

@@ -97,3 +97,17 @@ def test_the_chunk_leaves_room_for_the_decode_step_of_the_streams_beside_it():
     assert pacer.chunk(0.0, streams=1) == 89
     assert pacer.chunk(0.0, streams=6) == 69
     assert pacer.chunk_of(pacer.steps.rates()) == 89  # the router's count: the median step
+
+
+def test_a_prompt_that_would_miss_its_ttft_gets_the_ceilings_chunk():
+    """As the worker's pacer: with the bucket spent a step takes the target, (0.1 - 0.02) x
+    2000 = 160 tokens, until a waiting prompt would have its first token past the TTFT target
+    at that pace (1.0 s waited + 10 steps of 0.1 s > 1.5 s); then the ceiling's 560."""
+    pacer = ChunkPacer(0.1, 16, itl_target_s=0.3, ttft_target_s=1.5)
+    for _ in range(3):
+        pacer.record(0, 4, 0.020)
+    pacer.record(1000, 0, 0.5)
+    pacer.record(100, 4, 0.070)
+    pacer.credit_s = 0.0  # spent on earlier chunks
+    assert pacer.chunk(5.0, 4, 0, [(4.9, 800)]) == 160
+    assert pacer.chunk(5.0, 4, 0, [(4.9, 800), (4.0, 1600)]) == 560

@@ -24,7 +24,9 @@ p)` when a step beside streams is planned.
 
 from __future__ import annotations
 
-from pdserve.common.step_cost import DecodeCost, PromptCost
+from collections.abc import Sequence
+
+from pdserve.common.step_cost import DecodeCost, PromptCost, misses_ttft
 from pdserve.planner.simulate.step_window import Rates, StepWindow
 
 REFRESH_S = 0.5  # workers/prefill_budget.py REFRESH_S
@@ -35,8 +37,9 @@ class ChunkPacer:
     """C above, from `steps` (the worker's StepWindow, which its reports read too)."""
 
     def __init__(self, tpot_target_s: float, block_tokens: int,
-                 itl_target_s: float | None = None) -> None:
+                 itl_target_s: float | None = None, ttft_target_s: float | None = None) -> None:
         self.tpot_target_s, self.block = tpot_target_s, block_tokens
+        self.ttft_target_s = ttft_target_s
         self.itl_target_s = tpot_target_s if itl_target_s is None else itl_target_s
         self.burst_s = BURST_STEPS * (self.itl_target_s - tpot_target_s)
         self.credit_s = 0.0
@@ -53,9 +56,11 @@ class ChunkPacer:
             credit = self.credit_s + self.tpot_target_s - seconds
             self.credit_s = min(self.burst_s, max(-self.burst_s, credit))
 
-    def chunk(self, now: float, streams: int = 1, context: int = 0) -> int | None:
+    def chunk(self, now: float, streams: int = 1, context: int = 0,
+              queue: Sequence[tuple[float, int]] = ()) -> int | None:
         """C at `now` (None: no cap) for a step beside `streams` streams whose first prompt has
-        `context` tokens computed, its costs read again once REFRESH_S has passed."""
+        `context` tokens computed, the prompts of `queue` waiting (each its arrival and the
+        prompt tokens left up to its own), its costs read again once REFRESH_S has passed."""
         if self.rates is None or now >= self.refresh_at:
             self.rates = self.steps.rates()
             self.decode = self.steps.decode_cost()
@@ -65,8 +70,12 @@ class ChunkPacer:
             return None
         if self.cost is None:
             return self.block
-        return max(self.block, self.cost.chunk(self._allowance() - self.decode.at(max(1, streams)),
-                                               context))
+        a, s = self._allowance(), self.decode.at(max(1, streams))
+        chunk = max(self.block, self.cost.chunk(a - s, context))
+        if self.ttft_target_s is None or a >= self.itl_target_s or \
+                not misses_ttft(queue, now, chunk, a, self.ttft_target_s):
+            return chunk
+        return max(self.block, self.cost.chunk(self.itl_target_s - s, context))
 
     def chunk_of(self, rates: Rates) -> int | None:
         """C as the router counts it from `rates` (the last it read): (a - s) x R_m, the median

@@ -395,7 +395,8 @@ def resolve(args: argparse.Namespace) -> Setup:
     slo = _slo(args, measured)
     cluster = replace(_cluster(args, shape, hw, tp, kv_rank, how or _FLAGS_ONLY,
                                slo.tpot_ms / 1e3), admission=_admission(args, measured),
-                      itl_target_s=_itl_target(args, measured))
+                      itl_target_s=_itl_target(args, measured),
+                      ttft_target_s=None if slo.ttft_ms is None else slo.ttft_ms / 1e3)
     calibration = calibration_run(args.calibrate, FLAG) if args.calibrate and profile else None
     latency, latency_label = _frontend_latency(args, calibration, profile, shape, hw, tp,
                                                kv_rank)  # at the calibration run's own speed

@@ -102,6 +102,7 @@ class Cluster:
     split: SplitRule = SplitRule.REMOTE
     tpot_target_s: float = DEFAULT_TPOT_TARGET_S
     itl_target_s: float | None = None  # the paced steps' ceiling (--slo-itl-ms); None: TPOT
+    ttft_target_s: float | None = None  # paced steps run to the ceiling while a prompt misses it
     block_tokens: int = BLOCK_TOKENS
     policy: RoutePolicy = RoutePolicy.LEAST_LOADED
     admission: Admission | None = None
@@ -124,6 +125,10 @@ class Cluster:
                                 or not self.tpot_target_s <= itl < math.inf):
             raise ValueError(f"itl_target_s (--slo-itl-ms) must be at least tpot_target_s "
                              f"({self.tpot_target_s!r} s), got {self.itl_target_s!r}")
+        ttft = self.ttft_target_s
+        if ttft is not None and (isinstance(ttft, bool) or not isinstance(ttft, int | float)
+                                 or not 0 < ttft < math.inf):
+            raise ValueError(f"ttft_target_s must be a positive number of seconds, got {ttft!r}")
         check_frontend_latency(self.frontend_latency_s)
         if self.admission is not None and not isinstance(self.admission, Admission):
             raise ValueError(f"admission must be an Admission or None, got {self.admission!r}")

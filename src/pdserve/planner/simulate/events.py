@@ -113,7 +113,7 @@ class _Loop:
             return DecodeWorker(index, self.costs, c.kv_capacity_tokens, c.max_batch, batch)
         return PacedDecodeWorker(index, self.costs, c.kv_capacity_tokens, c.max_batch, batch,
                                  c.prefill_budget_tokens, c.tpot_target_s, self._cache(),
-                                 c.itl_target_s)
+                                 c.itl_target_s, c.ttft_target_s)
 
     def push(self, time: float, kind: int, payload: Any) -> None:
         heapq.heappush(self.events, (time, kind, next(self.seq), payload))

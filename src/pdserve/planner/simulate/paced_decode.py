@@ -43,8 +43,8 @@ class PacedDecodeWorker(DecodeWorker):
 
     def __init__(self, index: int, costs: StepCosts, kv_capacity: int, max_batch: int,
                  batch: DecodeBatch, budget_tokens: int, tpot_target_s: float,
-                 prefixes: PrefixCache | None = None, itl_target_s: float | None = None
-                 ) -> None:
+                 prefixes: PrefixCache | None = None, itl_target_s: float | None = None,
+                 ttft_target_s: float | None = None) -> None:
         super().__init__(index, costs, kv_capacity, max_batch, batch)
         self.budget, self.tpot_target_s = budget_tokens, tpot_target_s
         self.prefixes = prefixes or PrefixCache.disabled()
@@ -55,7 +55,7 @@ class PacedDecodeWorker(DecodeWorker):
         self.step_chunks: Planned = []
         self.step_decodes = 0
         self.step_s = 0.0
-        self.pacer = ChunkPacer(tpot_target_s, BLOCK_TOKENS, itl_target_s)
+        self.pacer = ChunkPacer(tpot_target_s, BLOCK_TOKENS, itl_target_s, ttft_target_s)
 
     def add_local(self, record: RequestRecord, uncached: int | None = None) -> None:
         """A local prompt, counted in the backlog as `uncached` tokens (None: the whole
@@ -133,8 +133,17 @@ class PacedDecodeWorker(DecodeWorker):
         """The step's prompt tokens beside `decodes` streams: the budget, capped by the
         worker's chunk (none before it timed a decode-only step)."""
         most = min(self.budget, sum(r.prompt_tokens - r.prefilled for r in ready))
-        cap = self.pacer.chunk(now, decodes, ready[0].prefilled)
+        cap = self.pacer.chunk(now, decodes, ready[0].prefilled, self._queue())
         return _take(ready, most if cap is None else min(most, cap))
+
+    def _queue(self) -> list[tuple[float, int]]:
+        """The prompts not yet computed here, oldest first: (arrival, the prompt tokens left
+        up to and including its own), as `ChunkSite.queue`."""
+        out, left = [], 0
+        for record in [*self.prefilling, *self.waiting]:
+            left += record.prompt_tokens - record.prefilled
+            out.append((record.arrival_s, left))
+        return out
 
     def _whole(self, ready: list[RequestRecord]) -> Planned:
         plan: Planned = []
