@@ -5,6 +5,8 @@ of an engine without the cap."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from pdserve.common.sampling_params import SamplingParams
@@ -97,7 +99,11 @@ def test_the_chunk_site_lists_the_prompts_waiting_for_a_first_token_oldest_first
     engine.step()
     engine.add_request(LONG_PROMPT, GREEDY, request_id="long")
     engine.step()  # 32 of its 150 tokens
-    engine.add_request(SHORT_PROMPT + [3], GREEDY, request_id="short")
+    before = time.monotonic()
+    engine.add_request(SHORT_PROMPT + [3], GREEDY, request_id="short", waited_s=1.5)
     site = engine.chunk_site()
     arrivals = [engine.requests[r].arrival_time for r in ("long", "short")]
     assert site.queue == ((arrivals[0], 118), (arrivals[1], 118 + 21))
+    assert before - 1.5 <= arrivals[1] <= time.monotonic() - 1.5  # it waited at the router
+    with pytest.raises(ValueError, match="waited_s must be a finite number of seconds >= 0"):
+        engine.add_request(SHORT_PROMPT, GREEDY, waited_s=-1.0)

@@ -197,6 +197,17 @@ def test_with_no_other_prefill_worker_the_decode_worker_prefills_itself() -> Non
     assert not worker_of(d, "http://p0").healthy
 
 
+def test_the_wait_at_the_router_travels_in_the_leg_protocol_and_is_checked() -> None:
+    """What a worker's TTFT check counts a prompt's wait from (`LegRequest.waited_s`)."""
+    leg = LegRequest("r", (1, 2, 3), GREEDY, waited_s=1.25)
+    assert LegRequest.from_json(json.loads(json.dumps(leg.to_json()))) == leg
+    old = {k: v for k, v in leg.to_json().items() if k != "waited_s"}  # an older router's
+    assert LegRequest.from_json(old).waited_s == 0.0
+    for bad in (-0.5, float("nan"), float("inf"), True, "1"):
+        with pytest.raises(ValueError, match="waited_s must be a finite number of seconds"):
+            LegRequest("r", (1,), GREEDY, waited_s=bad)
+
+
 def test_output_offset_travels_in_the_leg_protocol_and_is_checked() -> None:
     leg = LegRequest("r", (1, 2, 3, 4), GREEDY, output_offset=2)
     assert LegRequest.from_json(json.loads(json.dumps(leg.to_json()))) == leg

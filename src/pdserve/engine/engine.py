@@ -118,12 +118,19 @@ class Engine:
     def add_request(
         self, prompt: str | list[int], params: SamplingParams | None = None,
         request_id: str | None = None, hand_over: bool | None = None, output_offset: int = 0,
+        waited_s: float = 0.0,
     ) -> str:
         """`output_offset`: the prompt ends with that many output tokens of a request moved here
-        (a continuation); its k-th new token is sampled as output position output_offset + k."""
+        (a continuation); its k-th new token is sampled as output position output_offset + k.
+        `waited_s`: how long the request waited before it came here (its arrival time is that
+        much earlier: what its wait for a first token counts from, `Scheduler.chunk_site`)."""
         if type(output_offset) is not int or output_offset < 0:
             raise ValueError(f"output_offset must be an int >= 0, got {output_offset!r}")
+        if not 0 <= waited_s < float("inf"):
+            raise ValueError(f"waited_s must be a finite number of seconds >= 0, got "
+                             f"{waited_s!r}")
         req = self._new_request(prompt, params, request_id, remote_prefill=False)
+        req.arrival_time -= waited_s
         req.hand_over = self.config.role == Role.PREFILL if hand_over is None else hand_over
         req.output_offset = output_offset
         self.scheduler.add(req)

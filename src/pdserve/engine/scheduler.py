@@ -57,8 +57,8 @@ class SchedulerOutput:
 
 class ChunkSite(NamedTuple):
     """The streams a step decodes beside its prompt tokens, and the tokens computed before them;
-    `queue`: each prompt not yet computed, oldest first, as (its arrival time, monotonic
-    seconds; the prompt tokens left to compute up to and including its own)."""
+    `queue`: each prompt still to give its first token, oldest first, as (its arrival time,
+    monotonic seconds; the tokens left to compute up to and including its own)."""
 
     streams: int
     context: int
@@ -125,12 +125,14 @@ class Scheduler:
 
     def _prompt_queue(self) -> tuple[tuple[float, int], ...]:
         """ChunkSite.queue: the running prompts, then the waiting ones (their cached prefixes
-        counted as work: an upper bound)."""
+        counted as work: an upper bound). A preempted request is recomputed in its turn but
+        has had its first token: its work counts, its wait does not."""
         out, left = [], 0
         prompts = [r for r in self.running if r.computing_prompt]
         for req in [*prompts, *self.waiting]:
             left += req.num_tokens - req.num_computed_tokens
-            out.append((req.arrival_time, left))
+            if not req.num_output_tokens:
+                out.append((req.arrival_time, left))
         return tuple(out)
 
     # -- internals ----------------------------------------------------------------------------

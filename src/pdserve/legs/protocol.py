@@ -31,6 +31,7 @@ the events that arrived together, so that their SSE events go to the client in o
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field, fields
 from enum import StrEnum
 from typing import Any
@@ -60,6 +61,9 @@ class LegRequest:
     peer: PeerId | None = None  # the other worker's transfer endpoint
     output_offset: int = 0  # output tokens already in the prompt's tail (a continuation)
     resume: str | None = None  # a PREFILL leg: the handed-back leg whose parked KV to send
+    # seconds the request had waited at the router when the leg was sent (its queue, earlier
+    # legs): the worker counts a prompt's wait for its first token from its arrival there
+    waited_s: float = 0.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.request_id, str) or not self.request_id:
@@ -74,6 +78,9 @@ class LegRequest:
             raise ValueError("resume names a handed-back leg (a non-empty string), on a "
                              "prefill leg only")
         self._check_offset()
+        w = self.waited_s
+        if isinstance(w, bool) or not isinstance(w, int | float) or not 0 <= w < math.inf:
+            raise ValueError(f"waited_s must be a finite number of seconds >= 0, got {w!r}")
 
     def _check_offset(self) -> None:
         n, prompt = self.output_offset, len(self.prompt_token_ids)
@@ -94,6 +101,7 @@ class LegRequest:
             "peer": None if self.peer is None else self.peer.to_json(),
             "output_offset": self.output_offset,
             "resume": self.resume,
+            "waited_s": self.waited_s,
         }
 
     @classmethod
@@ -111,7 +119,8 @@ class LegRequest:
             return cls(obj["request_id"], tuple(ids), params, LegKind(obj.get("kind", "local")),
                        None if tid is None else parse_hex64("transfer_id", tid),
                        None if peer is None else PeerId.from_json(peer),
-                       obj.get("output_offset", 0), obj.get("resume"))
+                       obj.get("output_offset", 0), obj.get("resume"),
+                       obj.get("waited_s", 0.0))
         except (KeyError, TypeError) as e:
             raise ValueError(f"malformed leg request: {e!r}") from e
 

@@ -162,6 +162,11 @@ class _Run:
     prefill_retries: int = 0
     attempts: int = 0
     prefilled_once: bool = False  # a leg that prefills went out (later ones are no arrival)
+    arrived: float = field(default_factory=time.monotonic)  # when the router took it
+
+    def waited(self, leg: LegRequest) -> LegRequest:
+        """`leg` with the time this request has waited so far (`LegRequest.waited_s`)."""
+        return dataclasses.replace(leg, waited_s=time.monotonic() - self.arrived)
 
     def next_leg_id(self) -> str:
         self.attempts += 1
@@ -203,6 +208,7 @@ class Dispatcher:
         if params.seed is None and not params.greedy:
             params = dataclasses.replace(params, seed=secrets.randbits(63))
         hashes = hash_blocks(prompt, self._block_size)
+        arrived = time.monotonic()
         if not self._serving() and not self._coming_back():
             raise NoWorkers("no healthy decode or collocated worker")
         deadline = time.monotonic() + self.admission.max_queue_wait_s
@@ -210,7 +216,7 @@ class Dispatcher:
             lambda free: self._choose(free, len(prompt), hashes), len(prompt))
         generated: int | None = None  # set once the final event went out: a completion
         try:
-            run = _Run(request_id, tuple(prompt), params, hashes, slot)
+            run = _Run(request_id, tuple(prompt), params, hashes, slot, arrived=arrived)
             async with contextlib.aclosing(self._admitted(run, deadline, on_choice)) as batches:
                 async for batch in batches:  # closed first: the legs go before the slot
                     if batch[-1].final:
@@ -430,6 +436,7 @@ class Dispatcher:
         worker = run.slot.worker
         leg, relay = continuation(run.next_leg_id(), run.prompt, run.params, run.delivered,
                                   before)
+        leg = run.waited(leg)
         leg_hashes = hash_blocks(leg.prompt_token_ids, self._block_size) \
             if leg.output_offset else run.hashes
         prefilled = self.paths.prefilling(
@@ -514,6 +521,7 @@ class Dispatcher:
             before = max(len(run.delivered.token_ids) - 1, 0)
         leg, relay = continuation(run.next_leg_id(), run.prompt, run.params, run.delivered,
                                   before)
+        leg = run.waited(leg)
         ids = leg.prompt_token_ids
         hashes = hash_blocks(ids, self._block_size) if leg.output_offset else run.hashes
         kv_tokens = self._moved_tokens(len(ids))  # the KV that moves: the whole prompt's

@@ -394,7 +394,7 @@ class EngineLoop:
         else:
             self.engine.add_request(ids, req.params, request_id=req.request_id,
                                     hand_over=req.kind is LegKind.PREFILL,
-                                    output_offset=req.output_offset)
+                                    output_offset=req.output_offset, waited_s=req.waited_s)
 
     def _arm_layer_hook(self) -> None:
         """Layer-wise sending runs a hook after every layer of every step (on CUDA a stream

@@ -13,7 +13,8 @@ decodes; p: the tokens of its first prompt already computed (or reused from the 
 Until a decode-only step ran there is no cap (None); until a prompt step ran, one block. a: the
 step's allowance, the TPOT target, or with an ITL ceiling L above it min(L, TPOT + max(0, B)), B
 the credit the streams' gaps left of the target (each step that decoded adds TPOT - its
-seconds, within +-BURST_STEPS x (L - TPOT)).
+seconds, within +-BURST_STEPS x (L - TPOT)); with a TTFT target, L whatever B while a prompt
+waiting here would miss its first token at a (`common/step_cost.misses_ttft`).
 
 The router sees neither D, p nor the fits: the chunk it counts for a worker (`chunk_of(rates)`)
 is the flat one, (a - s) x R_m, s the median decode step and R_m the marginal rate it last read.
