@@ -71,25 +71,25 @@ def test_the_chunk_site_is_the_streams_and_what_the_next_chunk_attends_to_beyond
     """The requests decoding, and the running prompt's computed tokens, or with none the
     waiting head's cached prefix."""
     engine = _engine(tiny_model())
-    assert engine.chunk_site()[:2] == (0, 0)
+    assert engine.chunk_site() == (0, 0)
     engine.set_prefill_chunk(32)
     engine.add_request(SHORT_PROMPT, GREEDY, request_id="stream")
     engine.step()
     engine.add_request(LONG_PROMPT, GREEDY, request_id="long")
-    assert engine.chunk_site()[:2] == (1, 0)  # nothing of it computed or cached
+    assert engine.chunk_site() == (1, 0)  # nothing of it computed or cached
     engine.step()
-    assert engine.chunk_site()[:2] == (1, 32)
+    assert engine.chunk_site() == (1, 32)
     engine.step()
-    assert engine.chunk_site()[:2] == (1, 64)
+    assert engine.chunk_site() == (1, 64)
     while engine.scheduler.running[-1].computing_prompt:
         engine.step()
-    assert engine.chunk_site()[:2] == (2, 0)  # no prompt left: both decode
+    assert engine.chunk_site() == (2, 0)  # no prompt left: both decode
     engine.add_request(LONG_PROMPT + [7, 8], GREEDY, request_id="again")
     block = engine.config.block_size
-    assert engine.chunk_site()[:2] == (2, len(LONG_PROMPT) // block * block)  # cached prefix
+    assert engine.chunk_site() == (2, len(LONG_PROMPT) // block * block)  # cached prefix
 
 
-def test_the_chunk_site_lists_the_prompts_waiting_for_a_first_token_oldest_first(
+def test_the_prompt_queue_lists_the_prompts_waiting_for_a_first_token_oldest_first(
         tiny_model) -> None:
     """Each with its arrival and the prompt tokens left up to and including its own: what the
     worker's TTFT check counts (`common/step_cost.misses_ttft`)."""
@@ -101,9 +101,8 @@ def test_the_chunk_site_lists_the_prompts_waiting_for_a_first_token_oldest_first
     engine.step()  # 32 of its 150 tokens
     before = time.monotonic()
     engine.add_request(SHORT_PROMPT + [3], GREEDY, request_id="short", waited_s=1.5)
-    site = engine.chunk_site()
     arrivals = [engine.requests[r].arrival_time for r in ("long", "short")]
-    assert site.queue == ((arrivals[0], 118), (arrivals[1], 118 + 21))
+    assert engine.prompt_queue() == ((arrivals[0], 118), (arrivals[1], 118 + 21))
     assert before - 1.5 <= arrivals[1] <= time.monotonic() - 1.5  # it waited at the router
     with pytest.raises(ValueError, match="waited_s must be a finite number of seconds >= 0"):
         engine.add_request(SHORT_PROMPT, GREEDY, waited_s=-1.0)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -226,6 +227,29 @@ def test_a_prompt_that_would_miss_its_ttft_at_the_credits_pace_gets_steps_at_the
     assert paced.chunk(trace, 10.0, 4, 0, late) == 260  # (0.3 - 0.04) x 1,000
     assert Pacer(0.1, 0.3, 16).chunk(trace, 10.0, 4, 0, late) == 60
     assert Pacer(0.1, None, 16, ttft_target_s=2.0).chunk(trace, 10.0, 4, 0, late) == 60
+
+
+def test_the_loop_reads_the_waiting_prompts_only_for_a_ttft_target() -> None:
+    """With a TTFT target it passes the engine's prompt queue (a late one: the ceiling's
+    chunk, 260); without one it never reads it (a step's work it need not do)."""
+    trace = StepTrace(capacity=64)
+    for step in reversed(_trace()):
+        trace.record(step)
+    reads: list[int] = []
+
+    def prompt_queue() -> tuple[tuple[float, int], ...]:
+        reads.append(1)
+        return ((time.monotonic() - 1.9, 1500),)
+
+    for pacer, chunk, read in ((Pacer(0.1, 0.3, 16, ttft_target_s=2.0), 260, 1),
+                               (Pacer(0.1, 0.3, 16), 60, 0)):
+        reads.clear()
+        engine = SimpleNamespace(prefill_chunk=None, chunk_site=lambda: ChunkSite(4, 0),
+                                 prompt_queue=prompt_queue)
+        engine.set_prefill_chunk = lambda tokens, e=engine: setattr(e, "prefill_chunk", tokens)
+        loop = SimpleNamespace(pacer=pacer, trace=trace, engine=engine)
+        EngineLoop._refresh_prefill_chunk(loop)
+        assert (engine.prefill_chunk, len(reads)) == (chunk, read)
 
 
 def test_the_decode_part_grows_with_the_streams_beside_the_chunk() -> None:

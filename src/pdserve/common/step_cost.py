@@ -104,7 +104,7 @@ def fit_prompt_cost(rows: Sequence[tuple[int, int, float]]) -> PromptCost | None
 
 def misses_ttft(queue: Iterable[tuple[float, int]], now: float, chunk: int, step_s: float,
                 ttft_target_s: float) -> bool:
-    """Whether a prompt of `queue` (`ChunkSite.queue`) would have its first token past the
+    """Whether a prompt of `queue` (`Scheduler.prompt_queue`) would have its first token past the
     target in chunks of `chunk` tokens, one per step of `step_s`."""
     return any(now - arrival + math.ceil(left / chunk) * step_s > ttft_target_s
                for arrival, left in queue)

@@ -272,6 +272,10 @@ class Engine:
         after (`Scheduler.chunk_site`)."""
         return self.scheduler.chunk_site()
 
+    def prompt_queue(self) -> tuple[tuple[float, int], ...]:
+        """The prompts waiting for their first token and their work (`Scheduler.prompt_queue`)."""
+        return self.scheduler.prompt_queue()
+
     def reserve_remote(self) -> None:
         """Decode role: reserve blocks for the queued remote requests the pool has room for now
         (first come, first served), e.g. after blocks were freed outside a step."""

@@ -56,13 +56,10 @@ class SchedulerOutput:
 
 
 class ChunkSite(NamedTuple):
-    """The streams a step decodes beside its prompt tokens, and the tokens computed before them;
-    `queue`: each prompt still to give its first token, oldest first, as (its arrival time,
-    monotonic seconds; the tokens left to compute up to and including its own)."""
+    """The streams a step decodes beside its prompt tokens, and the tokens computed before them."""
 
     streams: int
     context: int
-    queue: tuple[tuple[float, int], ...] = ()
 
 
 class Scheduler:
@@ -114,19 +111,20 @@ class Scheduler:
         cached prefix (0 with neither). What the worker prices that step's chunk at
         (`workers/prefill_budget.py`)."""
         streams = sum(1 for r in self.running if not r.computing_prompt)
-        queue = self._prompt_queue()
         for req in self.running:
             if req.computing_prompt:
-                return ChunkSite(streams, req.num_computed_tokens, queue)
+                return ChunkSite(streams, req.num_computed_tokens)
         if self.waiting:
             cached = len(self.bm.match_prefix(self.waiting[0].token_ids)) * self.bm.block_size
-            return ChunkSite(streams, cached, queue)
-        return ChunkSite(streams, 0, queue)
+            return ChunkSite(streams, cached)
+        return ChunkSite(streams, 0)
 
-    def _prompt_queue(self) -> tuple[tuple[float, int], ...]:
-        """ChunkSite.queue: the running prompts, then the waiting ones (their cached prefixes
-        counted as work: an upper bound). A preempted request is recomputed in its turn but
-        has had its first token: its work counts, its wait does not."""
+    def prompt_queue(self) -> tuple[tuple[float, int], ...]:
+        """Each prompt still to give its first token, oldest first (the running prompts, then
+        the waiting ones), as (its arrival time, monotonic seconds; the tokens left to compute
+        up to and including its own, cached prefixes counted as work: an upper bound). A
+        preempted request is recomputed in its turn but has had its first token: its work
+        counts, its wait does not. What the worker's TTFT check reads (`misses_ttft`)."""
         out, left = [], 0
         prompts = [r for r in self.running if r.computing_prompt]
         for req in [*prompts, *self.waiting]:

@@ -266,8 +266,10 @@ class EngineLoop:
         if self.pacer is None:
             return
         site = self.engine.chunk_site()
+        # read only where a TTFT target asks for it: the waiting prompts, every step
+        queue = () if self.pacer.ttft_target_s is None else self.engine.prompt_queue()
         chunk = self.pacer.chunk(self.trace, time.monotonic(), site.streams, site.context,
-                                 site.queue)
+                                 queue)
         if chunk != self.engine.prefill_chunk:
             self.engine.set_prefill_chunk(chunk)
         if self.pacer.past is not None:

@@ -188,7 +188,7 @@ class Pacer:
               queue: Sequence[tuple[float, int]] = ()) -> int | None:
         """C for the next step, which decodes `streams` streams (at least one: a chunk only
         caps a step beside streams), whose first prompt tokens come after `context` computed
-        ones, with the prompts of `queue` (`ChunkSite.queue`) waiting for their first token."""
+        ones, with the prompts of `queue` (`Engine.prompt_queue`) waiting for their first token."""
         if now >= self._read_at + REFRESH_S:
             self._read_at = now
             steps = trace.newest_first(SCAN)

@@ -138,7 +138,7 @@ class PacedDecodeWorker(DecodeWorker):
 
     def _queue(self) -> list[tuple[float, int]]:
         """The prompts not yet computed here, oldest first: (arrival, the prompt tokens left
-        up to and including its own), as `ChunkSite.queue`."""
+        up to and including its own), as `Scheduler.prompt_queue`."""
         out, left = [], 0
         for record in [*self.prefilling, *self.waiting]:
             left += record.prompt_tokens - record.prefilled
