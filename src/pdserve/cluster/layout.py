@@ -50,8 +50,8 @@ from pdserve.workers.settings import (
     MAX_NUM_SEQS,
     TransportName,
     WorkerLaunch,
-    check_itl_target,
     check_kv_congestion,
+    check_pacing_targets,
     worker_argv,
 )
 
@@ -133,7 +133,7 @@ class UpConfig:
                              f"{self.local_prefill_threshold}")
         if not self.slo_tpot_s > 0:
             raise ValueError(f"--slo-tpot-ms must be > 0, got {self.slo_tpot_s * 1000:g}")
-        check_itl_target(self.slo_tpot_s, self.slo_itl_s)
+        check_pacing_targets(self.slo_tpot_s, self.slo_itl_s)
         if not self.slo_ttft_s > 0:
             raise ValueError(f"--slo-ttft-ms must be > 0, got {self.slo_ttft_s * 1000:g}")
         self._elastic_settings()  # ValueError naming a bad --elastic-* flag

@@ -131,7 +131,7 @@ class WorkerSettings:
             raise ValueError("--kv-lease must be > 0 seconds")
         if self.tpot_target_s is not None and not self.tpot_target_s > 0:
             raise ValueError(f"--slo-tpot-ms must be > 0, got {self.tpot_target_s * 1e3:g}")
-        check_itl_target(self.tpot_target_s, self.itl_target_s, self.ttft_target_s)
+        check_pacing_targets(self.tpot_target_s, self.itl_target_s, self.ttft_target_s)
         if self.kv_layerwise not in LAYERWISE:
             raise ValueError(f"--kv-layerwise must be one of {', '.join(LAYERWISE)}, got "
                              f"{self.kv_layerwise!r}")
@@ -437,8 +437,8 @@ def worker_settings(launch: WorkerLaunch) -> WorkerSettings:
         ttft_target_s=None if w.slo_ttft_ms is None else w.slo_ttft_ms / 1000.0)
 
 
-def check_itl_target(tpot_target_s: float | None, itl_target_s: float | None,
-                     ttft_target_s: float | None = None) -> None:
+def check_pacing_targets(tpot_target_s: float | None, itl_target_s: float | None,
+                         ttft_target_s: float | None = None) -> None:
     """ValueError unless an ITL ceiling, if any, comes with a TPOT target and is at least it,
     and a TTFT target, if any, is positive and comes with a TPOT target."""
     for value, flag in ((itl_target_s, "--slo-itl-ms"), (ttft_target_s, "--slo-ttft-ms")):
