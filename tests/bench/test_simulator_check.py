@@ -103,7 +103,8 @@ def test_a_run_of_one_round_has_no_noise_mark(results):
 @pytest.mark.parametrize(("kw", "message"), [
     ({"held_out": ("weekly",)}, "unknown workload 'weekly'"),
     ({"held_out": ("mixed",)}, "'mixed' is the calibration workload"),
-    ({"configs": ("elastic",)}, "cannot be simulated"),
+    ({"configs": ("collocated-2",)}, "cannot be simulated"),
+    ({"slo_itl_ms": 50.0}, "slo_itl_ms must be at least the 100 ms TPOT target, got 50.0"),
     ({"duration_s": 0.0}, "duration must be positive"),
     ({"load": 0.0}, r"load must be in \(0, 100\], got 0.0"),
     ({"repeats": 0}, "repeats must be a whole number >= 1, got 0"),
@@ -123,6 +124,20 @@ def test_repeats_measure_every_workload_in_interleaved_rounds(tmp_path):
     assert once[once.index("--phase-s") + 1] == "60"
     thrice = compare_args(_settings(tmp_path, repeats=3), "chat", out)
     assert thrice[thrice.index("--repeats") + 1] == "3"
+
+
+def test_an_itl_ceiling_reaches_every_measurement_and_results_measured_without_it_are_refused(
+        results):
+    args = compare_args(_settings(results, slo_itl_ms=300.0), "chat", results / "chat.json")
+    assert args[args.index("--slo-itl-ms") + 1] == "300"
+    assert "--slo-itl-ms" not in compare_args(_settings(results), "chat", results / "c.json")
+    write_json(results / "mixed.json", {"disagg": {"slo_itl_ms": None}})
+    with pytest.raises(ValueError, match=r"measured with ITL ceilings \{'disagg': None\} \(ms\), "
+                                         r"not 300.0 \(--slo-itl-ms\): --remeasure"):
+        run_check(_settings(results, slo_itl_ms=300.0))
+    summary = run_check(_settings(results))
+    assert summary["slo_itl_ms"] is None and "paced steps up to" not in format_check(summary)
+    assert ", paced steps up to 300 ms" in format_check({**summary, "slo_itl_ms": 300.0})
 
 
 def test_load_scales_each_open_loop_rate_and_leaves_the_closed_loop_alone():
@@ -392,6 +407,18 @@ def test_a_thread_count_not_yet_measured_is_measured_once_and_saved(tmp_path, mo
     assert calls == [1, 1]
     with pytest.raises(ValueError, match="holds 'smollm2''s context costs, not 'qwen3'"):
         simulator_context.measured_costs(tmp_path, "qwen3", {1}, False)
+
+
+def test_an_elastic_pair_served_merged_computes_on_every_core():
+    """Its lender's cores are lent to its one engine; a pair that was not merged has one
+    core per worker, as disagg."""
+    merged = {"roles": [{"role": "prefill"}], "steps": {"busy_s": 0.0}}
+    decode = {"roles": [{"role": "decode"}], "steps": {"busy_s": 50.0}}
+    elastic = {"workers": {"prefill-0": merged, "decode-0": decode}, "role_flips": 0,
+               "core_loans": 1}
+    assert simulator_context.worker_threads({"elastic": elastic}, "elastic", 2) == 2
+    flipped = {**elastic, "role_flips": 1}
+    assert simulator_context.worker_threads({"elastic": flipped}, "elastic", 2) == 1
 
 
 def test_results_that_list_no_workers_cannot_say_their_threads():

@@ -41,6 +41,14 @@ than the measured P99 ITL (measured_compare.py: 1% where they agree; a P99 ITL m
 0.5-2% there is the stalls' cliff, not the model's), and the count line says how many of the
 P99 ITL misses are such.
 
+`--configs` may add `elastic` (`pdserve up --elastic`): its pair on one machine merges at rest,
+the prefill worker's cores lent to the decode worker, and on two cores it stays merged through
+these workloads, so it is simulated as that one engine prefilling every prompt in chunks
+paced beside its streams (measured_compare.py; a run in which a role flipped or the prefill
+worker computed is refused rather than simulated as something it was not). `--slo-itl-ms`
+gives the runs' paced steps a ceiling above the TPOT target (bench compare's flag: the elastic
+and disagg workers'), which the simulation reads from the results.
+
 The decode cost per context token is held, by default, at what `pdserve bench decode-context`
 measures on each configuration's threads per worker (bench/simulator_context.py: a serving
 run's fit cannot tell it from the per-stream cost), and the other costs are fitted around it;
@@ -80,7 +88,8 @@ from pdserve.planner.simulate.speed_scale import SPEED_REFERENCE_MODES
 from pdserve.planner.simulate.speed_timeline import WINDOW_S, check_window
 
 CONFIGS = ("collocated", "collocated-chunked", "disagg")
-SIMULATED = (*CONFIGS, "disagg-local", "disagg-remote")  # what the simulator can lay out
+# what the simulator can lay out: elastic while its pair stays merged (measured_compare.py)
+SIMULATED = (*CONFIGS, "disagg-local", "disagg-remote", "elastic")
 # bench compare flags of each workload (the trace; --duration is added)
 WORKLOADS: dict[str, tuple[str, ...]] = {
     "mixed": ("--workload", "mixed", "--rate", "1"),
@@ -112,6 +121,7 @@ class CheckSettings:
     load: float = 1.0  # factor on every open-loop workload's request rate
     repeats: int = 1  # bench compare --repeats: rounds of every configuration, interleaved
     speed_window_s: float = WINDOW_S  # `pdserve simulate --speed-window` (steps only)
+    slo_itl_ms: float | None = None  # bench compare --slo-itl-ms: the paced steps' ceiling
 
     def __post_init__(self) -> None:
         for name in (self.calibrate_on, *self.held_out):
@@ -138,6 +148,9 @@ class CheckSettings:
             raise ValueError(f"speed_reference must be one of {', '.join(SPEED_REFERENCE_MODES)}, "
                              f"got {self.speed_reference!r}")
         check_window(self.speed_window_s)
+        if self.slo_itl_ms is not None and not self.slo_itl_ms >= SLO_TPOT_MS:
+            raise ValueError(f"slo_itl_ms must be at least the {SLO_TPOT_MS:g} ms TPOT target, "
+                             f"got {self.slo_itl_ms!r}")
         if self.decode_context not in simulator_context.MODES:
             raise ValueError(f"decode_context must be one of "
                              f"{', '.join(simulator_context.MODES)}, got {self.decode_context!r}")
@@ -189,6 +202,10 @@ def add_simulator_check_args(p: argparse.ArgumentParser) -> None:
                         "is read in, in seconds (`pdserve simulate --speed-window`; longer than "
                         "the run: one factor per kind of step for the whole run; default: "
                         "%(default)g)")
+    p.add_argument("--slo-itl-ms", type=float, default=None, metavar="MS",
+                   help="let the split and elastic workers' paced steps run to MS while their "
+                        "credit or a late prompt allows (bench compare --slo-itl-ms; "
+                        "default: steps within the 100 ms TPOT target)")
     held = p.add_mutually_exclusive_group()
     held.add_argument("--decode-context", choices=simulator_context.MODES, default="measured",
                       help="the decode cost per context token: measured (default) by `bench "
@@ -205,7 +222,7 @@ def settings(args: argparse.Namespace) -> CheckSettings:
     return CheckSettings(args.out, args.calibrate_on, _names(args.held_out),
                          _names(args.configs), args.duration, args.model, args.remeasure,
                          args.decode_context, args.decode_context_us, args.speed_reference,
-                         args.load, args.repeats, args.speed_window)
+                         args.load, args.repeats, args.speed_window, args.slo_itl_ms)
 
 
 def _names(text: str) -> tuple[str, ...]:
@@ -221,12 +238,17 @@ def workload_args(name: str, load: float) -> tuple[str, ...]:
     return tuple(args)
 
 
-def _reused_rate(out: Path, name: str, load: float) -> None:
-    """Refuse results measured at another rate than this load asks (None: a closed loop)."""
+def _reused_rate(out: Path, name: str, load: float, itl_ms: float | None) -> None:
+    """Refuse results measured at another rate than this load asks (None: a closed loop), or
+    with another ITL ceiling."""
     args = workload_args(name, load)
     want = float(args[args.index("--rate") + 1]) if "--rate" in args else None
-    rates = {c: r.get("request_rate") for c, r in json.loads(out.read_text()).items()
-             if isinstance(r, dict)}
+    results = {c: r for c, r in json.loads(out.read_text()).items() if isinstance(r, dict)}
+    ceilings = {c: r.get("slo_itl_ms") for c, r in results.items()}
+    if any(v != itl_ms for v in ceilings.values()):
+        raise ValueError(f"{out} was measured with ITL ceilings {ceilings} (ms), not "
+                         f"{itl_ms} (--slo-itl-ms): --remeasure, or another --out")
+    rates = {c: r.get("request_rate") for c, r in results.items()}
     wrong = {c: r for c, r in rates.items() if r is not None and r != want}
     if wrong:
         asked = "a closed loop" if want is None else f"{want:g} req/s"
@@ -238,7 +260,7 @@ def _measure(s: CheckSettings, workload: str) -> Path:
     """DIR/<workload>.json, measured now unless it is there already."""
     out = s.out_dir / f"{workload}.json"
     if out.exists() and not s.remeasure:
-        _reused_rate(out, workload, s.load)
+        _reused_rate(out, workload, s.load, s.slo_itl_ms)
         print(f"{workload}: reusing {out}", file=sys.stderr)
         return out
     argv = [sys.executable, "-m", "pdserve.cli", *compare_args(s, workload, out)]
@@ -253,9 +275,10 @@ def compare_args(s: CheckSettings, workload: str, out: Path) -> list[str]:
     """`pdserve bench compare`'s arguments that measure `workload` into `out`."""
     extra = ("--phase-s", f"{s.duration_s / 3:g}") if workload == "diurnal" else ()
     rounds = ("--repeats", str(s.repeats)) if s.repeats > 1 else ()
+    ceiling = () if s.slo_itl_ms is None else ("--slo-itl-ms", f"{s.slo_itl_ms:g}")
     return ["bench", "compare", "--configs", ",".join(s.configs), "--model", s.model,
             *workload_args(workload, s.load), *extra, *rounds, "--duration", f"{s.duration_s:g}",
-            "--slo-ttft-ms", f"{SLO_TTFT_MS:g}", "--slo-tpot-ms", f"{SLO_TPOT_MS:g}",
+            "--slo-ttft-ms", f"{SLO_TTFT_MS:g}", "--slo-tpot-ms", f"{SLO_TPOT_MS:g}", *ceiling,
             "--out", str(out)]
 
 
@@ -295,7 +318,7 @@ def run_check(s: CheckSettings) -> dict[str, Any]:
     for workload, rank in ranking.items():
         _pair(rank, results[workload])
     return {"calibrated_on": s.calibrate_on, "duration_s": s.duration_s, "model": s.model,
-            "load": s.load, "repeats": s.repeats,
+            "load": s.load, "repeats": s.repeats, "slo_itl_ms": s.slo_itl_ms,
             "decode_context": held, "speed_reference": s.speed_reference,
             "speed_window_s": s.speed_window_s if s.speed_reference == "steps" else None,
             "rows": rows,
@@ -396,6 +419,7 @@ def format_check(summary: dict[str, Any]) -> str:
              f"{'' if load == 1.0 else f', open-loop rates x{load:g}'}"
              f"{_held_text(summary.get('decode_context'))}"
              f"{_split_text(summary.get('speed_reference'), summary.get('speed_window_s'))}"
+             f"{_ceiling_text(summary.get('slo_itl_ms'))}"
              f" (measured -> simulated, error; * outside its tolerance"
              f"{ROUNDS_MARK if rounds else ''})", "  ".join(head)]
     for r in summary["rows"]:
@@ -440,6 +464,11 @@ def _split_text(mode: str | None, window_s: float | None = None) -> str:
                 "(speed: prompt/decode over the run, the windows' range)")
     return ", prompt costs scaled by the prefill job and decode costs by the decode job" \
         if mode == "split" else ""
+
+
+def _ceiling_text(itl_ms: float | None) -> str:
+    """", paced steps up to 300 ms" where the runs had an ITL ceiling."""
+    return "" if itl_ms is None else f", paced steps up to {itl_ms:g} ms"
 
 
 def _held_text(held: dict[str, Any] | None) -> str:

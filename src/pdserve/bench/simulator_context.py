@@ -10,10 +10,11 @@ engine alone, on as many threads as the configuration's workers compute on:
 
 cores: this process's (`bench compare` gives every configuration all of them, split in order
 among its workers: `pdserve up`'s worker_cores); workers: those the configuration's results
-list. A collocated worker on 2 cores computes on 2 threads; a disaggregated pair on 1 each,
-and one thread pays two to three times per token what two do. Each thread count is measured
-once, in the same folder as the runs (decode_context.json, reused like them), and the value
-held is the median over the bench's batches of its per-context-token cost.
+list. A collocated worker on 2 cores computes on 2 threads; a disaggregated pair on 1 each (an
+elastic pair served merged on 2: its one engine has the lender's cores too), and one thread pays
+two to three times per token what two do. Each thread count is measured once, in the same folder
+as the runs (decode_context.json, reused like them), and the value held is the median over the
+bench's batches of its per-context-token cost.
 
 Modes: "measured" (the above), "fitted" (step_fit's own fit on the calibration run), or one
 number for every configuration (`--decode-context-us`).
@@ -30,17 +31,24 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from pdserve.planner.simulate.measured_run import served_merged
+
 MODES = ("measured", "fitted")
 FILE = "decode_context.json"
 
 
 def worker_threads(results: Mapping[str, Any], config: str, cores: int) -> int:
-    """The threads each worker of `config` computed on in `results` (a bench compare file)."""
+    """The threads each computing worker of `config` computed on in `results` (a bench compare
+    file): the cores over the workers that computed a step, every listed worker where the file
+    does not record their steps. An elastic pair served merged (measured_run.served_merged)
+    computes on one engine, its lender's cores lent to it: all the cores."""
     workers = results.get(config, {}).get("workers")
     if not workers:
         raise ValueError(f"the results of {config!r} list no workers, so their threads are "
                          "unknown; hold the context cost with --decode-context-us or fit it "
                          "(--decode-context fitted)")
+    if served_merged(results[config]):
+        return cores
     return max(1, cores // len(workers))
 
 

@@ -12,6 +12,7 @@ import pytest
 from pdserve.bench.compare import CONFIGS
 from pdserve.planner.simulate.cluster import Layout
 from pdserve.planner.simulate.measured_compare import (
+    MERGED,
     PDSERVE_CONFIGS,
     MeasuredLayout,
     compare,
@@ -25,8 +26,10 @@ from pdserve.planner.simulate.measured_run import (
     MeasuredRun,
     load_measured_run,
     read_trace_file,
+    served_merged,
 )
 from pdserve.planner.simulate.metrics import ItlSamples
+from pdserve.planner.simulate.split_model import SplitRule
 from pdserve.planner.simulate.trace import TraceRequest
 from tests.planner.cli_run import run_pdserve
 from tests.planner.simulate.step_files import (
@@ -123,8 +126,51 @@ def test_bench_compare_names_fix_the_layout_and_pdserve_limits():
 
 
 def test_every_static_configuration_of_bench_compare_is_known_to_the_simulator():
-    """The elastic one changes its layout while it runs: no fixed layout to simulate."""
+    """The elastic one changes its layout while it runs: simulated only while it stays merged."""
     assert set(PDSERVE_CONFIGS) == set(CONFIGS) - {"elastic"}
+
+
+def elastic_result(*, flips: int = 0, loans: int = 1, prefill_busy_s: float = 0.0) -> dict:
+    """bench compare's elastic figures: a prefill and a decode worker and what they did."""
+    def worker(role: str, busy: float) -> dict:
+        return {"roles": [{"role": role, "since": 0.0, "from": None}],
+                "steps": {"busy_s": busy, "prompt_steps": int(busy > 0)}}
+    return {"workers": {"prefill-0": worker("prefill", prefill_busy_s),
+                        "decode-0": worker("decode", 40.0)},
+            "role_flips": flips, "core_loans": loans}
+
+
+def test_an_elastic_pair_that_stayed_merged_is_simulated_as_one_engine_prefilling_locally(
+        tmp_path):
+    assert served_merged(elastic_result())
+    path = tmp_path / "cmp.json"
+    write_json(path, {"elastic": serve_result([request(0.0, 100, 4)]) | elastic_result(),
+                      "collocated": serve_result([request(0.0, 100, 4)])})
+    merged = load_measured_run(f"{path}:elastic", "--compare-measured")
+    assert merged.merged and not load_measured_run(f"{path}:collocated", "x").merged
+    layout = measured_layout(merged, None)
+    assert layout is MERGED
+    assert (layout.layout, layout.prefill_workers, layout.decode_workers, layout.split) == \
+        (Layout.DISAGG, 1, 1, SplitRule.LOCAL)
+    assert measured_layout(merged, (Layout.DISAGG,)) is MERGED
+
+
+@pytest.mark.parametrize("result", [
+    elastic_result(flips=1),  # a role flipped
+    elastic_result(loans=0),  # never lent: a split pair
+    elastic_result(prefill_busy_s=3.5),  # the prefill worker computed before the loan
+    {"role_flips": 0, "core_loans": 1},  # a file that does not record its workers
+    elastic_result() | {"split_decisions": {"local": 3, "remote": 1}},  # a prompt went remote
+    elastic_result() | {"repeats": [{"role_flips": 0, "core_loans": 1},  # one round of two
+                                    {"role_flips": 1, "core_loans": 1}]},  # flipped
+])
+def test_an_elastic_run_whose_layout_changed_is_not_simulated_as_merged(result):
+    assert not served_merged(result)
+    split = run_of("elastic")
+    with pytest.raises(ValueError, match="its pair was not served merged throughout: a role "
+                                         "flipped, or the prefill worker computed"):
+        measured_layout(split, None)
+    assert measured_layout(split, (Layout.DISAGG,)) == MeasuredLayout(Layout.DISAGG)
 
 
 def test_other_runs_take_exactly_one_layout_from_flags():

@@ -17,7 +17,7 @@ Admission (admission.py): --max-inflight-per-worker, --max-queue and --max-queue
 the router's back-pressure, as its flags of the same names (one declaration serves both,
 cli_args.add_admission_flags); any of them turns it on, the others taking the router's
 defaults. A --compare-measured run of a pdserve configuration (bench
-compare's, measured_compare.PDSERVE_CONFIGS) was served by a router with admission, so it is
+compare's, measured_compare.pdserve_layout) was served by a router with admission, so it is
 modelled there even without them; any other run, and a trace without one, is simulated without
 admission (every request served) unless a flag is given.
 """
@@ -70,12 +70,12 @@ from pdserve.planner.simulate.frontend_fit import (
     latency_source,
 )
 from pdserve.planner.simulate.measured_compare import (
-    PDSERVE_CONFIGS,
     Comparison,
     MeasuredLayout,
     compare,
     comparison_json,
     measured_layout,
+    pdserve_layout,
     render_comparison,
     split_local_prefills,
     split_paths,
@@ -485,9 +485,9 @@ def _frontend_latency(args: argparse.Namespace, run: MeasuredRun | None,
         if not 0 <= ms < math.inf:
             raise ValueError(f"--frontend-latency-ms must be a number of ms >= 0, got {ms!r}")
         return ms / 1e3, "--frontend-latency-ms"
-    if run is None or profile is None or run.config not in PDSERVE_CONFIGS:
+    how = None if run is None or profile is None else pdserve_layout(run)
+    if how is None:
         return 0.0, "none"
-    how = PDSERVE_CONFIGS[run.config]
     own = argparse.Namespace(**{**vars(args), **dict.fromkeys(_OWN_LIMITS)})
     tpot_s = (run.slo_tpot_ms or DEFAULT_SLO.tpot_ms) / 1e3
     latency = fit_frontend_latency(run, how.layout,
@@ -534,7 +534,7 @@ def _admission(args: argparse.Namespace, measured: MeasuredRun | None) -> Admiss
     """The router's admission from the flags (module docstring); None: not modelled.
     ValueError for a bad value, naming the flag."""
     flags = (args.max_inflight_per_worker, args.max_queue, args.max_queue_wait_s)
-    pdserve_run = measured is not None and measured.config in PDSERVE_CONFIGS
+    pdserve_run = measured is not None and pdserve_layout(measured) is not None
     if all(flag is None for flag in flags) and not pdserve_run:
         return None
     wait = DEFAULT_MAX_QUEUE_WAIT_S if args.max_queue_wait_s is None else args.max_queue_wait_s

@@ -7,7 +7,11 @@ known name fixes the layout and the per-worker limits (`PDSERVE_CONFIGS`):
   costs (split_model.py: measured); disagg-local and disagg-remote -> the same workers with
   every prompt prefilled on the decode worker (local) or on the prefill worker (remote), as
   their `--local-prefill-threshold` does; collocated -> colloc, 1 worker;
-  collocated-chunked -> chunked, 1 worker;
+  collocated-chunked -> chunked, 1 worker; elastic -> disagg-local's layout where the run
+  was served merged throughout (measured_run.served_merged: the pair's prefill worker lent its
+  cores at rest and computed nothing, one engine on both sets of cores prefilled every prompt
+  in chunks paced beside its streams), and no layout where the controller flipped a role or
+  the prefill worker computed (a layout that changes during the run is not simulated);
   each with max batch 64 (EngineConfig.max_num_seqs, `pdserve up --max-num-seqs`), chunks of
   512 tokens (engine.py DEFAULT_CHUNK_TOKENS) and KV of 512 MiB per worker (`pdserve up
   --kv-cache-memory`), i.e. 512 MiB // KV bytes per token per GPU tokens.
@@ -106,11 +110,21 @@ PDSERVE_CONFIGS: dict[str, MeasuredLayout] = {
     "collocated-chunked": _pdserve(Layout.CHUNKED, collocated_workers=1),
     "collocated-2": _pdserve(Layout.COLLOC, collocated_workers=2),
 }
+ELASTIC = "elastic"  # bench compare's elastic pair: simulated as MERGED while it stays merged
+MERGED = PDSERVE_CONFIGS["disagg-local"]  # the prefill worker idle, its cores the decode's
+
+
+def pdserve_layout(run: MeasuredRun) -> MeasuredLayout | None:
+    """The layout a bench compare configuration fixes (its router's admission with it); None
+    for another run, or an elastic one that did not stay merged."""
+    if run.config == ELASTIC:
+        return MERGED if run.merged else None
+    return PDSERVE_CONFIGS.get(run.config or "")
 
 
 def measured_layout(run: MeasuredRun, layouts: tuple[Layout, ...] | None) -> MeasuredLayout:
     """The run's layout from its configuration name, else from `layouts` (--layouts)."""
-    known = PDSERVE_CONFIGS.get(run.config or "")
+    known = pdserve_layout(run)
     if known is not None:
         if layouts is not None and layouts != (known.layout,):
             raise ValueError(f"--layouts {','.join(layouts)} does not match {run.label}: bench "
@@ -118,8 +132,11 @@ def measured_layout(run: MeasuredRun, layouts: tuple[Layout, ...] | None) -> Mea
         return known
     if layouts is None or len(layouts) != 1:
         name = f"configuration {run.config!r}" if run.config else "a bench serve result"
+        why = (" (its pair was not served merged throughout: a role flipped, or the prefill "
+               "worker computed, and a layout that changes during the run is not simulated)"
+               if run.config == ELASTIC else "")
         raise ValueError(f"compare_measured (--compare-measured) {run.label}: {name} does not "
-                         "say how it was served; pass --layouts with one of "
+                         f"say how it was served{why}; pass --layouts with one of "
                          f"{', '.join(Layout)} (and the worker counts)")
     return MeasuredLayout(layouts[0])
 

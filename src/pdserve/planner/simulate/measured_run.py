@@ -105,6 +105,10 @@ class MeasuredRun:
     # the ceiling the cluster paced its decode workers' steps to (bench compare's
     # `slo_itl_ms`, pdserve up --slo-itl-ms); None: none (steps within the TPOT target)
     slo_itl_ms: float | None = None
+    # an elastic pair served merged the whole run (`served_merged`): its prefill worker's
+    # cores lent to the decode worker before the first request and never taken back, no role
+    # flipped, every prompt prefilled on the decode worker on both sets of cores
+    merged: bool = False
 
     @property
     def probed(self) -> bool:
@@ -159,7 +163,44 @@ def _run(spec: FileSpec, config: str | None, result: dict[str, Any]) -> Measured
                        _warm_up(result, label), _run_start(result, label),
                        len(result["repeats"]) if isinstance(result.get("repeats"), list)
                        and result["repeats"] else 1,
-                       slo_itl_ms=_bound(result, "slo_itl_ms", label))
+                       slo_itl_ms=_bound(result, "slo_itl_ms", label),
+                       merged=served_merged(result))
+
+
+def served_merged(result: dict[str, Any]) -> bool:
+    """The run's pair served merged throughout (bench compare's `workers`, `role_flips`,
+    `core_loans`, `split_decisions`): a loan made and no flip in every round, no prompt
+    prefilled remotely, and every worker that started as a prefill worker computed no step
+    (its `steps.busy_s` 0; the last round's, the only one whose workers a file keeps), so one
+    engine computed every step. False where the file does not record workers or their steps."""
+    workers = result.get("workers")
+    rounds = result.get("repeats") if isinstance(result.get("repeats"), list) else [result]
+    if not isinstance(workers, dict) or not workers or not all(map(_lent_alone, rounds)):
+        return False
+    lenders = [w for w in workers.values() if _first_role(w) == "prefill"]
+    return bool(lenders) and all(_busy_s(w) == 0 for w in lenders)
+
+
+def _lent_alone(run: Any) -> bool:
+    """A round with a loan, no flip, and no remote prefill where its decisions are kept."""
+    if not isinstance(run, dict) or run.get("role_flips") != 0:
+        return False
+    loans, split = run.get("core_loans"), run.get("split_decisions")
+    remote = split.get("remote", 0) if isinstance(split, dict) else 0
+    return is_finite_number(loans) and loans >= 1 and remote == 0
+
+
+def _first_role(worker: Any) -> str | None:
+    roles = worker.get("roles") if isinstance(worker, dict) else None
+    first = roles[0] if isinstance(roles, list) and roles else None
+    return first.get("role") if isinstance(first, dict) else None
+
+
+def _busy_s(worker: Any) -> float | None:
+    """The seconds a bench compare worker computed steps in the run; None: not recorded."""
+    steps = worker.get("steps") if isinstance(worker, dict) else None
+    busy = steps.get("busy_s") if isinstance(steps, dict) else None
+    return float(busy) if is_finite_number(busy) else None
 
 
 def _run_start(result: dict[str, Any], label: str) -> float | None:
