@@ -131,13 +131,20 @@ def test_an_itl_ceiling_reaches_every_measurement_and_results_measured_without_i
     args = compare_args(_settings(results, slo_itl_ms=300.0), "chat", results / "chat.json")
     assert args[args.index("--slo-itl-ms") + 1] == "300"
     assert "--slo-itl-ms" not in compare_args(_settings(results), "chat", results / "c.json")
-    write_json(results / "mixed.json", {"disagg": {"slo_itl_ms": None}})
-    with pytest.raises(ValueError, match=r"measured with ITL ceilings \{'disagg': None\} \(ms\), "
-                                         r"not 300.0 \(--slo-itl-ms\): --remeasure"):
+    write_json(results / "mixed.json", {"disagg": {"slo_itl_ms": 500.0},
+                                        "collocated": {"slo_itl_ms": None}})  # paces no step
+    with pytest.raises(ValueError, match=r"measured with ITL ceilings \{'disagg': 500.0, "
+                                         r"'collocated': None\} \(ms\), not 300.0 "
+                                         r"\(--slo-itl-ms\): --remeasure"):
         run_check(_settings(results, slo_itl_ms=300.0))
-    summary = run_check(_settings(results))
-    assert summary["slo_itl_ms"] is None and "paced steps up to" not in format_check(summary)
-    assert ", paced steps up to 300 ms" in format_check({**summary, "slo_itl_ms": 300.0})
+    with pytest.raises(ValueError, match=r"not None \(--slo-itl-ms\)"):
+        run_check(_settings(results))
+    write_json(results / "mixed.json", {"disagg": {"slo_itl_ms": 300.0},
+                                        "collocated": {"slo_itl_ms": None}})
+    summary = run_check(_settings(results, slo_itl_ms=300.0))
+    assert summary["slo_itl_ms"] == 300.0
+    assert ", paced steps up to 300 ms" in format_check(summary)
+    assert "paced steps up to" not in format_check({**summary, "slo_itl_ms": None})
 
 
 def test_load_scales_each_open_loop_rate_and_leaves_the_closed_loop_alone():
@@ -186,6 +193,41 @@ def test_a_split_configurations_row_has_its_local_prefills_measured_and_simulate
                              "steps(measured/priced: median/time)")
     assert lines[2].startswith("chat  disagg") and lines[2].endswith(f"  1/{simulated}  -  -")
     assert lines[3].startswith("chat  collocated") and lines[3].endswith("  -  -  -")
+
+
+def _elastic(flips: int) -> dict:
+    """bench compare's record of an elastic pair: lent at rest and merged, or flipped too."""
+    role = {"prefill-0": "prefill", "decode-0": "decode"}
+    return {"workers": {w: {"roles": [{"role": r}], "steps": {"busy_s": 0.0 if r == "prefill"
+                                                                else 9.0}}
+                        for w, r in role.items()},
+            "role_flips": flips, "core_loans": 1}
+
+
+@pytest.mark.parametrize(("calibration_flips", "held_out_flips", "changed"), [
+    (0, 0, None), (1, 0, "calibration"), (0, 2, "held-out")])
+def test_an_elastic_run_is_simulated_as_its_merged_pair_or_listed_as_not_simulated(
+        results, calibration_flips, held_out_flips, changed):
+    """Merged in both runs: every prompt prefilled on the decode worker (split local); a pair
+    whose layout changed in either run is not simulated, says why, and fails the check."""
+    steps = json.loads((results / "mixed.steps.json").read_text())
+    write_json(results / "mixed.steps.json", {**steps, "elastic": disagg_workers()})
+    write_json(results / "mixed.json", {"elastic": _elastic(calibration_flips)})
+    chat = json.loads((results / "chat.json").read_text())
+    chat["elastic"] = serve_result([request(0.0, 1000, 11)]) | _elastic(held_out_flips)
+    write_json(results / "chat.json", chat)
+    summary = run_check(_settings(results, configs=("collocated", "elastic")))
+    rows = {r["config"]: r for r in summary["rows"]}
+    if changed is None:
+        assert summary["unsimulated"] == []
+        assert rows["elastic"]["local_prefills"]["simulated"] == 1
+        return
+    assert set(rows) == {"collocated"}
+    [skipped] = summary["unsimulated"]
+    assert (skipped["workload"], skipped["config"]) == ("chat", "elastic")
+    assert f"did not stay merged in the {changed} run" in skipped["why"]
+    assert f"chat  elastic  not simulated: the elastic pair did not stay merged in the " \
+        f"{changed} run" in format_check(summary)
 
 
 def test_a_split_row_counts_the_requests_on_the_same_path_where_routes_were_kept(results):

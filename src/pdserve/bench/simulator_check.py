@@ -45,7 +45,8 @@ P99 ITL misses are such.
 the prefill worker's cores lent to the decode worker, and on two cores it stays merged through
 these workloads, so it is simulated as that one engine prefilling every prompt in chunks
 paced beside its streams (measured_compare.py; a run in which a role flipped or the prefill
-worker computed is refused rather than simulated as something it was not). `--slo-itl-ms`
+worker computed, in the calibration run or the held-out one, is listed as not simulated, with
+why, rather than simulated as something it was not, and fails the check). `--slo-itl-ms`
 gives the runs' paced steps a ceiling above the TPOT target (bench compare's flag: the elastic
 and disagg workers'), which the simulation reads from the results.
 
@@ -83,7 +84,8 @@ from pdserve.bench import measured_spread, simulator_context
 from pdserve.bench.paired_goodput import paired
 from pdserve.planner.plan_simulation import MARGIN
 from pdserve.planner.simulate.file_spec import steps_path
-from pdserve.planner.simulate.measured_compare import CLIFF_TEXT, on_the_cliff
+from pdserve.planner.simulate.measured_compare import CLIFF_TEXT, ELASTIC, on_the_cliff
+from pdserve.planner.simulate.measured_run import served_merged
 from pdserve.planner.simulate.speed_scale import SPEED_REFERENCE_MODES
 from pdserve.planner.simulate.speed_timeline import WINDOW_S, check_window
 
@@ -244,8 +246,9 @@ def _reused_rate(out: Path, name: str, load: float, itl_ms: float | None) -> Non
     args = workload_args(name, load)
     want = float(args[args.index("--rate") + 1]) if "--rate" in args else None
     results = {c: r for c, r in json.loads(out.read_text()).items() if isinstance(r, dict)}
+    # recorded by the configurations that pace steps (split and elastic workers) only
     ceilings = {c: r.get("slo_itl_ms") for c, r in results.items()}
-    if any(v != itl_ms for v in ceilings.values()):
+    if any(v is not None and v != itl_ms for v in ceilings.values()):
         raise ValueError(f"{out} was measured with ITL ceilings {ceilings} (ms), not "
                          f"{itl_ms} (--slo-itl-ms): --remeasure, or another --out")
     rates = {c: r.get("request_rate") for c, r in results.items()}
@@ -301,15 +304,21 @@ def _simulate(s: CheckSettings, calibration: Path, measured: Path, config: str,
 
 
 def run_check(s: CheckSettings) -> dict[str, Any]:
-    """Measure what is missing, simulate every (held-out workload, configuration)."""
+    """Measure what is missing, simulate every (held-out workload, configuration) that has a
+    layout to simulate (`unsimulated`: those that do not, and why)."""
     s.out_dir.mkdir(parents=True, exist_ok=True)
     calibration = _measure(s, s.calibrate_on)
     held = _held_context(s, calibration)
-    rows, results = [], {}
+    calibrated = json.loads(calibration.read_text())
+    rows, results, unsimulated = [], {}, []
     for workload in s.held_out:
         measured = _measure(s, workload)
         results[workload] = json.loads(measured.read_text())
         for config in s.configs:
+            why = _changed_layout(calibrated, results[workload], config)
+            if why is not None:
+                unsimulated.append({"workload": workload, "config": config, "why": why})
+                continue
             got = _simulate(s, calibration, measured, config, held["us"][config])
             rows.append({"workload": workload, "config": config, **got,
                          "outside": _outside(got),
@@ -321,8 +330,23 @@ def run_check(s: CheckSettings) -> dict[str, Any]:
             "load": s.load, "repeats": s.repeats, "slo_itl_ms": s.slo_itl_ms,
             "decode_context": held, "speed_reference": s.speed_reference,
             "speed_window_s": s.speed_window_s if s.speed_reference == "steps" else None,
-            "rows": rows,
+            "rows": rows, "unsimulated": unsimulated,
             "ranking": ranking}
+
+
+def _changed_layout(calibration: dict[str, Any], held_out: dict[str, Any], config: str
+                    ) -> str | None:
+    """Why an elastic configuration's run has no layout to simulate (its pair did not stay
+    merged in the calibration run or the held-out one: measured_run.served_merged); None
+    where it has one."""
+    if config != ELASTIC:
+        return None
+    runs = (("calibration", calibration), ("held-out", held_out))
+    changed = [name for name, results in runs if not served_merged(results.get(config, {}))]
+    if not changed:
+        return None
+    return (f"the elastic pair did not stay merged in the {' and '.join(changed)} run (a role "
+            "flipped, or the prefill worker computed): a layout that changed during the run")
 
 
 def _pair(rank: dict[str, Any], results: dict[str, Any]) -> None:
@@ -436,6 +460,8 @@ def format_check(summary: dict[str, Any]) -> str:
                   if "speed_timeline" not in r else _own_speed(r["speed_timeline"]),
                   _steps(r.get("step_ratios"))]
         lines.append("  ".join(cells))
+    lines += [f"{u['workload']}  {u['config']}  not simulated: {u['why']}"
+              for u in summary.get("unsimulated", ())]
     lines.append(_count_line(summary["rows"], rounds))
     lines += [_rank_line(workload, rank) for workload, rank in summary["ranking"].items()]
     return "\n".join(lines)
@@ -529,6 +555,6 @@ def run_simulator_check_cli(args: argparse.Namespace) -> int:
     summary = run_check(s)
     (s.out_dir / "simulator_check.json").write_text(json.dumps(summary, indent=1) + "\n")
     print(format_check(summary))
-    within = all(not r["outside"] for r in summary["rows"])
+    within = all(not r["outside"] for r in summary["rows"]) and not summary["unsimulated"]
     agree = all(r["agree"] for r in summary["ranking"].values())
     return 0 if within and agree else 1
