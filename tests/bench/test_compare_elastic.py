@@ -32,8 +32,9 @@ def test_elastic_is_disagg_with_the_router_flipping_roles() -> None:
 def test_flips_are_read_from_the_routers_metrics() -> None:
     assert flips_from_metrics(METRICS) == {
         "role_flips": 3, "role_flips_by": {"decode->prefill": 2, "prefill->decode": 1},
-        "core_loans": 2}
-    assert flips_from_metrics("") == {"role_flips": 0, "role_flips_by": {}, "core_loans": 0}
+        "core_loans": 2, "core_reclaims": 1}
+    assert flips_from_metrics("") == {"role_flips": 0, "role_flips_by": {}, "core_loans": 0,
+                                      "core_reclaims": 0}
 
 
 def test_flips_are_a_row_of_the_table_and_a_median_over_repeats() -> None:

@@ -12,7 +12,8 @@ run), measured with `bench serve`'s runner, and
 stopped before the next starts. Before the stop the router's `pdserve_role_flips_total` is
 read: `role_flips` (all directions) and `role_flips_by` ("decode->prefill": n, ...), its
 `pdserve_core_loans_total{event="lent"}`: `core_loans` (a prefill worker's cores lent to a
-decode worker, `router/core_lending.py`); and its
+decode worker, `router/core_lending.py`), and `{event="reclaimed"}`: `core_reclaims` (taken
+back, the pair split again); and its
 `pdserve_router_split_decisions_total`, once after the warm-up and once after the run, whose
 difference is `split_decisions`: the measured requests' paths on decode workers, {"local": n,
 "remote": m, "by_reason": {"local/measured_cost": n, "remote/unmeasured": k, ...}} ("remote"
@@ -128,7 +129,7 @@ METRIC_KEYS: tuple[str, ...] = (
     "request_throughput", "request_goodput", "output_throughput", "total_token_throughput",
     *(key for name in ("ttft", "tpot", "itl", "e2el") for key in distribution_ms(name, [])))
 # Read from a pdserve cluster's router (none for an external server): medians over repeats too.
-CLUSTER_KEYS = ("role_flips", "core_loans")
+CLUSTER_KEYS = ("role_flips", "core_loans", "core_reclaims")
 # One sample of a Prometheus text exposition: name, {labels} (maybe none), value.
 SAMPLE_LINE = re.compile(r"^(?P<name>[A-Za-z_:][\w:]*)(?:\{(?P<labels>[^}]*)\})?\s+(?P<n>\S+)")
 LABEL = re.compile(r'(?P<key>\w+)="(?P<value>(?:[^"\\]|\\.)*)"')
@@ -250,15 +251,17 @@ def counter_samples(text: str, name: str) -> Iterator[tuple[dict[str, str], int]
 
 
 def flips_from_metrics(text: str) -> dict[str, Any]:
-    """`role_flips`, `role_flips_by` ("decode->prefill": n) and `core_loans` (cores lent)
-    from the router's /metrics."""
+    """`role_flips`, `role_flips_by` ("decode->prefill": n), `core_loans` (cores lent) and
+    `core_reclaims` (taken back) from the router's /metrics."""
     by: dict[str, int] = {}
     for labels, n in counter_samples(text, "pdserve_role_flips_total"):
         key = f"{labels.get('from')}->{labels.get('to')}"
         by[key] = by.get(key, 0) + n
-    loans = sum(n for labels, n in counter_samples(text, "pdserve_core_loans_total")
-                if labels.get("event") == "lent")
-    return {"role_flips": sum(by.values()), "role_flips_by": by, "core_loans": loans}
+    events: dict[str, int] = {}
+    for labels, n in counter_samples(text, "pdserve_core_loans_total"):
+        events[labels.get("event", "")] = events.get(labels.get("event", ""), 0) + n
+    return {"role_flips": sum(by.values()), "role_flips_by": by,
+            "core_loans": events.get("lent", 0), "core_reclaims": events.get("reclaimed", 0)}
 
 
 def split_counts(text: str) -> dict[str, int]:

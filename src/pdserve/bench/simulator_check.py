@@ -42,13 +42,13 @@ than the measured P99 ITL (measured_compare.py: 1% where they agree; a P99 ITL m
 P99 ITL misses are such.
 
 `--configs` may add `elastic` (`pdserve up --elastic`): its pair on one machine merges at rest,
-the prefill worker's cores lent to the decode worker, and on two cores it stays merged through
-these workloads, so it is simulated as that one engine prefilling every prompt in chunks
-paced beside its streams (measured_compare.py; a run in which a role flipped or the prefill
-worker computed, in the calibration run or the held-out one, is listed as not simulated, with
-why, rather than simulated as something it was not, and fails the check). `--slo-itl-ms`
-gives the runs' paced steps a ceiling above the TPOT target (bench compare's flag: the elastic
-and disagg workers'), which the simulation reads from the results.
+the prefill worker's cores lent to the decode worker, and a run in which it stayed merged is
+simulated as that one engine prefilling every prompt in chunks paced beside its streams
+(measured_compare.py). A run in which a role flipped, the cores were taken back, or the
+prefill worker computed, in the calibration run or the held-out one, is listed as not
+simulated, with why, rather than simulated as something it was not, and fails the check.
+`--slo-itl-ms` gives the runs' paced steps a ceiling above the TPOT target (bench compare's
+flag: the elastic and disagg workers'), which the simulation reads from the results.
 
 The decode cost per context token is held, by default, at what `pdserve bench decode-context`
 measures on each configuration's threads per worker (bench/simulator_context.py: a serving
@@ -346,7 +346,8 @@ def _changed_layout(calibration: dict[str, Any], held_out: dict[str, Any], confi
     if not changed:
         return None
     return (f"the elastic pair did not stay merged in the {' and '.join(changed)} run (a role "
-            "flipped, or the prefill worker computed): a layout that changed during the run")
+            "flipped, the cores were taken back, or the prefill worker computed): a layout "
+            "that changed during the run")
 
 
 def _pair(rank: dict[str, Any], results: dict[str, Any]) -> None:

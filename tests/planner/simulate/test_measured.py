@@ -158,6 +158,8 @@ def test_an_elastic_pair_that_stayed_merged_is_simulated_as_one_engine_prefillin
 @pytest.mark.parametrize("result", [
     elastic_result(flips=1),  # a role flipped
     elastic_result(loans=0),  # never lent: a split pair
+    elastic_result(loans=2),  # lent, taken back, lent again
+    elastic_result() | {"core_reclaims": 1},  # taken back
     elastic_result(prefill_busy_s=3.5),  # the prefill worker computed before the loan
     {"role_flips": 0, "core_loans": 1},  # a file that does not record its workers
     elastic_result() | {"split_decisions": {"local": 3, "remote": 1}},  # a prompt went remote
@@ -168,7 +170,8 @@ def test_an_elastic_run_whose_layout_changed_is_not_simulated_as_merged(result):
     assert not served_merged(result)
     split = run_of("elastic")
     with pytest.raises(ValueError, match="its pair was not served merged throughout: a role "
-                                         "flipped, or the prefill worker computed"):
+                                         "flipped, the cores were taken back, or the "
+                                         "prefill worker computed"):
         measured_layout(split, None)
     assert measured_layout(split, (Layout.DISAGG,)) == MeasuredLayout(Layout.DISAGG)
 

@@ -10,8 +10,9 @@ known name fixes the layout and the per-worker limits (`PDSERVE_CONFIGS`):
   collocated-chunked -> chunked, 1 worker; elastic -> disagg-local's layout where the run
   was served merged throughout (measured_run.served_merged: the pair's prefill worker lent its
   cores at rest and computed nothing, one engine on both sets of cores prefilled every prompt
-  in chunks paced beside its streams), and no layout where the controller flipped a role or
-  the prefill worker computed (a layout that changes during the run is not simulated);
+  in chunks paced beside its streams), and no layout where the controller flipped a role,
+  took the cores back, or the prefill worker computed (a layout that changes during the run is
+  not simulated);
   each with max batch 64 (EngineConfig.max_num_seqs, `pdserve up --max-num-seqs`), chunks of
   512 tokens (engine.py DEFAULT_CHUNK_TOKENS) and KV of 512 MiB per worker (`pdserve up
   --kv-cache-memory`), i.e. 512 MiB // KV bytes per token per GPU tokens.
@@ -132,8 +133,9 @@ def measured_layout(run: MeasuredRun, layouts: tuple[Layout, ...] | None) -> Mea
         return known
     if layouts is None or len(layouts) != 1:
         name = f"configuration {run.config!r}" if run.config else "a bench serve result"
-        why = (" (its pair was not served merged throughout: a role flipped, or the prefill "
-               "worker computed, and a layout that changes during the run is not simulated)"
+        why = (" (its pair was not served merged throughout: a role flipped, the cores were "
+               "taken back, or the prefill worker computed, and a layout that changes during "
+               "the run is not simulated)"
                if run.config == ELASTIC else "")
         raise ValueError(f"compare_measured (--compare-measured) {run.label}: {name} does not "
                          f"say how it was served{why}; pass --layouts with one of "

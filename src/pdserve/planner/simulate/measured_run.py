@@ -169,10 +169,11 @@ def _run(spec: FileSpec, config: str | None, result: dict[str, Any]) -> Measured
 
 def served_merged(result: dict[str, Any]) -> bool:
     """The run's pair served merged throughout (bench compare's `workers`, `role_flips`,
-    `core_loans`, `split_decisions`): a loan made and no flip in every round, no prompt
-    prefilled remotely, and every worker that started as a prefill worker computed no step
-    (its `steps.busy_s` 0; the last round's, the only one whose workers a file keeps), so one
-    engine computed every step. False where the file does not record workers or their steps."""
+    `core_loans`, `core_reclaims`, `split_decisions`): in every round one loan, never taken
+    back, no flip and no prompt prefilled remotely, and every worker that started as a
+    prefill worker computed no step (its `steps.busy_s` 0; the last round's, the only one
+    whose workers a file keeps), so one engine on both sets of cores computed every step.
+    False where the file does not record workers or their steps."""
     workers = result.get("workers")
     rounds = result.get("repeats") if isinstance(result.get("repeats"), list) else [result]
     if not isinstance(workers, dict) or not workers or not all(map(_lent_alone, rounds)):
@@ -182,12 +183,13 @@ def served_merged(result: dict[str, Any]) -> bool:
 
 
 def _lent_alone(run: Any) -> bool:
-    """A round with a loan, no flip, and no remote prefill where its decisions are kept."""
+    """A round with one loan, no reclaim (a file without the count: a second loan is one
+    after a reclaim), no flip, and no remote prefill where its decisions are kept."""
     if not isinstance(run, dict) or run.get("role_flips") != 0:
         return False
-    loans, split = run.get("core_loans"), run.get("split_decisions")
+    split = run.get("split_decisions")
     remote = split.get("remote", 0) if isinstance(split, dict) else 0
-    return is_finite_number(loans) and loans >= 1 and remote == 0
+    return run.get("core_loans") == 1 and run.get("core_reclaims", 0) == 0 and remote == 0
 
 
 def _first_role(worker: Any) -> str | None:
