@@ -12,9 +12,12 @@ from types import SimpleNamespace
 
 import pytest
 
+from pdserve.api.errors import ApiError
 from pdserve.common.step_cost import DecodeCost, PromptCost, fit_decode_cost, misses_ttft
 from pdserve.engine.scheduler import ChunkSite
 from pdserve.throttled_log import ThrottledLog
+from pdserve.workers import engine_loop
+from pdserve.workers.cpu_pin import PinDone
 from pdserve.workers.engine_loop import PAST_TARGET_LOG_S, EngineLoop
 from pdserve.workers.prefill_budget import (
     BURST_STEPS,
@@ -102,6 +105,46 @@ def test_a_worker_past_its_target_says_so_once_a_minute(caplog) -> None:
     assert warned[0].startswith("decode steps take 40 ms (median), at or over the 30 ms TPOT "
                                 "target (--slo-tpot-ms)")
     assert "one block (16 tokens) a step" in warned[0]
+
+
+def _recorded(newest_first: list[Step]) -> StepTrace:
+    trace = StepTrace(capacity=64)
+    for step in reversed(newest_first):
+        trace.record(step)
+    return trace
+
+
+def test_steps_timed_on_more_threads_are_priced_for_the_fewer_a_worker_has_now() -> None:
+    """Two threads to one (a loan taken back) after the steps of `_trace`: each costs twice
+    as long, decode 80 ms and 500 prompt tokens/s, so the chunk of a 200 ms step falls from
+    (0.2 - 0.04) x 1,000 to (0.2 - 0.08) x 500; back on two, the steps timed on two are
+    priced as timed again; steps timed on one, now on two, are kept as timed."""
+    trace, pacer = _recorded(_trace()), Pacer(0.2, None, 16)
+    assert pacer.chunk(trace, 20.0, 8) == 160
+    pacer.cores_changed(11.0, threads_before=2, threads_now=1)
+    assert pacer.chunk(trace, 20.1, 8) == 60  # read again at once, not REFRESH_S later
+    pacer.cores_changed(12.0, threads_before=1, threads_now=2)
+    assert pacer.chunk(trace, 20.2, 8) == 160
+    pacer.cores_changed(13.0, threads_before=2, threads_now=2)  # no change: nothing read
+    assert pacer.chunk(trace, 20.3, 8) == 160
+    gained = Pacer(0.2, None, 16)
+    gained.cores_changed(11.0, threads_before=1, threads_now=2)
+    assert gained.chunk(trace, 20.0, 8) == 160
+
+
+def test_the_loop_tells_its_pacer_when_the_worker_is_pinned_to_other_cores(monkeypatch) -> None:
+    """A pin that took effect reaches the pacer with the threads before and after; a refused
+    one (an ApiError) changes nothing."""
+    calls: list[tuple[int, int]] = []
+    pacer = SimpleNamespace(cores_changed=lambda at, before, now: calls.append((before, now)))
+    loop = SimpleNamespace(pacer=pacer, engine=SimpleNamespace(
+        config=SimpleNamespace(tensor_parallel_size=1)))
+    done = PinDone((0,), threads=1, seconds=0.001, threads_before=2)
+    monkeypatch.setattr(engine_loop, "pin_process", lambda cpus, tp: done)
+    assert EngineLoop._pin(loop, (0,)) is done and calls == [(2, 1)]
+    refused = ApiError(400, "the kernel refused cores [7]")
+    monkeypatch.setattr(engine_loop, "pin_process", lambda cpus, tp: refused)
+    assert EngineLoop._pin(loop, (7,)) is refused and calls == [(2, 1)]
 
 
 def test_without_a_ceiling_every_step_is_allowed_the_tpot_target() -> None:

@@ -38,11 +38,13 @@ BOOT_ID = "/proc/sys/kernel/random/boot_id"  # changes at every boot of the kern
 
 @dataclass(frozen=True)
 class PinDone:
-    """The worker computes on `cpus` with `threads` compute threads; `seconds` to apply it."""
+    """The worker computes on `cpus` with `threads` compute threads, where it had
+    `threads_before`; `seconds` to apply it."""
 
     cpus: tuple[int, ...]
     threads: int
     seconds: float
+    threads_before: int = 0
 
     def body(self) -> dict[str, Any]:
         return {"cpus": list(self.cpus), "threads": self.threads, "seconds": self.seconds}
@@ -67,7 +69,7 @@ def parse_cpus(body: Any) -> tuple[int, ...]:
 def pin_process(cpus: Iterable[int], tensor_parallel_size: int) -> PinDone | ApiError:
     """Pin every thread of this process to `cpus` and set the compute threads to their count.
     Call on the engine thread."""
-    t0, cpus = time.perf_counter(), tuple(cpus)
+    t0, cpus, before = time.perf_counter(), tuple(cpus), torch.get_num_threads()
     if tensor_parallel_size > 1:
         return ApiError(409, f"a tensor-parallel engine ({tensor_parallel_size} ranks) keeps "
                              "the cores each rank was started on", param="cpus",
@@ -77,7 +79,7 @@ def pin_process(cpus: Iterable[int], tensor_parallel_size: int) -> PinDone | Api
     except OSError as e:
         return ApiError(400, f"the kernel refused cores {list(cpus)}: {e}", param="cpus")
     torch.set_num_threads(len(cpus))
-    return PinDone(cpus, torch.get_num_threads(), time.perf_counter() - t0)
+    return PinDone(cpus, torch.get_num_threads(), time.perf_counter() - t0, before)
 
 
 def current_cpus() -> list[int]:

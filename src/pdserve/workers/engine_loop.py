@@ -41,13 +41,14 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
+from pdserve.api.errors import ApiError
 from pdserve.common.engine_options import Role
 from pdserve.engine.engine import Engine
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.parallel.rank_group import RankFailed
 from pdserve.legs.protocol import MOVED, LegKind, LegRequest, TokenEvent
 from pdserve.throttled_log import ThrottledLog
-from pdserve.workers.cpu_pin import pin_process
+from pdserve.workers.cpu_pin import PinDone, pin_process
 from pdserve.workers.handover import (
     HandOver,
     LegDropped,
@@ -338,10 +339,17 @@ class EngineLoop:
                 case Flip():
                     self.flip.begin(cmd)
                 case Pin():
-                    self._emit(cmd.reply, pin_process(
-                        cmd.cpus, self.engine.config.tensor_parallel_size))
+                    self._emit(cmd.reply, self._pin(cmd.cpus))
                 case Stop():
                     return
+
+    def _pin(self, cpus: tuple[int, ...]) -> PinDone | ApiError:
+        """Compute on `cpus` from the next step on; the pacer prices the steps timed before
+        for them (`Pacer.cores_changed`)."""
+        done = pin_process(cpus, self.engine.config.tensor_parallel_size)
+        if isinstance(done, PinDone) and self.pacer is not None:
+            self.pacer.cores_changed(time.time(), done.threads_before, done.threads)
+        return done
 
     def _submit(self, cmd: Submit) -> None:
         req, sink = cmd.req, cmd.sink

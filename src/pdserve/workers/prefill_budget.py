@@ -66,6 +66,16 @@ worker, more decode workers).
 `C` is reported in the signed /health as `chunk_tokens`, the stall the router's decision
 counts for one step of this worker.
 
+When the worker's cores change while it serves (`workers/cpu_pin.py`: an elastic pair lends
+or takes back a core), its steps before the change were timed on another number of threads.
+Where it lost threads (T_before > T_now) each such step is priced as if it took T_before / T_now
+times as long, until steps on the new cores push it out of the window: prompt work is
+compute-bound and scales with the cores, decode work bound by memory scales less, so the factor
+errs long and the chunks short. Where it gained threads they are kept as timed (slower than
+the new cores: the chunks err short again). Unscaled, a worker that lost one core of two paced
+its chunks at the two cores' cost, and its steps beside streams took 500-700 ms against a 300
+ms ceiling until the window turned over (a measured mixed run, docs/benchmarks.md).
+
 Lifetime: s(D), beta and gamma are read from the step trace every `REFRESH_S` on the engine
 thread (`EngineLoop`); B follows every step, and a and C are recomputed after it for the next,
 at its streams D and the context p of the prompt it computes first (`Engine.chunk_site`,
@@ -91,6 +101,7 @@ from pdserve.workers.step_trace import Step, StepTrace
 
 REFRESH_S = 0.5  # a few decode steps: follows a changing batch, costs nothing measurable
 BURST_STEPS = 8  # steps at the ceiling one full bucket pays for: a long prompt's chunks and more
+MAX_CHANGES = 8  # core changes remembered: older ones are out of any window by then
 
 
 def marginal_prefill_rate(newest_first: list[Step], decode_step_s: float | None,
@@ -176,6 +187,30 @@ class Pacer:
         self._decode: DecodeCost | None = None
         self._cost: PromptCost | None = None
         self.past: float | None = None
+        # (wall-clock start, compute threads) of each core change, oldest first; the first
+        # entry (-inf, T) holds the threads before the first change; empty: never changed
+        self._threads: list[tuple[float, int]] = []
+
+    def cores_changed(self, at: float, threads_before: int, threads_now: int) -> None:
+        """The engine computes on `threads_now` threads from wall-clock time `at` on (module
+        docstring); the next chunk reads the steps again, priced for them."""
+        if threads_now == threads_before:
+            return
+        if not self._threads:
+            self._threads.append((-math.inf, threads_before))
+        self._threads = [*self._threads[-(MAX_CHANGES - 1):], (at, threads_now)]
+        self._read_at = -math.inf
+
+    def _priced(self, step: Step) -> Step:
+        """`step` as long as it would take on the current threads, where it ran on more."""
+        if not self._threads:
+            return step
+        now = self._threads[-1][1]
+        then = next((t for at, t in reversed(self._threads) if at <= step.start),
+                    self._threads[0][1])
+        if then <= now:
+            return step
+        return step._replace(end=step.start + (step.end - step.start) * then / now)
 
     def observe(self, step: Step) -> None:
         """A step the engine ran: a gap for the streams if it decoded."""
@@ -191,7 +226,7 @@ class Pacer:
         ones, with the prompts of `queue` (`Engine.prompt_queue`) waiting for their first token."""
         if now >= self._read_at + REFRESH_S:
             self._read_at = now
-            steps = trace.newest_first(SCAN)
+            steps = [self._priced(step) for step in trace.newest_first(SCAN)]
             decodes = decode_steps(steps)
             self._decode = fit_decode_cost(decodes)
             self._cost = None if self._decode is None else prompt_cost(steps, self._decode)
