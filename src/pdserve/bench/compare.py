@@ -259,7 +259,8 @@ def flips_from_metrics(text: str) -> dict[str, Any]:
         by[key] = by.get(key, 0) + n
     events: dict[str, int] = {}
     for labels, n in counter_samples(text, "pdserve_core_loans_total"):
-        events[labels.get("event", "")] = events.get(labels.get("event", ""), 0) + n
+        event = labels.get("event", "")
+        events[event] = events.get(event, 0) + n
     return {"role_flips": sum(by.values()), "role_flips_by": by,
             "core_loans": events.get("lent", 0), "core_reclaims": events.get("reclaimed", 0)}
 

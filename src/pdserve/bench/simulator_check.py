@@ -85,7 +85,7 @@ from pdserve.bench.paired_goodput import paired
 from pdserve.planner.plan_simulation import MARGIN
 from pdserve.planner.simulate.file_spec import steps_path
 from pdserve.planner.simulate.measured_compare import CLIFF_TEXT, ELASTIC, on_the_cliff
-from pdserve.planner.simulate.measured_run import served_merged
+from pdserve.planner.simulate.measured_run import NOT_MERGED, served_merged
 from pdserve.planner.simulate.speed_scale import SPEED_REFERENCE_MODES
 from pdserve.planner.simulate.speed_timeline import WINDOW_S, check_window
 
@@ -308,8 +308,8 @@ def run_check(s: CheckSettings) -> dict[str, Any]:
     layout to simulate (`unsimulated`: those that do not, and why)."""
     s.out_dir.mkdir(parents=True, exist_ok=True)
     calibration = _measure(s, s.calibrate_on)
-    held = _held_context(s, calibration)
     calibrated = json.loads(calibration.read_text())
+    held = _held_context(s, calibrated)
     rows, results, unsimulated = [], {}, []
     for workload in s.held_out:
         measured = _measure(s, workload)
@@ -345,9 +345,8 @@ def _changed_layout(calibration: dict[str, Any], held_out: dict[str, Any], confi
     changed = [name for name, results in runs if not served_merged(results.get(config, {}))]
     if not changed:
         return None
-    return (f"the elastic pair did not stay merged in the {' and '.join(changed)} run (a role "
-            "flipped, the cores were taken back, or the prefill worker computed): a layout "
-            "that changed during the run")
+    return (f"the elastic pair did not stay merged in the {' and '.join(changed)} run "
+            f"({NOT_MERGED}): a layout that changed during the run")
 
 
 def _pair(rank: dict[str, Any], results: dict[str, Any]) -> None:
@@ -360,14 +359,14 @@ def _pair(rank: dict[str, Any], results: dict[str, Any]) -> None:
         rank["paired"] = [dataclasses.asdict(p) for p in pairs if p is not None]
 
 
-def _held_context(s: CheckSettings, calibration: Path) -> dict[str, Any]:
+def _held_context(s: CheckSettings, results: dict[str, Any]) -> dict[str, Any]:
     """{"mode", "us": config -> held us per context token (None: fitted), "threads": config ->
-    its workers' threads (measured mode only)}, simulator_context's rule."""
+    its workers' threads (measured mode only)}, simulator_context's rule; `results` the
+    calibration run's."""
     if s.decode_context_us is not None:
         return {"mode": "held", "us": dict.fromkeys(s.configs, s.decode_context_us)}
     if s.decode_context == "fitted":
         return {"mode": "fitted", "us": dict.fromkeys(s.configs)}
-    results = json.loads(calibration.read_text())
     cores = simulator_context.cores()
     threads = {c: simulator_context.worker_threads(results, c, cores) for c in s.configs}
     costs = simulator_context.measured_costs(s.out_dir, s.model, set(threads.values()),

@@ -38,10 +38,9 @@ FILE = "decode_context.json"
 
 
 def worker_threads(results: Mapping[str, Any], config: str, cores: int) -> int:
-    """The threads each computing worker of `config` computed on in `results` (a bench compare
-    file): the cores over the workers that computed a step, every listed worker where the file
-    does not record their steps. An elastic pair served merged (measured_run.served_merged)
-    computes on one engine, its lender's cores lent to it: all the cores."""
+    """The threads each worker of `config` computed on in `results` (a bench compare file):
+    the cores over the workers it lists; all the cores for an elastic pair served merged
+    (measured_run.served_merged), whose one engine has its lender's cores too."""
     workers = results.get(config, {}).get("workers")
     if not workers:
         raise ValueError(f"the results of {config!r} list no workers, so their threads are "

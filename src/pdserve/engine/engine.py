@@ -123,7 +123,7 @@ class Engine:
         """`output_offset`: the prompt ends with that many output tokens of a request moved here
         (a continuation); its k-th new token is sampled as output position output_offset + k.
         `waited_s`: how long the request waited before it came here (its arrival time is that
-        much earlier: what its wait for a first token counts from, `Scheduler.chunk_site`)."""
+        much earlier: what its wait for a first token counts from, `Scheduler.prompt_queue`)."""
         if type(output_offset) is not int or output_offset < 0:
             raise ValueError(f"output_offset must be an int >= 0, got {output_offset!r}")
         if not 0 <= waited_s < float("inf"):

@@ -202,9 +202,8 @@ class Pacer:
         self._read_at = -math.inf
 
     def _priced(self, step: Step) -> Step:
-        """`step` as long as it would take on the current threads, where it ran on more."""
-        if not self._threads:
-            return step
+        """`step` as long as it would take on the current threads, where it ran on more
+        (after a core change: `_threads` not empty)."""
         now = self._threads[-1][1]
         then = next((t for at, t in reversed(self._threads) if at <= step.start),
                     self._threads[0][1])
@@ -226,7 +225,9 @@ class Pacer:
         ones, with the prompts of `queue` (`Engine.prompt_queue`) waiting for their first token."""
         if now >= self._read_at + REFRESH_S:
             self._read_at = now
-            steps = [self._priced(step) for step in trace.newest_first(SCAN)]
+            steps = trace.newest_first(SCAN)
+            if self._threads:
+                steps = [self._priced(step) for step in steps]
             decodes = decode_steps(steps)
             self._decode = fit_decode_cost(decodes)
             self._cost = None if self._decode is None else prompt_cost(steps, self._decode)

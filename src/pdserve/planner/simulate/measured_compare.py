@@ -58,7 +58,7 @@ from typing import Any
 
 from pdserve.planner.simulate.cluster import Layout
 from pdserve.planner.simulate.events import SimResult
-from pdserve.planner.simulate.measured_run import METRICS, MeasuredRun
+from pdserve.planner.simulate.measured_run import METRICS, NOT_MERGED, MeasuredRun
 from pdserve.planner.simulate.metrics import ItlSamples
 from pdserve.planner.simulate.path_agreement import PathAgreement, agreement
 from pdserve.planner.simulate.speed_scale import SpeedScale
@@ -133,10 +133,8 @@ def measured_layout(run: MeasuredRun, layouts: tuple[Layout, ...] | None) -> Mea
         return known
     if layouts is None or len(layouts) != 1:
         name = f"configuration {run.config!r}" if run.config else "a bench serve result"
-        why = (" (its pair was not served merged throughout: a role flipped, the cores were "
-               "taken back, or the prefill worker computed, and a layout that changes during "
-               "the run is not simulated)"
-               if run.config == ELASTIC else "")
+        why = (f" (its pair was not served merged throughout: {NOT_MERGED}, and a layout "
+               "that changes during the run is not simulated)" if run.config == ELASTIC else "")
         raise ValueError(f"compare_measured (--compare-measured) {run.label}: {name} does not "
                          f"say how it was served{why}; pass --layouts with one of "
                          f"{', '.join(Layout)} (and the worker counts)")

@@ -167,6 +167,10 @@ def _run(spec: FileSpec, config: str | None, result: dict[str, Any]) -> Measured
                        merged=served_merged(result))
 
 
+# what ends a merged run (`served_merged`), for the messages that say why one is not
+NOT_MERGED = "a role flipped, the cores were taken back, or the prefill worker computed"
+
+
 def served_merged(result: dict[str, Any]) -> bool:
     """The run's pair served merged throughout (bench compare's `workers`, `role_flips`,
     `core_loans`, `core_reclaims`, `split_decisions`): in every round one loan, never taken
