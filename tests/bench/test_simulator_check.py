@@ -498,3 +498,37 @@ def test_under_steps_a_row_shows_the_held_out_runs_own_speed_and_the_header_says
     assert "a diagnostic and not a prediction: each step priced at the speed the held-out " \
         "run's own steps ran at in its 2 s window" in lines[0]
     assert "  own x1.50/1.50 (x1.50-1.50)  " in lines[2]
+
+
+def test_configurations_on_the_same_threads_are_calibrated_on_their_steps_pooled(
+        results, monkeypatch):
+    """collocated and chunked each run one worker on both cores and timed the same reference
+    job: each is fitted on both runs' steps (its own first), disagg on its own; chunked's
+    steps, three times as long at the same reference, then move collocated's simulation.
+    --own-steps fits each on its own steps again."""
+    ref = {"threads": 2, "prefill_tokens": 512, "prefill_s": [0.3]}
+    one = {"workers": {"collocated-0": {}}, "speed_reference": ref}
+    write_json(results / "mixed.json", {
+        "disagg": {"workers": {"prefill-0": {}, "decode-0": {}},
+                   "speed_reference": {**ref, "threads": 1}},
+        "collocated": one, "collocated-chunked": one})
+    slow = {"collocated-0": prefill_steps(0.03, 0.0006) + context_decode_steps(0.06, 0.006)}
+    fast = {"collocated-0": prefill_steps() + context_decode_steps()}
+    write_json(results / "mixed.steps.json", {"disagg": disagg_workers(), "collocated": fast,
+                                              "collocated-chunked": slow})
+    chat = json.loads((results / "chat.json").read_text())
+    write_json(results / "chat.json", {**chat, "collocated-chunked": chat["collocated"]})
+    monkeypatch.setattr(simulator_context, "cores", lambda: 2)
+    configs = ("disagg", "collocated", "collocated-chunked")
+    pooled = run_check(_settings(results, configs=configs))
+    assert pooled["pools"] == {"disagg": ("disagg",),
+                               "collocated": ("collocated", "collocated-chunked"),
+                               "collocated-chunked": ("collocated-chunked", "collocated")}
+    assert ("steps pooled: collocated+collocated-chunked, collocated-chunked+collocated"
+            in format_check(pooled))
+    own = run_check(_settings(results, configs=configs, own_steps=True))
+    assert set(map(len, own["pools"].values())) == {1} and "pooled" not in format_check(own)
+    ttft = {s["config"]: s["simulated"]["median_ttft_ms"] for s in own["rows"]}
+    for row in pooled["rows"]:
+        moved = row["simulated"]["median_ttft_ms"] != pytest.approx(ttft[row["config"]])
+        assert moved == (row["config"] != "disagg")

@@ -94,6 +94,19 @@ def test_each_configuration_is_priced_by_its_own_steps(tmp_path, capsys):
     assert len(got["simulation"]["layouts"]) == 3
 
 
+def test_configurations_on_the_same_threads_are_fitted_on_their_steps_pooled(tmp_path, capsys):
+    """With the results beside the steps, collocated and chunked (one worker on 2 threads,
+    the same reference job) are each fitted on both runs' steps; disagg (1 thread) alone."""
+    steps = _steps_file(tmp_path, colloc_scale=1, split_scale=8, chunked=True)
+    ref = {"threads": 2, "prefill_tokens": 512, "prefill_s": [0.3]}
+    write_json(tmp_path / "cmp.json", {
+        "collocated": {"speed_reference": ref}, "collocated-chunked": {"speed_reference": ref},
+        "disagg": {"speed_reference": {**ref, "threads": 1}}})
+    got = plan_json([*LONG, "--rate", "0.4", "--calibrate", str(steps)], capsys)
+    assert [n for n in got["notes"] if "fitted on the steps of" in n] == [
+        "collocated fitted on the steps of collocated+collocated-chunked",
+        "collocated-chunked fitted on the steps of collocated-chunked+collocated"]
+
 
 def test_a_run_beside_the_steps_prices_its_front_end_and_moves_the_ttft(tmp_path, capsys):
     """cmp.json beside cmp.steps.json: its collocated run's one request measured a TTFT 60 ms

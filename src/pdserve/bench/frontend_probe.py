@@ -6,7 +6,7 @@ it adds to every TTFT (planner/simulate/frontend_fit.py). A busy run cannot show
 queueing; an idle server can: once the run is over (before it, the probes' short prompt steps
 would enter the rates the router splits prompts by), `PROBES` requests of `PROBE_TOKENS`
 prompt tokens and one output token go one after the other through `bench serve`'s own
-streaming client, and each TTFT is kept. The simulator takes the median, less what it prices
+streaming client, and each TTFT is kept. The simulator takes the fastest, less what it prices
 the same request at on the same idle layout.
 
 Each probe's prompt is its own (token ids from a fixed seed, none shared with a workload's), so

@@ -4,7 +4,12 @@ One calibration workload and several held-out ones are each measured with `pdser
 compare` (every configuration on the same cores, the same trace), into DIR/<workload>.json and
 its .steps.json. Then, per configuration C and held-out workload W, `pdserve simulate
 --calibrate DIR/<calibration>.steps.json:C --compare-measured DIR/<W>.json:C --json` fits C's
-step costs on the calibration run alone and simulates W's recorded requests on C's layout. The
+step costs on the calibration run alone and simulates W's recorded requests on C's layout. C's
+steps are fitted together with those of every other configuration of the calibration run whose
+workers computed on as many threads, with the same speed reference job (`--calibrate
+...steps.json:C+D`, calibration_pool.py: collocated and collocated-chunked run the same engine
+on every core, and chunked serving alone leaves few decode-only steps to fit); `--own-steps`
+fits each on its own. The
 table holds each figure simulated against measured, with its error and whether it is within the
 simulator's tolerance (25%; 35% for the P99 ITL), and per workload whether the configuration
 the simulation ranks best by goodput is the one measured best: they agree when the simulation's
@@ -83,6 +88,7 @@ from typing import Any
 from pdserve.bench import measured_spread, simulator_context
 from pdserve.bench.paired_goodput import paired
 from pdserve.planner.plan_simulation import MARGIN
+from pdserve.planner.simulate.calibration_pool import SEPARATOR, same_job_pool
 from pdserve.planner.simulate.file_spec import steps_path
 from pdserve.planner.simulate.measured_compare import CLIFF_TEXT, ELASTIC, on_the_cliff
 from pdserve.planner.simulate.measured_run import NOT_MERGED, served_merged
@@ -124,6 +130,7 @@ class CheckSettings:
     repeats: int = 1  # bench compare --repeats: rounds of every configuration, interleaved
     speed_window_s: float = WINDOW_S  # `pdserve simulate --speed-window` (steps only)
     slo_itl_ms: float | None = None  # bench compare --slo-itl-ms: the paced steps' ceiling
+    own_steps: bool = False  # fit each configuration on its own steps, pooled with no other
 
     def __post_init__(self) -> None:
         for name in (self.calibrate_on, *self.held_out):
@@ -208,6 +215,10 @@ def add_simulator_check_args(p: argparse.ArgumentParser) -> None:
                    help="let the split and elastic workers' paced steps run to MS while their "
                         "credit or a late prompt allows (bench compare --slo-itl-ms; "
                         "default: steps within the 100 ms TPOT target)")
+    p.add_argument("--own-steps", action="store_true",
+                   help="fit each configuration's step costs on its own steps in the "
+                        "calibration run (default: pooled with those of the configurations "
+                        "whose workers computed on as many threads, priced at its speed)")
     held = p.add_mutually_exclusive_group()
     held.add_argument("--decode-context", choices=simulator_context.MODES, default="measured",
                       help="the decode cost per context token: measured (default) by `bench "
@@ -224,7 +235,8 @@ def settings(args: argparse.Namespace) -> CheckSettings:
     return CheckSettings(args.out, args.calibrate_on, _names(args.held_out),
                          _names(args.configs), args.duration, args.model, args.remeasure,
                          args.decode_context, args.decode_context_us, args.speed_reference,
-                         args.load, args.repeats, args.speed_window, args.slo_itl_ms)
+                         args.load, args.repeats, args.speed_window, args.slo_itl_ms,
+                         args.own_steps)
 
 
 def _names(text: str) -> tuple[str, ...]:
@@ -286,11 +298,12 @@ def compare_args(s: CheckSettings, workload: str, out: Path) -> list[str]:
 
 
 def _simulate(s: CheckSettings, calibration: Path, measured: Path, config: str,
-              held_us: float | None) -> dict[str, Any]:
+              pool: tuple[str, ...], held_us: float | None) -> dict[str, Any]:
     steps = steps_path(calibration)
     argv = [sys.executable, "-m", "pdserve.cli", "simulate",
             "--model", SIM_MODELS.get(s.model, s.model), "--gpu", "cpu",
-            "--calibrate", f"{steps}:{config}", "--compare-measured", f"{measured}:{config}",
+            "--calibrate", f"{steps}:{SEPARATOR.join(pool)}",
+            "--compare-measured", f"{measured}:{config}",
             "--json", "--speed-reference", s.speed_reference]
     if s.speed_reference == "steps":
         argv += ["--speed-window", f"{s.speed_window_s:g}"]
@@ -310,6 +323,7 @@ def run_check(s: CheckSettings) -> dict[str, Any]:
     calibration = _measure(s, s.calibrate_on)
     calibrated = json.loads(calibration.read_text())
     held = _held_context(s, calibrated)
+    pools = {c: (c,) if s.own_steps else _pool(calibrated, c, s.configs) for c in s.configs}
     rows, results, unsimulated = [], {}, []
     for workload in s.held_out:
         measured = _measure(s, workload)
@@ -319,7 +333,8 @@ def run_check(s: CheckSettings) -> dict[str, Any]:
             if why is not None:
                 unsimulated.append({"workload": workload, "config": config, "why": why})
                 continue
-            got = _simulate(s, calibration, measured, config, held["us"][config])
+            got = _simulate(s, calibration, measured, config, pools[config],
+                            held["us"][config])
             rows.append({"workload": workload, "config": config, **got,
                          "outside": _outside(got),
                          **_rounds(results[workload].get(config, {}), got["tolerance"])})
@@ -328,10 +343,24 @@ def run_check(s: CheckSettings) -> dict[str, Any]:
         _pair(rank, results[workload])
     return {"calibrated_on": s.calibrate_on, "duration_s": s.duration_s, "model": s.model,
             "load": s.load, "repeats": s.repeats, "slo_itl_ms": s.slo_itl_ms,
-            "decode_context": held, "speed_reference": s.speed_reference,
+            "decode_context": held, "pools": pools, "speed_reference": s.speed_reference,
             "speed_window_s": s.speed_window_s if s.speed_reference == "steps" else None,
             "rows": rows, "unsimulated": unsimulated,
             "ranking": ranking}
+
+
+def _pool(results: dict[str, Any], config: str, configs: tuple[str, ...]) -> tuple[str, ...]:
+    """calibration_pool.same_job_pool, less the configurations whose workers computed on
+    another number of threads (simulator_context.worker_threads: an elastic pair served
+    merged times its reference on one worker's cores and computes on all of them)."""
+    def threads(c: str) -> int | None:
+        try:
+            return simulator_context.worker_threads(results, c, simulator_context.cores())
+        except ValueError:
+            return None
+    own = threads(config)
+    return tuple(c for c in same_job_pool(results, config, configs)
+                 if c == config or (own is not None and threads(c) == own))
 
 
 def _changed_layout(calibration: dict[str, Any], held_out: dict[str, Any], config: str
@@ -442,6 +471,7 @@ def format_check(summary: dict[str, Any]) -> str:
     lines = [f"held-out validation, step costs fitted on {summary['calibrated_on']!r}"
              f"{'' if load == 1.0 else f', open-loop rates x{load:g}'}"
              f"{_held_text(summary.get('decode_context'))}"
+             f"{_pools_text(summary.get('pools'))}"
              f"{_split_text(summary.get('speed_reference'), summary.get('speed_window_s'))}"
              f"{_ceiling_text(summary.get('slo_itl_ms'))}"
              f" (measured -> simulated, error; * outside its tolerance"
@@ -479,6 +509,13 @@ def _count_line(rows: list[dict[str, Any]], rounds: bool) -> str:
             + (f", {noise} of them noise (~)" if rounds else "")
             + (f"; {cliff} of {len(p99)} P99 ITL misses on the stalls' cliff (itl>p99 "
                f"{CLIFF_TEXT})" if p99 else ""))
+
+
+def _pools_text(pools: dict[str, list[str]] | None) -> str:
+    """", steps pooled: collocated+collocated-chunked" for the calibrations fitted on more
+    than their own configuration's steps."""
+    pooled = [SEPARATOR.join(p) for p in (pools or {}).values() if len(p) > 1]
+    return f", steps pooled: {', '.join(pooled)}" if pooled else ""
 
 
 def _split_text(mode: str | None, window_s: float | None = None) -> str:

@@ -17,7 +17,10 @@ prefills paced to the TPOT bound. KV capacity is what fits beside the weights.
 
 Costs: the roofline of cost.py on each worker's hardware, or `calibration`:
 - a `pdserve bench compare` .steps.json: each of its configurations (collocated,
-  collocated-chunked, disagg) is fitted on its own workers' steps and simulated with its own
+  collocated-chunked, disagg) is fitted on its own workers' steps, pooled with those of the
+  configurations whose workers computed on the same threads (calibration_pool.py: collocated
+  and collocated-chunked, where the results beside the steps hold their speed references,
+  each pool priced at its first configuration's speed), and simulated with its own
   layout and limits (measured_compare.PDSERVE_CONFIGS), and with the front-end round trip
   fitted to the run's results beside the steps when they are there (frontend_fit.py). A
   layout the file did not run is left out, with a note.
@@ -49,8 +52,10 @@ from pdserve.planner.simulate.calibration import (
     context_token_seconds,
     fit_bench_rows,
 )
+from pdserve.planner.simulate.calibration_pool import SEPARATOR, same_job_pool
 from pdserve.planner.simulate.calibration_source import StepsProfile, load_calibration_source
 from pdserve.planner.simulate.events import Cluster, Layout, simulate
+from pdserve.planner.simulate.file_spec import results_path
 from pdserve.planner.simulate.frontend_fit import (
     calibration_run,
     fit_frontend_latency,
@@ -194,15 +199,19 @@ def roofline_candidates(plan: Plan, load: Load, profile: CalibrationProfile | No
 def calibrated_candidates(plan: Plan, load: Load, path: str, configs: Sequence[str]
                           ) -> tuple[list[Candidate], list[str]]:
     """One candidate per bench compare configuration of the steps file at `path` (its keys:
-    `configs`), fitted on its own workers; notes name the configurations it lacks."""
+    `configs`), fitted on its own workers' steps and those of the configurations whose workers
+    computed on the same threads (calibration_pool.same_job_pool, by the results beside the
+    steps); notes name the pools and the configurations it lacks."""
     names = [c for c in CALIBRATED_CONFIGS if c in configs]
     if not names:
         raise ValueError(f"calibrate (--calibrate) {path}: no configuration of "
                          f"{', '.join(CALIBRATED_CONFIGS)} in this steps file (it has "
                          f"{', '.join(map(repr, configs)) or 'none'})")
     out, notes = [], []
+    results = _results_beside(path)
     for name in names:
-        source = load_calibration_source(f"{path}:{name}")
+        pool = SEPARATOR.join(same_job_pool(results, name, names))
+        source = load_calibration_source(f"{path}:{pool}")
         if not isinstance(source, StepsProfile):
             raise ValueError(f"calibrate (--calibrate) {path}:{name} holds no worker steps")
         layout = PDSERVE_CONFIGS[name]
@@ -211,9 +220,19 @@ def calibrated_candidates(plan: Plan, load: Load, path: str, configs: Sequence[s
         out.append(Candidate(name, layout.layout,
                              replace(cluster, frontend_latency_s=latency), source.profile))
         notes += [note] if note else []
+        notes += [f"{name} fitted on the steps of {pool}"] if pool != name else []
     notes += [f"{path} did not run {c}: not simulated" for c in CALIBRATED_CONFIGS
               if c not in names]
     return out, notes
+
+
+def _results_beside(steps: str) -> dict[str, Any]:
+    """The bench compare results beside a .steps.json, {} where there are none to read."""
+    try:
+        data = json.loads(results_path(Path(steps)).read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}
+    return data if isinstance(data, dict) else {}
 
 
 def _frontend(spec: str, layout: MeasuredLayout, cluster: Cluster,

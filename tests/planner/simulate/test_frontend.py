@@ -112,12 +112,14 @@ def test_a_closed_loop_fit_lands_on_the_measured_quantile():
 
 
 def test_idle_probes_measure_the_round_trip_whatever_the_runs_queues():
-    """Probes of 32 tokens answered 25 ms after their own simulated prompt step: L = 25 ms,
-    though the run's requests (all 2 s late: a queue the model missed) would fit far more."""
+    """Probes of 32 tokens answered 20 ms after their own simulated prompt step at the
+    fastest: L = 20 ms, though the run's requests (all 2 s late: a queue the model missed)
+    would fit far more, and two probes slowed by a busy core (1.2 s, 0.5 s) move nothing."""
     alone = simulate("colloc", cluster(), COSTS, [TraceRequest(0.0, 32, 1)]).records[0].ttft_s
     run = replace(_run([t + 2.0 for t in _simulated(0.0)]), probe_prompt_tokens=32,
-                  probe_ttfts_s=(alone + 0.020, alone + 0.025, alone + 0.030))
-    assert fit_frontend_latency(run, Layout.COLLOC, cluster(), COSTS) == pytest.approx(0.025)
+                  probe_ttfts_s=(alone + 1.2, alone + 0.5, alone + 0.020, alone + 0.025,
+                                 alone + 0.030))
+    assert fit_frontend_latency(run, Layout.COLLOC, cluster(), COSTS) == pytest.approx(0.020)
     assert latency_source(run) == "from the idle probes of cal.json:collocated"
     assert latency_source(_run([0.1])) == "fitted to the 10th-percentile TTFT of " \
                                           "cal.json:collocated"

@@ -8,7 +8,8 @@
   takes that configuration's workers only; FILE alone pools every worker of every configuration,
   which is right only when all of them ran on the same hardware: bench compare's disagg splits
   its cores between the prefill and the decode worker, so its steps are slower than those of a
-  collocated worker on all the cores. Calibrate on the configuration you simulate.
+  collocated worker on all the cores. Calibrate on the configuration you simulate, or
+  FILE:A+B on it (A) and others that computed on the same threads (calibration_pool.py).
 - a bench serve or compare results file (an object with "requests", or of configurations that
   have them) is refused: its steps are in the .steps.json beside it;
 - anything else: `pdserve bench engine --json` rows (JSONL), fitted once the model is known.
@@ -19,6 +20,7 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 from pdserve.planner.simulate.calibration import BenchRows, CalibrationProfile, load_calibration
+from pdserve.planner.simulate.calibration_pool import pooled_steps
 from pdserve.planner.simulate.file_spec import (
     parse_file_spec,
     parse_json_document,
@@ -26,7 +28,7 @@ from pdserve.planner.simulate.file_spec import (
     refuse_config,
     steps_path,
 )
-from pdserve.planner.simulate.step_fit import fit_step_traces, is_steps_file, select_steps
+from pdserve.planner.simulate.step_fit import fit_step_traces, is_steps_file
 
 FLAG = "calibrate (--calibrate)"
 
@@ -55,7 +57,7 @@ def load_calibration_source(spec_text: str, decode_time: str = "period",
     if is_steps_file(data):
         held = "" if context_token_s is None else \
             f", decode context cost held at {context_token_s * 1e6:g} us/token"
-        profile = fit_step_traces(select_steps(data, spec), decode_time,
+        profile = fit_step_traces(pooled_steps(data, spec), decode_time,
                                   source=f"pdserve worker steps of {spec}{held}",
                                   context_token_s=context_token_s)
         return StepsProfile(profile)

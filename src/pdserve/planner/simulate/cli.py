@@ -165,7 +165,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    "(default: %(default)s)")
     p.add_argument("--calibrate", default=None, metavar="FILE[:CONFIG]",
                    help="step costs fitted to a `bench compare` .steps.json (:CONFIG picks one "
-                        "configuration; else every worker of every one is pooled) or a "
+                        "configuration; :A+B fits A's steps and B's, priced at A's speed by "
+                        "their speed references, where both computed on the same threads; "
+                        "else every worker of every one is pooled as measured) or a "
                         "`pdserve bench engine --json` file, or read from a profile JSON")
     p.add_argument("--step-time", choices=DECODE_TIMES, default="period",
                    help="decode step time in a steps file: period (start to the worker's next "

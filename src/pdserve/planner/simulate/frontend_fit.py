@@ -7,9 +7,14 @@ reading its token (the router, HTTP both ways, the client's own parsing), is in 
 simulator adds it as one round trip L (cluster.py `frontend_latency_s`).
 
 Measured, when the run has them: `bench compare` sends a few one-token probes to the idle
-cluster after the run (bench/frontend_probe.py), and L = their median TTFT less the simulated
+cluster after the run (bench/frontend_probe.py), and L = their fastest TTFT less the simulated
 TTFT of one such request alone on the same layout. Nothing queues there, so the queue model's
-errors cannot enter L.
+errors cannot enter L. The fastest, not the median: anything else that holds a core while they
+run (a run's stray work, another process on the machine) only adds to a probe, and the idle
+round trip is the floor they find, as a ping's is its least round trip. One diurnal run's
+collocated probes took 529, 757, 1,259, 398 and 31 ms while another process computed beside
+them (its other configurations' took 25-56 ms), and their median put half a second of front
+end into every TTFT simulated from that calibration (+240-350%).
 
 Fitted, for a run without probes: the L with which the calibration run, replayed on its own
 layout with the fitted costs, shows its measured `QUANTILE` (10th percentile) TTFT:
@@ -38,12 +43,12 @@ priced idle.
 from __future__ import annotations
 
 import math
-import statistics
 from collections.abc import Sequence
 from dataclasses import replace
 
 from pdserve.planner.simulate.admission import Admission
 from pdserve.planner.simulate.calibration import StepCosts
+from pdserve.planner.simulate.calibration_pool import own_config
 from pdserve.planner.simulate.cluster import Cluster, Layout
 from pdserve.planner.simulate.events import simulate
 from pdserve.planner.simulate.file_spec import STEPS_SUFFIX, parse_file_spec, results_path
@@ -56,17 +61,18 @@ MAX_ROUNDS = 8
 
 
 def calibration_run(spec_text: str, flag: str) -> MeasuredRun | None:
-    """The run whose steps FILE.steps.json:CONFIG holds: CONFIG of FILE.json beside it; None
-    without :CONFIG (pooled configurations ran on different layouts), for another file name,
-    or when FILE.json is missing or lacks CONFIG."""
+    """The run whose steps FILE.steps.json:CONFIG holds (of A+B: A's, calibration_pool.py):
+    CONFIG of FILE.json beside it; None without :CONFIG (pooled configurations ran on
+    different layouts), for another file name, or when FILE.json is missing or lacks CONFIG."""
     spec = parse_file_spec(spec_text, flag)
-    if spec.config is None or not spec.path.name.endswith(STEPS_SUFFIX):
+    config = own_config(spec.config)
+    if config is None or not spec.path.name.endswith(STEPS_SUFFIX):
         return None
     results = results_path(spec.path)
     if not results.is_file():
         return None
     try:
-        return load_measured_run(f"{results}:{spec.config}", flag)
+        return load_measured_run(f"{results}:{config}", flag)
     except ValueError:  # not a results file, or one without that configuration
         return None
 
@@ -103,11 +109,11 @@ def latency_source(run: MeasuredRun) -> str:
 
 def _from_probes(tokens: int, ttfts: Sequence[float], layout: Layout, cluster: Cluster,
                  costs: StepCosts) -> float:
-    """The probes' median TTFT less the simulated TTFT of one such request on the idle
-    layout (its own prompt step, nothing queued), at least 0."""
+    """The probes' fastest TTFT (module docstring) less the simulated TTFT of one such
+    request on the idle layout (its own prompt step, nothing queued), at least 0."""
     alone = simulate(layout, replace(cluster, frontend_latency_s=0.0), costs,
                      [TraceRequest(0.0, tokens, 1)]).records[0]
-    return max(0.0, statistics.median(ttfts) - alone.ttft_s)
+    return max(0.0, min(ttfts) - alone.ttft_s)
 
 
 def _simulated_quantile(run: MeasuredRun, layout: Layout, cluster: Cluster, costs: StepCosts,
