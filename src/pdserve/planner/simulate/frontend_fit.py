@@ -11,9 +11,9 @@ cluster after the run (bench/frontend_probe.py), and L = their fastest TTFT less
 TTFT of one such request alone on the same layout. Nothing queues there, so the queue model's
 errors cannot enter L. The fastest, not the median: anything else that holds a core while they
 run (a run's stray work, another process on the machine) only adds to a probe, and the idle
-round trip is the floor they find, as a ping's is its least round trip. One diurnal run's
-collocated probes took 529, 757, 1,259, 398 and 31 ms while another process computed beside
-them (its other configurations' took 25-56 ms), and their median put half a second of front
+round trip is the floor they find, as a ping's is its least round trip. After a diurnal run
+that shared the machine with another process, collocated's probes took 529, 757, 1,259, 398
+and 31 ms (the other configurations' 25-56 ms), and their median put half a second of front
 end into every TTFT simulated from that calibration (+240-350%).
 
 Fitted, for a run without probes: the L with which the calibration run, replayed on its own
