@@ -85,7 +85,8 @@ class FakeUp:
 def test_workers_keep_the_name_of_the_role_they_began_the_run_in() -> None:
     became_prefill = [STARTED, _span("prefill", 30.0, "decode", 1.0)]
     became_decode = [_span("prefill", 0.0), _span("decode", 30.0, "prefill", 1.0)]
-    steps, workers = compare._workers(FakeUp(became_prefill, became_decode), 10.0, 100.0)
+    steps, workers, probes = compare._workers(FakeUp(became_prefill, became_decode), 10.0, 100.0)
+    assert probes == []  # no step after the run
     assert steps == {"decode-0": [[0]], "prefill-0": [[1]]}
     assert workers["decode-0"] == {"index": 0, "url": "http://w0", "roles": became_prefill,
                                    "role_seconds": {"decode": 20.0, "prefill": 70.0}, "flips": 1,

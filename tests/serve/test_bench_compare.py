@@ -74,6 +74,8 @@ def test_compare_runs_each_configuration_and_writes_json_and_pictures(tiny_model
         probe = results[name]["frontend_probe"]
         assert probe["prompt_tokens"] == 32 and len(probe["ttft_s"]) == 5
         assert all(t > 0 for t in probe["ttft_s"])
+        assert len(probe["step_s"]) == 5  # each probe's own prompt step, inside its TTFT
+        assert all(0 < s < t for s, t in zip(probe["step_s"], probe["ttft_s"], strict=True))
         ref = results[name]["speed_reference"]  # timed alone before and after the run
         assert ref["threads"] == max(1, cores // workers) and ref["prefill_tokens"] == 512
         assert len(ref["prefill_s"]) == 2 and all(t > 0 for t in ref["prefill_s"])

@@ -85,7 +85,7 @@ from pathlib import Path
 from typing import Any
 
 from pdserve.bench import speed_reference
-from pdserve.bench.frontend_probe import probe_frontend
+from pdserve.bench.frontend_probe import PROBE_TOKENS, probe_frontend
 from pdserve.bench.paired_rounds import paired_lines
 from pdserve.bench.role_time import flips_within, format_role_seconds, role_at, role_seconds
 from pdserve.bench.serve.metrics import MAX_ERRORS, Slo, distribution_ms
@@ -209,22 +209,32 @@ def serve_warm_up(url: str, model: str, workload: Workload) -> list[dict[str, in
 
 
 def _workers(up: UpProcess, start: float, end: float
-             ) -> tuple[dict[str, list[list[float]]], dict[str, dict[str, Any]]]:
-    """(steps, `workers` entry) of every worker over the run [start, end], by worker name."""
-    steps, workers, index, counts = {}, {}, 0, {}
+             ) -> tuple[dict[str, list[list[float]]], dict[str, dict[str, Any]], list[float]]:
+    """(steps, `workers` entry) of every worker over the run [start, end], by worker name,
+    and the seconds of the probes' prompt steps after it (`probe_steps`)."""
+    steps, workers, index, counts, after = {}, {}, 0, {}, []
     while True:
         try:
             url = up.worker_url(index)
             trace = up.internal_json(f"{url}/internal/steps?since={start!r}")
         except OSError:  # past the last worker
-            return steps, workers
+            return steps, workers, probe_steps(after)
         role = role_at(trace["roles"], start)
         name = f"{role}-{counts.get(role, 0)}"
         counts[role] = counts.get(role, 0) + 1
         steps[name] = [row for row in trace["steps"] if row[0] <= end]  # not the probes
+        after += [row for row in trace["steps"] if row[0] > end]
         workers[name] = {**worker_roles(index, url, trace["roles"], start, end),
                          "steps": summarize(steps[name], start, end)}
         index += 1
+
+
+def probe_steps(rows: list[list[float]]) -> list[float]:
+    """The seconds of each step that computed a probe's prompt (PROBE_TOKENS prompt tokens,
+    no stream beside it: the probes go one after the other to an idle cluster), in the
+    probes' order, from the workers' step rows after the run."""
+    mine = sorted(r for r in rows if r[2] == PROBE_TOKENS and r[3] == 0)
+    return [r[1] - r[0] for r in mine]
 
 
 def worker_roles(index: int, url: str, roles: list[dict[str, Any]], start: float,
@@ -344,7 +354,7 @@ def _serve(s: CompareSettings, name: str, repeat: int, bed: BedState | None
             end = time.time()
             cluster = cluster_figures(router_metrics(router), before)
             probe = probe_frontend(up.url, s.model)
-        steps, workers = _workers(up, start, end)
+        steps, workers, probe["step_s"] = _workers(up, start, end)
         return {**result, **cluster, "warm_up": warm, "frontend_probe": probe,
                 "workers": workers, "run_window": [start, end],
                 "slo_itl_ms": paced_ceiling(name, s.up_args)}, steps

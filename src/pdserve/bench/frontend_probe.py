@@ -13,7 +13,8 @@ Each probe's prompt is its own (token ids from a fixed seed, none shared with a 
 none is a prefix-cache hit of another and none warms the trace's.
 
 Results key (bench compare, per configuration): "frontend_probe": {"prompt_tokens": n,
-"ttft_s": [...]} (failed probes left out).
+"ttft_s": [...], "step_s": [...]} (failed probes left out; `step_s` the seconds of each
+probe's own prompt step in the workers' traces, in the probes' order, `compare.probe_steps`).
 """
 
 from __future__ import annotations

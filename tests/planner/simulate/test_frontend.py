@@ -125,6 +125,21 @@ def test_idle_probes_measure_the_round_trip_whatever_the_runs_queues():
                                           "cal.json:collocated"
 
 
+def test_probes_with_their_own_steps_measure_the_round_trip_without_the_costs():
+    """Each probe's TTFT less its own step in the workers' trace, the least of them: 3 ms,
+    whatever the costs price a 32-token step at; without the steps, the fastest TTFT less
+    that price."""
+    run = replace(_run([0.1]), probe_prompt_tokens=32, probe_ttfts_s=(0.030, 0.5, 0.028),
+                  probe_steps_s=(0.026, 0.020, 0.025))
+    assert fit_frontend_latency(run, Layout.COLLOC, cluster(), COSTS) == pytest.approx(0.003)
+    assert latency_source(run) == "from the idle probes of cal.json:collocated less their own " \
+                                  "steps"
+    alone = simulate("colloc", cluster(), COSTS, [TraceRequest(0.0, 32, 1)]).records[0].ttft_s
+    from_costs = replace(run, probe_steps_s=())
+    assert fit_frontend_latency(from_costs, Layout.COLLOC, cluster(), COSTS) == pytest.approx(
+        0.028 - alone)
+
+
 def test_quantiles_are_numpys_default():
     assert quantile([4.0, 1.0, 3.0, 2.0], 0.1) == pytest.approx(1.3)
     assert quantile([5.0], 0.1) == 5.0

@@ -7,14 +7,22 @@ reading its token (the router, HTTP both ways, the client's own parsing), is in 
 simulator adds it as one round trip L (cluster.py `frontend_latency_s`).
 
 Measured, when the run has them: `bench compare` sends a few one-token probes to the idle
-cluster after the run (bench/frontend_probe.py), and L = their fastest TTFT less the simulated
-TTFT of one such request alone on the same layout. Nothing queues there, so the queue model's
-errors cannot enter L. The fastest, not the median: anything else that holds a core while they
-run (a run's stray work, another process on the machine) only adds to a probe, and the idle
-round trip is the floor they find, as a ping's is its least round trip. After a diurnal run
-that shared the machine with another process, collocated's probes took 529, 757, 1,259, 398
-and 31 ms (the other configurations' 25-56 ms), and their median put half a second of front
-end into every TTFT simulated from that calibration (+240-350%).
+cluster after the run (bench/frontend_probe.py). Where it also kept each probe's own prompt
+step from the workers' traces, L = min over probes of (TTFT - its step's seconds): what a
+request spends outside the engine, measured without the cost model. Otherwise L = their
+fastest TTFT less the simulated TTFT of one such request alone on the same layout, which is
+clamped at 0 wherever the fit prices a small prompt step above its measure (a 32-token step
+priced at ~31 ms against probes of 25-28 ms): a closed loop's next request then joins the
+next step at once (below), where measured it waits for the step already started (26-28 ms at
+the median in a chat run whose median TTFTs came out 16-27% short). Nothing queues there,
+so the queue model's errors cannot enter L either way.
+
+The fastest, not the median: anything else that holds a core while they run (a run's stray
+work, another process on the machine) only adds to a probe, and the idle round trip is the
+floor they find, as a ping's is its least round trip. After a diurnal run that shared the
+machine with another process, collocated's probes took 529, 757, 1,259, 398 and 31 ms (the
+other configurations' 25-56 ms), and their median put half a second of front end into every
+TTFT simulated from that calibration (+240-350%).
 
 Fitted, for a run without probes: the L with which the calibration run, replayed on its own
 layout with the fitted costs, shows its measured `QUANTILE` (10th percentile) TTFT:
@@ -83,6 +91,9 @@ def fit_frontend_latency(run: MeasuredRun, layout: Layout, cluster: Cluster, cos
     docstring's iteration; 0 when the run recorded no TTFT. The run is replayed as a pdserve
     configuration is served: behind the router's admission (its defaults)."""
     cluster = replace(cluster, admission=Admission())
+    if run.probed and run.probe_steps_s:
+        return max(0.0, min(t - s for t, s in zip(run.probe_ttfts_s, run.probe_steps_s,
+                                                    strict=True)))
     if run.probed and run.probe_prompt_tokens is not None:
         return _from_probes(run.probe_prompt_tokens, run.probe_ttfts_s, layout, cluster, costs)
     if not run.ttfts_s:
@@ -102,6 +113,8 @@ def fit_frontend_latency(run: MeasuredRun, layout: Layout, cluster: Cluster, cos
 
 def latency_source(run: MeasuredRun) -> str:
     """How `fit_frontend_latency` finds L for `run`, for the output."""
+    if run.probed and run.probe_steps_s:
+        return f"from the idle probes of {run.label} less their own steps"
     if run.probed:
         return f"from the idle probes of {run.label}"
     return f"fitted to the 10th-percentile TTFT of {run.label}"

@@ -85,6 +85,9 @@ class MeasuredRun:
     # and TTFTs; None and () for a file without them
     probe_prompt_tokens: int | None = None
     probe_ttfts_s: tuple[float, ...] = ()
+    # the probes' own engine steps in the workers' traces, seconds, in the probes' order; ()
+    # for a file without them, or when they do not pair with the TTFTs one for one
+    probe_steps_s: tuple[float, ...] = ()
     # bench compare's fixed engine job timed around the run (speed_scale.py); None: not timed.
     # With repeats: the last round's (the steps' round), and `rounds_reference` every round's
     # pooled (the figures' rounds); else the two are the same
@@ -237,18 +240,26 @@ def _warm_up(result: dict[str, Any], label: str) -> tuple[TraceRequest, ...]:
     return tuple(warm)
 
 
-def _probe(result: dict[str, Any], label: str) -> tuple[int | None, tuple[float, ...]]:
-    """(prompt tokens, TTFTs) of the run's `frontend_probe`; (None, ()) without one."""
+def _probe(result: dict[str, Any], label: str
+           ) -> tuple[int | None, tuple[float, ...], tuple[float, ...]]:
+    """(prompt tokens, TTFTs, own steps' seconds) of the run's `frontend_probe`; (None, (),
+    ()) without one; the steps () unless there is one per TTFT."""
     probe = result.get("frontend_probe")
     if probe is None:
-        return None, ()
+        return None, (), ()
     tokens, ttfts = (probe.get("prompt_tokens"), probe.get("ttft_s")) \
         if isinstance(probe, dict) else (None, None)
     if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1 or \
             not isinstance(ttfts, list) or not all(is_finite_number(t) and t >= 0 for t in ttfts):
         raise ValueError(f"{label}: frontend_probe must be {{\"prompt_tokens\": n >= 1, "
                          f"\"ttft_s\": [seconds >= 0, ...]}}, got {str(probe)[:80]}")
-    return tokens, tuple(float(t) for t in ttfts)
+    steps = probe.get("step_s", [])
+    if not isinstance(steps, list) or not all(is_finite_number(t) and t >= 0 for t in steps):
+        raise ValueError(f"{label}: frontend_probe's step_s must be [seconds >= 0, ...], got "
+                         f"{str(steps)[:80]}")
+    paired = len(steps) == len(ttfts)
+    return tokens, tuple(float(t) for t in ttfts), tuple(float(t) for t in steps) if paired \
+        else ()
 
 
 def _ttfts(rows: list[Any]) -> tuple[float, ...]:
