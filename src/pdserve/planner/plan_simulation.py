@@ -52,10 +52,9 @@ from pdserve.planner.simulate.calibration import (
     context_token_seconds,
     fit_bench_rows,
 )
-from pdserve.planner.simulate.calibration_pool import SEPARATOR, same_job_pool
+from pdserve.planner.simulate.calibration_pool import SEPARATOR, results_beside, same_job_pool
 from pdserve.planner.simulate.calibration_source import StepsProfile, load_calibration_source
 from pdserve.planner.simulate.events import Cluster, Layout, simulate
-from pdserve.planner.simulate.file_spec import results_path
 from pdserve.planner.simulate.frontend_fit import (
     calibration_run,
     fit_frontend_latency,
@@ -208,7 +207,7 @@ def calibrated_candidates(plan: Plan, load: Load, path: str, configs: Sequence[s
                          f"{', '.join(CALIBRATED_CONFIGS)} in this steps file (it has "
                          f"{', '.join(map(repr, configs)) or 'none'})")
     out, notes = [], []
-    results = _results_beside(path)
+    results = results_beside(Path(path)) or {}
     for name in names:
         pool = SEPARATOR.join(same_job_pool(results, name, names))
         source = load_calibration_source(f"{path}:{pool}")
@@ -224,15 +223,6 @@ def calibrated_candidates(plan: Plan, load: Load, path: str, configs: Sequence[s
     notes += [f"{path} did not run {c}: not simulated" for c in CALIBRATED_CONFIGS
               if c not in names]
     return out, notes
-
-
-def _results_beside(steps: str) -> dict[str, Any]:
-    """The bench compare results beside a .steps.json, {} where there are none to read."""
-    try:
-        data = json.loads(results_path(Path(steps)).read_text())
-    except (OSError, json.JSONDecodeError):
-        return {}
-    return data if isinstance(data, dict) else {}
 
 
 def _frontend(spec: str, layout: MeasuredLayout, cluster: Cluster,

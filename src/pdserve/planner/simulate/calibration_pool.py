@@ -33,6 +33,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 from pdserve.planner.simulate.file_spec import FileSpec, results_path
@@ -65,6 +66,23 @@ def own_config(config: str | None) -> str | None:
     return names[0] if names else None
 
 
+def results_beside(steps: Path) -> dict[str, Any] | None:
+    """The bench compare results beside a .steps.json (file_spec.results_path), None where
+    there is no JSON object to read."""
+    try:
+        data = json.loads(results_path(steps).read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _reference(results: Mapping[str, Any], config: str, label: str) -> SpeedReference | None:
+    """`config`'s speed reference in `results`, None without one; ValueError (naming `label`)
+    for a malformed one."""
+    result = results.get(config)
+    return read_speed_reference(result, label) if isinstance(result, dict) else None
+
+
 def same_job_pool(results: Mapping[str, Any], config: str, configs: Sequence[str]
                   ) -> tuple[str, ...]:
     """`config`, then every other of `configs` whose speed reference in the run's `results`
@@ -72,9 +90,8 @@ def same_job_pool(results: Mapping[str, Any], config: str, configs: Sequence[str
     `pdserve plan` and `pdserve bench simulator` calibrate `config` on; `config` alone where
     its reference is missing or malformed."""
     def job(c: str) -> tuple[int, int] | None:
-        result = results.get(c)
         try:
-            ref = read_speed_reference(result, c) if isinstance(result, dict) else None
+            ref = _reference(results, c, c)
         except ValueError:
             return None
         return None if ref is None else ref.job
@@ -104,20 +121,17 @@ def _references(spec: FileSpec, names: tuple[str, ...]) -> dict[str, SpeedRefere
     path = results_path(spec.path)
     why = (f"{spec.flag} {spec}: pooled steps are priced at {names[0]!r}'s speed by the speed "
            f"references in {path}")
-    try:
-        results = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise ValueError(f"{why}, which cannot be read ({e})") from e
+    results = results_beside(spec.path)
+    if results is None:
+        raise ValueError(f"{why}, which cannot be read as bench compare results")
     refs: dict[str, SpeedReference] = {}
     for name in names:
-        result = results.get(name) if isinstance(results, dict) else None
-        ref = read_speed_reference(result, f"{path}:{name}") if isinstance(result, dict) \
-            else None
+        ref = _reference(results, name, f"{path}:{name}")
         if ref is None:
             raise ValueError(f"{why}, where {name!r} has none")
         refs[name] = ref
-    jobs = {name: ref.describe() for name, ref in refs.items()}
-    if len(set(jobs.values())) > 1:
+    if len({ref.job for ref in refs.values()}) > 1:
+        jobs = {name: ref.describe() for name, ref in refs.items()}
         raise ValueError(f"{spec.flag} {spec}: only configurations whose workers computed on "
                          f"the same threads measured the same step costs; their speed "
                          f"references timed {jobs}")
