@@ -81,8 +81,23 @@ def test_several_runs_give_medians_the_last_settings_and_requests_and_every_run(
     assert out["requests"] == [{"tag": "third"}]  # the last run's, which --plots draws
     assert out["errors"] == ["e1", "e2", "e3"]
     assert [r["p99_itl_ms"] for r in out["repeats"]] == [305.0, None, 473.0]
-    assert all(set(r) == {*METRIC_KEYS, "errors"} for r in out["repeats"])
+    assert all(set(r) == {*METRIC_KEYS, "errors", "requests"} for r in out["repeats"])
     assert list(out)[: len(METRIC_KEYS)] == list(METRIC_KEYS)  # a single run's key order
+
+
+def test_every_round_keeps_its_requests_outcomes_without_their_token_gaps() -> None:
+    """What pairs two configurations request by request over every round (paired_goodput)."""
+    first, second = _run(1.0, 1, [], ""), _run(2.0, 1, [], "")
+    first["requests"] = [{"ttft_s": 0.5, "tpot_s": 0.02, "e2e_s": 1.0, "ok": True,
+                          "itl_s": [0.02] * 25, "start_s": 0.0},
+                         {"ttft_s": None, "tpot_s": None, "e2e_s": 0.1, "ok": False}]
+    second["requests"] = []  # a run that recorded none keeps no list
+    out = combine_repeats([first, second])
+    assert out["repeats"][0]["requests"] == [
+        {"ok": True, "ttft_s": 0.5, "tpot_s": 0.02, "e2e_s": 1.0},
+        {"ok": False, "ttft_s": None, "tpot_s": None, "e2e_s": 0.1}]
+    assert "requests" not in out["repeats"][1]
+    assert out["requests"] == []  # the last round's, whole
 
 
 def test_errors_of_all_runs_are_capped() -> None:

@@ -48,3 +48,22 @@ def test_two_configurations_pair_by_trace_position():
     results["short"] = result(record(1.0), **slo)
     assert paired(results, "disagg", "short") is None  # not the same trace
     assert paired(results, "disagg", "missing") is None
+
+
+def rounds(*runs: list[dict], **slo: float) -> dict:
+    """A repeated configuration's results: each round's requests under `repeats`, the last
+    round's also at the top (bench compare's combine_repeats)."""
+    return {**result(*runs[-1], **slo), "repeats": [{"requests": list(r)} for r in runs]}
+
+
+def test_repeated_runs_pair_every_round_and_sum_the_discordant_requests():
+    slo = {"ttft": 2000.0, "tpot": 100.0}
+    ok, late = record(1.0), record(3.0)
+    results = {"a": rounds([ok, ok, late], [ok, ok, ok], **slo),
+               "b": rounds([late, ok, ok], [late, late, ok], **slo)}
+    # round 1: a only 1, b only 1; round 2: a only 2
+    assert paired(results, "a", "b") == Paired("a", "b", 3, 1, mcnemar_p(3, 1), 2)
+    del results["b"]["repeats"][0]["requests"]  # a round without records: the last alone
+    assert paired(results, "a", "b") == Paired("a", "b", 2, 0, 0.5)
+    results["b"] = rounds([late, ok, ok], **slo)  # rounds that do not match: the last alone
+    assert paired(results, "a", "b") == Paired("a", "b", 1, 0, 1.0)

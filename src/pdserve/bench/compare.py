@@ -60,7 +60,9 @@ Repeats (`--repeats N`, default 1). Invariants:
   to the whole; every run's own counts are under `repeats`.
 - The step traces (`X.steps.json`), the `requests`, `workers`, `run_window`,
   `frontend_probe` and `speed_reference` in `--out`, and the `--plots` pictures are those of
-  the last round (every run's `speed_reference` is under `repeats` too).
+  the last round (every run's `speed_reference` is under `repeats` too, and its requests'
+  outcomes, `OUTCOME_KEYS` of each in trace order, without their token gaps: what pairs two
+  configurations request by request over every round, paired_goodput.py).
 - With N = 1 every output is exactly that of a single run (no `repeats` key).
 """
 
@@ -128,6 +130,8 @@ METRIC_KEYS: tuple[str, ...] = (
     "duration", "completed", "failed", "total_input_tokens", "total_output_tokens",
     "request_throughput", "request_goodput", "output_throughput", "total_token_throughput",
     *(key for name in ("ttft", "tpot", "itl", "e2el") for key in distribution_ms(name, [])))
+# What a request's SLO verdict reads (serve/metrics.py `within_slo`), kept for every round.
+OUTCOME_KEYS = ("ok", "ttft_s", "tpot_s", "e2e_s")
 # Read from a pdserve cluster's router (none for an external server): medians over repeats too.
 CLUSTER_KEYS = ("role_flips", "core_loans", "core_reclaims")
 # One sample of a Prometheus text exposition: name, {labels} (maybe none), value.
@@ -465,7 +469,8 @@ def combine_repeats(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
     One run: that run's result, unchanged. Several: the last run's result (its settings and
     `requests`, which `--plots` draws) with each METRIC_KEYS value replaced by the median over
     the runs (`median_of_runs`), `errors` the first MAX_ERRORS error messages of all runs in
-    run order, and `repeats` every run's METRIC_KEYS and `errors`, in run order."""
+    run order, and `repeats` every run's METRIC_KEYS, `errors` and its requests' outcomes
+    (`_outcomes`), in run order."""
     if not runs:
         raise ValueError("no runs to combine")
     if len(runs) == 1:
@@ -473,12 +478,20 @@ def combine_repeats(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
     errors = [e for run in runs for e in run.get("errors", [])][:MAX_ERRORS]
     keys = (*METRIC_KEYS, *(k for k in CLUSTER_KEYS if any(k in run for run in runs)))
     kept = (*keys, "split_decisions", "errors", "speed_reference")
-    repeats = [{k: run[k] for k in kept if k in run} for run in runs]
+    repeats = [{**{k: run[k] for k in kept if k in run}, **_outcomes(run)} for run in runs]
     combined = {**runs[-1], **median_of_runs(runs, keys), "errors": errors, "repeats": repeats}
     counted = [run["split_decisions"] for run in runs if "split_decisions" in run]
     if counted:
         combined["split_decisions"] = median_split_decisions(counted)
     return combined
+
+
+def _outcomes(run: Mapping[str, Any]) -> dict[str, Any]:
+    """{"requests": each request's OUTCOME_KEYS, in trace order}, or {} for a run without
+    per-request records (an external server's results read back, say)."""
+    if not run.get("requests"):
+        return {}
+    return {"requests": [{k: r.get(k) for k in OUTCOME_KEYS} for r in run["requests"]]}
 
 
 def median_split_decisions(runs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:

@@ -11,7 +11,10 @@ when A and B are alike; McNemar, Psychometrika 12, 1947):
 A small p: A and B differ beyond what chance puts between two runs of one configuration; a
 large one: the run does not say which is better (8 against 2 gives 0.11, 2 against 0 gives
 0.5). Meeting the SLO is `bench serve`'s goodput rule (serve/metrics.py `within_slo`) on the
-results' per-request records.
+results' per-request records. With `bench compare --repeats N` every round replays the same
+trace and keeps its requests' outcomes (compare.py), and the counts b and c are summed over the
+rounds: the test then weighs every request of every round, where one round alone has ~30 long
+prompts to tell two layouts apart by.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ class Paired:
     only_a: int
     only_b: int
     p: float
+    rounds: int = 1  # rounds whose requests were paired (summed into only_a and only_b)
 
 
 def mcnemar_p(only_a: int, only_b: int) -> float:
@@ -50,11 +54,34 @@ def met_slo(result: dict[str, Any]) -> list[bool]:
 
 
 def paired(results: dict[str, Any], a: str, b: str) -> Paired | None:
-    """`a` against `b` in one `bench compare` results file; None where either lacks its
-    per-request records or they are not the same trace (different counts)."""
-    met_a, met_b = met_slo(results.get(a) or {}), met_slo(results.get(b) or {})
+    """`a` against `b` in one `bench compare` results file, over every round whose requests
+    both kept (the last round's `requests` where a round lacks them); None where either lacks
+    its per-request records or they are not the same trace (different counts)."""
+    pairs = [_count(x, y) for x, y in _rounds(results.get(a) or {}, results.get(b) or {})]
+    if not pairs or None in pairs:
+        return None
+    only_a = sum(p[0] for p in pairs)
+    only_b = sum(p[1] for p in pairs)
+    return Paired(a, b, only_a, only_b, mcnemar_p(only_a, only_b), len(pairs))
+
+
+def _rounds(a: dict[str, Any], b: dict[str, Any]) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+    """(a's run, b's run) per round, each run with its SLO and its requests: every round where
+    both sides' rounds all kept requests and are as many, else the last round alone."""
+    ra, rb = a.get("repeats") or [], b.get("repeats") or []
+    if ra and len(ra) == len(rb) and all(r.get("requests") for r in (*ra, *rb)):
+        return [({**_slo(a), **x}, {**_slo(b), **y}) for x, y in zip(ra, rb, strict=True)]
+    return [(a, b)]
+
+
+def _slo(result: dict[str, Any]) -> dict[str, Any]:
+    return {k: result.get(k) for k in ("slo_ttft_ms", "slo_tpot_ms", "slo_e2e_ms")}
+
+
+def _count(a: dict[str, Any], b: dict[str, Any]) -> tuple[int, int] | None:
+    """(requests that met the SLO under a only, under b only), or None (not the same trace)."""
+    met_a, met_b = met_slo(a), met_slo(b)
     if not met_a or len(met_a) != len(met_b):
         return None
-    only_a = sum(x and not y for x, y in zip(met_a, met_b, strict=True))
-    only_b = sum(y and not x for x, y in zip(met_a, met_b, strict=True))
-    return Paired(a, b, only_a, only_b, mcnemar_p(only_a, only_b))
+    return (sum(x and not y for x, y in zip(met_a, met_b, strict=True)),
+            sum(y and not x for x, y in zip(met_a, met_b, strict=True)))

@@ -12,15 +12,12 @@ on every core, and chunked serving alone leaves few decode-only steps to fit); `
 fits each on its own. The
 table holds each figure simulated against measured, with its error and whether it is within the
 simulator's tolerance (25%; 35% for the P99 ITL), and per workload whether the configuration
-the simulation ranks best by goodput is the one measured best: they agree when the simulation's
-pick measured within `MARGIN` (5%, `pdserve plan`'s tie) of the measured best's goodput, so
-that following the simulator costs less than the noise of one run (configurations 0.4% apart
-in one 60 s run are not ranked by it; the line then says "a tie"; where no configuration met
-the SLO in the measured runs the line says there was nothing to rank). The line also pairs
-the measured best with every other configuration request by request in the measured run (the
-same trace): how many requests met the SLO under the best only and under the other only, and
-the exact McNemar p of that split (paired_goodput.py), so that a reader sees whether the
-measured ranking is one the run can tell apart at all; it does not change the verdict.
+the simulation ranks best by goodput is the one measured best (simulator_ranking.py: the same
+one, one measured within 5% of it, or one the measurement cannot tell apart from it: the line
+pairs the measured best with every other configuration request by request over every round,
+how many requests met the SLO under the best only and under the other only, and the exact
+McNemar p of that split; where no configuration met the SLO the line says there was nothing to
+rank).
 Goodput counts requests within a 2 s TTFT and a 100 ms TPOT (`SLO_*`; 100 ms is also what
 `pdserve up` paces to). A split configuration's row also has its local prefills, measured (the
 router's, from the results' `split_decisions`) / simulated, informational: no tolerance ("-"
@@ -77,7 +74,6 @@ needs new runs (--remeasure). Measuring is long (each workload runs every config
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import subprocess
 import sys
@@ -86,8 +82,7 @@ from pathlib import Path
 from typing import Any
 
 from pdserve.bench import measured_spread, simulator_context
-from pdserve.bench.paired_goodput import paired
-from pdserve.planner.plan_simulation import MARGIN
+from pdserve.bench.simulator_ranking import rank_line, rankings
 from pdserve.planner.simulate.calibration_pool import SEPARATOR, same_job_pool
 from pdserve.planner.simulate.file_spec import steps_path
 from pdserve.planner.simulate.measured_compare import CLIFF_TEXT, ELASTIC, on_the_cliff
@@ -338,9 +333,7 @@ def run_check(s: CheckSettings) -> dict[str, Any]:
             rows.append({"workload": workload, "config": config, **got,
                          "outside": _outside(got),
                          **_rounds(results[workload].get(config, {}), got["tolerance"])})
-    ranking = _rankings(rows)
-    for workload, rank in ranking.items():
-        _pair(rank, results[workload])
+    ranking = rankings(rows, results)
     return {"calibrated_on": s.calibrate_on, "duration_s": s.duration_s, "model": s.model,
             "load": s.load, "repeats": s.repeats, "slo_itl_ms": s.slo_itl_ms,
             "decode_context": held, "pools": pools, "speed_reference": s.speed_reference,
@@ -378,16 +371,6 @@ def _changed_layout(calibration: dict[str, Any], held_out: dict[str, Any], confi
             f"({NOT_MERGED}): a layout that changed during the run")
 
 
-def _pair(rank: dict[str, Any], results: dict[str, Any]) -> None:
-    """`rank["paired"]`: the measured best against each other configuration, request by
-    request in the measured run (paired_goodput.py), those without records left out; nothing
-    where there was nothing to rank."""
-    if rank["top"] > 0:
-        best = rank["measured"]
-        pairs = (paired(results, best, other) for other in results if other != best)
-        rank["paired"] = [dataclasses.asdict(p) for p in pairs if p is not None]
-
-
 def _held_context(s: CheckSettings, results: dict[str, Any]) -> dict[str, Any]:
     """{"mode", "us": config -> held us per context token (None: fitted), "threads": config ->
     its workers' threads (measured mode only)}, simulator_context's rule; `results` the
@@ -418,47 +401,6 @@ def _outside(got: dict[str, Any]) -> list[str]:
     """The figures whose |relative error| is over their tolerance."""
     return [k for k in FIGURES
             if (e := got["rel_error"].get(k)) is not None and abs(e) > got["tolerance"][k]]
-
-
-def _rankings(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """Per workload: the configuration best by goodput, measured and simulated; `regret` the
-    measured goodput lost by taking the simulated best instead (0: the same one), `agree` when
-    it is within MARGIN; `top` the measured best's goodput (0: no configuration met the SLO, so
-    there was nothing to rank and `agree` says nothing)."""
-    out = {}
-    for workload in dict.fromkeys(r["workload"] for r in rows):
-        goodput = {side: {r["config"]: r[side]["request_goodput"] or 0.0
-                          for r in rows if r["workload"] == workload}
-                   for side in ("measured", "simulated")}
-        best = {side: max(g, key=g.__getitem__) for side, g in goodput.items()}
-        top = goodput["measured"][best["measured"]]
-        picked = goodput["measured"][best["simulated"]]
-        regret = (top - picked) / top if top > 0 else 0.0
-        out[workload] = {**best, "regret": regret, "agree": regret <= MARGIN, "top": top}
-    return out
-
-
-def _rank_line(workload: str, rank: dict[str, Any]) -> str:
-    if rank["top"] == 0:
-        return (f"{workload}: nothing to rank: no configuration's requests met the SLO in the "
-                f"measured runs (goodput 0)")
-    line = (f"{workload}: best by goodput measured {rank['measured']}, simulated "
-            f"{rank['simulated']}: ")
-    if rank["measured"] == rank["simulated"]:
-        return line + "agree" + _pair_text(rank.get("paired"))
-    lost = f"the simulated best measured {rank['regret']:.1%} below the measured best"
-    return line + (f"agree (a tie: {lost}, within {MARGIN:.0%})" if rank["agree"] else
-                   f"DISAGREE ({lost})") + _pair_text(rank.get("paired"))
-
-
-def _pair_text(pairs: list[dict[str, Any]] | None) -> str:
-    """"; met the SLO under the measured best only / the other only: X b/c (exact McNemar p
-    = ...), ..." (paired_goodput.py), or nothing without pairs."""
-    if not pairs:
-        return ""
-    each = [f"{p['b']} {p['only_a']}/{p['only_b']} (p = {p['p']:.2g})" for p in pairs]
-    return ("; requests that met the SLO under the measured best only / the other only, "
-            f"exact McNemar p: {', '.join(each)}")
 
 
 def format_check(summary: dict[str, Any]) -> str:
@@ -493,7 +435,7 @@ def format_check(summary: dict[str, Any]) -> str:
     lines += [f"{u['workload']}  {u['config']}  not simulated: {u['why']}"
               for u in summary.get("unsimulated", ())]
     lines.append(_count_line(summary["rows"], rounds))
-    lines += [_rank_line(workload, rank) for workload, rank in summary["ranking"].items()]
+    lines += [rank_line(workload, rank) for workload, rank in summary["ranking"].items()]
     return "\n".join(lines)
 
 
