@@ -48,39 +48,43 @@ def mcnemar_p(only_a: int, only_b: int) -> float:
 def met_slo(result: dict[str, Any]) -> list[bool]:
     """Per request of one configuration's results, in trace order: ok and within every SLO
     the run gave (`within_slo`, the rule of the run's goodput)."""
-    slo = Slo(result.get("slo_ttft_ms"), result.get("slo_tpot_ms"), result.get("slo_e2e_ms"))
+    return _met(result.get("requests") or [], _slo(result))
+
+
+def _slo(result: dict[str, Any]) -> Slo:
+    return Slo(result.get("slo_ttft_ms"), result.get("slo_tpot_ms"), result.get("slo_e2e_ms"))
+
+
+def _met(requests: list[dict[str, Any]], slo: Slo) -> list[bool]:
     return [bool(r.get("ok")) and within_slo(r.get("ttft_s"), r.get("tpot_s"), r.get("e2e_s"), slo)
-            for r in result.get("requests") or []]
+            for r in requests]
 
 
 def paired(results: dict[str, Any], a: str, b: str) -> Paired | None:
     """`a` against `b` in one `bench compare` results file, over every round whose requests
     both kept (the last round's `requests` where a round lacks them); None where either lacks
     its per-request records or they are not the same trace (different counts)."""
-    pairs = [_count(x, y) for x, y in _rounds(results.get(a) or {}, results.get(b) or {})]
-    if not pairs or None in pairs:
+    ra, rb = results.get(a) or {}, results.get(b) or {}
+    slo_a, slo_b = _slo(ra), _slo(rb)
+    counts = [_count(_met(x, slo_a), _met(y, slo_b)) for x, y in _rounds(ra, rb)]
+    if not counts or None in counts:
         return None
-    only_a = sum(p[0] for p in pairs)
-    only_b = sum(p[1] for p in pairs)
-    return Paired(a, b, only_a, only_b, mcnemar_p(only_a, only_b), len(pairs))
+    only_a = sum(c[0] for c in counts)
+    only_b = sum(c[1] for c in counts)
+    return Paired(a, b, only_a, only_b, mcnemar_p(only_a, only_b), len(counts))
 
 
-def _rounds(a: dict[str, Any], b: dict[str, Any]) -> list[tuple[dict[str, Any], dict[str, Any]]]:
-    """(a's run, b's run) per round, each run with its SLO and its requests: every round where
-    both sides' rounds all kept requests and are as many, else the last round alone."""
+def _rounds(a: dict[str, Any], b: dict[str, Any]) -> list[tuple[list[Any], list[Any]]]:
+    """(a's requests, b's requests) per round: every round where both sides' rounds all kept
+    requests and are as many, else the last round's alone."""
     ra, rb = a.get("repeats") or [], b.get("repeats") or []
     if ra and len(ra) == len(rb) and all(r.get("requests") for r in (*ra, *rb)):
-        return [({**_slo(a), **x}, {**_slo(b), **y}) for x, y in zip(ra, rb, strict=True)]
-    return [(a, b)]
+        return [(x["requests"], y["requests"]) for x, y in zip(ra, rb, strict=True)]
+    return [(a.get("requests") or [], b.get("requests") or [])]
 
 
-def _slo(result: dict[str, Any]) -> dict[str, Any]:
-    return {k: result.get(k) for k in ("slo_ttft_ms", "slo_tpot_ms", "slo_e2e_ms")}
-
-
-def _count(a: dict[str, Any], b: dict[str, Any]) -> tuple[int, int] | None:
+def _count(met_a: list[bool], met_b: list[bool]) -> tuple[int, int] | None:
     """(requests that met the SLO under a only, under b only), or None (not the same trace)."""
-    met_a, met_b = met_slo(a), met_slo(b)
     if not met_a or len(met_a) != len(met_b):
         return None
     return (sum(x and not y for x, y in zip(met_a, met_b, strict=True)),

@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from pdserve.bench import measured_spread
 from pdserve.bench.paired_goodput import paired
 from pdserve.planner.plan_simulation import MARGIN
 
@@ -74,24 +75,11 @@ def _verdict(rank: dict[str, Any], results: dict[str, Any]) -> tuple[bool, str]:
     pair = next((p for p in rank.get("paired", ()) if p["b"] == rank["simulated"]), None)
     if pair is not None:
         return pair["p"] >= ALPHA, "paired"
-    rounds = _round_goodputs(results, rank["measured"], rank["simulated"])
-    if len(rounds) > 1:
-        return any(pick >= (1 - MARGIN) * best for best, pick in rounds), "rounds"
+    best = measured_spread.rounds(results.get(rank["measured"]) or {}, "request_goodput")
+    pick = measured_spread.rounds(results.get(rank["simulated"]) or {}, "request_goodput")
+    if best and len(best) == len(pick):
+        return any(p >= (1 - MARGIN) * b for b, p in zip(best, pick, strict=True)), "rounds"
     return False, "margin"
-
-
-def _round_goodputs(results: dict[str, Any], best: str, pick: str) -> list[tuple[float, float]]:
-    """(the measured best's goodput, the pick's) per round of a `--repeats` run; [] without
-    rounds, or where either lacks a round's goodput."""
-    a = (results.get(best) or {}).get("repeats") or []
-    b = (results.get(pick) or {}).get("repeats") or []
-    if len(a) != len(b):
-        return []
-    pairs = [(x.get("request_goodput"), y.get("request_goodput"))
-             for x, y in zip(a, b, strict=True)]
-    if any(x is None or y is None for x, y in pairs):
-        return []
-    return [(float(x), float(y)) for x, y in pairs]
 
 
 def rank_line(workload: str, rank: dict[str, Any]) -> str:
