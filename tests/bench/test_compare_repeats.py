@@ -17,6 +17,7 @@ from pdserve.bench.compare import (
     every_run_completed,
     format_table,
     median_of_runs,
+    merge_rounds,
     run_compare,
     settings,
 )
@@ -130,7 +131,7 @@ def _settings(repeats: int) -> CompareSettings:
                            repeats=repeats)
 
 
-def test_repeats_run_in_rounds_and_keep_the_last_rounds_steps(monkeypatch) -> None:
+def test_repeats_run_in_rounds_and_keep_every_rounds_steps(monkeypatch) -> None:
     calls: list[tuple[str, int]] = []
 
     def fake_config(s, name, repeat=0, bed=None):
@@ -150,7 +151,21 @@ def test_repeats_run_in_rounds_and_keep_the_last_rounds_steps(monkeypatch) -> No
     assert results["collocated"]["p99_itl_ms"] == 250.0  # median of 100 and 400
     assert [r["p99_itl_ms"] for r in results["ext"]["repeats"]] == [300.0, 600.0]
     assert results["disagg"]["requests"] == [{"tag": "disagg1"}]
-    assert traces == {"collocated": {"w": [[1]]}, "disagg": {"w": [[1]]}}
+    assert traces == [{"collocated": {"w": [[0]]}, "disagg": {"w": [[0]]}},
+                      {"collocated": {"w": [[1]]}, "disagg": {"w": [[1]]}}]
+    assert merge_rounds(traces) == {"collocated": {"w": [[0], [1]]}, "disagg": {"w": [[0], [1]]}}
+    assert results["collocated"]["steps_rounds"] == 2 == results["disagg"]["steps_rounds"]
+    assert "steps_rounds" not in results["ext"]  # an external server records no steps
+
+
+def test_merging_rounds_keeps_each_workers_steps_in_round_order() -> None:
+    first = {"disagg": {"p0": [[1.0, 2.0]], "d0": [[1.5, 1.6], [1.6, 1.7]]}}
+    second = {"disagg": {"d0": [[9.0, 9.1]], "p0": [[8.0, 8.5]]}, "elastic": {"d0": [[7.0, 7.5]]}}
+    assert merge_rounds([first, second]) == {
+        "disagg": {"p0": [[1.0, 2.0], [8.0, 8.5]],
+                   "d0": [[1.5, 1.6], [1.6, 1.7], [9.0, 9.1]]},
+        "elastic": {"d0": [[7.0, 7.5]]}}
+    assert merge_rounds([first]) == first
 
 
 def test_fewer_than_one_repeat_is_refused() -> None:

@@ -115,4 +115,7 @@ def test_compare_repeats_give_medians_and_keep_every_run(tiny_model, tmp_path: P
         assert len(r["requests"]) == 4  # the last run's
         assert "speed_reference" not in r
     steps = json.loads(out.with_suffix(".steps.json").read_text())
-    assert set(steps) == {"collocated"} and steps["collocated"]["collocated-0"]
+    assert set(steps) == {"collocated"} and results["collocated"]["steps_rounds"] == 2
+    rows = steps["collocated"]["collocated-0"]  # both rounds' steps: 2 x 4 prompts of 300
+    assert sum(row[2] for row in rows) == 2 * 4 * 300
+    assert [row[0] for row in rows] == sorted(row[0] for row in rows)

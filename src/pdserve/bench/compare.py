@@ -58,11 +58,14 @@ Repeats (`--repeats N`, default 1). Invariants:
 - `split_decisions` too: each count (local, remote, each path/reason) is the median of that
   count over the runs (a run without a reason counts 0 for it), so the parts need not add up
   to the whole; every run's own counts are under `repeats`.
-- The step traces (`X.steps.json`), the `requests`, `workers`, `run_window`,
-  `frontend_probe` and `speed_reference` in `--out`, and the `--plots` pictures are those of
-  the last round (every run's `speed_reference` is under `repeats` too, and its requests'
-  outcomes, `OUTCOME_KEYS` of each in trace order, without their token gaps: what pairs two
-  configurations request by request over every round, paired_goodput.py).
+- The step traces (`X.steps.json`) hold every round's steps, each worker's in round order
+  (`merge_rounds`), and each pdserve configuration's result says so with `steps_rounds`: N
+  (a fit on them is priced at every round's speed reference; a file without the key holds the
+  last round's alone). The `requests`, `workers`, `run_window`, `frontend_probe` and
+  `speed_reference` in `--out`, and the `--plots` pictures are those of the last round (every
+  run's `speed_reference` is under `repeats` too, and its requests' outcomes, `OUTCOME_KEYS`
+  of each in trace order, without their token gaps: what pairs two configurations request by
+  request over every round, paired_goodput.py).
 - With N = 1 every output is exactly that of a single run (no `repeats` key).
 """
 
@@ -412,21 +415,42 @@ def _stop_group(proc: subprocess.Popen) -> None:
         proc.wait(5)
 
 
-def run_compare(s: CompareSettings) -> tuple[dict[str, dict], dict[str, dict]]:
-    """(results by configuration name, worker step traces by configuration name).
+def run_compare(s: CompareSettings) -> tuple[dict[str, dict], list[dict[str, dict]]]:
+    """(results by configuration name, each round's worker step traces by configuration name,
+    in round order).
 
     `s.repeats` rounds, each running every configuration once in `s.names` order; a result is
-    `combine_repeats` of that configuration's runs, the traces are those of the last round."""
+    `combine_repeats` of that configuration's runs, and with several rounds a pdserve
+    configuration's says how many rounds' steps `merge_rounds` keeps (`steps_rounds`)."""
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in s.names}
-    traces: dict[str, dict] = {}
+    rounds: list[dict[str, dict]] = []
     with _testbed(s.testbed) as bed:
         for repeat in range(s.repeats):
+            rounds.append({})
             for name in s.configs:
-                result, traces[name] = run_config(s, name, repeat, bed)
+                result, rounds[-1][name] = run_config(s, name, repeat, bed)
                 runs[name].append(result)
             for name, url in s.externals:
                 runs[name].append(run_external(s, name, url, repeat))
-    return {name: combine_repeats(r) for name, r in runs.items()}, traces
+    results = {name: combine_repeats(r) for name, r in runs.items()}
+    if s.repeats > 1:
+        for name in s.configs:
+            results[name]["steps_rounds"] = s.repeats
+    return results, rounds
+
+
+def merge_rounds(rounds: Sequence[Mapping[str, Mapping[str, list]]]) -> dict[str, dict]:
+    """One steps file's {config: {worker: steps}} from every round's, each worker's steps in
+    round order. A worker keeps its name across rounds (`pdserve up` names them by role and
+    index); the rounds do not overlap in time, so a step's period (to the same worker's next
+    step, step_fit.py) only crosses from one round to the next at a round's last step, an idle
+    gap like the one after any step that finished every running request."""
+    merged: dict[str, dict[str, list]] = {}
+    for traces in rounds:
+        for config, workers in traces.items():
+            for worker, steps in workers.items():
+                merged.setdefault(config, {}).setdefault(worker, []).extend(steps)
+    return merged
 
 
 @contextlib.contextmanager
@@ -645,8 +669,8 @@ def add_compare_args(p: argparse.ArgumentParser) -> None:
                    help="replay the same trace N times against each configuration, in rounds "
                         "(A, B, C, A, B, C, ...), each run a fresh start; the table and --out "
                         "give the median of each metric over the runs, --out also every run's "
-                        "metrics under 'repeats'; step traces and --plots use the last round "
-                        "(default: %(default)s)")
+                        "metrics under 'repeats'; the step traces keep every round's steps, "
+                        "--plots draws the last round (default: %(default)s)")
     p.add_argument("--no-speed-reference", dest="speed_reference", action="store_false",
                    help="do not time the fixed engine job before and after each pdserve run "
                         "(`speed_reference` in --out, ~16 s a run: what `pdserve simulate` "
@@ -708,13 +732,13 @@ def _up_args(args: argparse.Namespace) -> tuple[str, ...]:
 
 def run_compare_cli(args: argparse.Namespace) -> int:
     s = settings(args)
-    results, traces = run_compare(s)
+    results, rounds = run_compare(s)
     print(format_table(results, s.repeats))
     if args.out is not None:
         args.out.write_text(json.dumps(results, indent=1) + "\n")
-        steps_path(args.out).write_text(json.dumps(traces) + "\n")
+        steps_path(args.out).write_text(json.dumps(merge_rounds(rounds)) + "\n")
     if args.plots is not None:
-        paths = pictures(results, traces, args.plots)
+        paths = pictures(results, rounds[-1], args.plots)
         print("pictures: " + ", ".join(str(p) for p in paths))
     return 0 if every_run_completed(results) else 1
 

@@ -121,3 +121,16 @@ def test_a_pool_needs_the_results_beside_the_steps_and_a_speed_reference_in_each
 def test_names():
     assert pool_names("a+b") == ("a", "b") and pool_names(None) == ()
     assert own_config("a+b") == "a" and own_config("a") == "a" and own_config(None) is None
+
+
+def test_a_pool_of_every_rounds_steps_is_priced_at_every_rounds_speed(run):
+    """chunked's steps file keeps its two rounds (`steps_rounds`), timed 0.3 and 0.9 s: its
+    steps join collocated's at 0.3 / mean(0.3, 0.9) = 1/2, as when its one round timed 0.6."""
+    results = run.parent / "cal.json"
+    data = json.loads(results.read_text())
+    data["chunked"]["speed_reference"] = _ref(2, 0.9)  # the last round's alone says 1/3
+    data["chunked"]["repeats"] = [{"speed_reference": _ref(2, 0.3)},
+                                  {"speed_reference": _ref(2, 0.9)}]
+    data["chunked"]["steps_rounds"] = 2
+    results.write_text(json.dumps(data))
+    assert _costs(f"{run}:collocated+chunked") == pytest.approx(EXACT, rel=1e-6)

@@ -17,6 +17,7 @@ from pdserve.planner.simulate.speed_scale import (
     parse_cost_scale,
     read_rounds_reference,
     read_speed_reference,
+    read_steps_reference,
     scale_costs,
     scale_profile,
     speed_factor,
@@ -230,6 +231,40 @@ def test_simulate_prices_a_repeated_run_at_all_its_rounds_speed(tmp_path, capsys
     data["disagg"]["repeats"] = [{"speed_reference": reference([0.5])},
                                  {"speed_reference": reference([0.7])}]
     results.write_text(json.dumps(data))
+    rc, out, err = simulate_cli(capsys, *argv, "--json")
+    assert rc == 0, err
+    assert json.loads(out)["measured"]["speed_scale"] == pytest.approx(1.5)
+
+
+def test_a_calibration_is_priced_at_the_rounds_its_steps_come_from():
+    """Steps of every round (`steps_rounds` = the rounds): every round's timings pooled; of the
+    last round (no key, or 1): that round's; any other count is refused."""
+    rounds = [{"speed_reference": reference([0.4])}, {"speed_reference": reference([0.6])}]
+    every = {"speed_reference": reference([0.6]), "repeats": rounds, "steps_rounds": 2}
+    assert read_steps_reference(every, "a").prefill_s == (0.4, 0.6)
+    last = {"speed_reference": reference([0.6]), "repeats": rounds}
+    assert read_steps_reference(last, "a").prefill_s == (0.6,)
+    assert read_steps_reference({**last, "steps_rounds": 1}, "a").prefill_s == (0.6,)
+    for bad in (3, 0, "2", True):
+        with pytest.raises(ValueError, match=r"a: steps_rounds must be 1 or the run's 2 rounds"):
+            read_steps_reference({**last, "steps_rounds": bad}, "a")
+
+
+def test_simulate_scales_a_calibration_of_every_rounds_steps_by_every_round(tmp_path, capsys):
+    """The calibration's rounds timed 0.2 and 0.6 s and its steps file keeps both rounds: the
+    held-out run (0.6 s) is priced at 0.6 / 0.4 = 1.5; a file of the last round's steps alone
+    at 0.6 / 0.6 = 1."""
+    argv = _runs(tmp_path, reference([0.6]), reference([0.6]))
+    calibration = tmp_path / "a.json"
+    data = json.loads(calibration.read_text())
+    data["disagg"]["repeats"] = [{"speed_reference": reference([0.2])},
+                                 {"speed_reference": reference([0.6])}]
+    calibration.write_text(json.dumps(data))
+    rc, out, err = simulate_cli(capsys, *argv, "--json")
+    assert rc == 0, err
+    assert json.loads(out)["measured"]["speed_scale"] == pytest.approx(1.0)
+    data["disagg"]["steps_rounds"] = 2
+    calibration.write_text(json.dumps(data))
     rc, out, err = simulate_cli(capsys, *argv, "--json")
     assert rc == 0, err
     assert json.loads(out)["measured"]["speed_scale"] == pytest.approx(1.5)

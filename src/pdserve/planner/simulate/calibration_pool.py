@@ -18,8 +18,8 @@ its duration and its period alike) are multiplied by
     g = mean(A.prefill_s) / mean(X.prefill_s),
 
 speed_scale.py's factor of the prefill job, one for every kind of step (a mixed step is not
-split into its prompt and decode parts). The steps and the speed reference at the top of a
-repeated run's results are both its last round's.
+split into its prompt and decode parts), each reference that of the rounds whose steps the file
+holds (speed_scale.read_steps_reference).
 
 Refused (ValueError, naming the argument): a name given twice, a configuration the steps file
 lacks, no readable results file beside the steps (FILE.json) or a configuration without a
@@ -39,7 +39,7 @@ from typing import Any
 from pdserve.planner.simulate.file_spec import FileSpec, results_path
 from pdserve.planner.simulate.speed_scale import (
     SpeedReference,
-    read_speed_reference,
+    read_steps_reference,
     speed_factor,
 )
 from pdserve.planner.simulate.step_fit import Step, select_steps
@@ -80,7 +80,7 @@ def _reference(results: Mapping[str, Any], config: str, label: str) -> SpeedRefe
     """`config`'s speed reference in `results`, None without one; ValueError (naming `label`)
     for a malformed one."""
     result = results.get(config)
-    return read_speed_reference(result, label) if isinstance(result, dict) else None
+    return read_steps_reference(result, label) if isinstance(result, dict) else None
 
 
 def same_job_pool(results: Mapping[str, Any], config: str, configs: Sequence[str]

@@ -39,7 +39,7 @@ from pdserve.planner.simulate.path_agreement import route_is_local
 from pdserve.planner.simulate.speed_scale import (
     SpeedReference,
     read_rounds_reference,
-    read_speed_reference,
+    read_steps_reference,
 )
 from pdserve.planner.simulate.trace import TraceRequest, json_row, read_trace_jsonl, request_at
 
@@ -89,8 +89,9 @@ class MeasuredRun:
     # for a file without them, or when they do not pair with the TTFTs one for one
     probe_steps_s: tuple[float, ...] = ()
     # bench compare's fixed engine job timed around the run (speed_scale.py); None: not timed.
-    # With repeats: the last round's (the steps' round), and `rounds_reference` every round's
-    # pooled (the figures' rounds); else the two are the same
+    # With repeats: the rounds' whose steps the .steps.json holds (speed_scale.
+    # read_steps_reference: every round's, or the last one's in older files), and
+    # `rounds_reference` every round's pooled (the figures' rounds); else the two are the same
     speed_reference: SpeedReference | None = None
     rounds_reference: SpeedReference | None = None
     # each trace request's path as pdserve's router told it (its `route`,
@@ -161,7 +162,7 @@ def _run(spec: FileSpec, config: str | None, result: dict[str, Any]) -> Measured
                        _bound(result, "slo_ttft_ms", label), _bound(result, "slo_tpot_ms", label),
                        _clients(result, label), _local_prefills(result, label),
                        _ttfts(rows), *_probe(result, label),
-                       read_speed_reference(result, label), read_rounds_reference(result, label),
+                       read_steps_reference(result, label), read_rounds_reference(result, label),
                        tuple(paths) if any(p is not None for p in paths) else (),
                        _warm_up(result, label), _run_start(result, label),
                        len(result["repeats"]) if isinstance(result.get("repeats"), list)

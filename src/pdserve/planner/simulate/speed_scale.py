@@ -31,7 +31,8 @@ and the per-context-token term x d unless held. The default stays one factor unt
 the second one predicts better (docs/benchmarks.md); `decode_factor` is reported beside it
 either way. A held-out run of several rounds (`bench compare --repeats`, its figures medians
 over them) is priced at all its rounds' timings pooled (`read_rounds_reference`); a
-calibration, whose steps are its last round's, at that round's.
+calibration at the timings of the rounds its steps come from (`read_steps_reference`): every
+round's where bench compare kept every round's steps (`steps_rounds`), else the last round's.
 
 Refused (ValueError): references of different jobs (threads, prompt tokens): the runs'
 workers did not compute on the same threads, or the job changed between versions; `split`
@@ -117,6 +118,22 @@ def read_rounds_reference(result: dict[str, Any], label: str) -> SpeedReference 
                           tuple(t for r in known for t in r.prefill_s),
                           known[0].decode_job if decoded else None,
                           tuple(t for r in known for t in r.decode_step_s) if decoded else ())
+
+
+def read_steps_reference(result: dict[str, Any], label: str) -> SpeedReference | None:
+    """The reference that goes with the steps beside a run's results: bench compare's
+    `steps_rounds` (how many rounds' steps its .steps.json holds; absent: one, the last) equal
+    to its rounds, every round's timings pooled (`read_rounds_reference`); else the last
+    round's (`read_speed_reference`). ValueError for a `steps_rounds` that is not 1 or the
+    number of rounds."""
+    rounds = result.get("repeats")
+    count = len(rounds) if isinstance(rounds, list) and rounds else 1
+    kept = result.get("steps_rounds", 1)
+    if kept not in (1, count) or isinstance(kept, bool):
+        raise ValueError(f"{label}: steps_rounds must be 1 or the run's {count} rounds, "
+                         f"got {kept!r}")
+    return read_rounds_reference(result, label) if kept > 1 else \
+        read_speed_reference(result, label)
 
 
 @dataclass(frozen=True)
