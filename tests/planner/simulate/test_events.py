@@ -94,6 +94,20 @@ def test_one_request_disaggregated_ttft_is_prefill_and_itl_is_the_decode_step():
     assert r.tpot_s == pytest.approx(sum(expected) / 5, rel=1e-12)
 
 
+def test_a_fixed_hand_over_cost_delays_a_split_requests_second_token_only():
+    """--link-fixed-ms: every hand-over costs its fixed part before the wire time; token 0
+    (the prefill worker's) and the later gaps do not move."""
+    trace = [TraceRequest(0.0, 4000, 6)]
+    plain = simulate("disagg", cluster(), COSTS, trace, trace_tokens=True).records[0]
+    slow = simulate("disagg", cluster(link_fixed_s=0.08), COSTS, trace,
+                    trace_tokens=True).records[0]
+    assert cluster(link_fixed_s=0.08).transfer_seconds(4000) == pytest.approx(
+        0.08 + 4000 * KV * 8 / 100e9)
+    assert slow.ttft_s == plain.ttft_s
+    assert gaps(slow)[0] == pytest.approx(gaps(plain)[0] + 0.08, rel=1e-12)
+    assert gaps(slow)[1:] == pytest.approx(gaps(plain)[1:], rel=1e-12)
+
+
 @pytest.mark.parametrize("layout", ["colloc", "chunked"])
 def test_one_request_collocated_has_no_transfer(layout):
     r = simulate(layout, cluster(chunk_tokens=8192), COSTS, [TraceRequest(1.0, 4000, 4)],
@@ -260,6 +274,8 @@ def test_goodput_counts_requests_meeting_both_slos():
     ({"tpot_target_s": 0.1, "itl_target_s": 0.05},
      r"itl_target_s \(--slo-itl-ms\) must be at least tpot_target_s \(0.1 s\), got 0.05"),
     ({"itl_target_s": True}, r"itl_target_s \(--slo-itl-ms\)"),
+    ({"link_fixed_s": -0.01}, r"link_fixed_s \(--link-fixed-ms\) must be a number of seconds"),
+    ({"link_fixed_s": float("inf")}, r"link_fixed_s \(--link-fixed-ms\)"),
 ])
 def test_bad_cluster_fields_are_named(kw, message):
     with pytest.raises(ValueError, match=message):

@@ -174,6 +174,20 @@ def test_a_stream_sends_a_long_prompt_remote_and_a_loaded_prefill_worker_the_nex
     assert all(r.finish_s is not None for r in result.records)
 
 
+def test_a_fixed_hand_over_cost_keeps_a_prompt_local_that_the_wire_alone_would_split():
+    """The trace above: B remotely 1 s + 0.67 ms against 1.33 s locally went remote; with
+    every hand-over costing 0.5 s before the wire (--link-fixed-ms 500), remote is 1.5 s and
+    B stays local; C, behind B locally (2.67 s), goes to the idle prefill worker (1.5 s)."""
+    trace = [TraceRequest(0.0, 100, 400), TraceRequest(1.5, 8192, 2),
+             TraceRequest(1.5, 8192, 2)]
+    assert [r.local for r in run("measured", trace).records] == [True, False, True]
+    slow = run("measured", trace, link_fixed_s=0.5)
+    assert [r.local for r in slow.records] == [True, True, False]
+    c = slow.records[2]
+    assert c.ttft_s == pytest.approx(8192 * TOKEN_S)  # token 0 at its prefill's end
+    assert gaps(c)[0] > 0.5  # its KV waits out the fixed cost before its first decode
+
+
 def test_the_router_reads_the_rates_at_its_health_checks_only():
     """At 0.5 s A's steps have run, but the router's last health check (at 0 s) read nothing
     yet: B and C go by the rule for unmeasured workers, both split (over 256 tokens)."""

@@ -236,6 +236,10 @@ def _add_cluster_args(p: argparse.ArgumentParser) -> None:
                         "TTFT; else 0)")
     p.add_argument("--link-gbps", type=float, default=100.0,
                    help="KV link per GPU in Gb/s (default: %(default)s)")
+    p.add_argument("--link-fixed-ms", type=float, default=0.0,
+                   help="what a KV hand-over costs whatever its bytes, in ms, added to the "
+                        "wire time of every split request's KV and to the link the split "
+                        "decision prices (default: %(default)s)")
     p.add_argument("--max-batch", type=int, default=None,
                    help=f"running requests per worker (default: {DEFAULT_MAX_DECODE_BATCH}"
                         f"{measured})")
@@ -574,7 +578,8 @@ def _cluster(args: argparse.Namespace, shape: ModelShape, hw: Hardware, tp: int,
     prefill = _first(args.prefill, how.prefill_workers, 1)
     decode = _first(args.decode, how.decode_workers, 1)
     return Cluster(kv_capacity_tokens=capacity, kv_bytes_per_token_rank=kv_rank,
-                   link_gbps=args.link_gbps, prefill_workers=prefill, decode_workers=decode,
+                   link_gbps=args.link_gbps, link_fixed_s=args.link_fixed_ms / 1e3,
+                   prefill_workers=prefill, decode_workers=decode,
                    collocated_workers=_first(args.collocated, how.collocated_workers,
                                              prefill + decode),
                    max_batch=_first(args.max_batch, how.max_batch, DEFAULT_MAX_DECODE_BATCH),

@@ -4,8 +4,11 @@ and admits, and whether a trace can run on it at all.
 Layouts:
 - disagg: `prefill_workers` prefill workers and `decode_workers` decode workers. A request's
   token 0 comes at the end of its prefill step (TTFT does not wait for the KV transfer); its
-  KV then travels for transfer_seconds(KV bytes per GPU of the prompt, link_gbps) (kv_math,
-  each rank ships its own shard at once) and it joins its decode worker's admission queue.
+  KV then travels for link_fixed_s + transfer_seconds(KV bytes per GPU of the prompt,
+  link_gbps) (kv_math, each rank ships its own shard at once) and it joins its decode worker's
+  admission queue. link_fixed_s is what a hand-over costs whatever its bytes (the transfer's
+  messages and the two legs' events, what the router's link estimate calls its fixed part,
+  router/link_estimates.py); the router's split decision prices the link the same way.
 - colloc: `collocated_workers` workers doing both, prefill first (decodes stall for prefills).
 - chunked: the same workers with chunked prefill of at most `chunk_tokens` prompt tokens per step.
 Every layout: `frontend_latency_s` is the round trip between a client and the worker serving it
@@ -107,6 +110,7 @@ class Cluster:
     policy: RoutePolicy = RoutePolicy.LEAST_LOADED
     admission: Admission | None = None
     frontend_latency_s: float = 0.0
+    link_fixed_s: float = 0.0  # a hand-over's cost whatever its bytes (--link-fixed-ms)
 
     def __post_init__(self) -> None:
         for name, flag in (("kv_capacity_tokens", "--kv-capacity-tokens"),
@@ -130,12 +134,18 @@ class Cluster:
                                  or not 0 < ttft < math.inf):
             raise ValueError(f"ttft_target_s must be a positive number of seconds, got {ttft!r}")
         check_frontend_latency(self.frontend_latency_s)
+        fixed = self.link_fixed_s
+        if isinstance(fixed, bool) or not isinstance(fixed, int | float) or \
+                not 0 <= fixed < math.inf:
+            raise ValueError(f"link_fixed_s (--link-fixed-ms) must be a number of seconds >= 0, "
+                             f"got {fixed!r}")
         if self.admission is not None and not isinstance(self.admission, Admission):
             raise ValueError(f"admission must be an Admission or None, got {self.admission!r}")
 
     def transfer_seconds(self, prompt_tokens: int) -> float:
-        return transfer_seconds(kv_bytes(self.kv_bytes_per_token_rank, prompt_tokens),
-                                self.link_gbps)
+        """A hand-over of a prompt of `prompt_tokens`: the fixed part, then the wire."""
+        return self.link_fixed_s + transfer_seconds(
+            kv_bytes(self.kv_bytes_per_token_rank, prompt_tokens), self.link_gbps)
 
 
 def check_fits(trace: Sequence[TraceRequest], cluster: Cluster) -> None:
