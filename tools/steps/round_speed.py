@@ -31,6 +31,8 @@ from pdserve.planner.simulate.file_spec import FileSpec, results_path
 from pdserve.planner.simulate.neighbour import place
 from pdserve.planner.simulate.step_fit import Step, select_steps
 
+BATCH_SPAN = 2  # decode steps of B - BATCH_SPAN to B streams count as the modal batch B's
+
 
 def cut_rounds(steps: Sequence[Step], rounds: int) -> list[list[Step]]:
     """`steps` (in start order) in `rounds` runs, cut at the rounds - 1 longest gaps."""
@@ -44,9 +46,6 @@ def _ms(values: Sequence[float]) -> str:
     return f"{statistics.median(values) * 1e3:.1f} ms (n={len(values)})" if values else "-"
 
 
-BATCH_SPAN = 2  # decode steps of B - BATCH_SPAN to B streams count as the modal batch B's
-
-
 def worker_line(name: str, steps: Sequence[Step], batch: int | None,
                 beside: dict[Step, bool | None] | None) -> str:
     if batch is None:
@@ -56,7 +55,6 @@ def worker_line(name: str, steps: Sequence[Step], batch: int | None,
     low = max(1, batch - BATCH_SPAN)
     shape = f"{low}-{batch}" if low < batch else f"{batch}"
     line = f"  {name}: decode at batch {shape} {_ms([s.end_s - s.start_s for s in decode])}"
-
     if beside is not None:
         for side, want in (("beside", True), ("alone", False)):
             picked = [s.end_s - s.start_s for s in decode if beside.get(s) is want]

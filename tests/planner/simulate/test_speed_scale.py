@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
@@ -222,18 +223,27 @@ def test_a_run_of_several_rounds_pools_every_rounds_reference():
                                  "b") is None
 
 
+def _rounds(results: Path, prefill_s: list[float], **extra: object) -> None:
+    """Give the disagg run in `results` one round per timing in `prefill_s` (and `extra`
+    keys, such as steps_rounds)."""
+    data = json.loads(results.read_text())
+    data["disagg"] |= {"repeats": [{"speed_reference": reference([s])} for s in prefill_s],
+                       **extra}
+    results.write_text(json.dumps(data))
+
+
+def _speed_scale(capsys, argv: list[str]) -> float:
+    rc, out, err = simulate_cli(capsys, *argv, "--json")
+    assert rc == 0, err
+    return json.loads(out)["measured"]["speed_scale"]
+
+
 def test_simulate_prices_a_repeated_run_at_all_its_rounds_speed(tmp_path, capsys):
     """The held-out run's rounds timed 0.5 and 0.7 s (the last round 0.7): its median
     figures are priced at 0.6 / 0.4 = 1.5, not at the last round's 1.75."""
     argv = _runs(tmp_path, reference([0.4]), reference([0.7]))
-    results = tmp_path / "b.json"
-    data = json.loads(results.read_text())
-    data["disagg"]["repeats"] = [{"speed_reference": reference([0.5])},
-                                 {"speed_reference": reference([0.7])}]
-    results.write_text(json.dumps(data))
-    rc, out, err = simulate_cli(capsys, *argv, "--json")
-    assert rc == 0, err
-    assert json.loads(out)["measured"]["speed_scale"] == pytest.approx(1.5)
+    _rounds(tmp_path / "b.json", [0.5, 0.7])
+    assert _speed_scale(capsys, argv) == pytest.approx(1.5)
 
 
 def test_a_calibration_is_priced_at_the_rounds_its_steps_come_from():
@@ -255,16 +265,7 @@ def test_simulate_scales_a_calibration_of_every_rounds_steps_by_every_round(tmp_
     held-out run (0.6 s) is priced at 0.6 / 0.4 = 1.5; a file of the last round's steps alone
     at 0.6 / 0.6 = 1."""
     argv = _runs(tmp_path, reference([0.6]), reference([0.6]))
-    calibration = tmp_path / "a.json"
-    data = json.loads(calibration.read_text())
-    data["disagg"]["repeats"] = [{"speed_reference": reference([0.2])},
-                                 {"speed_reference": reference([0.6])}]
-    calibration.write_text(json.dumps(data))
-    rc, out, err = simulate_cli(capsys, *argv, "--json")
-    assert rc == 0, err
-    assert json.loads(out)["measured"]["speed_scale"] == pytest.approx(1.0)
-    data["disagg"]["steps_rounds"] = 2
-    calibration.write_text(json.dumps(data))
-    rc, out, err = simulate_cli(capsys, *argv, "--json")
-    assert rc == 0, err
-    assert json.loads(out)["measured"]["speed_scale"] == pytest.approx(1.5)
+    _rounds(tmp_path / "a.json", [0.2, 0.6])
+    assert _speed_scale(capsys, argv) == pytest.approx(1.0)
+    _rounds(tmp_path / "a.json", [0.2, 0.6], steps_rounds=2)
+    assert _speed_scale(capsys, argv) == pytest.approx(1.5)

@@ -77,11 +77,12 @@ def _check_target(value: object) -> None:
                          f"got {value!r}")
 
 
-def check_frontend_latency(value: object) -> None:
+def _check_seconds(value: object, field: str, flag: str) -> None:
+    """A duration that may be 0: a finite number of seconds >= 0, else ValueError naming
+    the field and its flag."""
     if isinstance(value, bool) or not isinstance(value, int | float) or \
             not 0 <= value < math.inf:
-        raise ValueError(f"frontend_latency_s (--frontend-latency-ms) must be a number of "
-                         f"seconds >= 0, got {value!r}")
+        raise ValueError(f"{field} ({flag}) must be a number of seconds >= 0, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -133,12 +134,8 @@ class Cluster:
         if ttft is not None and (isinstance(ttft, bool) or not isinstance(ttft, int | float)
                                  or not 0 < ttft < math.inf):
             raise ValueError(f"ttft_target_s must be a positive number of seconds, got {ttft!r}")
-        check_frontend_latency(self.frontend_latency_s)
-        fixed = self.link_fixed_s
-        if isinstance(fixed, bool) or not isinstance(fixed, int | float) or \
-                not 0 <= fixed < math.inf:
-            raise ValueError(f"link_fixed_s (--link-fixed-ms) must be a number of seconds >= 0, "
-                             f"got {fixed!r}")
+        _check_seconds(self.frontend_latency_s, "frontend_latency_s", "--frontend-latency-ms")
+        _check_seconds(self.link_fixed_s, "link_fixed_s", "--link-fixed-ms")
         if self.admission is not None and not isinstance(self.admission, Admission):
             raise ValueError(f"admission must be an Admission or None, got {self.admission!r}")
 
